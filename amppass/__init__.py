@@ -1,0 +1,24 @@
+"""amppass: a mixed-precision compiler pass for PyTorch (torch.fx / torch.export) and ONNX models.
+
+Every node is labelled fp16/bf16-safe or fp32-required from op semantics (and, with calibration data,
+from measured value ranges); casts are inserted on the fewest edges; every decision is explained in a
+per-node report that is stored in the converted model itself.
+"""
+
+__version__ = "0.1.0"
+
+from .errors import AmpPassError, CalibrationError, CaptureError, InputError  # noqa: E402
+from .fx.convert import convert  # noqa: E402
+from .report.api import report  # noqa: E402
+from .training import LossScaler  # noqa: E402
+
+__all__ = [
+    "AmpPassError",
+    "CalibrationError",
+    "CaptureError",
+    "InputError",
+    "LossScaler",
+    "__version__",
+    "convert",
+    "report",
+]

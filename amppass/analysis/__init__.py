@@ -1,0 +1,1 @@
+"""Front-end-neutral precision analysis: op categories, the plan, painting and calibration."""

@@ -1,0 +1,150 @@
+"""Painting: from op categories to one precision per node.
+
+Rules, in the order they apply (after TF grappler's auto mixed precision pass):
+
+1. Decisions given up front (user overrides, calibration rules) win, with their own reasons.
+2. LOW, FP32 and FP32_ACCUM ops take the policy table's precision; KEEP ops do no float work.
+3. Range of weights: in fp16, a weight beyond 65504 cannot be stored in low precision; its consumers
+   run fp32 rather than read an inf.
+4. Constants in the op itself (a fill value of -3.4e38, say) beyond the low dtype's range keep that op fp32.
+5. Deny propagation: an fp32 decision caused by range flows downstream through FOLLOW ops, which would
+   carry the out-of-range values, until an op of another category.
+6. FOLLOW ops take the precision of their inputs in graph order, as type promotion would: any fp32 input
+   (a weight read next to an activation counts) makes them fp32, so nothing the original kept fp32 next
+   to another value gets rounded; all-low inputs keep them low, so element-wise ops between Tensor Core
+   ops stay low and cost no casts.
+7. An op fed by weights alone (an embedding gather, a transposed weight) follows its consumers: low when
+   every consumer runs low, so the weight is converted once ahead of time instead of on every call, fp32
+   otherwise. ``low_weight_tables`` stores such tables in low precision regardless, for half the bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from .plan import Category, Decision, Precision, PrecisionPlan, Source
+from .view import GraphView, OpView
+
+_CATEGORY_PRECISION = {
+    Category.LOW: Precision.LOW,
+    Category.FP32: Precision.FP32,
+    Category.FP32_ACCUM: Precision.FP32_ACCUM,
+    Category.KEEP: Precision.KEEP,
+}
+
+
+def paint(
+    view: GraphView,
+    low_name: str,
+    low_max: float,
+    given: Mapping[str, Decision] | None = None,
+    low_weight_tables: bool = False,
+) -> PrecisionPlan:
+    """Return one decision per node of ``view``.
+
+    ``low_name`` ("fp16"/"bf16") appears in reasons; ``low_max`` is the low dtype's largest finite value.
+    ``given`` holds decisions made before painting (overrides, calibration); they are kept as they are.
+    ``low_weight_tables`` paints ops fed by weights alone low whatever their consumers (rule 7).
+    """
+    given = dict(given or {})
+    plan = PrecisionPlan()
+    denied: dict[str, str] = {}  # value -> name of the range-caused fp32 node it descends from
+    too_big = {w: m for w, m in view.weights.items() if m > low_max}
+    produced: dict[str, Precision] = {}
+
+    for node in view.nodes:
+        decision = given.get(node.name) or _fixed(node, low_name, low_max, too_big)
+        if decision is None:
+            decision = _follow(node, low_name, produced, denied, view.weights)
+        plan[node.name] = decision
+        # fp32-accumulating ops output fp32; ops without float work leave their (fp32) values as they are
+        out_precision = Precision.LOW if decision.precision is Precision.LOW else Precision.FP32
+        for value in node.outputs:
+            produced[value] = out_precision
+        if decision.precision is Precision.FP32 and decision.evidence.get("propagates"):
+            denied.update({value: node.name for value in node.outputs})
+        elif node.category is Category.FOLLOW and decision.source is Source.CALIBRATION:
+            origin = decision.evidence.get("origin")
+            if origin:
+                denied.update({value: origin for value in node.outputs})
+    _resolve_weight_only(view, plan, low_name, low_weight_tables)
+    return plan
+
+
+def _resolve_weight_only(view: GraphView, plan: PrecisionPlan, low_name: str, always_low: bool) -> None:
+    """Rule 7, in reverse graph order so chains of weight-only ops resolve from their far end."""
+    consumers = view.consumers()
+    for node in reversed(view.nodes):
+        decision = plan[node.name]
+        if not decision.evidence.get("weights_only"):
+            continue
+        users = [plan[c.name].precision for v in node.outputs for c in consumers.get(v, [])]
+        if always_low or (users and all(p is Precision.LOW for p in users)):
+            why = ("low_weight_tables is set" if always_low else f"every consumer runs {low_name}")
+            plan[node.name] = Decision(
+                Precision.LOW, f"reads weights only and {why}: its weights are stored in {low_name}",
+                Source.PAINTING, {"weights_only": True},
+            )
+        else:
+            plan[node.name] = Decision(
+                Precision.FP32, "reads weights only and feeds fp32 work: its weights stay fp32",
+                Source.PAINTING, {"weights_only": True},
+            )
+
+
+def _fixed(node: OpView, low_name: str, low_max: float, too_big: Mapping[str, float]) -> Decision | None:
+    """Rules 2-4: the decisions that do not depend on neighbours; None for a FOLLOW op."""
+    big = [w for w in node.inputs if w in too_big]
+    if big and node.category is not Category.KEEP:
+        return Decision(
+            Precision.FP32,
+            f"weight {big[0]!r} holds values up to {too_big[big[0]]:.3g}, beyond {low_name}'s largest "
+            f"{low_max:.6g}; kept fp32",
+            Source.STATIC,
+            {"weight": big[0], "absmax": too_big[big[0]], "limit": low_max},
+        )
+    huge = [s for s in node.scalars if abs(s) > low_max and abs(s) != float("inf")]
+    if huge and node.category is not Category.KEEP:
+        return Decision(
+            Precision.FP32,
+            f"constant {huge[0]:.3g} in the op is beyond {low_name}'s largest {low_max:.6g}; kept fp32",
+            Source.STATIC,
+            {"constant": huge[0], "limit": low_max},
+        )
+    if node.category is Category.FOLLOW:
+        return None
+    reason = node.reason
+    return Decision(_CATEGORY_PRECISION[node.category], reason, Source.POLICY)
+
+
+def _follow(
+    node: OpView,
+    low_name: str,
+    produced: Mapping[str, Precision],
+    denied: Mapping[str, str],
+    weights: Mapping[str, float],
+) -> Decision:
+    """Rules 5-6 for a FOLLOW op."""
+    origins = [denied[v] for v in node.inputs if v in denied]
+    if origins:
+        return Decision(
+            Precision.FP32,
+            f"carries values from {origins[0]!r}, which exceed {low_name}'s range; kept fp32",
+            Source.CALIBRATION,
+            {"origin": origins[0]},
+        )
+    # graph inputs are fp32; a weight next to an activation votes fp32, as type promotion would
+    activations = {produced.get(v, Precision.FP32) for v in node.inputs if v not in weights}
+    if node.inputs and not activations:
+        # provisional: resolved from the consumers once the whole graph is painted (rule 7)
+        return Decision(Precision.FP32, "reads weights only", Source.PAINTING, {"weights_only": True})
+    seen = activations | ({Precision.FP32} if any(v in weights for v in node.inputs) else set())
+    if Precision.FP32 in seen:
+        why = "mixes fp32 and low-precision inputs" if Precision.LOW in seen else "its inputs are fp32"
+        if Precision.LOW in activations and Precision.FP32 not in activations:
+            why = "combines a low-precision input with an fp32 weight"
+        return Decision(Precision.FP32, f"{why}; runs fp32 ({node.reason})", Source.PAINTING)
+    if Precision.LOW in seen:
+        return Decision(Precision.LOW, f"its inputs are {low_name}; runs {low_name} ({node.reason})", Source.PAINTING)
+    return Decision(Precision.KEEP, "no floating-point input to follow", Source.PAINTING)
+

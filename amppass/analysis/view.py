@@ -1,0 +1,49 @@
+"""The neutral graph view the analysis works on, built by each front end.
+
+Only floating-point values the plan may convert (fp32 values of the original model) appear as inputs and
+outputs. Values come from three kinds of source: graph inputs and run-time constants (fixed fp32), weights
+(initializers and parameters, which can be stored in low precision ahead of time) and node outputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .plan import Category
+
+
+@dataclass
+class OpView:
+    """One node: its name, its op for display, its policy category and reason, and its float edges."""
+
+    name: str
+    op: str
+    category: Category
+    reason: str
+    inputs: list[str] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+    # True for an op the policy table does not know (reported, and a candidate for user overrides)
+    unknown: bool = False
+    # Python-number arguments, checked against the low dtype's range
+    scalars: list[float] = field(default_factory=list)
+
+
+@dataclass
+class GraphView:
+    """A whole graph for the analysis: nodes in topological order plus what feeds them."""
+
+    nodes: list[OpView]
+    weights: dict[str, float] = field(default_factory=dict)  # weight value -> absmax (for the range rule)
+    outputs: list[str] = field(default_factory=list)
+
+    def producers(self) -> dict[str, OpView]:
+        """Value name -> the node that produces it."""
+        return {value: node for node in self.nodes for value in node.outputs}
+
+    def consumers(self) -> dict[str, list[OpView]]:
+        """Value name -> the nodes that read it, in graph order."""
+        result: dict[str, list[OpView]] = {}
+        for node in self.nodes:
+            for value in node.inputs:
+                result.setdefault(value, []).append(node)
+        return result

@@ -1,0 +1,145 @@
+"""Capturing a torch module as an FX GraphModule: torch.export with example inputs, symbolic_trace without.
+
+The caller's module is never changed: its training flags are restored after capture, and the graph
+module returned owns its own module tree (tensors are shared, never written in place).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import logging
+from typing import Any, Iterator
+
+import torch
+from torch import fx, nn
+from torch.export import Dim
+
+from ..errors import CaptureError, InputError
+
+log = logging.getLogger(__name__)
+
+_HINTS = (
+    "Try: pass example_inputs (and example_kwargs) exactly as forward() takes them; for data-dependent "
+    "Python control flow use torch.cond or convert the submodules around the untraceable part separately; "
+    "for transformers models set use_cache=False."
+)
+
+
+def capture(
+    model: nn.Module,
+    example_inputs: Any = None,
+    example_kwargs: dict[str, Any] | None = None,
+    *,
+    train: bool = False,
+    dynamic_shapes: Any = "auto",
+) -> fx.GraphModule:
+    """Return a private GraphModule for ``model``.
+
+    With ``example_inputs`` (or ``example_kwargs``) the model is captured by ``torch.export`` (non-strict),
+    which handles real architectures; every input dimension is left for export to decide
+    (``Dim.AUTO``) unless ``dynamic_shapes`` says otherwise. Without them it is traced symbolically.
+    The model is captured in eval mode unless ``train`` is set.
+    """
+    if not isinstance(model, nn.Module):
+        raise InputError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if example_inputs is None and example_kwargs is None:
+        with _mode(model, train):
+            return _symbolic(model)
+    args = example_inputs if isinstance(example_inputs, tuple) else (
+        () if example_inputs is None else (tuple(example_inputs) if isinstance(example_inputs, list) else (example_inputs,))
+    )
+    kwargs = dict(example_kwargs or {})
+    with _mode(model, train):
+        return _export(model, args, kwargs, dynamic_shapes)
+
+
+def _symbolic(model: nn.Module) -> fx.GraphModule:
+    try:
+        traced = fx.symbolic_trace(model)
+    except Exception as err:  # noqa: BLE001 - any tracing failure becomes one actionable error
+        raise CaptureError(
+            f"torch.fx.symbolic_trace could not trace {type(model).__name__}: {_first_line(err)}. "
+            "Pass example_inputs so amppass captures it with torch.export instead, which follows "
+            "data-dependent shapes the symbolic tracer cannot; or convert the submodules around the "
+            "untraceable part separately."
+        ) from err
+    # Own module objects so replacing a weight never touches the caller's modules; tensors stay shared.
+    memo = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    return copy.deepcopy(traced, memo)
+
+
+def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any) -> fx.GraphModule:
+    # (dynamic_shapes, keep size-1 dimensions dynamic): the most general capture first
+    if dynamic_shapes != "auto":
+        attempts = [(dynamic_shapes, False)]
+    else:
+        auto = _auto_dims(model, args, kwargs)
+        attempts = [(auto, True), (auto, False), (None, False)] if auto is not None else [(None, False)]
+    last: Exception | None = None
+    for shapes, oblivious in attempts:
+        try:
+            with _no_size_one_specialisation(oblivious):
+                program = torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
+            return _without_dtype_asserts(program.module())
+        except Exception as err:  # noqa: BLE001 - retried with static shapes, then reported
+            log.debug("torch.export with dynamic_shapes=%s (size-1 dims dynamic: %s) failed: %s", shapes, oblivious, err)
+            last = err
+    raise CaptureError(
+        f"torch.export could not capture {type(model).__name__}: {_first_line(last)}. {_HINTS}"
+    ) from last
+
+
+def _without_dtype_asserts(gm: fx.GraphModule) -> fx.GraphModule:
+    """Drop export's ``_assert_tensor_metadata`` checks: they pin fp32 dtypes the plan is about to change."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
+            gm.graph.erase_node(node)
+    gm.recompile()
+    return gm
+
+
+def _auto_dims(model: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """Dim.AUTO for every dimension of every tensor input, keyed by forward()'s argument names."""
+
+    def dims(leaf: Any) -> Any:
+        return {i: Dim.AUTO for i in range(leaf.ndim)} if isinstance(leaf, torch.Tensor) else None
+
+    signature = inspect.signature(model.forward)
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError:
+        return None  # let export report the mismatch in its own words
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    if any(signature.parameters[name].kind in variadic for name in bound.arguments):
+        return None
+    return {name: torch.utils._pytree.tree_map(dims, value) for name, value in bound.arguments.items()}
+
+
+@contextlib.contextmanager
+def _no_size_one_specialisation(enabled: bool) -> Iterator[None]:
+    """Let a batch of 1 in the example stay dynamic instead of being baked into the graph.
+
+    Fails where a size-1 dimension broadcasts; the caller then retries without it.
+    """
+    config = torch.fx.experimental._config
+    with config.patch(backed_size_oblivious=enabled):
+        yield
+
+
+@contextlib.contextmanager
+def _mode(model: nn.Module, train: bool) -> Iterator[None]:
+    """Put ``model`` in train or eval mode for capture, then restore every submodule's own flag."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.train(train)
+    try:
+        yield
+    finally:
+        for module, flag in flags:
+            module.training = flag
+
+
+def _first_line(err: BaseException | None) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__

@@ -1,0 +1,109 @@
+"""``amppass.convert``: capture, analyse, paint, rewrite — the FX pipeline end to end."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable
+
+import torch
+from torch import fx, nn
+
+from .. import __version__
+from ..analysis import overrides
+from ..analysis.painting import paint
+from ..dtypes import max_finite, resolve_dtype, short_name
+from ..errors import InputError
+from .capture import capture
+from .rewrite import META_KEY, rewrite
+from .view import build_view
+
+log = logging.getLogger(__name__)
+
+MODES = ("inference", "train")
+
+
+def convert(
+    model: nn.Module,
+    example_inputs: Any = None,
+    dtype: Any = "auto",
+    *,
+    example_kwargs: dict[str, Any] | None = None,
+    mode: str = "inference",
+    keep_io_types: bool = True,
+    keep_fp32: Iterable[str] = (),
+    force_low: Iterable[str] = (),
+    dynamic_shapes: Any = "auto",
+    low_weight_tables: bool = False,
+) -> fx.GraphModule:
+    """Return a mixed-precision ``torch.fx.GraphModule`` computing what ``model`` computes.
+
+    Args:
+        model: the module to convert; it is never changed.
+        example_inputs: positional inputs (a tuple, or one tensor) for capture with ``torch.export``;
+            without them (and without ``example_kwargs``) the module is traced symbolically.
+        dtype: ``torch.float16``, ``torch.bfloat16``, ``"fp16"``, ``"bf16"`` or ``"auto"`` (bf16 on CPU,
+            fp16 on CUDA, judged by the model's parameters).
+        example_kwargs: keyword inputs for capture.
+        mode: ``"inference"`` stores low-precision copies of the weights once; ``"train"`` keeps fp32
+            master parameters and casts them inside the graph so gradients come back fp32.
+        keep_io_types: cast floating outputs back to fp32 (inputs are never changed).
+        keep_fp32: op names or node-name regexes to keep in fp32.
+        force_low: op names or node-name regexes to run in low precision regardless of the policy.
+        dynamic_shapes: passed to ``torch.export``; by default every input dimension is dynamic where
+            the model allows it.
+        low_weight_tables: store tables read by weight-only ops (embeddings) in low precision even when
+            they feed fp32 work: half the bytes of those tables, at the cost of rounding them.
+
+    The returned module records its decisions in ``node.meta["amppass"]``; ``amppass.report`` reads them.
+    """
+    if mode not in MODES:
+        raise InputError(f"mode={mode!r} is not one of {MODES}")
+    if isinstance(model, fx.GraphModule) and META_KEY in getattr(model, "meta", {}):
+        log.info("model was already converted by amppass (%s); returned unchanged", model.meta[META_KEY]["dtype"])
+        return model
+    low = resolve_dtype(dtype, device=_device(model))
+    low_name, low_max = short_name(low), max_finite(low)
+    bytes_before = weight_bytes(model) if isinstance(model, nn.Module) else 0
+
+    gm = capture(model, example_inputs, example_kwargs, train=mode == "train", dynamic_shapes=dynamic_shapes)
+    view, _ = build_view(gm, low_max, measure_weights=low == torch.float16)
+    given = overrides.resolve(view, keep_fp32, force_low, low_name)
+    plan = paint(view, low_name, low_max, given, low_weight_tables=low_weight_tables)
+    stats = rewrite(gm, plan, low, precast_weights=mode == "inference", keep_io_types=keep_io_types)
+
+    unknown = {n.name for n in view.nodes if n.unknown}
+    for node in gm.graph.nodes:
+        meta = node.meta.get(META_KEY)
+        if meta and node.name in unknown:
+            meta["evidence"]["unknown"] = True
+    gm.meta[META_KEY] = {
+        "amppass_version": __version__,
+        "front_end": "fx",
+        "dtype": low_name,
+        "mode": mode,
+        "keep_io_types": keep_io_types,
+        "casts": stats.casts,
+        "weights_converted": stats.weights_converted,
+        "weight_copies": stats.weight_copies,
+        "weight_bytes_before": bytes_before,
+        "weight_bytes_after": weight_bytes(gm),
+        "calibrated": False,
+    }
+    log.info("converted %s to %s: %d nodes planned, %d casts", type(model).__name__, low_name, len(plan), stats.casts)
+    return gm
+
+
+def weight_bytes(module: nn.Module) -> int:
+    """Bytes of the module's floating-point parameters and buffers, each tensor counted once."""
+    seen: dict[int, int] = {}
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        if tensor.is_floating_point():
+            seen[id(tensor)] = tensor.numel() * tensor.element_size()
+    return sum(seen.values())
+
+
+def _device(model: Any) -> torch.device:
+    if isinstance(model, nn.Module):
+        for tensor in model.parameters():
+            return tensor.device
+    return torch.device("cpu")

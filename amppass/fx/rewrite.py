@@ -1,0 +1,277 @@
+"""Apply a precision plan to a GraphModule: casts on edges, weights converted once, fp32 accumulation.
+
+Rules:
+
+1. One cast per (value, dtype): every consumer that needs a value in a dtype shares the same cast, and
+   no cast is placed where producer and consumer agree.
+2. Weights are converted ahead of time (inference): a weight read only in low precision is replaced by
+   its low-precision copy under the same name; one read in both keeps fp32 and gains a low copy. In
+   training the graph casts the fp32 master weights instead, so autograd returns fp32 gradients.
+3. fp32-accumulating ops (softmax, sums, means) take their low-precision input as it is and get
+   ``dtype=torch.float32``, so the widening happens inside the kernel rather than as a cast of the input.
+4. Casts already in the model to fp32 (the working dtype of an fp32 model) are retargeted to the dtype
+   their painted node runs in; casts to other dtypes are kept.
+5. Per-slot exceptions from the policy: an attention mask is clamped to the low dtype's range before it
+   is cast, so -3.4e38 becomes the largest negative finite value instead of -inf.
+6. With ``keep_io_types`` graph outputs are cast back to fp32; graph inputs are never changed.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+from ..analysis.plan import Precision, PrecisionPlan
+from ..dtypes import short_name
+from . import ops, policy, runtime
+from .view import carries_fp32, cast_target, fetch_attr, has_dtypes, module_state
+
+aten = torch.ops.aten
+META_KEY = "amppass"
+
+
+@dataclass
+class RewriteStats:
+    """What the rewrite did, for the report."""
+
+    casts: int = 0
+    weights_converted: int = 0
+    weight_copies: int = 0
+    saturated: list[str] = field(default_factory=list)
+
+
+def input_dtype(precision: Precision, low: torch.dtype) -> torch.dtype | None:
+    """The dtype a node of ``precision`` wants its fp32-or-converted float inputs in (None: as they come)."""
+    return {Precision.LOW: low, Precision.FP32: torch.float32}.get(precision)
+
+
+class _Rewriter:
+    def __init__(self, gm: fx.GraphModule, plan: PrecisionPlan, low: torch.dtype, precast: bool, keep_io: bool):
+        self.gm, self.plan, self.low, self.precast, self.keep_io = gm, plan, low, precast, keep_io
+        self.typed = has_dtypes(gm)
+        self.fp32 = {n: carries_fp32(n, gm, self.typed) for n in gm.graph.nodes}
+        self.graph = fx.Graph()
+        self.graph._codegen = copy.deepcopy(gm.graph._codegen)
+        self.env: dict[fx.Node, fx.Node] = {}
+        self.dtype: dict[fx.Node, torch.dtype | None] = {}
+        self.cache: dict[tuple[fx.Node, torch.dtype, bool], fx.Node] = {}
+        self.stats = RewriteStats()
+        self.low_only_weights = self._low_only_weights() if precast else set()
+
+    # -- planning helpers -------------------------------------------------------------------------
+    def _wanted(self, node: fx.Node) -> torch.dtype | None:
+        decision = self.plan[node.name] if node.name in self.plan else None
+        if decision is None:
+            return None
+        if decision.precision is Precision.FP32_ACCUM:
+            return None if self._takes_dtype(node) else torch.float32
+        return input_dtype(decision.precision, self.low)
+
+    def _low_only_weights(self) -> set[fx.Node]:
+        """get_attr nodes whose every consumer wants them in low precision (rule 2)."""
+        result = set()
+        for node in self.gm.graph.nodes:
+            if node.op == "get_attr" and self.fp32[node] and node.users:
+                wants = {self._wanted(user) for user in node.users}
+                if wants == {self.low}:
+                    result.add(node)
+        return result
+
+    def _takes_dtype(self, node: fx.Node) -> bool:
+        target = node.target
+        return (
+            node.op == "call_function"
+            and isinstance(target, torch._ops.OpOverload)
+            and any(a.name == "dtype" for a in target._schema.arguments)
+            and not any(isinstance(a, torch.dtype) for a in node.args)
+            and node.kwargs.get("dtype") is None
+        )
+
+    # -- emission ---------------------------------------------------------------------------------
+    def run(self) -> fx.Graph:
+        for node in self.gm.graph.nodes:
+            if node.op == "placeholder":
+                new = self.graph.node_copy(node, lambda a: self.env[a])
+                self.dtype[new] = torch.float32 if self.fp32[node] else None
+            elif node.op == "get_attr":
+                new = self._weight(node)
+            elif node.op == "output":
+                self._output(node)
+                continue
+            else:
+                new = self._call(node)
+            self.env[node] = new
+        self.graph.lint()
+        return self.graph
+
+    def _weight(self, node: fx.Node) -> fx.Node:
+        new = self.graph.node_copy(node, lambda a: self.env[a])
+        if node in self.low_only_weights:
+            self._replace_attr(str(node.target), self.low)
+            self.stats.weights_converted += 1
+            self.dtype[new] = self.low
+        else:
+            self.dtype[new] = torch.float32 if self.fp32[node] else None
+        return new
+
+    def _call(self, node: fx.Node) -> fx.Node:
+        decision = self.plan[node.name] if node.name in self.plan else None
+        wanted = self._wanted(node)
+        slots = self._slots(node)
+        casts: list[str] = []
+
+        def convert(arg: Any, slot: str | None) -> Any:
+            if not isinstance(arg, fx.Node):
+                return arg
+            if wanted is None or not self.fp32[arg] or slots.get(slot or "") == "keep":
+                return self.env[arg]
+            new_arg = self._value_as(arg, wanted, saturate=slots.get(slot or "") == "saturate")
+            if new_arg is not self.env[arg]:
+                casts.append(new_arg.name)
+            return new_arg
+
+        names = self._arg_names(node)
+        args = tuple(
+            torch.utils._pytree.tree_map(lambda a, s=names[i] if i < len(names) else None: convert(a, s), arg)
+            for i, arg in enumerate(node.args)
+        )
+        kwargs = {k: torch.utils._pytree.tree_map(lambda a, s=k: convert(a, s), v) for k, v in node.kwargs.items()}
+        args, kwargs = self._retarget_cast(node, args, kwargs, decision)
+        if decision is not None and decision.precision is Precision.FP32_ACCUM and wanted is None:
+            kwargs["dtype"] = torch.float32
+        if node.op == "call_module" and decision is not None and decision.precision is Precision.LOW and self.precast:
+            for name, _ in module_state(self.gm, node):
+                self._replace_attr(name, self.low)
+                self.stats.weights_converted += 1
+        new = self.graph.create_node(node.op, node.target, args, kwargs, name=node.name, type_expr=node.type)
+        new.meta = dict(node.meta)
+        if decision is not None:
+            new.meta[META_KEY] = {**decision.to_meta(), "op": ops.display_name(node, self.gm), "casts_in": casts}
+        self.dtype[new] = self._out_dtype(node, decision)
+        return new
+
+    def _retarget_cast(self, node: fx.Node, args: tuple, kwargs: dict, decision: Any) -> tuple[tuple, dict]:
+        """Rule 4: a model's cast to fp32 on a node painted low now casts to the low dtype."""
+        if decision is None or decision.precision is not Precision.LOW or cast_target(node) != torch.float32:
+            return args, kwargs
+        if node.op == "call_method" and node.target == "float":
+            return args, kwargs  # handled by emitting as "to" below
+        args = tuple(self.low if a == torch.float32 else a for a in args)
+        kwargs = {k: (self.low if v == torch.float32 else v) for k, v in kwargs.items()}
+        return args, kwargs
+
+    def _out_dtype(self, node: fx.Node, decision: Any) -> torch.dtype | None:
+        if not self.fp32[node]:
+            return None
+        if decision is None or decision.precision is Precision.KEEP:
+            return torch.float32
+        return self.low if decision.precision is Precision.LOW else torch.float32
+
+    def _output(self, node: fx.Node) -> None:
+        def back(arg: Any) -> Any:
+            if not isinstance(arg, fx.Node):
+                return arg
+            if self.keep_io and self.fp32[arg]:
+                return self._value_as(arg, torch.float32)
+            return self.env[arg]
+
+        args = torch.utils._pytree.tree_map(back, node.args)
+        new = self.graph.output(args[0], type_expr=node.type)
+        new.meta = dict(node.meta)
+
+    def _value_as(self, arg: fx.Node, dtype: torch.dtype, saturate: bool = False) -> fx.Node:
+        """Rule 1: ``arg``'s rewritten value in ``dtype``, casting once and sharing the cast."""
+        source = self.env[arg]
+        if self.dtype.get(source) == dtype:
+            return source
+        key = (arg, dtype, saturate)
+        if key in self.cache:
+            return self.cache[key]
+        if arg.op == "get_attr" and self.precast:
+            cast = self._weight_copy(arg, dtype)
+        else:
+            value = source
+            if saturate:
+                limit = float(torch.finfo(dtype).max)
+                value = self.graph.call_function(aten.clamp.default, (source, -limit, limit))
+                self.stats.saturated.append(arg.name)
+            if self.typed:
+                cast = self.graph.call_function(aten._to_copy.default, (value,), {"dtype": dtype})
+            else:
+                cast = self.graph.call_function(runtime.cast_floating, (value, dtype))
+            cast.name = self.graph._graph_namespace.create_name(f"{arg.name}_to_{short_name(dtype)}", None)
+            cast.meta[META_KEY] = {"cast": True, "of": arg.name, "to": short_name(dtype)}
+            self.stats.casts += 1
+        self.dtype[cast] = dtype
+        self.cache[key] = cast
+        return cast
+
+    def _weight_copy(self, arg: fx.Node, dtype: torch.dtype) -> fx.Node:
+        """Rule 2 for a weight read in two dtypes: a converted copy stored beside the fp32 original."""
+        target = f"{arg.target}__{short_name(dtype)}"
+        tensor = fetch_attr(self.gm, str(arg.target))
+        _assign(self.gm, target, _converted(tensor, dtype))
+        self.stats.weight_copies += 1
+        return self.graph.get_attr(target)
+
+    def _replace_attr(self, target: str, dtype: torch.dtype) -> None:
+        tensor = fetch_attr(self.gm, target)
+        if tensor.dtype != dtype:
+            _assign(self.gm, target, _converted(tensor, dtype))
+
+    def _slots(self, node: fx.Node) -> dict[str, str]:
+        row = policy.lookup(ops.op_name(node, self.gm))
+        return row.slots if row is not None else {}
+
+    @staticmethod
+    def _arg_names(node: fx.Node) -> list[str]:
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload):
+            return [a.name for a in target._schema.arguments if not a.kwarg_only]
+        return []
+
+
+def rewrite(
+    gm: fx.GraphModule,
+    plan: PrecisionPlan,
+    low: torch.dtype,
+    *,
+    precast_weights: bool = True,
+    keep_io_types: bool = True,
+) -> RewriteStats:
+    """Rewrite ``gm`` (a private copy the caller owns) in place according to ``plan``."""
+    rewriter = _Rewriter(gm, plan, low, precast_weights, keep_io_types)
+    graph = rewriter.run()
+    for node in graph.nodes:
+        if node.op == "call_method" and node.target == "float" and node.name in plan and plan[node.name].precision is Precision.LOW:
+            node.target, node.args = "to", (node.args[0], low)
+    for node in list(graph.nodes):
+        if node.op == "get_attr" and not node.users:
+            graph.erase_node(node)
+    gm.graph = graph
+    gm.recompile()
+    return rewriter.stats
+
+
+def _converted(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    data = tensor.detach().to(dtype)
+    if isinstance(tensor, torch.nn.Parameter):
+        return torch.nn.Parameter(data, requires_grad=False)
+    return data
+
+
+def _assign(gm: fx.GraphModule, target: str, value: torch.Tensor) -> None:
+    """Store ``value`` at dotted ``target`` as a parameter if it is one, else as a buffer."""
+    *path, leaf = target.split(".")
+    owner = gm.get_submodule(".".join(path))
+    owner._parameters.pop(leaf, None)
+    owner._buffers.pop(leaf, None)
+    owner.__dict__.pop(leaf, None)
+    if isinstance(value, torch.nn.Parameter):
+        owner.register_parameter(leaf, value)
+    else:
+        owner.register_buffer(leaf, value)

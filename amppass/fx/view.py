@@ -1,0 +1,160 @@
+"""Build the neutral :class:`GraphView` of an FX graph: categories from the ATen policy, float edges from meta.
+
+With torch.export, every node carries ``meta["val"]`` and the dtypes are known. A symbolically traced
+graph has no dtypes: its values are taken to be floating unless the op says otherwise, and the rewrite
+casts them with a run-time check (:func:`amppass.fx.runtime.cast_floating`).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch import fx
+
+from ..analysis.plan import Category
+from ..analysis.view import GraphView, OpView
+from . import ops, policy
+
+_METADATA_METHODS = frozenset({"size", "dim", "numel", "stride", "is_contiguous", "__len__", "len", "device",
+                               "shape", "getattr", "sym_size", "sym_numel", "sym_stride"})
+
+
+def is_fp32(value: Any) -> bool:
+    """True for an fp32 tensor, or a tuple/list holding one (a node's ``meta["val"]``)."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype == torch.float32
+    if isinstance(value, (tuple, list)):
+        return any(is_fp32(v) for v in value)
+    return False
+
+
+def has_dtypes(gm: fx.GraphModule) -> bool:
+    """Whether the graph's nodes carry ``meta["val"]`` (torch.export) rather than nothing (symbolic_trace)."""
+    return any("val" in n.meta for n in gm.graph.nodes if n.op == "placeholder") or all(
+        n.op != "placeholder" for n in gm.graph.nodes
+    )
+
+
+def carries_fp32(node: fx.Node, gm: fx.GraphModule, typed: bool) -> bool:
+    """Whether ``node`` produces an fp32 value the plan may convert."""
+    if node.op == "get_attr":
+        attr = fetch_attr(gm, str(node.target))
+        return isinstance(attr, torch.Tensor) and attr.dtype == torch.float32
+    if typed:
+        return is_fp32(node.meta.get("val"))
+    if node.op == "placeholder":
+        return True
+    return node.op in ("call_function", "call_method", "call_module") and _category(node, gm, typed)[0] is not Category.KEEP
+
+
+def cast_target(node: fx.Node) -> torch.dtype | None:
+    """The dtype an explicit cast node in the model converts to, or None if it is not a cast."""
+    name = ops.op_name(node)
+    if name not in ops.CAST_OPS:
+        return None
+    if node.op == "call_method" and node.target in ("float", "half", "bfloat16", "double"):
+        return {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16,
+                "double": torch.float64}[node.target]
+    for arg in list(node.args[1:]) + list(node.kwargs.values()):
+        if isinstance(arg, torch.dtype):
+            return arg
+    val = node.meta.get("val")
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
+def build_view(gm: fx.GraphModule, low_max: float, measure_weights: bool) -> tuple[GraphView, dict[str, fx.Node]]:
+    """The neutral view of ``gm`` and a map from view names back to FX nodes.
+
+    ``measure_weights`` computes each fp32 weight's absmax, needed for fp16's range rule only.
+    """
+    typed = has_dtypes(gm)
+    fp32 = {n: carries_fp32(n, gm, typed) for n in gm.graph.nodes}
+    view = GraphView(nodes=[])
+    nodes: dict[str, fx.Node] = {}
+    for node in gm.graph.nodes:
+        nodes[node.name] = node
+        if node.op == "get_attr" and fp32[node]:
+            tensor = fetch_attr(gm, str(node.target))
+            view.weights[node.name] = _absmax(tensor) if measure_weights else 0.0
+        elif node.op == "output":
+            view.outputs = [a.name for a in node.all_input_nodes if fp32[a]]
+        elif node.op in ("call_function", "call_method", "call_module"):
+            category, reason, unknown = _category(node, gm, typed)
+            inputs = [a.name for a in node.all_input_nodes if fp32[a]]
+            for state_name, tensor in module_state(gm, node):
+                view.weights[state_name] = _absmax(tensor) if measure_weights else 0.0
+                inputs.append(state_name)
+            if category is not Category.KEEP and not inputs:
+                category, unknown, reason = Category.KEEP, False, (
+                    "creates fp32 values at run time; kept as they are" if fp32[node] else "no fp32 tensors in or out"
+                )
+            view.nodes.append(OpView(
+                name=node.name,
+                op=ops.display_name(node, gm),
+                category=category,
+                reason=reason,
+                inputs=inputs,
+                outputs=[node.name] if fp32[node] else [],
+                unknown=unknown,
+                scalars=[float(a) for a in _flat_args(node) if type(a) is float],
+            ))
+    return view, nodes
+
+
+def _category(node: fx.Node, gm: fx.GraphModule, typed: bool) -> tuple[Category, str, bool]:
+    """(category, reason, unknown) for a call node from the policy table and the node's own form."""
+    name = ops.op_name(node, gm)
+    if name in _METADATA_METHODS or name == "getattr":
+        return Category.KEEP, "reads tensor metadata only", False
+    if typed and not node.users and not is_fp32(node.meta.get("val")):
+        return Category.KEEP, "no fp32 tensors in or out", False
+    if isinstance(node.target, torch._ops.HigherOrderOperator):
+        return Category.FP32, (
+            f"{name} region (e.g. torch.autocast(enabled=False), torch.cond): its body runs as the model "
+            "wrote it, in fp32"
+        ), False
+    target = cast_target(node)
+    if name in ops.CAST_OPS and target is not None:
+        if target == torch.float32:
+            return Category.FOLLOW, "cast to fp32, the model's working dtype: follows its input", False
+        return Category.KEEP, f"explicit cast to {target} in the model; kept", False
+    if node.op == "call_module":
+        module = gm.get_submodule(str(node.target))
+        row = policy.lookup(name)
+        if row is None:
+            if any(p.is_floating_point() for p in module.parameters()):
+                return Category.FP32, (
+                    f"module {type(module).__name__} is not in the policy table and has fp32 parameters; "
+                    "kept fp32 (override it to force low precision)"
+                ), True
+            return Category.FOLLOW, policy.UNKNOWN_REASON, True
+        return row.category, row.reason, False
+    row = policy.lookup(name)
+    if row is None:
+        return Category.FOLLOW, policy.UNKNOWN_REASON, True
+    return row.category, row.reason, False
+
+
+def module_state(gm: fx.GraphModule, node: fx.Node) -> list[tuple[str, torch.Tensor]]:
+    """The fp32 parameters and buffers a ``call_module`` node reads, by qualified name; [] for other nodes."""
+    if node.op != "call_module":
+        return []
+    module = gm.get_submodule(str(node.target))
+    state = list(module.named_parameters()) + list(module.named_buffers())
+    return [(f"{node.target}.{name}", t) for name, t in state if t.dtype == torch.float32]
+
+
+def _absmax(tensor: torch.Tensor) -> float:
+    return float(tensor.detach().abs().max()) if tensor.numel() else 0.0
+
+
+def _flat_args(node: fx.Node) -> list[Any]:
+    flat, _ = torch.utils._pytree.tree_flatten((node.args, node.kwargs))
+    return flat
+
+
+def fetch_attr(gm: fx.GraphModule, target: str) -> Any:
+    """The object at dotted ``target`` under ``gm`` (a get_attr node's value)."""
+    return operator.attrgetter(target)(gm)

@@ -1,0 +1,206 @@
+"""amppass.convert on the model zoo and on hand-built modules: numerics, structure, validity, safety."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+import amppass
+from amppass.fx.rewrite import META_KEY
+from models import ZOO, build
+
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+def first(output):
+    return output if isinstance(output, torch.Tensor) else output[0]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref).norm() / ref.norm())
+
+
+@pytest.fixture(scope="module", params=ZOO)
+def case(request):
+    return build(request.param)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_zoo_matches_fp32_as_well_as_autocast(case, dtype):
+    before = copy.deepcopy(case.model.state_dict())
+    fast = amppass.convert(case.model, case.example_inputs, dtype)
+    fast.graph.lint()
+    inputs = case.make_inputs(3)
+    with torch.no_grad():
+        ref = first(case.model(*inputs))
+        out = first(fast(*inputs))
+        with torch.autocast("cpu", dtype=dtype):
+            auto = first(case.model(*inputs))
+    assert out.dtype == torch.float32, "keep_io_types: outputs come back fp32"
+    assert torch.isfinite(out).all()
+    ours, theirs = rel_err(out, ref), rel_err(auto, ref)
+    assert ours <= theirs * 1.05 + 1e-6, f"amppass {ours:.3e} vs autocast {theirs:.3e}"
+    # the caller's model is untouched: same tensors, same values, same dtypes
+    after = case.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) and before[k].dtype == after[k].dtype for k in before)
+
+
+@pytest.mark.parametrize("name", ["bert", "cnn", "llama"])
+def test_heavy_ops_low_norms_fp32_and_one_cast_per_value(name):
+    case = build(name)
+    fast = amppass.convert(case.model, case.example_inputs, torch.bfloat16)
+    seen_casts = set()
+    for node in fast.graph.nodes:
+        meta = node.meta.get(META_KEY, {})
+        op = node.target
+        if op in (torch.ops.aten.linear.default, torch.ops.aten.conv2d.default, torch.ops.aten.convolution.default):
+            assert meta["precision"] == "low", node.name
+        if op in (torch.ops.aten.layer_norm.default, torch.ops.aten.batch_norm.default):
+            assert meta["precision"] == "fp32", node.name
+        if op is torch.ops.aten._to_copy.default and meta.get("cast"):
+            key = (node.args[0], node.kwargs["dtype"])
+            assert key not in seen_casts, f"two casts of {key}"
+            seen_casts.add(key)
+            # inference pre-casts weights: no cast of a weight remains in the graph
+            assert node.args[0].op != "get_attr", f"{node.name} casts a weight on every call"
+        if meta.get("cast"):
+            assert node.args[0].meta.get(META_KEY, {}).get("cast") is None or node.kwargs["dtype"] != torch.float32
+
+
+def test_weight_bytes_about_half():
+    cnn = build("cnn")
+    report = amppass.report(amppass.convert(cnn.model, cnn.example_inputs, torch.bfloat16))
+    assert report.info["weight_bytes_after"] <= 0.55 * report.info["weight_bytes_before"]
+    bert = build("bert")
+    tables = amppass.convert(bert.model, bert.example_inputs, torch.bfloat16, low_weight_tables=True)
+    info = amppass.report(tables).info
+    assert info["weight_bytes_after"] <= 0.55 * info["weight_bytes_before"]
+    weights = [t for t in tables.parameters()] + [b for b in tables.buffers() if b.is_floating_point()]
+    assert all(t.dtype == torch.bfloat16 for t in weights if t.dim() == 2 and t.shape[0] > 500)
+
+
+def test_softmax_and_sum_accumulate_in_fp32_without_casting_their_input():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(16, 16)
+
+        def forward(self, x):
+            h = self.proj(x)
+            return F.softmax(h, dim=-1) + h.sum(dim=-1, keepdim=True)
+
+    x = torch.randn(4, 16)
+    fast = amppass.convert(Net(), (x,), torch.float16)
+    nodes = {n.target: n for n in fast.graph.nodes if n.op == "call_function"}
+    softmax = nodes[torch.ops.aten.softmax.int]
+    assert softmax.kwargs.get("dtype") == torch.float32
+    assert softmax.args[0].target is torch.ops.aten.linear.default, "input is used as it is, not cast first"
+    assert softmax.meta[META_KEY]["precision"] == "fp32-accumulate"
+
+
+def test_symbolic_trace_without_example_inputs():
+    for name in ("mlp", "cnn"):
+        case = build(name)
+        fast = amppass.convert(case.model, dtype="bf16")
+        with torch.no_grad():
+            out, ref = fast(*case.make_inputs(2)), case.model(*case.make_inputs(2))
+        assert out.dtype == torch.float32
+        assert rel_err(out, ref) < 2e-2
+        rows = amppass.report(fast).rows
+        assert any(r.op == "aten.linear" and r.precision == "bf16" for r in rows)
+
+
+def test_attention_mask_is_saturated_not_turned_into_inf():
+    class Attn(nn.Module):
+        def forward(self, q, mask):
+            bias = (1.0 - mask) * torch.finfo(torch.float32).min
+            return F.scaled_dot_product_attention(q, q, q, attn_mask=bias)
+
+    q = torch.randn(1, 2, 8, 16)
+    mask = torch.ones(1, 1, 8, 8)
+    mask[..., 0, :] = 0.0  # a fully masked row: -inf in fp16 would give NaN
+    fast = amppass.convert(Attn(), (q, mask), torch.float16)
+    out = fast(q, mask)
+    ref = Attn()(q, mask)
+    assert torch.isfinite(out).all()
+    assert rel_err(out[..., 1:, :], ref[..., 1:, :]) < 1e-2
+
+
+def test_dynamic_batch_from_a_batch_of_one():
+    case = build("bert", batch=1)
+    fast = amppass.convert(case.model, case.example_inputs, torch.bfloat16)
+    bigger = build("bert", batch=3, seq=24).make_inputs(5)
+    with torch.no_grad():
+        assert rel_err(first(fast(*bigger)), first(case.model(*bigger))) < 2e-2
+
+
+def test_convert_is_idempotent():
+    case = build("mlp")
+    fast = amppass.convert(case.model, case.example_inputs, torch.float16)
+    code = fast.code
+    again = amppass.convert(fast, case.example_inputs, torch.float16)
+    assert again is fast and again.code == code
+
+
+def test_overrides_keep_fp32_and_force_low():
+    case = build("bert")
+    fast = amppass.convert(case.model, case.example_inputs, torch.float16, keep_fp32=["linear_1", "gelu"],
+                           force_low=["layer_norm"])
+    rows = {r.name: r for r in amppass.report(fast).rows}
+    assert rows["linear_1"].precision == "fp32" and rows["linear_1"].source == "override"
+    assert rows["linear_2"].precision == "fp16"
+    assert all(r.precision == "fp32" and r.source == "override" for r in rows.values() if r.op == "aten.gelu")
+    assert all(r.precision == "fp16" and r.source == "override" for r in rows.values() if r.op == "aten.layer_norm")
+    with pytest.raises(amppass.InputError, match="matches no node"):
+        amppass.convert(case.model, case.example_inputs, torch.float16, keep_fp32=["no_such_op"])
+
+
+def test_report_rows_and_json():
+    case = build("cnn")
+    report = amppass.report(amppass.convert(case.model, case.example_inputs, torch.float16))
+    assert report.rows and all(r.reason and r.source for r in report.rows)
+    data = __import__("json").loads(report.to_json())
+    assert data["schema_version"] == 1 and len(data["rows"]) == len(report.rows)
+    assert "casts inserted" in report.summary()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "int8", torch.float32, 3])
+def test_bad_dtype(dtype):
+    with pytest.raises(amppass.InputError, match="dtype"):
+        amppass.convert(build("mlp").model, dtype=dtype)
+
+
+def test_untraceable_module_names_the_cause_and_the_fix():
+    class DataDependent(nn.Module):
+        def forward(self, x):
+            if x.sum() > 0:
+                return x * 2
+            return x
+
+    with pytest.raises(amppass.CaptureError, match="example_inputs"):
+        amppass.convert(DataDependent(), dtype="bf16")
+    with pytest.raises(amppass.CaptureError, match="torch.export could not capture DataDependent"):
+        amppass.convert(DataDependent(), (torch.randn(3),), dtype="bf16", dynamic_shapes=None)
+
+
+def test_not_a_module():
+    with pytest.raises(amppass.InputError, match="torch.nn.Module"):
+        amppass.convert(lambda x: x, dtype="bf16")
+
+
+def test_training_flag_restored():
+    case = build("cnn")
+    case.model.train()
+    amppass.convert(case.model, case.example_inputs, torch.bfloat16)
+    assert case.model.training and all(m.training for m in case.model.modules())
+
+
+def test_report_rejects_unconverted_modules():
+    with pytest.raises(amppass.InputError, match="amppass.convert"):
+        amppass.report(fx.symbolic_trace(build("mlp").model))
+    with pytest.raises(amppass.InputError):
+        amppass.report(42)
