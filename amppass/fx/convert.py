@@ -13,6 +13,7 @@ from ..analysis import overrides
 from ..analysis.painting import paint
 from ..dtypes import max_finite, resolve_dtype, short_name
 from ..errors import InputError
+from ..report.flops import node_macs
 from .capture import capture
 from .rewrite import META_KEY, rewrite
 from .view import build_view
@@ -69,6 +70,7 @@ def convert(
     view, _ = build_view(gm, low_max, measure_weights=low == torch.float16)
     given = overrides.resolve(view, keep_fp32, force_low, low_name)
     plan = paint(view, low_name, low_max, given, low_weight_tables=low_weight_tables)
+    macs = {n.name: node_macs(n) for n in gm.graph.nodes}  # before the rewrite puts casts between shapes
     stats = rewrite(gm, plan, low, precast_weights=mode == "inference", keep_io_types=keep_io_types)
 
     unknown = {n.name for n in view.nodes if n.unknown}
@@ -76,6 +78,8 @@ def convert(
         meta = node.meta.get(META_KEY)
         if meta and node.name in unknown:
             meta["evidence"]["unknown"] = True
+        if meta and not meta.get("cast") and macs.get(node.name) is not None:
+            meta["evidence"]["macs"] = macs[node.name]
     gm.meta[META_KEY] = {
         "amppass_version": __version__,
         "front_end": "fx",

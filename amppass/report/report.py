@@ -1,18 +1,32 @@
-"""The :class:`Report`: one row per planned node and a summary, read back from a converted artifact."""
+"""The :class:`Report`: one row per planned node and a summary, read back from a converted artifact.
+
+The JSON form is described by ``schema.json`` beside this module (JSON Schema, draft 2020-12); its
+``schema_version`` changes whenever a field is removed or changes meaning.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+from importlib import resources
+import secrets
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 SCHEMA_VERSION = 1
+LOW_PRECISIONS = ("fp16", "bf16")
+PRECISIONS = ("fp16", "bf16", "fp32", "-")
 
 
 @dataclass
 class Row:
-    """One node's decision as a user reads it."""
+    """One node's decision as a user reads it.
+
+    ``evidence`` holds what the decision rested on; the report reads these keys when present:
+    ``macs`` (multiply-accumulates of one call, heavy ops only), ``absmax`` and ``min_nonzero`` (observed
+    magnitudes, from calibration), ``unknown`` (op not in the policy table).
+    """
 
     name: str
     op: str
@@ -21,6 +35,21 @@ class Row:
     source: str
     casts: list[str] = field(default_factory=list)
     evidence: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def macs(self) -> int | None:
+        """Multiply-accumulates of one call, where the front end could count them."""
+        value = self.evidence.get("macs")
+        return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+    @property
+    def observed(self) -> tuple[float, float | None] | None:
+        """``(absmax, smallest non-zero magnitude)`` observed during calibration, if recorded."""
+        absmax = self.evidence.get("absmax")
+        if not isinstance(absmax, (int, float)) or isinstance(absmax, bool):
+            return None
+        low = self.evidence.get("min_nonzero")
+        return float(absmax), float(low) if isinstance(low, (int, float)) and not isinstance(low, bool) else None
 
 
 @dataclass
@@ -34,27 +63,42 @@ class Report:
         """Number of nodes per precision."""
         return dict(Counter(row.precision for row in self.rows))
 
-    def summary(self) -> str:
-        """A few lines: nodes per precision, casts, weight bytes, and the unknown ops."""
+    def stats(self) -> dict[str, Any]:
+        """The summary as numbers: the ``summary`` object of the JSON form."""
         info = self.info
-        counts = self.counts()
-        parts = ", ".join(f"{counts[p]} {p}" for p in ("fp16", "bf16", "fp32", "-") if p in counts)
-        lines = [
-            f"amppass {info.get('front_end', '')} plan, target {info.get('dtype')} ({info.get('mode', 'inference')}): "
-            f"{len(self.rows)} nodes: {parts}",
-            f"casts inserted: {info.get('casts', 0)}",
-        ]
+        counted = [(row.macs, row.precision) for row in self.rows if row.macs is not None]
+        total = sum(m for m, _ in counted)
+        low = sum(m for m, p in counted if p in LOW_PRECISIONS)
         before, after = info.get("weight_bytes_before"), info.get("weight_bytes_after")
-        if before:
-            lines.append(f"weight bytes: {before:,} -> {after:,} ({after / before:.2f} of fp32)")
-        sources = Counter(row.source for row in self.rows if row.precision != "-")
-        lines.append("decided by: " + ", ".join(f"{n} {s}" for s, n in sources.most_common()))
-        unknown = sorted({row.op for row in self.rows if row.evidence.get("unknown")})
-        if unknown:
-            lines.append("ops not in the policy table (followed their inputs): " + ", ".join(unknown))
-        if not info.get("calibrated"):
-            lines.append("uncalibrated: decisions come from op semantics and weights only")
-        return "\n".join(lines)
+        return {
+            "nodes": len(self.rows),
+            "by_precision": self.counts(),
+            "casts": int(info.get("casts", 0)),
+            "macs": {
+                "total": total,
+                "low": low,
+                "low_share": low / total if total else None,
+                "counted_nodes": len(counted),
+            },
+            "weight_bytes": {"before": before or None, "after": after if before else None},
+            "moved_by_tolerance": self._moved_by_tolerance(),
+            "calibrated": bool(info.get("calibrated")),
+            "sources": dict(Counter(row.source for row in self.rows if row.precision != "-").most_common()),
+            "unknown_ops": sorted({row.op for row in self.rows if row.evidence.get("unknown")}),
+        }
+
+    def _moved_by_tolerance(self) -> int | None:
+        moved = self.info.get("moved_by_tolerance")
+        if isinstance(moved, (list, tuple, dict)):
+            return len(moved)
+        if isinstance(moved, int):
+            return moved
+        by_rows = sum(1 for row in self.rows if row.source == "tolerance")
+        return by_rows or None
+
+    def summary(self) -> str:
+        """A few lines: nodes per precision, heavy compute, casts, weight bytes, tolerance, calibration."""
+        return "\n".join(summary_lines(self))
 
     def table(self) -> str:
         """Every row as plain text columns."""
@@ -66,13 +110,77 @@ class Report:
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON form: ``{"schema_version", "info", "rows"}``."""
-        return {"schema_version": SCHEMA_VERSION, "info": self.info, "rows": [asdict(r) for r in self.rows]}
+        """The JSON form: ``{"schema_version", "info", "summary", "rows"}`` (see ``schema.json``)."""
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "info": self.info,
+            "summary": self.stats(),
+            "rows": [asdict(r) for r in self.rows],
+        }
 
-    def to_json(self, path: str | None = None) -> str:
-        """The report as JSON text; also written to ``path`` when given."""
+    def to_json(self, path: str | os.PathLike | None = None) -> str:
+        """The report as JSON text; also written (atomically) to ``path`` when given."""
         text = json.dumps(self.to_dict(), indent=2, default=str)
         if path is not None:
-            with open(path, "w", encoding="utf-8") as handle:
-                handle.write(text)
+            write_atomic(path, text)
         return text
+
+    def to_html(self, path: str | os.PathLike | None = None) -> str:
+        """A self-contained HTML page (no network); also written (atomically) to ``path`` when given."""
+        from .html import render_html
+
+        text = render_html(self)
+        if path is not None:
+            write_atomic(path, text)
+        return text
+
+
+def load_schema() -> dict[str, Any]:
+    """The JSON Schema that :meth:`Report.to_json` output follows."""
+    return json.loads(resources.files(__package__).joinpath("schema.json").read_text(encoding="utf-8"))
+
+
+def summary_lines(report: Report) -> list[str]:
+    """The summary as short sentences, shared by :meth:`Report.summary` and the terminal view."""
+    info, stats = report.info, report.stats()
+    counts = stats["by_precision"]
+    parts = ", ".join(f"{counts[p]} {p}" for p in PRECISIONS if p in counts)
+    lines = [
+        f"amppass {info.get('front_end', '')} plan, target {info.get('dtype')} ({info.get('mode', 'inference')}): "
+        f"{stats['nodes']} nodes: {parts}",
+    ]
+    macs = stats["macs"]
+    if macs["total"]:
+        lines.append(
+            f"heavy compute in {info.get('dtype')}: {macs['low_share']:.1%} of {macs['total']:,} MACs "
+            f"({macs['counted_nodes']} matmul/conv/attention nodes with known shapes)"
+        )
+    lines.append(f"casts inserted: {stats['casts']}")
+    before, after = stats["weight_bytes"]["before"], stats["weight_bytes"]["after"]
+    if before:
+        lines.append(f"weight bytes: {before:,} -> {after:,} ({after / before:.2f} of fp32)")
+    if stats["sources"]:
+        lines.append("decided by: " + ", ".join(f"{n} {s}" for s, n in stats["sources"].items()))
+    if stats["moved_by_tolerance"] is not None:
+        lines.append(f"moved to fp32 by the tolerance search: {stats['moved_by_tolerance']} nodes")
+    if stats["unknown_ops"]:
+        lines.append("ops not in the policy table (followed their inputs): " + ", ".join(stats["unknown_ops"]))
+    if not stats["calibrated"]:
+        lines.append("uncalibrated: decisions come from op semantics and weights only")
+    return lines
+
+
+def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same folder, so no half file is left."""
+    path = os.fspath(path)
+    folder, base = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(folder, f".{base}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        # os.open with 0o666 so the file gets the usual permissions under the user's umask
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as out:
+            out.write(data.encode("utf-8") if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise

@@ -1,0 +1,78 @@
+"""Multiply-accumulate counts of the heavy FX ops, from the shapes torch.export recorded.
+
+Only the ops that dominate a model's compute are counted (matrix products, convolutions, attention); the
+report uses them to say which share of the heavy work runs in low precision. Symbolic dimensions count at
+the example inputs' sizes (their hint); a node whose shapes are unknown counts as ``None``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import fx
+
+from ..fx.ops import op_name
+
+# ops whose MACs are (output elements) x (length of the reduced dimension of the first matrix operand),
+# with the index of that operand in node.args
+_MATMULS = {"linear": 0, "mm": 0, "bmm": 0, "matmul": 0, "addmm": 1, "baddbmm": 1, "addbmm": 1}
+_CONVS = frozenset({"conv1d", "conv2d", "conv3d", "convolution", "_convolution"})
+_CONV_TRANSPOSES = frozenset({"conv_transpose1d", "conv_transpose2d", "conv_transpose3d"})
+
+
+def node_macs(node: fx.Node) -> int | None:
+    """Multiply-accumulates one call of ``node`` performs, or None if it is not heavy or shapes are unknown."""
+    if node.op != "call_function":
+        return None
+    name = op_name(node)
+    try:
+        if name in _MATMULS:
+            operand = _shape(node.args[_MATMULS[name]])
+            out = _shape(node)
+            return math.prod(out) * operand[-1] if operand and out is not None else None
+        if name in _CONVS or name in _CONV_TRANSPOSES:
+            return _conv_macs(node, transposed=name in _CONV_TRANSPOSES)
+        if name == "scaled_dot_product_attention":
+            return _attention_macs(node)
+    except (IndexError, TypeError):
+        return None
+    return None
+
+
+def _conv_macs(node: fx.Node, transposed: bool) -> int | None:
+    weight = _shape(node.args[1])
+    if weight is None:
+        return None
+    if op_name(node) in ("convolution", "_convolution"):
+        transposed = bool(node.args[6]) if len(node.args) > 6 else bool(node.kwargs.get("transposed", False))
+    per_element = weight[1] * math.prod(weight[2:])
+    # a convolution does one weight slice per output element; a transposed one, per input element
+    counted = _shape(node.args[0]) if transposed else _shape(node)
+    return math.prod(counted) * per_element if counted is not None else None
+
+
+def _attention_macs(node: fx.Node) -> int | None:
+    query, key, value = (_shape(node.args[i]) for i in range(3))
+    if query is None or key is None or value is None:
+        return None
+    batch = math.prod(query[:-2])
+    length, source = query[-2], key[-2]
+    return batch * length * source * (query[-1] + value[-1])  # Q @ K^T, then weights @ V
+
+
+def _shape(value: Any) -> list[int] | None:
+    """Concrete sizes of a node's recorded output, symbolic dims at their hint."""
+    tensor = value.meta.get("val") if isinstance(value, fx.Node) else None
+    if not isinstance(tensor, torch.Tensor):
+        return None
+    sizes = []
+    for dim in tensor.shape:
+        if isinstance(dim, torch.SymInt):
+            hint = dim.node.hint
+            if hint is None:
+                return None
+            dim = hint
+        sizes.append(int(dim))
+    return sizes

@@ -1,0 +1,202 @@
+"""The report as one self-contained HTML page: inline CSS, JavaScript and SVG, nothing fetched.
+
+The page has a summary, a strip of every node in graph order coloured by precision (hover for the
+decision), a plot of observed value ranges against fp16's limits when the model was calibrated, and the
+table of decisions, which the inline script makes sortable (click a header) and filterable. Every row is
+in the HTML itself, so the page reads the same without JavaScript.
+"""
+
+from __future__ import annotations
+
+import math
+from html import escape
+
+from .report import LOW_PRECISIONS, PRECISIONS, Report, Row, summary_lines
+
+FP16_MAX = 65504.0
+FP16_MIN_NORMAL = 6.103515625e-05
+COLOURS = {"fp16": "#2f9e44", "bf16": "#1971c2", "fp32": "#e8590c", "-": "#adb5bd"}
+_CELL, _PER_LINE = 14, 60  # node strip: cell size in px, cells per line
+
+_CSS = """
+body{font:14px/1.4 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#212529;background:#fff}
+h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:28px 0 8px}
+.muted{color:#6c757d}.cards{display:flex;flex-wrap:wrap;gap:10px;margin:14px 0}
+.card{border:1px solid #dee2e6;border-radius:6px;padding:8px 12px;min-width:120px}
+.card b{display:block;font-size:19px}.legend span{display:inline-block;margin-right:14px}
+.sw{display:inline-block;width:11px;height:11px;border-radius:2px;margin-right:4px;vertical-align:-1px}
+table{border-collapse:collapse;width:100%}th,td{border-bottom:1px solid #e9ecef;padding:4px 8px;text-align:left;vertical-align:top}
+th{position:sticky;top:0;background:#f8f9fa;cursor:pointer;user-select:none;white-space:nowrap}
+th[aria-sort=ascending]::after{content:" \\25B2"}th[aria-sort=descending]::after{content:" \\25BC"}
+td.num{text-align:right;font-variant-numeric:tabular-nums}td.name,td.op{font-family:ui-monospace,monospace;font-size:12px}
+.pill{border-radius:9px;padding:0 7px;color:#fff;font-size:12px}.controls{margin:8px 0;display:flex;gap:10px;align-items:center}
+input,select{font:inherit;padding:3px 6px}svg text{font:11px system-ui,sans-serif;fill:#495057}
+ul.summary{margin:6px 0;padding-left:20px}
+"""
+
+_JS = """
+(function(){
+  var table=document.getElementById('rows'),body=table.tBodies[0],rows=Array.prototype.slice.call(body.rows);
+  var text=document.getElementById('filter'),prec=document.getElementById('precision'),shown=document.getElementById('shown');
+  function apply(){
+    var q=text.value.toLowerCase(),p=prec.value,n=0;
+    rows.forEach(function(r){
+      var ok=(!p||r.dataset.precision===p)&&(!q||r.textContent.toLowerCase().indexOf(q)>=0);
+      r.hidden=!ok;if(ok)n++;});
+    shown.textContent=n+' of '+rows.length+' nodes shown';
+  }
+  function key(cell){var v=cell.dataset.sort;if(v===undefined)v=cell.textContent;
+    var f=parseFloat(v);return (v!==''&&!isNaN(f)&&isFinite(v))?f:v.toLowerCase();}
+  Array.prototype.forEach.call(table.tHead.rows[0].cells,function(th,i){
+    th.addEventListener('click',function(){
+      var dir=th.getAttribute('aria-sort')==='ascending'?-1:1;
+      Array.prototype.forEach.call(table.tHead.rows[0].cells,function(o){o.removeAttribute('aria-sort');});
+      th.setAttribute('aria-sort',dir>0?'ascending':'descending');
+      rows.sort(function(a,b){var x=key(a.cells[i]),y=key(b.cells[i]);
+        if(typeof x!==typeof y){x=String(x);y=String(y);}return x<y?-dir:x>y?dir:0;});
+      rows.forEach(function(r){body.appendChild(r);});
+    });
+  });
+  text.addEventListener('input',apply);prec.addEventListener('change',apply);apply();
+  document.body.dataset.ready='1';
+})();
+"""
+
+
+def render_html(report: Report) -> str:
+    """The whole page as a string."""
+    info = report.info
+    title = f"amppass report: {info.get('model_name') or info.get('front_end', '')} to {info.get('dtype')}"
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f"<title>{escape(title)}</title><style>{_CSS}</style></head><body>",
+        f"<h1>{escape(title)}</h1>",
+        f'<div class="muted">amppass {escape(str(info.get("amppass_version", "")))} · '
+        f"report schema {escape(str(report.to_dict()['schema_version']))}</div>",
+        _cards(report),
+        '<ul class="summary">' + "".join(f"<li>{escape(line)}</li>" for line in summary_lines(report)) + "</ul>",
+        "<h2>Nodes in graph order</h2>",
+        _legend(),
+        _strip(report.rows),
+        "<h2>Observed ranges against fp16's limits</h2>",
+        _ranges(report),
+        "<h2>Decisions</h2>",
+        _table(report.rows),
+        f"<script>{_JS}</script></body></html>",
+    ]
+    return "\n".join(parts)
+
+
+def _cards(report: Report) -> str:
+    stats = report.stats()
+    counts = stats["by_precision"]
+    share = stats["macs"]["low_share"]
+    before, after = stats["weight_bytes"]["before"], stats["weight_bytes"]["after"]
+    cards = [(f"{counts.get(p, 0)}", f"{p} nodes") for p in PRECISIONS if p != "-" and counts.get(p)]
+    cards += [
+        ("-" if share is None else f"{share:.1%}", f"heavy compute in {report.info.get('dtype')}"),
+        (f"{stats['casts']}", "casts inserted"),
+        ("-" if not before else f"{after / before:.2f}×", "weight bytes vs fp32"),
+        ("yes" if stats["calibrated"] else "no", "calibrated"),
+    ]
+    if stats["moved_by_tolerance"] is not None:
+        cards.append((f"{stats['moved_by_tolerance']}", "moved by tolerance"))
+    body = "".join(f'<div class="card"><b>{escape(v)}</b><span class="muted">{escape(k)}</span></div>' for v, k in cards)
+    return f'<div class="cards">{body}</div>'
+
+
+def _legend() -> str:
+    items = "".join(
+        f'<span><i class="sw" style="background:{COLOURS[p]}"></i>{escape(p if p != "-" else "no float work")}</span>'
+        for p in PRECISIONS
+    )
+    return f'<div class="legend">{items}</div>'
+
+
+def _strip(rows: list[Row]) -> str:
+    """One square per node, ``_PER_LINE`` to a line, with the decision as its tooltip."""
+    lines = max(1, math.ceil(len(rows) / _PER_LINE))
+    width, height = _PER_LINE * _CELL, lines * _CELL
+    cells = []
+    for i, row in enumerate(rows):
+        x, y = (i % _PER_LINE) * _CELL, (i // _PER_LINE) * _CELL
+        tip = f"{row.name} · {row.op} · {row.precision} ({row.source}): {row.reason}"
+        cells.append(
+            f'<rect class="node" data-precision="{escape(row.precision)}" x="{x + 1}" y="{y + 1}" '
+            f'width="{_CELL - 2}" height="{_CELL - 2}" rx="2" fill="{COLOURS.get(row.precision, "#000")}">'
+            f"<title>{escape(tip)}</title></rect>"
+        )
+    return (
+        f'<svg id="strip" role="img" aria-label="nodes coloured by precision" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" xmlns="http://www.w3.org/2000/svg">{"".join(cells)}</svg>'
+    )
+
+
+def _ranges(report: Report) -> str:
+    """Per calibrated node, a bar from its smallest non-zero to its largest magnitude on a log axis."""
+    observed = [(row, row.observed) for row in report.rows if row.observed is not None]
+    if not report.info.get("calibrated") or not observed:
+        return '<p class="muted" id="ranges-note">Not calibrated: no observed ranges to plot. ' \
+               "Convert with calibration data to see each node's range against fp16's limits.</p>"
+    values = [v for _, (hi, lo) in observed for v in (hi, lo) if v is not None and v > 0]
+    lo_exp = math.floor(math.log10(min(values + [FP16_MIN_NORMAL]))) - 1
+    hi_exp = math.ceil(math.log10(max(values + [FP16_MAX]))) + 1
+    left, bar, width = 220, 12, 900
+    height = 30 + bar * len(observed)
+
+    def x(value: float) -> float:
+        return left + (math.log10(value) - lo_exp) / (hi_exp - lo_exp) * (width - left - 10)
+
+    parts = []
+    for exp in range(lo_exp, hi_exp + 1):
+        parts.append(f'<line x1="{x(10**exp):.1f}" x2="{x(10**exp):.1f}" y1="18" y2="{height}" stroke="#f1f3f5"/>')
+        if exp % 2 == 0:
+            parts.append(f'<text x="{x(10**exp):.1f}" y="12" text-anchor="middle">1e{exp}</text>')
+    for limit, label in ((FP16_MIN_NORMAL, "fp16 min normal 6.1e-5"), (FP16_MAX, "fp16 max 65504")):
+        parts.append(
+            f'<line class="limit" x1="{x(limit):.1f}" x2="{x(limit):.1f}" y1="18" y2="{height}" '
+            f'stroke="#c92a2a" stroke-dasharray="4 3"><title>{label}</title></line>'
+        )
+    for i, (row, (hi, lo)) in enumerate(observed):
+        y = 22 + i * bar
+        start = x(lo) if lo and lo > 0 else x(hi)
+        end = x(hi) if hi > 0 else start
+        tip = f"{row.name} ({row.precision}): absmax {hi:.3g}" + (f", min non-zero {lo:.3g}" if lo else "")
+        parts.append(f'<text x="{left - 6}" y="{y + bar - 3}" text-anchor="end">{escape(row.name[:32])}</text>')
+        parts.append(
+            f'<rect class="range" x="{start:.1f}" y="{y + 2}" width="{max(end - start, 2):.1f}" height="{bar - 4}" '
+            f'fill="{COLOURS.get(row.precision, "#000")}"><title>{escape(tip)}</title></rect>'
+        )
+    return (
+        f'<svg id="ranges" role="img" aria-label="observed ranges, log scale" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" xmlns="http://www.w3.org/2000/svg">{"".join(parts)}</svg>'
+    )
+
+
+def _table(rows: list[Row]) -> str:
+    options = "".join(f'<option value="{escape(p)}">{escape(p)}</option>' for p in PRECISIONS)
+    controls = (
+        '<div class="controls"><input id="filter" type="search" placeholder="filter: node, op, reason…">'
+        f'<select id="precision"><option value="">all precisions</option>{options}</select>'
+        f'<span id="shown" class="muted">{len(rows)} nodes</span></div>'
+    )
+    head = "".join(
+        f"<th>{h}</th>" for h in ("#", "node", "op", "precision", "source", "casts in", "MACs", "absmax", "reason")
+    )
+    body = []
+    for i, row in enumerate(rows):
+        macs, observed = row.macs, row.observed
+        pill = f'<span class="pill" style="background:{COLOURS.get(row.precision, "#000")}">{escape(row.precision)}</span>'
+        low = "1" if row.precision in LOW_PRECISIONS else "0"
+        body.append(
+            f'<tr data-precision="{escape(row.precision)}" data-low="{low}"><td class="num">{i}</td>'
+            f'<td class="name">{escape(row.name)}</td><td class="op">{escape(row.op)}</td>'
+            f'<td data-sort="{escape(row.precision)}">{pill}</td><td>{escape(row.source)}</td>'
+            f'<td class="name">{escape(", ".join(row.casts))}</td>'
+            f'<td class="num" data-sort="{macs if macs is not None else ""}">{"" if macs is None else f"{macs:,}"}</td>'
+            f'<td class="num" data-sort="{observed[0] if observed else ""}">{f"{observed[0]:.3g}" if observed else ""}</td>'
+            f"<td>{escape(row.reason)}</td></tr>"
+        )
+    return f'{controls}<table id="rows"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'

@@ -1,0 +1,229 @@
+"""The report: summary numbers, MAC counts, JSON schema, HTML page, terminal view."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from html.parser import HTMLParser
+
+import pytest
+import torch
+from torch import nn
+
+import amppass
+from amppass.report.flops import node_macs
+from amppass.report.report import Report, Row, load_schema, write_atomic
+from amppass.report.terminal import render_text
+from models import build
+
+jsonschema = pytest.importorskip("jsonschema")
+
+
+@pytest.fixture(scope="module")
+def cnn_report() -> Report:
+    case = build("cnn", "small")
+    return amppass.report(amppass.convert(case.model, case.example_inputs, dtype="fp16"))
+
+
+@pytest.fixture()
+def calibrated_report() -> Report:
+    """A report as a calibrated conversion with a tolerance search would store it."""
+    rows = [
+        Row("conv", "Conv", "fp16", "convolution: Tensor Core work", "policy", ["x_to_fp16"],
+            {"macs": 3000, "absmax": 12.5, "min_nonzero": 1e-3}),
+        Row("exp", "Exp", "fp32", "exp overflows fp16", "policy", [], {"absmax": 2.0e5, "min_nonzero": 1e-7}),
+        Row("big", "MatMul", "fp32", "moved back to fp32: output error", "tolerance", [], {"macs": 1000, "absmax": 70000.0}),
+        Row("shape", "Shape", "-", "no float work", "policy"),
+    ]
+    info = {"front_end": "onnx", "dtype": "fp16", "casts": 3, "calibrated": True, "moved_by_tolerance": ["big"],
+            "weight_bytes_before": 400, "weight_bytes_after": 220}
+    return Report(rows, info)
+
+
+# -- summary and MACs ---------------------------------------------------------------------------------
+
+def test_conv_and_linear_macs_come_from_the_example_shapes(cnn_report):
+    macs = {row.name: row.macs for row in cnn_report.rows if row.macs is not None}
+    # input 2x3x32x32; conv 3->16 3x3 same padding; pool /2; conv 16->32 3x3; linear 32->10
+    assert macs == {"conv2d": 2 * 16 * 32 * 32 * 3 * 9, "conv2d_1": 2 * 32 * 16 * 16 * 16 * 9, "linear": 2 * 10 * 32}
+    stats = cnn_report.stats()
+    assert stats["macs"] == {"total": sum(macs.values()), "low": sum(macs.values()), "low_share": 1.0, "counted_nodes": 3}
+    assert sum(stats["by_precision"].values()) == stats["nodes"] == len(cnn_report.rows)
+    assert stats["calibrated"] is False and stats["moved_by_tolerance"] is None
+    assert 0 < stats["weight_bytes"]["after"] < stats["weight_bytes"]["before"]
+    assert "heavy compute in fp16: 100.0% of" in cnn_report.summary()
+
+
+def test_attention_macs_count_both_products():
+    class Attention(nn.Module):
+        def forward(self, q, k, v):
+            return nn.functional.scaled_dot_product_attention(q, k, v)
+
+    q, k, v = torch.randn(2, 4, 8, 16), torch.randn(2, 4, 6, 16), torch.randn(2, 4, 6, 32)
+    gm = amppass.convert(Attention(), (q, k, v), dtype="bf16")
+    sdpa = [n for n in gm.graph.nodes if "scaled_dot_product" in str(n.target)]
+    assert sdpa and sdpa[0].meta["amppass"]["evidence"]["macs"] == 2 * 4 * 8 * 6 * (16 + 32)
+
+
+def test_node_macs_is_none_without_shapes():
+    gm = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(4, 4)))
+    assert all(node_macs(n) is None for n in gm.graph.nodes)
+
+
+def test_summary_of_a_calibrated_tolerance_run(calibrated_report):
+    stats = calibrated_report.stats()
+    assert stats["moved_by_tolerance"] == 1 and stats["calibrated"] is True
+    assert stats["macs"] == {"total": 4000, "low": 3000, "low_share": 0.75, "counted_nodes": 2}
+    text = calibrated_report.summary()
+    assert "75.0% of 4,000 MACs" in text and "tolerance search: 1 nodes" in text and "uncalibrated" not in text
+
+
+# -- JSON ---------------------------------------------------------------------------------------------
+
+def test_json_of_a_converted_model_follows_the_schema(cnn_report, tmp_path):
+    path = tmp_path / "r.json"
+    cnn_report.to_json(path)
+    data = json.loads(path.read_text())
+    jsonschema.validate(data, load_schema())
+    assert [r["name"] for r in data["rows"]] == [r.name for r in cnn_report.rows]
+    assert data["summary"] == json.loads(json.dumps(cnn_report.stats()))
+
+
+def test_schema_rejects_what_it_does_not_describe(calibrated_report):
+    schema = load_schema()
+    jsonschema.validate(json.loads(calibrated_report.to_json()), schema)
+    bad = json.loads(calibrated_report.to_json())
+    bad["rows"][0]["precision"] = "fp8"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, schema)
+    del bad["summary"]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, schema)
+
+
+def test_failed_write_leaves_no_file(tmp_path, monkeypatch):
+    target = tmp_path / "r.json"
+
+    def refuse(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", refuse)
+    with pytest.raises(OSError):
+        write_atomic(target, "x" * 1000)
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- HTML ---------------------------------------------------------------------------------------------
+
+class _Page(HTMLParser):
+    """Collects the elements the report page is made of."""
+
+    def __init__(self):
+        super().__init__()
+        self.stack: list[str] = []
+        self.body_rows: list[dict] = []
+        self.strip_cells: list[dict] = []
+        self.ranges: list[dict] = []
+        self.limits = 0
+        self.external: list[str] = []
+        self.ids: set[str] = set()
+        self.headers = 0
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        self.ids.add(attrs.get("id", ""))
+        for key in ("src", "href"):
+            if attrs.get(key):
+                self.external.append(attrs[key])
+        if tag == "link" or (tag == "script" and "src" in attrs):
+            self.external.append(tag)
+        if tag == "tr" and "tbody" in self.stack:
+            self.body_rows.append(attrs)
+        if tag == "th":
+            self.headers += 1
+        if tag == "rect" and "node" in attrs.get("class", ""):
+            self.strip_cells.append(attrs)
+        if tag == "rect" and attrs.get("class") == "range":
+            self.ranges.append(attrs)
+        if tag == "line" and attrs.get("class") == "limit":
+            self.limits += 1
+        self.stack.append(tag)
+
+    def handle_endtag(self, tag):
+        while self.stack and self.stack.pop() != tag:
+            pass
+
+
+def _parse(text: str) -> _Page:
+    page = _Page()
+    page.feed(text)
+    return page
+
+
+def test_html_page_is_self_contained_with_a_row_and_a_cell_per_node(cnn_report, tmp_path):
+    path = tmp_path / "r.html"
+    cnn_report.to_html(path)
+    text = path.read_text(encoding="utf-8")
+    page = _parse(text)
+    assert page.external == []
+    assert not re.search(r"(src|href)=\"https?:", text) and "@import" not in text
+    assert [r["data-precision"] for r in page.body_rows] == [r.precision for r in cnn_report.rows]
+    assert [c["data-precision"] for c in page.strip_cells] == [r.precision for r in cnn_report.rows]
+    assert {"rows", "filter", "precision", "strip", "ranges-note"} <= page.ids
+    assert page.headers == 9 and page.ranges == []
+
+
+def test_html_plots_observed_ranges_against_fp16_limits(calibrated_report):
+    page = _parse(calibrated_report.to_html())
+    assert "ranges" in page.ids and page.limits == 2
+    assert len(page.ranges) == 3
+    # log scale: exp's range (1e-7 .. 2e5) starts left of conv's (1e-3 .. 12.5) and is wider
+    conv, exp = page.ranges[0], page.ranges[1]
+    assert float(exp["x"]) < float(conv["x"]) and float(exp["width"]) > float(conv["width"])
+
+
+def test_html_escapes_node_text():
+    report = Report([Row("<script>alert(1)</script>", "op&", "fp16", "a < b", "override")],
+                    {"front_end": "fx", "dtype": "fp16"})
+    text = report.to_html()
+    assert "<script>alert(1)" not in text and "&lt;script&gt;alert(1)" in text
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="Debian chromium is not installed")
+def test_html_table_runs_in_headless_chromium(cnn_report, tmp_path):
+    path = tmp_path / "r.html"
+    cnn_report.to_html(path)
+    with tempfile.TemporaryDirectory() as profile:
+        result = subprocess.run(
+            ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={profile}",
+             "--dump-dom", path.as_uri()],
+            capture_output=True, text=True, timeout=60,
+        )
+    dom = result.stdout
+    assert result.returncode == 0, result.stderr[-2000:]
+    n = len(cnn_report.rows)
+    assert 'data-ready="1"' in dom  # the inline script ran to its end
+    assert f"{n} of {n} nodes shown" in dom
+    assert len(_parse(dom).body_rows) == n
+
+
+# -- terminal -----------------------------------------------------------------------------------------
+
+def test_terminal_view_lists_every_node_and_the_summary(cnn_report):
+    text = render_text(cnn_report, width=200)
+    for row in cnn_report.rows:
+        assert row.name in text
+    for line in cnn_report.summary().splitlines():
+        assert line in text
+    assert "\x1b[" not in text
+
+
+def test_terminal_view_can_cut_long_tables(cnn_report):
+    text = render_text(cnn_report, width=200, max_rows=2)
+    assert f"{len(cnn_report.rows) - 2} more nodes" in text
+    assert cnn_report.rows[-1].name + " " not in text.split("more nodes")[0]
