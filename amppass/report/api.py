@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from torch import fx
@@ -14,10 +15,16 @@ from .report import Report
 def report(converted: Any) -> Report:
     """Rebuild the per-node precision report from a model amppass converted.
 
-    Accepts the ``torch.fx.GraphModule`` that :func:`amppass.convert` returned.
+    Accepts the ``torch.fx.GraphModule`` that :func:`amppass.convert` returned, or an ``onnx.ModelProto``
+    (or .onnx path) that :func:`amppass.convert_onnx` returned.
     """
     if isinstance(converted, fx.GraphModule):
         return read_graph_module(converted)
+    if isinstance(converted, (str, os.PathLike)) or type(converted).__name__ == "ModelProto":
+        from .onnx_reader import read_onnx  # onnx is imported only when an ONNX model is reported
+
+        return read_onnx(converted)
     raise InputError(
-        f"amppass.report cannot read a {type(converted).__name__}; pass a GraphModule from amppass.convert"
+        f"amppass.report cannot read a {type(converted).__name__}; pass a GraphModule from amppass.convert, "
+        "or an ONNX model (or .onnx path) from amppass.convert_onnx"
     )

@@ -1,0 +1,226 @@
+"""``amppass.convert_onnx``: load, analyse, paint, rewrite and re-type an ONNX model; and :func:`save`."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import tempfile
+from typing import Iterable, Iterator
+
+import numpy as np
+
+import onnx
+from onnx import TensorProto, external_data_helper
+
+from .. import __version__
+from ..analysis import overrides
+from ..analysis.painting import paint
+from ..dtypes import FP16_MAX
+from ..errors import InputError
+from . import runtime
+from .rewrite import META_KEY, SHORT, rewrite
+from .view import build_view, name_nodes, opsets, subgraphs
+
+log = logging.getLogger(__name__)
+
+_LOW = {"fp16": TensorProto.FLOAT16, "float16": TensorProto.FLOAT16, "half": TensorProto.FLOAT16,
+        "bf16": TensorProto.BFLOAT16, "bfloat16": TensorProto.BFLOAT16}
+_BF16_MAX = 3.3895313892515355e38
+PROTOBUF_LIMIT = 2 * 1024**3
+IR_WITH_NODE_METADATA = 10  # NodeProto.metadata_props arrived with IR version 10
+
+
+def convert_onnx(
+    model: str | os.PathLike | onnx.ModelProto,
+    dtype: str = "fp16",
+    *,
+    keep_io_types: bool = True,
+    keep_fp32: Iterable[str] = (),
+    force_low: Iterable[str] = (),
+    low_weight_tables: bool = False,
+) -> onnx.ModelProto:
+    """Return a mixed-precision copy of an ONNX model that the installed onnxruntime loads.
+
+    Args:
+        model: a path to a .onnx file (external data beside it is read) or an ``onnx.ModelProto``,
+            which is never changed.
+        dtype: "fp16" or "bf16".
+        keep_io_types: keep float32 graph outputs float32 (inputs always keep their type).
+        keep_fp32: op types ("Softmax") or regular expressions over node names to keep in fp32.
+        force_low: op types or node-name regexes to run in low precision regardless of the policy.
+        low_weight_tables: store tables read by weight-only ops (embedding Gathers) in low precision even
+            when they feed fp32 work.
+
+    Each node's decision is stored in its ``metadata_props["amppass"]`` and the summary in the model's;
+    ``amppass.report`` reads them back. Calibration decisions, when they exist, enter as ``given`` below.
+    """
+    low = _low_type(dtype)
+    low_name, low_max = SHORT[low], (FP16_MAX if low == TensorProto.FLOAT16 else _BF16_MAX)
+    work, base_dir = _load(model)
+    versions = opsets(work)
+    if low == TensorProto.BFLOAT16 and versions.get("", 1) < 13:
+        raise InputError(f"bf16 needs opset 13 or later for Cast; this model imports opset {versions.get('', 1)}. "
+                         "Re-export it with a newer opset or use dtype='fp16'")
+    if versions.get("", 1) > runtime.max_opset():
+        raise InputError(f"the model imports opset {versions[''] } but the installed onnxruntime loads at most "
+                         f"{runtime.max_opset()}; re-export with opset <= {runtime.max_opset()}")
+    if _already_converted(work):
+        raise InputError("the model was already converted by amppass (its metadata says so); convert the "
+                         "original float32 model instead")
+    name_nodes(work)
+    bytes_before = weight_bytes(work)
+    typed = _infer(work)
+    if base_dir is not None:
+        external_data_helper.load_external_data_for_model(typed, base_dir)
+
+    view, refs, types = build_view(typed, low, measure_weights=low == TensorProto.FLOAT16)
+    given = overrides.resolve(view, keep_fp32, force_low, low_name)  # calibration decisions join here
+    plan = paint(view, low_name, low_max, given, low_weight_tables=low_weight_tables)
+    for node in view.nodes:
+        if node.unknown and node.name in plan:
+            plan[node.name].evidence["unknown"] = True
+    stats = rewrite(typed, plan, refs, types, set(view.weights), low, keep_io_types)
+
+    _clear_value_info(typed.graph)
+    typed.ir_version = min(max(typed.ir_version, IR_WITH_NODE_METADATA), runtime.max_ir_version())
+    result = _infer(typed)
+    info = {
+        "amppass_version": __version__,
+        "front_end": "onnx",
+        "dtype": low_name,
+        "mode": "inference",
+        "keep_io_types": keep_io_types,
+        "casts": stats.casts,
+        "weights_converted": stats.weights_converted,
+        "weight_copies": stats.weight_copies,
+        "weight_bytes_before": bytes_before,
+        "weight_bytes_after": weight_bytes(result),
+        "clamped": stats.clamped,
+        "calibrated": False,
+    }
+    _set_model_meta(result, info)
+    log.info("converted ONNX model to %s: %d nodes planned, %d casts", low_name, len(plan), stats.casts)
+    return result
+
+
+def save(model: onnx.ModelProto, path: str | os.PathLike, external_data: bool | None = None) -> None:
+    """Write ``model`` to ``path`` atomically; weights go to ``<name>.data`` beside it when the model is
+    over 2 GB (protobuf's limit) or ``external_data`` is True."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    if external_data is None:
+        external_data = model.ByteSize() >= PROTOBUF_LIMIT if _all_inline(model) else True
+    fd, tmp = tempfile.mkstemp(prefix=".amppass-", suffix=".onnx", dir=folder)
+    os.close(fd)
+    try:
+        if external_data:
+            data_name = os.path.basename(path) + ".data"
+            tmp_data = os.path.join(folder, f".{data_name}.tmp")
+            to_save = copy.deepcopy(model)
+            onnx.save_model(to_save, tmp, save_as_external_data=True, all_tensors_to_one_file=True,
+                            location=os.path.basename(tmp_data), size_threshold=1024)
+            _relocate(tmp, os.path.basename(tmp_data), data_name)
+            os.replace(tmp_data, os.path.join(folder, data_name))
+        else:
+            onnx.save_model(model, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def weight_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of the floating-point initializers and Constant tensors of ``model``, subgraphs included."""
+    sizes = {TensorProto.FLOAT: 4, TensorProto.FLOAT16: 2, TensorProto.BFLOAT16: 2, TensorProto.DOUBLE: 8}
+    total = 0
+    for tensor in _tensors(model.graph):
+        if tensor.data_type in sizes:
+            total += int(np.prod(tensor.dims, dtype=np.int64)) * sizes[tensor.data_type]
+    return total
+
+
+def _low_type(dtype: object) -> int:
+    key = getattr(dtype, "__name__", None) or str(dtype).replace("torch.", "").strip().lower()
+    if key not in _LOW:
+        raise InputError(f"dtype={dtype!r} is not a low-precision dtype amppass can target in ONNX; use 'fp16' or 'bf16'")
+    return _LOW[key]
+
+
+def _load(model: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.ModelProto, str | None]:
+    """A private copy of ``model`` (external data not yet loaded) and the folder its data lives in."""
+    if isinstance(model, onnx.ModelProto):
+        return copy.deepcopy(model), None
+    if not isinstance(model, (str, os.PathLike)):
+        raise InputError(f"convert_onnx takes a path to a .onnx file or an onnx.ModelProto, not {type(model).__name__}")
+    path = os.fspath(model)
+    if not os.path.isfile(path):
+        raise InputError(f"{path!r} is not a file; pass the path of an .onnx model")
+    try:
+        loaded = onnx.load(path, load_external_data=False)
+    except Exception as err:  # protobuf's DecodeError and friends
+        raise InputError(f"{path!r} could not be read as an ONNX model ({err}); is it an .onnx file?") from err
+    return loaded, (None if _all_inline(loaded) else os.path.dirname(os.path.abspath(path)))
+
+
+def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with value_info re-inferred; a model over 2 GB is inferred without its weight bytes."""
+    try:
+        if model.ByteSize() < PROTOBUF_LIMIT:
+            return onnx.shape_inference.infer_shapes(model, check_type=True)
+        light = copy.deepcopy(model)
+        for tensor in _tensors(light.graph):
+            tensor.ClearField("raw_data")
+        inferred = onnx.shape_inference.infer_shapes(light, check_type=True)
+        del model.graph.value_info[:]
+        model.graph.value_info.extend(inferred.graph.value_info)
+        return model
+    except onnx.shape_inference.InferenceError as err:
+        raise InputError(f"onnx shape inference rejects the model ({err}); check it with "
+                         "onnx.checker.check_model(model, full_check=True) and fix the reported node") from err
+
+
+def _tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    """Initializers and Constant tensors of ``graph`` and its bodies."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.TENSOR:
+                yield attr.t
+        for sub in subgraphs(node):
+            yield from _tensors(sub)
+
+
+def _clear_value_info(graph: onnx.GraphProto) -> None:
+    """Drop inferred types, stale after the rewrite, in the graph and every body."""
+    del graph.value_info[:]
+    for node in graph.node:
+        for sub in subgraphs(node):
+            _clear_value_info(sub)
+
+
+def _all_inline(model: onnx.ModelProto) -> bool:
+    return not any(external_data_helper.uses_external_data(t) for t in _tensors(model.graph))
+
+
+def _relocate(model_path: str, old: str, new: str) -> None:
+    """Point the external-data entries of the file at ``model_path`` from ``old`` to ``new``."""
+    model = onnx.load(model_path, load_external_data=False)
+    for tensor in _tensors(model.graph):
+        for entry in tensor.external_data:
+            if entry.key == "location" and entry.value == old:
+                entry.value = new
+    onnx.save_model(model, model_path)
+
+
+def _already_converted(model: onnx.ModelProto) -> bool:
+    return any(p.key == META_KEY for p in model.metadata_props)
+
+
+def _set_model_meta(model: onnx.ModelProto, info: dict) -> None:
+    for entry in model.metadata_props:
+        if entry.key == META_KEY:
+            entry.value = json.dumps(info)
+            return
+    model.metadata_props.add(key=META_KEY, value=json.dumps(info))

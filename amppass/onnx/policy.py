@@ -1,0 +1,181 @@
+"""The ONNX op policy table: rows keyed by (domain, op_type) with opset ranges, categories and reasons.
+
+The same facts as the FX table (:mod:`amppass.fx.policy`), in ONNX's spelling. ONNX reductions and
+softmax have no ``dtype=`` argument, so what FX runs as FP32_ACCUM runs here as FP32 (inputs cast up).
+Per-input-slot exceptions name inputs by their schema name; a slot marked "keep" is fed the value the
+model gives it, whatever the node's precision (Resize's roi/scales, Dropout's ratio, shapes, indices).
+
+:func:`classify` adds two checks on the table: the op's schema must allow the low dtype for the inputs
+the plan would convert, and the installed onnxruntime must run it (:mod:`amppass.onnx.runtime`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import onnx
+from onnx import TensorProto
+
+from ..analysis.plan import Category
+from . import runtime
+
+
+@dataclass(frozen=True)
+class PolicyRow:
+    """A category and reason for some ops of one domain over an opset range, plus slot exceptions."""
+
+    category: Category
+    reason: str
+    ops: tuple[str, ...]
+    domain: str = ""
+    opsets: tuple[int, int] = (1, 1 << 30)
+    slots: dict[str, str] = field(default_factory=dict)  # input name -> "keep"
+
+
+_MS = "com.microsoft"
+
+POLICY: tuple[PolicyRow, ...] = (
+    PolicyRow(Category.LOW, "matrix multiply: Tensor Core work, accumulates in fp32 inside the kernel",
+              ("MatMul", "Gemm", "Einsum")),
+    PolicyRow(Category.LOW, "convolution: Tensor Core work, accumulates in fp32 inside the kernel",
+              ("Conv", "ConvTranspose")),
+    PolicyRow(Category.LOW, "attention: fused kernel, softmax statistics kept in fp32 inside it",
+              ("Attention",), opsets=(23, 1 << 30)),
+    PolicyRow(Category.LOW, "recurrent cell: matrix products dominate", ("LSTM", "GRU", "RNN")),
+    PolicyRow(Category.LOW, "fused matrix multiply or attention (onnxruntime contrib op): Tensor Core work",
+              ("FusedMatMul", "Attention", "MultiHeadAttention", "GroupQueryAttention", "FusedConv"), domain=_MS),
+    PolicyRow(Category.FP32, "softmax: exp and its sum overflow fp16; ONNX has no fp32-accumulate form, so "
+              "its input is cast up", ("Softmax", "LogSoftmax")),
+    PolicyRow(Category.FP32, "reduction: a sum over many terms loses bits and can overflow in fp16; ONNX has "
+              "no fp32-accumulate form, so its input is cast up",
+              ("ReduceSum", "ReduceMean", "ReduceProd", "ReduceSumSquare", "ReduceL1", "ReduceL2",
+               "ReduceLogSum", "ReduceLogSumExp", "CumSum")),
+    PolicyRow(Category.FP32, "normalisation: mean and variance statistics need fp32",
+              ("LayerNormalization", "BatchNormalization", "InstanceNormalization", "GroupNormalization",
+               "RMSNormalization", "LpNormalization", "MeanVarianceNormalization", "LRN")),
+    PolicyRow(Category.FP32, "normalisation (onnxruntime contrib op): mean and variance statistics need fp32",
+              ("SkipLayerNormalization", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization"),
+              domain=_MS),
+    PolicyRow(Category.FP32, "exponential or logarithm: overflows or loses precision in fp16", ("Exp", "Log")),
+    PolicyRow(Category.FP32, "power or reciprocal: magnifies relative error and leaves fp16's range quickly",
+              ("Pow", "Reciprocal")),
+    PolicyRow(Category.FP32, "transcendental with a narrow fp16 domain or range",
+              ("Tan", "Acos", "Asin", "Cosh", "Sinh", "Atanh", "Acosh", "Asinh")),
+    PolicyRow(Category.FP32, "loss: log, exp and long sums; kept in fp32",
+              ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")),
+    PolicyRow(Category.FP32, "resampling: interpolation weights and coordinates need fp32",
+              ("Resize", "Upsample", "GridSample", "AffineGrid", "RoiAlign"),
+              slots={"roi": "keep", "scales": "keep", "sizes": "keep", "rois": "keep", "batch_indices": "keep"}),
+    PolicyRow(Category.FP32, "box selection: coordinates and IoU thresholds need fp32", ("NonMaxSuppression",),
+              slots={"max_output_boxes_per_class": "keep", "iou_threshold": "keep", "score_threshold": "keep"}),
+    PolicyRow(Category.KEEP, "creates values from its attributes or a range; kept as the model wrote it",
+              ("Range", "ConstantOfShape", "RandomNormal", "RandomUniform", "RandomNormalLike",
+               "RandomUniformLike", "EyeLike", "Multinomial", "Bernoulli")),
+    PolicyRow(Category.KEEP, "reads shape metadata only", ("Shape", "Size")),
+    PolicyRow(Category.KEEP, "control flow: values cross the subgraph boundary in fp32; the body's nodes are "
+              "planned one by one", ("If", "Loop", "Scan")),
+    PolicyRow(Category.FOLLOW, "elementwise or data movement: runs in the precision of its inputs",
+              ("Add", "Sub", "Mul", "Div", "Neg", "Abs", "Relu", "LeakyRelu", "PRelu", "Elu", "Selu", "Celu",
+               "Gelu", "HardSigmoid", "HardSwish", "Mish", "Sigmoid", "Tanh", "Softplus", "Softsign", "Sqrt",
+               "Sin", "Cos", "Atan", "Erf", "Sign", "Floor", "Ceil", "Round", "Max", "Min", "Mean", "Sum",
+               "Clip", "Where", "Dropout", "Identity", "Reshape", "Transpose", "Squeeze", "Unsqueeze",
+               "Flatten", "Concat", "Split", "Slice", "Gather", "GatherElements", "GatherND", "Scatter",
+               "ScatterElements", "ScatterND", "Expand", "Tile", "Pad", "DepthToSpace", "SpaceToDepth",
+               "MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "ReduceMax", "ReduceMin",
+               "ArgMax", "ArgMin", "TopK", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual",
+               "IsNaN", "IsInf", "Trilu", "Cast", "CastLike", "Compress", "ReverseSequence", "Hardmax",
+               "ThresholdedRelu", "Shrink", "Mod", "NonZero", "OneHot", "Unique", "DequantizeLinear"),
+              slots={"ratio": "keep", "training_mode": "keep", "shape": "keep", "axes": "keep", "indices": "keep",
+                     "starts": "keep", "ends": "keep", "steps": "keep", "pads": "keep", "repeats": "keep",
+                     "split": "keep", "k": "keep", "K": "keep", "condition": "keep", "depth": "keep"}),
+    PolicyRow(Category.FOLLOW, "elementwise (onnxruntime contrib op): runs in the precision of its inputs",
+              ("Gelu", "FastGelu", "BiasGelu", "QuickGelu", "BiasAdd"), domain=_MS),
+)
+
+UNKNOWN_REASON = "not in the policy table: follows its inputs (override it if it needs fp32)"
+
+_BY_KEY: dict[tuple[str, str], list[PolicyRow]] = {}
+for _row in POLICY:
+    for _op in _row.ops:
+        _BY_KEY.setdefault((_row.domain, _op), []).append(_row)
+
+
+def lookup(domain: str, op_type: str, opset: int) -> PolicyRow | None:
+    """The row for ``(domain, op_type)`` whose opset range holds ``opset``, or None."""
+    domain = "" if domain == "ai.onnx" else domain
+    for row in _BY_KEY.get((domain, op_type), []):
+        if row.opsets[0] <= opset <= row.opsets[1]:
+            return row
+    return None
+
+
+@dataclass(frozen=True)
+class Classification:
+    """An op's category for one node, and which of its inputs the plan leaves alone."""
+
+    category: Category
+    reason: str
+    unknown: bool
+    kept_slots: frozenset[int]  # input positions fed unchanged
+    evidence: dict
+
+
+def input_names(domain: str, op_type: str, opset: int, count: int) -> list[str]:
+    """Schema names of a node's ``count`` inputs (the variadic last one repeated); "" where unknown."""
+    schema = _schema(domain, op_type, opset)
+    if schema is None or not schema.inputs:
+        return [""] * count
+    names = [p.name for p in schema.inputs]
+    return (names + [names[-1]] * count)[:count]
+
+
+def classify(domain: str, op_type: str, opset: int, input_count: int, low: int) -> Classification:
+    """Category, reason and slot exceptions of one node; ``low`` is TensorProto.FLOAT16 or BFLOAT16."""
+    row = lookup(domain, op_type, opset)
+    names = input_names(domain, op_type, opset, input_count)
+    kept = frozenset(i for i, n in enumerate(names) if row is not None and row.slots.get(n) == "keep")
+    if row is None:
+        category, reason, unknown = Category.FOLLOW, UNKNOWN_REASON, True
+    else:
+        category, reason, unknown = row.category, row.reason, False
+    evidence: dict = {}
+    if category in (Category.LOW, Category.FOLLOW):
+        blocked = _low_blocked(domain, op_type, opset, low, kept, input_count)
+        if blocked:
+            return Classification(Category.FP32, blocked, unknown, kept, {"no_low_kernel": True})
+        status = runtime.kernel_status(domain, op_type, opset, low)
+        if status == "via-fp32":
+            evidence["onnxruntime_cpu"] = "no native low-precision kernel; onnxruntime casts around it on CPU"
+    return Classification(category, reason, unknown, kept, evidence)
+
+
+def _low_blocked(domain: str, op_type: str, opset: int, low: int, kept: frozenset[int], count: int) -> str:
+    """Why ``op_type`` cannot run in ``low`` (schema or runtime), or "" when it can."""
+    low_name = _LOW_NAMES[low]
+    schema = _schema(domain, op_type, opset)
+    if schema is not None:
+        allowed = {c.type_param_str: set(c.allowed_type_strs) for c in schema.type_constraints}
+        wanted = f"tensor({'float16' if low == TensorProto.FLOAT16 else 'bfloat16'})"
+        params = schema.inputs
+        for i in range(min(count, len(params)) if params else 0):
+            if i in kept:
+                continue
+            type_str = params[i].type_str
+            types = allowed.get(type_str, {type_str})
+            if "tensor(float)" in types and wanted not in types:
+                return f"the ONNX schema of {op_type} (opset {opset}) does not allow {low_name} inputs; kept fp32"
+    status = runtime.kernel_status(domain, op_type, opset, low)
+    if status == "none":
+        return (f"onnxruntime {runtime.PROVIDER} has no {low_name} kernel for {op_type} (opset {opset}) "
+                "and does not cast around it; kept fp32")
+    return ""
+
+
+_LOW_NAMES = {TensorProto.FLOAT16: "fp16", TensorProto.BFLOAT16: "bf16"}
+
+
+def _schema(domain: str, op_type: str, opset: int) -> onnx.defs.OpSchema | None:
+    try:
+        return onnx.defs.get_schema(op_type, opset, "" if domain == "ai.onnx" else domain)
+    except onnx.defs.SchemaError:
+        return None

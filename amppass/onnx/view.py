@@ -1,0 +1,176 @@
+"""Build the neutral :class:`GraphView` of an ONNX model, subgraphs included.
+
+Value types come from ``onnx.shape_inference``; only float32 values are planned. Float32 initializers and
+``Constant`` nodes are weights (stored in low precision ahead of time where their readers run low);
+graph inputs and the formal inputs of If/Loop/Scan bodies are fixed fp32. A body's nodes come before the
+control node that owns them, so painting sees the outer values they capture already decided.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+import onnx
+from onnx import TensorProto, numpy_helper
+
+from ..analysis.plan import Category
+from ..analysis.view import GraphView, OpView
+from . import policy
+
+FLOAT = TensorProto.FLOAT
+
+
+@dataclass
+class NodeRef:
+    """Where a view node lives and which of its inputs the plan converts."""
+
+    node: onnx.NodeProto
+    planned: list[int]  # input positions holding float32 values the plan may cast
+
+
+def subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+    """The graphs held in ``node``'s attributes (If branches, Loop/Scan bodies)."""
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            yield attr.g
+        elif attr.type == onnx.AttributeProto.GRAPHS:
+            yield from attr.graphs
+
+
+def all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    """Every node of ``graph`` and of its subgraphs, bodies before their owners."""
+    for node in graph.node:
+        for sub in subgraphs(node):
+            yield from all_nodes(sub)
+        yield node
+
+
+def name_nodes(model: onnx.ModelProto) -> None:
+    """Give every node a name unique across the model (unnamed or repeated names are legal in ONNX).
+
+    Mutates ``model``: call it on the private copy the conversion works on.
+    """
+    seen: set[str] = set()
+    counts: dict[str, int] = {}
+    for node in all_nodes(model.graph):
+        name = node.name
+        while not name or name in seen:
+            counts[node.op_type] = counts.get(node.op_type, 0) + 1
+            name = f"{node.name or node.op_type}_amp{counts[node.op_type]}"
+        node.name = name
+        seen.add(name)
+
+
+def value_types(model: onnx.ModelProto) -> dict[str, int]:
+    """Value name -> ONNX element type, for every value shape inference or the model itself types."""
+    types: dict[str, int] = {}
+
+    def visit(graph: onnx.GraphProto) -> None:
+        for info in list(graph.input) + list(graph.output) + list(graph.value_info):
+            if info.type.HasField("tensor_type") and info.type.tensor_type.elem_type:
+                types[info.name] = info.type.tensor_type.elem_type
+        for init in graph.initializer:
+            types[init.name] = init.data_type
+        for node in graph.node:
+            if node.op_type == "Constant" and node.output:
+                tensor = constant_tensor(node)
+                if tensor is not None:
+                    types[node.output[0]] = tensor.data_type
+            for sub in subgraphs(node):
+                visit(sub)
+
+    visit(model.graph)
+    return types
+
+
+def constant_tensor(node: onnx.NodeProto) -> onnx.TensorProto | None:
+    """The tensor of a ``Constant`` node given by its ``value`` attribute, or None."""
+    for attr in node.attribute:
+        if attr.name == "value" and attr.type == onnx.AttributeProto.TENSOR:
+            return attr.t
+    return None
+
+
+def opsets(model: onnx.ModelProto) -> dict[str, int]:
+    """Domain -> opset version imported by ``model`` ("" for the default domain)."""
+    return {("" if o.domain == "ai.onnx" else o.domain): o.version for o in model.opset_import}
+
+
+def build_view(
+    model: onnx.ModelProto, low: int, measure_weights: bool
+) -> tuple[GraphView, dict[str, NodeRef], dict[str, int]]:
+    """The view of ``model`` (named by :func:`name_nodes`, typed by shape inference).
+
+    Returns the view, view name -> :class:`NodeRef`, and value name -> element type.
+    ``low`` is TensorProto.FLOAT16 or BFLOAT16; ``measure_weights`` computes weights' absmax (fp16 only).
+    """
+    types = value_types(model)
+    versions = opsets(model)
+    view = GraphView(nodes=[])
+    refs: dict[str, NodeRef] = {}
+
+    def visit(graph: onnx.GraphProto) -> None:
+        graph_inputs = {i.name for i in graph.input}
+        for init in graph.initializer:
+            if init.data_type == FLOAT and init.name not in graph_inputs:
+                view.weights[init.name] = _absmax(init) if measure_weights else 0.0
+        for node in graph.node:
+            tensor = constant_tensor(node) if node.op_type == "Constant" else None
+            if tensor is not None and tensor.data_type == FLOAT:
+                view.weights[node.output[0]] = _absmax(tensor) if measure_weights else 0.0
+                continue
+            for sub in subgraphs(node):
+                visit(sub)
+            view.nodes.append(_op_view(node, types, versions, low, refs))
+
+    visit(model.graph)
+    view.outputs = [o.name for o in model.graph.output if types.get(o.name) == FLOAT]
+    return view, refs, types
+
+
+def _op_view(node: onnx.NodeProto, types: dict[str, int], versions: dict[str, int], low: int,
+             refs: dict[str, NodeRef]) -> OpView:
+    domain = "" if node.domain == "ai.onnx" else node.domain
+    opset = versions.get(domain, 1)
+    found = policy.classify(domain, node.op_type, opset, len(node.input), low)
+    category, reason = found.category, found.reason
+    planned = [i for i, v in enumerate(node.input) if v and types.get(v) == FLOAT and i not in found.kept_slots]
+    outputs = [v for v in node.output if v and types.get(v) == FLOAT]
+    typed_by_attribute = [a for a in node.attribute if a.name in ("to", "dtype")]
+    if node.op_type == "Cast" and typed_by_attribute and typed_by_attribute[0].i != FLOAT:
+        category, reason = Category.KEEP, (
+            f"explicit cast to {TensorProto.DataType.Name(typed_by_attribute[0].i).lower()} in the model; kept")
+    elif node.op_type == "Cast":
+        reason = "cast to fp32, the model's working dtype: follows its input"
+    elif typed_by_attribute and category is not Category.KEEP:
+        category, reason = Category.KEEP, "output dtype set by an attribute; kept as the model wrote it"
+    elif category is not Category.KEEP and any(v and v not in types for v in node.output) and not list(
+            subgraphs(node)):
+        category, reason = Category.FP32, "onnx shape inference could not type its outputs; kept fp32"
+    if category is Category.KEEP or (not planned and category is not Category.FP32):
+        planned_view: list[str] = []
+        if category is not Category.KEEP:
+            category, reason = Category.KEEP, (
+                "creates fp32 values at run time; kept as they are" if outputs else "no fp32 tensors in or out")
+    else:
+        planned_view = list(dict.fromkeys(node.input[i] for i in planned))
+    refs[node.name] = NodeRef(node, planned if category is not Category.KEEP else [])
+    return OpView(
+        name=node.name,
+        op=node.op_type if not domain else f"{domain}.{node.op_type}",
+        category=category,
+        reason=reason,
+        inputs=planned_view,
+        outputs=outputs,
+        unknown=found.unknown,
+        scalars=[float(a.f) for a in node.attribute if a.type == onnx.AttributeProto.FLOAT],
+    )
+
+
+def _absmax(tensor: onnx.TensorProto) -> float:
+    if tensor.data_location == onnx.TensorProto.EXTERNAL and not tensor.raw_data:
+        return 0.0  # not loaded: measured when the weight itself is converted
+    array = numpy_helper.to_array(tensor)
+    return float(np.abs(array).max()) if array.size else 0.0
