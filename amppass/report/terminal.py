@@ -25,28 +25,30 @@ def summary_panel(report: Report) -> Panel:
 
 
 def decisions_table(report: Report, max_rows: int | None = None) -> Table:
-    """One line per node in graph order; with ``max_rows`` the rest is counted in the caption."""
+    """One line per node in graph order; with ``max_rows`` the rest is counted in the caption.
+
+    The MACs column appears when the front end counted any.
+    """
     table = Table(show_lines=False, header_style="bold", caption_justify="left")
-    for name, options in (
-        ("node", {"no_wrap": True}),
-        ("op", {"no_wrap": True}),
+    with_macs = any(row.macs is not None for row in report.rows)
+    columns = [
+        ("node", {"overflow": "fold", "max_width": 32}),
+        ("op", {"overflow": "fold", "max_width": 20}),
         ("prec", {"no_wrap": True}),
         ("source", {"no_wrap": True}),
         ("MACs", {"justify": "right", "no_wrap": True}),
-        ("casts in", {}),
-        ("reason", {"ratio": 1}),
-    ):
-        table.add_column(name, **options)
+        ("casts in", {"overflow": "fold", "max_width": 20}),
+        ("reason", {}),
+    ]
+    for name, options in columns:
+        if name != "MACs" or with_macs:
+            table.add_column(name, **options)
     rows = report.rows if max_rows is None else report.rows[:max_rows]
     for row in rows:
+        macs = ["" if row.macs is None else f"{row.macs:,}"] if with_macs else []
         table.add_row(
-            row.name,
-            row.op,
-            Text(row.precision, style=STYLES.get(row.precision, "")),
-            row.source,
-            "" if row.macs is None else f"{row.macs:,}",
-            ", ".join(row.casts),
-            row.reason,
+            row.name, row.op, Text(row.precision, style=STYLES.get(row.precision, "")), row.source,
+            *macs, ", ".join(row.casts), row.reason,
         )
     if len(rows) < len(report.rows):
         table.caption = f"… {len(report.rows) - len(rows)} more nodes (write --json or --html for all)"

@@ -1,0 +1,309 @@
+"""The ``amppass`` command: convert an ONNX model to mixed precision, and report on a converted model.
+
+Exit codes: 0 done; 1 a file or model amppass cannot use, or a conversion that failed; 2 a command line
+that does not parse (unknown option or dtype, output path equal to the input path without ``--force``).
+Every error is one line on stderr naming the file and the problem; no output file is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import logging
+import os
+import sys
+import zipfile
+from typing import Any, NoReturn, Sequence
+
+import numpy as np
+import onnx
+
+from . import __version__
+from .errors import AmpPassError
+from .report.report import Report, write_atomic
+
+log = logging.getLogger(__name__)
+
+_CALIB_HELP = (
+    "calibration feeds: a .npz (numpy.savez) with one array per model input, named after the input. "
+    "An array with the input's rank is one batch; one with an extra leading axis is a list of batches "
+    "(arr[i] is batch i); every array must hold the same number of batches"
+)
+_EPILOG = (
+    "examples:\n"
+    "  amppass convert model.onnx -o model.fp16.onnx --dtype fp16 --report report.html\n"
+    "  amppass report model.fp16.onnx --json report.json\n\n"
+    "exit codes: 0 done, 1 a file or model that cannot be used or a failed conversion, 2 a bad command line"
+)
+
+
+class UsageError(Exception):
+    """A command line amppass will not run (exit code 2)."""
+
+
+class FileProblem(Exception):
+    """A file or model the command cannot use, or a conversion that failed (exit code 1)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors, so every failure reads the same."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``amppass`` argument parser with its ``convert`` and ``report`` commands."""
+    parser = _Parser(prog="amppass", description="Mixed-precision conversion of ONNX models, with a per-node "
+                     "report of every precision decision.", epilog=_EPILOG,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"amppass {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what the conversion does")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an unexpected error")
+    commands = parser.add_subparsers(dest="command", metavar="{convert,report}")
+
+    convert = commands.add_parser("convert", help="convert an ONNX model to fp16 or bf16",
+                                  description="Convert an ONNX model to mixed precision and write the result.")
+    convert.add_argument("model", help="the fp32 ONNX model (.onnx)")
+    convert.add_argument("-o", "--output", required=True, help="where to write the converted model")
+    convert.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16", help="low-precision dtype (default fp16)")
+    convert.add_argument("--calib", metavar="FEEDS.npz", help=_CALIB_HELP)
+    convert.add_argument("--report", metavar="REPORT.html", help="also write the HTML report")
+    convert.add_argument("--json", metavar="REPORT.json", help="also write the JSON report")
+    convert.add_argument("--keep-fp32", nargs="+", default=[], metavar="PATTERN",
+                         help="op types or node-name regexes to keep in fp32")
+    convert.add_argument("--force-low", nargs="+", default=[], metavar="PATTERN",
+                         help="op types or node-name regexes to run in low precision regardless of the policy")
+    convert.add_argument("--force", action="store_true", help="allow the output to overwrite the input model")
+
+    report = commands.add_parser("report", help="show the precision report stored in a converted model",
+                                 description="Show the per-node report read back from a converted model.")
+    report.add_argument("model", help="an ONNX model written by amppass convert")
+    report.add_argument("--json", metavar="REPORT.json", help="write the report as JSON")
+    report.add_argument("--html", metavar="REPORT.html", help="write the report as an HTML page")
+    report.add_argument("--rows", type=int, default=None, metavar="N", help="show only the first N rows")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code."""
+    parser = build_parser()
+    args = None
+    try:
+        args = parser.parse_args(argv)
+        _configure_logging(args.verbose)
+        if args.command is None:
+            parser.print_help(sys.stderr)
+            return 2
+        return _convert(args) if args.command == "convert" else _report(args)
+    except UsageError as error:
+        return _fail(2, str(error))
+    except FileProblem as error:
+        return _fail(1, str(error))
+    except KeyboardInterrupt:
+        return _fail(130, "interrupted")
+    except Exception as error:  # the CLI's promise: one line, no traceback, unless asked for it
+        if args is not None and args.debug:
+            raise
+        where = f"{args.model}: " if args is not None and getattr(args, "model", None) else ""
+        return _fail(1, f"{where}unexpected {type(error).__name__}: {_one_line(error)} (rerun with --debug for details)")
+
+
+def _convert(args: argparse.Namespace) -> int:
+    import amppass
+
+    _check_not_input(args.model, args.output, args.force)
+    for path in (args.output, args.report, args.json):
+        _check_writable(path)
+    model = _load_onnx(args.model)
+    feeds = _load_feeds(args.calib, model) if args.calib else None
+    convert_onnx = getattr(amppass, "convert_onnx", None)
+    if convert_onnx is None:
+        raise FileProblem(f"{args.model}: ONNX conversion is not available in this version of amppass")
+    options: dict[str, Any] = {"dtype": args.dtype, "keep_fp32": args.keep_fp32, "force_low": args.force_low}
+    if feeds is not None:
+        if "calibration" not in inspect.signature(convert_onnx).parameters:
+            raise FileProblem(f"{args.calib}: calibration for ONNX is not available in this version of amppass")
+        options["calibration"] = feeds
+    try:
+        converted = convert_onnx(model, **options)
+    except AmpPassError as error:
+        raise FileProblem(f"{args.model}: {_one_line(error)}") from error
+    report = _read_report(converted, args.model)
+    outputs: dict[str, str | bytes] = {args.output: _serialize(converted, args.model)}
+    if args.report:
+        outputs[args.report] = report.to_html()
+    if args.json:
+        outputs[args.json] = report.to_json()
+    _write_all(outputs)
+    from .report.terminal import summary_panel
+
+    _console().print(summary_panel(report))
+    for path in outputs:
+        print(f"wrote {path}")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    for path in (args.json, args.html):
+        _check_writable(path)
+    report = _read_report(_load_onnx(args.model), args.model)
+    outputs: dict[str, str | bytes] = {}
+    if args.html:
+        outputs[args.html] = report.to_html()
+    if args.json:
+        outputs[args.json] = report.to_json()
+    _write_all(outputs)
+    from .report.terminal import render
+
+    _console().print(render(report, max_rows=args.rows))
+    for path in outputs:
+        print(f"wrote {path}")
+    return 0
+
+
+# -- checks ---------------------------------------------------------------------------------------------
+
+def _check_not_input(model: str, output: str, force: bool) -> None:
+    same = os.path.realpath(model) == os.path.realpath(output) or (
+        os.path.exists(output) and os.path.exists(model) and os.path.samefile(model, output)
+    )
+    if same and not force:
+        raise UsageError(f"{output}: output path is the input model; choose another -o or pass --force to overwrite it")
+
+
+def _check_writable(path: str | None) -> None:
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise FileProblem(f"{path}: is a folder; give a file name to write")
+    if not os.path.isdir(folder):
+        raise FileProblem(f"{path}: cannot write there: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise FileProblem(f"{path}: cannot write there: folder {folder} is not writable")
+
+
+def _load_onnx(path: str) -> onnx.ModelProto:
+    """The model at ``path``, checked to be a well-formed ONNX model."""
+    if not os.path.exists(path):
+        raise FileProblem(f"{path}: no such file")
+    if not os.path.isfile(path):
+        raise FileProblem(f"{path}: not a file")
+    try:
+        model = onnx.load(path)
+    except Exception as error:  # protobuf decode errors, missing external data, unreadable file
+        raise FileProblem(f"{path}: not a readable ONNX model ({_one_line(error)})") from error
+    if model.ir_version == 0 or not model.HasField("graph"):
+        raise FileProblem(f"{path}: not an ONNX model (no IR version or graph in it)")
+    try:
+        onnx.checker.check_model(path)
+    except (onnx.checker.ValidationError, onnx.onnx_cpp2py_export.shape_inference.InferenceError) as error:
+        raise FileProblem(f"{path}: invalid ONNX model: {_one_line(error)}") from error
+    return model
+
+
+def _load_feeds(path: str, model: onnx.ModelProto) -> list[dict[str, np.ndarray]]:
+    """Calibration batches from a .npz, checked against the model's inputs (see ``--calib``)."""
+    if not os.path.isfile(path):
+        raise FileProblem(f"{path}: no such file")
+    if not zipfile.is_zipfile(path):
+        raise FileProblem(f"{path}: not a .npz file (write the feeds with numpy.savez)")
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            arrays = {name: archive[name] for name in archive.files}
+    except Exception as error:  # not a zip, a pickled object, a truncated file
+        raise FileProblem(f"{path}: not a .npz of arrays written by numpy.savez ({_one_line(error)})") from error
+    initializers = {t.name for t in model.graph.initializer}
+    inputs = [i for i in model.graph.input if i.name not in initializers]
+    names = [i.name for i in inputs]
+    missing = [n for n in names if n not in arrays]
+    extra = sorted(set(arrays) - set(names))
+    if missing or extra:
+        problem = f"no array for model input(s) {', '.join(missing)}" if missing else \
+            f"array(s) {', '.join(extra)} are not model inputs"
+        raise FileProblem(f"{path}: {problem}; the model's inputs are {', '.join(names)}, "
+                          f"the file's arrays {', '.join(sorted(arrays)) or '(none)'}")
+    batches: dict[str, list[np.ndarray]] = {}
+    for value in inputs:
+        batches[value.name] = _batches(path, value, arrays[value.name])
+    counts = {len(b) for b in batches.values()}
+    if len(counts) != 1:
+        raise FileProblem(f"{path}: arrays hold different numbers of batches: "
+                          + ", ".join(f"{n}={len(b)}" for n, b in batches.items()))
+    return [{name: b[i] for name, b in batches.items()} for i in range(counts.pop())]
+
+
+def _batches(path: str, value: onnx.ValueInfoProto, array: np.ndarray) -> list[np.ndarray]:
+    tensor = value.type.tensor_type
+    dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
+    if array.ndim == len(dims):
+        batches = [array]
+    elif array.ndim == len(dims) + 1:
+        batches = list(array)
+    else:
+        raise FileProblem(f"{path}: array {value.name} has shape {array.shape}; the model's input has rank "
+                          f"{len(dims)} (give rank {len(dims)}, or {len(dims) + 1} for a list of batches)")
+    wanted = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type)
+    if array.dtype.kind != wanted.kind and not (array.dtype.kind in "iu" and wanted.kind in "iu"):
+        raise FileProblem(f"{path}: array {value.name} is {array.dtype}; the model's input is {wanted}")
+    for batch in batches:
+        if any(d is not None and d != s for d, s in zip(dims, batch.shape)):
+            shown = ["?" if d is None else d for d in dims]
+            raise FileProblem(f"{path}: array {value.name} has a batch of shape {batch.shape}; "
+                              f"the model's input is {shown}")
+    return [np.ascontiguousarray(b, dtype=wanted) for b in batches]
+
+
+# -- output -------------------------------------------------------------------------------------------
+
+def _read_report(model: onnx.ModelProto, path: str) -> Report:
+    import amppass
+
+    try:
+        return amppass.report(model)
+    except AmpPassError as error:
+        raise FileProblem(f"{path}: {_one_line(error)}") from error
+
+
+def _serialize(model: onnx.ModelProto, path: str) -> bytes:
+    try:
+        return model.SerializeToString()
+    except ValueError as error:  # protobuf refuses messages over 2 GB
+        raise FileProblem(f"{path}: converted model is too large to write as one file ({_one_line(error)})") from error
+
+
+def _write_all(outputs: dict[str, str | bytes]) -> None:
+    """Write every output atomically; if one fails, remove those already written by this run."""
+    written: list[str] = []
+    try:
+        for path, data in outputs.items():
+            write_atomic(path, data)
+            written.append(path)
+    except OSError as error:
+        for path in written:
+            os.remove(path)
+        raise FileProblem(f"{error.filename or path}: cannot write: {error.strerror or error}") from error
+
+
+def _console():
+    from rich.console import Console
+
+    return Console()
+
+
+def _fail(code: int, message: str) -> int:
+    print(f"amppass: error: {message}", file=sys.stderr)
+    return code
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return text[:500] + ("…" if len(text) > 500 else "")
+
+
+def _configure_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="amppass: %(levelname)s: %(message)s")
+    # dependencies' deprecation notices are not the user's business unless they ask for detail
+    logging.captureWarnings(True)
+    logging.getLogger("py.warnings").setLevel(logging.INFO if verbose else logging.ERROR)
