@@ -1,0 +1,118 @@
+"""Tolerance search: move the most sensitive low-precision nodes back to fp32 until the outputs are close.
+
+Front-end neutral. The front end supplies two things: the local error of each node (its output replayed in
+low precision on recorded inputs, relative to fp32; see :func:`amppass.fx.calibrate.calibrate`) and a
+``measure(given)`` callback that paints, rewrites and runs the model on the calibration batches and returns
+the largest relative output error ``||out - out_fp32|| / ||out_fp32||``.
+
+The search ranks the nodes painted low by local error and moves growing prefixes of that ranking to fp32
+(1, 2, 4, ... nodes), then bisects between the last prefix that missed and the first that met the
+tolerance. Each step is one full run over the calibration data, so a graph of ``n`` candidates costs at
+most about ``2 * log2(n)`` runs — never one run per node or per segment.
+
+If the tolerance is missed with every candidate in fp32, the search returns the all-fp32 plan, marks the
+result ``met=False`` and logs a warning; it does not raise, because the model is still usable and the
+report says how far from the tolerance it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+from .plan import Decision, Precision, PrecisionPlan, Source
+
+log = logging.getLogger(__name__)
+
+Measure = Callable[[Mapping[str, Decision]], float]
+
+
+@dataclass
+class SearchResult:
+    """What the tolerance search decided and measured."""
+
+    given: dict[str, Decision]  # the decisions to paint with: the caller's plus the nodes moved
+    moved: list[str]
+    achieved_error: float
+    initial_error: float
+    met: bool
+    runs: int
+    errors: list[tuple[int, float]] = field(default_factory=list)  # (nodes moved, error) per run
+
+
+def rank(plan: PrecisionPlan, local_error: Mapping[str, float], given: Mapping[str, Decision]) -> list[str]:
+    """Nodes painted low and not pinned by ``given`` (overrides, range rules), most sensitive first.
+
+    Nodes whose local error could not be measured come last, in graph order; an infinite local error (the
+    node overflows on its own) ranks first.
+    """
+    candidates = [n for n, d in plan.items() if d.precision is Precision.LOW and n not in given]
+    return sorted(candidates, key=lambda n: -local_error[n] if _known(local_error.get(n)) else math.inf)
+
+
+def search(
+    plan: PrecisionPlan,
+    given: Mapping[str, Decision],
+    local_error: Mapping[str, float],
+    tolerance: float,
+    measure: Measure,
+    low_name: str,
+) -> SearchResult:
+    """Smallest prefix of the sensitivity ranking that, moved to fp32, meets ``tolerance`` (module docstring)."""
+    order = rank(plan, local_error, given)
+    errors: list[tuple[int, float]] = []
+
+    def run(k: int) -> float:
+        error = measure(_with_moves(given, order[:k], local_error, low_name))
+        errors.append((k, error))
+        log.info("tolerance search: %d node(s) in fp32 -> max relative output error %.3g", k, error)
+        return error
+
+    initial = run(0)
+    met_at, met_error, missed = (0, initial, -1) if initial <= tolerance else (None, math.inf, 0)
+    step = 1
+    while met_at is None and missed < len(order):
+        k = min(missed + step, len(order))
+        error = run(k)
+        if error <= tolerance:
+            met_at, met_error = k, error
+        else:
+            missed = k
+        step *= 2
+    if met_at is None:
+        log.warning("tolerance %.3g not met even with all %d candidate nodes in fp32 (error %.3g)",
+                    tolerance, len(order), errors[-1][1])
+        return SearchResult(_with_moves(given, order, local_error, low_name), order, errors[-1][1], initial,
+                            False, len(errors), errors)
+    while met_at - missed > 1:  # bisect: the smallest prefix that meets the tolerance
+        k = (missed + met_at) // 2
+        error = run(k)
+        if error <= tolerance:
+            met_at, met_error = k, error
+        else:
+            missed = k
+    moved = order[:met_at]
+    return SearchResult(_with_moves(given, moved, local_error, low_name), moved, met_error, initial, True,
+                        len(errors), errors)
+
+
+def _with_moves(given: Mapping[str, Decision], moved: list[str], local_error: Mapping[str, float],
+                low_name: str) -> dict[str, Decision]:
+    result = dict(given)
+    for rank_index, name in enumerate(moved):
+        error = local_error.get(name)
+        measured = f"{error:.2g}" if _known(error) else "not measurable"
+        result[name] = Decision(
+            Precision.FP32,
+            f"moved back to fp32 to meet the output tolerance: its local {low_name} error ({measured}) "
+            f"ranks #{rank_index + 1} among the low-precision nodes",
+            Source.TOLERANCE,
+            {"rule": "tolerance", "local_error": error, "rank": rank_index + 1},
+        )
+    return result
+
+
+def _known(error: float | None) -> bool:
+    return error is not None and not math.isnan(error)

@@ -1,0 +1,311 @@
+"""Calibration for the FX front end: run the captured fp32 graph on the user's batches and plan from it.
+
+:func:`calibrate` runs the GraphModule (before any rewrite) under a :class:`torch.fx.Interpreter` that folds
+each node's output into streaming :class:`~amppass.analysis.stats.CalibrationStats`, keyed by node name
+(the :class:`GraphView` value name). Values are freed as soon as their last reader has run, so memory is
+one forward pass whatever the number of batches. For the tolerance search it also replays candidate
+nodes in low precision on the first batch (their local error) and keeps the batches and the fp32 outputs,
+which the search re-runs.
+
+:func:`calibrated_plan` turns that into a plan: range rules, user overrides on top, painting, and the
+tolerance search when asked.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Mapping
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+from ..analysis import tolerance as search_tolerance
+from ..analysis.painting import paint
+from ..analysis.plan import Category, Decision, PrecisionPlan
+from ..analysis.rules import range_decisions
+from ..analysis.stats import CalibrationStats
+from ..analysis.view import GraphView
+from ..dtypes import max_finite, short_name
+from ..errors import CalibrationError, InputError
+from .rewrite import rewrite
+
+log = logging.getLogger(__name__)
+
+_FIX = "pass batches shaped like example_inputs, e.g. calibration=[case.make_inputs(seed) for seed in range(8)]"
+
+
+@dataclass
+class Calibration:
+    """What one pass over the calibration data recorded."""
+
+    stats: CalibrationStats
+    batches: int = 0
+    seconds: float = 0.0
+    local_error: dict[str, float] = field(default_factory=dict)  # node -> relative error replayed low
+    kept: list[tuple[tuple, dict]] = field(default_factory=list)  # the batches, for the tolerance search
+    references: list[list[torch.Tensor]] = field(default_factory=list)  # their fp32 floating outputs
+
+
+def calibrate(
+    gm: fx.GraphModule,
+    calibration: Iterable[Any],
+    view: GraphView,
+    *,
+    replay: torch.dtype | None = None,
+    keep: bool = False,
+    progress: bool = False,
+) -> Calibration:
+    """Run ``gm`` (fp32, not yet rewritten) on every batch and record per-value statistics.
+
+    ``calibration`` yields input tuples (a lone tensor or a dict of keyword inputs also works).
+    ``replay`` (a low dtype) also measures, on the first batch, each LOW or FOLLOW node's relative error
+    when run in that dtype. ``keep`` keeps the batches and their fp32 outputs for the tolerance search.
+    ``progress`` shows a progress bar on stderr (off by default: the library does not print).
+    """
+    tracked = {v for node in view.nodes for v in node.inputs + node.outputs if v not in view.weights}
+    candidates = {n.name for n in view.nodes if n.category in (Category.LOW, Category.FOLLOW) and n.outputs}
+    result = Calibration(CalibrationStats())
+    recorder = _Recorder(gm, result.stats, tracked)
+    start = time.perf_counter()
+    with torch.no_grad(), _progress(progress, calibration) as advance:
+        for index, args, kwargs, flat in _batches(gm, calibration):
+            if replay is not None and index == 0:
+                recorder.replay = (replay, candidates, result.local_error)
+            try:
+                raw = recorder.run(*flat, enable_io_processing=False)
+            except Exception as err:  # noqa: BLE001 - a batch the fp32 model rejects is the caller's data
+                raise CalibrationError(
+                    f"calibration batch {index}: the fp32 model failed on it ({_first_line(err)}); {_FIX}"
+                ) from err
+            recorder.replay = None
+            if keep:
+                result.kept.append((args, kwargs))
+                result.references.append([t.clone() for t in _floating(raw)])
+            result.batches += 1
+            result.stats.batches += 1
+            advance()
+    result.seconds = time.perf_counter() - start
+    log.info("calibrated on %d batches in %.2fs (%d values)", result.batches, result.seconds, len(result.stats))
+    return result
+
+
+def calibrated_plan(
+    gm: fx.GraphModule,
+    view: GraphView,
+    calibration: Iterable[Any],
+    low: torch.dtype,
+    given: Mapping[str, Decision],
+    *,
+    tolerance: float | None = None,
+    progress: bool = False,
+    low_weight_tables: bool = False,
+    rewrite_options: Mapping[str, Any] | None = None,
+) -> tuple[PrecisionPlan, dict[str, Any]]:
+    """The plan from calibration data and what to record about it in ``gm.meta``.
+
+    ``given`` (user overrides) wins over the range rules. With ``tolerance`` the search of
+    :mod:`amppass.analysis.tolerance` moves nodes back to fp32; ``rewrite_options`` are passed to each
+    trial rewrite so the trials compute what the final model computes.
+    """
+    check_tolerance(tolerance)
+    low_name, low_max = short_name(low), max_finite(low)
+    data = calibrate(gm, calibration, view, replay=low if tolerance is not None else None,
+                     keep=tolerance is not None, progress=progress)
+    ranges = range_decisions(view, data.stats, low_name, low_max)
+    merged = {**ranges, **given}  # user overrides win over calibration
+    plan = paint(view, low_name, low_max, merged, low_weight_tables=low_weight_tables)
+    info: dict[str, Any] = {
+        "calibrated": True, "calibration_batches": data.batches,
+        "calibration_seconds": round(data.seconds, 3), "calibration_decisions": len(ranges),
+    }
+    if tolerance is None:
+        return plan, info
+
+    def measure(decisions: Mapping[str, Decision]) -> float:
+        trial = _private_copy(gm)
+        rewrite(trial, paint(view, low_name, low_max, decisions, low_weight_tables=low_weight_tables), low,
+                **dict(rewrite_options or {}))
+        return output_error(trial, data.kept, data.references)
+
+    found = search_tolerance.search(plan, merged, data.local_error, tolerance, measure, low_name)
+    info.update({
+        "tolerance": tolerance, "achieved_error": found.achieved_error, "initial_error": found.initial_error,
+        "tolerance_met": found.met, "moved_by_tolerance": len(found.moved), "tolerance_runs": found.runs,
+    })
+    return paint(view, low_name, low_max, found.given, low_weight_tables=low_weight_tables), info
+
+
+def check_tolerance(tolerance: Any) -> None:
+    """Raise InputError unless ``tolerance`` is None or a positive finite number."""
+    if tolerance is None:
+        return
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 < tolerance < math.inf:
+        raise InputError(f"tolerance={tolerance!r} must be a positive number, the largest relative output "
+                         "error allowed, e.g. tolerance=1e-3")
+
+
+def output_error(module: torch.nn.Module, batches: list[tuple[tuple, dict]],
+                 references: list[list[torch.Tensor]]) -> float:
+    """Largest ``||out - ref|| / ||ref||`` over the floating outputs of every batch (inf if not finite)."""
+    worst = 0.0
+    with torch.no_grad():
+        for (args, kwargs), refs in zip(batches, references):
+            for out, ref in zip(_floating(module(*args, **kwargs)), refs):
+                worst = max(worst, relative_error(out, ref))
+    return worst
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||out - ref|| / ||ref||`` in fp32; inf when ``out`` is not finite where ``ref`` is."""
+    diff = float((out.float() - ref.float()).norm())
+    if math.isnan(diff):
+        return math.inf
+    scale = float(ref.float().norm())
+    return diff / scale if scale > 0 else diff
+
+
+class _Recorder(fx.Interpreter):
+    """Folds every tracked node's output into the stats; optionally replays nodes in low precision."""
+
+    def __init__(self, gm: fx.GraphModule, stats: CalibrationStats, tracked: set[str]):
+        super().__init__(gm)
+        self.stats, self.tracked = stats, tracked
+        self.replay: tuple[torch.dtype, set[str], dict[str, float]] | None = None
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        if n.name in self.tracked:
+            self.stats.update(n.name, result)
+        if self.replay is not None and n.name in self.replay[1]:
+            low, _, errors = self.replay
+            errors[n.name] = self._replay(n, result, low)
+        return result
+
+    def _replay(self, n: fx.Node, reference: Any, low: torch.dtype) -> float:
+        """The node's relative output error when its fp32 inputs and weights are rounded to ``low``."""
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        down = lambda a: a.to(low) if isinstance(a, torch.Tensor) and a.dtype == torch.float32 else a  # noqa: E731
+        args, kwargs = pytree.tree_map(down, (args, kwargs))
+        try:
+            if n.op == "call_module":
+                module = self.fetch_attr(str(n.target))
+                state = {k: down(v) for k, v in list(module.named_parameters()) + list(module.named_buffers())}
+                out = torch.func.functional_call(module, state, args, kwargs)
+            else:
+                out = getattr(self, n.op)(n.target, args, kwargs)
+        except Exception as err:  # noqa: BLE001 - an op without a low-precision kernel here is just unranked
+            log.debug("could not replay %s in %s: %s", n.name, low, err)
+            return math.nan
+        pairs = list(zip(_floating(out), _floating(reference)))
+        return max((relative_error(o, r) for o, r in pairs), default=math.nan)
+
+
+def _floating(value: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def _batches(gm: fx.GraphModule, calibration: Iterable[Any]) -> Iterator[tuple[int, tuple, dict, list]]:
+    """Validated batches: (index, args, kwargs, flat placeholder values)."""
+    if calibration is None or isinstance(calibration, (torch.Tensor, dict, str, bytes)) or not hasattr(
+        calibration, "__iter__"
+    ):
+        raise CalibrationError(f"calibration must be an iterable of input tuples, got {type(calibration).__name__}; "
+                               f"{_FIX}")
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    index = -1
+    for index, batch in enumerate(calibration):
+        args, kwargs = _split(batch)
+        flat = _flatten(gm, placeholders, args, kwargs, index)
+        for node, value in zip(placeholders, flat):
+            _check(node, value, index)
+        yield index, args, kwargs, flat
+    if index < 0:
+        raise CalibrationError(f"calibration is empty: it yielded no batches; {_FIX}")
+
+
+def _split(batch: Any) -> tuple[tuple, dict]:
+    if isinstance(batch, dict):
+        return (), dict(batch)
+    if isinstance(batch, (tuple, list)):
+        return tuple(batch), {}
+    return (batch,), {}
+
+
+def _flatten(gm: fx.GraphModule, placeholders: list[fx.Node], args: tuple, kwargs: dict, index: int) -> list:
+    codegen = gm.graph._codegen
+    spec = getattr(getattr(codegen, "pytree_info", None), "in_spec", None)
+    if spec is not None:
+        flat, got = pytree.tree_flatten((args, kwargs))
+        if got != spec:
+            raise CalibrationError(
+                f"calibration batch {index}: it holds {len(args)} positional and {sorted(kwargs)} keyword inputs "
+                f"({got.num_leaves} values), but the model was captured with {spec.num_leaves} input values in "
+                f"another structure; {_FIX}"
+            )
+        return flat
+    try:
+        bound = inspect.signature(gm.forward).bind(*args, **kwargs)
+    except TypeError as err:
+        raise CalibrationError(f"calibration batch {index}: {err} (the model takes "
+                               f"{[p.name for p in placeholders]}); {_FIX}") from err
+    return [bound.arguments[str(p.target)] for p in placeholders if str(p.target) in bound.arguments]
+
+
+def _check(node: fx.Node, value: Any, index: int) -> None:
+    """Dtype, rank, static sizes and finiteness of one input against what capture recorded."""
+    where = f"calibration batch {index}, input {node.name!r}"
+    expected = node.meta.get("val")
+    if isinstance(expected, torch.Tensor):
+        if not isinstance(value, torch.Tensor):
+            raise CalibrationError(f"{where}: expected a tensor, got {type(value).__name__}; {_FIX}")
+        if value.dtype != expected.dtype:
+            raise CalibrationError(f"{where}: dtype {value.dtype}, but the model was captured with "
+                                   f"{expected.dtype}; convert it (e.g. .to({expected.dtype})); {_FIX}")
+        static = [(i, s) for i, s in enumerate(expected.shape) if isinstance(s, int)]
+        if value.dim() != expected.dim() or any(value.shape[i] != s for i, s in static):
+            raise CalibrationError(f"{where}: shape {tuple(value.shape)} does not fit the captured shape "
+                                   f"{tuple(expected.shape)} (ints are fixed sizes); {_FIX}")
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        kind = "NaN" if bool(torch.isnan(value).any()) else "inf"
+        raise CalibrationError(f"{where}: holds {kind}; calibration data must be finite, drop or clean that "
+                               "batch (e.g. torch.nan_to_num) before passing it")
+
+
+class _progress:
+    """A rich progress bar on stderr when enabled; a no-op otherwise."""
+
+    def __init__(self, enabled: bool, calibration: Any):
+        self.enabled = enabled
+        self.total = len(calibration) if enabled and hasattr(calibration, "__len__") else None
+
+    def __enter__(self):
+        if not self.enabled:
+            return lambda: None
+        from rich.console import Console
+        from rich.progress import Progress
+
+        self.bar = Progress(console=Console(stderr=True), transient=True)
+        self.bar.start()
+        task = self.bar.add_task("calibrating", total=self.total)
+        return lambda: self.bar.advance(task)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.enabled:
+            self.bar.stop()
+
+
+def _private_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` to rewrite; parameters and buffers are shared (the rewrite never writes them)."""
+    memo = {id(t): t for t in list(gm.parameters()) + list(gm.buffers())}
+    return copy.deepcopy(gm, memo)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__

@@ -1,0 +1,164 @@
+"""Calibration: streaming stats, range rules on a neutral view, FX calibration errors, tolerance search."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import amppass
+from amppass.analysis.plan import Category, Decision, Precision, Source
+from amppass.analysis.rules import range_decisions
+from amppass.analysis.stats import CalibrationStats, ValueStats
+from amppass.analysis.view import GraphView, OpView
+from amppass.dtypes import FP16_MAX
+from models import build
+
+
+def test_stats_stream_torch_and_numpy_with_sentinels_apart():
+    stats = ValueStats()
+    stats.update(torch.tensor([0.0, 1e-9, 3e-5, 2.0, -1e5, -3.4e38]))
+    stats.update(np.array([5e-8, 7.0], dtype=np.float32))
+    assert stats.absmax == 1e5 and stats.sentinels == 1 and stats.zeros == 1
+    assert stats.below_normal == 3 and stats.flush == 1 and stats.above_max == 1
+    assert stats.min_nonzero == pytest.approx(1e-9)
+    assert stats.tensors == 2 and stats.numel == 2
+
+
+def test_stats_memory_does_not_grow_with_batches():
+    collected = CalibrationStats()
+    for seed in range(50):
+        collected.update("x", torch.randn(64, generator=torch.Generator().manual_seed(seed)))
+    assert len(collected) == 1 and collected.get("x").count == 50 * 64
+
+
+def _view():
+    # x -> linear (LOW) -> add (FOLLOW) -> layer_norm (FP32); y -> mul -> div
+    nodes = [
+        OpView("linear", "aten.linear", Category.LOW, "mm", ["x", "w"], ["linear"]),
+        OpView("add", "aten.add", Category.FOLLOW, "ew", ["linear"], ["add"]),
+        OpView("norm", "aten.layer_norm", Category.FP32, "norm", ["add"], ["norm"]),
+        OpView("mul", "aten.mul", Category.FOLLOW, "ew", ["y", "y"], ["mul"]),
+        OpView("div", "aten.div", Category.FOLLOW, "ew", ["norm", "mul"], ["div"]),
+    ]
+    return GraphView(nodes, weights={"w": 1.0}, outputs=["div"])
+
+
+def _stats(values):
+    stats = CalibrationStats()
+    for name, tensor in values.items():
+        stats.update(name, tensor)
+    return stats
+
+
+def test_rules_overflow_propagates_and_underflow_walks_up():
+    stats = _stats({"x": torch.ones(4), "linear": torch.tensor([1e5, 1.0]), "add": torch.tensor([1e5, 1.0]),
+                    "norm": torch.ones(2), "y": torch.tensor([1e-5, 1e-6]), "mul": torch.tensor([1e-10, 1e-12]),
+                    "div": torch.ones(2)})
+    decisions = range_decisions(_view(), stats, "fp16", FP16_MAX)
+    assert decisions["linear"].precision is Precision.FP32
+    assert decisions["linear"].evidence["propagates"] and decisions["linear"].evidence["rule"] == "overflow"
+    assert decisions["linear"].evidence["absmax"] == 1e5
+    assert decisions["mul"].evidence["rule"] == "underflow" and decisions["mul"].evidence["feeds"] == "div"
+    assert "norm" not in decisions
+    # bf16 has fp32's range: no range rules
+    assert range_decisions(_view(), stats, "bf16", float(torch.finfo(torch.bfloat16).max)) == {}
+
+
+def _case():
+    return build("mlp")
+
+
+def test_uncalibrated_plan_says_so():
+    case = _case()
+    fast = amppass.convert(case.model, case.example_inputs, torch.float16)
+    assert fast.meta["amppass"]["calibrated"] is False
+    assert "uncalibrated" in amppass.report(fast).summary()
+
+
+def test_calibrated_plan_records_batches_and_overrides_win():
+    case = _case()
+    model = case.model
+    with torch.no_grad():
+        model.fc1.weight.mul_(1e5)  # fc1's output now overflows fp16
+    try:
+        batches = [case.make_inputs(s) for s in (1, 2)]
+        fast = amppass.convert(model, case.example_inputs, torch.float16, calibration=batches)
+        meta = fast.meta["amppass"]
+        assert meta["calibrated"] and meta["calibration_batches"] == 2 and meta["calibration_decisions"] >= 1
+        rows = {r.name: r for r in amppass.report(fast).rows}
+        assert rows["linear"].precision == "fp32" and rows["linear"].source == "calibration"
+        forced = amppass.convert(model, case.example_inputs, torch.float16, calibration=batches,
+                                 force_low=["linear"])
+        rows = {r.name: r for r in amppass.report(forced).rows}
+        assert rows["linear"].source == "override"
+    finally:
+        with torch.no_grad():
+            model.fc1.weight.div_(1e5)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ([], "empty"),
+    ([(torch.full((2, 64), math.nan),)], "batch 0, input 'x': holds NaN"),
+    ([(torch.randn(2, 64),), (torch.randn(2, 64).double(),)], "batch 1, input 'x': dtype torch.float64"),
+    ([(torch.randn(2, 64), torch.randn(2, 64))], "batch 0"),
+    ([(torch.randn(2, 32),)], "batch 0: the fp32 model failed on it (Guard failed: x.size()[1] == 64)"),
+    (torch.randn(2, 64), "iterable of input tuples"),
+])
+def test_bad_calibration_data_is_named(bad, message):
+    case = _case()
+    with pytest.raises(amppass.CalibrationError, match=re.escape(message)):
+        amppass.convert(case.model, case.example_inputs, torch.float16, calibration=bad)
+
+
+def test_tolerance_needs_calibration_and_a_positive_number():
+    case = _case()
+    with pytest.raises(amppass.CalibrationError, match="tolerance=0.001 needs calibration"):
+        amppass.convert(case.model, case.example_inputs, torch.float16, tolerance=1e-3)
+    with pytest.raises(amppass.InputError, match="positive number"):
+        amppass.convert(case.model, case.example_inputs, torch.float16, calibration=[case.example_inputs],
+                        tolerance=-1)
+
+
+def _held_out_error(case, fast, seed=10):
+    inputs = case.make_inputs(seed)
+    with torch.no_grad():
+        ref, out = case.model(*inputs), fast(*inputs)
+    return float((out.float() - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("name, dtype", [("cnn", torch.float16), ("cnn", torch.bfloat16)])
+def test_tolerance_met_on_held_out_inputs(name, dtype):
+    case = build(name)
+    batches = [case.make_inputs(s) for s in (1, 2, 3, 4)]
+    fast = amppass.convert(case.model, case.example_inputs, dtype, calibration=batches, tolerance=1e-3)
+    meta = fast.meta["amppass"]
+    assert meta["tolerance_met"] and meta["achieved_error"] <= 1e-3
+    assert _held_out_error(case, fast) <= 1e-3
+    moved = [r for r in amppass.report(fast).rows if r.source == Source.TOLERANCE.value]
+    assert len(moved) == meta["moved_by_tolerance"]
+    if dtype is torch.bfloat16:  # bf16's output error (~4e-3) is above the tolerance: nodes must move
+        assert meta["initial_error"] > 1e-3 and meta["moved_by_tolerance"] >= 1
+        assert all("local bf16 error" in r.reason for r in moved)
+    else:  # fp16 already meets 1e-3 on this model: nothing moves
+        assert meta["moved_by_tolerance"] == 0
+
+
+def test_tolerance_search_is_logarithmic():
+    from amppass.analysis.painting import paint
+    from amppass.analysis.plan import PrecisionPlan
+    from amppass.analysis.tolerance import search
+
+    plan = PrecisionPlan()
+    for i in range(64):
+        plan[f"n{i}"] = Decision(Precision.LOW, "mm", Source.POLICY)
+    local = {f"n{i}": 1.0 / (i + 1) for i in range(64)}
+    # error falls as the first 37 nodes (the most sensitive) move
+    found = search(plan, {}, local, 0.5, lambda given: 1.0 if len(given) < 37 else 0.1, "fp16")
+    assert found.met and len(found.moved) == 37 and found.moved[0] == "n0"
+    assert found.runs <= 2 * math.ceil(math.log2(64)) + 1
+    assert paint  # painting consumes found.given in convert
