@@ -120,7 +120,7 @@ def save(model: onnx.ModelProto, path: str | os.PathLike, external_data: bool | 
             tmp_data = os.path.join(folder, f".{data_name}.tmp")
             to_save = copy.deepcopy(model)
             onnx.save_model(to_save, tmp, save_as_external_data=True, all_tensors_to_one_file=True,
-                            location=os.path.basename(tmp_data), size_threshold=1024)
+                            location=os.path.basename(tmp_data), size_threshold=0)
             _relocate(tmp, os.path.basename(tmp_data), data_name)
             os.replace(tmp_data, os.path.join(folder, data_name))
         else:

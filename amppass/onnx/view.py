@@ -20,6 +20,7 @@ from ..analysis.view import GraphView, OpView
 from . import policy
 
 FLOAT = TensorProto.FLOAT
+_ANY_FLOAT_TYPE = frozenset({"Shape", "Size"})
 
 
 @dataclass
@@ -156,7 +157,9 @@ def _op_view(node: onnx.NodeProto, types: dict[str, int], versions: dict[str, in
                 "creates fp32 values at run time; kept as they are" if outputs else "no fp32 tensors in or out")
     else:
         planned_view = list(dict.fromkeys(node.input[i] for i in planned))
-    refs[node.name] = NodeRef(node, planned if category is not Category.KEEP else [])
+    if category is Category.KEEP and (node.op_type in _ANY_FLOAT_TYPE or typed_by_attribute):
+        planned = []  # reads any float type as it is; other KEEP ops (If/Loop/Scan, Range) read fp32
+    refs[node.name] = NodeRef(node, planned)
     return OpView(
         name=node.name,
         op=node.op_type if not domain else f"{domain}.{node.op_type}",
