@@ -1,0 +1,1 @@
+"""amppass benchmarks: `python -m benchmarks run --quick|--full [--out DIR]` regenerates RESULTS.md and plots."""

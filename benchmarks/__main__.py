@@ -1,0 +1,159 @@
+"""Entry point: ``python -m benchmarks run --quick|--full [--out DIR] [--only SECTION,...]``.
+
+Runs every section in one process, then writes ``RESULTS.md`` and the PNG plots into ``--out``
+(default: this folder). Sections of other modules (ONNX converter comparison, training step,
+hostile models) are imported only when they are run; a missing module leaves a note in RESULTS.md
+instead of its table. A section that fails is reported there too, and the exit status is 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import logging
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Callable
+
+from . import results
+from .results import Section
+
+HERE = Path(__file__).resolve().parent
+
+LATENCY_NOTES = (
+    "Variants: `fp32` eager; `autocast` = `torch.autocast('cpu', dtype=torch.bfloat16)`; `bf16_model` = "
+    "`copy.deepcopy(model).bfloat16()`; `amppass` = `amppass.convert(model, inputs, torch.bfloat16)`; "
+    "`amppass_lowtables` adds `low_weight_tables=True`. All under `torch.inference_mode()`, same inputs.",
+    "Columns: `latency_ms` median of interleaved repeats after warm-up; `vs_autocast` = autocast's latency / "
+    "this one's (above 1: faster than autocast); `err_vs_fp32` / `err_vs_fp64` = ||out - ref|| / ||ref|| over all "
+    "floating outputs, the reference being the fp32 model or its `.double()` copy; `weight_ratio` = floating "
+    "parameter and buffer bytes / fp32's; `peak_alloc_MB` = high-water mark of torch CPU allocations during one "
+    "forward (torch.profiler memory events: activations plus per-call weight casts, not the resident weights); "
+    "`convert_s` = time of the `amppass.convert` call for this shape.",
+)
+
+
+def _latency(quick: bool, out: Path) -> Section:
+    from . import latency
+
+    rows = latency.run(quick)
+    issue_points = [r for r in rows if r["model"].startswith(("bert", "gpt2"))]
+    zoo = [r for r in rows if not r["model"].startswith(("bert", "gpt2"))]
+    section = Section("Inference latency, error and memory (bf16, CPU)", "", notes=list(LATENCY_NOTES))
+    section.tables.append((
+        "Issue-2 targets: amppass >= 1.5x autocast's speed at batch 1, >= 1.0x at batch 8, error <= 1.1x "
+        "autocast's, weights <= 0.55 of fp32",
+        latency.issue2_verdict(rows),
+    ))
+    section.tables.append(("BERT and GPT-2, every variant", issue_points))
+    if zoo:
+        section.tables.append(("Rest of the zoo at batch 1", zoo))
+    results.plot_latency(rows, out / "latency.png")
+    section.notes.append("Plot: [latency.png](latency.png).")
+    point = latency.settings(quick)[0]
+    section.tables.append((
+        f"Where the time goes: heaviest ATen ops by self CPU time, {point.label}, autocast against amppass "
+        "(torch.profiler, mean of 3 calls)",
+        latency.profile_top(point),
+    ))
+    return section
+
+
+def _scaling(quick: bool, out: Path) -> Section:
+    from . import scaling
+
+    section = Section("ONNX conversion time against graph size", "")
+    if not scaling.available():
+        section.notes.append("Skipped: this amppass has no `convert_onnx` yet.")
+        return section
+    rows = scaling.run(quick)
+    fitted = scaling.fit(rows)
+    section.notes.append(
+        f"Synthetic chains of MatMul/Add/Relu/MatMul/Softmax/LayerNormalization/Add blocks (width "
+        f"{scaling.WIDTH}, opset {scaling.OPSET}), converted to fp16. Fit t = a + b*n: a = "
+        f"{fitted['intercept_s']:.3g} s, b = {fitted['s_per_node'] * 1e6:.3g} µs/node, R² = {fitted['r2']:.3f}; "
+        f"power-law exponent {fitted['exponent']:.2f} "
+        f"({'linear' if fitted['linear'] else 'NOT linear'}: linear means an exponent in [0.8, 1.25]). "
+        "Plot: [scaling.png](scaling.png)."
+    )
+    section.tables.append(("", rows))
+    results.plot_scaling(rows, fitted, out / "scaling.png")
+    return section
+
+
+def _external(module: str, title: str, call: Callable) -> Callable[[bool, Path], Section]:
+    """A section whose rows come from another engineer's module, imported only if it exists."""
+
+    def section(quick: bool, out: Path) -> Section:
+        found = Section(title, "")
+        if importlib.util.find_spec(f"benchmarks.{module}") is None:
+            found.notes.append(f"Skipped: `benchmarks/{module}.py` is not in this checkout yet.")
+            return found
+        found.tables.append(("", call(importlib.import_module(f"benchmarks.{module}"), quick)))
+        return found
+
+    return section
+
+
+SECTIONS: dict[str, Callable[[bool, Path], Section]] = {
+    "latency": _latency,
+    "scaling": _scaling,
+    "onnx": _external("onnx_compare", "ONNX converters: onnxconverter-common against amppass",
+                      lambda m, quick: m.run(quick)),
+    "train": _external("train_step", "Training step: amppass against autocast + GradScaler",
+                       lambda m, quick: m.run(quick)),
+    "hostile": _external("hostile", "Hostile models", lambda m, quick: m.run()),
+}
+
+
+def run(mode: str, out: Path, only: list[str]) -> int:
+    """Run the chosen sections, write RESULTS.md and plots into ``out``; 1 if any section failed."""
+    out.mkdir(parents=True, exist_ok=True)
+    started, load_before = results.now(), results.load()
+    sections, failed = [], False
+    for name in only:
+        print(f"[benchmarks] {name} ({mode}) ...", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        try:
+            section = SECTIONS[name](mode == "quick", out)
+        except Exception as err:  # noqa: BLE001 - one broken section must not lose the others' figures
+            traceback.print_exc()
+            section = Section(name, "", notes=[f"FAILED: `{type(err).__name__}: {err}`"])
+            failed = True
+        section.command = f"python -m benchmarks run --{mode} --only {name}"
+        section.notes.append(f"Section wall time: {time.perf_counter() - start:.0f} s.")
+        sections.append(section)
+        print(f"[benchmarks] {name} done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    results.write_markdown(out / "RESULTS.md", mode, sections, started, load_before)
+    print(f"[benchmarks] wrote {out / 'RESULTS.md'}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line and run."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    run_parser = commands.add_parser("run", help="measure and write RESULTS.md and plots")
+    mode = run_parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--quick", action="store_const", const="quick", dest="mode",
+                      help="small models, few repeats (a smoke test, under 2 minutes)")
+    mode.add_argument("--full", action="store_const", const="full", dest="mode",
+                      help="base-sized models, more repeats, the whole zoo (several minutes)")
+    run_parser.add_argument("--out", type=Path, default=HERE, help="output folder (default: benchmarks/)")
+    run_parser.add_argument("--only", default=",".join(SECTIONS),
+                            help=f"comma-separated sections to run, of {', '.join(SECTIONS)} (default: all); "
+                                 "RESULTS.md then holds only those")
+    args = parser.parse_args(argv)
+    only = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = [s for s in only if s not in SECTIONS]
+    if unknown:
+        parser.error(f"unknown section(s) {unknown}; choose from {list(SECTIONS)}")
+    logging.basicConfig(level=logging.WARNING)
+    return run(args.mode, args.out, only)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
