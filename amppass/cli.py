@@ -132,7 +132,7 @@ def _convert(args: argparse.Namespace) -> int:
     report = _read_report(converted, args.model)
     outputs: dict[str, str | bytes] = {args.output: _serialize(converted, args.model)}
     if args.report:
-        outputs[args.report] = report.to_html()
+        outputs[args.report] = report.to_html(title=os.path.basename(args.model))
     if args.json:
         outputs[args.json] = report.to_json()
     _write_all(outputs)
@@ -150,7 +150,7 @@ def _report(args: argparse.Namespace) -> int:
     report = _read_report(_load_onnx(args.model), args.model)
     outputs: dict[str, str | bytes] = {}
     if args.html:
-        outputs[args.html] = report.to_html()
+        outputs[args.html] = report.to_html(title=os.path.basename(args.model))
     if args.json:
         outputs[args.json] = report.to_json()
     _write_all(outputs)

@@ -105,6 +105,15 @@ def test_schema_rejects_what_it_does_not_describe(calibrated_report):
         jsonschema.validate(bad, schema)
 
 
+def test_non_finite_evidence_is_written_as_null(calibrated_report):
+    calibrated_report.rows.append(
+        Row("zeros", "Mul", "fp16", "all zero", "painting", [], {"absmax": 0.0, "min_nonzero": float("inf")}))
+    data = json.loads(calibrated_report.to_json())
+    assert data["rows"][-1]["evidence"] == {"absmax": 0.0, "min_nonzero": None}
+    jsonschema.validate(data, load_schema())
+    assert len(_parse(calibrated_report.to_html()).ranges) == 3  # nothing to draw on a log axis
+
+
 def test_failed_write_leaves_no_file(tmp_path, monkeypatch):
     target = tmp_path / "r.json"
 

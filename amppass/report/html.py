@@ -63,10 +63,10 @@ _JS = """
 """
 
 
-def render_html(report: Report) -> str:
-    """The whole page as a string."""
+def render_html(report: Report, title: str | None = None) -> str:
+    """The whole page as a string; ``title`` names the model (by default, its front end)."""
     info = report.info
-    title = f"amppass report: {info.get('model_name') or info.get('front_end', '')} to {info.get('dtype')}"
+    title = f"amppass report: {title or info.get('front_end', '')} to {info.get('dtype')}"
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
@@ -136,33 +136,42 @@ def _strip(rows: list[Row]) -> str:
 
 def _ranges(report: Report) -> str:
     """Per calibrated node, a bar from its smallest non-zero to its largest magnitude on a log axis."""
-    observed = [(row, row.observed) for row in report.rows if row.observed is not None]
-    if not report.info.get("calibrated") or not observed:
+    observed = [(row, row.observed) for row in report.rows if row.observed is not None and row.observed[0] > 0]
+    if not report.info.get("calibrated"):
         return '<p class="muted" id="ranges-note">Not calibrated: no observed ranges to plot. ' \
                "Convert with calibration data to see each node's range against fp16's limits.</p>"
+    if not observed:
+        return '<p class="muted" id="ranges-note">Calibrated, but no node recorded an observed range ' \
+               "(absmax / min_nonzero evidence) to plot.</p>"
     values = [v for _, (hi, lo) in observed for v in (hi, lo) if v is not None and v > 0]
     lo_exp = math.floor(math.log10(min(values + [FP16_MIN_NORMAL]))) - 1
     hi_exp = math.ceil(math.log10(max(values + [FP16_MAX]))) + 1
     left, bar, width = 220, 12, 900
-    height = 30 + bar * len(observed)
+    plot_bottom = 22 + bar * len(observed)
+    height = plot_bottom + 18
 
     def x(value: float) -> float:
         return left + (math.log10(value) - lo_exp) / (hi_exp - lo_exp) * (width - left - 10)
 
-    parts = []
+    # outside fp16's normal range: shaded, with the limits as dashed lines
+    parts = [
+        f'<rect x="{left}" y="18" width="{x(FP16_MIN_NORMAL) - left:.1f}" height="{plot_bottom - 18}" fill="#fff5f5"/>',
+        f'<rect x="{x(FP16_MAX):.1f}" y="18" width="{width - 10 - x(FP16_MAX):.1f}" height="{plot_bottom - 18}" '
+        'fill="#fff5f5"/>',
+    ]
     for exp in range(lo_exp, hi_exp + 1):
-        parts.append(f'<line x1="{x(10**exp):.1f}" x2="{x(10**exp):.1f}" y1="18" y2="{height}" stroke="#f1f3f5"/>')
+        parts.append(f'<line x1="{x(10**exp):.1f}" x2="{x(10**exp):.1f}" y1="18" y2="{plot_bottom}" stroke="#f1f3f5"/>')
         if exp % 2 == 0:
             parts.append(f'<text x="{x(10**exp):.1f}" y="12" text-anchor="middle">1e{exp}</text>')
     for limit, label in ((FP16_MIN_NORMAL, "fp16 min normal 6.1e-5"), (FP16_MAX, "fp16 max 65504")):
         parts.append(
-            f'<line class="limit" x1="{x(limit):.1f}" x2="{x(limit):.1f}" y1="18" y2="{height}" '
+            f'<line class="limit" x1="{x(limit):.1f}" x2="{x(limit):.1f}" y1="18" y2="{plot_bottom}" '
             f'stroke="#c92a2a" stroke-dasharray="4 3"><title>{label}</title></line>'
+            f'<text x="{x(limit):.1f}" y="{plot_bottom + 13}" text-anchor="middle" style="fill:#c92a2a">{label}</text>'
         )
     for i, (row, (hi, lo)) in enumerate(observed):
         y = 22 + i * bar
-        start = x(lo) if lo and lo > 0 else x(hi)
-        end = x(hi) if hi > 0 else start
+        start, end = x(lo) if lo and lo > 0 else x(hi), x(hi)
         tip = f"{row.name} ({row.precision}): absmax {hi:.3g}" + (f", min non-zero {lo:.3g}" if lo else "")
         parts.append(f'<text x="{left - 6}" y="{y + bar - 3}" text-anchor="end">{escape(row.name[:32])}</text>')
         parts.append(
@@ -170,8 +179,9 @@ def _ranges(report: Report) -> str:
             f'fill="{COLOURS.get(row.precision, "#000")}"><title>{escape(tip)}</title></rect>'
         )
     return (
+        '<div style="max-height:520px;overflow:auto">'
         f'<svg id="ranges" role="img" aria-label="observed ranges, log scale" width="{width}" height="{height}" '
-        f'viewBox="0 0 {width} {height}" xmlns="http://www.w3.org/2000/svg">{"".join(parts)}</svg>'
+        f'viewBox="0 0 {width} {height}" xmlns="http://www.w3.org/2000/svg">{"".join(parts)}</svg></div>'
     )
 
 

@@ -7,6 +7,7 @@ The JSON form is described by ``schema.json`` beside this module (JSON Schema, d
 from __future__ import annotations
 
 import json
+import math
 import os
 from importlib import resources
 import secrets
@@ -44,12 +45,9 @@ class Row:
 
     @property
     def observed(self) -> tuple[float, float | None] | None:
-        """``(absmax, smallest non-zero magnitude)`` observed during calibration, if recorded."""
-        absmax = self.evidence.get("absmax")
-        if not isinstance(absmax, (int, float)) or isinstance(absmax, bool):
-            return None
-        low = self.evidence.get("min_nonzero")
-        return float(absmax), float(low) if isinstance(low, (int, float)) and not isinstance(low, bool) else None
+        """``(absmax, smallest non-zero magnitude)`` observed during calibration, if recorded and finite."""
+        absmax, low = _finite(self.evidence.get("absmax")), _finite(self.evidence.get("min_nonzero"))
+        return None if absmax is None else (absmax, low)
 
 
 @dataclass
@@ -110,29 +108,53 @@ class Report:
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON form: ``{"schema_version", "info", "summary", "rows"}`` (see ``schema.json``)."""
-        return {
+        """The JSON form: ``{"schema_version", "info", "summary", "rows"}`` (see ``schema.json``).
+
+        Non-finite numbers (an ``inf`` smallest non-zero of an all-zero tensor) become ``None``, so the
+        JSON is strict.
+        """
+        return _strict({
             "schema_version": SCHEMA_VERSION,
             "info": self.info,
             "summary": self.stats(),
             "rows": [asdict(r) for r in self.rows],
-        }
+        })
 
     def to_json(self, path: str | os.PathLike | None = None) -> str:
         """The report as JSON text; also written (atomically) to ``path`` when given."""
-        text = json.dumps(self.to_dict(), indent=2, default=str)
+        text = json.dumps(self.to_dict(), indent=2, default=str, allow_nan=False)
         if path is not None:
             write_atomic(path, text)
         return text
 
-    def to_html(self, path: str | os.PathLike | None = None) -> str:
-        """A self-contained HTML page (no network); also written (atomically) to ``path`` when given."""
+    def to_html(self, path: str | os.PathLike | None = None, title: str | None = None) -> str:
+        """A self-contained HTML page (no network); also written (atomically) to ``path`` when given.
+
+        ``title`` names the model in the page's heading.
+        """
         from .html import render_html
 
-        text = render_html(self)
+        text = render_html(self, title)
         if path is not None:
             write_atomic(path, text)
         return text
+
+
+def _finite(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _strict(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by None, through dicts, lists and tuples."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _strict(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(item) for item in value]
+    return value
 
 
 def load_schema() -> dict[str, Any]:
@@ -163,6 +185,10 @@ def summary_lines(report: Report) -> list[str]:
         lines.append("decided by: " + ", ".join(f"{n} {s}" for s, n in stats["sources"].items()))
     if stats["moved_by_tolerance"] is not None:
         lines.append(f"moved to fp32 by the tolerance search: {stats['moved_by_tolerance']} nodes")
+    achieved, limit = _finite(info.get("achieved_error")), _finite(info.get("tolerance"))
+    if achieved is not None and limit is not None:
+        lines.append(f"output error {achieved:.3g} against a tolerance of {limit:.3g}"
+                     + ("" if info.get("tolerance_met", True) else " (not met)"))
     if stats["unknown_ops"]:
         lines.append("ops not in the policy table (followed their inputs): " + ", ".join(stats["unknown_ops"]))
     if not stats["calibrated"]:
