@@ -14,6 +14,8 @@ from ..analysis.painting import paint
 from ..dtypes import max_finite, resolve_dtype, short_name
 from ..errors import InputError
 from ..report.flops import node_macs
+from ..training.backward import annotate_backward
+from ..training.module import TrainEvalGraphs
 from .capture import capture
 from .rewrite import META_KEY, rewrite
 from .view import build_view
@@ -35,7 +37,7 @@ def convert(
     force_low: Iterable[str] = (),
     dynamic_shapes: Any = "auto",
     low_weight_tables: bool = False,
-) -> fx.GraphModule:
+) -> nn.Module:
     """Return a mixed-precision ``torch.fx.GraphModule`` computing what ``model`` computes.
 
     Args:
@@ -46,7 +48,9 @@ def convert(
             fp16 on CUDA, judged by the model's parameters).
         example_kwargs: keyword inputs for capture.
         mode: ``"inference"`` stores low-precision copies of the weights once; ``"train"`` keeps fp32
-            master parameters and casts them inside the graph so gradients come back fp32.
+            master parameters and casts them inside the graph so gradients come back fp32, and returns a
+            :class:`~amppass.training.module.TrainEvalGraphs`: a train graph and an eval graph that switch
+            on ``.train()``/``.eval()`` and own a copy of the model's parameters and buffers.
         keep_io_types: cast floating outputs back to fp32 (inputs are never changed).
         keep_fp32: op names or node-name regexes to keep in fp32.
         force_low: op names or node-name regexes to run in low precision regardless of the policy.
@@ -62,11 +66,38 @@ def convert(
     if isinstance(model, fx.GraphModule) and META_KEY in getattr(model, "meta", {}):
         log.info("model was already converted by amppass (%s); returned unchanged", model.meta[META_KEY]["dtype"])
         return model
+    if isinstance(model, TrainEvalGraphs):
+        log.info("model was already converted by amppass for training; returned unchanged")
+        return model
     low = resolve_dtype(dtype, device=_device(model))
+    options = dict(keep_io_types=keep_io_types, keep_fp32=keep_fp32, force_low=force_low,
+                   low_weight_tables=low_weight_tables)
+    if mode == "train":
+        # torch.export bakes the training flag into the graph: one graph per mode over one set of fp32 tensors
+        train_gm, eval_gm = (
+            _convert_captured(capture(model, example_inputs, example_kwargs, train=flag, dynamic_shapes=dynamic_shapes),
+                              model, low, mode, **options)
+            for flag in (True, False)
+        )
+        return TrainEvalGraphs(train_gm, eval_gm, training=model.training)
+    gm = capture(model, example_inputs, example_kwargs, train=False, dynamic_shapes=dynamic_shapes)
+    return _convert_captured(gm, model, low, mode, **options)
+
+
+def _convert_captured(
+    gm: fx.GraphModule,
+    model: nn.Module,
+    low: torch.dtype,
+    mode: str,
+    *,
+    keep_io_types: bool,
+    keep_fp32: Iterable[str],
+    force_low: Iterable[str],
+    low_weight_tables: bool,
+) -> fx.GraphModule:
+    """Analyse, paint and rewrite a captured graph of ``model`` in place; record the decisions in it."""
     low_name, low_max = short_name(low), max_finite(low)
     bytes_before = weight_bytes(model) if isinstance(model, nn.Module) else 0
-
-    gm = capture(model, example_inputs, example_kwargs, train=mode == "train", dynamic_shapes=dynamic_shapes)
     view, _ = build_view(gm, low_max, measure_weights=low == torch.float16)
     given = overrides.resolve(view, keep_fp32, force_low, low_name)
     plan = paint(view, low_name, low_max, given, low_weight_tables=low_weight_tables)
@@ -93,6 +124,8 @@ def convert(
         "weight_bytes_after": weight_bytes(gm),
         "calibrated": False,
     }
+    if mode == "train":
+        gm.meta[META_KEY]["backward"] = annotate_backward(gm, low_name)
     log.info("converted %s to %s: %d nodes planned, %d casts", type(model).__name__, low_name, len(plan), stats.casts)
     return gm
 

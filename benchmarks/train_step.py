@@ -1,0 +1,223 @@
+"""Training with amppass: step time against torch.autocast + GradScaler, and digits learning curves.
+
+``run(quick)`` returns one dict per measurement:
+
+- ``kind="step_time"``: median milliseconds per training step (forward, scaled backward, optimizer step,
+  scale update) of the same model and batch in fp32, under ``torch.autocast`` (bf16, fp16) with
+  ``torch.amp.GradScaler``, and converted by ``amppass.convert(..., mode="train")`` (bf16, fp16) with
+  ``amppass.LossScaler``.
+- ``kind="curve"``: per epoch, the training loss and test accuracy of a small CNN on scikit-learn's
+  bundled digits data (no download), trained from one seed in fp32 and with amppass fp16 / bf16.
+
+``python benchmarks/train_step.py [--quick]`` prints both and writes ``benchmarks/digits_curves.md`` and
+``benchmarks/digits_curves.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import amppass
+
+log = logging.getLogger(__name__)
+
+HERE = Path(__file__).resolve().parent
+PRECISIONS = ("fp32", "fp16", "bf16")  # amppass train mode for the low ones
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+# ---------------------------------------------------------------- digits: data, model, training
+
+
+def digits_data(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x_train, y_train, x_test, y_test): the 1797 8x8 digits scaled to [0, 1], 80/20 split by ``seed``."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(digits.target, dtype=torch.long)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
+    cut = int(0.8 * len(y))
+    train, test = order[:cut], order[cut:]
+    return x[train], y[train], x[test], y[test]
+
+
+def digits_cnn() -> nn.Module:
+    """A small CNN for 1x8x8 images, with batch norm and dropout so train/eval switching matters."""
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Dropout(0.2), nn.Linear(32 * 2 * 2, 10),
+    )
+
+
+def train_digits(precision: str, epochs: int = 12, seed: int = 0, batch: int = 64) -> list[dict[str, Any]]:
+    """Train :func:`digits_cnn` from ``seed`` in ``precision``; one record per epoch.
+
+    ``"fp32"`` trains the plain module; ``"fp16"``/``"bf16"`` train ``amppass.convert(..., mode="train")``
+    with ``amppass.LossScaler`` (a passthrough for bf16). Initial weights, batch order and dropout masks
+    come from the same seed in every precision.
+    """
+    x_train, y_train, x_test, y_test = digits_data(seed)
+    torch.manual_seed(seed)
+    model = digits_cnn()
+    if precision != "fp32":
+        model = amppass.convert(model, (x_train[:batch],), dtype=_DTYPES[precision], mode="train")
+    scaler = amppass.LossScaler(dtype=_DTYPES.get(precision, torch.float16), enabled=precision != "fp32")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    steps_per_epoch = -(-len(y_train) // batch)
+    # annealed to zero so the last epochs settle instead of jittering by a few test images
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs * steps_per_epoch)
+    generator = torch.Generator().manual_seed(seed + 1)
+    torch.manual_seed(seed + 2)  # dropout masks
+    records = []
+    for epoch in range(1, epochs + 1):
+        model.train()
+        losses = []
+        for idx in torch.randperm(len(y_train), generator=generator).split(batch):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            schedule.step()
+            losses.append(loss.item())
+        model.eval()
+        with torch.no_grad():
+            accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
+        records.append({"kind": "curve", "precision": precision, "epoch": epoch,
+                        "train_loss": statistics.fmean(losses), "test_accuracy": 100.0 * accuracy,
+                        "scale": scaler.get_scale()})
+    return records
+
+
+# ---------------------------------------------------------------- step time
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(512, 1024), nn.GELU(), nn.Linear(1024, 1024), nn.GELU(), nn.Linear(1024, 10))
+
+
+def _models(quick: bool) -> dict[str, tuple[Callable[[], nn.Module], torch.Tensor]]:
+    models = {"digits_cnn (batch 64)": (digits_cnn, torch.randn(64, 1, 8, 8))}
+    if not quick:
+        models["mlp 512-1024-1024-10 (batch 256)"] = (_mlp, torch.randn(256, 512))
+    return models
+
+
+def _variants(build: Callable[[], nn.Module], x: torch.Tensor) -> Iterator[tuple[str, nn.Module, Any, Any]]:
+    """(name, model, scaler, autocast context factory) for each way of training the same model."""
+    torch.manual_seed(0)
+    yield "fp32", build(), amppass.LossScaler(enabled=False), contextlib.nullcontext
+    for name, dtype in _DTYPES.items():
+        torch.manual_seed(0)
+        yield (f"torch.autocast {name} + GradScaler", build(), torch.amp.GradScaler("cpu"),
+               lambda dtype=dtype: torch.autocast("cpu", dtype=dtype))
+    for name, dtype in _DTYPES.items():
+        torch.manual_seed(0)
+        model = amppass.convert(build(), (x,), dtype=dtype, mode="train")
+        yield f"amppass {name} + LossScaler", model, amppass.LossScaler(dtype=dtype), contextlib.nullcontext
+
+
+def step_times(quick: bool) -> list[dict[str, Any]]:
+    """Median step time of every variant of every model, measured in one run, interleaved per model."""
+    warmup, steps = (3, 10) if quick else (5, 40)
+    rows = []
+    for model_name, (build, x) in _models(quick).items():
+        y = torch.randint(0, 10, (x.shape[0],), generator=torch.Generator().manual_seed(0))
+        for variant, model, scaler, autocast in _variants(build, x):
+            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+            times = []
+            for i in range(warmup + steps):
+                start = time.perf_counter()
+                opt.zero_grad()
+                with autocast():
+                    loss = F.cross_entropy(model(x), y)
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                if i >= warmup:
+                    times.append(time.perf_counter() - start)
+            rows.append({"kind": "step_time", "model": model_name, "variant": variant,
+                         "median_ms": 1e3 * statistics.median(times), "steps": steps,
+                         "threads": torch.get_num_threads()})
+            log.info("%s / %s: %.2f ms", model_name, variant, rows[-1]["median_ms"])
+    return rows
+
+
+def run(quick: bool) -> list[dict[str, Any]]:
+    """Step times side by side, then the digits curves (fewer epochs when ``quick``)."""
+    rows = step_times(quick)
+    for precision in PRECISIONS:
+        rows += train_digits(precision, epochs=4 if quick else 12)
+    return rows
+
+
+# ---------------------------------------------------------------- output
+
+
+def markdown(rows: list[dict[str, Any]], command: str) -> str:
+    """The step-time table and the digits curves as Markdown."""
+    lines = ["# Training with amppass: step time and digits curves", "", f"Reproduce: `{command}`", "",
+             "## Step time (median ms per step, CPU)", "", "| model | variant | median ms | threads |",
+             "| --- | --- | ---: | ---: |"]
+    for r in (r for r in rows if r["kind"] == "step_time"):
+        lines.append(f"| {r['model']} | {r['variant']} | {r['median_ms']:.2f} | {r['threads']} |")
+    curves = [r for r in rows if r["kind"] == "curve"]
+    lines += ["", "## Digits CNN: test accuracy (%) per epoch, same seed", "",
+              "| epoch | " + " | ".join(PRECISIONS) + " |", "| ---: |" + " ---: |" * len(PRECISIONS)]
+    by = {(r["precision"], r["epoch"]): r for r in curves}
+    for epoch in sorted({r["epoch"] for r in curves}):
+        cells = [f"{by[(p, epoch)]['test_accuracy']:.2f} (loss {by[(p, epoch)]['train_loss']:.3f})"
+                 if (p, epoch) in by else "" for p in PRECISIONS]
+        lines.append(f"| {epoch} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Test accuracy and training loss per epoch, one line per precision."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (acc_ax, loss_ax) = plt.subplots(1, 2, figsize=(10, 4))
+    for precision in PRECISIONS:
+        curve = [r for r in rows if r["kind"] == "curve" and r["precision"] == precision]
+        epochs = [r["epoch"] for r in curve]
+        label = precision if precision == "fp32" else f"amppass {precision}"
+        acc_ax.plot(epochs, [r["test_accuracy"] for r in curve], marker="o", label=label)
+        loss_ax.plot(epochs, [r["train_loss"] for r in curve], marker="o", label=label)
+    acc_ax.set(xlabel="epoch", ylabel="test accuracy (%)", title="digits CNN, same seed")
+    loss_ax.set(xlabel="epoch", ylabel="training loss", yscale="log")
+    acc_ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    """Run, print, and write ``digits_curves.md`` / ``digits_curves.png`` beside this file."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer steps and epochs, one model")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    rows = run(args.quick)
+    text = markdown(rows, "python benchmarks/train_step.py" + (" --quick" if args.quick else ""))
+    (HERE / "digits_curves.md").write_text(text, encoding="utf-8")
+    plot(rows, HERE / "digits_curves.png")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
