@@ -202,23 +202,32 @@ def test_html_escapes_node_text():
     assert "<script>alert(1)" not in text and "&lt;script&gt;alert(1)" in text
 
 
-@pytest.mark.skipif(shutil.which("chromium") is None, reason="Debian chromium is not installed")
-def test_html_table_runs_in_headless_chromium(cnn_report, tmp_path):
-    path = tmp_path / "r.html"
-    cnn_report.to_html(path)
+def _chromium_dom(url: str) -> str:
     with tempfile.TemporaryDirectory() as profile:
         result = subprocess.run(
             ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
              "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={profile}",
-             "--dump-dom", path.as_uri()],
+             "--dump-dom", url],
             capture_output=True, text=True, timeout=60,
         )
-    dom = result.stdout
     assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="Debian chromium is not installed")
+def test_html_table_runs_in_headless_chromium(cnn_report, tmp_path):
+    path = tmp_path / "r.html"
+    cnn_report.to_html(path)
     n = len(cnn_report.rows)
+    dom = _chromium_dom(path.as_uri())
     assert 'data-ready="1"' in dom  # the inline script ran to its end
     assert f"{n} of {n} nodes shown" in dom
     assert len(_parse(dom).body_rows) == n
+    # the filter, driven from the URL: only the two convolutions stay visible
+    dom = _chromium_dom(path.as_uri() + "#filter=aten.conv2d")
+    assert f"2 of {n} nodes shown" in dom
+    visible = [r for r in _parse(dom).body_rows if "hidden" not in r]
+    assert len(visible) == 2
 
 
 # -- terminal -----------------------------------------------------------------------------------------

@@ -2,8 +2,9 @@
 
 The page has a summary, a strip of every node in graph order coloured by precision (hover for the
 decision), a plot of observed value ranges against fp16's limits when the model was calibrated, and the
-table of decisions, which the inline script makes sortable (click a header) and filterable. Every row is
-in the HTML itself, so the page reads the same without JavaScript.
+table of decisions, which the inline script makes sortable (click a header) and filterable (a link ending
+in ``#filter=TEXT`` opens it filtered). Every row is in the HTML itself, so the page reads the same without
+JavaScript.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ _JS = """
       rows.forEach(function(r){body.appendChild(r);});
     });
   });
+  var hash=/^#filter=(.*)$/.exec(location.hash);if(hash)text.value=decodeURIComponent(hash[1]);
   text.addEventListener('input',apply);prec.addEventListener('change',apply);apply();
   document.body.dataset.ready='1';
 })();
