@@ -29,6 +29,7 @@ _LOW = {"fp16": TensorProto.FLOAT16, "float16": TensorProto.FLOAT16, "half": Ten
         "bf16": TensorProto.BFLOAT16, "bfloat16": TensorProto.BFLOAT16}
 _BF16_MAX = 3.3895313892515355e38
 PROTOBUF_LIMIT = 2 * 1024**3
+_LIFT_BYTES = 1024  # tensors above this size are not needed by shape inference
 IR_WITH_NODE_METADATA = 10  # NodeProto.metadata_props arrived with IR version 10
 
 
@@ -165,20 +166,28 @@ def _load(model: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.ModelProto, 
 
 
 def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
-    """``model`` with value_info re-inferred; a model over 2 GB is inferred without its weight bytes."""
+    """``model`` with value_info re-inferred (a new proto; ``model`` itself is left as it was).
+
+    Shape inference serialises the whole model, so weight bytes are lifted out while it runs: this keeps
+    BERT-base's conversion in seconds and models over 2 GB under protobuf's limit.
+    """
+    tensors = list(_tensors(model.graph))
+    heavy = [i for i, t in enumerate(tensors) if len(t.raw_data) > _LIFT_BYTES]
+    payloads = [tensors[i].raw_data for i in heavy]
+    for i in heavy:
+        tensors[i].ClearField("raw_data")
     try:
-        if model.ByteSize() < PROTOBUF_LIMIT:
-            return onnx.shape_inference.infer_shapes(model, check_type=True)
-        light = copy.deepcopy(model)
-        for tensor in _tensors(light.graph):
-            tensor.ClearField("raw_data")
-        inferred = onnx.shape_inference.infer_shapes(light, check_type=True)
-        del model.graph.value_info[:]
-        model.graph.value_info.extend(inferred.graph.value_info)
-        return model
+        inferred = onnx.shape_inference.infer_shapes(model, check_type=True)
     except onnx.shape_inference.InferenceError as err:
         raise InputError(f"onnx shape inference rejects the model ({err}); check it with "
                          "onnx.checker.check_model(model, full_check=True) and fix the reported node") from err
+    finally:
+        for i, payload in zip(heavy, payloads):
+            tensors[i].raw_data = payload
+    inferred_tensors = list(_tensors(inferred.graph))
+    for i, payload in zip(heavy, payloads):
+        inferred_tensors[i].raw_data = payload
+    return inferred
 
 
 def _tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:

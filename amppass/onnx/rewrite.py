@@ -214,9 +214,13 @@ class _Rewriter:
         return converted
 
     def _low_tensor(self, name: str, tensor: onnx.TensorProto) -> onnx.TensorProto:
-        array = numpy_helper.to_array(tensor).astype(np.float32)
+        if tensor.raw_data and tensor.data_type == FLOAT:  # a view of the bytes, no copy
+            array = np.frombuffer(tensor.raw_data, np.float32).reshape(tuple(tensor.dims))
+        else:
+            array = numpy_helper.to_array(tensor).astype(np.float32)
         if self.low == TensorProto.FLOAT16:
-            beyond = int(np.count_nonzero(np.abs(array) > FP16_MAX) - np.count_nonzero(np.isinf(array)))
+            finite = array[np.isfinite(array)] if not np.isfinite(array).all() else array
+            beyond = int(np.count_nonzero(np.abs(finite) > FP16_MAX)) if finite.size else 0
             if beyond:
                 self.stats.clamped[name] = beyond
                 log.warning("weight %r: %d values beyond fp16's range clamped to +-%g", name, beyond, FP16_MAX)

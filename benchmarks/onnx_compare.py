@@ -1,0 +1,105 @@
+"""amppass.convert_onnx vs onnxconverter-common's convert_float_to_float16 on exports of the model zoo.
+
+For each zoo model (dynamo exporter, TorchScript exporter as fallback) and each converter: conversion
+time, whether onnxruntime (CPU) loads and runs the result, and its relative error against fp32
+(||out - out_fp32|| / ||out_fp32|| over the floating outputs, on an input other than the example one).
+``quick`` uses the small zoo models; otherwise BERT-base (batch 1, seq 16) is added, the issue's timing case.
+
+Run: ``python benchmarks/onnx_compare.py [--full]``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import sys
+import time
+import warnings
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+import amppass
+from amppass.onnx import runtime
+from amppass.onnx.export import export_fp32
+from models import ZOO, build
+
+ACCURATE = 1e-2
+
+
+def _session(model: onnx.ModelProto) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.log_severity_level = 4
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _error(want: list, got: list) -> float:
+    errors = []
+    for w, g in zip(want, got):
+        if np.issubdtype(w.dtype, np.floating):
+            w64, g64 = w.astype(np.float64), g.astype(np.float64)
+            errors.append(np.linalg.norm(g64 - w64) / max(np.linalg.norm(w64), 1e-12))
+    return float(max(errors)) if errors else 0.0
+
+
+def _converters():
+    from onnxconverter_common import float16
+
+    return {
+        "amppass": lambda m: amppass.convert_onnx(m, "fp16"),
+        "onnxconverter-common": lambda m: float16.convert_float_to_float16(copy.deepcopy(m), keep_io_types=True),
+    }
+
+
+def _one(model_name: str, size: str, fp32: onnx.ModelProto, feeds: dict, converter: str, convert) -> dict:
+    row = {"model": model_name, "size": size, "nodes": len(fp32.graph.node), "converter": converter,
+           "convert_s": None, "loads": False, "runs": False, "rel_error": None, "accurate": False, "error": ""}
+    reference = copy.deepcopy(fp32)
+    reference.ir_version = min(reference.ir_version, runtime.max_ir_version())
+    want = _session(reference).run(None, feeds)
+    try:
+        start = time.perf_counter()
+        converted = convert(fp32)
+        row["convert_s"] = round(time.perf_counter() - start, 3)
+        session = _session(converted)
+        row["loads"] = True
+        got = session.run(None, feeds)
+        row["runs"] = True
+        row["rel_error"] = _error(want, got)
+        row["accurate"] = bool(np.isfinite(row["rel_error"]) and row["rel_error"] <= ACCURATE)
+    except Exception as err:  # a converter's failure is a result here, not a crash
+        row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+    return row
+
+
+def run(quick: bool) -> list[dict]:
+    """One row per (model, converter): conversion time, loads, runs, relative error, accurate."""
+    cases = [(name, "small", 2, 16) for name in ZOO]
+    if not quick:
+        cases.append(("bert", "base", 1, 16))
+    converters = _converters()
+    rows = []
+    for name, size, batch, seq in cases:
+        case = build(name, size=size, batch=batch, seq=seq)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fp32 = export_fp32(case.model, case.example_inputs)
+        feeds = {i.name: t.numpy() for i, t in zip(fp32.graph.input, case.make_inputs(1))}
+        for converter, convert in converters.items():
+            rows.append(_one(name, size, fp32, feeds, converter, convert))
+    return rows
+
+
+def _print(rows: list[dict]) -> None:
+    header = f"{'model':<7} {'size':<5} {'nodes':>5} {'converter':<21} {'convert_s':>9} loads runs {'rel_err':>9} ok"
+    print(header)
+    for r in rows:
+        err = "-" if r["rel_error"] is None else f"{r['rel_error']:.2e}"
+        print(f"{r['model']:<7} {r['size']:<5} {r['nodes']:>5} {r['converter']:<21} {str(r['convert_s']):>9} "
+              f"{str(r['loads']):<5} {str(r['runs']):<4} {err:>9} {r['accurate']}  {r['error']}")
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.ERROR)
+    _print(run(quick="--full" not in sys.argv))
