@@ -9,8 +9,8 @@
 - ``kind="curve"``: per epoch, the training loss and test accuracy of a small CNN on scikit-learn's
   bundled digits data (no download), trained from one seed in fp32 and with amppass fp16 / bf16.
 
-``python benchmarks/train_step.py [--quick]`` prints both and writes ``benchmarks/digits_curves.md`` and
-``benchmarks/digits_curves.png``.
+``python benchmarks/train_step.py [--quick] [--threads N]`` prints both and writes
+``benchmarks/digits_curves.md`` and ``benchmarks/digits_curves.png``.
 """
 
 from __future__ import annotations
@@ -130,15 +130,20 @@ def _variants(build: Callable[[], nn.Module], x: torch.Tensor) -> Iterator[tuple
 
 
 def step_times(quick: bool) -> list[dict[str, Any]]:
-    """Median step time of every variant of every model, measured in one run, interleaved per model."""
-    warmup, steps = (3, 10) if quick else (5, 40)
+    """Median step time of every variant of every model, measured in one run.
+
+    The variants take turns, one step each per round, so load from other processes on a shared machine
+    falls on all of them alike instead of on whichever ran at the time.
+    """
+    warmup, rounds = (3, 10) if quick else (5, 40)
     rows = []
     for model_name, (build, x) in _models(quick).items():
         y = torch.randint(0, 10, (x.shape[0],), generator=torch.Generator().manual_seed(0))
-        for variant, model, scaler, autocast in _variants(build, x):
-            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-            times = []
-            for i in range(warmup + steps):
+        variants = [(name, model, scaler, autocast, torch.optim.SGD(model.parameters(), lr=1e-3))
+                    for name, model, scaler, autocast in _variants(build, x)]
+        times: dict[str, list[float]] = {name: [] for name, *_ in variants}
+        for i in range(warmup + rounds):
+            for name, model, scaler, autocast, opt in variants:
                 start = time.perf_counter()
                 opt.zero_grad()
                 with autocast():
@@ -147,11 +152,12 @@ def step_times(quick: bool) -> list[dict[str, Any]]:
                 scaler.step(opt)
                 scaler.update()
                 if i >= warmup:
-                    times.append(time.perf_counter() - start)
-            rows.append({"kind": "step_time", "model": model_name, "variant": variant,
-                         "median_ms": 1e3 * statistics.median(times), "steps": steps,
+                    times[name].append(time.perf_counter() - start)
+        for name, samples in times.items():
+            rows.append({"kind": "step_time", "model": model_name, "variant": name,
+                         "median_ms": 1e3 * statistics.median(samples), "steps": rounds,
                          "threads": torch.get_num_threads()})
-            log.info("%s / %s: %.2f ms", model_name, variant, rows[-1]["median_ms"])
+            log.info("%s / %s: %.2f ms", model_name, name, rows[-1]["median_ms"])
     return rows
 
 
@@ -210,10 +216,14 @@ def main() -> None:
     """Run, print, and write ``digits_curves.md`` / ``digits_curves.png`` beside this file."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps and epochs, one model")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: stable "
+                        "timings on a shared machine)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     rows = run(args.quick)
-    text = markdown(rows, "python benchmarks/train_step.py" + (" --quick" if args.quick else ""))
+    command = f"python benchmarks/train_step.py --threads {args.threads}" + (" --quick" if args.quick else "")
+    text = markdown(rows, command)
     (HERE / "digits_curves.md").write_text(text, encoding="utf-8")
     plot(rows, HERE / "digits_curves.png")
     print(text)
