@@ -118,8 +118,8 @@ def peak_alloc_bytes(call: Callable[[], Any]) -> int:
     return peak
 
 
-def time_interleaved(calls: dict[str, Callable[[], Any]], warmup: int, repeats: int) -> dict[str, float]:
-    """Median seconds per call; each round calls every variant once, in turn."""
+def time_interleaved(calls: dict[str, Callable[[], Any]], warmup: int, repeats: int) -> dict[str, list[float]]:
+    """Seconds per call, every sample; each round calls every variant once, in turn."""
     for _ in range(warmup):
         for call in calls.values():
             call()
@@ -129,7 +129,7 @@ def time_interleaved(calls: dict[str, Callable[[], Any]], warmup: int, repeats: 
             start = time.perf_counter()
             call()
             samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in samples.items()}
+    return samples
 
 
 def measure(point: Setting, warmup: int, repeats: int) -> list[dict]:
@@ -141,7 +141,8 @@ def measure(point: Setting, warmup: int, repeats: int) -> list[dict]:
         ref32 = model(*inputs)
         ref64 = copy.deepcopy(model).double()(*_cast_floats(inputs, torch.float64))
         outputs = {name: v.call() for name, v in variants.items()}
-        latency = time_interleaved({name: v.call for name, v in variants.items()}, warmup, repeats)
+        samples = time_interleaved({name: v.call for name, v in variants.items()}, warmup, repeats)
+        latency = {name: statistics.median(values) for name, values in samples.items()}
         peaks = {name: peak_alloc_bytes(v.call) for name, v in variants.items()}
     fp32_bytes = weight_bytes(model)
     rows = []
@@ -152,6 +153,7 @@ def measure(point: Setting, warmup: int, repeats: int) -> list[dict]:
             "shape": f"{point.batch}x{point.seq}" if case.kind == "transformer" else f"batch {point.batch}",
             "variant": name,
             "latency_ms": latency[name] * 1e3,
+            "min_ms": min(samples[name]) * 1e3,
             "vs_autocast": latency["autocast"] / latency[name],
             "err_vs_fp32": rel_error(outputs[name], ref32),
             "err_vs_fp64": rel_error(outputs[name], ref64),
