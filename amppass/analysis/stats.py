@@ -11,6 +11,10 @@ Thresholds, all for fp16 (bf16 shares fp32's range, so only the counts are kept 
 - *above headroom*: ``|x| > 65504 / HEADROOM``. Calibration samples the input distribution; a value within a
   factor ``HEADROOM`` (2, one binade) of fp16's largest finite value on calibration data is taken to
   overflow on some other input, so the range rules use the same margin.
+- *sampling*: ``absmax``, NaN/inf, sentinels and the counts beyond the headroom read every element (one
+  pass: ``aminmax``); the small-value counts (zeros, below normal, flush) and ``min_nonzero`` read an evenly
+  strided sample of at most ``SAMPLE`` elements per tensor, so statistics cost about one memory pass per
+  value and shares below normal are estimates (``sampled`` says over how many elements).
 - *sentinels*: finite values with ``|x| >= 1e38``, which models write to mean minus infinity (attention
   masks filled with ``finfo(float32).min``). They are counted apart and kept out of ``absmax``: cast to fp16
   they become the infinity they stand for, and the rewrite saturates them where a kernel needs finite values.
@@ -30,6 +34,7 @@ from ..dtypes import FP16_MAX, FP16_MIN_NORMAL, FP16_MIN_SUBNORMAL
 HEADROOM = 2.0
 FLUSH_LIMIT = FP16_MIN_SUBNORMAL / 2
 SENTINEL = 1e38
+SAMPLE = 1 << 16
 
 
 @dataclass
@@ -40,10 +45,11 @@ class ValueStats:
     count: int = 0  # elements seen (sentinels, NaN and inf included)
     numel: int = 0  # elements of the first tensor of the last batch: reduction depths are read from it
     absmax: float = 0.0  # largest finite magnitude, sentinels left out
-    min_nonzero: float = math.inf
-    zeros: int = 0
-    below_normal: int = 0
-    flush: int = 0
+    sampled: int = 0  # elements the small-value fields below were read from
+    min_nonzero: float = math.inf  # in the sample
+    zeros: int = 0  # in the sample
+    below_normal: int = 0  # in the sample
+    flush: int = 0  # in the sample
     above_headroom: int = 0
     above_max: int = 0
     sentinels: int = 0
@@ -52,8 +58,8 @@ class ValueStats:
 
     @property
     def share_below_normal(self) -> float:
-        """Share of the non-zero values below fp16's smallest normal."""
-        nonzero = self.count - self.zeros
+        """Share of the non-zero values below fp16's smallest normal (estimated from the sample)."""
+        nonzero = self.sampled - self.zeros
         return self.below_normal / nonzero if nonzero else 0.0
 
     @property
@@ -75,10 +81,11 @@ class ValueStats:
         self.count += tensor.numel()
         if not tensor.numel():
             return
-        a = tensor.detach().abs()
-        top = float(a.amax())
+        top = _absmax(tensor.detach())
+        a = None
         if not math.isfinite(top) or top >= SENTINEL:
             # rare path (masks, broken batches): split off NaN, inf and sentinels before the range counts
+            a = tensor.detach().abs()
             self.nan |= bool(torch.isnan(a).any())
             self.inf |= bool(torch.isinf(a).any())
             self.sentinels += int(torch.count_nonzero(torch.isfinite(a) & (a >= SENTINEL)))
@@ -86,18 +93,21 @@ class ValueStats:
             top = float(a.amax()) if a.numel() else 0.0
         self.absmax = max(self.absmax, top)
         if top > FP16_MAX / HEADROOM:
+            a = tensor.detach().abs() if a is None else a
             self.above_headroom += int(torch.count_nonzero(a > FP16_MAX / HEADROOM))
             self.above_max += int(torch.count_nonzero(a > FP16_MAX))
-        small = a[a < FP16_MIN_NORMAL]  # a small share of a tensor in practice; the rest is read from it
-        zeros = int(torch.count_nonzero(small == 0))
-        self.zeros += zeros
-        self.below_normal += small.numel() - zeros
-        if small.numel() > zeros:
-            self.flush += int(torch.count_nonzero(small < FLUSH_LIMIT)) - zeros
-            self.min_nonzero = min(self.min_nonzero, float(small[small > 0].amin()))
-        elif a.numel() > zeros:
-            nonzero = a if not zeros else a[a > 0]
-            self.min_nonzero = min(self.min_nonzero, float(nonzero.amin()))
+        # the sample is small: numpy reads it single-threaded, without a parallel launch per tiny op
+        flat = (a if a is not None else tensor.detach()).reshape(-1)
+        sample = np.abs(flat[:: max(1, flat.numel() // SAMPLE)].float().cpu().numpy())
+        sample = sample[sample < SENTINEL]
+        nonzero = sample[sample > 0]
+        small = nonzero[nonzero < FP16_MIN_NORMAL]
+        self.sampled += sample.size
+        self.zeros += sample.size - nonzero.size
+        self.below_normal += small.size
+        self.flush += int(np.count_nonzero(small < FLUSH_LIMIT))
+        if nonzero.size:
+            self.min_nonzero = min(self.min_nonzero, float(nonzero.min()))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain numbers for evidence and reports."""
@@ -119,6 +129,10 @@ class CalibrationStats:
         stats = self._values.setdefault(name, ValueStats())
         for i, leaf in enumerate(_floating_leaves(value)):
             stats.update(leaf, first=i == 0)
+
+    def alias(self, name: str, source: str) -> None:
+        """Record that ``name`` holds ``source``'s elements (a reshape or permutation): they share one aggregate."""
+        self._values[name] = self._values[source]
 
     def get(self, name: str) -> ValueStats | None:
         """The stats of ``name``, or None if it was never seen (a weight, or a value of no float type)."""
@@ -144,6 +158,17 @@ def as_tensor(value: Any) -> torch.Tensor | None:
     if isinstance(value, torch.Tensor) and value.is_floating_point():
         return value
     return None
+
+
+def _absmax(tensor: torch.Tensor) -> float:
+    """max |x| in one pass (NaN if any); numpy on CPU: one thread, no parallel launch, so it stays cheap
+    on a busy machine where torch's thread pool waits for cores."""
+    if tensor.device.type == "cpu" and tensor.dtype in (torch.float16, torch.float32, torch.float64):
+        array = tensor.numpy()
+        low, high = array.min(), array.max()
+    else:
+        low, high = torch.aminmax(tensor)
+    return max(-float(low), float(high))
 
 
 def _floating_leaves(value: Any) -> Iterator[Any]:

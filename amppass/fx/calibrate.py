@@ -181,11 +181,25 @@ class _Recorder(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         result = super().run_node(n)
         if n.name in self.tracked:
-            self.stats.update(n.name, result)
+            source = self._view_of(n, result)
+            if source is None:
+                self.stats.update(n.name, result)
+            else:
+                self.stats.alias(n.name, source)
         if self.replay is not None and n.name in self.replay[1]:
             low, _, errors = self.replay
             errors[n.name] = self._replay(n, result, low)
         return result
+
+    def _view_of(self, n: fx.Node, result: Any) -> str | None:
+        """The input whose elements ``result`` shares exactly (a view, reshape or permutation), if any."""
+        source = n.args[0] if n.args else None
+        if not isinstance(source, fx.Node) or source.name not in self.stats or not isinstance(result, torch.Tensor):
+            return None
+        value = self.env.get(source)
+        same = (isinstance(value, torch.Tensor) and value.dtype == result.dtype and value.numel() == result.numel()
+                and value.numel() > 0 and value.data_ptr() == result.data_ptr())
+        return source.name if same else None
 
     def _replay(self, n: fx.Node, reference: Any, low: torch.dtype) -> float:
         """The node's relative output error when its fp32 inputs and weights are rounded to ``low``."""
