@@ -12,10 +12,11 @@ from .. import __version__
 from ..analysis import overrides
 from ..analysis.painting import paint
 from ..dtypes import max_finite, resolve_dtype, short_name
-from ..errors import InputError
+from ..errors import CalibrationError, InputError
 from ..report.flops import node_macs
 from ..training.backward import annotate_backward
 from ..training.module import TrainEvalGraphs
+from .calibrate import calibrated_plan, check_tolerance
 from .capture import capture
 from .rewrite import META_KEY, rewrite
 from .view import build_view
@@ -37,6 +38,9 @@ def convert(
     force_low: Iterable[str] = (),
     dynamic_shapes: Any = "auto",
     low_weight_tables: bool = False,
+    calibration: Iterable[Any] | None = None,
+    tolerance: float | None = None,
+    progress: bool = False,
 ) -> nn.Module:
     """Return a mixed-precision ``torch.fx.GraphModule`` computing what ``model`` computes.
 
@@ -58,6 +62,13 @@ def convert(
             the model allows it.
         low_weight_tables: store tables read by weight-only ops (embeddings) in low precision even when
             they feed fp32 work: half the bytes of those tables, at the cost of rounding them.
+        calibration: an iterable of input tuples like ``example_inputs``; the fp32 model runs on each and
+            the range rules of :mod:`amppass.analysis.rules` decide from what it computed. User overrides
+            (``keep_fp32``/``force_low``) still win.
+        tolerance: the largest relative error ``||out - out_fp32|| / ||out_fp32||`` allowed on any floating
+            output over the calibration batches; the most sensitive nodes move back to fp32 until it is met
+            (see :mod:`amppass.analysis.tolerance`). Needs ``calibration``.
+        progress: show a progress bar on stderr while calibrating.
 
     The returned module records its decisions in ``node.meta["amppass"]``; ``amppass.report`` reads them.
     """
@@ -69,9 +80,16 @@ def convert(
     if isinstance(model, TrainEvalGraphs):
         log.info("model was already converted by amppass for training; returned unchanged")
         return model
+    check_tolerance(tolerance)
+    if tolerance is not None and calibration is None:
+        raise CalibrationError(f"tolerance={tolerance!r} needs calibration data to measure the output error "
+                               "on: pass calibration=[inputs, ...] as well")
     low = resolve_dtype(dtype, device=_device(model))
+    if mode == "train" and calibration is not None:
+        calibration = list(calibration)  # both graphs calibrate on it
     options = dict(keep_io_types=keep_io_types, keep_fp32=keep_fp32, force_low=force_low,
-                   low_weight_tables=low_weight_tables)
+                   low_weight_tables=low_weight_tables, calibration=calibration, tolerance=tolerance,
+                   progress=progress)
     if mode == "train":
         # torch.export bakes the training flag into the graph: one graph per mode over one set of fp32 tensors
         train_gm, eval_gm = (
@@ -94,15 +112,26 @@ def _convert_captured(
     keep_fp32: Iterable[str],
     force_low: Iterable[str],
     low_weight_tables: bool,
+    calibration: Iterable[Any] | None,
+    tolerance: float | None,
+    progress: bool,
 ) -> fx.GraphModule:
     """Analyse, paint and rewrite a captured graph of ``model`` in place; record the decisions in it."""
     low_name, low_max = short_name(low), max_finite(low)
     bytes_before = weight_bytes(model) if isinstance(model, nn.Module) else 0
     view, _ = build_view(gm, low_max, measure_weights=low == torch.float16)
     given = overrides.resolve(view, keep_fp32, force_low, low_name)
-    plan = paint(view, low_name, low_max, given, low_weight_tables=low_weight_tables)
+    rewrite_options = {"precast_weights": mode == "inference", "keep_io_types": keep_io_types}
+    calibration_info: dict[str, Any] = {"calibrated": False}
+    if calibration is None:
+        plan = paint(view, low_name, low_max, given, low_weight_tables=low_weight_tables)
+    else:
+        plan, calibration_info = calibrated_plan(
+            gm, view, calibration, low, given, tolerance=tolerance, progress=progress,
+            low_weight_tables=low_weight_tables, rewrite_options=rewrite_options,
+        )
     macs = {n.name: node_macs(n) for n in gm.graph.nodes}  # before the rewrite puts casts between shapes
-    stats = rewrite(gm, plan, low, precast_weights=mode == "inference", keep_io_types=keep_io_types)
+    stats = rewrite(gm, plan, low, **rewrite_options)
 
     unknown = {n.name for n in view.nodes if n.unknown}
     for node in gm.graph.nodes:
@@ -122,7 +151,7 @@ def _convert_captured(
         "weight_copies": stats.weight_copies,
         "weight_bytes_before": bytes_before,
         "weight_bytes_after": weight_bytes(gm),
-        "calibrated": False,
+        **calibration_info,
     }
     if mode == "train":
         gm.meta[META_KEY]["backward"] = annotate_backward(gm, low_name)
