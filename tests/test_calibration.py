@@ -162,3 +162,14 @@ def test_tolerance_search_is_logarithmic():
     assert found.met and len(found.moved) == 37 and found.moved[0] == "n0"
     assert found.runs <= 2 * math.ceil(math.log2(64)) + 1
     assert paint  # painting consumes found.given in convert
+
+
+def test_every_calibrated_row_carries_its_observed_range():
+    from models import build
+
+    case = build("cnn")
+    fast = amppass.convert(case.model, case.example_inputs, torch.float16,
+                           calibration=[case.make_inputs(s) for s in (1, 2)])
+    rows = [r for r in amppass.report(fast).rows if r.precision != "-"]
+    assert rows and all(r.evidence["absmax"] > 0 for r in rows if r.op in ("aten.conv2d", "aten.linear"))
+    assert sum("min_nonzero" in r.evidence for r in rows) >= len(rows) // 2

@@ -125,7 +125,7 @@ def calibrated_plan(
         "calibration_seconds": round(data.seconds, 3), "calibration_decisions": len(ranges),
     }
     if tolerance is None:
-        return plan, info
+        return _with_ranges(plan, view, data.stats), info
 
     def measure(decisions: Mapping[str, Decision]) -> float:
         trial = _private_copy(gm)
@@ -138,7 +138,21 @@ def calibrated_plan(
         "tolerance": tolerance, "achieved_error": found.achieved_error, "initial_error": found.initial_error,
         "tolerance_met": found.met, "moved_by_tolerance": len(found.moved), "tolerance_runs": found.runs,
     })
-    return paint(view, low_name, low_max, found.given, low_weight_tables=low_weight_tables), info
+    final = paint(view, low_name, low_max, found.given, low_weight_tables=low_weight_tables)
+    return _with_ranges(final, view, data.stats), info
+
+
+def _with_ranges(plan: PrecisionPlan, view: GraphView, stats: CalibrationStats) -> PrecisionPlan:
+    """Record each node's observed output range in its evidence, so the report can show every one."""
+    for node in view.nodes:
+        seen = next((stats.get(v) for v in node.outputs if stats.get(v) is not None), None)
+        if seen is None or node.name not in plan:
+            continue
+        evidence = plan[node.name].evidence
+        evidence.setdefault("absmax", seen.absmax)
+        if math.isfinite(seen.min_nonzero):
+            evidence.setdefault("min_nonzero", seen.min_nonzero)
+    return plan
 
 
 def check_tolerance(tolerance: Any) -> None:
