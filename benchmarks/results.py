@@ -167,11 +167,7 @@ def plot_latency(rows: list[dict], path: Path) -> None:
     ax.set_xticks([p + 0.4 - width / 2 for p in range(len(points))])
     ax.set_xticklabels([f"{m}\n{s}" for m, s in points], fontsize=8)
     ax.set_ylabel("speed vs fp32 eager (x)")
-    ax.set_title("bf16 inference latency on CPU (median, interleaved)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, ax, "bf16 inference latency on CPU (median, interleaved)", path)
 
 
 def plot_scaling(rows: list[dict], fitted: dict, path: Path) -> None:
@@ -184,7 +180,12 @@ def plot_scaling(rows: list[dict], fitted: dict, path: Path) -> None:
               label=f"a + b*n fit (R²={fitted['r2']:.3f}); exponent {fitted['exponent']:.2f}")
     ax.set_xlabel("graph nodes")
     ax.set_ylabel("conversion time (s)")
-    ax.set_title("ONNX conversion time against graph size")
+    _save(fig, ax, "ONNX conversion time against graph size", path)
+
+
+def _save(fig, ax, title: str, path: Path) -> None:
+    """Title, legend and layout shared by every plot, then write it and free the figure."""
+    ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

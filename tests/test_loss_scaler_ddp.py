@@ -2,34 +2,17 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import time
-from datetime import timedelta
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from amppass.training.loss_scaler import LossScaler
+from tests.ddp_harness import params, run_ranks, same
 
-WORLD_SIZE = 2
 INIT_SCALE = 2.0**10
 TIMEOUT_S = 60  # the whole run takes a few seconds; this only stops a hang
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _params(model: nn.Module) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in model.parameters()]
 
 
 def _train(rank: int, scaler: LossScaler, poison_rank1: str | None = None, steps: int = 1) -> dict:
@@ -41,7 +24,7 @@ def _train(rank: int, scaler: LossScaler, poison_rank1: str | None = None, steps
     record: dict = {"scales": []}
     for step in range(steps):
         poison = poison_rank1 if (rank == 1 and step == steps - 1) else None
-        record["before"] = _params(model)
+        record["before"] = params(model)
         opt.zero_grad()
         loss = F.mse_loss(model(torch.randn(8, 4)), torch.randn(8, 1))
         if poison == "loss":
@@ -53,51 +36,35 @@ def _train(rank: int, scaler: LossScaler, poison_rank1: str | None = None, steps
         scaler.step(opt)
         scaler.update()
         record["scales"].append(scaler.get_scale())
-    record["after"] = _params(model)
+    record["after"] = params(model)
     return record
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=TIMEOUT_S))
-    try:
-        results = {
-            "clean": _train(rank, LossScaler(init_scale=INIT_SCALE), steps=3),
-            "loss_overflow": _train(rank, LossScaler(init_scale=INIT_SCALE), "loss", steps=3),
-            "grad_overflow": _train(rank, LossScaler(init_scale=INIT_SCALE), "grad", steps=3),
-        }
-        # Control: the same rank-1-only overflow without the found-inf all-reduce makes the ranks disagree.
-        unsynced = LossScaler(init_scale=INIT_SCALE)
-        unsynced._distributed = lambda: False
-        results["grad_overflow_unsynced"] = _train(rank, unsynced, "grad", steps=3)
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _rank_results(rank: int) -> dict:
+    """What one rank records: its runs by case."""
+    results = {
+        "clean": _train(rank, LossScaler(init_scale=INIT_SCALE), steps=3),
+        "loss_overflow": _train(rank, LossScaler(init_scale=INIT_SCALE), "loss", steps=3),
+        "grad_overflow": _train(rank, LossScaler(init_scale=INIT_SCALE), "grad", steps=3),
+    }
+    # Control: the same rank-1-only overflow without the found-inf all-reduce makes the ranks disagree.
+    unsynced = LossScaler(init_scale=INIT_SCALE)
+    unsynced._distributed = lambda: False
+    results["grad_overflow_unsynced"] = _train(rank, unsynced, "grad", steps=3)
+    return results
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out_dir = tmp_path_factory.mktemp("ddp")
-    context = mp.spawn(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD_SIZE, join=False)
-    deadline = time.monotonic() + TIMEOUT_S
-    while not context.join(timeout=1):  # raises if a worker raised
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the {WORLD_SIZE}-process DDP run did not finish within {TIMEOUT_S} s")
-    return [torch.load(out_dir / f"rank{r}.pt") for r in range(WORLD_SIZE)]
-
-
-def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a, b))
+    return run_ranks(_rank_results, out_dir, TIMEOUT_S)
 
 
 def test_clean_training_steps_and_keeps_ranks_identical(ranks):
     rank0, rank1 = ranks[0]["clean"], ranks[1]["clean"]
     assert rank0["scales"] == rank1["scales"] == [INIT_SCALE] * 3
-    assert not _same(rank0["before"], rank0["after"])
-    assert _same(rank0["after"], rank1["after"])
+    assert not same(rank0["before"], rank0["after"])
+    assert same(rank0["after"], rank1["after"])
 
 
 @pytest.mark.parametrize("case", ["loss_overflow", "grad_overflow"])
@@ -105,16 +72,16 @@ def test_overflow_on_rank1_skips_the_step_on_both_ranks(ranks, case):
     rank0, rank1 = ranks[0][case], ranks[1][case]
     for record in (rank0, rank1):
         assert record["scales"] == [INIT_SCALE, INIT_SCALE, INIT_SCALE / 2]
-        assert _same(record["after"], record["before"])  # the poisoned step was skipped
+        assert same(record["after"], record["before"])  # the poisoned step was skipped
         for param in record["after"]:
             assert torch.isfinite(param).all()
-    assert _same(rank0["after"], rank1["after"])
+    assert same(rank0["after"], rank1["after"])
 
 
 def test_without_the_all_reduce_ranks_would_diverge(ranks):
     """Shows the grad_overflow case tests the all-reduce: without it rank 0 steps while rank 1 skips."""
     rank0, rank1 = ranks[0]["grad_overflow_unsynced"], ranks[1]["grad_overflow_unsynced"]
-    assert _same(rank1["after"], rank1["before"])
-    assert not _same(rank0["after"], rank0["before"])
-    assert not _same(rank0["after"], rank1["after"])
+    assert same(rank1["after"], rank1["before"])
+    assert not same(rank0["after"], rank0["before"])
+    assert not same(rank0["after"], rank1["after"])
     assert rank0["scales"][-1] == INIT_SCALE and rank1["scales"][-1] == INIT_SCALE / 2

@@ -2,35 +2,18 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import time
-from datetime import timedelta
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import amppass
+from tests.ddp_harness import params, run_ranks, same
 
-WORLD_SIZE = 2
 INIT_SCALE = 2.0**10
 STEPS = 3
 TIMEOUT_S = 120  # a run takes ~10 s (two captures per rank); this only stops a hang
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _params(model: nn.Module) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in model.parameters()]
 
 
 def _train(rank: int, poison_rank1: str | None) -> dict:
@@ -45,7 +28,7 @@ def _train(rank: int, poison_rank1: str | None) -> dict:
     record: dict = {"scales": [], "grad_dtypes": set()}
     for step in range(STEPS):
         poison = poison_rank1 if (rank == 1 and step == STEPS - 1) else None
-        record["before"] = _params(model)
+        record["before"] = params(model)
         opt.zero_grad()
         loss = F.mse_loss(model(torch.randn(8, 4)), torch.randn(8, 1))
         if poison == "loss":
@@ -57,47 +40,30 @@ def _train(rank: int, poison_rank1: str | None) -> dict:
         scaler.step(opt)
         scaler.update()
         record["scales"].append(scaler.get_scale())
-    record["after"] = _params(model)
+    record["after"] = params(model)
     record["param_dtypes"] = {p.dtype for p in model.parameters()}
     record["running_mean"] = converted.state_dict()["1.running_mean"].clone()
     return record
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
+def _rank_results(rank: int) -> dict:
+    """What one rank records: its runs by case."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=TIMEOUT_S))
-    try:
-        results = {case: _train(rank, case) for case in (None, "loss", "grad")}
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    return {case: _train(rank, case) for case in (None, "loss", "grad")}
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out_dir = tmp_path_factory.mktemp("ddp_train")
-    context = mp.spawn(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD_SIZE, join=False)
-    deadline = time.monotonic() + TIMEOUT_S
-    while not context.join(timeout=1):  # raises if a worker raised
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the {WORLD_SIZE}-process DDP run did not finish within {TIMEOUT_S} s")
-    return [torch.load(out_dir / f"rank{r}.pt") for r in range(WORLD_SIZE)]
-
-
-def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a, b))
+    return run_ranks(_rank_results, out_dir, TIMEOUT_S)
 
 
 def test_converted_model_trains_under_ddp_with_fp32_master_state(ranks):
     rank0, rank1 = ranks[0][None], ranks[1][None]
     assert rank0["scales"] == rank1["scales"] == [INIT_SCALE] * STEPS
     assert rank0["param_dtypes"] == rank0["grad_dtypes"] == {torch.float32}
-    assert not _same(rank0["before"], rank0["after"])
-    assert _same(rank0["after"], rank1["after"])  # gradients averaged: ranks stay identical
+    assert not same(rank0["before"], rank0["after"])
+    assert same(rank0["after"], rank1["after"])  # gradients averaged: ranks stay identical
     assert not torch.equal(rank0["running_mean"], torch.zeros(16))  # batch norm ran in train mode
 
 
@@ -106,6 +72,6 @@ def test_overflow_on_rank1_only_skips_the_step_on_both_ranks(ranks, case):
     rank0, rank1 = ranks[0][case], ranks[1][case]
     for record in (rank0, rank1):
         assert record["scales"] == [INIT_SCALE] * (STEPS - 1) + [INIT_SCALE / 2]
-        assert _same(record["after"], record["before"])
+        assert same(record["after"], record["before"])
         assert all(torch.isfinite(p).all() for p in record["after"])
-    assert _same(rank0["after"], rank1["after"])
+    assert same(rank0["after"], rank1["after"])
