@@ -204,3 +204,18 @@ def test_report_rejects_unconverted_modules():
         amppass.report(fx.symbolic_trace(build("mlp").model))
     with pytest.raises(amppass.InputError):
         amppass.report(42)
+
+
+def test_model_cast_to_fp32_between_low_ops_is_retargeted():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.b(self.a(x).float())
+
+    fast = amppass.convert(Net(), dtype="bf16")
+    casts = [n for n in fast.graph.nodes if n.op == "call_method"]
+    assert [(n.target, n.args[1]) for n in casts] == [("to", torch.bfloat16)]
+    assert fast(torch.randn(2, 8)).dtype == torch.float32

@@ -140,29 +140,29 @@ class _Rewriter:
             for i, arg in enumerate(node.args)
         )
         kwargs = {k: torch.utils._pytree.tree_map(lambda a, s=k: convert(a, s), v) for k, v in node.kwargs.items()}
-        args, kwargs = self._retarget_cast(node, args, kwargs, decision)
+        target, args, kwargs = self._retarget_cast(node, args, kwargs, decision)
         if decision is not None and decision.precision is Precision.FP32_ACCUM and wanted is None:
             kwargs["dtype"] = torch.float32
         if node.op == "call_module" and decision is not None and decision.precision is Precision.LOW and self.precast:
             for name, _ in module_state(self.gm, node):
                 self._replace_attr(name, self.low)
                 self.stats.weights_converted += 1
-        new = self.graph.create_node(node.op, node.target, args, kwargs, name=node.name, type_expr=node.type)
+        new = self.graph.create_node(node.op, target, args, kwargs, name=node.name, type_expr=node.type)
         new.meta = dict(node.meta)
         if decision is not None:
             new.meta[META_KEY] = {**decision.to_meta(), "op": ops.display_name(node, self.gm), "casts_in": casts}
         self.dtype[new] = self._out_dtype(node, decision)
         return new
 
-    def _retarget_cast(self, node: fx.Node, args: tuple, kwargs: dict, decision: Any) -> tuple[tuple, dict]:
+    def _retarget_cast(self, node: fx.Node, args: tuple, kwargs: dict, decision: Any) -> tuple[Any, tuple, dict]:
         """Rule 4: a model's cast to fp32 on a node painted low now casts to the low dtype."""
         if decision is None or decision.precision is not Precision.LOW or cast_target(node) != torch.float32:
-            return args, kwargs
+            return node.target, args, kwargs
         if node.op == "call_method" and node.target == "float":
-            return args, kwargs  # handled by emitting as "to" below
+            return "to", (args[0], self.low), kwargs
         args = tuple(self.low if a == torch.float32 else a for a in args)
         kwargs = {k: (self.low if v == torch.float32 else v) for k, v in kwargs.items()}
-        return args, kwargs
+        return node.target, args, kwargs
 
     def _out_dtype(self, node: fx.Node, decision: Any) -> torch.dtype | None:
         if not self.fp32[node]:
@@ -246,9 +246,6 @@ def rewrite(
     """Rewrite ``gm`` (a private copy the caller owns) in place according to ``plan``."""
     rewriter = _Rewriter(gm, plan, low, precast_weights, keep_io_types)
     graph = rewriter.run()
-    for node in graph.nodes:
-        if node.op == "call_method" and node.target == "float" and node.name in plan and plan[node.name].precision is Precision.LOW:
-            node.target, node.args = "to", (node.args[0], low)
     for node in list(graph.nodes):
         if node.op == "get_attr" and not node.users:
             graph.erase_node(node)
