@@ -17,7 +17,6 @@ def read_graph_module(gm: fx.GraphModule) -> Report:
             f"{type(gm).__name__} carries no amppass decisions; pass the module amppass.convert returned"
         )
     low = info["dtype"]
-    casts_of: dict[str, list[str]] = {}
     rows = []
     for node in gm.graph.nodes:
         meta = node.meta.get(META_KEY)
@@ -28,7 +27,6 @@ def read_graph_module(gm: fx.GraphModule) -> Report:
         if meta["precision"] == "fp32-accumulate":
             evidence.setdefault("accumulate", "fp32 via dtype= on the low-precision input")
         rows.append(Row(node.name, meta["op"], precision, meta["reason"], meta["source"], list(meta["casts_in"]), evidence))
-        casts_of[node.name] = meta["casts_in"]
     return Report(rows, info)
 
 
