@@ -111,6 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _convert(args: argparse.Namespace) -> int:
     import amppass
+    from .onnx.convert import converted_dtype
 
     _check_not_input(args.model, args.output, args.force)
     for path in (args.output, args.report, args.json):
@@ -126,7 +127,11 @@ def _convert(args: argparse.Namespace) -> int:
             raise FileProblem(f"{args.calib}: calibration for ONNX is not available in this version of amppass")
         options["calibration"] = feeds
     try:
-        converted = convert_onnx(model, **options)
+        if converted_dtype(model) == args.dtype:  # convert_onnx would return it unchanged; say so in one line
+            print(f"{args.model}: already converted by amppass to {args.dtype}; writing it unchanged")
+            converted = model
+        else:
+            converted = convert_onnx(model, **options)
     except AmpPassError as error:
         raise FileProblem(f"{args.model}: {_one_line(error)}") from error
     report = _read_report(converted, args.model)

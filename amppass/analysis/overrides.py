@@ -18,8 +18,16 @@ from .view import GraphView, OpView
 def _compile(patterns: Iterable[str], argument: str) -> list[tuple[str, re.Pattern[str]]]:
     if isinstance(patterns, str):
         patterns = [patterns]
+    try:
+        patterns = list(patterns)
+    except TypeError as err:
+        raise InputError(f"{argument}={patterns!r} is not a list of patterns; give op names or node-name "
+                         f"regular expressions as strings, e.g. {argument}=['Softmax']") from err
     compiled = []
     for pattern in patterns:
+        if not isinstance(pattern, str):
+            raise InputError(f"{argument}: {pattern!r} is a {type(pattern).__name__}, not a string; give op names "
+                             f"or node-name regular expressions as strings, e.g. {argument}=['Softmax']")
         try:
             compiled.append((pattern, re.compile(pattern)))
         except re.error as err:

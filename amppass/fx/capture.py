@@ -43,7 +43,14 @@ def capture(
     The model is captured in eval mode unless ``train`` is set.
     """
     if not isinstance(model, nn.Module):
-        raise InputError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        raise InputError(f"model must be a torch.nn.Module, got {type(model).__name__}; pass the module object "
+                         "itself (torch.load a saved module first; for an .onnx file use amppass.convert_onnx)")
+    if isinstance(example_inputs, dict):
+        raise InputError("example_inputs is a dict; pass positional inputs as a tuple, e.g. example_inputs=(x,), "
+                         "and keyword inputs as example_kwargs={'name': tensor}")
+    if example_kwargs is not None and not isinstance(example_kwargs, dict):
+        raise InputError(f"example_kwargs must be a dict of keyword inputs, got {type(example_kwargs).__name__}; "
+                         "e.g. example_kwargs={'attention_mask': mask}")
     if example_inputs is None and example_kwargs is None:
         with _mode(model, train):
             return _symbolic(model)

@@ -75,11 +75,9 @@ def convert(
     if mode not in MODES:
         raise InputError(f"mode={mode!r} is not one of {MODES}")
     if isinstance(model, fx.GraphModule) and META_KEY in getattr(model, "meta", {}):
-        log.info("model was already converted by amppass (%s); returned unchanged", model.meta[META_KEY]["dtype"])
-        return model
+        return _unchanged(model, model.meta[META_KEY], dtype, mode)
     if isinstance(model, TrainEvalGraphs):
-        log.info("model was already converted by amppass for training; returned unchanged")
-        return model
+        return _unchanged(model, model.train_graph.meta[META_KEY], dtype, mode)
     check_tolerance(tolerance)
     if tolerance is not None and calibration is None:
         raise CalibrationError(f"tolerance={tolerance!r} needs calibration data to measure the output error "
@@ -157,6 +155,19 @@ def _convert_captured(
         gm.meta[META_KEY]["backward"] = annotate_backward(gm, low_name)
     log.info("converted %s to %s: %d nodes planned, %d casts", type(model).__name__, low_name, len(plan), stats.casts)
     return gm
+
+
+def _unchanged(model: nn.Module, info: dict, dtype: Any, mode: str) -> nn.Module:
+    """An already converted ``model``, returned as it is when the caller asks for what it already is."""
+    done = info.get("dtype", "unknown")
+    wanted = done if isinstance(dtype, str) and dtype.strip().lower() == "auto" else short_name(resolve_dtype(dtype))
+    if wanted != done or mode != info.get("mode", mode):
+        raise InputError(f"{type(model).__name__} was already converted by amppass to {done} ({info.get('mode')} "
+                         f"mode); it cannot be converted to {wanted} ({mode} mode) on top of that: convert the "
+                         "original float32 module instead")
+    log.warning("%s was already converted by amppass to %s (%s mode); returned unchanged",
+                type(model).__name__, done, info.get("mode"))
+    return model
 
 
 def weight_bytes(module: nn.Module) -> int:

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import tempfile
+import zipfile
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -60,6 +61,9 @@ def convert_onnx(
     low = _low_type(dtype)
     low_name, low_max = SHORT[low], (FP16_MAX if low == TensorProto.FLOAT16 else _BF16_MAX)
     work, base_dir = _load(model)
+    previous = converted_dtype(work)
+    if previous is not None:
+        return _unchanged(work, base_dir, previous, low_name, model)
     versions = opsets(work)
     if low == TensorProto.BFLOAT16 and versions.get("", 1) < 13:
         raise InputError(f"bf16 needs opset 13 or later for Cast; this model imports opset {versions.get('', 1)}. "
@@ -67,9 +71,6 @@ def convert_onnx(
     if versions.get("", 1) > runtime.max_opset():
         raise InputError(f"the model imports opset {versions[''] } but the installed onnxruntime loads at most "
                          f"{runtime.max_opset()}; re-export with opset <= {runtime.max_opset()}")
-    if _already_converted(work):
-        raise InputError("the model was already converted by amppass (its metadata says so); convert the "
-                         "original float32 model instead")
     name_nodes(work)
     bytes_before = weight_bytes(work)
     typed = _infer(work)
@@ -109,16 +110,16 @@ def convert_onnx(
 def save(model: onnx.ModelProto, path: str | os.PathLike, external_data: bool | None = None) -> None:
     """Write ``model`` to ``path`` atomically; weights go to ``<name>.data`` beside it when the model is
     over 2 GB (protobuf's limit) or ``external_data`` is True."""
-    path = os.fspath(path)
+    path = check_target(path)
     folder = os.path.dirname(os.path.abspath(path))
     if external_data is None:
         external_data = model.ByteSize() >= PROTOBUF_LIMIT if _all_inline(model) else True
     fd, tmp = tempfile.mkstemp(prefix=".amppass-", suffix=".onnx", dir=folder)
     os.close(fd)
+    tmp_data = tmp + ".data"  # nothing but this run writes here; removed below if the save fails
     try:
         if external_data:
             data_name = os.path.basename(path) + ".data"
-            tmp_data = os.path.join(folder, f".{data_name}.tmp")
             to_save = copy.deepcopy(model)
             onnx.save_model(to_save, tmp, save_as_external_data=True, all_tensors_to_one_file=True,
                             location=os.path.basename(tmp_data), size_threshold=0)
@@ -128,8 +129,21 @@ def save(model: onnx.ModelProto, path: str | os.PathLike, external_data: bool | 
             onnx.save_model(model, tmp)
         os.replace(tmp, path)
     finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        for leftover in (tmp, tmp_data):
+            if os.path.exists(leftover):
+                os.remove(leftover)
+
+
+def check_target(path: str | os.PathLike) -> str:
+    """``path`` as a string, if a model can be written there: not a folder, in a folder that exists."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise InputError(f"{path!r} is a folder; give the file name to write the model to, e.g. "
+                         f"{os.path.join(path, 'model.onnx')!r}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise InputError(f"cannot write {path!r}: folder {folder!r} does not exist; create it first")
+    return path
 
 
 def weight_bytes(model: onnx.ModelProto) -> int:
@@ -152,17 +166,32 @@ def _low_type(dtype: object) -> int:
 def _load(model: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.ModelProto, str | None]:
     """A private copy of ``model`` (external data not yet loaded) and the folder its data lives in."""
     if isinstance(model, onnx.ModelProto):
+        _check_has_graph(model, "the onnx.ModelProto passed to convert_onnx")
         return copy.deepcopy(model), None
     if not isinstance(model, (str, os.PathLike)):
         raise InputError(f"convert_onnx takes a path to a .onnx file or an onnx.ModelProto, not {type(model).__name__}")
     path = os.fspath(model)
+    if os.path.isdir(path):
+        raise InputError(f"{path!r} is a folder, not a file; pass the path of the .onnx model inside it")
     if not os.path.isfile(path):
-        raise InputError(f"{path!r} is not a file; pass the path of an .onnx model")
+        raise InputError(f"{path!r} is not a file (no such path); pass the path of an .onnx model")
     try:
         loaded = onnx.load(path, load_external_data=False)
+    except OSError as err:
+        raise InputError(f"{path!r} cannot be read ({err.strerror or err}); check the file's permissions") from err
     except Exception as err:  # protobuf's DecodeError and friends
-        raise InputError(f"{path!r} could not be read as an ONNX model ({err}); is it an .onnx file?") from err
+        hint = " (it is a zip archive: a PyTorch checkpoint? use amppass.convert or amppass.export_onnx for " \
+            "torch models)" if zipfile.is_zipfile(path) else ""
+        raise InputError(f"{path!r} could not be read as an ONNX model ({err}); is it an .onnx file?{hint}") from err
+    _check_has_graph(loaded, repr(path))
     return loaded, (None if _all_inline(loaded) else os.path.dirname(os.path.abspath(path)))
+
+
+def _check_has_graph(model: onnx.ModelProto, where: str) -> None:
+    """Refuse an empty message: protobuf parses an empty or foreign file as a ModelProto with no graph."""
+    if model.ir_version == 0 or not model.HasField("graph"):
+        raise InputError(f"{where} is not an ONNX model (it holds no IR version or graph); pass a model written "
+                         "by torch.onnx.export or another ONNX exporter")
 
 
 def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -223,8 +252,28 @@ def _relocate(model_path: str, old: str, new: str) -> None:
     onnx.save_model(model, model_path)
 
 
-def _already_converted(model: onnx.ModelProto) -> bool:
-    return any(p.key == META_KEY for p in model.metadata_props)
+def converted_dtype(model: onnx.ModelProto) -> str | None:
+    """The low dtype ("fp16"/"bf16") amppass converted ``model`` to, from its metadata; None if it did not."""
+    for entry in model.metadata_props:
+        if entry.key == META_KEY:
+            try:
+                return str(json.loads(entry.value).get("dtype", "unknown"))
+            except (ValueError, AttributeError):
+                return "unknown"
+    return None
+
+
+def _unchanged(work: onnx.ModelProto, base_dir: str | None, previous: str, wanted: str,
+               source: object) -> onnx.ModelProto:
+    """``work`` as it is (an already converted model), when the caller asks for the dtype it already has."""
+    where = repr(os.fspath(source)) if isinstance(source, (str, os.PathLike)) else "the model"
+    if previous != wanted:
+        raise InputError(f"{where} was already converted by amppass to {previous}; it cannot be converted to "
+                         f"{wanted} on top of that: convert the original float32 model with dtype='{wanted}'")
+    if base_dir is not None:
+        external_data_helper.load_external_data_for_model(work, base_dir)
+    log.warning("%s was already converted by amppass to %s; returned unchanged", where, previous)
+    return work
 
 
 def _set_model_meta(model: onnx.ModelProto, info: dict) -> None:

@@ -10,8 +10,8 @@ from typing import Any
 import onnx
 import torch
 
-from ..errors import CaptureError
-from .convert import convert_onnx, save
+from ..errors import CaptureError, InputError
+from .convert import check_target, convert_onnx, save
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +28,10 @@ def export_onnx(
     The dynamo exporter (``torch.onnx.export(dynamo=True)``) is tried first; if it fails, the TorchScript
     exporter (``dynamo=False``). ``convert_kwargs`` go to :func:`convert_onnx`. Returns the converted model.
     """
+    if not isinstance(torch_model, torch.nn.Module):
+        raise InputError(f"export_onnx takes a torch.nn.Module, got {type(torch_model).__name__}; for an ONNX "
+                         "model already on disk use amppass.convert_onnx")
+    check_target(path)
     fp32 = export_fp32(torch_model, example_inputs)
     converted = convert_onnx(fp32, dtype, **convert_kwargs)
     save(converted, path)

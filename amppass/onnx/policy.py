@@ -93,6 +93,9 @@ POLICY: tuple[PolicyRow, ...] = (
 )
 
 UNKNOWN_REASON = "not in the policy table: follows its inputs (override it if it needs fp32)"
+CUSTOM_REASON = ("custom op {op} (domain {domain}): no ONNX schema and no onnxruntime kernel tells which dtypes it "
+                 "takes, so it is fed the float32 values it was written for; force_low=['{op}'] if its kernel "
+                 "takes low precision")
 
 _BY_KEY: dict[tuple[str, str], list[PolicyRow]] = {}
 for _row in POLICY:
@@ -134,6 +137,9 @@ def classify(domain: str, op_type: str, opset: int, input_count: int, low: int) 
     row = lookup(domain, op_type, opset)
     names = input_names(domain, op_type, opset, input_count)
     kept = frozenset(i for i, n in enumerate(names) if row is not None and row.slots.get(n) == "keep")
+    if row is None and _custom(domain, op_type, opset):
+        return Classification(Category.FP32, CUSTOM_REASON.format(op=op_type, domain=domain or "ai.onnx"), True,
+                              kept, {"custom_op": True})
     if row is None:
         category, reason, unknown = Category.FOLLOW, UNKNOWN_REASON, True
     else:
@@ -172,6 +178,12 @@ def _low_blocked(domain: str, op_type: str, opset: int, low: int, kept: frozense
 
 
 _LOW_NAMES = {TensorProto.FLOAT16: "fp16", TensorProto.BFLOAT16: "bf16"}
+
+
+def _custom(domain: str, op_type: str, opset: int) -> bool:
+    """An op neither ONNX nor the installed onnxruntime knows: its kernel (if any) comes from the user."""
+    return _schema(domain, op_type, opset) is None and \
+        runtime.kernel_status(domain, op_type, opset, TensorProto.FLOAT) == "unknown"
 
 
 def _schema(domain: str, op_type: str, opset: int) -> onnx.defs.OpSchema | None:
