@@ -124,7 +124,8 @@ def run(mode: str, out: Path, only: list[str]) -> int:
             section = Section(name, "", notes=[f"FAILED: `{type(err).__name__}: {err}`"])
             failed = True
         section.command = f"python -m benchmarks run --{mode} --only {name}"
-        section.notes.append(f"Section wall time: {time.perf_counter() - start:.0f} s.")
+        section.notes.append(f"Measured {started} (UTC), load at start {load_before}; section wall time: "
+                             f"{time.perf_counter() - start:.0f} s.")
         sections.append(section)
         print(f"[benchmarks] {name} done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     results.write_markdown(out / "RESULTS.md", mode, sections, started, load_before)
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     run_parser.add_argument("--out", type=Path, default=HERE, help="output folder (default: benchmarks/)")
     run_parser.add_argument("--only", default=",".join(SECTIONS),
                             help=f"comma-separated sections to run, of {', '.join(SECTIONS)} (default: all); "
-                                 "RESULTS.md then holds only those")
+                                 "the other sections of an existing RESULTS.md are kept as they were")
     args = parser.parse_args(argv)
     only = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = [s for s in only if s not in SECTIONS]

@@ -27,3 +27,22 @@ def test_quick_mode_writes_every_section(tmp_path):
     text = (tmp_path / "RESULTS.md").read_text()
     _check_outputs(tmp_path, text)
     assert "FAILED" not in text
+
+
+def test_only_replaces_its_section_and_keeps_the_others(tmp_path):
+    from benchmarks import results
+    from benchmarks.results import Section
+
+    def section(title, value):
+        made = Section(title, "", notes=[f"note {value}"])
+        made.command = f"cmd {title}"
+        made.tables.append(("", [{"x": value}]))
+        return made
+
+    path = tmp_path / "RESULTS.md"
+    results.write_markdown(path, "full", [section("A", 1), section("B", 2)], "t0", "load")
+    results.write_markdown(path, "quick", [section("B", 3), section("C", 4)], "t1", "load")
+    text = path.read_text()
+    assert text.count("## Machine") == 1 and "run --quick" in text
+    assert text.index("## A") < text.index("## B") < text.index("## C")
+    assert "note 1" in text and "note 3" in text and "note 4" in text and "note 2" not in text
