@@ -25,14 +25,12 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from ..analysis import tolerance as search_tolerance
-from ..analysis.painting import paint
+from ..analysis.calibration import Progress, check_tolerance, first_line, plan_from_stats, relative_error
 from ..analysis.plan import Category, Decision, PrecisionPlan
-from ..analysis.rules import range_decisions
 from ..analysis.stats import CalibrationStats
 from ..analysis.view import GraphView
 from ..dtypes import max_finite, short_name
-from ..errors import CalibrationError, InputError
+from ..errors import CalibrationError
 from .rewrite import rewrite
 
 log = logging.getLogger(__name__)
@@ -73,7 +71,7 @@ def calibrate(
     result = Calibration(CalibrationStats())
     recorder = _Recorder(gm, result.stats, tracked)
     start = time.perf_counter()
-    with torch.no_grad(), _progress(progress, calibration) as advance:
+    with torch.no_grad(), Progress(progress, calibration) as advance:
         for index, args, kwargs, flat in _batches(gm, calibration):
             if replay is not None and index == 0:
                 recorder.replay = (replay, candidates, result.local_error)
@@ -81,7 +79,7 @@ def calibrate(
                 raw = recorder.run(*flat, enable_io_processing=False)
             except Exception as err:  # noqa: BLE001 - a batch the fp32 model rejects is the caller's data
                 raise CalibrationError(
-                    f"calibration batch {index}: the fp32 model failed on it ({_first_line(err)}); {_FIX}"
+                    f"calibration batch {index}: the fp32 model failed on it ({first_line(err)}); {_FIX}"
                 ) from err
             recorder.replay = None
             if keep:
@@ -114,54 +112,17 @@ def calibrated_plan(
     trial rewrite so the trials compute what the final model computes.
     """
     check_tolerance(tolerance)
-    low_name, low_max = short_name(low), max_finite(low)
     data = calibrate(gm, calibration, view, replay=low if tolerance is not None else None,
                      keep=tolerance is not None, progress=progress)
-    ranges = range_decisions(view, data.stats, low_name, low_max)
-    merged = {**ranges, **given}  # user overrides win over calibration
-    plan = paint(view, low_name, low_max, merged, low_weight_tables=low_weight_tables)
-    info: dict[str, Any] = {
-        "calibrated": True, "calibration_batches": data.batches,
-        "calibration_seconds": round(data.seconds, 3), "calibration_decisions": len(ranges),
-    }
-    if tolerance is None:
-        return _with_ranges(plan, view, data.stats), info
 
-    def measure(decisions: Mapping[str, Decision]) -> float:
+    def run_plan(plan: PrecisionPlan) -> float:
         trial = _private_copy(gm)
-        rewrite(trial, paint(view, low_name, low_max, decisions, low_weight_tables=low_weight_tables), low,
-                **dict(rewrite_options or {}))
+        rewrite(trial, plan, low, **dict(rewrite_options or {}))
         return output_error(trial, data.kept, data.references)
 
-    found = search_tolerance.search(plan, merged, data.local_error, tolerance, measure, low_name)
-    info.update({
-        "tolerance": tolerance, "achieved_error": found.achieved_error, "initial_error": found.initial_error,
-        "tolerance_met": found.met, "moved_by_tolerance": len(found.moved), "tolerance_runs": found.runs,
-    })
-    final = paint(view, low_name, low_max, found.given, low_weight_tables=low_weight_tables)
-    return _with_ranges(final, view, data.stats), info
-
-
-def _with_ranges(plan: PrecisionPlan, view: GraphView, stats: CalibrationStats) -> PrecisionPlan:
-    """Record each node's observed output range in its evidence, so the report can show every one."""
-    for node in view.nodes:
-        seen = next((stats.get(v) for v in node.outputs if stats.get(v) is not None), None)
-        if seen is None or node.name not in plan:
-            continue
-        evidence = plan[node.name].evidence
-        evidence.setdefault("absmax", seen.absmax)
-        if math.isfinite(seen.min_nonzero):
-            evidence.setdefault("min_nonzero", seen.min_nonzero)
-    return plan
-
-
-def check_tolerance(tolerance: Any) -> None:
-    """Raise InputError unless ``tolerance`` is None or a positive finite number."""
-    if tolerance is None:
-        return
-    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 < tolerance < math.inf:
-        raise InputError(f"tolerance={tolerance!r} must be a positive number, the largest relative output "
-                         "error allowed, e.g. tolerance=1e-3")
+    return plan_from_stats(view, data.stats, short_name(low), max_finite(low), given, batches=data.batches,
+                           seconds=data.seconds, low_weight_tables=low_weight_tables, tolerance=tolerance,
+                           local_error=data.local_error, run_plan=run_plan)
 
 
 def output_error(module: torch.nn.Module, batches: list[tuple[tuple, dict]],
@@ -173,15 +134,6 @@ def output_error(module: torch.nn.Module, batches: list[tuple[tuple, dict]],
             for out, ref in zip(_floating(module(*args, **kwargs)), refs):
                 worst = max(worst, relative_error(out, ref))
     return worst
-
-
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """``||out - ref|| / ||ref||`` in fp32; inf when ``out`` is not finite where ``ref`` is."""
-    diff = float((out.float() - ref.float()).norm())
-    if math.isnan(diff):
-        return math.inf
-    scale = float(ref.float().norm())
-    return diff / scale if scale > 0 else diff
 
 
 class _Recorder(fx.Interpreter):
@@ -305,35 +257,7 @@ def _check(node: fx.Node, value: Any, index: int) -> None:
                                "batch (e.g. torch.nan_to_num) before passing it")
 
 
-class _progress:
-    """A rich progress bar on stderr when enabled; a no-op otherwise."""
-
-    def __init__(self, enabled: bool, calibration: Any):
-        self.enabled = enabled
-        self.total = len(calibration) if enabled and hasattr(calibration, "__len__") else None
-
-    def __enter__(self):
-        if not self.enabled:
-            return lambda: None
-        from rich.console import Console
-        from rich.progress import Progress
-
-        self.bar = Progress(console=Console(stderr=True), transient=True)
-        self.bar.start()
-        task = self.bar.add_task("calibrating", total=self.total)
-        return lambda: self.bar.advance(task)
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.enabled:
-            self.bar.stop()
-
-
 def _private_copy(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of ``gm`` to rewrite; parameters and buffers are shared (the rewrite never writes them)."""
     memo = {id(t): t for t in list(gm.parameters()) + list(gm.buffers())}
     return copy.deepcopy(gm, memo)
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[0] if text else type(err).__name__
