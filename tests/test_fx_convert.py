@@ -219,3 +219,29 @@ def test_model_cast_to_fp32_between_low_ops_is_retargeted():
     casts = [n for n in fast.graph.nodes if n.op == "call_method"]
     assert [(n.target, n.args[1]) for n in casts] == [("to", torch.bfloat16)]
     assert fast(torch.randn(2, 8)).dtype == torch.float32
+
+
+def test_gelu_cube_stays_low_under_bf16_only():
+    """GPT-2's tanh GELU cubes its input: bf16 has fp32's range so x**3 follows; fp16 keeps it fp32."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
+
+        def forward(self, x):
+            h = self.up(x)
+            h = 0.5 * h * (1.0 + torch.tanh(0.79788456 * (h + 0.044715 * torch.pow(h, 3.0))))
+            return self.down(h)
+
+    model, x = Net(), torch.randn(4, 16)
+    for dtype, precision in ((torch.bfloat16, "low"), (torch.float16, "fp32")):
+        fast = amppass.convert(model, (x,), dtype)
+        pows = [n for n in fast.graph.nodes if n.target is torch.ops.aten.pow.Tensor_Scalar]
+        assert [n.meta[META_KEY]["precision"] for n in pows] == [precision]
+        with torch.no_grad():
+            error = float((fast(x) - model(x)).norm() / model(x).norm())
+        assert error < (2e-2 if dtype == torch.bfloat16 else 3e-3)
+    casts = [n for n in amppass.convert(model, (x,), torch.bfloat16).graph.nodes
+             if n.meta.get(META_KEY, {}).get("cast")]
+    assert len(casts) == 2, "only the input and the output are cast: the GELU runs in bf16 throughout"

@@ -15,8 +15,11 @@ from torch import fx
 
 from ..analysis.plan import Category
 from ..analysis.view import GraphView, OpView
+from ..dtypes import FP16_MAX
 from . import ops, policy
 
+# whole exponents that a wide-range low dtype (bf16) computes as safely as a product: x**2, x**3 (GELU's tanh form)
+SMALL_POWERS = frozenset({2, 3})
 _METADATA_METHODS = frozenset({"size", "dim", "numel", "stride", "is_contiguous", "__len__", "len", "device",
                                "shape", "getattr", "sym_size", "sym_numel", "sym_stride"})
 
@@ -81,7 +84,7 @@ def build_view(gm: fx.GraphModule, low_max: float, measure_weights: bool) -> tup
         elif node.op == "output":
             view.outputs = [a.name for a in node.all_input_nodes if fp32[a]]
         elif node.op in ("call_function", "call_method", "call_module"):
-            category, reason, unknown = _category(node, gm, typed)
+            category, reason, unknown = _category(node, gm, typed, wide_range=low_max > FP16_MAX)
             inputs = [a.name for a in node.all_input_nodes if fp32[a]]
             for state_name, tensor in module_state(gm, node):
                 view.weights[state_name] = _absmax(tensor) if measure_weights else 0.0
@@ -103,8 +106,11 @@ def build_view(gm: fx.GraphModule, low_max: float, measure_weights: bool) -> tup
     return view, nodes
 
 
-def _category(node: fx.Node, gm: fx.GraphModule, typed: bool) -> tuple[Category, str, bool]:
-    """(category, reason, unknown) for a call node from the policy table and the node's own form."""
+def _category(node: fx.Node, gm: fx.GraphModule, typed: bool, wide_range: bool = False) -> tuple[Category, str, bool]:
+    """(category, reason, unknown) for a call node from the policy table and the node's own form.
+
+    ``wide_range`` is True when the low dtype has fp32's exponent range (bf16).
+    """
     name = ops.op_name(node, gm)
     if name in _METADATA_METHODS or name == "getattr":
         return Category.KEEP, "reads tensor metadata only", False
@@ -134,6 +140,11 @@ def _category(node: fx.Node, gm: fx.GraphModule, typed: bool) -> tuple[Category,
     row = policy.lookup(name)
     if row is None:
         return Category.FOLLOW, policy.UNKNOWN_REASON, True
+    exponent = node.args[1] if name == "pow" and len(node.args) > 1 else None
+    if wide_range and type(exponent) in (int, float) and exponent in SMALL_POWERS:
+        return Category.FOLLOW, (
+            f"x ** {exponent:g} in a low dtype with fp32's range (bf16) overflows no sooner than a product "
+            "does: follows its inputs"), False
     return row.category, row.reason, False
 
 
