@@ -20,7 +20,7 @@ from ..analysis import overrides
 from ..analysis.painting import paint
 from ..dtypes import FP16_MAX
 from ..errors import InputError
-from . import runtime
+from . import policy, runtime
 from .rewrite import META_KEY, SHORT, rewrite
 from .view import build_view, name_nodes, opsets, subgraphs
 
@@ -78,7 +78,7 @@ def convert_onnx(
         external_data_helper.load_external_data_for_model(typed, base_dir)
 
     view, refs, types = build_view(typed, low, measure_weights=low == TensorProto.FLOAT16)
-    given = overrides.resolve(view, keep_fp32, force_low, low_name)  # calibration decisions join here
+    given = {**policy.quantized_nodes(typed.graph), **overrides.resolve(view, keep_fp32, force_low, low_name)}  # calibration decisions join here
     plan = paint(view, low_name, low_max, given, low_weight_tables=low_weight_tables)
     for node in view.nodes:
         if node.unknown and node.name in plan:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import onnx
 from onnx import TensorProto
 
-from ..analysis.plan import Category
+from ..analysis.plan import Category, Decision, Precision, Source
 from . import runtime
 
 
@@ -72,6 +72,10 @@ POLICY: tuple[PolicyRow, ...] = (
               ("Range", "ConstantOfShape", "RandomNormal", "RandomUniform", "RandomNormalLike",
                "RandomUniformLike", "EyeLike", "Multinomial", "Bernoulli")),
     PolicyRow(Category.KEEP, "reads shape metadata only", ("Shape", "Size")),
+    PolicyRow(Category.KEEP, "quantization: its fp32 scales define the integer grid, and rounding them to low "
+              "precision would move every quantized value; kept as the model wrote it",
+              ("QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "QLinearConv", "QLinearMatMul",
+               "MatMulInteger", "ConvInteger")),
     PolicyRow(Category.KEEP, "control flow: values cross the subgraph boundary in fp32; the body's nodes are "
               "planned one by one", ("If", "Loop", "Scan")),
     PolicyRow(Category.FOLLOW, "elementwise or data movement: runs in the precision of its inputs",
@@ -84,7 +88,7 @@ POLICY: tuple[PolicyRow, ...] = (
                "MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "ReduceMax", "ReduceMin",
                "ArgMax", "ArgMin", "TopK", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual",
                "IsNaN", "IsInf", "Trilu", "Cast", "CastLike", "Compress", "ReverseSequence", "Hardmax",
-               "ThresholdedRelu", "Shrink", "Mod", "NonZero", "OneHot", "Unique", "DequantizeLinear"),
+               "ThresholdedRelu", "Shrink", "Mod", "NonZero", "OneHot", "Unique"),
               slots={"ratio": "keep", "training_mode": "keep", "shape": "keep", "axes": "keep", "indices": "keep",
                      "starts": "keep", "ends": "keep", "steps": "keep", "pads": "keep", "repeats": "keep",
                      "split": "keep", "k": "keep", "K": "keep", "condition": "keep", "depth": "keep"}),
@@ -92,6 +96,8 @@ POLICY: tuple[PolicyRow, ...] = (
               ("Gelu", "FastGelu", "BiasGelu", "QuickGelu", "BiasAdd"), domain=_MS),
 )
 
+QDQ_REASON = ("quantized (QDQ) node: it reads DequantizeLinear outputs and feeds QuantizeLinear only, so "
+              "onnxruntime runs it as one integer kernel; casts would break that fusion, so it is kept fp32")
 UNKNOWN_REASON = "not in the policy table: follows its inputs (override it if it needs fp32)"
 CUSTOM_REASON = ("custom op {op} (domain {domain}): no ONNX schema and no onnxruntime kernel tells which dtypes it "
                  "takes, so it is fed the float32 values it was written for; force_low=['{op}'] if its kernel "
@@ -110,6 +116,29 @@ def lookup(domain: str, op_type: str, opset: int) -> PolicyRow | None:
         if row.opsets[0] <= opset <= row.opsets[1]:
             return row
     return None
+
+
+def quantized_nodes(graph: onnx.GraphProto) -> dict[str, Decision]:
+    """fp32 decisions for the nodes of ``graph`` between DequantizeLinear and QuantizeLinear (QDQ format):
+    every input that is not an initializer comes from a DequantizeLinear, every output goes to
+    QuantizeLinear only."""
+    producers = {v: n for n in graph.node for v in n.output}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for value in node.input:
+            readers.setdefault(value, []).append(node)
+    constants = {t.name for t in graph.initializer} | {""}
+    graph_outputs = {o.name for o in graph.output}
+    found = {}
+    for node in graph.node:
+        if node.op_type in ("QuantizeLinear", "DequantizeLinear") or node.domain not in ("", "ai.onnx"):
+            continue
+        fed = [producers.get(v) for v in node.input if v not in constants]
+        after = [r for v in node.output if v for r in readers.get(v, [])]
+        if (fed and all(p is not None and p.op_type == "DequantizeLinear" for p in fed) and after
+                and all(r.op_type == "QuantizeLinear" for r in after) and not graph_outputs & set(node.output)):
+            found[node.name] = Decision(Precision.FP32, QDQ_REASON, Source.POLICY, {"qdq": True})
+    return found
 
 
 @dataclass(frozen=True)

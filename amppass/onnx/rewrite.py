@@ -118,8 +118,8 @@ class _Rewriter:
         for node in list(graph.node):
             self._node(scope, node, pinned)
         for out in graph.output:
-            if self.dtype.get(out.name) != self.low:
-                continue
+            if self.dtype.get(out.name) != self.low or self.types.get(out.name) != FLOAT:
+                continue  # only values the plan moved from fp32 to low change type (an fp16 model's stay)
             if out.name not in pinned:
                 out.type.tensor_type.elem_type = self.low
             else:  # a body returning an outer value that now runs low: return its fp32 cast (by position)

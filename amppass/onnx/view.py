@@ -150,7 +150,7 @@ def _op_view(node: onnx.NodeProto, types: dict[str, int], versions: dict[str, in
     elif category is not Category.KEEP and any(v and v not in types for v in node.output) and not list(
             subgraphs(node)):
         category, reason = Category.FP32, "onnx shape inference could not type its outputs; kept fp32"
-    if category is Category.KEEP or (not planned and category is not Category.FP32):
+    if category is Category.KEEP or (not planned and (category is not Category.FP32 or not outputs)):
         planned_view: list[str] = []
         if category is not Category.KEEP:
             category, reason = Category.KEEP, (
