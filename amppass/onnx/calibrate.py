@@ -1,0 +1,389 @@
+"""Calibration for the ONNX front end, run through onnxruntime (CPUExecutionProvider).
+
+Data pass: the fp32 model (the conversion's typed skeleton, not yet rewritten) gets extra graph outputs for
+every tracked fp32 value of its main graph and goes into one session; its weights reach onnxruntime as
+arrays from the conversion's :class:`~amppass.onnx.weights.WeightStore`, never serialised (so models with
+external data or over protobuf's 2 GB work too). Each batch runs once and every value is folded into streaming
+:class:`~amppass.analysis.stats.CalibrationStats` before the next batch runs, so memory is one batch's
+values whatever the number of batches. Values defined inside If/Loop/Scan bodies cannot be graph outputs:
+they are not observed, counted in the metadata (``calibration_unobserved``) and logged. Graph inputs are
+read from the feeds themselves.
+
+Local error (for the tolerance search's ranking): ONE replay model holds a copy of every LOW or FOLLOW node
+of the main graph. A copy reads the values the data pass recorded on the first batch (fed as graph
+inputs; weights and Constant nodes copied), with the inputs the plan would cast rounded to the low dtype
+(Cast to low and back), computes in fp32 and rounds its outputs likewise; its local error is
+``relative_error(replayed, recorded)``. One session and one run measure every node, and they run on the
+CPU provider even where it has no fp16 kernel for an op, as a GPU kernel with fp32 accumulation computes.
+A node whose inputs were not recorded (an untyped value) is not replayed and ranks last.
+
+Tolerance: ``measure`` rewrites a copy of the fp32 model by the trial plan (the conversion's own rewrite),
+turns it into its fp32 simulation (:mod:`amppass.onnx.simulate`: onnxruntime's CPU provider would
+otherwise compute most low-precision values in fp32 and hide their error) and runs that on the kept feeds;
+the error is the largest relative error of any floating output against the fp32 outputs of the data pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+import numpy as np
+import onnx
+from onnx import external_data_helper, helper
+
+from ..analysis.calibration import Progress, check_tolerance, first_line, plan_from_stats, relative_error
+from ..analysis.plan import Category, Decision, PrecisionPlan
+from ..analysis.stats import CalibrationStats
+from ..analysis.view import GraphView
+from ..errors import CalibrationError
+from . import runtime
+from .simulate import simulate, unique_name
+from .view import FLOAT, NodeRef, subgraphs
+from .weights import WeightStore, tensors
+
+log = logging.getLogger(__name__)
+
+_FIX = ("pass calibration=[{input name: numpy array, ...}, ...]: one dict per batch with an array for every "
+        "model input, typed and shaped like that input")
+# element types whose store payload is the numpy array onnxruntime expects (bf16 payloads are raw uint16)
+_INJECT = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE})
+Apply = Callable[[onnx.ModelProto, PrecisionPlan], Any]
+
+
+@dataclass
+class Fp32Model:
+    """The typed fp32 model a conversion works on (a skeleton of :mod:`amppass.onnx.weights`), before any
+    rewrite, with what :func:`amppass.onnx.view.build_view` found in it."""
+
+    model: onnx.ModelProto
+    view: GraphView
+    refs: Mapping[str, NodeRef]
+    types: Mapping[str, int]
+    store: WeightStore
+
+
+@dataclass
+class Calibration:
+    """What one pass over the calibration feeds recorded."""
+
+    stats: CalibrationStats
+    batches: int = 0
+    seconds: float = 0.0
+    unobserved: list[str] = field(default_factory=list)  # fp32 values onnxruntime cannot return
+    local_error: dict[str, float] = field(default_factory=dict)  # node -> relative error replayed low
+    kept: list[dict[str, np.ndarray]] = field(default_factory=list)  # the feeds, for the tolerance search
+    references: list[list[np.ndarray]] = field(default_factory=list)  # their fp32 floating outputs
+    output_names: list[str] = field(default_factory=list)  # the floating graph outputs compared
+
+
+def calibrated_plan(
+    fp32: Fp32Model,
+    calibration: Iterable[Mapping[str, Any]],
+    low: int,
+    low_name: str,
+    low_max: float,
+    given: Mapping[str, Decision],
+    *,
+    apply: Apply,
+    tolerance: float | None = None,
+    progress: bool = False,
+    low_weight_tables: bool = False,
+) -> tuple[PrecisionPlan, dict[str, Any]]:
+    """The plan from calibration feeds and the metadata to record about it.
+
+    ``fp32.model`` is left as it was; ``apply(copy, plan)`` rewrites a copy of it in place the way the
+    conversion does, for the tolerance search's trial runs.
+    """
+    check_tolerance(tolerance)
+    data = calibrate(fp32, calibration, replay=low if tolerance is not None else None, keep=tolerance is not None,
+                     progress=progress)
+
+    def run_plan(plan: PrecisionPlan) -> float:
+        trial = onnx.ModelProto()
+        trial.CopyFrom(fp32.model)
+        apply(trial, plan)
+        return output_error(simulate(trial, fp32.store, dict(fp32.types), low), fp32.store, data)
+
+    plan, info = plan_from_stats(fp32.view, data.stats, low_name, low_max, given, batches=data.batches,
+                                 seconds=data.seconds, low_weight_tables=low_weight_tables, tolerance=tolerance,
+                                 local_error=data.local_error, run_plan=run_plan)
+    if data.unobserved:
+        info["calibration_unobserved"] = len(data.unobserved)
+    return plan, info
+
+
+def calibrate(
+    fp32: Fp32Model,
+    calibration: Iterable[Mapping[str, Any]],
+    *,
+    replay: int | None = None,
+    keep: bool = False,
+    progress: bool = False,
+) -> Calibration:
+    """Run ``fp32.model`` on every feed and record per-value statistics (module docstring).
+
+    ``replay`` (TensorProto.FLOAT16 or BFLOAT16) also measures each LOW or FOLLOW node's local error on the
+    first feed; ``keep`` keeps the feeds and their fp32 outputs for the tolerance search.
+    """
+    model, view, types, store = fp32.model, fp32.view, fp32.types, fp32.store
+    graph = model.graph
+    inputs = {i.name for i in graph.input}
+    defined = {v for node in graph.node for v in node.output if v}
+    tracked = [v for v in dict.fromkeys(v for n in view.nodes for v in n.inputs + n.outputs) if v not in view.weights]
+    result = Calibration(CalibrationStats())
+    result.unobserved = [v for v in tracked if v not in inputs and (v not in defined or v not in types)]
+    if result.unobserved:
+        log.info("calibration: %d fp32 values are not observed (inside If/Loop/Scan bodies or untyped), e.g. %s",
+                 len(result.unobserved), result.unobserved[:3])
+    observed = [v for v in tracked if v not in result.unobserved]
+    candidates = _candidates(model, view, types) if replay is not None else {}
+    recorded = list(dict.fromkeys(v for v in observed + [v for vs in candidates.values() for v in vs]
+                                  if v not in inputs))
+    outputs = [o.name for o in graph.output]
+    extra = [helper.make_tensor_value_info(v, types[v], None) for v in recorded if v not in outputs]
+    session = _session(model, store, extra)
+    first_names = list(dict.fromkeys(outputs + recorded))
+    names = list(dict.fromkeys(outputs + [v for v in observed if v not in inputs]))
+
+    start = time.perf_counter()
+    first: dict[str, np.ndarray] = {}
+    with Progress(progress, calibration) as advance:
+        for index, feed in feeds(model, calibration):
+            wanted = first_names if index == 0 and replay is not None else names
+            try:
+                values = dict(zip(wanted, session.run(wanted, feed)))
+            except Exception as err:  # noqa: BLE001 - a feed the fp32 model rejects is the caller's data
+                raise CalibrationError(f"calibration batch {index}: the fp32 model failed on it in onnxruntime "
+                                       f"({first_line(err)}); {_FIX}") from err
+            values.update(feed)
+            for value in observed:
+                result.stats.update(value, values[value])
+            if keep:
+                floating = [o for o in outputs if np.issubdtype(values[o].dtype, np.floating)]
+                result.output_names = floating
+                result.kept.append(feed)
+                result.references.append([values[o] for o in floating])
+            if index == 0 and replay is not None:
+                first = values
+            result.batches += 1
+            result.stats.batches += 1
+            advance()
+    if replay is not None:
+        result.local_error = local_errors(model, fp32.refs, store, candidates, first, replay)
+    result.seconds = time.perf_counter() - start
+    log.info("calibrated on %d batches in %.2fs (%d values observed)", result.batches, result.seconds, len(observed))
+    return result
+
+
+def output_error(model: onnx.ModelProto, store: WeightStore, data: Calibration) -> float:
+    """Largest relative error of ``model``'s floating outputs against the fp32 ones over the kept feeds
+    (inf when onnxruntime cannot run it)."""
+    try:
+        session = _session(model, store)
+        worst = 0.0
+        for feed, references in zip(data.kept, data.references):
+            for out, ref in zip(session.run(data.output_names, feed), references):
+                worst = max(worst, relative_error(out, ref))
+    except Exception as err:  # noqa: BLE001 - a trial onnxruntime rejects is a failed trial, not a crash
+        log.warning("tolerance search: a trial model did not run in onnxruntime (%s)", first_line(err))
+        return math.inf
+    return worst
+
+
+def feeds(model: onnx.ModelProto, calibration: Iterable[Mapping[str, Any]]) -> Iterator[tuple[int, dict]]:
+    """Validated feeds ``(index, {input name: array})``; CalibrationError names the batch, input and fix."""
+    if calibration is None or isinstance(calibration, (Mapping, str, bytes, np.ndarray)) or not hasattr(
+            calibration, "__iter__"):
+        hint = " (a single feed dict: wrap it in a list)" if isinstance(calibration, Mapping) else ""
+        raise CalibrationError(f"calibration must be an iterable of feed dicts, got "
+                               f"{type(calibration).__name__}{hint}; {_FIX}")
+    initializers = {t.name for t in model.graph.initializer}
+    declared = {i.name: i for i in model.graph.input}
+    required = [n for n in declared if n not in initializers]
+    index = -1
+    for index, feed in enumerate(calibration):
+        where = f"calibration batch {index}"
+        if not isinstance(feed, Mapping):
+            raise CalibrationError(f"{where}: expected a dict of input name -> numpy array, got "
+                                   f"{type(feed).__name__}; {_FIX}")
+        missing = [n for n in required if n not in feed]
+        extra = sorted(str(n) for n in feed if n not in declared)
+        if missing or extra:
+            problem = f"no array for input(s) {missing}" if missing else f"{extra} are not inputs of the model"
+            raise CalibrationError(f"{where}: {problem}; the model's inputs are {required}; {_FIX}")
+        yield index, {name: _checked(where, declared[name], value) for name, value in feed.items()}
+    if index < 0:
+        raise CalibrationError(f"calibration is empty: it yielded no feeds; {_FIX}")
+
+
+def _checked(where: str, info: onnx.ValueInfoProto, value: Any) -> np.ndarray:
+    """``value`` as a numpy array, checked against the graph input ``info``: dtype, rank, fixed sizes, finite."""
+    where = f"{where}, input {info.name!r}"
+    array = value if isinstance(value, np.ndarray) else np.asarray(value)
+    tensor = info.type.tensor_type
+    if not info.type.HasField("tensor_type"):
+        return array
+    wanted = helper.tensor_dtype_to_np_dtype(tensor.elem_type)
+    if array.dtype != wanted:
+        raise CalibrationError(f"{where}: dtype {array.dtype}, but the model's input is {wanted}; convert it "
+                               f"with .astype(np.{wanted.name})")
+    if tensor.HasField("shape"):
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
+        if array.ndim != len(dims) or any(d is not None and d != s for d, s in zip(dims, array.shape)):
+            shown = ["?" if d is None else d for d in dims]
+            raise CalibrationError(f"{where}: shape {array.shape} does not fit the model's input shape {shown} "
+                                   "(? is any size); pass batches shaped like the model's input")
+    if array.dtype.kind == "f" and not np.isfinite(array).all():
+        kind = "NaN" if np.isnan(array).any() else "inf"
+        raise CalibrationError(f"{where}: holds {kind}; calibration data must be finite: drop or clean that "
+                               "batch (e.g. np.nan_to_num) before passing it")
+    return array
+
+
+# -- local error -------------------------------------------------------------------------------------
+
+def _candidates(model: onnx.ModelProto, view: GraphView, types: Mapping[str, int]) -> dict[str, list[str]]:
+    """LOW/FOLLOW nodes of the main graph that can be replayed -> the run-time values they read."""
+    graph = model.graph
+    nodes = {n.name: n for n in graph.node}
+    fixed = {t.name for t in graph.initializer} | {n.output[0] for n in graph.node if n.op_type == "Constant"}
+    result = {}
+    for op in view.nodes:
+        node = nodes.get(op.name)
+        if op.category not in (Category.LOW, Category.FOLLOW) or not op.outputs or node is None:
+            continue
+        read = [v for v in node.input if v and v not in fixed]
+        if any(True for _ in subgraphs(node)) or any(v not in types for v in read):
+            continue
+        result[op.name] = read
+    return result
+
+
+def local_errors(model: onnx.ModelProto, refs: Mapping[str, NodeRef], store: WeightStore,
+                 candidates: Mapping[str, list[str]], recorded: Mapping[str, np.ndarray], low: int) -> dict[str, float]:
+    """Each candidate's relative output error replayed with low-precision inputs, weights and outputs."""
+    if not candidates:
+        return {}
+    replay, pairs = _replay_model(model, refs, candidates, recorded, low)
+    wanted = [r for outs in pairs.values() for r, _ in outs]
+    feed = {i.name: recorded[i.name] for i in replay.graph.input}
+    try:
+        got = dict(zip(wanted, _session(replay, store).run(wanted, feed)))
+    except Exception as err:  # noqa: BLE001 - the ranking then falls back to graph order
+        log.warning("local errors could not be measured in onnxruntime (%s); the tolerance search ranks "
+                    "nodes in graph order", first_line(err))
+        return {}
+    return {node: max(relative_error(got[r], recorded[o]) for r, o in outs) for node, outs in pairs.items()}
+
+
+def _replay_model(model: onnx.ModelProto, refs: Mapping[str, NodeRef], candidates: Mapping[str, list[str]],
+                  recorded: Mapping[str, np.ndarray], low: int) -> tuple[onnx.ModelProto, dict[str, list]]:
+    """The replay model (module docstring) and node -> [(replayed output, recorded output)]."""
+    graph = model.graph
+    initializers = {t.name: t for t in graph.initializer}
+    originals = {n.name: n for n in graph.node}
+    constants = {n.output[0]: n for n in graph.node if n.op_type == "Constant"}
+    taken = {v for n in graph.node for v in list(n.input) + list(n.output)} | {n.name for n in graph.node}
+    nodes: list[onnx.NodeProto] = []
+    fed: dict[str, None] = {}
+    used: dict[str, onnx.TensorProto] = {}
+    rounded: dict[str, str] = {}
+    copied: set[str] = set()
+    pairs: dict[str, list[tuple[str, str]]] = {}
+
+    def round_trip(value: str) -> str:
+        """``value`` cast to the low dtype and back: what a low-precision kernel reads or stores."""
+        if value not in rounded:
+            down, back = unique_name(taken, f"{value}__replay_low"), unique_name(taken, f"{value}__replay_rounded")
+            nodes.append(helper.make_node("Cast", [value], [down], name=unique_name(taken, f"{down}_cast"), to=low))
+            nodes.append(helper.make_node("Cast", [down], [back], name=unique_name(taken, f"{back}_cast"), to=FLOAT))
+            rounded[value] = back
+        return rounded[value]
+
+    for name in candidates:
+        node = originals[name]
+        twin = onnx.NodeProto()
+        twin.CopyFrom(node)
+        del twin.metadata_props[:]
+        twin.name = unique_name(taken, f"{name}__replay")
+        for i, value in enumerate(node.input):
+            if not value:
+                continue
+            if value in constants and value not in copied:
+                nodes.append(constants[value])
+                copied.add(value)
+            elif value in initializers:
+                used[value] = initializers[value]
+            elif value not in constants:
+                fed[value] = None
+            if i in refs[name].planned:
+                twin.input[i] = round_trip(value)
+        outs = []
+        for j, value in enumerate(node.output):
+            if value:
+                twin.output[j] = unique_name(taken, f"{value}__replay_out")
+                if value in recorded and np.issubdtype(recorded[value].dtype, np.floating):
+                    outs.append((twin.output[j], value))
+        nodes.append(twin)
+        pairs[name] = [(round_trip(out), value) for out, value in outs]
+    replay_graph = helper.make_graph(
+        nodes, "amppass_replay",
+        [helper.make_tensor_value_info(v, helper.np_dtype_to_tensor_dtype(recorded[v].dtype), recorded[v].shape)
+         for v in fed],
+        [helper.make_tensor_value_info(r, FLOAT, None) for outs in pairs.values() for r, _ in outs],
+        list(used.values()),
+    )
+    replay = helper.make_model(replay_graph, opset_imports=list(model.opset_import), functions=list(model.functions))
+    replay.ir_version = min(model.ir_version, runtime.max_ir_version())
+    return replay, {k: v for k, v in pairs.items() if v}
+
+
+# -- onnxruntime -------------------------------------------------------------------------------------
+
+def _session(model: onnx.ModelProto, store: WeightStore, extra_outputs: Iterable[onnx.ValueInfoProto] = ()):
+    """A CPU onnxruntime session of ``model`` with ``extra_outputs`` added, at an IR version it loads.
+
+    ``model`` is a conversion skeleton (:mod:`amppass.onnx.weights`): its large main-graph initializers are
+    handed to onnxruntime as arrays from ``store`` (no copy into the proto, nothing over protobuf's 2 GB);
+    other tensors referencing the store (Constant nodes, bodies, bf16 payloads) are written in while the
+    model is serialised. ``model`` is borrowed: everything is put back before this returns.
+    """
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    # basic rewrites only (exact ones: constant folding, no-op removal): fusions would halve BERT-base's
+    # calibration time to build a session that runs a handful of times
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    graph = model.graph
+    main = {t.name for t in graph.initializer}
+    injected = [t for t in graph.initializer if external_data_helper.uses_external_data(t) and t.data_type in _INJECT]
+    arrays = [ort.OrtValue.ortvalue_from_numpy(np.asarray(store.array(t))) for t in injected]
+    if injected:
+        options.add_external_initializers([t.name for t in injected], arrays)
+    inlined = [t for t in tensors(graph) if external_data_helper.uses_external_data(t)
+               and not (t.name in main and t.data_type in _INJECT)]
+    saved = [list(t.external_data) for t in inlined]
+    ir_version, outputs = model.ir_version, len(graph.output)
+    model.ir_version = min(ir_version, runtime.max_ir_version())
+    graph.output.extend(extra_outputs)
+    try:
+        for tensor in inlined:
+            payload = store.array(tensor)
+            del tensor.external_data[:]
+            tensor.data_location = onnx.TensorProto.DEFAULT
+            tensor.raw_data = payload.tobytes()
+        session = ort.InferenceSession(model.SerializeToString(), options, providers=[runtime.PROVIDER])
+    finally:
+        for tensor, entries in zip(inlined, saved):
+            tensor.ClearField("raw_data")
+            tensor.data_location = onnx.TensorProto.EXTERNAL
+            tensor.external_data.extend(entries)
+        model.ir_version = ir_version
+        del graph.output[outputs:]
+    session.amppass_arrays = arrays  # onnxruntime may read the arrays for as long as the session lives
+    return session
