@@ -8,7 +8,6 @@ Every error is one line on stderr naming the file and the problem; no output fil
 from __future__ import annotations
 
 import argparse
-import inspect
 import logging
 import os
 import sys
@@ -32,6 +31,7 @@ _CALIB_HELP = (
 _EPILOG = (
     "examples:\n"
     "  amppass convert model.onnx -o model.fp16.onnx --dtype fp16 --report report.html\n"
+    "  amppass convert model.onnx -o model.fp16.onnx --calib feeds.npz --tolerance 1e-2\n"
     "  amppass report model.fp16.onnx --json report.json\n\n"
     "exit codes: 0 done, 1 a file or model that cannot be used or a failed conversion, 2 a bad command line"
 )
@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("-o", "--output", required=True, help="where to write the converted model")
     convert.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16", help="low-precision dtype (default fp16)")
     convert.add_argument("--calib", metavar="FEEDS.npz", help=_CALIB_HELP)
+    convert.add_argument("--tolerance", type=float, metavar="X",
+                         help="with --calib: the largest relative output error ||out - out_fp32|| / ||out_fp32|| "
+                         "allowed over the feeds; the most sensitive nodes move back to fp32 until it is met")
     convert.add_argument("--report", metavar="REPORT.html", help="also write the HTML report")
     convert.add_argument("--json", metavar="REPORT.json", help="also write the JSON report")
     convert.add_argument("--keep-fp32", nargs="+", default=[], metavar="PATTERN",
@@ -121,11 +124,11 @@ def _convert(args: argparse.Namespace) -> int:
     convert_onnx = getattr(amppass, "convert_onnx", None)
     if convert_onnx is None:
         raise FileProblem(f"{args.model}: ONNX conversion is not available in this version of amppass")
+    if args.tolerance is not None and feeds is None:
+        raise UsageError("--tolerance needs --calib FEEDS.npz: the output error is measured on those feeds")
     options: dict[str, Any] = {"dtype": args.dtype, "keep_fp32": args.keep_fp32, "force_low": args.force_low}
     if feeds is not None:
-        if "calibration" not in inspect.signature(convert_onnx).parameters:
-            raise FileProblem(f"{args.calib}: calibration for ONNX is not available in this version of amppass")
-        options["calibration"] = feeds
+        options.update(calibration=feeds, tolerance=args.tolerance, progress=sys.stderr.isatty())
     try:
         if converted_dtype(model) == args.dtype:  # convert_onnx would return it unchanged; say so in one line
             print(f"{args.model}: already converted by amppass to {args.dtype}; writing it unchanged")

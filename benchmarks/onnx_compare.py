@@ -3,6 +3,7 @@
 For each zoo model (dynamo exporter, TorchScript exporter as fallback) and each converter: conversion
 time, whether onnxruntime (CPU) loads and runs the result, and its relative error against fp32
 (||out - out_fp32|| / ||out_fp32|| over the floating outputs, on an input other than the example one).
+amppass runs twice: as it is, and calibrated on one batch (another input again), to time the calibration.
 ``quick`` uses the small zoo models; otherwise BERT-base (batch 1, seq 16) is added, the issue's timing case.
 
 Run: ``python benchmarks/onnx_compare.py [--full]``.
@@ -43,11 +44,13 @@ def _error(want: list, got: list) -> float:
     return float(max(errors)) if errors else 0.0
 
 
-def _converters():
+def _converters(feeds: dict):
+    """Converter name -> conversion; ``feeds`` is the one calibration batch of the calibrated row."""
     from onnxconverter_common import float16
 
     return {
         "amppass": lambda m: amppass.convert_onnx(m, "fp16"),
+        "amppass+calib1": lambda m: amppass.convert_onnx(m, "fp16", calibration=[feeds]),
         "onnxconverter-common": lambda m: float16.convert_float_to_float16(copy.deepcopy(m), keep_io_types=True),
     }
 
@@ -78,7 +81,6 @@ def run(quick: bool) -> list[dict]:
     cases = [(name, "small", 2, 16) for name in ZOO]
     if not quick:
         cases.append(("bert", "base", 1, 16))
-    converters = _converters()
     rows = []
     for name, size, batch, seq in cases:
         case = build(name, size=size, batch=batch, seq=seq)
@@ -86,7 +88,8 @@ def run(quick: bool) -> list[dict]:
             warnings.simplefilter("ignore")
             fp32 = export_fp32(case.model, case.example_inputs)
         feeds = {i.name: t.numpy() for i, t in zip(fp32.graph.input, case.make_inputs(1))}
-        for converter, convert in converters.items():
+        calibration = {i.name: t.numpy() for i, t in zip(fp32.graph.input, case.make_inputs(2))}
+        for converter, convert in _converters(calibration).items():
             rows.append(_one(name, size, fp32, feeds, converter, convert))
     return rows
 

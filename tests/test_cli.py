@@ -191,19 +191,21 @@ def test_calibration_file_that_is_not_npz(capsys, folder):
 
 
 @needs_onnx
-def test_matching_calibration_feeds_are_used_or_refused_clearly(capsys, folder):
-    import inspect
-
+def test_matching_calibration_feeds_calibrate_and_meet_the_tolerance(capsys, folder):
     feeds = _feeds(folder, x=np.random.default_rng(0).standard_normal((3, 2, 64)).astype(np.float32))
-    code, err = _convert(capsys, folder, "--calib", feeds)
-    if "calibration" in inspect.signature(amppass.convert_onnx).parameters:
-        assert code == 0, err
-        assert main(["report", str(folder / "out.onnx"), "--json", str(folder / "r.json")]) == 0
-        assert json.loads((folder / "r.json").read_text())["info"]["calibrated"] is True
-    else:
-        assert code == 1
-        _one_error_line(err, "feeds.npz", "calibration for ONNX is not available")
-        assert _leftovers(folder) == []
+    code, err = _convert(capsys, folder, "--calib", feeds, "--tolerance", "1e-2")
+    assert code == 0, err
+    assert main(["report", str(folder / "out.onnx"), "--json", str(folder / "r.json")]) == 0
+    info = json.loads((folder / "r.json").read_text())["info"]
+    assert info["calibrated"] is True and info["calibration_batches"] == 3
+    assert info["tolerance"] == 1e-2 and info["tolerance_met"] is True and info["achieved_error"] <= 1e-2
+
+
+def test_tolerance_without_calibration_feeds_is_a_usage_error(capsys, folder):
+    code, err = _convert(capsys, folder, "--tolerance", "1e-2")
+    assert code == 2
+    _one_error_line(err, "--tolerance needs --calib")
+    assert _leftovers(folder) == []
 
 
 @needs_onnx

@@ -2,17 +2,22 @@
 
 A pattern matches a node when it names the node's op ("softmax", "aten.softmax", "Softmax" for ONNX,
 case-insensitive) or when it matches the whole node name as a regular expression ("encoder\\.layer\\.0\\..*").
-Keeping fp32 wins over forcing low when both match.
+Keeping fp32 wins over forcing low when both match. Forcing low an op the target runtime has no
+low-precision kernel for (``OpView.low_blocked``) keeps it fp32 with both facts in the reason and a
+warning: the converted model must still run.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Iterable
 
 from ..errors import InputError
 from .plan import Category, Decision, Precision, Source
 from .view import GraphView, OpView
+
+log = logging.getLogger(__name__)
 
 
 def _compile(patterns: Iterable[str], argument: str) -> list[tuple[str, re.Pattern[str]]]:
@@ -60,6 +65,13 @@ def resolve(
                 if node.name in decisions:
                     continue
                 target = "fp32" if precision is Precision.FP32 else low_name
+                if precision is Precision.LOW and node.low_blocked:
+                    log.warning("force_low=%r: node %r kept fp32: %s", pattern, node.name, node.low_blocked)
+                    decisions[node.name] = Decision(
+                        Precision.FP32, f"user asked for {target} ({argument}={pattern!r}), but {node.low_blocked}",
+                        Source.OVERRIDE, {"pattern": pattern, "no_low_kernel": True},
+                    )
+                    continue
                 decisions[node.name] = Decision(
                     precision, f"user asked for {target} ({argument}={pattern!r})", Source.OVERRIDE,
                     {"pattern": pattern},

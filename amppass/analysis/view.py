@@ -26,6 +26,8 @@ class OpView:
     unknown: bool = False
     # Python-number arguments, checked against the low dtype's range
     scalars: list[float] = field(default_factory=list)
+    # why the target runtime cannot run this op in low precision ("" when it can); overrides respect it
+    low_blocked: str = ""
 
 
 @dataclass

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
 import tempfile
 import zipfile
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator, Mapping
 
 import numpy as np
 
@@ -17,12 +16,16 @@ from onnx import TensorProto, external_data_helper
 
 from .. import __version__
 from ..analysis import overrides
+from ..analysis.calibration import check_tolerance
 from ..analysis.painting import paint
+from ..analysis.plan import PrecisionPlan
 from ..dtypes import FP16_MAX
 from ..errors import InputError
 from . import policy, runtime
-from .rewrite import META_KEY, SHORT, rewrite
+from .calibrate import Fp32Model, calibrated_plan
+from .rewrite import META_KEY, SHORT, RewriteStats, rewrite
 from .view import build_view, name_nodes, opsets, subgraphs
+from .weights import WeightStore, tensors
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +33,6 @@ _LOW = {"fp16": TensorProto.FLOAT16, "float16": TensorProto.FLOAT16, "half": Ten
         "bf16": TensorProto.BFLOAT16, "bfloat16": TensorProto.BFLOAT16}
 _BF16_MAX = 3.3895313892515355e38
 PROTOBUF_LIMIT = 2 * 1024**3
-_LIFT_BYTES = 1024  # tensors above this size are not needed by shape inference
 IR_WITH_NODE_METADATA = 10  # NodeProto.metadata_props arrived with IR version 10
 
 
@@ -42,6 +44,9 @@ def convert_onnx(
     keep_fp32: Iterable[str] = (),
     force_low: Iterable[str] = (),
     low_weight_tables: bool = False,
+    calibration: Iterable[Mapping[str, np.ndarray]] | None = None,
+    tolerance: float | None = None,
+    progress: bool = False,
 ) -> onnx.ModelProto:
     """Return a mixed-precision copy of an ONNX model that the installed onnxruntime loads.
 
@@ -54,16 +59,29 @@ def convert_onnx(
         force_low: op types or node-name regexes to run in low precision regardless of the policy.
         low_weight_tables: store tables read by weight-only ops (embedding Gathers) in low precision even
             when they feed fp32 work.
+        calibration: an iterable of feeds (dicts of input name -> numpy array); the fp32 model runs on each
+            in onnxruntime and the range rules decide from what its values reach (see
+            :mod:`amppass.onnx.calibrate`).
+        tolerance: the largest relative error ``||out - out_fp32|| / ||out_fp32||`` allowed on any floating
+            output over the calibration feeds; the most sensitive nodes move back to fp32 until it is met.
+            Needs ``calibration``.
+        progress: show a progress bar on stderr while calibrating.
 
     Each node's decision is stored in its ``metadata_props["amppass"]`` and the summary in the model's;
     ``amppass.report`` reads them back. Calibration decisions, when they exist, enter as ``given`` below.
     """
+    check_tolerance(tolerance)
+    if tolerance is not None and calibration is None:
+        raise InputError(f"tolerance={tolerance!r} needs calibration data to measure the output error on: pass "
+                         "calibration=[{input name: array, ...}, ...] as well")
     low = _low_type(dtype)
     low_name, low_max = SHORT[low], (FP16_MAX if low == TensorProto.FLOAT16 else _BF16_MAX)
-    work, base_dir = _load(model)
+    source, base_dir = _load(model)
+    store = WeightStore(base_dir)
+    work = store.skeleton(source)  # the private copy the conversion works on; payloads stay in the store
     previous = converted_dtype(work)
     if previous is not None:
-        return _unchanged(work, base_dir, previous, low_name, model)
+        return _unchanged(work, store, previous, low_name, model)
     versions = opsets(work)
     if low == TensorProto.BFLOAT16 and versions.get("", 1) < 13:
         raise InputError(f"bf16 needs opset 13 or later for Cast; this model imports opset {versions.get('', 1)}. "
@@ -74,20 +92,30 @@ def convert_onnx(
     name_nodes(work)
     bytes_before = weight_bytes(work)
     typed = _infer(work)
-    if base_dir is not None:
-        external_data_helper.load_external_data_for_model(typed, base_dir)
 
-    view, refs, types = build_view(typed, low, measure_weights=low == TensorProto.FLOAT16)
-    given = {**policy.quantized_nodes(typed.graph), **overrides.resolve(view, keep_fp32, force_low, low_name)}  # calibration decisions join here
-    plan = paint(view, low_name, low_max, given, low_weight_tables=low_weight_tables)
+    view, refs, types = build_view(typed, low, store, measure_weights=low == TensorProto.FLOAT16)
+    given = {**policy.quantized_nodes(typed.graph), **overrides.resolve(view, keep_fp32, force_low, low_name)}
+
+    def apply(target: onnx.ModelProto, chosen: PrecisionPlan) -> RewriteStats:
+        """Rewrite ``target`` (``typed``, or a copy for a tolerance trial) by ``chosen``, loadable as it is."""
+        done = rewrite(target, chosen, refs, types, set(view.weights), store, low, keep_io_types)
+        _clear_value_info(target.graph)
+        target.ir_version = min(max(target.ir_version, IR_WITH_NODE_METADATA), runtime.max_ir_version())
+        return done
+
+    calibration_info: dict[str, Any] = {"calibrated": False}
+    if calibration is None:
+        plan = paint(view, low_name, low_max, given, low_weight_tables=low_weight_tables)
+    else:
+        plan, calibration_info = calibrated_plan(
+            Fp32Model(typed, view, refs, types, store), calibration, low, low_name, low_max, given, apply=apply,
+            tolerance=tolerance, progress=progress, low_weight_tables=low_weight_tables)
     for node in view.nodes:
         if node.unknown and node.name in plan:
             plan[node.name].evidence["unknown"] = True
-    stats = rewrite(typed, plan, refs, types, set(view.weights), low, keep_io_types)
-
-    _clear_value_info(typed.graph)
-    typed.ir_version = min(max(typed.ir_version, IR_WITH_NODE_METADATA), runtime.max_ir_version())
+    stats = apply(typed, plan)
     result = _infer(typed)
+    store.materialize(result)
     info = {
         "amppass_version": __version__,
         "front_end": "onnx",
@@ -100,7 +128,7 @@ def convert_onnx(
         "weight_bytes_before": bytes_before,
         "weight_bytes_after": weight_bytes(result),
         "clamped": stats.clamped,
-        "calibrated": False,
+        **calibration_info,
     }
     _set_model_meta(result, info)
     log.info("converted ONNX model to %s: %d nodes planned, %d casts", low_name, len(plan), stats.casts)
@@ -118,12 +146,13 @@ def save(model: onnx.ModelProto, path: str | os.PathLike, external_data: bool | 
     os.close(fd)
     tmp_data = tmp + ".data"  # nothing but this run writes here; removed below if the save fails
     try:
-        if external_data:
+        if external_data:  # streamed tensor by tensor from ``model``, which is never copied whole
             data_name = os.path.basename(path) + ".data"
-            to_save = copy.deepcopy(model)
-            onnx.save_model(to_save, tmp, save_as_external_data=True, all_tensors_to_one_file=True,
-                            location=os.path.basename(tmp_data), size_threshold=0)
-            _relocate(tmp, os.path.basename(tmp_data), data_name)
+            store = WeightStore()
+            skeleton = store.skeleton(model)
+            with open(tmp_data, "wb") as out:
+                store.write(skeleton, out, data_name)
+            onnx.save_model(skeleton, tmp)
             os.replace(tmp_data, os.path.join(folder, data_name))
         else:
             onnx.save_model(model, tmp)
@@ -150,7 +179,7 @@ def weight_bytes(model: onnx.ModelProto) -> int:
     """Bytes of the floating-point initializers and Constant tensors of ``model``, subgraphs included."""
     sizes = {TensorProto.FLOAT: 4, TensorProto.FLOAT16: 2, TensorProto.BFLOAT16: 2, TensorProto.DOUBLE: 8}
     total = 0
-    for tensor in _tensors(model.graph):
+    for tensor in tensors(model.graph):
         if tensor.data_type in sizes:
             total += int(np.prod(tensor.dims, dtype=np.int64)) * sizes[tensor.data_type]
     return total
@@ -164,10 +193,11 @@ def _low_type(dtype: object) -> int:
 
 
 def _load(model: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.ModelProto, str | None]:
-    """A private copy of ``model`` (external data not yet loaded) and the folder its data lives in."""
+    """``model`` as a proto (the caller's own, to be read only, or the one loaded from the path; external
+    data not loaded) and the folder its external data lives in."""
     if isinstance(model, onnx.ModelProto):
         _check_has_graph(model, "the onnx.ModelProto passed to convert_onnx")
-        return copy.deepcopy(model), None
+        return model, None
     if not isinstance(model, (str, os.PathLike)):
         raise InputError(f"convert_onnx takes a path to a .onnx file or an onnx.ModelProto, not {type(model).__name__}")
     path = os.fspath(model)
@@ -197,37 +227,14 @@ def _check_has_graph(model: onnx.ModelProto, where: str) -> None:
 def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` with value_info re-inferred (a new proto; ``model`` itself is left as it was).
 
-    Shape inference serialises the whole model, so weight bytes are lifted out while it runs: this keeps
-    BERT-base's conversion in seconds and models over 2 GB under protobuf's limit.
+    ``model`` is a skeleton (:mod:`amppass.onnx.weights`): its large tensors carry no bytes, so the
+    serialisation shape inference does is cheap and stays under protobuf's 2 GB limit.
     """
-    tensors = list(_tensors(model.graph))
-    heavy = [i for i, t in enumerate(tensors) if len(t.raw_data) > _LIFT_BYTES]
-    payloads = [tensors[i].raw_data for i in heavy]
-    for i in heavy:
-        tensors[i].ClearField("raw_data")
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, check_type=True)
+        return onnx.shape_inference.infer_shapes(model, check_type=True)
     except onnx.shape_inference.InferenceError as err:
         raise InputError(f"onnx shape inference rejects the model ({err}); check it with "
                          "onnx.checker.check_model(model, full_check=True) and fix the reported node") from err
-    finally:
-        for i, payload in zip(heavy, payloads):
-            tensors[i].raw_data = payload
-    inferred_tensors = list(_tensors(inferred.graph))
-    for i, payload in zip(heavy, payloads):
-        inferred_tensors[i].raw_data = payload
-    return inferred
-
-
-def _tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
-    """Initializers and Constant tensors of ``graph`` and its bodies."""
-    yield from graph.initializer
-    for node in graph.node:
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.TENSOR:
-                yield attr.t
-        for sub in subgraphs(node):
-            yield from _tensors(sub)
 
 
 def _clear_value_info(graph: onnx.GraphProto) -> None:
@@ -239,17 +246,7 @@ def _clear_value_info(graph: onnx.GraphProto) -> None:
 
 
 def _all_inline(model: onnx.ModelProto) -> bool:
-    return not any(external_data_helper.uses_external_data(t) for t in _tensors(model.graph))
-
-
-def _relocate(model_path: str, old: str, new: str) -> None:
-    """Point the external-data entries of the file at ``model_path`` from ``old`` to ``new``."""
-    model = onnx.load(model_path, load_external_data=False)
-    for tensor in _tensors(model.graph):
-        for entry in tensor.external_data:
-            if entry.key == "location" and entry.value == old:
-                entry.value = new
-    onnx.save_model(model, model_path)
+    return not any(external_data_helper.uses_external_data(t) for t in tensors(model.graph))
 
 
 def converted_dtype(model: onnx.ModelProto) -> str | None:
@@ -263,15 +260,14 @@ def converted_dtype(model: onnx.ModelProto) -> str | None:
     return None
 
 
-def _unchanged(work: onnx.ModelProto, base_dir: str | None, previous: str, wanted: str,
+def _unchanged(work: onnx.ModelProto, store: WeightStore, previous: str, wanted: str,
                source: object) -> onnx.ModelProto:
     """``work`` as it is (an already converted model), when the caller asks for the dtype it already has."""
     where = repr(os.fspath(source)) if isinstance(source, (str, os.PathLike)) else "the model"
     if previous != wanted:
         raise InputError(f"{where} was already converted by amppass to {previous}; it cannot be converted to "
                          f"{wanted} on top of that: convert the original float32 model with dtype='{wanted}'")
-    if base_dir is not None:
-        external_data_helper.load_external_data_for_model(work, base_dir)
+    store.materialize(work)
     log.warning("%s was already converted by amppass to %s; returned unchanged", where, previous)
     return work
 

@@ -150,6 +150,7 @@ class Classification:
     unknown: bool
     kept_slots: frozenset[int]  # input positions fed unchanged
     evidence: dict
+    low_blocked: str = ""  # why the op cannot run in the low dtype (schema or runtime), whatever its category
 
 
 def input_names(domain: str, op_type: str, opset: int, count: int) -> list[str]:
@@ -174,14 +175,15 @@ def classify(domain: str, op_type: str, opset: int, input_count: int, low: int) 
     else:
         category, reason, unknown = row.category, row.reason, False
     evidence: dict = {}
+    # checked for fp32 ops too: a user's force_low must not put them where onnxruntime cannot run them
+    blocked = _low_blocked(domain, op_type, opset, low, kept, input_count) if category is not Category.KEEP else ""
     if category in (Category.LOW, Category.FOLLOW):
-        blocked = _low_blocked(domain, op_type, opset, low, kept, input_count)
         if blocked:
-            return Classification(Category.FP32, blocked, unknown, kept, {"no_low_kernel": True})
+            return Classification(Category.FP32, blocked, unknown, kept, {"no_low_kernel": True}, blocked)
         status = runtime.kernel_status(domain, op_type, opset, low)
         if status == "via-fp32":
             evidence["onnxruntime_cpu"] = "no native low-precision kernel; onnxruntime casts around it on CPU"
-    return Classification(category, reason, unknown, kept, evidence)
+    return Classification(category, reason, unknown, kept, evidence, blocked)
 
 
 def _low_blocked(domain: str, op_type: str, opset: int, low: int, kept: frozenset[int], count: int) -> str:

@@ -5,7 +5,8 @@ Rules:
 1. Casts sit on edges, one per (value, dtype) in the whole model, placed in the graph that defines the
    value, right before the first reader that needs it; a body reading an outer value (a capture) shares
    the outer cast.
-2. Weights (float32 initializers and Constant nodes) are converted once: in place when every reader runs
+2. Weights (float32 initializers and Constant nodes) are converted once, through the
+   :class:`~amppass.onnx.weights.WeightStore` that holds their payloads: in place when every reader runs
    low, as a low-precision copy beside the fp32 original when readers of both kinds share them. fp16
    values beyond 65504 are clamped and listed in the stats, never silently.
 3. A Cast to float32 already in the model is retargeted to the low dtype when the plan runs it low.
@@ -25,13 +26,13 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from ..analysis.plan import Decision, PrecisionPlan, Precision
 from ..dtypes import FP16_MAX
 from .view import FLOAT, NodeRef, constant_tensor, subgraphs
+from .weights import WeightStore
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +61,8 @@ class _Scope:
 
 class _Rewriter:
     def __init__(self, model: onnx.ModelProto, plan: PrecisionPlan, refs: dict[str, NodeRef],
-                 types: dict[str, int], weights: set[str], low: int, keep_io_types: bool):
-        self.model, self.plan, self.refs, self.types = model, plan, refs, types
+                 types: dict[str, int], weights: set[str], store: WeightStore, low: int, keep_io_types: bool):
+        self.model, self.plan, self.refs, self.types, self.store = model, plan, refs, types, store
         self.weights, self.low, self.keep_io = weights, low, keep_io_types
         self.stats = RewriteStats()
         self.dtype: dict[str, int] = {}
@@ -203,33 +204,18 @@ class _Rewriter:
         wanted = self.demand.get(name, set())
         if self.low not in wanted:
             return None
-        converted = self._low_tensor(name, tensor)
         if wanted == {self.low}:
-            tensor.CopyFrom(converted)
+            target = tensor
             self.dtype[name] = self.low
             self.stats.weights_converted += 1
-            return None
-        converted.name = self._value_name(f"{name}__{SHORT[self.low]}")
-        self.stats.weight_copies += 1
-        return converted
-
-    def _low_tensor(self, name: str, tensor: onnx.TensorProto) -> onnx.TensorProto:
-        if tensor.raw_data and tensor.data_type == FLOAT:  # a view of the bytes, no copy
-            array = np.frombuffer(tensor.raw_data, np.float32).reshape(tuple(tensor.dims))
         else:
-            array = numpy_helper.to_array(tensor).astype(np.float32)
-        if self.low == TensorProto.FLOAT16:
-            finite = array[np.isfinite(array)] if not np.isfinite(array).all() else array
-            beyond = int(np.count_nonzero(np.abs(finite) > FP16_MAX)) if finite.size else 0
-            if beyond:
-                self.stats.clamped[name] = beyond
-                log.warning("weight %r: %d values beyond fp16's range clamped to +-%g", name, beyond, FP16_MAX)
-                array = np.where(np.isfinite(array), np.clip(array, -FP16_MAX, FP16_MAX), array)
-            return numpy_helper.from_array(array.astype(np.float16), tensor.name)
-        bits = np.ascontiguousarray(array).view(np.uint32)
-        rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
-        rounded = np.where(np.isnan(array), np.uint16(0x7FC0), rounded).astype(np.uint16)
-        return helper.make_tensor(tensor.name, TensorProto.BFLOAT16, array.shape, rounded.tobytes(), raw=True)
+            target = TensorProto(name=self._value_name(f"{name}__{SHORT[self.low]}"))
+            self.stats.weight_copies += 1
+        clamped = self.store.lower(tensor, self.low, target)
+        if clamped:
+            self.stats.clamped[name] = clamped
+            log.warning("weight %r: %d values beyond fp16's range clamped to +-%g", name, clamped, FP16_MAX)
+        return None if target is tensor else target
 
     # -- bookkeeping ------------------------------------------------------------------------------
     def _define(self, scope: _Scope, name: str, dtype: int) -> None:
@@ -293,6 +279,7 @@ def _all_names(model: onnx.ModelProto) -> set[str]:
 
 
 def rewrite(model: onnx.ModelProto, plan: PrecisionPlan, refs: dict[str, NodeRef], types: dict[str, int],
-            weights: set[str], low: int, keep_io_types: bool = True) -> RewriteStats:
-    """Rewrite ``model`` (a private copy) in place according to ``plan``; returns what was done."""
-    return _Rewriter(model, plan, refs, types, weights, low, keep_io_types).run()
+            weights: set[str], store: WeightStore, low: int, keep_io_types: bool = True) -> RewriteStats:
+    """Rewrite ``model`` (a private skeleton whose payloads ``store`` holds) in place according to ``plan``;
+    returns what was done. Weights are converted through ``store``; nothing is written into it in place."""
+    return _Rewriter(model, plan, refs, types, weights, store, low, keep_io_types).run()

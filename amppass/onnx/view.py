@@ -9,15 +9,17 @@ control node that owns them, so painting sees the outer values they capture alre
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
-import numpy as np
 import onnx
-from onnx import TensorProto, numpy_helper
+from onnx import TensorProto
 
 from ..analysis.plan import Category
 from ..analysis.view import GraphView, OpView
 from . import policy
+
+if TYPE_CHECKING:
+    from .weights import WeightStore
 
 FLOAT = TensorProto.FLOAT
 _ANY_FLOAT_TYPE = frozenset({"Shape", "Size"})
@@ -100,12 +102,13 @@ def opsets(model: onnx.ModelProto) -> dict[str, int]:
 
 
 def build_view(
-    model: onnx.ModelProto, low: int, measure_weights: bool
+    model: onnx.ModelProto, low: int, store: WeightStore, measure_weights: bool
 ) -> tuple[GraphView, dict[str, NodeRef], dict[str, int]]:
     """The view of ``model`` (named by :func:`name_nodes`, typed by shape inference).
 
     Returns the view, view name -> :class:`NodeRef`, and value name -> element type.
-    ``low`` is TensorProto.FLOAT16 or BFLOAT16; ``measure_weights`` computes weights' absmax (fp16 only).
+    ``low`` is TensorProto.FLOAT16 or BFLOAT16; ``store`` holds the weights' payloads;
+    ``measure_weights`` computes weights' absmax (fp16 only).
     """
     types = value_types(model)
     versions = opsets(model)
@@ -116,11 +119,11 @@ def build_view(
         graph_inputs = {i.name for i in graph.input}
         for init in graph.initializer:
             if init.data_type == FLOAT and init.name not in graph_inputs:
-                view.weights[init.name] = _absmax(init) if measure_weights else 0.0
+                view.weights[init.name] = store.absmax(init) if measure_weights else 0.0
         for node in graph.node:
             tensor = constant_tensor(node) if node.op_type == "Constant" else None
             if tensor is not None and tensor.data_type == FLOAT:
-                view.weights[node.output[0]] = _absmax(tensor) if measure_weights else 0.0
+                view.weights[node.output[0]] = store.absmax(tensor) if measure_weights else 0.0
                 continue
             for sub in subgraphs(node):
                 visit(sub)
@@ -168,12 +171,7 @@ def _op_view(node: onnx.NodeProto, types: dict[str, int], versions: dict[str, in
         inputs=planned_view,
         outputs=outputs,
         unknown=found.unknown,
+        low_blocked=found.low_blocked,
         scalars=[float(a.f) for a in node.attribute if a.type == onnx.AttributeProto.FLOAT],
     )
 
-
-def _absmax(tensor: onnx.TensorProto) -> float:
-    if tensor.data_location == onnx.TensorProto.EXTERNAL and not tensor.raw_data:
-        return 0.0  # not loaded: measured when the weight itself is converted
-    array = numpy_helper.to_array(tensor)
-    return float(np.abs(array).max()) if array.size else 0.0

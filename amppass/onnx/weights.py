@@ -1,0 +1,295 @@
+"""Weight payloads held outside the ONNX proto while a conversion works on it.
+
+Protobuf copies a tensor's bytes whenever they are copied, assigned or serialised, and shape inference
+serialises the whole model. A conversion that carried BERT-base's 440 MB of weights through its copy,
+two shape inferences and the rewrite spent most of its time moving bytes. Instead the conversion works on
+a *skeleton*: a copy of the model in which every large tensor carries no bytes, only an external-data
+reference (location :data:`LOCATION`) to an entry of a :class:`WeightStore`. Shape inference, the view and
+the rewrite read and write the skeleton; the store hands out numpy views of the payloads, converts them
+(torch does the rounding) and, at the end, :meth:`WeightStore.materialize` writes the bytes of the tensors
+that are left into the model, once, or :meth:`WeightStore.write` streams them to an external-data file.
+
+An entry starts as the caller's own tensor, only read, and is read once when its values are first needed;
+a weight that is never looked at is copied once, at the end. Tensors that already live in external files
+(models over 2 GB) stay references to those files and are read through a memory map, so a conversion holds
+the fp32 tensors it reads and the converted result, never a second copy of the model.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from typing import BinaryIO, Iterator
+
+import numpy as np
+import onnx
+import torch
+from google.protobuf.message import Message
+from onnx import TensorProto, external_data_helper, numpy_helper
+
+from ..dtypes import FP16_MAX
+from ..errors import InputError
+from .view import subgraphs
+
+LOCATION = "amppass:weight-store"  # the external-data location that names an in-memory store entry
+LIFT_BYTES = 1024  # smaller tensors stay in the proto: shape inference reads shapes and axes from them
+_NUMPY = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16, TensorProto.DOUBLE: np.float64}
+_TORCH_LOW = {TensorProto.FLOAT16: torch.float16, TensorProto.BFLOAT16: torch.bfloat16}
+
+
+def tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    """Initializers and Constant tensors of ``graph`` and its bodies."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.TENSOR:
+                yield attr.t
+        for sub in subgraphs(node):
+            yield from tensors(sub)
+
+
+class WeightStore:
+    """Payloads of the large tensors of one conversion, keyed by the index in their external reference.
+
+    ``base_dir`` is the folder the source model's own external-data files are found in (None for a model
+    given as a proto with every tensor inline).
+    """
+
+    def __init__(self, base_dir: str | None = None):
+        self.base_dir = base_dir
+        # an entry is the caller's tensor itself until its bytes are first read, then those bytes
+        self._payloads: list[bytes | onnx.TensorProto] = []
+        self._absmax: dict[int, float] = {}
+        self._lowered: dict[tuple[int, int], tuple[int, int]] = {}  # (entry, dtype) -> (entry, clamped)
+
+    # -- building the skeleton ------------------------------------------------------------------------
+    def skeleton(self, model: onnx.ModelProto) -> onnx.ModelProto:
+        """A copy of ``model`` whose large raw tensors reference this store; ``model`` is only read."""
+        work = onnx.ModelProto()
+        for field, value in model.ListFields():
+            if field.name == "graph":
+                self._graph(value, work.graph)
+            else:
+                _copy_field(work, field, value)
+        return work
+
+    def _graph(self, source: onnx.GraphProto, target: onnx.GraphProto) -> None:
+        for field, value in source.ListFields():
+            if field.name == "initializer":
+                for tensor in value:
+                    self._tensor(tensor, target.initializer.add())
+            elif field.name == "node":
+                for node in value:
+                    self._node(node, target.node.add())
+            else:
+                _copy_field(target, field, value)
+
+    def _node(self, source: onnx.NodeProto, target: onnx.NodeProto) -> None:
+        if not any(a.type in _NESTED for a in source.attribute):
+            target.CopyFrom(source)
+            return
+        for field, value in source.ListFields():
+            if field.name != "attribute":
+                _copy_field(target, field, value)
+                continue
+            for attr in value:
+                copy = target.attribute.add()
+                for afield, avalue in attr.ListFields():
+                    if afield.name == "t":
+                        self._tensor(avalue, copy.t)
+                    elif afield.name == "g":
+                        self._graph(avalue, copy.g)
+                    elif afield.name == "graphs":
+                        for body in avalue:
+                            self._graph(body, copy.graphs.add())
+                    else:
+                        _copy_field(copy, afield, avalue)
+
+    def _tensor(self, source: onnx.TensorProto, target: onnx.TensorProto) -> None:
+        inline = source.HasField("raw_data") and source.data_location != TensorProto.EXTERNAL
+        if not inline or _nbytes(source) <= LIFT_BYTES:
+            target.CopyFrom(source)
+            return
+        for field in source.DESCRIPTOR.fields:  # every field but the payload, which reading would copy
+            value = getattr(source, field.name) if field.name != "raw_data" else None
+            if hasattr(value, "extend") or (value is not None and source.HasField(field.name)):
+                _copy_field(target, field, value)
+        _point(target, LOCATION, self._add(source), _nbytes(source))
+
+    # -- reading --------------------------------------------------------------------------------------
+    def array(self, tensor: onnx.TensorProto) -> np.ndarray:
+        """``tensor``'s values as a read-only numpy array (a view of the payload where one exists)."""
+        entry = _entry(tensor)
+        if entry is not None:
+            return np.frombuffer(self._bytes(entry), _numpy_type(tensor)).reshape(tuple(tensor.dims))
+        if external_data_helper.uses_external_data(tensor):
+            return self._mapped(tensor)
+        if tensor.raw_data and tensor.data_type in _NUMPY:
+            return np.frombuffer(tensor.raw_data, _NUMPY[tensor.data_type]).reshape(tuple(tensor.dims))
+        return numpy_helper.to_array(tensor)
+
+    def absmax(self, tensor: onnx.TensorProto) -> float:
+        """Largest finite magnitude in ``tensor`` (0 for an empty one), computed once per entry."""
+        entry = _entry(tensor)
+        if entry is not None and entry in self._absmax:
+            return self._absmax[entry]
+        values = _torch(self.array(tensor))
+        result = 0.0
+        if values.numel():
+            lowest, highest = torch.aminmax(values)  # one pass; NaN or inf in it sends us the slow way
+            result = max(-float(lowest), float(highest))
+            if not math.isfinite(result):
+                finite = values[torch.isfinite(values)]
+                result = float(finite.abs().max()) if finite.numel() else 0.0
+        if entry is not None:
+            self._absmax[entry] = result
+        return result
+
+    # -- writing --------------------------------------------------------------------------------------
+    def lower(self, tensor: onnx.TensorProto, low: int, target: onnx.TensorProto) -> int:
+        """Make ``target`` hold ``tensor``'s float32 values rounded to ``low`` (fp16 or bf16).
+
+        ``target`` may be ``tensor`` itself (conversion in place) or a new tensor; its name is kept.
+        fp16 values beyond 65504 are clamped, infinities and NaN kept; returns how many were clamped.
+        Converting the same store entry twice reuses the first result.
+        """
+        entry = _entry(tensor)
+        if entry is not None and (entry, low) in self._lowered:
+            done, clamped = self._lowered[(entry, low)]
+        else:
+            values = _torch(self.array(tensor))
+            clamped = 0
+            if low == TensorProto.FLOAT16 and self.absmax(tensor) > FP16_MAX:
+                beyond = torch.isfinite(values) & (values.abs() > FP16_MAX)
+                clamped = int(beyond.sum())
+                values = torch.where(beyond, values.clamp(-FP16_MAX, FP16_MAX), values)
+            rounded = values.to(_TORCH_LOW[low]).view(torch.int16).numpy()
+            done = self._add(rounded.tobytes())
+            if entry is not None:
+                self._lowered[(entry, low)] = (done, clamped)
+        name, dims = target.name or tensor.name, list(tensor.dims)
+        target.Clear()
+        target.name, target.data_type = name, low
+        target.dims.extend(dims)
+        _point(target, LOCATION, done, int(np.prod(dims, dtype=np.int64)) * 2)
+        return clamped
+
+    def materialize(self, model: onnx.ModelProto) -> None:
+        """Write the payload of every tensor of ``model`` that references a store entry or an external
+        file into the tensor itself, so ``model`` is a self-contained proto."""
+        for tensor in tensors(model.graph):
+            entry = _entry(tensor)
+            if entry is not None and isinstance(self._payloads[entry], onnx.TensorProto):
+                name = tensor.name
+                tensor.CopyFrom(self._payloads[entry])  # never read: one copy, straight from the source
+                tensor.name = name
+            elif entry is not None or external_data_helper.uses_external_data(tensor):
+                payload = self._bytes(entry) if entry is not None else self._mapped(tensor).tobytes()
+                del tensor.external_data[:]
+                tensor.ClearField("data_location")
+                tensor.raw_data = payload
+
+    def write(self, model: onnx.ModelProto, out: BinaryIO, location: str) -> None:
+        """Write the payload of every tensor of ``model`` that references this store (or an external file)
+        to ``out``, one tensor at a time, and point the tensor at ``location`` (the name ``out`` will have
+        beside the saved model). Memory stays at one tensor, however large the model."""
+        for tensor in tensors(model.graph):
+            entry = _entry(tensor)
+            if entry is None and not external_data_helper.uses_external_data(tensor):
+                continue
+            if entry is None:
+                payload: bytes | np.ndarray = self._mapped(tensor)
+            else:
+                held = self._payloads[entry]
+                payload = held.raw_data if isinstance(held, onnx.TensorProto) else held
+            offset = out.tell()
+            out.write(payload)
+            _point(tensor, location, offset, out.tell() - offset)
+
+    # -- internals ------------------------------------------------------------------------------------
+    def _add(self, payload: bytes | onnx.TensorProto) -> int:
+        self._payloads.append(payload)
+        return len(self._payloads) - 1
+
+    def _bytes(self, entry: int) -> bytes:
+        """The payload of ``entry``, read from the caller's tensor the first time (protobuf copies it)."""
+        payload = self._payloads[entry]
+        if isinstance(payload, onnx.TensorProto):
+            payload = self._payloads[entry] = payload.raw_data
+        return payload
+
+    def _mapped(self, tensor: onnx.TensorProto) -> np.ndarray:
+        """A read-only memory map of a tensor stored in an external file beside the source model."""
+        info = {e.key: e.value for e in tensor.external_data}
+        if self.base_dir is None:
+            raise InputError(f"tensor {tensor.name!r} keeps its data in the external file {info.get('location')!r}, "
+                             "but the model was passed as a proto; pass the .onnx path so its data can be found")
+        path = os.path.join(self.base_dir, info.get("location", ""))
+        if not os.path.isfile(path):
+            raise InputError(f"tensor {tensor.name!r}: its external data file {path!r} is missing; keep the data "
+                             "file beside the .onnx file it belongs to")
+        offset = int(info.get("offset", 0))
+        dtype = np.dtype(_numpy_type(tensor))
+        count = int(np.prod(tensor.dims, dtype=np.int64))
+        if "length" in info and int(info["length"]) != count * dtype.itemsize:
+            raise InputError(f"tensor {tensor.name!r}: its external data is {info['length']} bytes, but its shape "
+                             f"{list(tensor.dims)} needs {count * dtype.itemsize}; the model or its data file is damaged")
+        return np.memmap(path, dtype, "r", offset, shape=tuple(tensor.dims)) if count else np.zeros(
+            tuple(tensor.dims), dtype)
+
+
+_NESTED = frozenset({onnx.AttributeProto.TENSOR, onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS})
+
+
+def _copy_field(target: object, field: object, value: object) -> None:
+    """Copy one set field of a protobuf message onto ``target`` (repeated, message or scalar)."""
+    if hasattr(value, "extend"):  # repeated field: protobuf's own container types
+        getattr(target, field.name).extend(value)
+    elif isinstance(value, Message):
+        getattr(target, field.name).CopyFrom(value)
+    else:
+        setattr(target, field.name, value)
+
+
+def _nbytes(tensor: onnx.TensorProto) -> int:
+    """Size of ``tensor``'s raw payload from its shape and type (reading ``raw_data`` would copy it)."""
+    try:
+        itemsize = np.dtype(_numpy_type(tensor)).itemsize
+    except InputError:
+        itemsize = 1
+    return int(np.prod(tensor.dims, dtype=np.int64)) * itemsize
+
+
+def _point(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
+    """Make ``tensor`` an external-data reference: ``offset`` is a store entry for :data:`LOCATION`."""
+    del tensor.external_data[:]
+    tensor.ClearField("raw_data")
+    tensor.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        tensor.external_data.add(key=key, value=value)
+
+
+def _torch(array: np.ndarray) -> torch.Tensor:
+    """A float32 torch view of a read-only numpy array; amppass never writes through it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(np.asarray(array, np.float32))
+
+
+def _entry(tensor: onnx.TensorProto) -> int | None:
+    """The store entry ``tensor`` references, or None."""
+    if tensor.data_location != TensorProto.EXTERNAL:
+        return None
+    info = {e.key: e.value for e in tensor.external_data}
+    return int(info["offset"]) if info.get("location") == LOCATION else None
+
+
+def _numpy_type(tensor: onnx.TensorProto) -> type:
+    if tensor.data_type == TensorProto.BFLOAT16:
+        return np.uint16
+    try:
+        return onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
+    except KeyError as err:
+        raise InputError(f"tensor {tensor.name!r} has ONNX element type {tensor.data_type}, which amppass cannot "
+                         "read; re-export the model with standard tensor types") from err
