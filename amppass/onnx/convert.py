@@ -24,6 +24,7 @@ from ..errors import InputError
 from . import policy, runtime
 from .calibrate import Fp32Model, calibrated_plan
 from .rewrite import META_KEY, SHORT, RewriteStats, rewrite
+from .macs import node_macs, value_shapes
 from .view import build_view, name_nodes, opsets, subgraphs
 from .weights import WeightStore, tensors
 
@@ -110,9 +111,15 @@ def convert_onnx(
         plan, calibration_info = calibrated_plan(
             Fp32Model(typed, view, refs, types, store), calibration, low, low_name, low_max, given, apply=apply,
             tolerance=tolerance, progress=progress, low_weight_tables=low_weight_tables)
+    shapes = value_shapes(typed)
     for node in view.nodes:
-        if node.unknown and node.name in plan:
+        if node.name not in plan:
+            continue
+        if node.unknown:
             plan[node.name].evidence["unknown"] = True
+        macs = node_macs(refs[node.name].node, shapes)  # before the rewrite puts casts between the shapes
+        if macs is not None:
+            plan[node.name].evidence["macs"] = macs
     stats = apply(typed, plan)
     result = _infer(typed)
     store.materialize(result)

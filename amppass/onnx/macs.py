@@ -1,0 +1,65 @@
+"""Multiply-accumulate counts of the heavy ONNX ops, from the shapes onnx shape inference gives.
+
+The ONNX counterpart of :mod:`amppass.report.flops`: the report uses the counts to say which share of the
+heavy work runs in low precision. A dimension shape inference left symbolic (a ``dim_param`` such as a
+dynamic batch) makes the count unknown (``None``) rather than a guess.
+"""
+
+from __future__ import annotations
+
+import math
+
+import onnx
+
+from .view import subgraphs
+
+Shapes = dict[str, list[int]]
+
+
+def value_shapes(model: onnx.ModelProto) -> Shapes:
+    """Value name -> concrete shape, for every value of ``model`` (bodies included) whose shape is known."""
+    shapes: Shapes = {}
+
+    def visit(graph: onnx.GraphProto) -> None:
+        for info in list(graph.input) + list(graph.output) + list(graph.value_info):
+            tensor = info.type.tensor_type
+            if tensor.HasField("shape") and all(d.HasField("dim_value") for d in tensor.shape.dim):
+                shapes[info.name] = [d.dim_value for d in tensor.shape.dim]
+        for init in graph.initializer:
+            shapes[init.name] = list(init.dims)
+        for node in graph.node:
+            for sub in subgraphs(node):
+                visit(sub)
+
+    visit(model.graph)
+    return shapes
+
+
+def node_macs(node: onnx.NodeProto, shapes: Shapes) -> int | None:
+    """Multiply-accumulates ``node`` performs, or None if it is not a heavy op or a shape is unknown."""
+    if node.domain not in ("", "ai.onnx") or node.op_type not in _COUNTERS:
+        return None
+    known = [shapes.get(v) for v in list(node.input[:2]) + list(node.output[:1])]
+    if any(s is None for s in known) or len(node.input) < 2:
+        return None
+    return _COUNTERS[node.op_type](node, *known)
+
+
+def _matmul(node: onnx.NodeProto, a: list[int], b: list[int], out: list[int]) -> int:
+    return math.prod(out) * a[-1]  # a 1-D operand keeps its only dimension last as well
+
+
+def _gemm(node: onnx.NodeProto, a: list[int], b: list[int], out: list[int]) -> int:
+    transposed = any(attr.name == "transA" and attr.i for attr in node.attribute)
+    return math.prod(out) * (a[0] if transposed else a[-1])
+
+
+def _conv(node: onnx.NodeProto, x: list[int], w: list[int], out: list[int]) -> int:
+    return math.prod(out) * math.prod(w[1:])  # one weight slice (C/group x kernel) per output element
+
+
+def _conv_transpose(node: onnx.NodeProto, x: list[int], w: list[int], out: list[int]) -> int:
+    return math.prod(x) * math.prod(w[1:])  # one weight slice (M/group x kernel) per input element
+
+
+_COUNTERS = {"MatMul": _matmul, "Gemm": _gemm, "Conv": _conv, "ConvTranspose": _conv_transpose}
