@@ -14,11 +14,14 @@ Rules:
 5. Per-slot exceptions from the policy: an attention mask is clamped to the low dtype's range before it
    is cast, so -3.4e38 becomes the largest negative finite value instead of -inf.
 6. With ``keep_io_types`` graph outputs are cast back to fp32; graph inputs are never changed.
+7. The tuple or list of a multi-output op (split, unbind) is never cast: ``getitem`` selects from it as
+   it is and its element keeps the container's dtype; readers of the element cast it where they need to.
 """
 
 from __future__ import annotations
 
 import copy
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,7 +130,7 @@ class _Rewriter:
         def convert(arg: Any, slot: str | None) -> Any:
             if not isinstance(arg, fx.Node):
                 return arg
-            if wanted is None or not self.fp32[arg] or slots.get(slot or "") == "keep":
+            if wanted is None or not self.fp32[arg] or slots.get(slot or "") == "keep" or _is_container(arg):
                 return self.env[arg]
             new_arg = self._value_as(arg, wanted, saturate=slots.get(slot or "") == "saturate")
             if new_arg is not self.env[arg]:
@@ -167,6 +170,8 @@ class _Rewriter:
     def _out_dtype(self, node: fx.Node, decision: Any) -> torch.dtype | None:
         if not self.fp32[node]:
             return None
+        if node.target is operator.getitem and _is_container(node.args[0]):
+            return self.dtype.get(self.env[node.args[0]])  # rule 7: an element of the uncast container
         if decision is None or decision.precision is Precision.KEEP:
             return torch.float32
         return self.low if decision.precision is Precision.LOW else torch.float32
@@ -252,6 +257,11 @@ def rewrite(
     gm.graph = graph
     gm.recompile()
     return rewriter.stats
+
+
+def _is_container(node: fx.Node) -> bool:
+    """Whether ``node`` produces a tuple or list of tensors (a multi-output op) rather than one tensor."""
+    return isinstance(node.meta.get("val"), (tuple, list))
 
 
 def _converted(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

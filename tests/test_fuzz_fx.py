@@ -1,0 +1,102 @@
+"""Property: amppass.convert on random torch modules gives a valid GraphModule that runs and matches fp32.
+
+The modules are :class:`fuzz_graphs.ProgramModule` interpreters over random programs, captured with
+torch.export. Tolerances and their justification are those of ``test_fuzz_onnx.py``: the norm-relative
+error of each output, where fp32 is finite, within 3e-2 (fp16) and 6e-2 (bf16).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from fuzz_graphs import Program, ProgramModule, programs, relative_error
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import amppass
+from amppass.fx.rewrite import META_KEY
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+RTOL = {"fp16": 3e-2, "bf16": 6e-2}
+_COMMON = dict(deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=25, **_COMMON)
+SLOW = settings(max_examples=300, **_COMMON)
+
+
+def check_fx(program: Program, dtype: str, **options) -> torch.fx.GraphModule:
+    """Lints, one cast per (value, dtype), ops forced low run low, the caller's module untouched, outputs
+    near fp32 (and fp32 with ``keep_io_types``). ``options`` go to amppass.convert."""
+    module = ProgramModule(program).eval()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    example = tuple(torch.from_numpy(x) for x in program.feeds(0))
+    fast = amppass.convert(module, example, DTYPES[dtype], **options)
+    fast.graph.lint()
+    casts = collections.Counter(
+        (n.args[0], n.kwargs.get("dtype")) for n in fast.graph.nodes if n.meta.get(META_KEY, {}).get("cast"))
+    assert all(c == 1 for c in casts.values()), f"repeated casts: {[k for k, c in casts.items() if c > 1]}"
+    forced = set(options.get("force_low", ())) - set(options.get("keep_fp32", ()))
+    for node in fast.graph.nodes:
+        decision = node.meta.get(META_KEY, {})
+        if decision.get("op") in forced and not decision.get("cast"):
+            assert decision["precision"] == "low", (node.name, decision)
+    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items()), "the caller's model changed"
+    for seed in (0, 1):
+        inputs = tuple(torch.from_numpy(x) for x in program.feeds(seed))
+        with torch.no_grad():
+            want, got = module(*inputs), fast(*inputs)
+        assert len(got) == len(want)
+        for i, w, g in zip(program.outputs, want, got):
+            if options.get("keep_io_types", True):
+                assert g.dtype == torch.float32, f"output v{i} is {g.dtype} with keep_io_types"
+            err = relative_error(g.float().numpy(), w.numpy())
+            assert err <= RTOL[dtype], f"output v{i}: relative error {err:.3g} > {RTOL[dtype]} ({dtype})"
+    return fast
+
+
+def draw_options(program: Program, dtype: str, data: st.DataObject) -> dict:
+    """Overrides drawn from the plain conversion's report: ops forced low among those it kept fp32, ops
+    kept fp32, and ``keep_io_types``."""
+    module = ProgramModule(program).eval()
+    example = tuple(torch.from_numpy(x) for x in program.feeds(0))
+    rows = amppass.report(amppass.convert(module, example, DTYPES[dtype])).rows
+    fp32_ops = sorted({r.op for r in rows if r.precision == "fp32"})
+    float_ops = sorted({r.op for r in rows if r.precision != "-"})
+    return {
+        "force_low": data.draw(st.lists(st.sampled_from(fp32_ops), unique=True), label="force_low")
+        if fp32_ops else [],
+        "keep_fp32": data.draw(st.lists(st.sampled_from(float_ops), unique=True, max_size=2), label="keep_fp32")
+        if float_ops else [],
+        "keep_io_types": data.draw(st.booleans(), label="keep_io_types"),
+    }
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@FAST
+@given(program=programs())
+def test_converted_fx_lints_and_close(dtype, program):
+    check_fx(program, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@FAST
+@given(program=programs(), data=st.data())
+def test_overridden_fx_lints_and_close(dtype, program, data):
+    check_fx(program, dtype, **draw_options(program, dtype, data))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@SLOW
+@given(program=programs(max_steps=16))
+def test_converted_fx_lints_and_close_slow(dtype, program):
+    check_fx(program, dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@SLOW
+@given(program=programs(max_steps=16), data=st.data())
+def test_overridden_fx_lints_and_close_slow(dtype, program, data):
+    check_fx(program, dtype, **draw_options(program, dtype, data))

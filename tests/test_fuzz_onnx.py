@@ -1,0 +1,105 @@
+"""Property: convert_onnx on random ONNX graphs gives a valid model that runs and matches fp32.
+
+The graphs come from :mod:`fuzz_graphs`. Tolerances are on the norm-relative error of each output
+(elements where fp32 is finite): fp16 rounds to 2**-11 ~ 4.9e-4 and bf16 to 2**-8 ~ 3.9e-3 relative;
+a program of up to ~25 nodes with values of scale 0.05..30 makes a few dozen roundings on the path to an
+output, each amplified at most a few times (matmuls over at most 16 terms, clipped exps, LayerNorm),
+so 3e-2 (about 60 fp16 ulps) and 6e-2 (about 15 bf16 ulps) are loose enough for accurate conversions and
+still catch a value computed in the wrong precision where it matters (an fp16 Exp, a dropped Cast, an
+overflowing sum), a wrong axis or a swapped input, which give errors of order 1.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import onnx
+import pytest
+from fuzz_graphs import Program, programs, relative_error, to_onnx
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_onnx_convert import meta, session
+
+import amppass
+from amppass.onnx import runtime
+
+RTOL = {"fp16": 3e-2, "bf16": 6e-2}
+
+_COMMON = dict(deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=40, **_COMMON)
+SLOW = settings(max_examples=400, **_COMMON)
+
+
+def check_onnx(program: Program, dtype: str, **options) -> onnx.ModelProto:
+    """Valid, loadable by the installed onnxruntime, one Cast per (value, type), ops forced low run low
+    (unless onnxruntime has no kernel for them), outputs near fp32. ``options`` go to convert_onnx."""
+    model = to_onnx(program)
+    onnx.checker.check_model(model, full_check=True)
+    converted = amppass.convert_onnx(model, dtype=dtype, **options)
+    onnx.checker.check_model(converted, full_check=True)
+    assert converted.ir_version <= runtime.max_ir_version()
+    casts = collections.Counter(
+        (n.input[0], next(a.i for a in n.attribute if a.name == "to")) for n in converted.graph.node
+        if n.op_type == "Cast")
+    assert all(c == 1 for c in casts.values()), f"repeated casts: {[k for k, c in casts.items() if c > 1]}"
+    forced = set(options.get("force_low", ())) - set(options.get("keep_fp32", ()))
+    for node in converted.graph.node:
+        decision = meta(node)
+        if node.op_type in forced and not decision.get("cast"):
+            assert decision["precision"] == "low" or decision["evidence"].get("no_low_kernel"), decision
+    ref, low = session(model), session(converted)
+    for seed in (0, 1):
+        feeds = {f"v{i}": x for i, x in enumerate(program.feeds(seed))}
+        for i, want, got in zip(program.outputs, ref.run(None, feeds), low.run(None, feeds)):
+            if not options.get("keep_io_types", True):
+                assert got.dtype in (np.float32, np.float16), got.dtype
+                got = got.astype(np.float32)
+            err = relative_error(got, want)
+            assert err <= RTOL[dtype], f"output v{i}: relative error {err:.3g} > {RTOL[dtype]} ({dtype})"
+    return converted
+
+
+def draw_options(program: Program, dtype: str, data: st.DataObject) -> dict:
+    """Overrides drawn from the plain conversion's report: op types forced low among those it kept fp32,
+    op types kept fp32, and ``keep_io_types`` (fp16 only: onnxruntime's Python API returns no bfloat16)."""
+    rows = amppass.report(amppass.convert_onnx(to_onnx(program), dtype=dtype)).rows
+    fp32_ops = sorted({r.op for r in rows if r.precision == "fp32"})
+    float_ops = sorted({r.op for r in rows if r.precision != "-"})
+    return {
+        "force_low": data.draw(st.lists(st.sampled_from(fp32_ops), unique=True), label="force_low")
+        if fp32_ops else [],
+        "keep_fp32": data.draw(st.lists(st.sampled_from(float_ops), unique=True, max_size=2), label="keep_fp32")
+        if float_ops else [],
+        "keep_io_types": dtype == "bf16" or data.draw(st.booleans(), label="keep_io_types"),
+    }
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@FAST
+@given(program=programs())
+def test_converted_onnx_valid_and_close(dtype, program):
+    check_onnx(program, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@FAST
+@given(program=programs(), data=st.data())
+def test_overridden_onnx_valid_and_close(dtype, program, data):
+    check_onnx(program, dtype, **draw_options(program, dtype, data))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@SLOW
+@given(program=programs(max_steps=16))
+def test_converted_onnx_valid_and_close_slow(dtype, program):
+    check_onnx(program, dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@SLOW
+@given(program=programs(max_steps=16), data=st.data())
+def test_overridden_onnx_valid_and_close_slow(dtype, program, data):
+    check_onnx(program, dtype, **draw_options(program, dtype, data))

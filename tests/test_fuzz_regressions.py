@@ -1,0 +1,69 @@
+"""Failures the fuzz tests (test_fuzz_onnx.py, test_fuzz_fx.py) found, each shrunk to a minimal program
+and kept as a named regression test through the same property checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fuzz_graphs import Program, Step, Weight
+from test_fuzz_fx import check_fx
+from test_fuzz_onnx import check_onnx
+from test_onnx_convert import meta
+
+
+def _matmul_program() -> Program:
+    w0 = Weight(np.array([[0.09, -0.09], [0.45, 0.07]], np.float32), constant=False)
+    return Program(inputs=[(1, 2)], weights={"w0": w0}, steps=[Step("matmul", [0, "w0"])],
+                   shapes=[(1, 2), (1, 2)], outputs=[1], named_nodes=False)
+
+
+def test_bf16_force_low_matmul_without_cpu_kernel_stays_fp32_and_runs():
+    """force_low overrode the runtime check: a bf16 MatMul onnxruntime CPU cannot load ("NOT_IMPLEMENTED")."""
+    converted = check_onnx(_matmul_program(), "bf16", force_low=["MatMul"])
+    (matmul,) = [n for n in converted.graph.node if n.op_type == "MatMul"]
+    decision = meta(matmul)
+    assert decision["precision"] == "fp32" and decision["source"] == "override"
+    assert "force_low='MatMul'" in decision["reason"] and "no bf16 kernel" in decision["reason"]
+
+
+@pytest.mark.parametrize("op, attrs, shape", [("softmax", {"axis": 0}, (1, 2)), ("log_softmax", {"axis": -1}, (1, 2)),
+                                              ("reduce_sum", {"axes": [1], "keepdims": 1}, (1, 1))])
+def test_bf16_force_low_fp32_policy_op_without_cpu_kernel_stays_fp32(op, attrs, shape):
+    """Only LOW/FOLLOW ops were checked for a kernel: a forced bf16 Softmax made onnxruntime expand its
+    function body and fail on ReduceMax, which has no bf16 kernel either."""
+    program = Program(inputs=[(1, 2)], weights={}, steps=[Step(op, [0], attrs)], shapes=[(1, 2), shape],
+                      outputs=[1], named_nodes=False)
+    onnx_op = {"softmax": "Softmax", "log_softmax": "LogSoftmax", "reduce_sum": "ReduceSum"}[op]
+    converted = check_onnx(program, "bf16", force_low=[onnx_op])
+    (node,) = [n for n in converted.graph.node if n.op_type == onnx_op]
+    assert meta(node)["precision"] == "fp32" and meta(node)["evidence"]["no_low_kernel"]
+
+
+def test_fp16_force_low_softmax_still_honoured():
+    """The kernel check above must not block ops onnxruntime does run in fp16."""
+    program = Program(inputs=[(2, 4)], weights={}, steps=[Step("softmax", [0], {"axis": -1})],
+                      shapes=[(2, 4), (2, 4)], outputs=[1])
+    converted = check_onnx(program, "fp16", force_low=["Softmax"])
+    (node,) = [n for n in converted.graph.node if n.op_type == "Softmax"]
+    assert meta(node)["precision"] == "low"
+
+
+def _split_program() -> Program:
+    w0 = Weight(np.array([[0.07, -0.08], [0.37, 0.06], [-0.31, 0.21]], np.float32), constant=False)
+    return Program(inputs=[(1, 4)], weights={"w0": w0},
+                   steps=[Step("add", [0, 0]), Step("split", [1], {"axis": 1, "sizes": [1, 3]}, 2),
+                          Step("matmul", [3, "w0"])],
+                   shapes=[(1, 4), (1, 4), (1, 1), (1, 3), (1, 2)], outputs=[4, 2])
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("options", [
+    {"force_low": ["aten.add"], "keep_fp32": ["getitem"], "keep_io_types": False},
+    {"keep_fp32": ["aten.split_with_sizes"], "force_low": ["getitem"]},
+], ids=["split-low-getitem-fp32", "split-fp32-getitem-low"])
+def test_fx_getitem_in_another_precision_than_its_split(dtype, options):
+    """The rewrite cast the split's list output itself (aten._to_copy on a list: RuntimeError at run time)."""
+    fast = check_fx(_split_program(), dtype, **options)
+    for node in fast.graph.nodes:
+        if node.meta.get("amppass", {}).get("cast"):
+            assert not isinstance(node.args[0].meta.get("val"), (list, tuple)), f"{node.name} casts a list"
