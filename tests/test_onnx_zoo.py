@@ -5,10 +5,11 @@ from __future__ import annotations
 import io
 import warnings
 
+import numpy as np
 import onnx
 import pytest
 import torch
-from test_onnx_convert import check_converted, heavy_low_share
+from test_onnx_convert import check_converted, heavy_low_share, session
 
 import amppass
 from amppass.onnx.export import export_fp32
@@ -68,3 +69,19 @@ def test_export_onnx_writes_a_converted_file(tmp_path):
     assert heavy_low_share(on_disk) == heavy_low_share(returned) == (2, 2)
     report = amppass.report(str(path))
     assert report.info["dtype"] == "fp16" and report.info["weight_bytes_after"] < report.info["weight_bytes_before"]
+
+
+def test_export_onnx_exports_in_eval_mode_and_restores_the_flags(tmp_path):
+    """A model left in train mode exports without dropout (an inference model), and stays in train mode."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Dropout(0.5), torch.nn.Linear(32, 4))
+    model.train()
+    model[0].eval()  # a submodule's own flag must come back as it was, too
+    flags = [m.training for m in model.modules()]
+    x = torch.randn(3, 8)
+    returned = amppass.export_onnx(model, (x,), tmp_path / "m.onnx", dtype="fp16")
+    assert [m.training for m in model.modules()] == flags == [True, False, True, True]
+    assert not any(n.op_type == "Dropout" and len(n.input) > 2 for n in returned.graph.node)
+    got = session(returned).run(None, {returned.graph.input[0].name: x.numpy()})[0]
+    with torch.no_grad():
+        want = model.eval()(x).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)

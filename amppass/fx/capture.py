@@ -52,13 +52,13 @@ def capture(
         raise InputError(f"example_kwargs must be a dict of keyword inputs, got {type(example_kwargs).__name__}; "
                          "e.g. example_kwargs={'attention_mask': mask}")
     if example_inputs is None and example_kwargs is None:
-        with _mode(model, train):
+        with module_mode(model, train):
             return _symbolic(model)
     args = example_inputs if isinstance(example_inputs, tuple) else (
         () if example_inputs is None else (tuple(example_inputs) if isinstance(example_inputs, list) else (example_inputs,))
     )
     kwargs = dict(example_kwargs or {})
-    with _mode(model, train):
+    with module_mode(model, train):
         return _export(model, args, kwargs, dynamic_shapes)
 
 
@@ -136,8 +136,8 @@ def _no_size_one_specialisation(enabled: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _mode(model: nn.Module, train: bool) -> Iterator[None]:
-    """Put ``model`` in train or eval mode for capture, then restore every submodule's own flag."""
+def module_mode(model: nn.Module, train: bool) -> Iterator[None]:
+    """Put ``model`` in train or eval mode (for capture or export), then restore every submodule's own flag."""
     flags = [(m, m.training) for m in model.modules()]
     model.train(train)
     try:

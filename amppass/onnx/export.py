@@ -11,6 +11,7 @@ import onnx
 import torch
 
 from ..errors import CaptureError, InputError
+from ..fx.capture import module_mode
 from .convert import check_target, convert_onnx, save
 
 log = logging.getLogger(__name__)
@@ -25,14 +26,16 @@ def export_onnx(
 ) -> onnx.ModelProto:
     """Export ``torch_model`` to ONNX, convert it with :func:`convert_onnx` and save it atomically at ``path``.
 
-    The dynamo exporter (``torch.onnx.export(dynamo=True)``) is tried first; if it fails, the TorchScript
-    exporter (``dynamo=False``). ``convert_kwargs`` go to :func:`convert_onnx`. Returns the converted model.
+    The model is exported in eval mode (its own training flags are restored afterwards). The dynamo
+    exporter (``torch.onnx.export(dynamo=True)``) is tried first; if it fails, the TorchScript exporter
+    (``dynamo=False``). ``convert_kwargs`` go to :func:`convert_onnx`. Returns the converted model.
     """
     if not isinstance(torch_model, torch.nn.Module):
         raise InputError(f"export_onnx takes a torch.nn.Module, got {type(torch_model).__name__}; for an ONNX "
                          "model already on disk use amppass.convert_onnx")
     check_target(path)
-    fp32 = export_fp32(torch_model, example_inputs)
+    with module_mode(torch_model, train=False):  # an inference export: dropout off, BN running stats
+        fp32 = export_fp32(torch_model, example_inputs)
     converted = convert_onnx(fp32, dtype, **convert_kwargs)
     save(converted, path)
     return converted
