@@ -92,7 +92,10 @@ def _external(module: str, title: str, call: Callable) -> Callable[[bool, Path],
         if importlib.util.find_spec(f"benchmarks.{module}") is None:
             found.notes.append(f"Skipped: `benchmarks/{module}.py` is not in this checkout yet.")
             return found
-        found.tables.append(("", call(importlib.import_module(f"benchmarks.{module}"), quick)))
+        imported = importlib.import_module(f"benchmarks.{module}")
+        found.tables.append(("", call(imported, quick)))
+        if getattr(imported, "NOTES", None):  # what its columns mean, in the module's own words
+            found.notes.append(imported.NOTES)
         return found
 
     return section

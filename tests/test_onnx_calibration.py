@@ -19,9 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 import amppass
 from amppass import CalibrationError, InputError
 from amppass.onnx.convert import save
-from amppass.onnx.simulate import simulate
-from amppass.onnx.view import value_types
-from amppass.onnx.weights import WeightStore
+from amppass.onnx.simulate import simulated
 from test_onnx_convert import meta, model_of, session, vinfo
 
 F32 = TensorProto.FLOAT
@@ -42,10 +40,7 @@ def _output_error(original: onnx.ModelProto, converted: onnx.ModelProto, feeds: 
 
 def _stored_low_error(original: onnx.ModelProto, converted: onnx.ModelProto, feeds: list[dict]) -> float:
     """Relative error of ``converted`` with its low-precision values stored in fp16 (as on a GPU)."""
-    types = value_types(onnx.shape_inference.infer_shapes(original))
-    sim = onnx.ModelProto()
-    sim.CopyFrom(converted)
-    return _output_error(original, simulate(sim, WeightStore(), types, TensorProto.FLOAT16), feeds)
+    return _output_error(original, simulated(converted), feeds)
 
 
 # -- range rules: an intermediate beyond 65504 before a LayerNormalization --------------------------------
@@ -243,9 +238,9 @@ def test_simulation_stores_every_low_value_in_fp16_like_numpy_does():
         return a.astype(np.float16).astype(np.float32)
 
     expected = half(np.maximum(half(half(x["x"]) @ half(w1)), 0) @ half(w2))
-    types = value_types(onnx.shape_inference.infer_shapes(model))
-    sim = simulate(onnx.ModelProto.FromString(converted.SerializeToString()), WeightStore(), types,
-                   TensorProto.FLOAT16)
+    before = converted.SerializeToString()
+    sim = simulated(converted)
+    assert converted.SerializeToString() == before, "the converted model is only read"
     onnx.checker.check_model(sim, full_check=True)
     (got,) = session(sim).run(None, x)
     # fp32 sums in another order may round a few values to the neighbouring fp16 number, no further

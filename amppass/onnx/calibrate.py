@@ -18,8 +18,9 @@ CPU provider even where it has no fp16 kernel for an op, as a GPU kernel with fp
 A node whose inputs were not recorded (an untyped value) is not replayed and ranks last.
 
 Tolerance: ``measure`` rewrites a copy of the fp32 model by the trial plan (the conversion's own rewrite),
-turns it into its fp32 simulation (:mod:`amppass.onnx.simulate`: onnxruntime's CPU provider would
-otherwise compute most low-precision values in fp32 and hide their error) and runs that on the kept feeds;
+turns it into its fp32 simulation (:mod:`amppass.onnx.simulate`, which reads the low values from the trial
+model's own types, as it does for any converter's output: onnxruntime's CPU provider would otherwise
+compute most low-precision values in fp32 and hide their error) and runs that on the kept feeds;
 the error is the largest relative error of any floating output against the fp32 outputs of the data pass.
 """
 
@@ -106,7 +107,7 @@ def calibrated_plan(
         trial = onnx.ModelProto()
         trial.CopyFrom(fp32.model)
         apply(trial, plan)
-        return output_error(simulate(trial, fp32.store, dict(fp32.types), low), fp32.store, data)
+        return output_error(simulate(trial, fp32.store), fp32.store, data)
 
     plan, info = plan_from_stats(fp32.view, data.stats, low_name, low_max, given, batches=data.batches,
                                  seconds=data.seconds, low_weight_tables=low_weight_tables, tolerance=tolerance,

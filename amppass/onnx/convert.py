@@ -25,7 +25,7 @@ from . import policy, runtime
 from .calibrate import Fp32Model, calibrated_plan
 from .rewrite import META_KEY, SHORT, RewriteStats, rewrite
 from .macs import node_macs, value_shapes
-from .view import build_view, name_nodes, opsets, subgraphs
+from .view import build_view, clear_value_info, name_nodes, opsets
 from .weights import WeightStore, tensors
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ def convert_onnx(
     def apply(target: onnx.ModelProto, chosen: PrecisionPlan) -> RewriteStats:
         """Rewrite ``target`` (``typed``, or a copy for a tolerance trial) by ``chosen``, loadable as it is."""
         done = rewrite(target, chosen, refs, types, set(view.weights), store, low, keep_io_types)
-        _clear_value_info(target.graph)
+        clear_value_info(target.graph)
         target.ir_version = min(max(target.ir_version, IR_WITH_NODE_METADATA), runtime.max_ir_version())
         return done
 
@@ -242,14 +242,6 @@ def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
     except onnx.shape_inference.InferenceError as err:
         raise InputError(f"onnx shape inference rejects the model ({err}); check it with "
                          "onnx.checker.check_model(model, full_check=True) and fix the reported node") from err
-
-
-def _clear_value_info(graph: onnx.GraphProto) -> None:
-    """Drop inferred types, stale after the rewrite, in the graph and every body."""
-    del graph.value_info[:]
-    for node in graph.node:
-        for sub in subgraphs(node):
-            _clear_value_info(sub)
 
 
 def _all_inline(model: onnx.ModelProto) -> bool:

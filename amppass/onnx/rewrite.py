@@ -68,7 +68,7 @@ class _Rewriter:
         self.dtype: dict[str, int] = {}
         self.cache: dict[tuple[str, int], str] = {}
         self.home: dict[str, _Scope] = {}
-        self.names = _all_names(model)
+        self.names = all_names(model)
         self.demand = self._weight_demand()
 
     # -- planning helpers -------------------------------------------------------------------------
@@ -261,7 +261,7 @@ def _set_meta(node: onnx.NodeProto, meta: dict[str, Any]) -> None:
     node.metadata_props.add(key=META_KEY, value=json.dumps(meta, default=str))
 
 
-def _all_names(model: onnx.ModelProto) -> set[str]:
+def all_names(model: onnx.ModelProto) -> set[str]:
     """Every node and value name in the model, subgraphs included, so added names never collide."""
     names: set[str] = set()
 

@@ -50,6 +50,14 @@ def all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
         yield node
 
 
+def clear_value_info(graph: onnx.GraphProto) -> None:
+    """Drop the inferred types of ``graph`` and every body (stale once a rewrite changed dtypes)."""
+    del graph.value_info[:]
+    for node in graph.node:
+        for sub in subgraphs(node):
+            clear_value_info(sub)
+
+
 def name_nodes(model: onnx.ModelProto) -> None:
     """Give every node a name unique across the model (unnamed or repeated names are legal in ONNX).
 
