@@ -320,3 +320,17 @@ def test_path_round_trip_with_external_data(tmp_path):
     got = session(str(target)).run(None, feeds)[0]
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
     assert amppass.report(str(target)).info["front_end"] == "onnx"
+
+
+def test_policy_facts_reach_the_report():
+    """What the policy learned from onnxruntime's kernel registry is evidence on the node's row."""
+    f = TensorProto.FLOAT
+    w = numpy_helper.from_array(np.ones((8, 8), np.float32), "w")
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+        [helper.make_tensor_value_info("x", f, [2, 8])], [helper.make_tensor_value_info("y", f, [2, 8])], [w]),
+        opset_imports=[helper.make_opsetid("", 17)])
+    bf16 = {row.name: row for row in amppass.report(amppass.convert_onnx(model, "bf16")).rows}["mm"]
+    assert bf16.precision == "fp32" and bf16.evidence["no_low_kernel"] and "no bf16 kernel" in bf16.reason
+    fp16 = {row.name: row for row in amppass.report(amppass.convert_onnx(model, "fp16")).rows}["mm"]
+    assert fp16.precision == "fp16" and "casts around it" in fp16.evidence["onnxruntime_cpu"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import tempfile
 import zipfile
@@ -23,8 +24,8 @@ from ..dtypes import FP16_MAX
 from ..errors import InputError
 from . import policy, runtime
 from .calibrate import Fp32Model, calibrated_plan
+from .macs import is_heavy, node_macs, value_shapes
 from .rewrite import META_KEY, SHORT, RewriteStats, rewrite
-from .macs import node_macs, value_shapes
 from .view import build_view, clear_value_info, name_nodes, opsets
 from .weights import WeightStore, tensors
 
@@ -111,10 +112,12 @@ def convert_onnx(
         plan, calibration_info = calibrated_plan(
             Fp32Model(typed, view, refs, types, store), calibration, low, low_name, low_max, given, apply=apply,
             tolerance=tolerance, progress=progress, low_weight_tables=low_weight_tables)
-    shapes = value_shapes(typed)
+    heavy = [ref.node for ref in refs.values() if is_heavy(ref.node)]
+    shapes = value_shapes(typed, {v for node in heavy for v in list(node.input[:2]) + list(node.output[:1])})
     for node in view.nodes:
         if node.name not in plan:
             continue
+        plan[node.name].evidence.update(refs[node.name].evidence)
         if node.unknown:
             plan[node.name].evidence["unknown"] = True
         macs = node_macs(refs[node.name].node, shapes)  # before the rewrite puts casts between the shapes
@@ -188,7 +191,7 @@ def weight_bytes(model: onnx.ModelProto) -> int:
     total = 0
     for tensor in tensors(model.graph):
         if tensor.data_type in sizes:
-            total += int(np.prod(tensor.dims, dtype=np.int64)) * sizes[tensor.data_type]
+            total += math.prod(tensor.dims) * sizes[tensor.data_type]
     return total
 
 

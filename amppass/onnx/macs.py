@@ -16,17 +16,25 @@ from .view import subgraphs
 Shapes = dict[str, list[int]]
 
 
-def value_shapes(model: onnx.ModelProto) -> Shapes:
-    """Value name -> concrete shape, for every value of ``model`` (bodies included) whose shape is known."""
+def is_heavy(node: onnx.NodeProto) -> bool:
+    """Whether :func:`node_macs` counts ``node``'s op."""
+    return node.domain in ("", "ai.onnx") and node.op_type in _COUNTERS
+
+
+def value_shapes(model: onnx.ModelProto, wanted: set[str]) -> Shapes:
+    """Value name -> concrete shape, for the ``wanted`` values of ``model`` (bodies included) whose shape
+    is known."""
     shapes: Shapes = {}
 
     def visit(graph: onnx.GraphProto) -> None:
         for info in list(graph.input) + list(graph.output) + list(graph.value_info):
             tensor = info.type.tensor_type
-            if tensor.HasField("shape") and all(d.HasField("dim_value") for d in tensor.shape.dim):
+            if info.name in wanted and tensor.HasField("shape") and all(
+                    d.HasField("dim_value") for d in tensor.shape.dim):
                 shapes[info.name] = [d.dim_value for d in tensor.shape.dim]
         for init in graph.initializer:
-            shapes[init.name] = list(init.dims)
+            if init.name in wanted:
+                shapes[init.name] = list(init.dims)
         for node in graph.node:
             for sub in subgraphs(node):
                 visit(sub)
@@ -37,7 +45,7 @@ def value_shapes(model: onnx.ModelProto) -> Shapes:
 
 def node_macs(node: onnx.NodeProto, shapes: Shapes) -> int | None:
     """Multiply-accumulates ``node`` performs, or None if it is not a heavy op or a shape is unknown."""
-    if node.domain not in ("", "ai.onnx") or node.op_type not in _COUNTERS:
+    if not is_heavy(node):
         return None
     known = [shapes.get(v) for v in list(node.input[:2]) + list(node.output[:1])]
     if any(s is None for s in known) or len(node.input) < 2:

@@ -11,7 +11,10 @@ the plan would convert, and the installed onnxruntime must run it (:mod:`amppass
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping
 
 import onnx
 from onnx import TensorProto
@@ -149,7 +152,7 @@ class Classification:
     reason: str
     unknown: bool
     kept_slots: frozenset[int]  # input positions fed unchanged
-    evidence: dict
+    evidence: Mapping[str, Any]  # facts for the report: no low kernel, custom op, run through fp32 on CPU
     low_blocked: str = ""  # why the op cannot run in the low dtype (schema or runtime), whatever its category
 
 
@@ -162,14 +165,18 @@ def input_names(domain: str, op_type: str, opset: int, count: int) -> list[str]:
     return (names + [names[-1]] * count)[:count]
 
 
+@functools.lru_cache(maxsize=None)
 def classify(domain: str, op_type: str, opset: int, input_count: int, low: int) -> Classification:
-    """Category, reason and slot exceptions of one node; ``low`` is TensorProto.FLOAT16 or BFLOAT16."""
+    """Category, reason and slot exceptions of one node; ``low`` is TensorProto.FLOAT16 or BFLOAT16.
+
+    Cached: a graph repeats a few dozen op forms thousands of times. ``evidence`` is read-only.
+    """
     row = lookup(domain, op_type, opset)
     names = input_names(domain, op_type, opset, input_count)
     kept = frozenset(i for i, n in enumerate(names) if row is not None and row.slots.get(n) == "keep")
     if row is None and _custom(domain, op_type, opset):
         return Classification(Category.FP32, CUSTOM_REASON.format(op=op_type, domain=domain or "ai.onnx"), True,
-                              kept, {"custom_op": True})
+                              kept, MappingProxyType({"custom_op": True}))
     if row is None:
         category, reason, unknown = Category.FOLLOW, UNKNOWN_REASON, True
     else:
@@ -179,11 +186,12 @@ def classify(domain: str, op_type: str, opset: int, input_count: int, low: int) 
     blocked = _low_blocked(domain, op_type, opset, low, kept, input_count) if category is not Category.KEEP else ""
     if category in (Category.LOW, Category.FOLLOW):
         if blocked:
-            return Classification(Category.FP32, blocked, unknown, kept, {"no_low_kernel": True}, blocked)
+            return Classification(Category.FP32, blocked, unknown, kept, MappingProxyType({"no_low_kernel": True}),
+                                  blocked)
         status = runtime.kernel_status(domain, op_type, opset, low)
         if status == "via-fp32":
             evidence["onnxruntime_cpu"] = "no native low-precision kernel; onnxruntime casts around it on CPU"
-    return Classification(category, reason, unknown, kept, evidence, blocked)
+    return Classification(category, reason, unknown, kept, MappingProxyType(evidence), blocked)
 
 
 def _low_blocked(domain: str, op_type: str, opset: int, low: int, kept: frozenset[int], count: int) -> str:

@@ -25,7 +25,6 @@ from typing import BinaryIO, Iterator
 import numpy as np
 import onnx
 import torch
-from google.protobuf.message import Message
 from onnx import TensorProto, external_data_helper, numpy_helper
 
 from ..dtypes import FP16_MAX
@@ -134,14 +133,13 @@ class WeightStore:
         entry = _entry(tensor)
         if entry is not None and entry in self._absmax:
             return self._absmax[entry]
-        values = _torch(self.array(tensor))
+        values = self.array(tensor)
         result = 0.0
-        if values.numel():
-            lowest, highest = torch.aminmax(values)  # one pass; NaN or inf in it sends us the slow way
-            result = max(-float(lowest), float(highest))
+        if values.size:
+            result = max(-float(values.min()), float(values.max()))  # no temporaries; NaN or inf: slow way
             if not math.isfinite(result):
-                finite = values[torch.isfinite(values)]
-                result = float(finite.abs().max()) if finite.numel() else 0.0
+                finite = values[np.isfinite(values)]
+                result = float(np.abs(finite).max()) if finite.size else 0.0
         if entry is not None:
             self._absmax[entry] = result
         return result
@@ -246,7 +244,7 @@ def _copy_field(target: object, field: object, value: object) -> None:
     """Copy one set field of a protobuf message onto ``target`` (repeated, message or scalar)."""
     if hasattr(value, "extend"):  # repeated field: protobuf's own container types
         getattr(target, field.name).extend(value)
-    elif isinstance(value, Message):
+    elif field.type == field.TYPE_MESSAGE:
         getattr(target, field.name).CopyFrom(value)
     else:
         setattr(target, field.name, value)
@@ -258,7 +256,7 @@ def _nbytes(tensor: onnx.TensorProto) -> int:
         itemsize = np.dtype(_numpy_type(tensor)).itemsize
     except InputError:
         itemsize = 1
-    return int(np.prod(tensor.dims, dtype=np.int64)) * itemsize
+    return math.prod(tensor.dims) * itemsize
 
 
 def _point(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
