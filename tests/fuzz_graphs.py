@@ -12,7 +12,11 @@ Magnitudes are kept realistic so that fp16 and bf16 are expected to be accurate 
 the converter's: inputs are N(0, 1), matrices N(0, 1/fan_in), and the generator computes every value in
 fp32 on the feeds the tests use, rejecting an op that makes a value non-finite, larger than ``ABS_MAX`` or
 with an RMS outside ``[SCALE_MIN, SCALE_MAX]`` (repeated products drift far from any static estimate: a
-value squared three times underflows fp16, which is fp16's range, not a converter bug). Domains are
+value squared three times underflows fp16, which is fp16's range, not a converter bug). It also computes
+every value a second time with every value and weight jittered by bf16's rounding and rejects an op whose
+output that moves by more than ``NOISE_BUDGET``: ill-conditioned graphs (a dot product of two terms that
+cancel, a log of values near 1, seven matmuls deep into a single scalar) fail in bf16 whatever the
+converter does, so they test the graph rather than the converter. Domains are
 respected (Log and Sqrt read ``|x| + eps``, Exp reads a value clipped to [-3, 3], Div divides by
 ``|x| + 1``), and every selection is a continuous function of its inputs (``Where(a > b, a, b)``): a
 comparison of two nearly equal values may flip in low precision, which must not switch to an unrelated
@@ -36,6 +40,9 @@ from torch import nn
 SCALE_MIN, SCALE_MAX, ABS_MAX = 0.05, 30.0, 300.0
 DIMS = (2, 4, 8, 16)
 FEED_SEEDS = (0, 1)  # the feeds the tests compare on; the generator measures every value on them
+# Conditioning: every value and weight jittered by up to JITTER (bf16's rounding) must move each output
+# by at most NOISE_BUDGET (norm-relative), a third of the bf16 tolerance of the tests.
+JITTER, NOISE_BUDGET = 2.0**-8, 2e-2
 
 
 def input_array(shape: tuple[int, ...], seed: int, index: int) -> np.ndarray:
@@ -104,12 +111,14 @@ class _Builder:
         self.shapes: list[tuple[int, ...]] = []
         self.positive: list[bool] = []  # non-negative for every input, by construction
         self.values: list[list[torch.Tensor]] = []  # per value, one tensor per feed in FEED_SEEDS
+        self.noisy: list[list[torch.Tensor]] = []  # the same, computed with every value and weight jittered
         self.weights: dict[str, Weight] = {}
         self.steps: list[Step] = []
         self.n_inputs = 0
 
     def add_input(self, shape: tuple[int, ...]) -> None:
         self.values.append([torch.from_numpy(input_array(shape, seed, self.n_inputs)) for seed in FEED_SEEDS])
+        self.noisy.append([_jitter(v, (self.n_inputs, k)) for k, v in enumerate(self.values[-1])])
         self.shapes.append(shape)
         self.positive.append(False)
         self.n_inputs += 1
@@ -142,19 +151,34 @@ class _Builder:
         """Append a step, computing its outputs on the feeds; raise :class:`_Reject` when any output has
         a non-finite value, an RMS outside ``[SCALE_MIN, SCALE_MAX]`` or a magnitude beyond ``ABS_MAX``."""
         step = Step(op, list(args), attrs)
-        per_feed = [_torch_step(step, [torch.from_numpy(self.weights[a].array) if isinstance(a, str)
-                                       else self.values[a][k] for a in args]) for k in range(len(FEED_SEEDS))]
-        outputs = list(zip(*per_feed))
-        for tensors in outputs:
-            for t in tensors:
+        salt = len(self.steps) + 100 * len(self.weights)
+
+        def run(source: list[list[torch.Tensor]], k: int, jitter: bool) -> list[torch.Tensor]:
+            tensors = []
+            for i, a in enumerate(args):
+                if isinstance(a, str):
+                    weight = torch.from_numpy(self.weights[a].array)
+                    tensors.append(_jitter(weight, (salt, i, k)) if jitter else weight)
+                else:
+                    tensors.append(source[a][k])
+            outs = _torch_step(step, tensors)
+            return [_jitter(t, (salt, -j - 1, k)) for j, t in enumerate(outs)] if jitter else outs
+
+        exact = list(zip(*(run(self.values, k, False) for k in range(len(FEED_SEEDS)))))
+        noisy = list(zip(*(run(self.noisy, k, True) for k in range(len(FEED_SEEDS)))))
+        for tensors, jittered in zip(exact, noisy):
+            for t, n in zip(tensors, jittered):
                 rms = float(t.square().mean().sqrt())
                 if not (torch.isfinite(t).all() and SCALE_MIN <= rms <= SCALE_MAX and t.abs().max() <= ABS_MAX):
                     raise _Reject(op)
-        step.n_out = len(outputs)
+                if float((n - t).norm() / t.norm()) > NOISE_BUDGET:
+                    raise _Reject(op)
+        step.n_out = len(exact)
         self.steps.append(step)
         first = len(self.shapes)
-        for tensors in outputs:
+        for tensors, jittered in zip(exact, noisy):
             self.values.append(list(tensors))
+            self.noisy.append(list(jittered))
             self.shapes.append(tuple(tensors[0].shape))
             self.positive.append(positive)
         return list(range(first, len(self.shapes)))
@@ -165,8 +189,15 @@ class _Builder:
     def rollback(self, mark: tuple[int, int, list[str]]) -> None:
         steps, values, weights = mark
         del self.steps[steps:], self.shapes[values:], self.positive[values:], self.values[values:]
+        del self.noisy[values:]
         for name in [n for n in self.weights if n not in weights]:
             del self.weights[name]
+
+
+def _jitter(tensor: torch.Tensor, key: tuple[int, ...]) -> torch.Tensor:
+    """``tensor`` with each element moved by a random relative amount up to bf16's rounding, 2**-8."""
+    generator = torch.Generator().manual_seed(hash(key) & 0xFFFFFFFF)
+    return tensor * (1 + JITTER * (2 * torch.rand(tensor.shape, generator=generator) - 1))
 
 
 def _dense(shape: tuple[int, ...], fan_in: int) -> Callable[[np.random.Generator], np.ndarray]:

@@ -15,6 +15,7 @@ import collections
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 from fuzz_graphs import Program, programs, relative_error, to_onnx
 from hypothesis import HealthCheck, given, settings
@@ -48,7 +49,7 @@ def check_onnx(program: Program, dtype: str, **options) -> onnx.ModelProto:
         decision = meta(node)
         if node.op_type in forced and not decision.get("cast"):
             assert decision["precision"] == "low" or decision["evidence"].get("no_low_kernel"), decision
-    ref, low = session(model), session(converted)
+    ref, low = session(model), converted_session(converted)
     for seed in (0, 1):
         feeds = {f"v{i}": x for i, x in enumerate(program.feeds(seed))}
         for i, want, got in zip(program.outputs, ref.run(None, feeds), low.run(None, feeds)):
@@ -58,6 +59,17 @@ def check_onnx(program: Program, dtype: str, **options) -> onnx.ModelProto:
             err = relative_error(got, want)
             assert err <= RTOL[dtype], f"output v{i}: relative error {err:.3g} > {RTOL[dtype]} ({dtype})"
     return converted
+
+
+def converted_session(model: onnx.ModelProto) -> ort.InferenceSession:
+    """A session for a converted model, without onnxruntime 1.31's MatmulTransposeFusion: it segfaults on
+    Transpose(perm=[1, 0, 2]) -> Cast(to=float) -> MatMul, which a low Transpose read by an fp32 MatMul
+    gives (test_fuzz_regressions.py::test_onnxruntime_loads_low_batch_transpose_read_by_fp32_matmul, xfail
+    until the converter avoids the pattern); a crash would end the whole fuzz run."""
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"],
+                                disabled_optimizers=["MatmulTransposeFusion"])
 
 
 def draw_options(program: Program, dtype: str, data: st.DataObject) -> dict:

@@ -3,12 +3,18 @@ and kept as a named regression test through the same property checks."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
+import onnx
 import pytest
-from fuzz_graphs import Program, Step, Weight
+from fuzz_graphs import Program, Step, Weight, to_onnx
 from test_fuzz_fx import check_fx
 from test_fuzz_onnx import check_onnx
 from test_onnx_convert import meta
+
+import amppass
 
 
 def _matmul_program() -> Program:
@@ -67,3 +73,20 @@ def test_fx_getitem_in_another_precision_than_its_split(dtype, options):
     for node in fast.graph.nodes:
         if node.meta.get("amppass", {}).get("cast"):
             assert not isinstance(node.args[0].meta.get("val"), (list, tuple)), f"{node.name} casts a list"
+
+
+@pytest.mark.xfail(strict=True, reason="onnxruntime 1.31 MatmulTransposeFusion segfaults on "
+                   "Transpose(perm=[1, 0, 2]) -> Cast(to=float) -> MatMul; the converter does not avoid it yet")
+def test_onnxruntime_loads_low_batch_transpose_read_by_fp32_matmul(tmp_path):
+    """Found by the slow fuzz profile: a low Transpose swapping the two leading axes, read by an fp32
+    MatMul through a Cast, crashes onnxruntime's default optimizer (the process dies; run in a child)."""
+    w1 = Weight(np.full((2, 8), 0.3, np.float32), constant=False)
+    program = Program(inputs=[(1, 3, 2)], weights={"w1": w1},
+                      steps=[Step("add", [0, 0]), Step("transpose", [1], {"perm": [1, 0, 2]}), Step("matmul", [2, "w1"])],
+                      shapes=[(1, 3, 2), (1, 3, 2), (3, 1, 2), (3, 1, 8)], outputs=[3])
+    converted = amppass.convert_onnx(to_onnx(program), "fp16", force_low=["Add", "Transpose"], keep_fp32=["MatMul"])
+    path = tmp_path / "converted.onnx"
+    onnx.save(converted, path)
+    load = "import onnxruntime as ort, sys; ort.InferenceSession(sys.argv[1], providers=['CPUExecutionProvider'])"
+    result = subprocess.run([sys.executable, "-c", load, str(path)], capture_output=True, timeout=120)
+    assert result.returncode == 0, f"onnxruntime died loading the converted model (exit {result.returncode})"
