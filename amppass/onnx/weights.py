@@ -34,6 +34,7 @@ from .view import subgraphs
 LOCATION = "amppass:weight-store"  # the external-data location that names an in-memory store entry
 LIFT_BYTES = 1024  # smaller tensors stay in the proto: shape inference reads shapes and axes from them
 _NUMPY = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16, TensorProto.DOUBLE: np.float64}
+_SERIAL_CHUNK = 1 << 15  # torch's parallel grain size (at::internal::GRAIN_SIZE): smaller copies run serially
 _TORCH_LOW = {TensorProto.FLOAT16: torch.float16, TensorProto.BFLOAT16: torch.bfloat16}
 
 
@@ -162,8 +163,7 @@ class WeightStore:
                 beyond = torch.isfinite(values) & (values.abs() > FP16_MAX)
                 clamped = int(beyond.sum())
                 values = torch.where(beyond, values.clamp(-FP16_MAX, FP16_MAX), values)
-            rounded = values.to(_TORCH_LOW[low]).view(torch.int16).numpy()
-            done = self._add(rounded.tobytes())
+            done = self._add(_rounded(values, _TORCH_LOW[low]).view(torch.int16).numpy().tobytes())
             if entry is not None:
                 self._lowered[(entry, low)] = (done, clamped)
         name, dims = target.name or tensor.name, list(tensor.dims)
@@ -266,6 +266,20 @@ def _point(tensor: onnx.TensorProto, location: str, offset: int, length: int) ->
     tensor.data_location = TensorProto.EXTERNAL
     for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
         tensor.external_data.add(key=key, value=value)
+
+
+def _rounded(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``values`` rounded to ``dtype`` (nearest, ties to even), flattened, on the calling thread only.
+
+    The conversion is memory-bound, so one thread is as fast as several; and on a busy machine a parallel
+    copy waits for descheduled workers at every call (a BERT-base conversion went from 0.1 s to 0.5 s).
+    Chunks below torch's grain size run serially.
+    """
+    flat = values.reshape(-1)
+    out = torch.empty(flat.numel(), dtype=dtype)
+    for start in range(0, flat.numel(), _SERIAL_CHUNK):
+        out[start:start + _SERIAL_CHUNK].copy_(flat[start:start + _SERIAL_CHUNK])
+    return out
 
 
 def _torch(array: np.ndarray) -> torch.Tensor:
