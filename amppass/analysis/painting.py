@@ -16,6 +16,10 @@ Rules, in the order they apply (after TF grappler's auto mixed precision pass):
 7. An op fed by weights alone (an embedding gather, a transposed weight) follows its consumers: low when
    every consumer runs low, so the weight is converted once ahead of time instead of on every call, fp32
    otherwise. ``low_weight_tables`` stores such tables in low precision regardless, for half the bytes.
+8. A FOLLOW op painted low with a single low input, whose readers all run fp32, runs fp32 instead: its
+   cast moves before it at no extra cost, exact for data movement and more precise for arithmetic. This
+   goes in reverse graph order, so a chain of such ops (transpose, reshape) resolves from its far end;
+   it also keeps onnxruntime 1.31 from crashing on Transpose -> Cast(float) -> MatMul.
 """
 
 from __future__ import annotations
@@ -67,8 +71,30 @@ def paint(
             origin = decision.evidence.get("origin")
             if origin:
                 denied.update({value: origin for value in node.outputs})
+    _cast_early(view, plan, low_name, given)
     _resolve_weight_only(view, plan, low_name, low_weight_tables)
     return plan
+
+
+def _cast_early(view: GraphView, plan: PrecisionPlan, low_name: str, given: Mapping[str, Decision]) -> None:
+    """Rule 8, in reverse graph order."""
+    consumers = view.consumers()
+    outputs = set(view.outputs)
+    for node in reversed(view.nodes):
+        decision = plan[node.name]
+        if (node.category is not Category.FOLLOW or decision.precision is not Precision.LOW
+                or node.name in given or len(set(node.inputs)) != 1):
+            continue
+        readers = [c for v in node.outputs for c in consumers.get(v, [])]
+        if not readers or outputs.intersection(node.outputs) or any(
+                plan[c.name].precision is not Precision.FP32 for c in readers):
+            continue
+        plan[node.name] = Decision(
+            Precision.FP32,
+            f"reads one {low_name} value and every reader runs fp32: runs fp32 so the cast comes before it "
+            f"at no extra cost ({node.reason})",
+            Source.PAINTING,
+        )
 
 
 def _resolve_weight_only(view: GraphView, plan: PrecisionPlan, low_name: str, always_low: bool) -> None:
