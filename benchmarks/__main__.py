@@ -101,11 +101,23 @@ def _external(module: str, title: str, call: Callable) -> Callable[[bool, Path],
     return section
 
 
+def _onnx_calibration(quick: bool, out: Path) -> Section:
+    from . import onnx_calibration
+
+    timing, search = onnx_calibration.run(quick)
+    section = Section("ONNX calibration and tolerance search", "", notes=list(onnx_calibration.NOTES))
+    section.tables.append(("Conversion time without and with one calibration batch (median of 3)", timing))
+    section.tables.append(("Tolerance search on the sensor conv net (models/sensor.py): 3 calibration feeds, "
+                           "2 held out", search))
+    return section
+
+
 SECTIONS: dict[str, Callable[[bool, Path], Section]] = {
     "latency": _latency,
     "scaling": _scaling,
     "onnx": _external("onnx_compare", "ONNX converters: onnxconverter-common against amppass",
                       lambda m, quick: m.run(quick)),
+    "onnx_calib": _onnx_calibration,
     "train": _external("train_step", "Training step: amppass against autocast + GradScaler",
                        lambda m, quick: m.run(quick)),
     "hostile": _external("hostile", "Hostile models", lambda m, quick: m.run()),

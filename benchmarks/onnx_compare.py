@@ -47,13 +47,15 @@ NOTES = ("rel_error: the fp16 model as onnxruntime's CPU provider runs it (it co
          "compute in fp32), the same rule for every converter. accurate: both errors finite and <= 1e-2.")
 
 
-def _session(model: onnx.ModelProto) -> ort.InferenceSession:
+def session(model: onnx.ModelProto) -> ort.InferenceSession:
+    """A quiet onnxruntime CPU session of ``model``."""
     options = ort.SessionOptions()
     options.log_severity_level = 4
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-def _error(want: list, got: list) -> float:
+def max_error(want: list, got: list) -> float:
+    """Largest ``||got - want|| / ||want||`` over the floating outputs."""
     errors = []
     for w, g in zip(want, got):
         if np.issubdtype(w.dtype, np.floating):
@@ -80,7 +82,7 @@ def _one(model_name: str, size: str, fp32: onnx.ModelProto, feeds: dict, convert
            "accurate": False, "error": ""}
     reference = copy.deepcopy(fp32)
     reference.ir_version = min(reference.ir_version, runtime.max_ir_version())
-    want = _session(reference).run(None, feeds)
+    want = session(reference).run(None, feeds)
     try:
         times = []
         for _ in range(REPEATS):  # interleaving is not needed: each converter's calls are independent
@@ -88,12 +90,12 @@ def _one(model_name: str, size: str, fp32: onnx.ModelProto, feeds: dict, convert
             converted = convert(fp32)
             times.append(time.perf_counter() - start)
         row["convert_s"], row["convert_min_s"] = round(statistics.median(times), 3), round(min(times), 3)
-        session = _session(converted)
+        loaded = session(converted)
         row["loads"] = True
-        got = session.run(None, feeds)
+        got = loaded.run(None, feeds)
         row["runs"] = True
-        row["rel_error"] = _error(want, got)
-        row["sim_error"] = _error(want, _session(simulated(converted)).run(None, feeds))
+        row["rel_error"] = max_error(want, got)
+        row["sim_error"] = max_error(want, session(simulated(converted)).run(None, feeds))
         row["accurate"] = all(bool(np.isfinite(e) and e <= ACCURATE) for e in (row["rel_error"], row["sim_error"]))
     except Exception as err:  # a converter's failure is a result here, not a crash
         row["error"] = f"{type(err).__name__}: {str(err)[:200]}"

@@ -20,6 +20,7 @@ import amppass
 from amppass import CalibrationError, InputError
 from amppass.onnx.convert import save
 from amppass.onnx.simulate import simulated
+from models.sensor import EARLY, sensor_feed, sensor_net
 from test_onnx_convert import meta, model_of, session, vinfo
 
 F32 = TensorProto.FLOAT
@@ -115,44 +116,14 @@ def test_tolerance_needs_calibration_and_a_positive_number():
 
 
 # -- the judged case: a conv net whose fp16 error comes from its first (high-pass) layers -----------------
-def _sensor_net(depth: int = 10, channels: int = 8) -> onnx.ModelProto:
-    """Two zero-sum (gradient-like) 3x3 convs read a raw sensor image (unpadded: a zero border would make
-    edges of 3e4), then ``depth`` ordinary convs."""
-    rng = np.random.default_rng(7)
-    inits, nodes = [], []
-    for branch in ("grad_x", "grad_y"):
-        kernel = rng.standard_normal((channels // 2, 1, 3, 3))
-        kernel -= kernel.mean(axis=(2, 3), keepdims=True)  # blind to the offset: only differences pass
-        inits += [numpy_helper.from_array(kernel.astype(np.float32), f"{branch}.w"),
-                  numpy_helper.from_array(np.zeros(channels // 2, np.float32), f"{branch}.b")]
-        nodes.append(helper.make_node("Conv", ["x", f"{branch}.w", f"{branch}.b"], [branch], name=branch))
-    nodes.append(helper.make_node("Concat", ["grad_x", "grad_y"], ["h0"], name="stack", axis=1))
-    for i in range(depth):
-        kernel = rng.standard_normal((channels, channels, 3, 3)) * np.sqrt(2 / (channels * 9))
-        inits += [numpy_helper.from_array(kernel.astype(np.float32), f"conv{i}.w"),
-                  numpy_helper.from_array((rng.standard_normal(channels) * 0.1).astype(np.float32), f"conv{i}.b")]
-        out = f"c{i}" if i < depth - 1 else "y"
-        nodes.append(helper.make_node("Conv", [f"h{i}", f"conv{i}.w", f"conv{i}.b"], [out], name=f"conv{i}",
-                                      pads=[1, 1, 1, 1]))
-        if i < depth - 1:
-            nodes.append(helper.make_node("Relu", [out], [f"h{i + 1}"], name=f"relu{i}"))
-    return model_of(nodes, [vinfo("x", shape=(2, 1, 24, 24))], [vinfo("y", shape=(2, channels, 22, 22))], inits)
-
-
-def _sensor_feed(seed: int) -> dict:
-    """Raw-sensor-like values: an offset of 3e4 (fp16 steps by 16 there) plus a unit signal."""
-    noise = np.random.default_rng(seed).standard_normal((2, 1, 24, 24))
-    return {"x": (3e4 + noise).astype(np.float32)}
-
-
 def _convs(model: onnx.ModelProto) -> dict[str, str]:
     return {n.name: meta(n)["precision"] for n in model.graph.node if n.op_type == "Conv" and meta(n)}
 
 
 def test_tolerance_search_moves_only_the_early_high_pass_convs():
-    model = _sensor_net()
-    calibration = [_sensor_feed(seed) for seed in range(3)]
-    held_out = [_sensor_feed(seed) for seed in (100, 101)]
+    model = sensor_net()
+    calibration = [sensor_feed(seed) for seed in range(3)]
+    held_out = [sensor_feed(seed) for seed in (100, 101)]
 
     plain = amppass.convert_onnx(model, "fp16", calibration=calibration)
     assert _stored_low_error(model, plain, held_out) > 1e-2, "fp16 alone must miss the tolerance here"
@@ -164,7 +135,7 @@ def test_tolerance_search_moves_only_the_early_high_pass_convs():
     assert info["tolerance_met"] is True and info["achieved_error"] <= 1e-2 < info["initial_error"]
     convs = _convs(converted)
     moved = {name for name, p in convs.items() if p == "fp32"}
-    assert moved and moved <= {"grad_x", "grad_y"}, moved
+    assert moved and moved <= set(EARLY), moved
     assert sum(p == "low" for p in convs.values()) >= 0.8 * len(convs)
     assert info["moved_by_tolerance"] <= 3 and info["tolerance_runs"] <= 2 * np.log2(len(convs) * 2) + 2
     assert _stored_low_error(model, converted, held_out) <= 1e-2
@@ -175,8 +146,8 @@ def test_tolerance_search_moves_only_the_early_high_pass_convs():
 
 
 def test_calibration_and_tolerance_survive_a_file_round_trip(tmp_path):
-    model = _sensor_net(depth=3)
-    converted = amppass.convert_onnx(model, "fp16", calibration=[_sensor_feed(0)], tolerance=5e-2)
+    model = sensor_net(depth=3)
+    converted = amppass.convert_onnx(model, "fp16", calibration=[sensor_feed(0)], tolerance=5e-2)
     path = tmp_path / "out.onnx"
     save(converted, path)
     report = amppass.report(str(path))

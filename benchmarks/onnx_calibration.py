@@ -1,0 +1,99 @@
+"""ONNX calibration and the tolerance search, measured.
+
+1. Time: ``convert_onnx`` on a BERT export (batch 1, sequence 128; BERT-base in full mode, the issue's
+   "under 5 s with one calibration batch" case) without calibration and with one calibration batch,
+   median of three conversions each.
+2. Search: the sensor conv net of :mod:`models.sensor`, whose fp16 error sits in its first two convs,
+   converted to fp16 plainly and with ``tolerance=1e-2`` on three calibration feeds; errors on those
+   feeds and on two held-out feeds, as onnxruntime's CPU provider runs the model (``cpu_error``) and in
+   the fp16-storage simulation (``sim_error``, :func:`amppass.onnx.simulate.simulated`), which is what fp16
+   hardware gives: the CPU provider computes most fp16 ops in fp32.
+
+Run: ``python -m benchmarks.onnx_calibration [--full]``.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import sys
+import time
+import warnings
+
+import onnx
+
+import amppass
+from amppass.onnx import runtime
+from amppass.onnx.export import export_fp32
+from amppass.onnx.simulate import simulated
+from models import build
+from models.sensor import sensor_feed, sensor_net
+
+from .onnx_compare import max_error, session
+
+TOLERANCE = 1e-2
+NOTES = ("cpu_error: the converted model as onnxruntime's CPU provider runs it; sim_error: its fp16-storage "
+         "simulation (what fp16 hardware computes). Both are the largest ||out - out_fp32|| / ||out_fp32||.",)
+
+
+def timing(quick: bool) -> list[dict]:
+    """Conversion time of a BERT export without and with one calibration batch."""
+    size = "small" if quick else "base"
+    case = build("bert", size=size, batch=1, seq=128)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fp32 = export_fp32(case.model, case.example_inputs)
+    feeds = {i.name: t.numpy() for i, t in zip(fp32.graph.input, case.make_inputs(1))}
+    rows = []
+    for label, options in (("plain", {}), ("1 calibration batch", {"calibration": [feeds]})):
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            amppass.convert_onnx(fp32, "fp16", **options)
+            times.append(time.perf_counter() - start)
+        rows.append({"model": f"bert-{size}", "shape": "1x128", "nodes": len(fp32.graph.node), "variant": label,
+                     "convert_s": round(statistics.median(times), 3), "convert_min_s": round(min(times), 3)})
+    return rows
+
+
+def search() -> list[dict]:
+    """The sensor net plain and with the tolerance search: errors, convs kept fp16, nodes moved."""
+    model = sensor_net()
+    calibration = [sensor_feed(seed) for seed in range(3)]
+    held_out = [sensor_feed(seed) for seed in (100, 101)]
+    reference = session(model)
+    rows = []
+    for label, options in (("fp16", {"calibration": calibration}),
+                           (f"fp16, tolerance={TOLERANCE:g}", {"calibration": calibration, "tolerance": TOLERANCE})):
+        start = time.perf_counter()
+        converted = amppass.convert_onnx(model, "fp16", **options)
+        seconds = time.perf_counter() - start
+        cpu, simulation = session(converted), session(simulated(converted))
+        info = amppass.report(converted).info
+        convs = [r for r in amppass.report(converted).rows if r.op == "Conv"]
+
+        def error(run, feeds):
+            return max(max_error(reference.run(None, f), run.run(None, f)) for f in feeds)
+
+        rows.append({
+            "variant": label, "convert_s": round(seconds, 2),
+            "sim_error_calibration": error(simulation, calibration), "sim_error_held_out": error(simulation, held_out),
+            "cpu_error_held_out": error(cpu, held_out),
+            "convs_fp16": f"{sum(r.precision == 'fp16' for r in convs)}/{len(convs)}",
+            "moved": info.get("moved_by_tolerance"), "search_runs": info.get("tolerance_runs"),
+            "moved_nodes": ", ".join(r.name for r in amppass.report(converted).rows if r.source == "tolerance"),
+        })
+    return rows
+
+
+def run(quick: bool) -> tuple[list[dict], list[dict]]:
+    """Both tables: (timing rows, search rows)."""
+    return timing(quick), search()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.ERROR)
+    runtime.max_ir_version()  # probe once before timing
+    for table in run(quick="--full" not in sys.argv):
+        for row in table:
+            print(row)
