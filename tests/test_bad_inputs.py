@@ -184,7 +184,7 @@ CASES = [
     Case("fx-tolerance-string", "tolerance='1e-3'", _fx(calibration=[X], tolerance="1e-3"),
          InputError, ("tolerance='1e-3'", "positive number")),
     Case("fx-tolerance-no-calibration", "tolerance without calibration", _fx(tolerance=1e-3),
-         CalibrationError, ("tolerance=0.001", "calibration=")),
+         InputError, ("tolerance=0.001", "calibration=")),
     Case("fx-not-a-module", "a function instead of an nn.Module", lambda tmp: amppass.convert(lambda x: x, X),
          InputError, ("torch.nn.Module", "got function", "pass the module object")),
     Case("fx-path-not-a-module", "a file path instead of an nn.Module", lambda tmp: amppass.convert("model.pt", X),

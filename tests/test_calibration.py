@@ -117,7 +117,7 @@ def test_bad_calibration_data_is_named(bad, message):
 
 def test_tolerance_needs_calibration_and_a_positive_number():
     case = _case()
-    with pytest.raises(amppass.CalibrationError, match="tolerance=0.001 needs calibration"):
+    with pytest.raises(amppass.InputError, match="tolerance=0.001 needs calibration"):
         amppass.convert(case.model, case.example_inputs, torch.float16, tolerance=1e-3)
     with pytest.raises(amppass.InputError, match="positive number"):
         amppass.convert(case.model, case.example_inputs, torch.float16, calibration=[case.example_inputs],

@@ -25,13 +25,17 @@ from .stats import CalibrationStats
 from .view import GraphView
 
 
-def check_tolerance(tolerance: Any) -> None:
-    """Raise InputError unless ``tolerance`` is None or a positive finite number."""
+def check_tolerance(tolerance: Any, calibration: Any = ..., example: str = "[inputs, ...]") -> None:
+    """Raise InputError unless ``tolerance`` is None or a positive finite number, given with calibration
+    data when ``calibration`` is passed (``example`` shows the caller's form of it in the message)."""
     if tolerance is None:
         return
     if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 < tolerance < math.inf:
         raise InputError(f"tolerance={tolerance!r} must be a positive number, the largest relative output "
                          "error allowed, e.g. tolerance=1e-3")
+    if calibration is None:
+        raise InputError(f"tolerance={tolerance!r} needs calibration data to measure the output error on: pass "
+                         f"calibration={example} as well")
 
 
 def relative_error(out: Any, ref: Any) -> float:

@@ -12,7 +12,7 @@ from .. import __version__
 from ..analysis import overrides
 from ..analysis.painting import paint
 from ..dtypes import max_finite, resolve_dtype, short_name
-from ..errors import CalibrationError, InputError
+from ..errors import InputError
 from ..report.flops import node_macs
 from ..training.backward import annotate_backward
 from ..training.module import TrainEvalGraphs
@@ -73,15 +73,13 @@ def convert(
     The returned module records its decisions in ``node.meta["amppass"]``; ``amppass.report`` reads them.
     """
     if mode not in MODES:
-        raise InputError(f"mode={mode!r} is not one of {MODES}")
+        raise InputError(f"mode={mode!r} is not one of {MODES}: use mode='inference' to serve or evaluate "
+                         "the model, mode='train' to train it")
     if isinstance(model, fx.GraphModule) and META_KEY in getattr(model, "meta", {}):
         return _unchanged(model, model.meta[META_KEY], dtype, mode)
     if isinstance(model, TrainEvalGraphs):
         return _unchanged(model, model.train_graph.meta[META_KEY], dtype, mode)
-    check_tolerance(tolerance)
-    if tolerance is not None and calibration is None:
-        raise CalibrationError(f"tolerance={tolerance!r} needs calibration data to measure the output error "
-                               "on: pass calibration=[inputs, ...] as well")
+    check_tolerance(tolerance, calibration)
     low = resolve_dtype(dtype, device=_device(model))
     if mode == "train" and calibration is not None:
         calibration = list(calibration)  # both graphs calibrate on it

@@ -72,10 +72,7 @@ def convert_onnx(
     Each node's decision is stored in its ``metadata_props["amppass"]`` and the summary in the model's;
     ``amppass.report`` reads them back. Calibration decisions, when they exist, enter as ``given`` below.
     """
-    check_tolerance(tolerance)
-    if tolerance is not None and calibration is None:
-        raise InputError(f"tolerance={tolerance!r} needs calibration data to measure the output error on: pass "
-                         "calibration=[{input name: array, ...}, ...] as well")
+    check_tolerance(tolerance, calibration, example="[{input name: array, ...}, ...]")
     low = _low_type(dtype)
     low_name, low_max = SHORT[low], (FP16_MAX if low == TensorProto.FLOAT16 else _BF16_MAX)
     source, base_dir = _load(model)
