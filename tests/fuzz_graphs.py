@@ -69,6 +69,20 @@ class Step:
 
 
 @dataclass
+class Body:
+    """An If branch or a Loop body (ONNX only): ``steps`` over a pool whose first values are its owner's
+    args (outer values read as outer-scope captures; a Loop's first is its loop-carried state, a body
+    input), then its own; it returns pool value ``output``, of shape ``shape``."""
+
+    steps: list[Step]
+    output: int
+    shape: tuple[int, ...]
+
+    def __repr__(self) -> str:
+        return f"Body(-> {self.output}: " + "; ".join(f"{s.op}({', '.join(map(str, s.args))})" for s in self.steps) + ")"
+
+
+@dataclass
 class Program:
     """Input shapes, weights, steps and the values returned; ``shapes`` lists every value's shape."""
 
@@ -81,9 +95,10 @@ class Program:
     named_nodes: bool = True  # False leaves ONNX node names empty (legal; the converter must name them)
     int_constants: bool = False  # ONNX shape/axes tensors as Constant nodes instead of initializers
 
-    def feeds(self, seed: int = 0) -> list[np.ndarray]:
-        """Graph inputs drawn from N(0, 1); the generator kept values in range for seeds in FEED_SEEDS."""
-        return [input_array(shape, seed, i) for i, shape in enumerate(self.inputs)]
+    def feeds(self, seed: int = 0, scale: float = 1.0) -> list[np.ndarray]:
+        """Graph inputs drawn from N(0, scale**2); the generator kept values in range for seeds in FEED_SEEDS
+        and scale 1."""
+        return [input_array(shape, seed, i) * np.float32(scale) for i, shape in enumerate(self.inputs)]
 
     def __repr__(self) -> str:
         lines = [f"Program(opset={self.opset}, inputs={self.inputs}, outputs={self.outputs})"]
@@ -167,12 +182,7 @@ class _Builder:
         exact = list(zip(*(run(self.values, k, False) for k in range(len(FEED_SEEDS)))))
         noisy = list(zip(*(run(self.noisy, k, True) for k in range(len(FEED_SEEDS)))))
         for tensors, jittered in zip(exact, noisy):
-            for t, n in zip(tensors, jittered):
-                rms = float(t.square().mean().sqrt())
-                if not (torch.isfinite(t).all() and SCALE_MIN <= rms <= SCALE_MAX and t.abs().max() <= ABS_MAX):
-                    raise _Reject(op)
-                if float((n - t).norm() / t.norm()) > NOISE_BUDGET:
-                    raise _Reject(op)
+            _check(op, tensors, jittered)
         step.n_out = len(exact)
         self.steps.append(step)
         first = len(self.shapes)
@@ -183,6 +193,32 @@ class _Builder:
             self.positive.append(positive)
         return list(range(first, len(self.shapes)))
 
+    def body(self, captured: list[int], values: list[list[torch.Tensor]] | None = None,
+             noisy: list[list[torch.Tensor]] | None = None) -> _Builder:
+        """A builder for an If branch or Loop body whose pool starts with the outer values ``captured``
+        (or with ``values``/``noisy`` in their place: a loop's state after an iteration); weights are shared
+        with this builder, so a body reads outer initializers and Constants as outer-scope captures."""
+        sub = _Builder(self.draw, self.rng)
+        sub.weights = self.weights
+        sub.shapes = [self.shapes[v] for v in captured]
+        sub.positive = [self.positive[v] for v in captured]
+        sub.values = values if values is not None else [self.values[v] for v in captured]
+        sub.noisy = noisy if noisy is not None else [self.noisy[v] for v in captured]
+        sub.n_inputs = len(captured)
+        return sub
+
+    def add(self, op: str, args: list[int], attrs: dict[str, Any], exact: list[list[torch.Tensor]],
+            noisy: list[list[torch.Tensor]], positive: bool = False) -> int:
+        """Append a control-flow step whose output (per feed, exact and jittered) its bodies computed."""
+        for tensors, jittered in zip(exact, noisy):
+            _check(op, tensors, jittered)
+        self.steps.append(Step(op, list(args), attrs))
+        self.values.append(exact[0])
+        self.noisy.append(noisy[0])
+        self.shapes.append(tuple(exact[0][0].shape))
+        self.positive.append(positive)
+        return len(self.shapes) - 1
+
     def checkpoint(self) -> tuple[int, int, list[str]]:
         return len(self.steps), len(self.shapes), list(self.weights)
 
@@ -192,6 +228,17 @@ class _Builder:
         del self.noisy[values:]
         for name in [n for n in self.weights if n not in weights]:
             del self.weights[name]
+
+
+def _check(op: str, tensors: tuple[torch.Tensor, ...] | list[torch.Tensor], jittered: Any) -> None:
+    """Raise :class:`_Reject` unless every feed's value is finite and in range and its jittered twin
+    moved by at most NOISE_BUDGET."""
+    for t, n in zip(tensors, jittered):
+        rms = float(t.square().mean().sqrt())
+        if not (torch.isfinite(t).all() and SCALE_MIN <= rms <= SCALE_MAX and t.abs().max() <= ABS_MAX):
+            raise _Reject(op)
+        if float((n - t).norm() / t.norm()) > NOISE_BUDGET:
+            raise _Reject(op)
 
 
 def _jitter(tensor: torch.Tensor, key: tuple[int, ...]) -> torch.Tensor:
@@ -402,6 +449,89 @@ def _op_transpose(b: _Builder) -> bool:
     return True
 
 
+def _branch(b: _Builder, captured: list[int]) -> Body:
+    """A random body of 1 to 3 steps over ``captured`` returning a value of its own with the first
+    captured value's shape (a unary step on the latest one of that shape if the random steps made none)."""
+    sub = b.body(captured)
+    shape, n_steps = sub.shapes[0], b.draw(st.integers(1, 3))
+    for _ in range(4 * n_steps):
+        if len(sub.steps) >= n_steps:
+            break
+        mark = sub.checkpoint()
+        try:
+            OPS[b.draw(st.sampled_from(sorted(OPS)))](sub)
+        except _Reject:
+            sub.rollback(mark)
+    local = [v for v in range(sub.n_inputs, len(sub.shapes)) if sub.shapes[v] == shape]
+    if not local:
+        latest = max(v for v in range(len(sub.shapes)) if sub.shapes[v] == shape)
+        local = sub.emit(b.draw(st.sampled_from(["tanh", "sigmoid", "neg"])), [latest])
+    return Body(sub.steps, local[-1], shape)
+
+
+def _captures(b: _Builder, first: int) -> list[int]:
+    """``first`` and, half of the time, another outer value the body may read."""
+    if b.draw(st.booleans()):
+        other = b.pick(lambda u: u != first)
+        if other is not None:
+            return [first, other]
+    return [first]
+
+
+def _op_if(b: _Builder) -> bool:
+    """If(mean(a) > t) over two random branches reading outer values. The threshold ``t`` sits halfway
+    between a's means on the two feeds when they are far apart (each feed takes another branch), else a
+    quarter of an RMS beyond both (one branch on both feeds); a mean at least a quarter of a's RMS from
+    ``t`` on every feed, jittered too, means low precision cannot flip the branch taken."""
+    a = b.pick()
+    means = [float(x.mean()) for x in b.values[a]]
+    rms = max(float(x.square().mean().sqrt()) for x in b.values[a])
+    if max(means) - min(means) >= 0.5 * rms:
+        threshold = (max(means) + min(means)) / 2
+    elif b.draw(st.booleans()):
+        threshold = min(means) - 0.25 * rms
+    else:
+        threshold = max(means) + 0.25 * rms
+    threshold = float(np.float32(threshold))
+    taken = [m > threshold for m in means]
+    if any((float(n.mean()) > threshold) != t for n, t in zip(b.noisy[a], taken)):
+        raise _Reject("if")
+    captured = _captures(b, a)
+    then, other = _branch(b, captured), _branch(b, captured)
+    (then_values, then_noisy), (else_values, else_noisy) = _replay(b, captured, then), _replay(b, captured, other)
+    values = [t if c else e for t, e, c in zip(then_values, else_values, taken)]
+    noisy = [t if c else e for t, e, c in zip(then_noisy, else_noisy, taken)]
+    b.add("if", captured, {"then": then, "else": other, "threshold": threshold}, [values], [noisy])
+    return True
+
+
+def _op_loop(b: _Builder) -> bool:
+    """Loop of 2 or 3 iterations of a random body over a loop-carried float state and outer values; every
+    iteration is checked like a step (range, conditioning)."""
+    state = b.pick()
+    captured = _captures(b, state)
+    body, trips = _branch(b, captured), b.draw(st.sampled_from([2, 3]))
+    values, noisy = b.values[state], b.noisy[state]
+    for _ in range(trips):
+        values, noisy = _replay(b, captured, body, values, noisy)
+    b.add("loop", captured, {"body": body, "trips": trips}, [values], [noisy])
+    return True
+
+
+def _replay(b: _Builder, captured: list[int], body: Body, state: list[torch.Tensor] | None = None,
+            state_noisy: list[torch.Tensor] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``body``'s output per feed, exact and jittered, with its first captured value replaced by
+    ``state`` (a loop's state after an iteration); raises :class:`_Reject` like :meth:`_Builder.emit`."""
+    values = noisy = None
+    if state is not None:
+        values = [state] + [b.values[v] for v in captured[1:]]
+        noisy = [state_noisy] + [b.noisy[v] for v in captured[1:]]
+    sub = b.body(captured, values, noisy)
+    for step in body.steps:
+        sub.emit(step.op, step.args, **step.attrs)
+    return sub.values[body.output], sub.noisy[body.output]
+
+
 OPS: dict[str, Callable[[_Builder], bool]] = {
     "matmul": _op_matmul, "matmul_values": _op_matmul_values, "gemm": _op_gemm, "conv": _op_conv,
     "reshape": _op_reshape, "binary": _op_binary, "div": _op_div, "unary": _op_unary, "softmax": _op_softmax,
@@ -409,6 +539,7 @@ OPS: dict[str, Callable[[_Builder], bool]] = {
     "layer_norm": _op_layer_norm, "where": _op_where, "concat": _op_concat, "split": _op_split,
     "transpose": _op_transpose,
 }
+CONTROL: dict[str, Callable[[_Builder], bool]] = {"if": _op_if, "loop": _op_loop}  # ONNX only
 
 _INPUT_SHAPES = st.one_of(
     st.tuples(st.sampled_from([1, 2, 3]), st.sampled_from(DIMS)),
@@ -418,8 +549,12 @@ _INPUT_SHAPES = st.one_of(
 
 
 @st.composite
-def programs(draw: Callable, max_steps: int = 10, ops: tuple[str, ...] = tuple(OPS)) -> Program:
-    """A random :class:`Program` of about 1 to ``max_steps`` steps, op groups drawn from ``ops``."""
+def programs(draw: Callable, max_steps: int = 10, ops: tuple[str, ...] = tuple(OPS),
+             control_flow: bool = False) -> Program:
+    """A random :class:`Program` of about 1 to ``max_steps`` steps, op groups drawn from ``ops``;
+    ``control_flow`` adds If and Loop steps (:data:`CONTROL`, for :func:`to_onnx` only)."""
+    groups = {**OPS, **CONTROL} if control_flow else OPS
+    ops = ops + tuple(CONTROL) * 3 if control_flow else ops  # about one program in two has If or Loop
     b = _Builder(draw, np.random.default_rng(draw(st.integers(0, 2**32 - 1))))
     first = draw(_INPUT_SHAPES)
     b.add_input(first)
@@ -431,7 +566,7 @@ def programs(draw: Callable, max_steps: int = 10, ops: tuple[str, ...] = tuple(O
             break
         mark = b.checkpoint()
         try:
-            OPS[draw(st.sampled_from(ops))](b)
+            groups[draw(st.sampled_from(ops))](b)
         except _Reject:
             b.rollback(mark)
     if not b.steps:
@@ -462,17 +597,34 @@ def to_onnx(program: Program) -> onnx.ModelProto:
         counter[0] += 1
         return f"{op.lower()}_{counter[0]}" if program.named_nodes else ""
 
-    def ints(values: list[int]) -> str:
+    scopes = [nodes]  # the graph being written: the main one, or an If branch / Loop body inside it
+
+    def ints(values: list[int], scalar: bool = False) -> str:
         tensor_name = f"i{counter[0]}_{len(inits) + len(nodes)}"
-        tensor = numpy_helper.from_array(np.asarray(values, np.int64), tensor_name)
+        array = np.asarray(values[0] if scalar else values, np.int64)
+        tensor = numpy_helper.from_array(array, tensor_name)
         if program.int_constants:
-            nodes.append(helper.make_node("Constant", [], [tensor_name], name=name("Constant"), value=tensor))
+            scopes[-1].append(helper.make_node("Constant", [], [tensor_name], name=name("Constant"), value=tensor))
         else:
             inits.append(tensor)
         return tensor_name
 
     def node(op: str, inputs: list[str], outputs: list[str], **attrs: Any) -> None:
-        nodes.append(helper.make_node(op, inputs, outputs, name=name(op), **attrs))
+        scopes[-1].append(helper.make_node(op, inputs, outputs, name=name(op), **attrs))
+
+    def body(b: Body, pool: list[str], prefix: str) -> tuple[list[onnx.NodeProto], str]:
+        """The nodes of ``b`` over values named ``pool`` (outer names, a Loop's state input), and the
+        name of the value it returns."""
+        scopes.append([])
+        names = list(pool)
+        for step in b.steps:
+            outs = [f"{prefix}{i}" for i in range(len(names), len(names) + step.n_out)]
+            emit_step(step, [a if isinstance(a, str) else names[a] for a in step.args], outs)
+            names += outs
+        return scopes.pop(), names[b.output]
+
+    def emit_step(step: Step, args: list[str], outs: list[str]) -> None:
+        _onnx_step(step, args, outs, node, ints, program.opset, body)
 
     for wname, w in program.weights.items():
         tensor = numpy_helper.from_array(w.array, wname)
@@ -483,10 +635,9 @@ def to_onnx(program: Program) -> onnx.ModelProto:
 
     value = len(program.inputs)
     for step in program.steps:
-        args = [a if isinstance(a, str) else f"v{a}" for a in step.args]
         outs = [f"v{i}" for i in range(value, value + step.n_out)]
         value += step.n_out
-        _onnx_step(step, args, outs, node, ints, program.opset)
+        emit_step(step, [a if isinstance(a, str) else f"v{a}" for a in step.args], outs)
 
     def info(i: int) -> onnx.ValueInfoProto:
         return helper.make_tensor_value_info(f"v{i}", TensorProto.FLOAT, list(program.shapes[i]))
@@ -496,9 +647,12 @@ def to_onnx(program: Program) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", program.opset)])
 
 
-def _onnx_step(step: Step, args: list[str], outs: list[str], node: Callable, ints: Callable, opset: int) -> None:
+def _onnx_step(step: Step, args: list[str], outs: list[str], node: Callable, ints: Callable, opset: int,
+               body: Callable) -> None:
     a = step.attrs
-    if step.op in _ONNX_SIMPLE:
+    if step.op in ("if", "loop"):
+        _onnx_control(step, args, outs, node, ints, body)
+    elif step.op in _ONNX_SIMPLE:
         node(_ONNX_SIMPLE[step.op], args, outs)
     elif step.op == "cast":
         node("Cast", args, outs, to=TensorProto.FLOAT)
@@ -533,6 +687,36 @@ def _onnx_step(step: Step, args: list[str], outs: list[str], node: Callable, int
         node("Transpose", args, outs, perm=a["perm"])
     else:
         raise ValueError(f"unknown step {step.op}")
+
+
+def _onnx_control(step: Step, args: list[str], outs: list[str], node: Callable, ints: Callable,
+                  body: Callable) -> None:
+    """If(ReduceMean(args[0]) > threshold) with branches reading the outer ``args``, or Loop(trips) carrying
+    ``args[0]`` through a body that also reads the outer ``args[1:]``."""
+    out = outs[0]
+    if step.op == "if":
+        node("ReduceMean", [args[0]], [f"{out}_mean"], keepdims=0)
+        node("Constant", [], [f"{out}_threshold"], value_float=step.attrs["threshold"])
+        node("Greater", [f"{out}_mean", f"{out}_threshold"], [f"{out}_cond"])
+        branches = {}
+        for key, branch in (("then_branch", step.attrs["then"]), ("else_branch", step.attrs["else"])):
+            nodes, result = body(branch, args, f"{out}_{key[:4]}")
+            info = helper.make_tensor_value_info(result, TensorProto.FLOAT, list(branch.shape))
+            branches[key] = helper.make_graph(nodes, f"{out}_{key}", [], [info])
+        node("If", [f"{out}_cond"], outs, **branches)
+        return
+    loop = step.attrs["body"]
+    state, keep = f"{out}_state", f"{out}_keep"
+    nodes, result = body(loop, [state] + args[1:], f"{out}_body")
+    nodes.append(helper.make_node("Identity", [f"{out}_iter_cond"], [keep]))
+    graph = helper.make_graph(
+        nodes, f"{out}_body",
+        [helper.make_tensor_value_info(f"{out}_iter", TensorProto.INT64, []),
+         helper.make_tensor_value_info(f"{out}_iter_cond", TensorProto.BOOL, []),
+         helper.make_tensor_value_info(state, TensorProto.FLOAT, list(loop.shape))],
+        [helper.make_tensor_value_info(keep, TensorProto.BOOL, []),
+         helper.make_tensor_value_info(result, TensorProto.FLOAT, list(loop.shape))])
+    node("Loop", [ints([step.attrs["trips"]], scalar=True), "", args[0]], outs, body=graph)
 
 
 # -- torch emitter ---------------------------------------------------------------------------------
@@ -598,6 +782,41 @@ def _torch_step(step: Step, args: list[torch.Tensor]) -> list[torch.Tensor]:
     if step.op == "transpose":
         return [args[0].permute(a["perm"])]
     raise ValueError(f"unknown step {step.op}")
+
+
+# -- calibration -----------------------------------------------------------------------------------
+# 2 or 3 calibration feeds, all held out from the FEED_SEEDS the outputs are compared on, scaled by one of
+# CALIBRATION_SCALES (inputs 1000 times smaller underflow fp16 a few ops in, 30 times larger overflow it
+# after a cube or two: the range rules' business). The generator did not check these feeds' ranges; that
+# is fine for calibration, whose statistics are made to catch ranges low precision cannot hold.
+CALIBRATION_SEEDS = st.lists(st.integers(len(FEED_SEEDS), 2**16), min_size=2, max_size=3, unique=True)
+CALIBRATION_SCALES = st.sampled_from([1.0, 1e-3, 30.0])
+TOLERANCES = st.sampled_from([None, 1e-2, 1e-3, 1e-4])  # 1e-4 is below fp16's rounding: the search moves nodes
+
+
+def check_calibration_info(info: dict, batches: int, tolerance: float | None, error: float) -> None:
+    """The conversion's metadata after calibrating on ``batches`` feeds with ``tolerance``; ``error`` is
+    the converted model's largest relative output error on those feeds, measured by the test: with a
+    tolerance it must be the ``achieved_error`` the search reported, met exactly when within the tolerance."""
+    assert info["calibrated"] is True and info["calibration_batches"] == batches, info
+    if tolerance is None:
+        assert "tolerance" not in info and "achieved_error" not in info, info
+        return
+    assert info["tolerance"] == tolerance, info
+    assert info["tolerance_met"] is (info["achieved_error"] <= tolerance), info
+    assert math.isclose(error, info["achieved_error"], rel_tol=1e-3, abs_tol=1e-6), (
+        f"error on the calibration feeds {error:.6g} != achieved_error {info['achieved_error']:.6g}")
+
+
+def check_calibrated_rows(rows: list, plain_rows: list, dtype: str, info: dict) -> None:
+    """Calibration only moves nodes to fp32 (range rules and the tolerance search never lower one), so
+    every node it runs low the plain conversion runs low; each node the search moved says so."""
+    low = {r.name for r in rows if r.precision == dtype}
+    plain_low = {r.name for r in plain_rows if r.precision == dtype}
+    assert low <= plain_low, f"calibration lowered {sorted(low - plain_low)}"
+    moved = [r.name for r in rows if r.source == "tolerance"]
+    assert len(moved) == info.get("moved_by_tolerance", 0), (moved, info)
+    assert all(r.precision == "fp32" for r in rows if r.source == "tolerance")
 
 
 # -- the property's comparison ---------------------------------------------------------------------

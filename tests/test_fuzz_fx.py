@@ -11,7 +11,8 @@ import collections
 
 import pytest
 import torch
-from fuzz_graphs import Program, ProgramModule, programs, relative_error
+from fuzz_graphs import (CALIBRATION_SCALES, CALIBRATION_SEEDS, TOLERANCES, Program, ProgramModule,
+                         check_calibrated_rows, check_calibration_info, programs, relative_error)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -23,6 +24,7 @@ RTOL = {"fp16": 3e-2, "bf16": 6e-2}
 _COMMON = dict(deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
 FAST = settings(max_examples=25, **_COMMON)
 SLOW = settings(max_examples=300, **_COMMON)
+CALIBRATED = settings(max_examples=10, **_COMMON)
 
 
 def check_fx(program: Program, dtype: str, **options) -> torch.fx.GraphModule:
@@ -53,6 +55,27 @@ def check_fx(program: Program, dtype: str, **options) -> torch.fx.GraphModule:
             err = relative_error(g.float().numpy(), w.numpy())
             assert err <= RTOL[dtype], f"output v{i}: relative error {err:.3g} > {RTOL[dtype]} ({dtype})"
     return fast
+
+
+def check_calibrated_fx(program: Program, dtype: str, seeds: list[int], scale: float,
+                        tolerance: float | None) -> None:
+    """check_fx with ``calibration=`` on the feeds of ``seeds`` times ``scale`` (the outputs compared on
+    held-out feeds) and ``tolerance``; then the metadata, the converted module's error on the calibration
+    feeds (what the tolerance search measures), and the plan against the plain conversion's."""
+    calibration = [tuple(torch.from_numpy(x) for x in program.feeds(seed, scale)) for seed in seeds]
+    fast = check_fx(program, dtype, calibration=calibration, tolerance=tolerance)
+    module = ProgramModule(program).eval()
+    error = 0.0
+    with torch.no_grad():
+        for inputs in calibration if tolerance is not None else ():
+            for want, got in zip(module(*inputs), fast(*inputs)):
+                error = max(error, float((got.float() - want).norm() / want.norm()) if torch.isfinite(got).all()
+                            else float("inf"))
+    report = amppass.report(fast)
+    check_calibration_info(report.info, len(seeds), tolerance, error)
+    example = tuple(torch.from_numpy(x) for x in program.feeds(0))
+    plain = amppass.report(amppass.convert(module, example, DTYPES[dtype]))
+    check_calibrated_rows(report.rows, plain.rows, dtype, report.info)
 
 
 def draw_options(program: Program, dtype: str, data: st.DataObject) -> dict:
@@ -86,6 +109,13 @@ def test_overridden_fx_lints_and_close(dtype, program, data):
     check_fx(program, dtype, **draw_options(program, dtype, data))
 
 
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@CALIBRATED
+@given(program=programs(), seeds=CALIBRATION_SEEDS, scale=CALIBRATION_SCALES, tolerance=TOLERANCES)
+def test_calibrated_fx_lints_and_close(dtype, program, seeds, scale, tolerance):
+    check_calibrated_fx(program, dtype, seeds, scale, tolerance)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @SLOW
@@ -100,3 +130,11 @@ def test_converted_fx_lints_and_close_slow(dtype, program):
 @given(program=programs(max_steps=16), data=st.data())
 def test_overridden_fx_lints_and_close_slow(dtype, program, data):
     check_fx(program, dtype, **draw_options(program, dtype, data))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@settings(max_examples=100, **_COMMON)
+@given(program=programs(max_steps=16), seeds=CALIBRATION_SEEDS, scale=CALIBRATION_SCALES, tolerance=TOLERANCES)
+def test_calibrated_fx_lints_and_close_slow(dtype, program, seeds, scale, tolerance):
+    check_calibrated_fx(program, dtype, seeds, scale, tolerance)

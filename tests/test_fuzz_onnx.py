@@ -7,6 +7,16 @@ output, each amplified at most a few times (matmuls over at most 16 terms, clipp
 so 3e-2 (about 60 fp16 ulps) and 6e-2 (about 15 bf16 ulps) are loose enough for accurate conversions and
 still catch a value computed in the wrong precision where it matters (an fp16 Exp, a dropped Cast, an
 overflowing sum), a wrong axis or a swapped input, which give errors of order 1.
+
+Calibrated conversions (``calibration=`` on 2-3 feeds other than the compared ones, sometimes scaled to
+under- or overflow fp16, and sometimes ``tolerance=``) must pass the same checks, record what they did,
+report as ``achieved_error`` the error the test measures on the calibration feeds (``tolerance_met``
+exactly when it is within the tolerance), and run low only nodes the plain conversion runs low. There is
+no property "calibration never makes the error worse by more than a factor k": moving a node to fp32
+removes a rounding, and roundings can cancel (x rounded, then x * c rounded again, may land nearer x * c than
+one rounding does), so a calibrated error above k times a lucky plain error is not a bug, for any k.
+``programs(control_flow=True)`` adds If branches and Loop bodies (outer-scope captures, a loop-carried
+float state) to the ONNX graphs.
 """
 
 from __future__ import annotations
@@ -17,19 +27,22 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from fuzz_graphs import Program, programs, relative_error, to_onnx
+from fuzz_graphs import (CALIBRATION_SCALES, CALIBRATION_SEEDS, TOLERANCES, Program, check_calibrated_rows, check_calibration_info,
+                         programs, relative_error, to_onnx)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_onnx_convert import meta, session
 
 import amppass
 from amppass.onnx import runtime
+from amppass.onnx.simulate import simulated
 
 RTOL = {"fp16": 3e-2, "bf16": 6e-2}
 
 _COMMON = dict(deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
 FAST = settings(max_examples=40, **_COMMON)
 SLOW = settings(max_examples=400, **_COMMON)
+CALIBRATED = settings(max_examples=15, **_COMMON)
 
 
 def check_onnx(program: Program, dtype: str, **options) -> onnx.ModelProto:
@@ -51,7 +64,7 @@ def check_onnx(program: Program, dtype: str, **options) -> onnx.ModelProto:
             assert decision["precision"] == "low" or decision["evidence"].get("no_low_kernel"), decision
     ref, low = session(model), converted_session(converted)
     for seed in (0, 1):
-        feeds = {f"v{i}": x for i, x in enumerate(program.feeds(seed))}
+        feeds = onnx_feed(program, seed)
         for i, want, got in zip(program.outputs, ref.run(None, feeds), low.run(None, feeds)):
             if not options.get("keep_io_types", True):
                 assert got.dtype in (np.float32, np.float16), got.dtype
@@ -59,6 +72,29 @@ def check_onnx(program: Program, dtype: str, **options) -> onnx.ModelProto:
             err = relative_error(got, want)
             assert err <= RTOL[dtype], f"output v{i}: relative error {err:.3g} > {RTOL[dtype]} ({dtype})"
     return converted
+
+
+def onnx_feed(program: Program, seed: int, scale: float = 1.0) -> dict[str, np.ndarray]:
+    return {f"v{i}": x for i, x in enumerate(program.feeds(seed, scale))}
+
+
+def check_calibrated_onnx(program: Program, dtype: str, seeds: list[int], scale: float,
+                          tolerance: float | None) -> None:
+    """check_onnx with ``calibration=`` on the feeds of ``seeds`` times ``scale`` (the outputs compared on
+    held-out feeds) and ``tolerance``; then the metadata, the fp16-storage simulation's error on the calibration feeds
+    (what the tolerance search measures), and the plan against the plain conversion's."""
+    calibration = [onnx_feed(program, seed, scale) for seed in seeds]
+    converted = check_onnx(program, dtype, calibration=calibration, tolerance=tolerance)
+    report = amppass.report(converted)
+    error = 0.0
+    if tolerance is not None:
+        ref, low = session(to_onnx(program)), session(simulated(converted))
+        for feeds in calibration:
+            for want, got in zip(ref.run(None, feeds), low.run(None, feeds)):
+                error = max(error, relative_error(got, want) if np.isfinite(got).all() else np.inf)
+    check_calibration_info(report.info, len(seeds), tolerance, error)
+    plain = amppass.report(amppass.convert_onnx(to_onnx(program), dtype=dtype))
+    check_calibrated_rows(report.rows, plain.rows, dtype, report.info)
 
 
 def converted_session(model: onnx.ModelProto) -> ort.InferenceSession:
@@ -101,6 +137,29 @@ def test_overridden_onnx_valid_and_close(dtype, program, data):
     check_onnx(program, dtype, **draw_options(program, dtype, data))
 
 
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@CALIBRATED
+@given(program=programs(), seeds=CALIBRATION_SEEDS, scale=CALIBRATION_SCALES,
+       tolerance=TOLERANCES)
+def test_calibrated_onnx_valid_and_close(dtype, program, seeds, scale, tolerance):
+    check_calibrated_onnx(program, dtype, seeds, scale, tolerance)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@FAST
+@given(program=programs(control_flow=True))
+def test_control_flow_onnx_valid_and_close(dtype, program):
+    check_onnx(program, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@CALIBRATED
+@given(program=programs(control_flow=True), seeds=CALIBRATION_SEEDS, scale=CALIBRATION_SCALES,
+       tolerance=TOLERANCES)
+def test_calibrated_control_flow_onnx_valid_and_close(dtype, program, seeds, scale, tolerance):
+    check_calibrated_onnx(program, dtype, seeds, scale, tolerance)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @SLOW
@@ -115,3 +174,20 @@ def test_converted_onnx_valid_and_close_slow(dtype, program):
 @given(program=programs(max_steps=16), data=st.data())
 def test_overridden_onnx_valid_and_close_slow(dtype, program, data):
     check_onnx(program, dtype, **draw_options(program, dtype, data))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@SLOW
+@given(program=programs(max_steps=16, control_flow=True))
+def test_control_flow_onnx_valid_and_close_slow(dtype, program):
+    check_onnx(program, dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@settings(max_examples=150, **_COMMON)
+@given(program=programs(max_steps=16, control_flow=True), seeds=CALIBRATION_SEEDS, scale=CALIBRATION_SCALES,
+       tolerance=TOLERANCES)
+def test_calibrated_onnx_valid_and_close_slow(dtype, program, seeds, scale, tolerance):
+    check_calibrated_onnx(program, dtype, seeds, scale, tolerance)
