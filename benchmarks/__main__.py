@@ -106,7 +106,8 @@ def _onnx_calibration(quick: bool, out: Path) -> Section:
 
     timing, search = onnx_calibration.run(quick)
     section = Section("ONNX calibration and tolerance search", "", notes=list(onnx_calibration.NOTES))
-    section.tables.append(("Conversion time without and with one calibration batch (median of 3)", timing))
+    section.tables.append(("Conversion time: amppass without and with one calibration batch, onnxconverter-common "
+                           "(median of 5)", timing))
     section.tables.append(("Tolerance search on the sensor conv net (models/sensor.py): 3 calibration feeds, "
                            "2 held out", search))
     return section
