@@ -33,7 +33,6 @@ from .view import subgraphs
 
 LOCATION = "amppass:weight-store"  # the external-data location that names an in-memory store entry
 LIFT_BYTES = 1024  # smaller tensors stay in the proto: shape inference reads shapes and axes from them
-_NUMPY = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16, TensorProto.DOUBLE: np.float64}
 _SERIAL_CHUNK = 1 << 15  # torch's parallel grain size (at::internal::GRAIN_SIZE): smaller copies run serially
 _TORCH_LOW = {TensorProto.FLOAT16: torch.float16, TensorProto.BFLOAT16: torch.bfloat16}
 
@@ -125,8 +124,8 @@ class WeightStore:
             return np.frombuffer(self._bytes(entry), _numpy_type(tensor)).reshape(tuple(tensor.dims))
         if external_data_helper.uses_external_data(tensor):
             return self._mapped(tensor)
-        if tensor.raw_data and tensor.data_type in _NUMPY:
-            return np.frombuffer(tensor.raw_data, _NUMPY[tensor.data_type]).reshape(tuple(tensor.dims))
+        if tensor.HasField("raw_data"):
+            return np.frombuffer(tensor.raw_data, _numpy_type(tensor)).reshape(tuple(tensor.dims))
         return numpy_helper.to_array(tensor)
 
     def absmax(self, tensor: onnx.TensorProto) -> float:
