@@ -42,7 +42,8 @@ from ..analysis.stats import CalibrationStats
 from ..analysis.view import GraphView
 from ..errors import CalibrationError
 from . import runtime
-from .simulate import simulate, unique_name
+from .rewrite import unique_name
+from .simulate import simulate
 from .view import FLOAT, NodeRef, subgraphs
 from .weights import WeightStore, tensors
 

@@ -239,12 +239,7 @@ class _Rewriter:
         return self._unique(base)
 
     def _unique(self, base: str) -> str:
-        name, n = base, 0
-        while name in self.names:
-            n += 1
-            name = f"{base}_{n}"
-        self.names.add(name)
-        return name
+        return unique_name(self.names, base)
 
     def _record(self, node: onnx.NodeProto, decision: Decision, casts_in: list[str]) -> None:
         meta: dict[str, Any] = decision.to_meta()
@@ -276,6 +271,16 @@ def all_names(model: onnx.ModelProto) -> set[str]:
 
     visit(model.graph)
     return names
+
+
+def unique_name(taken: set[str], base: str) -> str:
+    """``base``, or ``base_1``, ``base_2``, ... : the first not in ``taken``, which it joins."""
+    name, n = base, 0
+    while name in taken:
+        n += 1
+        name = f"{base}_{n}"
+    taken.add(name)
+    return name
 
 
 def rewrite(model: onnx.ModelProto, plan: PrecisionPlan, refs: dict[str, NodeRef], types: dict[str, int],

@@ -31,7 +31,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .rewrite import all_names
+from .rewrite import all_names, unique_name
 from .view import FLOAT, all_nodes, clear_value_info, subgraphs, value_types
 from .weights import WeightStore
 
@@ -158,12 +158,3 @@ def _widened(tensor: onnx.TensorProto, store: WeightStore) -> onnx.TensorProto:
         values = (values.astype(np.uint32) << 16).view(np.float32)
     return numpy_helper.from_array(values.astype(np.float32).reshape(tuple(tensor.dims)), tensor.name)
 
-
-def unique_name(taken: set[str], base: str) -> str:
-    """``base``, or ``base_1``, ``base_2``, ... : the first not in ``taken``, which it joins."""
-    name, n = base, 0
-    while name in taken:
-        n += 1
-        name = f"{base}_{n}"
-    taken.add(name)
-    return name
