@@ -43,7 +43,7 @@ from ..analysis.view import GraphView
 from ..errors import CalibrationError
 from . import runtime
 from .rewrite import unique_name
-from .simulate import simulate
+from .simulate import rounding, simulate
 from .view import FLOAT, NodeRef, subgraphs
 from .weights import WeightStore, tensors
 
@@ -300,10 +300,8 @@ def _replay_model(model: onnx.ModelProto, refs: Mapping[str, NodeRef], candidate
     def round_trip(value: str) -> str:
         """``value`` cast to the low dtype and back: what a low-precision kernel reads or stores."""
         if value not in rounded:
-            down, back = unique_name(taken, f"{value}__replay_low"), unique_name(taken, f"{value}__replay_rounded")
-            nodes.append(helper.make_node("Cast", [value], [down], name=unique_name(taken, f"{down}_cast"), to=low))
-            nodes.append(helper.make_node("Cast", [down], [back], name=unique_name(taken, f"{back}_cast"), to=FLOAT))
-            rounded[value] = back
+            rounded[value] = unique_name(taken, f"{value}__replay_rounded")
+            nodes.extend(rounding(value, rounded[value], low, taken))
         return rounded[value]
 
     for name in candidates:

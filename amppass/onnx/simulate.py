@@ -100,7 +100,7 @@ def _round_inputs(graph: onnx.GraphProto, low: Mapping[str, int], taken: set[str
     for value in graph.input:
         if value.name in low:
             renamed[value.name] = unique_name(taken, f"{value.name}__sim_in")
-            entry += _rounding(value.name, renamed[value.name], low[value.name], taken)
+            entry += rounding(value.name, renamed[value.name], low[value.name], taken)
     if not renamed:
         return
     for node in all_nodes(graph):
@@ -136,7 +136,7 @@ def _graph(graph: onnx.GraphProto, store: WeightStore, low: Mapping[str, int], t
                 nodes.append(helper.make_node("Cast", [computed], [value], to=FLOAT,
                                               name=unique_name(taken, f"{value}_sim_cast")))
             else:  # computed in fp32, stored in the low dtype
-                nodes += _rounding(computed, value, low[value], taken)
+                nodes += rounding(computed, value, low[value], taken)
     del graph.node[:]
     graph.node.extend(nodes)
     for value in list(graph.output) + list(graph.input):
@@ -144,7 +144,7 @@ def _graph(graph: onnx.GraphProto, store: WeightStore, low: Mapping[str, int], t
             value.type.tensor_type.elem_type = FLOAT
 
 
-def _rounding(source: str, target: str, dtype: int, taken: set[str]) -> list[onnx.NodeProto]:
+def rounding(source: str, target: str, dtype: int, taken: set[str]) -> list[onnx.NodeProto]:
     """``Cast(source -> dtype) -> Cast(-> fp32) = target``: ``source`` stored in ``dtype``."""
     stored = unique_name(taken, f"{target}__sim_low")
     return [helper.make_node("Cast", [source], [stored], name=unique_name(taken, f"{stored}_cast"), to=dtype),
