@@ -151,7 +151,7 @@ def test_tolerance_met_on_held_out_inputs(name, dtype):
 def test_tolerance_search_is_logarithmic():
     from amppass.analysis.painting import paint
     from amppass.analysis.plan import PrecisionPlan
-    from amppass.analysis.tolerance import search
+    from amppass.analysis.tolerance import search, trim_runs
 
     plan = PrecisionPlan()
     for i in range(64):
@@ -160,8 +160,23 @@ def test_tolerance_search_is_logarithmic():
     # error falls as the first 37 nodes (the most sensitive) move
     found = search(plan, {}, local, 0.5, lambda given: 1.0 if len(given) < 37 else 0.1, "fp16")
     assert found.met and len(found.moved) == 37 and found.moved[0] == "n0"
-    assert found.runs <= 2 * math.ceil(math.log2(64)) + 1
+    assert found.runs <= 2 * math.ceil(math.log2(64)) + 1 + trim_runs(37)
     assert paint  # painting consumes found.given in convert
+
+
+def test_tolerance_search_gives_back_nodes_the_ranking_overrated():
+    """Local error ranks n0..n4 above n5, but only n5 matters for the output: the trim gives them back."""
+    from amppass.analysis.plan import PrecisionPlan
+    from amppass.analysis.tolerance import search, trim_runs
+
+    plan = PrecisionPlan()
+    for i in range(8):
+        plan[f"n{i}"] = Decision(Precision.LOW, "mm", Source.POLICY)
+    local = {f"n{i}": 1.0 / (i + 1) for i in range(8)}
+    found = search(plan, {}, local, 0.5, lambda given: 0.1 if "n5" in given else 1.0, "fp16")
+    assert found.met and found.moved == ["n5"] and found.achieved_error == 0.1
+    assert found.given["n5"].evidence["rank"] == 6, "the reason keeps the node's place in the ranking"
+    assert found.runs <= 2 * math.ceil(math.log2(8)) + 1 + trim_runs(6)
 
 
 def test_every_calibrated_row_carries_its_observed_range():

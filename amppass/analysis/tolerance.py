@@ -7,8 +7,12 @@ the largest relative output error ``||out - out_fp32|| / ||out_fp32||``.
 
 The search ranks the nodes painted low by local error and moves growing prefixes of that ranking to fp32
 (1, 2, 4, ... nodes), then bisects between the last prefix that missed and the first that met the
-tolerance. Each step is one full run over the calibration data, so a graph of ``n`` candidates costs at
-most about ``2 * log2(n)`` runs — never one run per node or per segment.
+tolerance. Local error is not output error: a node can rank high and still not matter downstream. So the
+search then *trims*: it gives the moved nodes back to low precision in groups (halves, then quarters, ...
+of what is still moved), keeping each give-back that still meets the tolerance, for at most
+``trim_runs(k)`` more runs for ``k`` moved nodes. Each step is one full run over the calibration data, so
+a graph of ``n`` candidates costs at most about ``2 * log2(n) + 2 * log2(k)`` runs — never one run per
+node or per segment.
 
 If the tolerance is missed with every candidate in fp32, the search returns the all-fp32 plan, marks the
 result ``met=False`` and logs a warning; it does not raise, because the model is still usable and the
@@ -64,11 +68,14 @@ def search(
     order = rank(plan, local_error, given)
     errors: list[tuple[int, float]] = []
 
-    def run(k: int) -> float:
-        error = measure(_with_moves(given, order[:k], local_error, low_name))
-        errors.append((k, error))
-        log.info("tolerance search: %d node(s) in fp32 -> max relative output error %.3g", k, error)
+    def run_with(moved: list[str]) -> float:
+        error = measure(_with_moves(given, moved, local_error, low_name, order))
+        errors.append((len(moved), error))
+        log.info("tolerance search: %d node(s) in fp32 -> max relative output error %.3g", len(moved), error)
         return error
+
+    def run(k: int) -> float:
+        return run_with(order[:k])
 
     initial = run(0)
     met_at, met_error, missed = (0, initial, -1) if initial <= tolerance else (None, math.inf, 0)
@@ -84,7 +91,7 @@ def search(
     if met_at is None:
         log.warning("tolerance %.3g not met even with all %d candidate nodes in fp32 (error %.3g)",
                     tolerance, len(order), errors[-1][1])
-        return SearchResult(_with_moves(given, order, local_error, low_name), order, errors[-1][1], initial,
+        return SearchResult(_with_moves(given, order, local_error, low_name, order), order, errors[-1][1], initial,
                             False, len(errors), errors)
     while met_at - missed > 1:  # bisect: the smallest prefix that meets the tolerance
         k = (missed + met_at) // 2
@@ -93,15 +100,45 @@ def search(
             met_at, met_error = k, error
         else:
             missed = k
-    moved = order[:met_at]
-    return SearchResult(_with_moves(given, moved, local_error, low_name), moved, met_error, initial, True,
+    moved, met_error = _trim(order[:met_at], met_error, tolerance, run_with)
+    return SearchResult(_with_moves(given, moved, local_error, low_name, order), moved, met_error, initial, True,
                         len(errors), errors)
 
 
+def trim_runs(moved: int) -> int:
+    """The most runs the trim spends on ``moved`` nodes: two per halving level."""
+    return 2 * math.ceil(math.log2(moved)) if moved > 1 else 0
+
+
+def _trim(moved: list[str], error: float, tolerance: float,
+          run_with: Callable[[list[str]], float]) -> tuple[list[str], float]:
+    """Give groups of ``moved`` back to low precision while the tolerance holds (module docstring).
+
+    Groups halve in size level by level; a level tries its first two groups of what is still moved, so the
+    runs stay within :func:`trim_runs`. Returns the nodes still moved and the error measured with them.
+    """
+    kept, budget = list(moved), trim_runs(len(moved))
+    size = len(kept) // 2
+    while size >= 1 and budget > 0 and kept:
+        start, tries = 0, 0
+        while start < len(kept) and tries < 2 and budget > 0:
+            trial = kept[:start] + kept[start + size:]
+            budget, tries = budget - 1, tries + 1
+            trial_error = run_with(trial)
+            if trial_error <= tolerance:
+                kept, error = trial, trial_error
+            else:
+                start += size
+        size //= 2
+    return kept, error
+
+
 def _with_moves(given: Mapping[str, Decision], moved: list[str], local_error: Mapping[str, float],
-                low_name: str) -> dict[str, Decision]:
+                low_name: str, order: list[str]) -> dict[str, Decision]:
     result = dict(given)
-    for rank_index, name in enumerate(moved):
+    rank_of = {name: i for i, name in enumerate(order)}
+    for name in moved:
+        rank_index = rank_of[name]
         error = local_error.get(name)
         measured = f"{error:.2g}" if _known(error) else "not measurable"
         result[name] = Decision(
