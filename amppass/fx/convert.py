@@ -10,13 +10,14 @@ from torch import fx, nn
 
 from .. import __version__
 from ..analysis import overrides
+from ..analysis.calibration import check_tolerance
 from ..analysis.painting import paint
 from ..dtypes import max_finite, resolve_dtype, short_name
 from ..errors import InputError
 from ..report.flops import node_macs
 from ..training.backward import annotate_backward
 from ..training.module import TrainEvalGraphs
-from .calibrate import calibrated_plan, check_tolerance
+from .calibrate import calibrated_plan
 from .capture import capture
 from .rewrite import META_KEY, rewrite
 from .view import build_view

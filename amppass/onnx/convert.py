@@ -8,7 +8,7 @@ import math
 import os
 import tempfile
 import zipfile
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 
