@@ -24,7 +24,7 @@ from ..dtypes import FP16_MAX
 from ..errors import InputError
 from . import policy, runtime
 from .calibrate import Fp32Model, calibrated_plan
-from .macs import is_heavy, node_macs, value_shapes
+from .macs import is_heavy, node_macs, operands, value_shapes
 from .rewrite import META_KEY, SHORT, RewriteStats, rewrite
 from .view import build_view, clear_value_info, name_nodes, opsets
 from .weights import WeightStore, tensors
@@ -109,8 +109,7 @@ def convert_onnx(
         plan, calibration_info = calibrated_plan(
             Fp32Model(typed, view, refs, types, store), calibration, low, low_name, low_max, given, apply=apply,
             tolerance=tolerance, progress=progress, low_weight_tables=low_weight_tables)
-    heavy = [ref.node for ref in refs.values() if is_heavy(ref.node)]
-    shapes = value_shapes(typed, {v for node in heavy for v in list(node.input[:2]) + list(node.output[:1])})
+    shapes = value_shapes(typed, {v for ref in refs.values() if is_heavy(ref.node) for v in operands(ref.node)})
     for node in view.nodes:
         if node.name not in plan:
             continue

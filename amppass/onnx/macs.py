@@ -21,6 +21,11 @@ def is_heavy(node: onnx.NodeProto) -> bool:
     return node.domain in ("", "ai.onnx") and node.op_type in _COUNTERS
 
 
+def operands(node: onnx.NodeProto) -> list[str]:
+    """The values whose shapes :func:`node_macs` reads: the first two inputs and the output."""
+    return list(node.input[:2]) + list(node.output[:1])
+
+
 def value_shapes(model: onnx.ModelProto, wanted: set[str]) -> Shapes:
     """Value name -> concrete shape, for the ``wanted`` values of ``model`` (bodies included) whose shape
     is known."""
@@ -47,7 +52,7 @@ def node_macs(node: onnx.NodeProto, shapes: Shapes) -> int | None:
     """Multiply-accumulates ``node`` performs, or None if it is not a heavy op or a shape is unknown."""
     if not is_heavy(node):
         return None
-    known = [shapes.get(v) for v in list(node.input[:2]) + list(node.output[:1])]
+    known = [shapes.get(v) for v in operands(node)]
     if any(s is None for s in known) or len(node.input) < 2:
         return None
     return _COUNTERS[node.op_type](node, *known)
