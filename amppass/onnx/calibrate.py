@@ -42,7 +42,7 @@ from ..analysis.stats import CalibrationStats
 from ..analysis.view import GraphView
 from ..errors import CalibrationError
 from . import runtime
-from .rewrite import unique_name
+from .rewrite import all_names, unique_name
 from .simulate import rounding, simulate
 from .view import FLOAT, NodeRef, subgraphs
 from .weights import WeightStore, tensors
@@ -287,9 +287,8 @@ def _replay_model(model: onnx.ModelProto, refs: Mapping[str, NodeRef], candidate
     """The replay model (module docstring) and node -> [(replayed output, recorded output)]."""
     graph = model.graph
     initializers = {t.name: t for t in graph.initializer}
-    originals = {n.name: n for n in graph.node}
     constants = {n.output[0]: n for n in graph.node if n.op_type == "Constant"}
-    taken = {v for n in graph.node for v in list(n.input) + list(n.output)} | {n.name for n in graph.node}
+    taken = all_names(model)
     nodes: list[onnx.NodeProto] = []
     fed: dict[str, None] = {}
     used: dict[str, onnx.TensorProto] = {}
@@ -305,7 +304,7 @@ def _replay_model(model: onnx.ModelProto, refs: Mapping[str, NodeRef], candidate
         return rounded[value]
 
     for name in candidates:
-        node = originals[name]
+        node = refs[name].node
         twin = onnx.NodeProto()
         twin.CopyFrom(node)
         del twin.metadata_props[:]
