@@ -9,7 +9,7 @@ control node that owns them, so painting sees the outer values they capture alre
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import onnx
 from onnx import TensorProto
@@ -31,7 +31,8 @@ class NodeRef:
 
     node: onnx.NodeProto
     planned: list[int]  # input positions holding float32 values the plan may cast
-    evidence: dict = field(default_factory=dict)  # facts the policy found (no low kernel, custom op), reported
+    # facts the policy found (no low kernel, custom op), reported; the policy's cached, read-only mapping
+    evidence: Mapping[str, Any] = field(default_factory=dict)
 
 
 def subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
@@ -171,7 +172,7 @@ def _op_view(node: onnx.NodeProto, types: dict[str, int], versions: dict[str, in
         planned_view = list(dict.fromkeys(node.input[i] for i in planned))
     if category is Category.KEEP and (node.op_type in _ANY_FLOAT_TYPE or typed_by_attribute):
         planned = []  # reads any float type as it is; other KEEP ops (If/Loop/Scan, Range) read fp32
-    refs[node.name] = NodeRef(node, planned, dict(found.evidence))
+    refs[node.name] = NodeRef(node, planned, found.evidence)
     return OpView(
         name=node.name,
         op=node.op_type if not domain else f"{domain}.{node.op_type}",
