@@ -13,6 +13,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 import onnx
+import torch
 from onnx import TensorProto, external_data_helper
 
 from .. import __version__
@@ -20,7 +21,7 @@ from ..analysis import overrides
 from ..analysis.calibration import check_tolerance
 from ..analysis.painting import paint
 from ..analysis.plan import PrecisionPlan
-from ..dtypes import FP16_MAX
+from ..dtypes import FP16_MAX, max_finite
 from ..errors import InputError
 from . import policy, runtime
 from .calibrate import Fp32Model, calibrated_plan
@@ -33,7 +34,6 @@ log = logging.getLogger(__name__)
 
 _LOW = {"fp16": TensorProto.FLOAT16, "float16": TensorProto.FLOAT16, "half": TensorProto.FLOAT16,
         "bf16": TensorProto.BFLOAT16, "bfloat16": TensorProto.BFLOAT16}
-_BF16_MAX = 3.3895313892515355e38
 PROTOBUF_LIMIT = 2 * 1024**3
 IR_WITH_NODE_METADATA = 10  # NodeProto.metadata_props arrived with IR version 10
 
@@ -74,7 +74,7 @@ def convert_onnx(
     """
     check_tolerance(tolerance, calibration, example="[{input name: array, ...}, ...]")
     low = _low_type(dtype)
-    low_name, low_max = SHORT[low], (FP16_MAX if low == TensorProto.FLOAT16 else _BF16_MAX)
+    low_name, low_max = SHORT[low], (FP16_MAX if low == TensorProto.FLOAT16 else max_finite(torch.bfloat16))
     source, base_dir = _load(model)
     store = WeightStore(base_dir)
     work = store.skeleton(source)  # the private copy the conversion works on; payloads stay in the store

@@ -125,6 +125,8 @@ def quantized_nodes(graph: onnx.GraphProto) -> dict[str, Decision]:
     """fp32 decisions for the nodes of ``graph`` between DequantizeLinear and QuantizeLinear (QDQ format):
     every input that is not an initializer comes from a DequantizeLinear, every output goes to
     QuantizeLinear only."""
+    if not any(n.op_type == "DequantizeLinear" for n in graph.node):
+        return {}  # no QDQ section: spare large graphs the two maps below
     producers = {v: n for n in graph.node for v in n.output}
     readers: dict[str, list[onnx.NodeProto]] = {}
     for node in graph.node:
