@@ -113,32 +113,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    import amppass
-    from .onnx.convert import converted_dtype
+    from .onnx.convert import convert_onnx, converted_dtype
 
     _check_not_input(args.model, args.output, args.force)
     for path in (args.output, args.report, args.json):
         _check_writable(path)
     model = _load_onnx(args.model)
     feeds = _load_feeds(args.calib, model) if args.calib else None
-    convert_onnx = getattr(amppass, "convert_onnx", None)
-    if convert_onnx is None:
-        raise FileProblem(f"{args.model}: ONNX conversion is not available in this version of amppass")
     if args.tolerance is not None and feeds is None:
         raise UsageError("--tolerance needs --calib FEEDS.npz: the output error is measured on those feeds")
     options: dict[str, Any] = {"dtype": args.dtype, "keep_fp32": args.keep_fp32, "force_low": args.force_low}
     if feeds is not None:
         options.update(calibration=feeds, tolerance=args.tolerance, progress=sys.stderr.isatty())
-    try:
-        if converted_dtype(model) == args.dtype:  # convert_onnx would return it unchanged; say so in one line
-            print(f"{args.model}: already converted by amppass to {args.dtype}; writing it unchanged")
-            converted = model
-        else:
-            converted = convert_onnx(model, **options)
+    if converted_dtype(model) == args.dtype:  # convert_onnx returns it unchanged, with a log warning
+        print(f"{args.model}: already converted by amppass to {args.dtype}; writing it unchanged")
+    try:  # from the path: weights in external files are memory-mapped, not loaded
+        converted = convert_onnx(args.model, **options)
     except AmpPassError as error:
         raise FileProblem(f"{args.model}: {_one_line(error)}") from error
     report = _read_report(converted, args.model)
-    outputs: dict[str, str | bytes] = {args.output: _serialize(converted, args.model)}
+    outputs: dict[str, str | bytes | onnx.ModelProto] = {args.output: converted}
     if args.report:
         outputs[args.report] = report.to_html(title=os.path.basename(args.model))
     if args.json:
@@ -193,13 +187,13 @@ def _check_writable(path: str | None) -> None:
 
 
 def _load_onnx(path: str) -> onnx.ModelProto:
-    """The model at ``path``, checked to be a well-formed ONNX model."""
+    """The model at ``path`` without its external data, checked to be a well-formed ONNX model."""
     if not os.path.exists(path):
         raise FileProblem(f"{path}: no such file")
     if not os.path.isfile(path):
         raise FileProblem(f"{path}: not a file")
     try:
-        model = onnx.load(path)
+        model = onnx.load(path, load_external_data=False)
     except Exception as error:  # protobuf decode errors, missing external data, unreadable file
         raise FileProblem(f"{path}: not a readable ONNX model ({_one_line(error)})") from error
     if model.ir_version == 0 or not model.HasField("graph"):
@@ -274,23 +268,25 @@ def _read_report(model: onnx.ModelProto, path: str) -> Report:
         raise FileProblem(f"{path}: {_one_line(error)}") from error
 
 
-def _serialize(model: onnx.ModelProto, path: str) -> bytes:
-    try:
-        return model.SerializeToString()
-    except ValueError as error:  # protobuf refuses messages over 2 GB
-        raise FileProblem(f"{path}: converted model is too large to write as one file ({_one_line(error)})") from error
+def _write_all(outputs: dict[str, str | bytes | onnx.ModelProto]) -> None:
+    """Write every output atomically (a model through :func:`amppass.onnx.convert.save`, with external data
+    when it is over 2 GB); if one fails, remove those already written by this run."""
+    from .onnx.convert import save
 
-
-def _write_all(outputs: dict[str, str | bytes]) -> None:
-    """Write every output atomically; if one fails, remove those already written by this run."""
     written: list[str] = []
     try:
         for path, data in outputs.items():
-            write_atomic(path, data)
-            written.append(path)
+            if isinstance(data, onnx.ModelProto):
+                data_file, existed = path + ".data", os.path.exists(path + ".data")
+                save(data, path)
+                written += [path] + ([data_file] if os.path.exists(data_file) and not existed else [])
+            else:
+                write_atomic(path, data)
+                written.append(path)
     except OSError as error:
         for path in written:
-            os.remove(path)
+            if os.path.exists(path):
+                os.remove(path)
         raise FileProblem(f"{error.filename or path}: cannot write: {error.strerror or error}") from error
 
 
