@@ -104,12 +104,14 @@ def _external(module: str, title: str, call: Callable) -> Callable[[bool, Path],
 def _onnx_calibration(quick: bool, out: Path) -> Section:
     from . import onnx_calibration
 
-    timing, search = onnx_calibration.run(quick)
+    timing, search, zoo = onnx_calibration.run(quick)
     section = Section("ONNX calibration and tolerance search", "", notes=list(onnx_calibration.NOTES))
     section.tables.append(("Conversion time: amppass without and with one calibration batch, onnxconverter-common "
                            "(median of 5)", timing))
     section.tables.append(("Tolerance search on the sensor conv net (models/sensor.py): 3 calibration feeds, "
                            "2 held out", search))
+    section.tables.append(("Tolerance search on the small zoo (both front ends; calibration seeds 1-4 for FX, "
+                           "0-1 for ONNX; held out: seed 10)", zoo))
     return section
 
 
