@@ -43,11 +43,15 @@ class Calibration:
     """What one pass over the calibration data recorded."""
 
     stats: CalibrationStats
-    batches: int = 0
     seconds: float = 0.0
     local_error: dict[str, float] = field(default_factory=dict)  # node -> relative error replayed low
     kept: list[tuple[tuple, dict]] = field(default_factory=list)  # the batches, for the tolerance search
     references: list[list[torch.Tensor]] = field(default_factory=list)  # their fp32 floating outputs
+
+    @property
+    def batches(self) -> int:
+        """Batches folded into the statistics."""
+        return self.stats.batches
 
 
 def calibrate(
@@ -85,7 +89,6 @@ def calibrate(
             if keep:
                 result.kept.append((args, kwargs))
                 result.references.append([t.clone() for t in _floating(raw)])
-            result.batches += 1
             result.stats.batches += 1
             advance()
     result.seconds = time.perf_counter() - start

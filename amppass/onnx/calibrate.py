@@ -73,13 +73,17 @@ class Calibration:
     """What one pass over the calibration feeds recorded."""
 
     stats: CalibrationStats
-    batches: int = 0
     seconds: float = 0.0
     unobserved: list[str] = field(default_factory=list)  # fp32 values onnxruntime cannot return
     local_error: dict[str, float] = field(default_factory=dict)  # node -> relative error replayed low
     kept: list[dict[str, np.ndarray]] = field(default_factory=list)  # the feeds, for the tolerance search
     references: list[list[np.ndarray]] = field(default_factory=list)  # their fp32 floating outputs
     output_names: list[str] = field(default_factory=list)  # the floating graph outputs compared
+
+    @property
+    def batches(self) -> int:
+        """Batches folded into the statistics."""
+        return self.stats.batches
 
 
 def calibrated_plan(
@@ -171,7 +175,6 @@ def calibrate(
                 result.references.append([values[o] for o in floating])
             if index == 0 and replay is not None:
                 first = values
-            result.batches += 1
             result.stats.batches += 1
             advance()
     if replay is not None:
