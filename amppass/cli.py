@@ -175,15 +175,15 @@ def _check_not_input(model: str, output: str, force: bool) -> None:
 
 
 def _check_writable(path: str | None) -> None:
+    """Fail before any work if an output cannot be written (the library's own check, as a CLI error)."""
+    from .onnx.convert import check_target
+
     if path is None:
         return
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise FileProblem(f"{path}: is a folder; give a file name to write")
-    if not os.path.isdir(folder):
-        raise FileProblem(f"{path}: cannot write there: folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise FileProblem(f"{path}: cannot write there: folder {folder} is not writable")
+    try:
+        check_target(path)
+    except AmpPassError as error:
+        raise FileProblem(str(error)) from error
 
 
 def _load_onnx(path: str) -> onnx.ModelProto:

@@ -170,7 +170,8 @@ def save(model: onnx.ModelProto, path: str | os.PathLike, external_data: bool | 
 
 
 def check_target(path: str | os.PathLike) -> str:
-    """``path`` as a string, if a model can be written there: not a folder, in a folder that exists."""
+    """``path`` as a string, if a file can be written there: not a folder, in a folder that exists and
+    that this process may write to."""
     path = os.fspath(path)
     if os.path.isdir(path):
         raise InputError(f"{path!r} is a folder; give the file name to write the model to, e.g. "
@@ -178,6 +179,8 @@ def check_target(path: str | os.PathLike) -> str:
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise InputError(f"cannot write {path!r}: folder {folder!r} does not exist; create it first")
+    if not os.access(folder, os.W_OK):
+        raise InputError(f"cannot write {path!r}: folder {folder!r} is not writable; choose another folder")
     return path
 
 
