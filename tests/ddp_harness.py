@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 from torch import nn
 
 WORLD_SIZE = 2
@@ -26,6 +27,35 @@ def params(model: nn.Module) -> list[torch.Tensor]:
 def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     """Whether two parameter lists are bit-identical."""
     return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def train_steps(model: nn.Module, opt: torch.optim.Optimizer, scaler, rank: int, steps: int,
+                poison_rank1: str | None) -> dict:
+    """Train ``model`` (DDP-wrapped) ``steps`` steps on this rank's own random data with ``scaler``; on the
+    last step optionally poison rank 1 only: "loss" (DDP's all-reduce spreads the inf to rank 0) or "grad"
+    (after the all-reduce, so only rank 1 sees it, as with sharded FSDP/ZeRO gradients).
+
+    Returns the scales after each step, the parameters before the last step and after it, and the
+    gradient dtypes seen.
+    """
+    torch.manual_seed(100 + rank)  # each rank its own data
+    record: dict = {"scales": [], "grad_dtypes": set()}
+    for step in range(steps):
+        poison = poison_rank1 if (rank == 1 and step == steps - 1) else None
+        record["before"] = params(model)
+        opt.zero_grad()
+        loss = F.mse_loss(model(torch.randn(8, 4)), torch.randn(8, 1))
+        if poison == "loss":
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        if poison == "grad":
+            next(model.parameters()).grad[0, 0] = float("inf")
+        record["grad_dtypes"] |= {p.grad.dtype for p in model.parameters()}
+        scaler.step(opt)
+        scaler.update()
+        record["scales"].append(scaler.get_scale())
+    record["after"] = params(model)
+    return record
 
 
 def _free_port() -> int:

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from amppass.training.loss_scaler import LossScaler
-from tests.ddp_harness import params, run_ranks, same
+from tests.ddp_harness import run_ranks, same, train_steps
 
 INIT_SCALE = 2.0**10
 TIMEOUT_S = 60  # the whole run takes a few seconds; this only stops a hang
@@ -20,24 +19,7 @@ def _train(rank: int, scaler: LossScaler, poison_rank1: str | None = None, steps
     torch.manual_seed(0)  # the same initial weights on both ranks (DDP broadcasts them anyway)
     model = DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    torch.manual_seed(100 + rank)  # each rank its own data
-    record: dict = {"scales": []}
-    for step in range(steps):
-        poison = poison_rank1 if (rank == 1 and step == steps - 1) else None
-        record["before"] = params(model)
-        opt.zero_grad()
-        loss = F.mse_loss(model(torch.randn(8, 4)), torch.randn(8, 1))
-        if poison == "loss":
-            loss = loss * float("inf")  # DDP's gradient all-reduce spreads this to rank 0 too
-        scaler.scale(loss).backward()
-        if poison == "grad":
-            # After DDP's all-reduce, so only this rank sees it: what sharded (FSDP/ZeRO) gradients look like.
-            next(model.parameters()).grad[0, 0] = float("inf")
-        scaler.step(opt)
-        scaler.update()
-        record["scales"].append(scaler.get_scale())
-    record["after"] = params(model)
-    return record
+    return train_steps(model, opt, scaler, rank, steps, poison_rank1)
 
 
 def _rank_results(rank: int) -> dict:

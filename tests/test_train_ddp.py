@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import amppass
-from tests.ddp_harness import params, run_ranks, same
+from tests.ddp_harness import run_ranks, same, train_steps
 
 INIT_SCALE = 2.0**10
 STEPS = 3
@@ -23,24 +22,7 @@ def _train(rank: int, poison_rank1: str | None) -> dict:
     converted = amppass.convert(net, (torch.randn(8, 4),), dtype=torch.float16, mode="train")
     model = DistributedDataParallel(converted)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    scaler = amppass.LossScaler(init_scale=INIT_SCALE)
-    torch.manual_seed(100 + rank)  # each rank its own data
-    record: dict = {"scales": [], "grad_dtypes": set()}
-    for step in range(STEPS):
-        poison = poison_rank1 if (rank == 1 and step == STEPS - 1) else None
-        record["before"] = params(model)
-        opt.zero_grad()
-        loss = F.mse_loss(model(torch.randn(8, 4)), torch.randn(8, 1))
-        if poison == "loss":
-            loss = loss * float("inf")  # DDP's gradient all-reduce spreads it to rank 0
-        scaler.scale(loss).backward()
-        if poison == "grad":
-            next(model.parameters()).grad[0, 0] = float("inf")  # after the all-reduce: this rank only
-        record["grad_dtypes"] |= {p.grad.dtype for p in model.parameters()}
-        scaler.step(opt)
-        scaler.update()
-        record["scales"].append(scaler.get_scale())
-    record["after"] = params(model)
+    record = train_steps(model, opt, amppass.LossScaler(init_scale=INIT_SCALE), rank, STEPS, poison_rank1)
     record["param_dtypes"] = {p.dtype for p in model.parameters()}
     record["running_mean"] = converted.state_dict()["1.running_mean"].clone()
     return record
