@@ -71,14 +71,15 @@ def paint(
             origin = decision.evidence.get("origin")
             if origin:
                 denied.update({value: origin for value in node.outputs})
-    _cast_early(view, plan, low_name, given)
-    _resolve_weight_only(view, plan, low_name, low_weight_tables)
+    consumers = view.consumers()
+    _cast_early(view, plan, low_name, given, consumers)
+    _resolve_weight_only(view, plan, low_name, low_weight_tables, consumers)
     return plan
 
 
-def _cast_early(view: GraphView, plan: PrecisionPlan, low_name: str, given: Mapping[str, Decision]) -> None:
+def _cast_early(view: GraphView, plan: PrecisionPlan, low_name: str, given: Mapping[str, Decision],
+                consumers: Mapping[str, list[OpView]]) -> None:
     """Rule 8, in reverse graph order."""
-    consumers = view.consumers()
     outputs = set(view.outputs)
     for node in reversed(view.nodes):
         decision = plan[node.name]
@@ -97,9 +98,9 @@ def _cast_early(view: GraphView, plan: PrecisionPlan, low_name: str, given: Mapp
         )
 
 
-def _resolve_weight_only(view: GraphView, plan: PrecisionPlan, low_name: str, always_low: bool) -> None:
+def _resolve_weight_only(view: GraphView, plan: PrecisionPlan, low_name: str, always_low: bool,
+                         consumers: Mapping[str, list[OpView]]) -> None:
     """Rule 7, in reverse graph order so chains of weight-only ops resolve from their far end."""
-    consumers = view.consumers()
     for node in reversed(view.nodes):
         decision = plan[node.name]
         if not decision.evidence.get("weights_only"):
