@@ -223,7 +223,7 @@ def _load(model: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.ModelProto, 
             "torch models)" if zipfile.is_zipfile(path) else ""
         raise InputError(f"{path!r} could not be read as an ONNX model ({err}); is it an .onnx file?{hint}") from err
     _check_has_graph(loaded, repr(path))
-    return loaded, (None if _all_inline(loaded) else os.path.dirname(os.path.abspath(path)))
+    return loaded, os.path.dirname(os.path.abspath(path))  # read only for tensors kept in external files
 
 
 def _check_has_graph(model: onnx.ModelProto, where: str) -> None:
