@@ -8,18 +8,21 @@ Every error is one line on stderr naming the file and the problem; no output fil
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
 import zipfile
-from typing import Any, NoReturn, Sequence
+from typing import Any, Iterator, NoReturn, Sequence
 
 import numpy as np
 import onnx
 
 from . import __version__
 from .errors import AmpPassError
-from .report.report import Report, write_atomic
+from .files import Staged, check_writable
+from .onnx.view import dims as value_dims
+from .report.report import Report
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from .onnx.convert import convert_onnx, converted_dtype
+    from .onnx.convert import convert_skeleton, converted_dtype
 
     _check_not_input(args.model, args.output, args.force)
     for path in (args.output, args.report, args.json):
@@ -127,22 +130,24 @@ def _convert(args: argparse.Namespace) -> int:
         options.update(calibration=feeds, tolerance=args.tolerance, progress=sys.stderr.isatty())
     if converted_dtype(model) == args.dtype:  # convert_onnx returns it unchanged, with a log warning
         print(f"{args.model}: already converted by amppass to {args.dtype}; writing it unchanged")
-    try:  # from the path: weights in external files are memory-mapped, not loaded
-        converted = convert_onnx(args.model, **options)
+    del model  # the conversion reads the file again: external data memory-mapped, payloads streamed out
+    try:
+        converted = convert_skeleton(args.model, **options)
     except AmpPassError as error:
         raise FileProblem(f"{args.model}: {_one_line(error)}") from error
-    report = _read_report(converted, args.model)
-    outputs: dict[str, str | bytes | onnx.ModelProto] = {args.output: converted}
-    if args.report:
-        outputs[args.report] = report.to_html(title=os.path.basename(args.model))
-    if args.json:
-        outputs[args.json] = report.to_json()
-    _write_all(outputs)
+    report = _read_report(converted.model, args.model)
+    with _writing() as staged:  # every output lands, or none does and the user's files stay as they were
+        converted.stage(staged, args.output)
+        if args.report:
+            staged.write(args.report, report.to_html(title=os.path.basename(args.model)))
+        if args.json:
+            staged.write(args.json, report.to_json())
     from .report.terminal import summary_panel
 
     _console().print(summary_panel(report))
-    for path in outputs:
-        print(f"wrote {path}")
+    for path in (args.output, args.report, args.json):
+        if path:
+            print(f"wrote {path}")
     return 0
 
 
@@ -150,17 +155,17 @@ def _report(args: argparse.Namespace) -> int:
     for path in (args.json, args.html):
         _check_writable(path)
     report = _read_report(_load_onnx(args.model), args.model)
-    outputs: dict[str, str | bytes] = {}
-    if args.html:
-        outputs[args.html] = report.to_html(title=os.path.basename(args.model))
-    if args.json:
-        outputs[args.json] = report.to_json()
-    _write_all(outputs)
+    with _writing() as staged:
+        if args.html:
+            staged.write(args.html, report.to_html(title=os.path.basename(args.model)))
+        if args.json:
+            staged.write(args.json, report.to_json())
     from .report.terminal import render
 
     _console().print(render(report, max_rows=args.rows))
-    for path in outputs:
-        print(f"wrote {path}")
+    for path in (args.html, args.json):
+        if path:
+            print(f"wrote {path}")
     return 0
 
 
@@ -176,12 +181,10 @@ def _check_not_input(model: str, output: str, force: bool) -> None:
 
 def _check_writable(path: str | None) -> None:
     """Fail before any work if an output cannot be written (the library's own check, as a CLI error)."""
-    from .onnx.convert import check_target
-
     if path is None:
         return
     try:
-        check_target(path)
+        check_writable(path)
     except AmpPassError as error:
         raise FileProblem(str(error)) from error
 
@@ -206,54 +209,82 @@ def _load_onnx(path: str) -> onnx.ModelProto:
 
 
 def _load_feeds(path: str, model: onnx.ModelProto) -> list[dict[str, np.ndarray]]:
-    """Calibration batches from a .npz, checked against the model's inputs (see ``--calib``)."""
+    """Calibration batches from a .npz, checked against the model's inputs (see ``--calib``).
+
+    Every array's shape and dtype are checked from its .npy header before any array is read, so a small
+    file that would expand to gigabytes is refused without reading it."""
     if not os.path.isfile(path):
         raise FileProblem(f"{path}: no such file")
     if not zipfile.is_zipfile(path):
         raise FileProblem(f"{path}: not a .npz file (write the feeds with numpy.savez)")
-    try:
-        with np.load(path, allow_pickle=False) as archive:
-            arrays = {name: archive[name] for name in archive.files}
-    except Exception as error:  # not a zip, a pickled object, a truncated file
-        raise FileProblem(f"{path}: not a .npz of arrays written by numpy.savez ({_one_line(error)})") from error
+    declared = _declared(path)
     initializers = {t.name for t in model.graph.initializer}
     inputs = [i for i in model.graph.input if i.name not in initializers]
     names = [i.name for i in inputs]
-    missing = [n for n in names if n not in arrays]
-    extra = sorted(set(arrays) - set(names))
+    missing = [n for n in names if n not in declared]
+    extra = sorted(set(declared) - set(names))
     if missing or extra:
         problem = f"no array for model input(s) {', '.join(missing)}" if missing else \
             f"array(s) {', '.join(extra)} are not model inputs"
         raise FileProblem(f"{path}: {problem}; the model's inputs are {', '.join(names)}, "
-                          f"the file's arrays {', '.join(sorted(arrays)) or '(none)'}")
-    batches: dict[str, list[np.ndarray]] = {}
-    for value in inputs:
-        batches[value.name] = _batches(path, value, arrays[value.name])
-    counts = {len(b) for b in batches.values()}
-    if len(counts) != 1:
+                          f"the file's arrays {', '.join(sorted(declared)) or '(none)'}")
+    counts = {value.name: _batch_count(path, value, *declared[value.name]) for value in inputs}
+    if len(set(counts.values())) != 1:
         raise FileProblem(f"{path}: arrays hold different numbers of batches: "
-                          + ", ".join(f"{n}={len(b)}" for n, b in batches.items()))
-    return [{name: b[i] for name, b in batches.items()} for i in range(counts.pop())]
+                          + ", ".join(f"{n}={c}" for n, c in counts.items()))
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            arrays = {name: archive[name] for name in names}
+    except Exception as error:  # a truncated or damaged file
+        raise FileProblem(f"{path}: not a .npz of arrays written by numpy.savez ({_one_line(error)})") from error
+    batches = {value.name: _batches(value, arrays[value.name]) for value in inputs}
+    return [{name: b[i] for name, b in batches.items()} for i in range(counts[names[0]])] if names else []
 
 
-def _batches(path: str, value: onnx.ValueInfoProto, array: np.ndarray) -> list[np.ndarray]:
-    tensor = value.type.tensor_type
-    dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
-    if array.ndim == len(dims):
-        batches = [array]
-    elif array.ndim == len(dims) + 1:
-        batches = list(array)
-    else:
-        raise FileProblem(f"{path}: array {value.name} has shape {array.shape}; the model's input has rank "
+def _declared(path: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Array name -> (shape, dtype) from each member's .npy header; no array data is read."""
+    found = {}
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for member in archive.infolist():
+                name = member.filename[:-4] if member.filename.endswith(".npy") else member.filename
+                with archive.open(member) as stream:
+                    version = np.lib.format.read_magic(stream)
+                    read = {(1, 0): np.lib.format.read_array_header_1_0,
+                            (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+                    if read is None:
+                        raise ValueError(f"array {name}: .npy format {version} is not one numpy.savez writes "
+                                         "for numeric arrays")
+                    shape, _, dtype = read(stream)
+                if dtype.hasobject:
+                    raise ValueError(f"array {name} holds Python objects")
+                found[name] = (tuple(shape), dtype)
+    except Exception as error:  # not a zip of .npy files, a pickled object, a truncated header
+        raise FileProblem(f"{path}: not a .npz of arrays written by numpy.savez ({_one_line(error)})") from error
+    return found
+
+
+def _batch_count(path: str, value: onnx.ValueInfoProto, shape: tuple[int, ...], dtype: np.dtype) -> int:
+    """How many batches an array of the declared ``shape`` and ``dtype`` holds for input ``value``; a
+    FileProblem if it cannot feed it."""
+    dims = value_dims(value)
+    if len(shape) not in (len(dims), len(dims) + 1):
+        raise FileProblem(f"{path}: array {value.name} has shape {shape}; the model's input has rank "
                           f"{len(dims)} (give rank {len(dims)}, or {len(dims) + 1} for a list of batches)")
-    wanted = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type)
-    if array.dtype.kind != wanted.kind and not (array.dtype.kind in "iu" and wanted.kind in "iu"):
-        raise FileProblem(f"{path}: array {value.name} is {array.dtype}; the model's input is {wanted}")
-    for batch in batches:
-        if any(d is not None and d != s for d, s in zip(dims, batch.shape)):
-            shown = ["?" if d is None else d for d in dims]
-            raise FileProblem(f"{path}: array {value.name} has a batch of shape {batch.shape}; "
-                              f"the model's input is {shown}")
+    wanted = onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type)
+    if dtype.kind != wanted.kind and not (dtype.kind in "iu" and wanted.kind in "iu"):
+        raise FileProblem(f"{path}: array {value.name} is {dtype}; the model's input is {wanted}")
+    batch = shape[-len(dims):] if dims else ()
+    if any(d is not None and d != s for d, s in zip(dims, batch)):
+        shown = ["?" if d is None else d for d in dims]
+        raise FileProblem(f"{path}: array {value.name} has a batch of shape {batch}; the model's input is {shown}")
+    return shape[0] if len(shape) == len(dims) + 1 else 1
+
+
+def _batches(value: onnx.ValueInfoProto, array: np.ndarray) -> list[np.ndarray]:
+    """``array`` (checked by :func:`_batch_count`) as a list of batches in the input's dtype."""
+    wanted = onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type)
+    batches = [array] if array.ndim == len(value_dims(value)) else list(array)
     return [np.ascontiguousarray(b, dtype=wanted) for b in batches]
 
 
@@ -268,26 +299,14 @@ def _read_report(model: onnx.ModelProto, path: str) -> Report:
         raise FileProblem(f"{path}: {_one_line(error)}") from error
 
 
-def _write_all(outputs: dict[str, str | bytes | onnx.ModelProto]) -> None:
-    """Write every output atomically (a model through :func:`amppass.onnx.convert.save`, with external data
-    when it is over 2 GB); if one fails, remove those already written by this run."""
-    from .onnx.convert import save
-
-    written: list[str] = []
+@contextlib.contextmanager
+def _writing() -> Iterator[Staged]:
+    """A :class:`~amppass.files.Staged` set of outputs; a write that fails is a FileProblem naming its file."""
     try:
-        for path, data in outputs.items():
-            if isinstance(data, onnx.ModelProto):
-                data_file, existed = path + ".data", os.path.exists(path + ".data")
-                save(data, path)
-                written += [path] + ([data_file] if os.path.exists(data_file) and not existed else [])
-            else:
-                write_atomic(path, data)
-                written.append(path)
-    except OSError as error:
-        for path in written:
-            if os.path.exists(path):
-                os.remove(path)
-        raise FileProblem(f"{error.filename or path}: cannot write: {error.strerror or error}") from error
+        with Staged() as staged:
+            yield staged
+    except AmpPassError as error:
+        raise FileProblem(_one_line(error)) from error
 
 
 def _console():

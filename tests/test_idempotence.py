@@ -27,7 +27,7 @@ def test_onnx_reconvert_returns_an_unchanged_copy_and_warns(caplog):
     assert twice is not once and twice.SerializeToString() == before
     assert once.SerializeToString() == before
     assert [r.getMessage() for r in ours(caplog)] == [
-        "the model was already converted by amppass to fp16; returned unchanged"]
+        "the onnx.ModelProto passed to convert_onnx was already converted by amppass to fp16; returned unchanged"]
     assert amppass.report(twice).info == amppass.report(once).info
 
 

@@ -11,8 +11,9 @@ import torch
 
 import amppass
 from amppass.cli import main
-from amppass.onnx import convert as onnx_convert
+from amppass.onnx import wire
 from amppass.onnx.convert import save
+from amppass.onnx.weights import WeightStore
 from tests.test_bad_inputs import X, matmul_model
 
 
@@ -99,14 +100,16 @@ def test_model_file_unchanged(tmp_path):
     assert {p: (tmp_path / p).read_bytes() for p in before} == before
 
 
-def _partial_then_fail(model, f, *args, **kwargs):
-    """onnx.save_model that writes a few bytes of ``f`` (and of its data file) and then runs out of disk."""
-    with open(f, "wb") as out:
-        out.write(b"\x08\x07partial")
-    if kwargs.get("save_as_external_data"):
-        with open(os.path.join(os.path.dirname(f), kwargs["location"]), "wb") as out:
-            out.write(b"partial weights")
+def _partial_then_fail(out) -> None:
+    out.write(b"\x08\x07partial")
     raise OSError(28, "No space left on device")
+
+
+def _out_of_disk(monkeypatch) -> None:
+    """Both ways a model's bytes reach disk (streamed inline, or into a data file) write a few of them and
+    then run out of space."""
+    monkeypatch.setattr(wire, "write", lambda parts, store, out: _partial_then_fail(out))
+    monkeypatch.setattr(WeightStore, "write", lambda self, model, out, location: _partial_then_fail(out))
 
 
 @pytest.mark.parametrize("external", [False, True])
@@ -115,15 +118,15 @@ def test_failed_save_leaves_no_partial_file_and_keeps_the_old_one(tmp_path, monk
     target = tmp_path / "out.onnx"
     save(converted, target, external_data=external)
     before = {p: (tmp_path / p).read_bytes() for p in sorted(os.listdir(tmp_path))}
-    assert list(before) == (["out.onnx", "out.onnx.data"] if external else ["out.onnx"])
-    monkeypatch.setattr(onnx_convert.onnx, "save_model", _partial_then_fail)
+    assert len(before) == (2 if external else 1) and "out.onnx" in before
+    _out_of_disk(monkeypatch)
     with pytest.raises(OSError, match="No space left"):
         save(amppass.convert_onnx(matmul_model(), "bf16"), target, external_data=external)
     assert {p: (tmp_path / p).read_bytes() for p in sorted(os.listdir(tmp_path))} == before
 
 
 def test_failed_save_of_a_new_file_leaves_nothing(tmp_path, monkeypatch):
-    monkeypatch.setattr(onnx_convert.onnx, "save_model", _partial_then_fail)
+    _out_of_disk(monkeypatch)
     with pytest.raises(OSError):
         save(amppass.convert_onnx(matmul_model()), tmp_path / "new.onnx", external_data=True)
     assert os.listdir(tmp_path) == []

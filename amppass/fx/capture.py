@@ -2,6 +2,10 @@
 
 The caller's module is never changed: its training flags are restored after capture, and the graph
 module returned owns its own module tree (tensors are shared, never written in place).
+
+Capture is serialised by :data:`CAPTURE_LOCK`: torch.export keeps process-wide state (the proxy dispatch
+mode slot, the mode stack, the config patched below), so two threads exporting at once corrupt each other's
+traces. Everything after capture (analysis, rewrite, calibration) runs concurrently.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import contextlib
 import copy
 import inspect
 import logging
+import threading
 from typing import Any, Iterator
 
 import torch
@@ -19,6 +24,8 @@ from torch.export import Dim
 from ..errors import CaptureError, InputError
 
 log = logging.getLogger(__name__)
+
+CAPTURE_LOCK = threading.RLock()  # one torch.export / symbolic_trace / ONNX export at a time (module docstring)
 
 _HINTS = (
     "Try: pass example_inputs (and example_kwargs) exactly as forward() takes them; for data-dependent "
@@ -52,13 +59,13 @@ def capture(
         raise InputError(f"example_kwargs must be a dict of keyword inputs, got {type(example_kwargs).__name__}; "
                          "e.g. example_kwargs={'attention_mask': mask}")
     if example_inputs is None and example_kwargs is None:
-        with module_mode(model, train):
+        with CAPTURE_LOCK, module_mode(model, train):
             return _symbolic(model)
     args = example_inputs if isinstance(example_inputs, tuple) else (
         () if example_inputs is None else (tuple(example_inputs) if isinstance(example_inputs, list) else (example_inputs,))
     )
     kwargs = dict(example_kwargs or {})
-    with module_mode(model, train):
+    with CAPTURE_LOCK, module_mode(model, train):
         return _export(model, args, kwargs, dynamic_shapes)
 
 

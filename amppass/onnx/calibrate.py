@@ -45,6 +45,7 @@ from . import runtime
 from .rewrite import all_names, unique_name
 from .simulate import rounding, simulate
 from .view import FLOAT, NodeRef, subgraphs
+from .view import dims as value_dims
 from .weights import WeightStore, tensors
 
 log = logging.getLogger(__name__)
@@ -237,7 +238,7 @@ def _checked(where: str, info: onnx.ValueInfoProto, value: Any) -> np.ndarray:
         raise CalibrationError(f"{where}: dtype {array.dtype}, but the model's input is {wanted}; convert it "
                                f"with .astype(np.{wanted.name})")
     if tensor.HasField("shape"):
-        dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
+        dims = value_dims(info)
         if array.ndim != len(dims) or any(d is not None and d != s for d, s in zip(dims, array.shape)):
             shown = ["?" if d is None else d for d in dims]
             raise CalibrationError(f"{where}: shape {array.shape} does not fit the model's input shape {shown} "

@@ -1,4 +1,9 @@
-"""``amppass.convert_onnx``: load, analyse, paint, rewrite and re-type an ONNX model; and :func:`save`."""
+"""``amppass.convert_onnx``: load, check, analyse, paint, rewrite and re-type an ONNX model.
+
+Models are read as untrusted files: structure and tensors are checked (:mod:`amppass.onnx.validate`) and
+external data is read only from inside the model's folder (:mod:`amppass.onnx.external`). Saving is
+:func:`amppass.onnx.save.save`, re-exported here.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +11,15 @@ import json
 import logging
 import math
 import os
-import tempfile
 import zipfile
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 import numpy as np
 
 import onnx
 import torch
-from onnx import TensorProto, external_data_helper
+from onnx import TensorProto
 
 from .. import __version__
 from ..analysis import overrides
@@ -23,18 +28,20 @@ from ..analysis.painting import paint
 from ..analysis.plan import PrecisionPlan
 from ..dtypes import FP16_MAX, max_finite
 from ..errors import InputError
-from . import policy, runtime
+from ..files import Staged
+from . import policy, runtime, validate
+from . import save as saving
 from .calibrate import Fp32Model, calibrated_plan
 from .macs import is_heavy, node_macs, operands, value_shapes
 from .rewrite import META_KEY, SHORT, RewriteStats, rewrite
 from .view import build_view, clear_value_info, name_nodes, opsets
 from .weights import WeightStore, tensors
 
+save = saving.save
 log = logging.getLogger(__name__)
 
 _LOW = {"fp16": TensorProto.FLOAT16, "float16": TensorProto.FLOAT16, "half": TensorProto.FLOAT16,
         "bf16": TensorProto.BFLOAT16, "bfloat16": TensorProto.BFLOAT16}
-PROTOBUF_LIMIT = 2 * 1024**3
 IR_WITH_NODE_METADATA = 10  # NodeProto.metadata_props arrived with IR version 10
 
 
@@ -70,17 +77,57 @@ def convert_onnx(
         progress: show a progress bar on stderr while calibrating.
 
     Each node's decision is stored in its ``metadata_props["amppass"]`` and the summary in the model's;
-    ``amppass.report`` reads them back. Calibration decisions, when they exist, enter as ``given`` below.
+    ``amppass.report`` reads them back.
+    """
+    return convert_skeleton(model, dtype, keep_io_types=keep_io_types, keep_fp32=keep_fp32, force_low=force_low,
+                            low_weight_tables=low_weight_tables, calibration=calibration, tolerance=tolerance,
+                            progress=progress).materialized()
+
+
+@dataclass
+class Converted:
+    """A converted model whose tensor payloads are still held by its weight store."""
+
+    model: onnx.ModelProto  # a skeleton (:mod:`amppass.onnx.weights`): metadata complete, payloads in ``store``
+    store: WeightStore
+
+    def materialized(self) -> onnx.ModelProto:
+        """The model with every payload written in: a self-contained proto (the skeleton itself)."""
+        self.store.materialize(self.model)
+        return self.model
+
+    def stage(self, staged: Staged, path: str, external_data: bool | None = None) -> None:
+        """Add the model to ``staged`` as ``path``, streamed from the store (:func:`amppass.onnx.save.stage`)."""
+        saving.stage(staged, self.model, self.store, path, external_data)
+
+
+def convert_skeleton(
+    model: str | os.PathLike | onnx.ModelProto,
+    dtype: str = "fp16",
+    *,
+    keep_io_types: bool = True,
+    keep_fp32: Iterable[str] = (),
+    force_low: Iterable[str] = (),
+    low_weight_tables: bool = False,
+    calibration: Iterable[Mapping[str, np.ndarray]] | None = None,
+    tolerance: float | None = None,
+    progress: bool = False,
+) -> Converted:
+    """:func:`convert_onnx` without writing the payloads into the result: what the CLI saves from, streaming
+    each tensor from the store, so a conversion and its save hold no second copy of the model.
+
+    Calibration decisions, when they exist, enter as ``given`` below.
     """
     check_tolerance(tolerance, calibration, example="[{input name: array, ...}, ...]")
     low = _low_type(dtype)
     low_name, low_max = SHORT[low], (FP16_MAX if low == TensorProto.FLOAT16 else max_finite(torch.bfloat16))
-    source, base_dir = _load(model)
-    store = WeightStore(base_dir)
+    source, base_dir, where = _load(model)
+    store = WeightStore(base_dir, where)
     work = store.skeleton(source)  # the private copy the conversion works on; payloads stay in the store
+    validate.check_order(work, where)
     previous = converted_dtype(work)
     if previous is not None:
-        return _unchanged(work, store, previous, low_name, model)
+        return _unchanged(work, store, previous, low_name, where)
     versions = opsets(work)
     if low == TensorProto.BFLOAT16 and versions.get("", 1) < 13:
         raise InputError(f"bf16 needs opset 13 or later for Cast; this model imports opset {versions.get('', 1)}. "
@@ -121,7 +168,6 @@ def convert_onnx(
             plan[node.name].evidence["macs"] = macs
     stats = apply(typed, plan)
     result = _infer(typed)
-    store.materialize(result)
     info = {
         "amppass_version": __version__,
         "front_end": "onnx",
@@ -138,50 +184,7 @@ def convert_onnx(
     }
     _set_model_meta(result, info)
     log.info("converted ONNX model to %s: %d nodes planned, %d casts", low_name, len(plan), stats.casts)
-    return result
-
-
-def save(model: onnx.ModelProto, path: str | os.PathLike, external_data: bool | None = None) -> None:
-    """Write ``model`` to ``path`` atomically; weights go to ``<name>.data`` beside it when the model is
-    over 2 GB (protobuf's limit) or ``external_data`` is True."""
-    path = check_target(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    if external_data is None:
-        external_data = model.ByteSize() >= PROTOBUF_LIMIT if _all_inline(model) else True
-    fd, tmp = tempfile.mkstemp(prefix=".amppass-", suffix=".onnx", dir=folder)
-    os.close(fd)
-    tmp_data = tmp + ".data"  # nothing but this run writes here; removed below if the save fails
-    try:
-        if external_data:  # streamed tensor by tensor from ``model``, which is never copied whole
-            data_name = os.path.basename(path) + ".data"
-            store = WeightStore()
-            skeleton = store.skeleton(model)
-            with open(tmp_data, "wb") as out:
-                store.write(skeleton, out, data_name)
-            onnx.save_model(skeleton, tmp)
-            os.replace(tmp_data, os.path.join(folder, data_name))
-        else:
-            onnx.save_model(model, tmp)
-        os.replace(tmp, path)
-    finally:
-        for leftover in (tmp, tmp_data):
-            if os.path.exists(leftover):
-                os.remove(leftover)
-
-
-def check_target(path: str | os.PathLike) -> str:
-    """``path`` as a string, if a file can be written there: not a folder, in a folder that exists and
-    that this process may write to."""
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        raise InputError(f"{path!r} is a folder; give the file name to write the model to, e.g. "
-                         f"{os.path.join(path, 'model.onnx')!r}")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise InputError(f"cannot write {path!r}: folder {folder!r} does not exist; create it first")
-    if not os.access(folder, os.W_OK):
-        raise InputError(f"cannot write {path!r}: folder {folder!r} is not writable; choose another folder")
-    return path
+    return Converted(result, store)
 
 
 def weight_bytes(model: onnx.ModelProto) -> int:
@@ -201,12 +204,15 @@ def _low_type(dtype: object) -> int:
     return _LOW[key]
 
 
-def _load(model: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.ModelProto, str | None]:
+def _load(model: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.ModelProto, str | None, str]:
     """``model`` as a proto (the caller's own, to be read only, or the one loaded from the path; external
-    data not loaded) and the folder its external data lives in."""
+    data not loaded), the folder its external data lives in, and how messages name it. Nesting is checked
+    here, before anything walks the model recursively."""
     if isinstance(model, onnx.ModelProto):
-        _check_has_graph(model, "the onnx.ModelProto passed to convert_onnx")
-        return model, None
+        where = "the onnx.ModelProto passed to convert_onnx"
+        _check_has_graph(model, where)
+        validate.check_nesting(model, where)
+        return model, None, where
     if not isinstance(model, (str, os.PathLike)):
         raise InputError(f"convert_onnx takes a path to a .onnx file or an onnx.ModelProto, not {type(model).__name__}")
     path = os.fspath(model)
@@ -223,7 +229,8 @@ def _load(model: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.ModelProto, 
             "torch models)" if zipfile.is_zipfile(path) else ""
         raise InputError(f"{path!r} could not be read as an ONNX model ({err}); is it an .onnx file?{hint}") from err
     _check_has_graph(loaded, repr(path))
-    return loaded, os.path.dirname(os.path.abspath(path))  # read only for tensors kept in external files
+    validate.check_nesting(loaded, repr(path))
+    return loaded, os.path.dirname(os.path.abspath(path)), repr(path)
 
 
 def _check_has_graph(model: onnx.ModelProto, where: str) -> None:
@@ -246,10 +253,6 @@ def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
                          "onnx.checker.check_model(model, full_check=True) and fix the reported node") from err
 
 
-def _all_inline(model: onnx.ModelProto) -> bool:
-    return not any(external_data_helper.uses_external_data(t) for t in tensors(model.graph))
-
-
 def converted_dtype(model: onnx.ModelProto) -> str | None:
     """The low dtype ("fp16"/"bf16") amppass converted ``model`` to, from its metadata; None if it did not."""
     for entry in model.metadata_props:
@@ -261,16 +264,13 @@ def converted_dtype(model: onnx.ModelProto) -> str | None:
     return None
 
 
-def _unchanged(work: onnx.ModelProto, store: WeightStore, previous: str, wanted: str,
-               source: object) -> onnx.ModelProto:
+def _unchanged(work: onnx.ModelProto, store: WeightStore, previous: str, wanted: str, where: str) -> Converted:
     """``work`` as it is (an already converted model), when the caller asks for the dtype it already has."""
-    where = repr(os.fspath(source)) if isinstance(source, (str, os.PathLike)) else "the model"
     if previous != wanted:
         raise InputError(f"{where} was already converted by amppass to {previous}; it cannot be converted to "
                          f"{wanted} on top of that: convert the original float32 model with dtype='{wanted}'")
-    store.materialize(work)
     log.warning("%s was already converted by amppass to %s; returned unchanged", where, previous)
-    return work
+    return Converted(work, store)
 
 
 def _set_model_meta(model: onnx.ModelProto, info: dict) -> None:

@@ -11,8 +11,9 @@ import onnx
 import torch
 
 from ..errors import CaptureError, InputError
-from ..fx.capture import module_mode
-from .convert import check_target, convert_onnx, save
+from ..files import check_writable
+from ..fx.capture import CAPTURE_LOCK, module_mode
+from .convert import convert_onnx, save
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +34,8 @@ def export_onnx(
     if not isinstance(torch_model, torch.nn.Module):
         raise InputError(f"export_onnx takes a torch.nn.Module, got {type(torch_model).__name__}; for an ONNX "
                          "model already on disk use amppass.convert_onnx")
-    check_target(path)
-    with module_mode(torch_model, train=False):  # an inference export: dropout off, BN running stats
+    check_writable(path)
+    with CAPTURE_LOCK, module_mode(torch_model, train=False):  # an inference export: dropout off, BN running stats
         fp32 = export_fp32(torch_model, example_inputs)
     converted = convert_onnx(fp32, dtype, **convert_kwargs)
     save(converted, path)

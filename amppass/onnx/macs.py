@@ -11,7 +11,7 @@ import math
 
 import onnx
 
-from .view import subgraphs
+from .view import dims, subgraphs
 
 Shapes = dict[str, list[int]]
 
@@ -33,10 +33,11 @@ def value_shapes(model: onnx.ModelProto, wanted: set[str]) -> Shapes:
 
     def visit(graph: onnx.GraphProto) -> None:
         for info in list(graph.input) + list(graph.output) + list(graph.value_info):
-            tensor = info.type.tensor_type
-            if info.name in wanted and tensor.HasField("shape") and all(
-                    d.HasField("dim_value") for d in tensor.shape.dim):
-                shapes[info.name] = [d.dim_value for d in tensor.shape.dim]
+            if info.name not in wanted or not info.type.tensor_type.HasField("shape"):
+                continue
+            known = dims(info)
+            if all(d is not None for d in known):
+                shapes[info.name] = known
         for init in graph.initializer:
             if init.name in wanted:
                 shapes[init.name] = list(init.dims)

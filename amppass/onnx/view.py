@@ -106,6 +106,13 @@ def constant_tensor(node: onnx.NodeProto) -> onnx.TensorProto | None:
     return None
 
 
+def dims(info: onnx.ValueInfoProto) -> list[int | None]:
+    """The dimensions of a tensor value: fixed sizes, None for symbolic ones and for negative ones (Paddle and
+    some TF exports write ``dim_value: -1`` for a dynamic dimension)."""
+    return [d.dim_value if d.HasField("dim_value") and d.dim_value >= 0 else None
+            for d in info.type.tensor_type.shape.dim]
+
+
 def opsets(model: onnx.ModelProto) -> dict[str, int]:
     """Domain -> opset version imported by ``model`` ("" for the default domain)."""
     return {("" if o.domain == "ai.onnx" else o.domain): o.version for o in model.opset_import}

@@ -18,7 +18,6 @@ the fp32 tensors it reads and the converted result, never a second copy of the m
 from __future__ import annotations
 
 import math
-import os
 import warnings
 from typing import BinaryIO, Iterator
 
@@ -29,9 +28,11 @@ from onnx import TensorProto, external_data_helper, numpy_helper
 
 from ..dtypes import FP16_MAX
 from ..errors import InputError
+from . import validate
+from .external import RESERVED, ExternalFiles, info
 from .view import subgraphs
 
-LOCATION = "amppass:weight-store"  # the external-data location that names an in-memory store entry
+LOCATION = RESERVED  # the external-data location that names an in-memory store entry
 LIFT_BYTES = 1024  # smaller tensors stay in the proto: shape inference reads shapes and axes from them
 _SERIAL_CHUNK = 1 << 15  # torch's parallel grain size (at::internal::GRAIN_SIZE): smaller copies run serially
 _TORCH_LOW = {TensorProto.FLOAT16: torch.float16, TensorProto.BFLOAT16: torch.bfloat16}
@@ -52,11 +53,14 @@ class WeightStore:
     """Payloads of the large tensors of one conversion, keyed by the index in their external reference.
 
     ``base_dir`` is the folder the source model's own external-data files are found in (None for a model
-    given as a proto with every tensor inline).
+    given as a proto with every tensor inline); ``where`` names the model in error messages. Every tensor of
+    the source is checked as the skeleton is built (:func:`amppass.onnx.validate.check_tensor`, raw lengths),
+    and external files are read only through :class:`~amppass.onnx.external.ExternalFiles`.
     """
 
-    def __init__(self, base_dir: str | None = None):
-        self.base_dir = base_dir
+    def __init__(self, base_dir: str | None = None, where: str = "the model"):
+        self.base_dir, self.where = base_dir, where
+        self._files = ExternalFiles(base_dir, where) if base_dir is not None else None
         # an entry is the caller's tensor itself until its bytes are first read, then those bytes
         self._payloads: list[bytes | onnx.TensorProto] = []
         self._absmax: dict[int, float] = {}
@@ -70,7 +74,7 @@ class WeightStore:
             if field.name == "graph":
                 self._graph(value, work.graph)
             else:
-                _copy_field(work, field, value)
+                copy_field(work, field, value)
         return work
 
     def _graph(self, source: onnx.GraphProto, target: onnx.GraphProto) -> None:
@@ -82,7 +86,7 @@ class WeightStore:
                 for node in value:
                     self._node(node, target.node.add())
             else:
-                _copy_field(target, field, value)
+                copy_field(target, field, value)
 
     def _node(self, source: onnx.NodeProto, target: onnx.NodeProto) -> None:
         if not any(a.type in _NESTED for a in source.attribute):
@@ -90,7 +94,7 @@ class WeightStore:
             return
         for field, value in source.ListFields():
             if field.name != "attribute":
-                _copy_field(target, field, value)
+                copy_field(target, field, value)
                 continue
             for attr in value:
                 copy = target.attribute.add()
@@ -103,17 +107,22 @@ class WeightStore:
                         for body in avalue:
                             self._graph(body, copy.graphs.add())
                     else:
-                        _copy_field(copy, afield, avalue)
+                        copy_field(copy, afield, avalue)
 
     def _tensor(self, source: onnx.TensorProto, target: onnx.TensorProto) -> None:
+        validate.check_tensor(source, self.where)
         inline = source.HasField("raw_data") and source.data_location != TensorProto.EXTERNAL
         if not inline or _nbytes(source) <= LIFT_BYTES:
             target.CopyFrom(source)
+            if inline:
+                validate.check_raw_length(source, len(target.raw_data), _itemsize(source), self.where)
             return
         for field in source.DESCRIPTOR.fields:  # every field but the payload, which reading would copy
             value = getattr(source, field.name) if field.name != "raw_data" else None
             if hasattr(value, "extend") or (value is not None and source.HasField(field.name)):
-                _copy_field(target, field, value)
+                copy_field(target, field, value)
+        held = _raw_held(source, target.ByteSize(), _nbytes(source))
+        validate.check_raw_length(source, held, _itemsize(source), self.where)
         _point(target, LOCATION, self._add(source), _nbytes(source))
 
     # -- reading --------------------------------------------------------------------------------------
@@ -126,7 +135,11 @@ class WeightStore:
             return self._mapped(tensor)
         if tensor.HasField("raw_data"):
             return np.frombuffer(tensor.raw_data, _numpy_type(tensor)).reshape(tuple(tensor.dims))
-        return numpy_helper.to_array(tensor)
+        try:
+            return numpy_helper.to_array(tensor)
+        except (ValueError, TypeError) as err:
+            raise InputError(f"{self.where}: tensor {tensor.name!r} cannot be read ({err}); the model file is "
+                             "damaged: re-export it") from err
 
     def absmax(self, tensor: onnx.TensorProto) -> float:
         """Largest finite magnitude in ``tensor`` (0 for an empty one), computed once per entry."""
@@ -192,17 +205,28 @@ class WeightStore:
         to ``out``, one tensor at a time, and point the tensor at ``location`` (the name ``out`` will have
         beside the saved model). Memory stays at one tensor, however large the model."""
         for tensor in tensors(model.graph):
-            entry = _entry(tensor)
-            if entry is None and not external_data_helper.uses_external_data(tensor):
+            if not self.references(tensor):
                 continue
-            if entry is None:
-                payload: bytes | np.ndarray = self._mapped(tensor)
-            else:
-                held = self._payloads[entry]
-                payload = held.raw_data if isinstance(held, onnx.TensorProto) else held
             offset = out.tell()
-            out.write(payload)
+            out.write(self.payload(tensor))
             _point(tensor, location, offset, out.tell() - offset)
+
+    def references(self, tensor: onnx.TensorProto) -> bool:
+        """Whether ``tensor``'s bytes are held outside the proto: by this store or in an external file."""
+        return tensor.data_location == TensorProto.EXTERNAL
+
+    def payload(self, tensor: onnx.TensorProto) -> bytes | np.ndarray:
+        """The bytes of a tensor that :meth:`references` this store or an external file (a caller's tensor
+        never read before is read now, without being kept)."""
+        entry = _entry(tensor)
+        if entry is None:
+            return self._mapped(tensor)
+        held = self._payloads[entry]
+        return held.raw_data if isinstance(held, onnx.TensorProto) else held
+
+    def payload_size(self, tensor: onnx.TensorProto) -> int:
+        """Bytes :meth:`payload` returns for ``tensor``, known from its shape and type."""
+        return _nbytes(tensor)
 
     # -- internals ------------------------------------------------------------------------------------
     def _add(self, payload: bytes | onnx.TensorProto) -> int:
@@ -217,29 +241,21 @@ class WeightStore:
         return payload
 
     def _mapped(self, tensor: onnx.TensorProto) -> np.ndarray:
-        """A read-only memory map of a tensor stored in an external file beside the source model."""
-        info = {e.key: e.value for e in tensor.external_data}
-        if self.base_dir is None:
-            raise InputError(f"tensor {tensor.name!r} keeps its data in the external file {info.get('location')!r}, "
-                             "but the model was passed as a proto; pass the .onnx path so its data can be found")
-        path = os.path.join(self.base_dir, info.get("location", ""))
-        if not os.path.isfile(path):
-            raise InputError(f"tensor {tensor.name!r}: its external data file {path!r} is missing; keep the data "
-                             "file beside the .onnx file it belongs to")
-        offset = int(info.get("offset", 0))
+        """A read-only view of a tensor stored in an external file beside the source model (checked and
+        opened once by :class:`~amppass.onnx.external.ExternalFiles`)."""
+        if self._files is None:
+            raise InputError(f"tensor {tensor.name!r} keeps its data in the external file "
+                             f"{info(tensor).get('location')!r}, but the model was passed as a proto; pass the .onnx "
+                             "path so its data can be found")
         dtype = np.dtype(_numpy_type(tensor))
-        count = int(np.prod(tensor.dims, dtype=np.int64))
-        if "length" in info and int(info["length"]) != count * dtype.itemsize:
-            raise InputError(f"tensor {tensor.name!r}: its external data is {info['length']} bytes, but its shape "
-                             f"{list(tensor.dims)} needs {count * dtype.itemsize}; the model or its data file is damaged")
-        return np.memmap(path, dtype, "r", offset, shape=tuple(tensor.dims)) if count else np.zeros(
-            tuple(tensor.dims), dtype)
+        count = math.prod(tensor.dims)
+        return self._files.array(tensor, dtype, count).reshape(tuple(tensor.dims))
 
 
 _NESTED = frozenset({onnx.AttributeProto.TENSOR, onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS})
 
 
-def _copy_field(target: object, field: object, value: object) -> None:
+def copy_field(target: object, field: object, value: object) -> None:
     """Copy one set field of a protobuf message onto ``target`` (repeated, message or scalar)."""
     if hasattr(value, "extend"):  # repeated field: protobuf's own container types
         getattr(target, field.name).extend(value)
@@ -251,11 +267,29 @@ def _copy_field(target: object, field: object, value: object) -> None:
 
 def _nbytes(tensor: onnx.TensorProto) -> int:
     """Size of ``tensor``'s raw payload from its shape and type (reading ``raw_data`` would copy it)."""
+    return math.prod(tensor.dims) * _itemsize(tensor)
+
+
+def _itemsize(tensor: onnx.TensorProto) -> int:
     try:
-        itemsize = np.dtype(_numpy_type(tensor)).itemsize
+        return np.dtype(_numpy_type(tensor)).itemsize
     except InputError:
-        itemsize = 1
-    return math.prod(tensor.dims) * itemsize
+        return 1
+
+
+def _raw_held(tensor: onnx.TensorProto, header: int, expected: int) -> int:
+    """Bytes in ``tensor.raw_data``, from serialised sizes (reading the field would copy it): ``header`` is the
+    size of ``tensor`` without its payload, and the payload field adds one tag byte, its length as a varint
+    and the bytes themselves. Where that does not give ``expected`` (unknown fields also count in the size),
+    the field itself is measured."""
+    rest = tensor.ByteSize() - header - 1
+    if rest - _varint_width(expected) == expected:
+        return expected
+    return len(tensor.raw_data)
+
+
+def _varint_width(value: int) -> int:
+    return max(1, (value.bit_length() + 6) // 7)
 
 
 def _point(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
@@ -289,11 +323,12 @@ def _torch(array: np.ndarray) -> torch.Tensor:
 
 
 def _entry(tensor: onnx.TensorProto) -> int | None:
-    """The store entry ``tensor`` references, or None."""
+    """The store entry ``tensor`` references, or None (a source tensor naming the reserved location is refused
+    when the skeleton is built, so only the store's own references get here)."""
     if tensor.data_location != TensorProto.EXTERNAL:
         return None
-    info = {e.key: e.value for e in tensor.external_data}
-    return int(info["offset"]) if info.get("location") == LOCATION else None
+    fields = info(tensor)
+    return int(fields["offset"]) if fields.get("location") == LOCATION else None
 
 
 def _numpy_type(tensor: onnx.TensorProto) -> type:

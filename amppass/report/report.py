@@ -10,10 +10,11 @@ import json
 import math
 import os
 from importlib import resources
-import secrets
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from ..files import write_atomic
 
 SCHEMA_VERSION = 1
 LOW_PRECISIONS = ("fp16", "bf16")
@@ -40,8 +41,8 @@ class Row:
     @property
     def macs(self) -> int | None:
         """Multiply-accumulates of one call, where the front end could count them."""
-        value = self.evidence.get("macs")
-        return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+        value = _finite(self.evidence.get("macs"))
+        return None if value is None else int(value)
 
     @property
     def observed(self) -> tuple[float, float | None] | None:
@@ -71,7 +72,7 @@ class Report:
         return {
             "nodes": len(self.rows),
             "by_precision": self.counts(),
-            "casts": int(info.get("casts", 0)),
+            "casts": int(info.get("casts") or 0),
             "macs": {
                 "total": total,
                 "low": low,
@@ -194,19 +195,3 @@ def summary_lines(report: Report) -> list[str]:
     if not stats["calibrated"]:
         lines.append("uncalibrated: decisions come from op semantics and weights only")
     return lines
-
-
-def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file in the same folder, so no half file is left."""
-    path = os.fspath(path)
-    folder, base = os.path.split(os.path.abspath(path))
-    tmp = os.path.join(folder, f".{base}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    try:
-        # os.open with 0o666 so the file gets the usual permissions under the user's umask
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as out:
-            out.write(data.encode("utf-8") if isinstance(data, str) else data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise

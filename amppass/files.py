@@ -1,0 +1,237 @@
+"""Writing a user's files so that nothing they had is lost and no half-written file is left behind.
+
+Every file amppass writes goes through a :class:`Staged` set of writes:
+
+1. Each output is first written to a temporary file beside its final path (same folder, so the final
+   rename cannot cross filesystems), flushed and fsynced.
+2. Only when every output of the set is complete are the temporaries renamed over their final paths, and
+   the folders fsynced. If any write fails, every temporary is removed and the user's existing files are
+   exactly as they were; the error names the file that failed.
+3. New files get the permissions the user's umask gives any new file (0666 & ~umask); a file that is
+   replaced keeps its mode.
+4. While temporaries exist, a SIGTERM sent to the main thread unwinds through the clean-up (it becomes
+   ``SystemExit(143)``) instead of killing the process with the temporaries on disk. The handler is only
+   installed where none is (SIG_DFL), and restored afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+import signal
+import stat
+import threading
+from typing import BinaryIO, Callable, Iterator
+
+from .errors import InputError
+
+TEMP_PREFIX = ".amppass-"
+
+
+class WriteError(InputError, OSError):
+    """An output file could not be written; the message names it. Nothing the user had was changed.
+
+    Also an ``OSError``, so callers that catch the operating system's error keep working."""
+
+
+class Staged:
+    """A set of files written together: all of them land, or none does (module docstring).
+
+    Use as a context manager: ``with Staged() as staged: with staged.open(path) as out: out.write(...)``.
+    Leaving the block normally commits; an exception aborts and is re-raised (an ``OSError`` as a
+    :class:`WriteError` naming the file).
+    """
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[str, str]] = []  # (temporary, final path), in commit order
+        self._created: list[str] = []  # files written under their final (fresh) name, removed on abort
+        self._after: list[Callable[[], None]] = []
+        self._signals = _TermGuard()
+
+    def __enter__(self) -> "Staged":
+        self._signals.install()
+        return self
+
+    def __exit__(self, kind, error, trace) -> None:
+        try:
+            if kind is None:
+                try:
+                    self.commit()
+                except BaseException as failed:
+                    self.abort()
+                    if isinstance(failed, OSError) and not isinstance(failed, WriteError):
+                        raise WriteError(_describe(failed)) from failed
+                    raise
+            else:
+                self.abort()
+        finally:
+            self._signals.restore()
+        if isinstance(error, OSError) and not isinstance(error, WriteError):
+            raise WriteError(_describe(error)) from error
+
+    @contextlib.contextmanager
+    def open(self, path: str | os.PathLike) -> Iterator[BinaryIO]:
+        """A binary file that becomes ``path`` when the set commits."""
+        final = os.path.abspath(os.fspath(path))
+        folder, base = os.path.split(final)
+        temp = os.path.join(folder, f"{TEMP_PREFIX}{base}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        self._pending.append((temp, final))
+        with _create(temp, _mode_for(final)) as out:
+            yield out
+
+    @contextlib.contextmanager
+    def create(self, path: str | os.PathLike) -> Iterator[BinaryIO]:
+        """A binary file written directly at a fresh ``path`` that must not exist yet (an external-data file
+        only the new model names); removed if the set aborts."""
+        final = os.path.abspath(os.fspath(path))
+        self._created.append(final)
+        with _create(final, _mode_for(final)) as out:
+            yield out
+
+    def write(self, path: str | os.PathLike, data: str | bytes) -> None:
+        """Stage ``data`` (text is UTF-8 encoded) for ``path``."""
+        with self.open(path) as out:
+            out.write(data.encode("utf-8") if isinstance(data, str) else data)
+
+    def after_commit(self, action: Callable[[], None]) -> None:
+        """Run ``action`` once every file has landed (removing what the old files referenced)."""
+        self._after.append(action)
+
+    def commit(self) -> None:
+        """Rename every temporary over its final path, then fsync the folders."""
+        folders = {os.path.dirname(final) for _, final in self._pending} | {os.path.dirname(p) for p in self._created}
+        for folder in folders:  # the fresh files' names must be durable before a model names them
+            _fsync_folder(folder)
+        while self._pending:
+            temp, final = self._pending[0]
+            os.replace(temp, final)
+            self._pending.pop(0)
+            self._created.clear()  # a model that landed may name them: they stay, whatever happens next
+        for folder in folders:
+            _fsync_folder(folder)
+        for action in self._after:
+            action()
+
+    def abort(self) -> None:
+        """Remove every file this set wrote; the user's own files are untouched."""
+        for path in [temp for temp, _ in self._pending] + self._created:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+        self._pending.clear()
+        self._created.clear()
+
+
+def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same folder (see :class:`Staged`)."""
+    with Staged() as staged:
+        staged.write(path, data)
+
+
+def check_writable(path: str | os.PathLike) -> str:
+    """``path`` as a string, if a file can be written there: not a folder, in a folder that exists and that
+    this process may write to; InputError otherwise."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise InputError(f"{path!r} is a folder; give the file name to write to, e.g. "
+                         f"{os.path.join(path, 'model.onnx')!r}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise InputError(f"cannot write {path!r}: folder {folder!r} does not exist; create it first")
+    if not os.access(folder, os.W_OK):
+        raise InputError(f"cannot write {path!r}: folder {folder!r} is not writable; choose another folder")
+    return path
+
+
+@contextlib.contextmanager
+def _create(path: str, mode: int) -> Iterator[BinaryIO]:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), mode)
+    with os.fdopen(fd, "wb") as out:
+        try:
+            os.fchmod(fd, mode)  # os.open's mode is filtered by the umask; a replaced file's mode is kept as is
+        except OSError as error:  # filesystems without modes (some mounts) still take the data
+            if error.errno not in (errno.EPERM, errno.ENOTSUP, errno.EINVAL):
+                raise
+        yield out
+        out.flush()
+        os.fsync(out.fileno())
+
+
+def _mode_for(final: str) -> int:
+    """The mode ``final`` keeps if it exists, else what the umask gives a new file."""
+    try:
+        return stat.S_IMODE(os.stat(final).st_mode)
+    except OSError:
+        return 0o666 & ~_umask()
+
+
+_UMASK_LOCK = threading.Lock()
+
+
+def _umask() -> int:
+    """The process umask, read without changing it where the platform allows (Linux's /proc)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    with _UMASK_LOCK:  # os.umask can only be read by setting it: set it straight back
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return mask
+
+
+def _fsync_folder(folder: str) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return  # platforms that cannot open folders (Windows) make renames durable themselves
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _describe(error: OSError) -> str:
+    name = error.filename or "output"
+    if isinstance(name, str) and os.path.basename(name).startswith(TEMP_PREFIX):
+        name = _final_name(name)
+    return (f"cannot write {name}: {error.strerror or error}; nothing was changed (files already there are as "
+            "they were). Free space or choose another folder")
+
+
+def _final_name(temp: str) -> str:
+    """The final path a temporary stands for: ``.amppass-<name>.<pid>.<hex>.tmp`` -> ``<name>``."""
+    folder, base = os.path.split(temp)
+    name = base[len(TEMP_PREFIX):].rsplit(".", 3)[0]
+    return os.path.join(folder, name)
+
+
+class _TermGuard:
+    """Turns SIGTERM into SystemExit(143) while staged files exist (module docstring, rule 4)."""
+
+    def __init__(self) -> None:
+        self._previous = None
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+                self._previous = signal.signal(signal.SIGTERM, _terminate)
+        except (ValueError, OSError):  # an embedding interpreter without signals
+            self._previous = None
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)

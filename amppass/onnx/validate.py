@@ -1,0 +1,156 @@
+"""Structural checks of an ONNX model from an untrusted file, before the conversion walks it.
+
+1. Nesting: If/Loop/Scan bodies nested deeper than :data:`MAX_NESTING` are refused. The check itself walks
+   the model with an explicit stack, so a model nested thousands deep fails with an
+   :class:`~amppass.errors.InputError`, never a ``RecursionError``.
+2. Tensors: negative dimensions, typed data fields whose length disagrees with the shape, and external-data
+   locations outside the model's folder (:func:`amppass.onnx.external.check_location`) are refused.
+3. Single assignment: a value defined twice in one graph (two nodes writing it, or a node writing a graph
+   input or initializer) is refused: the converted model would be invalid.
+4. Order: nodes must read only values defined before them (graph inputs, initializers, earlier nodes, the
+   enclosing graphs' values for a body). A graph that is merely out of order is sorted on the conversion's
+   private copy; one with a cycle is refused, naming a node on it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Iterator
+
+import onnx
+from onnx import TensorProto
+
+from ..errors import InputError
+from .external import check_location
+from .view import subgraphs
+
+MAX_NESTING = 48
+
+# element type -> the repeated field that holds its values when raw_data is not used (one entry per element)
+_TYPED_FIELDS = {
+    TensorProto.FLOAT: "float_data", TensorProto.DOUBLE: "double_data", TensorProto.INT64: "int64_data",
+    TensorProto.UINT32: "uint64_data", TensorProto.UINT64: "uint64_data", TensorProto.INT32: "int32_data",
+    TensorProto.INT16: "int32_data", TensorProto.INT8: "int32_data", TensorProto.UINT16: "int32_data",
+    TensorProto.UINT8: "int32_data", TensorProto.BOOL: "int32_data", TensorProto.FLOAT16: "int32_data",
+    TensorProto.BFLOAT16: "int32_data", TensorProto.STRING: "string_data",
+}
+
+
+def check_nesting(model: onnx.ModelProto, where: str) -> None:
+    """Rule 1."""
+    stack = [(model.graph, 0)]
+    while stack:
+        graph, depth = stack.pop()
+        if depth > MAX_NESTING:
+            raise InputError(f"{where}: If/Loop/Scan bodies are nested more than {MAX_NESTING} deep; no exporter "
+                             "writes such a model, so the file is damaged or malicious. Re-export the model")
+        for node in graph.node:
+            for body in subgraphs(node):
+                stack.append((body, depth + 1))
+
+
+def check_tensor(tensor: onnx.TensorProto, where: str) -> None:
+    """Rule 2 for one tensor (its raw_data length is checked where the payload is read)."""
+    if any(d < 0 for d in tensor.dims):
+        raise InputError(f"{where}: tensor {tensor.name!r} has a negative dimension in its shape "
+                         f"{list(tensor.dims)}; the model file is damaged: re-export it")
+    if tensor.data_location == TensorProto.EXTERNAL:
+        check_location(tensor, where)
+        return
+    field = _TYPED_FIELDS.get(tensor.data_type)
+    if field is None or tensor.HasField("raw_data"):
+        return
+    count = math.prod(tensor.dims)
+    held = len(getattr(tensor, field))
+    if held != count:
+        raise InputError(f"{where}: tensor {tensor.name!r} holds {held} values in {field} but its shape "
+                         f"{list(tensor.dims)} needs {count}; the model file is damaged: re-export it")
+
+
+def check_raw_length(tensor: onnx.TensorProto, held: int, itemsize: int, where: str) -> None:
+    """Rule 2 for a raw payload of ``held`` bytes."""
+    wanted = math.prod(tensor.dims) * itemsize
+    if held != wanted:
+        raise InputError(f"{where}: tensor {tensor.name!r} holds {held} bytes of raw data but its shape "
+                         f"{list(tensor.dims)} needs {wanted}; the model file is damaged: re-export it")
+
+
+def check_order(model: onnx.ModelProto, where: str) -> None:
+    """Rules 3 and 4 on every graph of ``model`` (a private copy: out-of-order graphs are sorted in place)."""
+    stack: list[tuple[onnx.GraphProto, frozenset[str]]] = [(model.graph, frozenset())]
+    while stack:
+        graph, outer = stack.pop()
+        _order_graph(graph, outer, where)
+        own = outer | _defined(graph)
+        for node in graph.node:
+            for body in subgraphs(node):
+                stack.append((body, own))
+
+
+def _order_graph(graph: onnx.GraphProto, outer: frozenset[str], where: str) -> None:
+    fixed = {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    writer: dict[str, int] = {}
+    for index, node in enumerate(graph.node):
+        for value in node.output:
+            if not value:
+                continue
+            if value in writer or value in fixed:
+                first = graph.node[writer[value]].name if value in writer else "a graph input or initializer"
+                raise InputError(f"{where}: value {value!r} is written by node {node.name or node.op_type!r} and "
+                                 f"already by {first!r}; ONNX graphs assign each value once (SSA). The model file is "
+                                 "damaged: re-export it")
+            writer[value] = index
+    needs = [[writer[v] for v in _reads(node) if v in writer] for node in graph.node]
+    if all(all(i < index for i in deps) for index, deps in enumerate(needs)):
+        return
+    order = _topological(needs)
+    if len(order) < len(needs):
+        done = set(order)
+        stuck = [i for i in range(len(needs)) if i not in done]  # on a cycle, or behind one
+        names = [graph.node[i].name or graph.node[i].op_type for i in stuck[:4]]
+        raise InputError(f"{where}: nodes {names} read each other's outputs in a cycle; an ONNX graph must be "
+                         "acyclic. The model file is damaged or malicious: re-export it")
+    nodes = [graph.node[i] for i in order]
+    kept = [onnx.NodeProto() for _ in nodes]
+    for copy, node in zip(kept, nodes):
+        copy.CopyFrom(node)
+    del graph.node[:]
+    graph.node.extend(kept)
+
+
+def _reads(node: onnx.NodeProto) -> Iterator[str]:
+    """Values ``node`` reads: its inputs and the outer values its bodies capture."""
+    yield from (v for v in node.input if v)
+    stack = list(subgraphs(node))
+    while stack:
+        body = stack.pop()
+        inner = _defined(body)
+        for inner_node in body.node:
+            yield from (v for v in inner_node.input if v and v not in inner)
+            stack.extend(subgraphs(inner_node))
+
+
+def _defined(graph: onnx.GraphProto) -> frozenset[str]:
+    return frozenset([i.name for i in graph.input] + [t.name for t in graph.initializer]
+                     + [v for n in graph.node for v in n.output if v])
+
+
+def _topological(needs: list[list[int]]) -> list[int]:
+    """Kahn's order, keeping the original order among ready nodes; shorter than ``needs`` when nodes sit on or
+    behind a cycle."""
+    waiting = [len(set(deps)) for deps in needs]
+    readers: dict[int, list[int]] = {}
+    for index, deps in enumerate(needs):
+        for dep in set(deps):
+            readers.setdefault(dep, []).append(index)
+    ready = deque(i for i, count in enumerate(waiting) if count == 0)
+    order = []
+    while ready:
+        index = ready.popleft()
+        order.append(index)
+        for reader in readers.get(index, []):
+            waiting[reader] -= 1
+            if waiting[reader] == 0:
+                ready.append(reader)
+    return order

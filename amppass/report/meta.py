@@ -1,0 +1,76 @@
+"""The decisions a converted model carries, read as untrusted data.
+
+A converted model can be edited or forged like any file, so what the readers take from its metadata is
+checked here: the model-level summary must be a JSON object whose counts are finite numbers, and every
+node's entry must name a known precision with string reasons. Anything else raises an
+:class:`~amppass.errors.InputError` naming the node or field, never a ``KeyError`` or ``OverflowError``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from ..errors import InputError
+from .report import Row
+
+# numbers the summary reads from the model-level metadata, when present
+_NUMBERS = ("casts", "weights_converted", "weight_copies", "weight_bytes_before", "weight_bytes_after",
+            "calibration_batches", "calibration_seconds", "calibration_decisions", "calibration_unobserved",
+            "tolerance", "achieved_error", "initial_error", "tolerance_runs")
+_PRECISIONS = {"low": None, "fp32": "fp32", "fp32-accumulate": "fp32", "keep": "-"}
+_FIX = "the model's amppass metadata is damaged or was edited: convert the original model again"
+
+
+def parse(text: str, what: str) -> Any:
+    """JSON ``text`` stored as ``what``; InputError when it is not JSON."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as err:
+        raise InputError(f"{what} is not valid JSON ({str(err)[:80]}); {_FIX}") from None
+
+
+def model_info(raw: Any, what: str) -> dict[str, Any]:
+    """The model-level summary, checked: an object with a string ``dtype`` and finite numbers for counts."""
+    if not isinstance(raw, dict):
+        raise InputError(f"{what} is a {type(raw).__name__}, not an object; {_FIX}")
+    if not isinstance(raw.get("dtype"), str):
+        raise InputError(f"{what} names no low-precision dtype (field 'dtype'); {_FIX}")
+    for key in _NUMBERS:
+        value = raw.get(key)
+        if value is not None and not _finite_number(value):
+            raise InputError(f"{what}: field {key!r} is {str(value)[:40]!r}, not a finite number; {_FIX}")
+    moved = raw.get("moved_by_tolerance")
+    if moved is not None and not isinstance(moved, (list, dict)) and not _finite_number(moved):
+        raise InputError(f"{what}: field 'moved_by_tolerance' is {str(moved)[:40]!r}, not a count; {_FIX}")
+    return raw
+
+
+def row(name: str, raw: Any, low: str) -> Row | None:
+    """The report row for node ``name`` from its stored decision (None for an inserted cast)."""
+    where = f"node {name!r}: its amppass decision"
+    if not isinstance(raw, dict):
+        raise InputError(f"{where} is a {type(raw).__name__}, not an object; {_FIX}")
+    if raw.get("cast"):
+        return None
+    precision = raw.get("precision")
+    if precision not in _PRECISIONS:
+        raise InputError(f"{where} has precision {str(precision)[:40]!r}, not one of {sorted(_PRECISIONS)}; {_FIX}")
+    texts = {key: raw.get(key) for key in ("op", "reason", "source")}
+    wrong = [key for key, value in texts.items() if not isinstance(value, str)]
+    if wrong:
+        raise InputError(f"{where} has no text for field {wrong[0]!r}; {_FIX}")
+    casts = raw.get("casts_in", [])
+    evidence = raw.get("evidence", {})
+    if not isinstance(casts, list) or not all(isinstance(c, str) for c in casts) or not isinstance(evidence, dict):
+        raise InputError(f"{where} has a malformed 'casts_in' or 'evidence' field; {_FIX}")
+    evidence = dict(evidence)
+    if precision == "fp32-accumulate":
+        evidence.setdefault("accumulate", "fp32 via dtype= on the low-precision input")
+    return Row(name, texts["op"], _PRECISIONS[precision] or low, texts["reason"], texts["source"], list(casts),
+               evidence)
+
+
+def _finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
