@@ -210,7 +210,9 @@ def build_onnxruntime(args: argparse.Namespace) -> list[Path]:
             "note": "Float types (float, float16, bfloat16, double) among each kernel's type constraints, per "
                     f"opset range [since, until]; until {OPEN_END} means no upper bound. A range with no "
                     "float types is an op whose kernels take other types only. The document lists the kernels "
-                    "of the build that generated it; a given wheel or later release can differ.",
+                    "of the build that generated it (a given wheel or later release can differ) and leaves out "
+                    "kernels that declare no type constraints (NonMaxSuppression, QLinearConcat...), which "
+                    "this table therefore reports as unknown.",
             "ops": parse_onnxruntime(text, provider),
         }
         written.append(_write(name, table))
