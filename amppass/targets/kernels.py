@@ -1,0 +1,91 @@
+"""Static per-provider kernel tables: which float types each op's kernels take, by opset.
+
+:func:`amppass.onnx.runtime.kernel_status` asks the installed onnxruntime's CPU provider at run time.
+Models are deployed on onnxruntime's CUDA provider and on TensorRT too, which this machine often
+cannot load, so their kernel facts travel as data: ``data/*.json``, made by ``scripts/kernel_tables.py``
+from the support matrices each project publishes (onnxruntime's ``docs/OperatorKernels.md``,
+onnx-tensorrt's ``docs/operators.md``). Every table names its source: repository, file, version,
+commit and date. Only float types are recorded (float, float16, bfloat16, double).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, field
+from importlib import resources
+from types import MappingProxyType
+from typing import Mapping
+
+from onnx import TensorProto
+
+from ..errors import InputError
+
+TABLES = MappingProxyType({
+    "onnxruntime-cpu": "onnxruntime_cpu.json",
+    "onnxruntime-cuda": "onnxruntime_cuda.json",
+    "tensorrt": "tensorrt.json",
+})
+
+TYPE_NAMES = MappingProxyType({
+    TensorProto.FLOAT: "float",
+    TensorProto.FLOAT16: "float16",
+    TensorProto.BFLOAT16: "bfloat16",
+    TensorProto.DOUBLE: "double",
+})
+
+Span = tuple[int, int, frozenset[str]]  # since, until (inclusive), float types of the kernels
+
+
+@dataclass(frozen=True, eq=False)
+class KernelTable:
+    """One provider's kernels: ``(domain, op) -> opset spans``, with the document they were read from.
+
+    Domains are stored as ONNX writes them in a model, the default domain as "" (a caller may also
+    spell it "ai.onnx").
+    """
+
+    provider: str
+    source: Mapping[str, str]
+    spans: Mapping[tuple[str, str], tuple[Span, ...]] = field(repr=False)
+
+    def status(self, domain: str, op: str, opset: int, elem_type: int) -> str:
+        """How the provider runs ``op`` at ``opset`` on ``elem_type`` tensors: "native", "none" or "unknown".
+
+        The same meaning as :func:`amppass.onnx.runtime.kernel_status`: "native" when a kernel covering
+        ``opset`` takes the type; "none" when the op has kernels but none of them, at that opset, takes it;
+        "unknown" when the table does not list the op at all (a custom op).
+        """
+        if elem_type not in TYPE_NAMES:
+            raise InputError(
+                f"elem_type={elem_type!r}: kernel tables record float types only; pass one of "
+                + ", ".join(f"{code} ({TensorProto.DataType.Name(code)})" for code in TYPE_NAMES)
+            )
+        spans = self.spans.get((_domain(domain), op))
+        if spans is None:
+            return "unknown"
+        name = TYPE_NAMES[elem_type]
+        return "native" if any(a <= opset <= b and name in types for a, b, types in spans) else "none"
+
+    def ops(self) -> tuple[tuple[str, str], ...]:
+        """Every ``(domain, op)`` the table lists, sorted; the default domain is ""."""
+        return tuple(sorted(self.spans))
+
+
+@functools.lru_cache(maxsize=None)
+def load(name: str) -> KernelTable:
+    """The kernel table called ``name`` (a key of :data:`TABLES`), read once per process."""
+    if name not in TABLES:
+        raise InputError(f"no kernel table named {name!r}; choose one of: {', '.join(TABLES)}")
+    text = resources.files(__package__).joinpath("data", TABLES[name]).read_text(encoding="utf-8")
+    data = json.loads(text)
+    spans = {
+        (_domain(domain), op): tuple((since, until, frozenset(types)) for since, until, types in rows)
+        for domain, ops in data["ops"].items()
+        for op, rows in ops.items()
+    }
+    return KernelTable(data["provider"], MappingProxyType(data["source"]), MappingProxyType(spans))
+
+
+def _domain(domain: str) -> str:
+    return "" if domain in ("", "ai.onnx") else domain
