@@ -10,6 +10,7 @@ import subprocess
 import tempfile
 from html.parser import HTMLParser
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -80,6 +81,59 @@ def test_summary_of_a_calibrated_tolerance_run(calibrated_report):
     assert stats["macs"] == {"total": 4000, "low": 3000, "low_share": 0.75, "counted_nodes": 2}
     text = calibrated_report.summary()
     assert "75.0% of 4,000 MACs" in text and "tolerance search: 1 nodes" in text and "uncalibrated" not in text
+
+
+class _Recurrent(nn.Module):
+    """A 2-layer bidirectional LSTM (with projections) into a GRU cell: getitem outputs everywhere."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(8, 16, num_layers=2, bidirectional=True, proj_size=4, batch_first=True)
+        self.cell = nn.GRUCell(8, 12)
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, x):
+        y, (h, c) = self.lstm(x)
+        return self.head(self.cell(y[:, -1]))
+
+
+def test_recurrent_layers_count_in_the_mac_share_and_getitem_is_known():
+    x = torch.randn(2, 5, 8)
+    report = amppass.report(amppass.convert(_Recurrent().eval(), (x,), dtype="fp16"))
+    rows = {r.op: r for r in report.rows}
+    steps = 2 * 5  # batch x sequence
+    # per step: layer 1 w_ih (64x8) + w_hh (64x4) + w_hr (4x16); layer 2 w_ih (64x8) + ...; both directions
+    lstm = steps * 2 * (2 * (64 * 8 + 64 * 4 + 4 * 16))
+    cell = 2 * (36 * 8 + 36 * 12)
+    assert rows["aten.lstm"].macs == lstm and rows["aten.gru_cell"].macs == cell
+    assert report.stats()["macs"] == {"total": lstm + cell + 2 * 3 * 12, "low": lstm + cell + 2 * 3 * 12,
+                                      "low_share": 1.0, "counted_nodes": 3}
+    getitems = [r for r in report.rows if r.op == "getitem"]
+    assert getitems and all("not in the policy table" not in r.reason for r in getitems)
+    assert report.stats()["unknown_ops"] == [] and "not in the policy table" not in report.summary()
+
+
+def test_onnx_recurrent_ops_count_and_sequence_ops_are_known():
+    from onnx import TensorProto, helper, numpy_helper
+
+    f, rng = TensorProto.FLOAT, np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((2, 64, 8)).astype(np.float32), "w")  # 2 directions
+    r = numpy_helper.from_array(rng.standard_normal((2, 64, 16)).astype(np.float32), "r")
+    axis = numpy_helper.from_array(np.array(0, np.int64), "i")
+    graph = helper.make_graph(
+        [helper.make_node("LSTM", ["x", "w", "r"], ["y"], hidden_size=16, direction="bidirectional", name="lstm"),
+         helper.make_node("SplitToSequence", ["y"], ["seq"], axis=0, name="split"),
+         helper.make_node("SequenceAt", ["seq", "i"], ["step"], name="at"),
+         helper.make_node("Relu", ["step"], ["out"], name="relu")],
+        "g", [helper.make_tensor_value_info("x", f, [5, 2, 8])], [helper.make_tensor_value_info("out", f, None)],
+        [w, r, axis])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    report = amppass.report(amppass.convert_onnx(model, "fp16"))
+    rows = {row.name: row for row in report.rows}
+    assert rows["lstm"].macs == 5 * 2 * (2 * 64 * 8 + 2 * 64 * 16) and rows["lstm"].precision == "fp16"
+    assert report.stats()["unknown_ops"] == []
+    assert rows["split"].precision == rows["at"].precision == "-" and "sequence" in rows["at"].reason
 
 
 # -- JSON ---------------------------------------------------------------------------------------------

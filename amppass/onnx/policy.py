@@ -81,6 +81,10 @@ POLICY: tuple[PolicyRow, ...] = (
                "MatMulInteger", "ConvInteger")),
     PolicyRow(Category.KEEP, "control flow: values cross the subgraph boundary in fp32; the body's nodes are "
               "planned one by one", ("If", "Loop", "Scan")),
+    PolicyRow(Category.KEEP, "sequence or optional container: holds tensors as the model wrote them; values go in "
+              "and come out in fp32", ("SequenceConstruct", "SequenceAt", "SequenceInsert", "SequenceErase",
+                                       "SequenceEmpty", "SequenceLength", "SplitToSequence", "ConcatFromSequence",
+                                       "Optional", "OptionalGetElement", "OptionalHasElement")),
     PolicyRow(Category.FOLLOW, "elementwise or data movement: runs in the precision of its inputs",
               ("Add", "Sub", "Mul", "Div", "Neg", "Abs", "Relu", "LeakyRelu", "PRelu", "Elu", "Selu", "Celu",
                "Gelu", "HardSigmoid", "HardSwish", "Mish", "Sigmoid", "Tanh", "Softplus", "Softsign", "Sqrt",

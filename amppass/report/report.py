@@ -175,7 +175,7 @@ def summary_lines(report: Report) -> list[str]:
     if macs["total"]:
         lines.append(
             f"heavy compute in {info.get('dtype')}: {macs['low_share']:.1%} of {macs['total']:,} MACs "
-            f"({macs['counted_nodes']} matmul/conv/attention nodes with known shapes)"
+            f"({macs['counted_nodes']} matmul/conv/attention/recurrent nodes with known shapes)"
         )
     lines.append(f"casts inserted: {stats['casts']}")
     before, after = stats["weight_bytes"]["before"], stats["weight_bytes"]["after"]
