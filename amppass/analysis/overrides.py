@@ -21,6 +21,7 @@ import logging
 import re
 from typing import Iterable
 
+import onnx
 import torch
 
 from ..errors import InputError
@@ -73,8 +74,6 @@ def names_an_op(pattern: str) -> bool:
 
 @functools.cache
 def _onnx_operators() -> frozenset[str]:
-    import onnx  # only when a pattern matched nothing: the FX path has no other use for it
-
     return frozenset(schema.name.lower() for schema in onnx.defs.get_all_schemas_with_history())
 
 
