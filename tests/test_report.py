@@ -113,20 +113,21 @@ def test_recurrent_layers_count_in_the_mac_share_and_getitem_is_known():
     assert report.stats()["unknown_ops"] == [] and "not in the policy table" not in report.summary()
 
 
-def test_onnx_recurrent_ops_count_and_sequence_ops_are_known():
+def test_onnx_recurrent_ops_count_and_sequence_and_constant_ops_are_known():
     from onnx import TensorProto, helper, numpy_helper
 
     f, rng = TensorProto.FLOAT, np.random.default_rng(0)
     w = numpy_helper.from_array(rng.standard_normal((2, 64, 8)).astype(np.float32), "w")  # 2 directions
     r = numpy_helper.from_array(rng.standard_normal((2, 64, 16)).astype(np.float32), "r")
-    axis = numpy_helper.from_array(np.array(0, np.int64), "i")
+    index = helper.make_node("Constant", [], ["i"], value=numpy_helper.from_array(np.array(0, np.int64)), name="index")
     graph = helper.make_graph(
-        [helper.make_node("LSTM", ["x", "w", "r"], ["y"], hidden_size=16, direction="bidirectional", name="lstm"),
+        [index,
+         helper.make_node("LSTM", ["x", "w", "r"], ["y"], hidden_size=16, direction="bidirectional", name="lstm"),
          helper.make_node("SplitToSequence", ["y"], ["seq"], axis=0, name="split"),
          helper.make_node("SequenceAt", ["seq", "i"], ["step"], name="at"),
          helper.make_node("Relu", ["step"], ["out"], name="relu")],
         "g", [helper.make_tensor_value_info("x", f, [5, 2, 8])], [helper.make_tensor_value_info("out", f, None)],
-        [w, r, axis])
+        [w, r])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 9
     report = amppass.report(amppass.convert_onnx(model, "fp16"))
@@ -134,6 +135,7 @@ def test_onnx_recurrent_ops_count_and_sequence_ops_are_known():
     assert rows["lstm"].macs == 5 * 2 * (2 * 64 * 8 + 2 * 64 * 16) and rows["lstm"].precision == "fp16"
     assert report.stats()["unknown_ops"] == []
     assert rows["split"].precision == rows["at"].precision == "-" and "sequence" in rows["at"].reason
+    assert rows["index"].precision == "-" and "constant" in rows["index"].reason
 
 
 # -- JSON ---------------------------------------------------------------------------------------------
@@ -297,5 +299,49 @@ def test_terminal_view_lists_every_node_and_the_summary(cnn_report):
 
 def test_terminal_view_can_cut_long_tables(cnn_report):
     text = render_text(cnn_report, width=200, max_rows=2)
-    assert f"{len(cnn_report.rows) - 2} more nodes" in text
-    assert cnn_report.rows[-1].name + " " not in text.split("more nodes")[0]
+    assert f"{len(cnn_report.rows) - 2} more rows" in text
+    assert cnn_report.rows[-1].name + " " not in text.split("more rows")[0]
+
+
+def _long_report() -> Report:
+    reasons = ["matrix multiply: Tensor Core work, accumulates in fp32 inside the kernel",
+               "normalisation: mean and variance statistics need fp32", "reads shape metadata only"]
+    rows = [Row(f"/encoder/layer.{i}/attention/self/query_projection_with_a_long_scope/{op}_{i}", op, prec,
+                reasons[i % 3], "policy", [], {"macs": 10**9 + i} if op == "MatMul" else {})
+            for i, (op, prec) in enumerate([("MatMul", "fp16"), ("LayerNormalization", "fp32"), ("Shape", "-")] * 4)]
+    return Report(rows, {"front_end": "onnx", "dtype": "fp16", "casts": 3})
+
+
+@pytest.mark.parametrize("width", [60, 80, 100, 120, 160])
+def test_terminal_view_fits_its_width_one_line_per_row_summary_first(width):
+    report = _long_report()
+    lines = render_text(report, width=width).splitlines()
+    assert max(len(line) for line in lines) <= width
+    header = next(i for i, line in enumerate(lines) if line.startswith("node "))
+    assert lines[0].startswith("╭─ amppass onnx") and any("casts inserted: 3" in line for line in lines[:header])
+    rows = [line for line in lines if line.startswith("/enc")]
+    assert len(rows) == len(report.rows)  # one line each, in graph order
+    for line, row in zip(rows, report.rows):
+        shown = line.split()[0]
+        head, _, tail = shown.partition("…")
+        assert tail and row.name.startswith(head) and row.name.endswith(tail)  # the middle goes, both ends stay
+        assert line.split()[2] == row.precision
+    assert ("source" in lines[header]) is (width >= 100) and ("MACs" in lines[header]) is (width >= 120)
+    assert "shortened to fit" in " ".join(lines)
+
+
+def test_terminal_view_filters_and_groups_by_op():
+    report = _long_report()
+    text = render_text(report, width=120, precision=["low"], op=["matmul"])
+    assert "4 of 12 nodes: precision low; op matmul" in text
+    assert sum(line.startswith("/encoder") for line in text.splitlines()) == 4
+    groups = report.by_op()
+    assert [(g.op, g.nodes, g.by_precision, g.macs) for g in groups] == [
+        ("LayerNormalization", 4, {"fp32": 4}, None), ("MatMul", 4, {"fp16": 4}, 4 * 10**9 + 0 + 3 + 6 + 9),
+        ("Shape", 4, {"-": 4}, None)]
+    grouped = render_text(report, width=80, by_op=True, precision=["fp32", "none"])
+    assert "8 of 12 nodes" in grouped and "MatMul" not in grouped and "LayerNormalization" in grouped
+    assert [r.name for r in report.select(precision=["none"], op=["shape", "SHAPE"])] == \
+        [r.name for r in report.rows if r.op == "Shape"]
+    with pytest.raises(amppass.InputError, match="'fp8' is not one of fp16, bf16, fp32, low, none"):
+        report.select(precision=["fp8"])

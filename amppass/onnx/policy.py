@@ -75,6 +75,9 @@ POLICY: tuple[PolicyRow, ...] = (
               ("Range", "ConstantOfShape", "RandomNormal", "RandomUniform", "RandomNormalLike",
                "RandomUniformLike", "EyeLike", "Multinomial", "Bernoulli")),
     PolicyRow(Category.KEEP, "reads shape metadata only", ("Shape", "Size")),
+    # float tensors of Constant nodes are weights (onnx.view); what reaches the table is an integer,
+    # boolean or attribute-typed constant
+    PolicyRow(Category.KEEP, "constant written in the model; kept as it is", ("Constant",)),
     PolicyRow(Category.KEEP, "quantization: its fp32 scales define the integer grid, and rounding them to low "
               "precision would move every quantized value; kept as the model wrote it",
               ("QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "QLinearConv", "QLinearMatMul",

@@ -13,11 +13,16 @@ from importlib import resources
 import secrets
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Iterable
+
+from ..analysis.overrides import same_op
+from ..errors import InputError
 
 SCHEMA_VERSION = 1
 LOW_PRECISIONS = ("fp16", "bf16")
 PRECISIONS = ("fp16", "bf16", "fp32", "-")
+# what select() takes: a precision, "low" for either low dtype, "none" for "-" (a word a shell passes as is)
+PRECISION_FILTERS = ("fp16", "bf16", "fp32", "low", "none")
 
 
 @dataclass
@@ -51,6 +56,19 @@ class Row:
 
 
 @dataclass
+class OpGroup:
+    """The rows of one op: how many in each precision, and their MACs where counted."""
+
+    op: str
+    by_precision: dict[str, int] = field(default_factory=dict)
+    macs: int | None = None
+
+    @property
+    def nodes(self) -> int:
+        return sum(self.by_precision.values())
+
+
+@dataclass
 class Report:
     """All decisions for one converted model plus what the conversion did overall."""
 
@@ -60,6 +78,31 @@ class Report:
     def counts(self) -> dict[str, int]:
         """Number of nodes per precision."""
         return dict(Counter(row.precision for row in self.rows))
+
+    def select(self, precision: Iterable[str] = (), op: Iterable[str] = ()) -> list[Row]:
+        """The rows in one of the ``precision`` filters and running one of the ``op`` names; an empty
+        filter keeps every row.
+
+        Precisions are those of :data:`PRECISION_FILTERS`; ops match case-insensitively, with or without
+        a namespace ("add", "aten.add"; "Add"), as ``keep_fp32`` patterns do.
+        """
+        precision, op = list(precision), list(op)
+        unknown = [p for p in precision if p not in PRECISION_FILTERS]
+        if unknown:
+            raise InputError(f"precision {unknown[0]!r} is not one of {', '.join(PRECISION_FILTERS)}")
+        wanted = {p for name in precision for p in {"low": LOW_PRECISIONS, "none": ("-",)}.get(name, (name,))}
+        return [row for row in self.rows
+                if (not wanted or row.precision in wanted) and (not op or any(same_op(row.op, o) for o in op))]
+
+    def by_op(self, rows: Iterable[Row] | None = None) -> list[OpGroup]:
+        """``rows`` (by default all) grouped by op, most nodes first."""
+        groups: dict[str, OpGroup] = {}
+        for row in self.rows if rows is None else rows:
+            group = groups.setdefault(row.op, OpGroup(row.op))
+            group.by_precision[row.precision] = group.by_precision.get(row.precision, 0) + 1
+            if row.macs is not None:
+                group.macs = (group.macs or 0) + row.macs
+        return sorted(groups.values(), key=lambda g: (-g.nodes, g.op))
 
     def stats(self) -> dict[str, Any]:
         """The summary as numbers: the ``summary`` object of the JSON form."""
@@ -175,7 +218,7 @@ def summary_lines(report: Report) -> list[str]:
     if macs["total"]:
         lines.append(
             f"heavy compute in {info.get('dtype')}: {macs['low_share']:.1%} of {macs['total']:,} MACs "
-            f"({macs['counted_nodes']} matmul/conv/attention/recurrent nodes with known shapes)"
+            f"({macs['counted_nodes']} matmul, conv, attention or RNN nodes)"
         )
     lines.append(f"casts inserted: {stats['casts']}")
     before, after = stats["weight_bytes"]["before"], stats["weight_bytes"]["after"]
