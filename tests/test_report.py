@@ -37,11 +37,13 @@ def calibrated_report() -> Report:
         Row("conv", "Conv", "fp16", "convolution: Tensor Core work", "policy", ["x_to_fp16"],
             {"macs": 3000, "absmax": 12.5, "min_nonzero": 1e-3}),
         Row("exp", "Exp", "fp32", "exp overflows fp16", "policy", [], {"absmax": 2.0e5, "min_nonzero": 1e-7}),
-        Row("big", "MatMul", "fp32", "moved back to fp32: output error", "tolerance", [], {"macs": 1000, "absmax": 70000.0}),
+        Row("big", "MatMul", "fp32", "moved back to fp32: output error", "tolerance", [],
+            {"macs": 1000, "absmax": 70000.0, "local_error": 3.2e-3}),
         Row("shape", "Shape", "-", "no float work", "policy"),
     ]
     info = {"front_end": "onnx", "dtype": "fp16", "casts": 3, "calibrated": True, "moved_by_tolerance": ["big"],
-            "weight_bytes_before": 400, "weight_bytes_after": 220}
+            "weight_bytes_before": 400, "weight_bytes_after": 220, "tolerance": 1e-3, "achieved_error": 4e-4,
+            "tolerance_met": True}
     return Report(rows, info)
 
 
@@ -80,7 +82,7 @@ def test_summary_of_a_calibrated_tolerance_run(calibrated_report):
     assert stats["moved_by_tolerance"] == 1 and stats["calibrated"] is True
     assert stats["macs"] == {"total": 4000, "low": 3000, "low_share": 0.75, "counted_nodes": 2}
     text = calibrated_report.summary()
-    assert "75.0% of 4,000 MACs" in text and "tolerance search: 1 nodes" in text and "uncalibrated" not in text
+    assert "75.0% of 4,000 MACs" in text and "tolerance search: 1 node\n" in text and "uncalibrated" not in text
 
 
 class _Recurrent(nn.Module):
@@ -249,6 +251,23 @@ def test_html_plots_observed_ranges_against_fp16_limits(calibrated_report):
     # log scale: exp's range (1e-7 .. 2e5) starts left of conv's (1e-3 .. 12.5) and is wider
     conv, exp = page.ranges[0], page.ranges[1]
     assert float(exp["x"]) < float(conv["x"]) and float(exp["width"]) > float(conv["width"])
+
+
+def test_html_shows_the_target_the_tolerance_and_what_local_error_means(calibrated_report, cnn_report):
+    text = calibrated_report.to_html()
+    page = _parse(text)
+    assert "terms" in page.ids and page.headers == 10  # the local error column joins the nine
+    target = re.search(r'<div class="muted" id="target">([^<]*)</div>', text).group(1)
+    assert "target fp16, inference mode, tolerance 0.001 on the output error (reached 0.0004)" in target
+    assert "output error, within 0.001" in text
+    header = re.search(r'<th title="([^"]*)">local error</th>', text).group(1)
+    assert header.startswith("local error: ||y_low - y_fp32|| / ||y_fp32||") and "no unit" in header
+    big = re.search(r'<tr data-precision="fp32"[^>]*><td class="num">2</td>.*?</tr>', text).group(0)
+    assert '>0.0032</td>' in big
+    tip = re.search(r"<title>(big · [^<]*)</title>", text).group(1)
+    assert "local error 0.0032 (relative to the fp32 output&#x27;s norm, no unit)" in tip
+    plain = cnn_report.to_html()  # no tolerance, no local errors: neither the terms nor the column
+    assert 'id="terms"' not in plain and _parse(plain).headers == 9 and "target fp16, inference mode" in plain
 
 
 def test_html_escapes_node_text():

@@ -21,6 +21,14 @@ from ..errors import InputError
 SCHEMA_VERSION = 1
 LOW_PRECISIONS = ("fp16", "bf16")
 PRECISIONS = ("fp16", "bf16", "fp32", "-")
+# what the report's "local error" and "output error" are, in words (HTML legend and tooltips, docs)
+LOCAL_ERROR = ("local error: ||y_low - y_fp32|| / ||y_fp32|| for one node's output y when that node alone runs in "
+               "low precision on inputs recorded from the fp32 model (first calibration batch). A ratio with no "
+               "unit: 1e-3 means the output moved by 0.1% of its size (L2 norm). The tolerance search ranks nodes "
+               "by it.")
+OUTPUT_ERROR = ("output error: the largest ||out - out_fp32|| / ||out_fp32|| over the model's floating outputs and "
+                "the calibration batches, the same unitless ratio for the whole converted model; the tolerance "
+                "bounds it.")
 # what select() takes: a precision, "low" for either low dtype, "none" for "-" (a word a shell passes as is)
 PRECISION_FILTERS = ("fp16", "bf16", "fp32", "low", "none")
 
@@ -31,7 +39,8 @@ class Row:
 
     ``evidence`` holds what the decision rested on; the report reads these keys when present:
     ``macs`` (multiply-accumulates of one call, heavy ops only), ``absmax`` and ``min_nonzero`` (observed
-    magnitudes, from calibration), ``unknown`` (op not in the policy table).
+    magnitudes, from calibration), ``unknown`` (op not in the policy table), ``local_error`` (see
+    :data:`LOCAL_ERROR`; recorded for the nodes the tolerance search moved).
     """
 
     name: str
@@ -49,9 +58,14 @@ class Row:
         return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
     @property
+    def local_error(self) -> float | None:
+        """The node's local error (:data:`LOCAL_ERROR`), where the tolerance search recorded it."""
+        return finite(self.evidence.get("local_error"))
+
+    @property
     def observed(self) -> tuple[float, float | None] | None:
         """``(absmax, smallest non-zero magnitude)`` observed during calibration, if recorded and finite."""
-        absmax, low = _finite(self.evidence.get("absmax")), _finite(self.evidence.get("min_nonzero"))
+        absmax, low = finite(self.evidence.get("absmax")), finite(self.evidence.get("min_nonzero"))
         return None if absmax is None else (absmax, low)
 
 
@@ -183,7 +197,8 @@ class Report:
         return text
 
 
-def _finite(value: Any) -> float | None:
+def finite(value: Any) -> float | None:
+    """``value`` as a float when it is a finite number (not a bool), else None."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None
     return float(value)
@@ -227,8 +242,9 @@ def summary_lines(report: Report) -> list[str]:
     if stats["sources"]:
         lines.append("decided by: " + ", ".join(f"{n} {s}" for s, n in stats["sources"].items()))
     if stats["moved_by_tolerance"] is not None:
-        lines.append(f"moved to fp32 by the tolerance search: {stats['moved_by_tolerance']} nodes")
-    achieved, limit = _finite(info.get("achieved_error")), _finite(info.get("tolerance"))
+        moved = stats["moved_by_tolerance"]
+        lines.append(f"moved to fp32 by the tolerance search: {moved} node{'' if moved == 1 else 's'}")
+    achieved, limit = finite(info.get("achieved_error")), finite(info.get("tolerance"))
     if achieved is not None and limit is not None:
         lines.append(f"output error {achieved:.3g} against a tolerance of {limit:.3g}"
                      + ("" if info.get("tolerance_met", True) else " (not met)"))
