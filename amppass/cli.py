@@ -1,8 +1,10 @@
 """The ``amppass`` command: convert an ONNX model to mixed precision, and report on a converted model.
 
+Both commands write report files with ``--report FILE``, HTML or JSON by the file's extension.
 Exit codes: 0 done; 1 a file or model amppass cannot use, or a conversion that failed; 2 a command line
-that does not parse (unknown option or dtype, output path equal to the input path without ``--force``).
-Every error is one line on stderr naming the file and the problem; no output file is left behind.
+that does not parse (unknown option or dtype, a report file that is neither .html nor .json, output path
+equal to the input path without ``--force``). Every error is one line on stderr naming the file and the
+problem; no output file is left behind.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from . import __version__
 from .errors import AmpPassError
 from .files import Staged, check_writable
 from .onnx.view import dims as value_dims
-from .report.report import Report
+from .report.report import PRECISION_FILTERS, Report
 
 log = logging.getLogger(__name__)
 
@@ -31,13 +33,16 @@ _CALIB_HELP = (
     "An array with the input's rank is one batch; one with an extra leading axis is a list of batches "
     "(arr[i] is batch i); every array must hold the same number of batches"
 )
+_REPORT_HELP = "write the report to FILE: HTML for .html/.htm, JSON for .json (give several files for both)"
 _EPILOG = (
     "examples:\n"
     "  amppass convert model.onnx -o model.fp16.onnx --dtype fp16 --report report.html\n"
     "  amppass convert model.onnx -o model.fp16.onnx --calib feeds.npz --tolerance 1e-2\n"
-    "  amppass report model.fp16.onnx --json report.json\n\n"
+    "  amppass report model.fp16.onnx --precision fp32 --by-op\n"
+    "  amppass report model.fp16.onnx --report report.json\n\n"
     "exit codes: 0 done, 1 a file or model that cannot be used or a failed conversion, 2 a bad command line"
 )
+_FORMATS = {".html": "html", ".htm": "html", ".json": "json"}
 
 
 class UsageError(Exception):
@@ -55,6 +60,15 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+class _Renamed(argparse.Action):
+    """``--json`` / ``--html`` of earlier versions: a usage error that gives today's spelling."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        raise UsageError(f"{option_string} is now --report (the file's extension picks HTML or JSON): "
+                         f"--report {values}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``amppass`` argument parser with its ``convert`` and ``report`` commands."""
     parser = _Parser(prog="amppass", description="Mixed-precision conversion of ONNX models, with a per-node "
@@ -69,13 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
                                   description="Convert an ONNX model to mixed precision and write the result.")
     convert.add_argument("model", help="the fp32 ONNX model (.onnx)")
     convert.add_argument("-o", "--output", required=True, help="where to write the converted model")
-    convert.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16", help="low-precision dtype (default fp16)")
+    convert.add_argument("--dtype", choices=("fp16", "bf16", "auto"), default="fp16",
+                         help="low-precision dtype (default fp16); auto picks the one the installed onnxruntime "
+                         "runs matrix products in: fp16 on its CPU provider, which has no bf16 MatMul")
     convert.add_argument("--calib", metavar="FEEDS.npz", help=_CALIB_HELP)
     convert.add_argument("--tolerance", type=float, metavar="X",
                          help="with --calib: the largest relative output error ||out - out_fp32|| / ||out_fp32|| "
                          "allowed over the feeds; the most sensitive nodes move back to fp32 until it is met")
-    convert.add_argument("--report", metavar="REPORT.html", help="also write the HTML report")
-    convert.add_argument("--json", metavar="REPORT.json", help="also write the JSON report")
+    _report_options(convert)
     convert.add_argument("--keep-fp32", nargs="+", default=[], metavar="PATTERN",
                          help="op types or node-name regexes to keep in fp32")
     convert.add_argument("--force-low", nargs="+", default=[], metavar="PATTERN",
@@ -85,10 +100,21 @@ def build_parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", help="show the precision report stored in a converted model",
                                  description="Show the per-node report read back from a converted model.")
     report.add_argument("model", help="an ONNX model written by amppass convert")
-    report.add_argument("--json", metavar="REPORT.json", help="write the report as JSON")
-    report.add_argument("--html", metavar="REPORT.html", help="write the report as an HTML page")
+    _report_options(report)
+    report.add_argument("--precision", nargs="+", default=[], choices=PRECISION_FILTERS, metavar="P",
+                        help="list only nodes in these precisions: fp16, bf16, fp32, low (fp16 or bf16), none "
+                        "(no floating-point work)")
+    report.add_argument("--op", nargs="+", default=[], metavar="OP",
+                        help="list only nodes running these ops (case-insensitive: Add, MatMul)")
+    report.add_argument("--by-op", action="store_true", help="one line per op: nodes in each precision, MACs")
     report.add_argument("--rows", type=int, default=None, metavar="N", help="show only the first N rows")
     return parser
+
+
+def _report_options(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--report", nargs="+", action="extend", default=[], metavar="FILE", help=_REPORT_HELP)
+    for old in ("--json", "--html"):
+        command.add_argument(old, action=_Renamed, help=argparse.SUPPRESS)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -119,17 +145,19 @@ def _convert(args: argparse.Namespace) -> int:
     from .onnx.convert import convert_skeleton, converted_dtype
 
     _check_not_input(args.model, args.output, args.force)
-    for path in (args.output, args.report, args.json):
+    _check_report_formats(args.report)
+    for path in (args.output, *args.report):
         _check_writable(path)
     model = _load_onnx(args.model)
     feeds = _load_feeds(args.calib, model) if args.calib else None
     if args.tolerance is not None and feeds is None:
         raise UsageError("--tolerance needs --calib FEEDS.npz: the output error is measured on those feeds")
-    options: dict[str, Any] = {"dtype": args.dtype, "keep_fp32": args.keep_fp32, "force_low": args.force_low}
+    dtype = _auto_dtype(model) if args.dtype == "auto" else args.dtype
+    options: dict[str, Any] = {"dtype": dtype, "keep_fp32": args.keep_fp32, "force_low": args.force_low}
     if feeds is not None:
         options.update(calibration=feeds, tolerance=args.tolerance, progress=sys.stderr.isatty())
-    if converted_dtype(model) == args.dtype:  # convert_onnx returns it unchanged, with a log warning
-        print(f"{args.model}: already converted by amppass to {args.dtype}; writing it unchanged")
+    if converted_dtype(model) == dtype:  # convert_onnx returns it unchanged, with a log warning
+        print(f"{args.model}: already converted by amppass to {dtype}; writing it unchanged")
     del model  # the conversion reads the file again: external data memory-mapped, payloads streamed out
     try:
         converted = convert_skeleton(args.model, **options)
@@ -138,38 +166,50 @@ def _convert(args: argparse.Namespace) -> int:
     report = _read_report(converted.model, args.model)
     with _writing() as staged:  # every output lands, or none does and the user's files stay as they were
         converted.stage(staged, args.output)
-        if args.report:
-            staged.write(args.report, report.to_html(title=os.path.basename(args.model)))
-        if args.json:
-            staged.write(args.json, report.to_json())
+        for path, text in _report_files(report, args.report, args.model).items():
+            staged.write(path, text)
     from .report.terminal import summary_panel
 
     _console().print(summary_panel(report))
-    for path in (args.output, args.report, args.json):
-        if path:
-            print(f"wrote {path}")
+    for path in (args.output, *args.report):
+        print(f"wrote {path}")
     return 0
 
 
 def _report(args: argparse.Namespace) -> int:
-    for path in (args.json, args.html):
+    _check_report_formats(args.report)
+    for path in args.report:
         _check_writable(path)
     report = _read_report(_load_onnx(args.model), args.model)
     with _writing() as staged:
-        if args.html:
-            staged.write(args.html, report.to_html(title=os.path.basename(args.model)))
-        if args.json:
-            staged.write(args.json, report.to_json())
+        for path, text in _report_files(report, args.report, args.model).items():
+            staged.write(path, text)
     from .report.terminal import render
 
-    _console().print(render(report, max_rows=args.rows))
-    for path in (args.html, args.json):
-        if path:
-            print(f"wrote {path}")
+    _console().print(render(report, precision=args.precision, op=args.op, by_op=args.by_op, max_rows=args.rows))
+    for path in args.report:
+        print(f"wrote {path}")
     return 0
 
 
 # -- checks ---------------------------------------------------------------------------------------------
+
+def _check_report_formats(paths: Sequence[str]) -> None:
+    for path in paths:
+        if os.path.splitext(path)[1].lower() not in _FORMATS:
+            raise UsageError(f"{path}: --report writes HTML (.html, .htm) or JSON (.json), chosen by the file's "
+                             "extension; name the file report.html or report.json")
+
+
+def _auto_dtype(model: onnx.ModelProto) -> str:
+    """``--dtype auto``: bf16 where the onnxruntime amppass plans for runs bf16 MatMul natively, fp16
+    otherwise (its CPU provider has no bf16 MatMul, Gemm or Conv: bf16 would leave them all fp32)."""
+    from .onnx.runtime import kernel_status
+    from .onnx.view import opsets
+
+    bf16 = kernel_status("", "MatMul", opsets(model).get("", 1), onnx.TensorProto.BFLOAT16) == "native"
+    return "bf16" if bf16 else "fp16"
+
 
 def _check_not_input(model: str, output: str, force: bool) -> None:
     same = os.path.realpath(model) == os.path.realpath(output) or (
@@ -289,6 +329,13 @@ def _batches(value: onnx.ValueInfoProto, array: np.ndarray) -> list[np.ndarray]:
 
 
 # -- output -------------------------------------------------------------------------------------------
+
+def _report_files(report: Report, paths: Sequence[str], model: str) -> dict[str, str]:
+    """Each ``--report`` path with the report in its format (checked by :func:`_check_report_formats`)."""
+    title = os.path.basename(model)
+    return {path: report.to_html(title=title) if _FORMATS[os.path.splitext(path)[1].lower()] == "html"
+            else report.to_json() for path in paths}
+
 
 def _read_report(model: onnx.ModelProto, path: str) -> Report:
     import amppass

@@ -54,7 +54,7 @@ def _leftovers(folder) -> list[str]:
 @needs_onnx
 def test_convert_then_report_end_to_end(mlp_onnx, tmp_path):
     out, html, data = tmp_path / "mlp.fp16.onnx", tmp_path / "r.html", tmp_path / "r.json"
-    done = _run("convert", mlp_onnx, "-o", str(out), "--dtype", "fp16", "--report", str(html), "--json", str(data),
+    done = _run("convert", mlp_onnx, "-o", str(out), "--dtype", "fp16", "--report", str(html), str(data),
                 "--keep-fp32", "Gelu")
     assert done.returncode == 0, done.stderr
     assert f"wrote {out}" in done.stdout and "fp16" in done.stdout
@@ -75,7 +75,7 @@ def test_convert_then_report_end_to_end(mlp_onnx, tmp_path):
     assert sources["Gelu"] == ("fp32", "override") and sources["Gemm"][0] == "fp16"
     assert html.read_text().count('<tr data-precision=') == len(report["rows"])
 
-    shown = _run("report", str(out), "--json", str(tmp_path / "again.json"))
+    shown = _run("report", str(out), "--report", str(tmp_path / "again.json"))
     assert shown.returncode == 0, shown.stderr
     for row in report["rows"]:
         assert row["name"] in shown.stdout
@@ -195,7 +195,7 @@ def test_matching_calibration_feeds_calibrate_and_meet_the_tolerance(capsys, fol
     feeds = _feeds(folder, x=np.random.default_rng(0).standard_normal((3, 2, 64)).astype(np.float32))
     code, err = _convert(capsys, folder, "--calib", feeds, "--tolerance", "1e-2")
     assert code == 0, err
-    assert main(["report", str(folder / "out.onnx"), "--json", str(folder / "r.json")]) == 0
+    assert main(["report", str(folder / "out.onnx"), "--report", str(folder / "r.json")]) == 0
     info = json.loads((folder / "r.json").read_text())["info"]
     assert info["calibrated"] is True and info["calibration_batches"] == 3
     assert info["tolerance"] == 1e-2 and info["tolerance_met"] is True and info["achieved_error"] <= 1e-2
@@ -210,7 +210,7 @@ def test_tolerance_without_calibration_feeds_is_a_usage_error(capsys, folder):
 
 @needs_onnx
 def test_report_on_a_model_amppass_did_not_convert(capsys, folder):
-    code = main(["report", str(folder / "mlp.onnx"), "--json", str(folder / "r.json")])
+    code = main(["report", str(folder / "mlp.onnx"), "--report", str(folder / "r.json")])
     assert code == 1
     _one_error_line(capsys.readouterr().err, "mlp.onnx")
     assert _leftovers(folder) == []
@@ -244,3 +244,103 @@ def test_convert_writes_external_data_models_from_the_path(tmp_path, monkeypatch
     written = onnx.load(tmp_path / "out.onnx")
     onnx.checker.check_model(written, full_check=True)
     assert numpy_helper.to_array(written.graph.initializer[0]).dtype == np.float16
+
+
+# -- the report command and its options ------------------------------------------------------------------
+
+LONG = "/encoder/layer.{i}/attention/output/dense/a_rather_long_scope/Gemm_{i}"
+
+
+@pytest.fixture(scope="module")
+def long_names(mlp_onnx, tmp_path_factory) -> tuple[str, list[str]]:
+    """The MLP converted to fp16 after its nodes got long, scoped names (as TorchScript exports write)."""
+    model = onnx.load(mlp_onnx)
+    names = [LONG.format(i=i) for i in range(len(model.graph.node))]
+    for node, name in zip(model.graph.node, names):
+        node.name = name
+    folder = tmp_path_factory.mktemp("long")
+    onnx.save(model, str(folder / "in.onnx"))
+    assert main(["convert", str(folder / "in.onnx"), "-o", str(folder / "out.onnx")]) == 0
+    return str(folder / "out.onnx"), names
+
+
+@needs_onnx
+def test_report_fits_80_columns_with_the_summary_first(long_names, capsys, monkeypatch):
+    path, names = long_names
+    monkeypatch.setenv("COLUMNS", "80")
+    capsys.readouterr()
+    assert main(["report", path]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert lines[0].startswith("╭─ amppass onnx") and any("casts inserted" in line for line in lines[:10])
+    header = next(i for i, line in enumerate(lines) if line.startswith("node "))
+    assert header > max(i for i, line in enumerate(lines) if "casts inserted" in line)  # summary, then table
+    rows = [line for line in lines[header + 2:] if line.startswith("/encoder")]
+    assert len(rows) == len(names)  # one line per node: no wrapping
+    for row, name in zip(rows, names):
+        shown = row.split()[0]
+        assert "…" in shown and name.startswith(shown.split("…")[0]) and name.endswith(shown.split("…")[1])
+
+
+@needs_onnx
+def test_report_filters_and_groups(long_names, capsys, monkeypatch):
+    path, names = long_names
+    monkeypatch.setenv("COLUMNS", "120")
+    precisions = {row.name: row.precision for row in amppass.report(path).rows}
+    capsys.readouterr()
+    assert main(["report", path, "--precision", "fp32"]) == 0
+    out = capsys.readouterr().out
+    fp32 = [n for n in names if precisions[n] == "fp32"]
+    assert 0 < len(fp32) < len(names) and f"{len(fp32)} of {len(names)} nodes: precision fp32" in out
+    assert sum(line.startswith("/encoder") for line in out.splitlines()) == len(fp32)
+    assert main(["report", path, "--op", "gemm"]) == 0  # case-insensitive
+    out = capsys.readouterr().out
+    assert sum(line.startswith("/encoder") and " Gemm " in line for line in out.splitlines()) == 2
+    assert main(["report", path, "--by-op"]) == 0
+    ops = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()
+           if line.split() and line.split()[0] in ("Gemm", "Gelu", "LayerNormalization")}
+    assert ops["Gemm"][:2] == ["2", "2"] and ops["LayerNormalization"][0] == "1"
+    assert main(["report", path, "--op", "Softmax"]) == 0
+    assert "no node matches op Softmax; the model's ops: Gelu, Gemm, LayerNormalization" in \
+        " ".join(capsys.readouterr().out.split())
+
+
+@needs_onnx
+@pytest.mark.parametrize("command", ["convert", "report"])
+def test_report_files_take_their_format_from_the_extension(command, capsys, folder):
+    source = str(folder / "mlp.onnx")
+    if command == "report":
+        assert main(["convert", source, "-o", str(folder / "out.onnx")]) == 0
+        args = ["report", str(folder / "out.onnx")]
+    else:
+        args = ["convert", source, "-o", str(folder / "out.onnx")]
+    assert main([*args, "--report", str(folder / "r.json"), "--report", str(folder / "r.HTML")]) == 0
+    import jsonschema
+
+    jsonschema.validate(json.loads((folder / "r.json").read_text()), load_schema())
+    assert (folder / "r.HTML").read_text().startswith("<!DOCTYPE html>")
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--report", "r.txt"], ["r.txt", "--report writes HTML (.html, .htm) or JSON (.json)"]),
+    (["--report", "r.html", "r"], ["r:", "extension"]),
+    (["--json", "r.json"], ["--json is now --report", "--report /"]),
+    (["--html", "r.html"], ["--html is now --report"]),
+])
+@pytest.mark.parametrize("command", ["convert", "report"])
+def test_report_files_without_a_known_extension_are_refused_before_any_work(capsys, folder, command, args, words):
+    args = [str(folder / a) if a.startswith("r") else a for a in args]
+    extra = ["-o", str(folder / "out.onnx")] if command == "convert" else []
+    assert main([command, str(folder / "mlp.onnx"), *extra, *args]) == 2
+    _one_error_line(capsys.readouterr().err, *words)
+    assert _leftovers(folder) == []
+
+
+@needs_onnx
+def test_dtype_auto_picks_a_dtype_the_runtime_runs_matrix_products_in(capsys, folder):
+    code, err = _convert(capsys, folder, "--dtype", "auto")
+    assert code == 0, err
+    report = amppass.report(str(folder / "out.onnx"))
+    gemms = [row for row in report.rows if row.op == "Gemm"]
+    # onnxruntime's CPU provider has no bf16 Gemm: bf16 would have left both in fp32
+    assert report.info["dtype"] == "fp16" and [row.precision for row in gemms] == ["fp16", "fp16"]

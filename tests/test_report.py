@@ -10,6 +10,7 @@ import subprocess
 import tempfile
 from html.parser import HTMLParser
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -36,11 +37,13 @@ def calibrated_report() -> Report:
         Row("conv", "Conv", "fp16", "convolution: Tensor Core work", "policy", ["x_to_fp16"],
             {"macs": 3000, "absmax": 12.5, "min_nonzero": 1e-3}),
         Row("exp", "Exp", "fp32", "exp overflows fp16", "policy", [], {"absmax": 2.0e5, "min_nonzero": 1e-7}),
-        Row("big", "MatMul", "fp32", "moved back to fp32: output error", "tolerance", [], {"macs": 1000, "absmax": 70000.0}),
+        Row("big", "MatMul", "fp32", "moved back to fp32: output error", "tolerance", [],
+            {"macs": 1000, "absmax": 70000.0, "local_error": 3.2e-3}),
         Row("shape", "Shape", "-", "no float work", "policy"),
     ]
     info = {"front_end": "onnx", "dtype": "fp16", "casts": 3, "calibrated": True, "moved_by_tolerance": ["big"],
-            "weight_bytes_before": 400, "weight_bytes_after": 220}
+            "weight_bytes_before": 400, "weight_bytes_after": 220, "tolerance": 1e-3, "achieved_error": 4e-4,
+            "tolerance_met": True}
     return Report(rows, info)
 
 
@@ -79,7 +82,62 @@ def test_summary_of_a_calibrated_tolerance_run(calibrated_report):
     assert stats["moved_by_tolerance"] == 1 and stats["calibrated"] is True
     assert stats["macs"] == {"total": 4000, "low": 3000, "low_share": 0.75, "counted_nodes": 2}
     text = calibrated_report.summary()
-    assert "75.0% of 4,000 MACs" in text and "tolerance search: 1 nodes" in text and "uncalibrated" not in text
+    assert "75.0% of 4,000 MACs" in text and "tolerance search: 1 node\n" in text and "uncalibrated" not in text
+
+
+class _Recurrent(nn.Module):
+    """A 2-layer bidirectional LSTM (with projections) into a GRU cell: getitem outputs everywhere."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(8, 16, num_layers=2, bidirectional=True, proj_size=4, batch_first=True)
+        self.cell = nn.GRUCell(8, 12)
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, x):
+        y, (h, c) = self.lstm(x)
+        return self.head(self.cell(y[:, -1]))
+
+
+def test_recurrent_layers_count_in_the_mac_share_and_getitem_is_known():
+    x = torch.randn(2, 5, 8)
+    report = amppass.report(amppass.convert(_Recurrent().eval(), (x,), dtype="fp16"))
+    rows = {r.op: r for r in report.rows}
+    steps = 2 * 5  # batch x sequence
+    # per step: layer 1 w_ih (64x8) + w_hh (64x4) + w_hr (4x16); layer 2 w_ih (64x8) + ...; both directions
+    lstm = steps * 2 * (2 * (64 * 8 + 64 * 4 + 4 * 16))
+    cell = 2 * (36 * 8 + 36 * 12)
+    assert rows["aten.lstm"].macs == lstm and rows["aten.gru_cell"].macs == cell
+    assert report.stats()["macs"] == {"total": lstm + cell + 2 * 3 * 12, "low": lstm + cell + 2 * 3 * 12,
+                                      "low_share": 1.0, "counted_nodes": 3}
+    getitems = [r for r in report.rows if r.op == "getitem"]
+    assert getitems and all("not in the policy table" not in r.reason for r in getitems)
+    assert report.stats()["unknown_ops"] == [] and "not in the policy table" not in report.summary()
+
+
+def test_onnx_recurrent_ops_count_and_sequence_and_constant_ops_are_known():
+    from onnx import TensorProto, helper, numpy_helper
+
+    f, rng = TensorProto.FLOAT, np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((2, 64, 8)).astype(np.float32), "w")  # 2 directions
+    r = numpy_helper.from_array(rng.standard_normal((2, 64, 16)).astype(np.float32), "r")
+    index = helper.make_node("Constant", [], ["i"], value=numpy_helper.from_array(np.array(0, np.int64)), name="index")
+    graph = helper.make_graph(
+        [index,
+         helper.make_node("LSTM", ["x", "w", "r"], ["y"], hidden_size=16, direction="bidirectional", name="lstm"),
+         helper.make_node("SplitToSequence", ["y"], ["seq"], axis=0, name="split"),
+         helper.make_node("SequenceAt", ["seq", "i"], ["step"], name="at"),
+         helper.make_node("Relu", ["step"], ["out"], name="relu")],
+        "g", [helper.make_tensor_value_info("x", f, [5, 2, 8])], [helper.make_tensor_value_info("out", f, None)],
+        [w, r])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    report = amppass.report(amppass.convert_onnx(model, "fp16"))
+    rows = {row.name: row for row in report.rows}
+    assert rows["lstm"].macs == 5 * 2 * (2 * 64 * 8 + 2 * 64 * 16) and rows["lstm"].precision == "fp16"
+    assert report.stats()["unknown_ops"] == []
+    assert rows["split"].precision == rows["at"].precision == "-" and "sequence" in rows["at"].reason
+    assert rows["index"].precision == "-" and "constant" in rows["index"].reason
 
 
 # -- JSON ---------------------------------------------------------------------------------------------
@@ -195,6 +253,23 @@ def test_html_plots_observed_ranges_against_fp16_limits(calibrated_report):
     assert float(exp["x"]) < float(conv["x"]) and float(exp["width"]) > float(conv["width"])
 
 
+def test_html_shows_the_target_the_tolerance_and_what_local_error_means(calibrated_report, cnn_report):
+    text = calibrated_report.to_html()
+    page = _parse(text)
+    assert "terms" in page.ids and page.headers == 10  # the local error column joins the nine
+    target = re.search(r'<div class="muted" id="target">([^<]*)</div>', text).group(1)
+    assert "target fp16, inference mode, tolerance 0.001 on the output error (reached 0.0004)" in target
+    assert "output error, within 0.001" in text
+    header = re.search(r'<th title="([^"]*)">local error</th>', text).group(1)
+    assert header.startswith("local error: ||y_low - y_fp32|| / ||y_fp32||") and "no unit" in header
+    big = re.search(r'<tr data-precision="fp32"[^>]*><td class="num">2</td>.*?</tr>', text).group(0)
+    assert '>0.0032</td>' in big
+    tip = re.search(r"<title>(big · [^<]*)</title>", text).group(1)
+    assert "local error 0.0032 (relative to the fp32 output&#x27;s norm, no unit)" in tip
+    plain = cnn_report.to_html()  # no tolerance, no local errors: neither the terms nor the column
+    assert 'id="terms"' not in plain and _parse(plain).headers == 9 and "target fp16, inference mode" in plain
+
+
 def test_html_escapes_node_text():
     report = Report([Row("<script>alert(1)</script>", "op&", "fp16", "a < b", "override")],
                     {"front_end": "fx", "dtype": "fp16"})
@@ -243,5 +318,49 @@ def test_terminal_view_lists_every_node_and_the_summary(cnn_report):
 
 def test_terminal_view_can_cut_long_tables(cnn_report):
     text = render_text(cnn_report, width=200, max_rows=2)
-    assert f"{len(cnn_report.rows) - 2} more nodes" in text
-    assert cnn_report.rows[-1].name + " " not in text.split("more nodes")[0]
+    assert f"{len(cnn_report.rows) - 2} more rows" in text
+    assert cnn_report.rows[-1].name + " " not in text.split("more rows")[0]
+
+
+def _long_report() -> Report:
+    reasons = ["matrix multiply: Tensor Core work, accumulates in fp32 inside the kernel",
+               "normalisation: mean and variance statistics need fp32", "reads shape metadata only"]
+    rows = [Row(f"/encoder/layer.{i}/attention/self/query_projection_with_a_long_scope/{op}_{i}", op, prec,
+                reasons[i % 3], "policy", [], {"macs": 10**9 + i} if op == "MatMul" else {})
+            for i, (op, prec) in enumerate([("MatMul", "fp16"), ("LayerNormalization", "fp32"), ("Shape", "-")] * 4)]
+    return Report(rows, {"front_end": "onnx", "dtype": "fp16", "casts": 3})
+
+
+@pytest.mark.parametrize("width", [60, 80, 100, 120, 160])
+def test_terminal_view_fits_its_width_one_line_per_row_summary_first(width):
+    report = _long_report()
+    lines = render_text(report, width=width).splitlines()
+    assert max(len(line) for line in lines) <= width
+    header = next(i for i, line in enumerate(lines) if line.startswith("node "))
+    assert lines[0].startswith("╭─ amppass onnx") and any("casts inserted: 3" in line for line in lines[:header])
+    rows = [line for line in lines if line.startswith("/enc")]
+    assert len(rows) == len(report.rows)  # one line each, in graph order
+    for line, row in zip(rows, report.rows):
+        shown = line.split()[0]
+        head, _, tail = shown.partition("…")
+        assert tail and row.name.startswith(head) and row.name.endswith(tail)  # the middle goes, both ends stay
+        assert line.split()[2] == row.precision
+    assert ("source" in lines[header]) is (width >= 100) and ("MACs" in lines[header]) is (width >= 120)
+    assert "shortened to fit" in " ".join(lines)
+
+
+def test_terminal_view_filters_and_groups_by_op():
+    report = _long_report()
+    text = render_text(report, width=120, precision=["low"], op=["matmul"])
+    assert "4 of 12 nodes: precision low; op matmul" in text
+    assert sum(line.startswith("/encoder") for line in text.splitlines()) == 4
+    groups = report.by_op()
+    assert [(g.op, g.nodes, g.by_precision, g.macs) for g in groups] == [
+        ("LayerNormalization", 4, {"fp32": 4}, None), ("MatMul", 4, {"fp16": 4}, 4 * 10**9 + 0 + 3 + 6 + 9),
+        ("Shape", 4, {"-": 4}, None)]
+    grouped = render_text(report, width=80, by_op=True, precision=["fp32", "none"])
+    assert "8 of 12 nodes" in grouped and "MatMul" not in grouped and "LayerNormalization" in grouped
+    assert [r.name for r in report.select(precision=["none"], op=["shape", "SHAPE"])] == \
+        [r.name for r in report.rows if r.op == "Shape"]
+    with pytest.raises(amppass.InputError, match="'fp8' is not one of fp16, bf16, fp32, low, none"):
+        report.select(precision=["fp8"])

@@ -5,11 +5,12 @@ Interpreter, ``amppass.onnx.calibrate`` through onnxruntime), measures each cand
 if a tolerance was asked for, and hands over to :func:`plan_from_stats`: range rules, user overrides on top,
 painting, the tolerance search and the metadata both front ends record (``calibrated``,
 ``calibration_batches``, ``tolerance``, ``achieved_error``, ...). It also holds the argument check, the error
-measure and the progress bar the front ends share.
+measure and the progress bar the front ends share (calibration batches, then the tolerance search's runs).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, Callable, Mapping
 
@@ -62,12 +63,14 @@ def plan_from_stats(
     tolerance: float | None = None,
     local_error: Mapping[str, float] | None = None,
     run_plan: Callable[[PrecisionPlan], float] | None = None,
+    progress: bool = False,
 ) -> tuple[PrecisionPlan, dict[str, Any]]:
     """The calibrated plan and the metadata to store with the converted model.
 
     ``given`` (user overrides) wins over the range rules. With ``tolerance``, ``run_plan(plan)`` returns the
     largest relative output error of the model rewritten by ``plan`` over the calibration data, and
-    ``local_error`` ranks the nodes the search of :mod:`amppass.analysis.tolerance` moves back to fp32.
+    ``local_error`` ranks the nodes the search of :mod:`amppass.analysis.tolerance` moves back to fp32;
+    ``progress`` shows each of its runs (nodes moved, error) on a progress bar on stderr.
     Every node's observed output range lands in its evidence, for the report's range plot.
     """
     ranges = range_decisions(view, stats, low_name, low_max)
@@ -82,7 +85,15 @@ def plan_from_stats(
         def measure(decisions: Mapping[str, Decision]) -> float:
             return run_plan(paint(view, low_name, low_max, decisions, low_weight_tables=low_weight_tables))
 
-        found = search_tolerance.search(plan, merged, local_error or {}, tolerance, measure, low_name)
+        with Progress(progress, label="tolerance search") as advance:
+            runs = itertools.count(1)
+
+            def show(moved: int, error: float) -> None:
+                verdict = "<=" if error <= tolerance else ">"
+                advance(f"run {next(runs)}, {moved} nodes fp32, error {error:.2g} {verdict} {tolerance:.2g}")
+
+            found = search_tolerance.search(plan, merged, local_error or {}, tolerance, measure, low_name,
+                                            on_run=show)
         info.update({
             "tolerance": tolerance, "achieved_error": found.achieved_error, "initial_error": found.initial_error,
             "tolerance_met": found.met, "moved_by_tolerance": len(found.moved), "tolerance_runs": found.runs,
@@ -111,22 +122,34 @@ def first_line(err: BaseException) -> str:
 
 
 class Progress:
-    """A rich progress bar on stderr when enabled; a no-op otherwise. Entering it returns ``advance()``."""
+    """A rich progress bar on stderr when enabled; a no-op otherwise.
 
-    def __init__(self, enabled: bool, calibration: Any, label: str = "calibrating"):
+    Entering it returns ``advance(note="")``: one step done, with ``note`` (what that step found) shown
+    after the label. The calibration counts batches against their number when ``steps`` has a length; the
+    tolerance search counts its runs, whose number is not known ahead.
+    """
+
+    def __init__(self, enabled: bool, steps: Any = None, label: str = "calibrating"):
         self.enabled, self.label = enabled, label
-        self.total = len(calibration) if enabled and hasattr(calibration, "__len__") else None
+        self.total = len(steps) if enabled and hasattr(steps, "__len__") else None
 
-    def __enter__(self) -> Callable[[], None]:
+    def __enter__(self) -> Callable[..., None]:
         if not self.enabled:
-            return lambda: None
+            return lambda note="": None
         from rich.console import Console
-        from rich.progress import Progress as Bar
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
 
-        self.bar = Bar(console=Console(stderr=True), transient=True)
+        counted = [MofNCompleteColumn()] if self.total is not None else []
+        self.bar = Bar(TextColumn("{task.description}"), BarColumn(bar_width=12), *counted, TimeElapsedColumn(),
+                       console=Console(stderr=True), transient=True)
         self.bar.start()
         task = self.bar.add_task(self.label, total=self.total)
-        return lambda: self.bar.advance(task)
+
+        def advance(note: str = "") -> None:
+            self.bar.update(task, advance=1, description=f"{self.label}: {note}" if note else self.label,
+                            refresh=True)
+
+        return advance
 
     def __exit__(self, *exc: Any) -> None:
         if self.enabled:

@@ -5,13 +5,24 @@ case-insensitive) or when it matches the whole node name as a regular expression
 Keeping fp32 wins over forcing low when both match. Forcing low an op the target runtime has no
 low-precision kernel for (``OpView.low_blocked``) keeps it fp32 with both facts in the reason and a
 warning: the converted model must still run.
+
+A pattern that matches no node is told apart by what it names. If it is an op name PyTorch or ONNX knows
+(an ATen op or an ONNX operator, case-insensitive, with or without a namespace such as ``aten.``), the
+model simply has no such op: a shared recipe like ``keep_fp32=["softmax"]`` meets models that compute
+attention in one fused op. That is a warning listing the ops the model has, and the conversion goes on.
+Any other pattern was meant for node names, and one that matches none is an :class:`InputError`: a
+mistyped node name must not silently leave the node in low precision.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from typing import Iterable
+
+import onnx
+import torch
 
 from ..errors import InputError
 from .plan import Category, Decision, Precision, Source
@@ -41,30 +52,64 @@ def _compile(patterns: Iterable[str], argument: str) -> list[tuple[str, re.Patte
     return compiled
 
 
+def same_op(op: str, wanted: str) -> bool:
+    """Whether ``wanted`` names ``op``: case-insensitive, with or without a namespace ("aten.softmax",
+    "softmax"; "Add" and "add")."""
+    op, wanted = op.lower(), wanted.lower()
+    return op == wanted or op.split(".", 1)[-1] == wanted.split(".", 1)[-1]
+
+
 def _matches(node: OpView, pattern: str, regex: re.Pattern[str]) -> bool:
-    op = node.op.lower()
-    wanted = pattern.lower()
-    return op == wanted or op.split(".", 1)[-1] == wanted.split(".", 1)[-1] or bool(regex.fullmatch(node.name))
+    return same_op(node.op, pattern) or bool(regex.fullmatch(node.name))
+
+
+def names_an_op(pattern: str) -> bool:
+    """Whether ``pattern`` is the name of an ATen op or an ONNX operator (module docstring)."""
+    found = re.fullmatch(r"(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*)", pattern)
+    if found is None:
+        return False
+    name = found.group(1).lower()
+    return name in _onnx_operators() or isinstance(getattr(torch.ops.aten, name, None), torch._ops.OpOverloadPacket)
+
+
+@functools.cache
+def _onnx_operators() -> frozenset[str]:
+    return frozenset(schema.name.lower() for schema in onnx.defs.get_all_schemas_with_history())
+
+
+def _no_match(argument: str, pattern: str, view: GraphView, target: str) -> None:
+    """Warn about an op name the model does not have; raise for any other pattern (module docstring)."""
+    ops = sorted({n.op for n in view.nodes if n.category is not Category.KEEP})
+    shown = ", ".join(ops[:40]) + (f" and {len(ops) - 40} more" if len(ops) > 40 else "")
+    if names_an_op(pattern):
+        log.warning("%s=[%r]: this model has no %s op with floating-point work, so nothing is %s for it; "
+                    "its ops: %s", argument, pattern, pattern, target, shown or "(none)")
+        return
+    example = next((n.name for n in view.nodes if n.category is not Category.KEEP), "")
+    raise InputError(
+        f"{argument}: {pattern!r} matches no node name and is not an op name; give one of the model's ops "
+        f"({shown or 'none with floating-point work'}) or a regular expression over whole node names"
+        + (f" such as {example!r}" if example else "") + " (amppass.report lists every node)"
+    )
 
 
 def resolve(
     view: GraphView, keep_fp32: Iterable[str] = (), force_low: Iterable[str] = (), low_name: str = "fp16"
 ) -> dict[str, Decision]:
-    """Decisions for the nodes the user's patterns match; a pattern that matches nothing is an error."""
+    """Decisions for the nodes the user's patterns match; a pattern that matches nothing warns or raises
+    (module docstring)."""
     decisions: dict[str, Decision] = {}
     for argument, patterns, precision in (("keep_fp32", keep_fp32, Precision.FP32),
                                           ("force_low", force_low, Precision.LOW)):
+        target = "fp32" if precision is Precision.FP32 else low_name
+        done = "kept in fp32" if precision is Precision.FP32 else f"forced to {target}"
         for pattern, regex in _compile(patterns, argument):
             hits = [n for n in view.nodes if n.category is not Category.KEEP and _matches(n, pattern, regex)]
             if not hits:
-                raise InputError(
-                    f"{argument}: {pattern!r} matches no node with floating-point work; give an op name "
-                    "(e.g. 'softmax') or a regular expression over node names (see amppass.report for names)"
-                )
+                _no_match(argument, pattern, view, done)
             for node in hits:
                 if node.name in decisions:
                     continue
-                target = "fp32" if precision is Precision.FP32 else low_name
                 if precision is Precision.LOW and node.low_blocked:
                     log.warning("force_low=%r: node %r kept fp32: %s", pattern, node.name, node.low_blocked)
                     decisions[node.name] = Decision(

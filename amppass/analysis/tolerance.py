@@ -63,8 +63,12 @@ def search(
     tolerance: float,
     measure: Measure,
     low_name: str,
+    on_run: Callable[[int, float], None] | None = None,
 ) -> SearchResult:
-    """Smallest prefix of the sensitivity ranking that, moved to fp32, meets ``tolerance`` (module docstring)."""
+    """Smallest prefix of the sensitivity ranking that, moved to fp32, meets ``tolerance`` (module docstring).
+
+    ``on_run(nodes moved, error)`` hears of every run as it ends (the progress bar); it changes nothing.
+    """
     order = rank(plan, local_error, given)
     errors: list[tuple[int, float]] = []
 
@@ -72,6 +76,8 @@ def search(
         error = measure(_with_moves(given, moved, local_error, low_name, order))
         errors.append((len(moved), error))
         log.info("tolerance search: %d node(s) in fp32 -> max relative output error %.3g", len(moved), error)
+        if on_run is not None:
+            on_run(len(moved), error)
         return error
 
     def run(k: int) -> float:

@@ -125,7 +125,7 @@ def calibrated_plan(
 
     return plan_from_stats(view, data.stats, short_name(low), max_finite(low), given, batches=data.batches,
                            seconds=data.seconds, low_weight_tables=low_weight_tables, tolerance=tolerance,
-                           local_error=data.local_error, run_plan=run_plan)
+                           local_error=data.local_error, run_plan=run_plan, progress=progress)
 
 
 def output_error(module: torch.nn.Module, batches: list[tuple[tuple, dict]],

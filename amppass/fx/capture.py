@@ -22,6 +22,7 @@ from torch import fx, nn
 from torch.export import Dim
 
 from ..errors import CaptureError, InputError
+from .quiet import quiet_torch
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,8 @@ def capture(
 
 def _symbolic(model: nn.Module) -> fx.GraphModule:
     try:
-        traced = fx.symbolic_trace(model)
+        with quiet_torch():
+            traced = fx.symbolic_trace(model)
     except Exception as err:  # noqa: BLE001 - any tracing failure becomes one actionable error
         raise CaptureError(
             f"torch.fx.symbolic_trace could not trace {type(model).__name__}: {_first_line(err)}. "
@@ -94,7 +96,7 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any) ->
     last: Exception | None = None
     for shapes, oblivious in attempts:
         try:
-            with _no_size_one_specialisation(oblivious):
+            with _no_size_one_specialisation(oblivious), quiet_torch():
                 program = torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
             return _without_dtype_asserts(program.module())
         except Exception as err:  # noqa: BLE001 - retried with static shapes, then reported

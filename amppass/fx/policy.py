@@ -116,6 +116,11 @@ POLICY: tuple[PolicyRow, ...] = (
     ),
     PolicyRow(
         Category.FOLLOW,
+        "picks one output of a multi-output op (split, lstm) or indexes a tensor: runs in the precision of its input",
+        ("getitem",),  # Python's operator.getitem, which every graph with a multi-output op has
+    ),
+    PolicyRow(
+        Category.FOLLOW,
         "elementwise or data movement: runs in the precision of its inputs",
         ("add", "sub", "rsub", "mul", "div", "neg", "abs", "relu", "relu_", "gelu", "silu", "mish", "tanh",
          "sigmoid", "hardtanh", "hardswish", "hardsigmoid", "leaky_relu", "elu", "selu", "celu", "softplus",
@@ -135,8 +140,9 @@ POLICY: tuple[PolicyRow, ...] = (
          "hardshrink", "softshrink", "tanhshrink", "threshold", "prelu", "rrelu", "logsigmoid", "bucketize",
          "masked_scatter", "index_put", "index_add", "_to_copy", "to", "sub_", "add_", "mul_", "div_",
          "copy", "copy_", "view_as", "movedim", "swapaxes", "diagonal", "as_strided", "unfold", "im2col",
-         "col2im", "nonzero", "sym_size", "sym_numel", "sym_stride", "scalar_tensor", "lift_fresh_copy",
-         "_assert_tensor_metadata", "_assert_scalar"),
+         "col2im", "tile", "repeat_interleave", "slice_scatter", "select_scatter", "_unsafe_index",
+         "take_along_dim", "rot90", "nonzero", "sym_size", "sym_numel", "sym_stride", "scalar_tensor",
+         "lift_fresh_copy", "_assert_tensor_metadata", "_assert_scalar"),
     ),
 )
 

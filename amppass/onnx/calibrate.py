@@ -117,7 +117,7 @@ def calibrated_plan(
 
     plan, info = plan_from_stats(fp32.view, data.stats, low_name, low_max, given, batches=data.batches,
                                  seconds=data.seconds, low_weight_tables=low_weight_tables, tolerance=tolerance,
-                                 local_error=data.local_error, run_plan=run_plan)
+                                 local_error=data.local_error, run_plan=run_plan, progress=progress)
     if data.unobserved:
         info["calibration_unobserved"] = len(data.unobserved)
     return plan, info

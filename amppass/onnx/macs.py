@@ -22,7 +22,10 @@ def is_heavy(node: onnx.NodeProto) -> bool:
 
 
 def operands(node: onnx.NodeProto) -> list[str]:
-    """The values whose shapes :func:`node_macs` reads: the first two inputs and the output."""
+    """The values whose shapes :func:`node_macs` reads: the first two inputs and the output; for a
+    recurrent op, its input and its two weights (X, W, R)."""
+    if node.op_type in _RECURRENT:
+        return list(node.input[:3])
     return list(node.input[:2]) + list(node.output[:1])
 
 
@@ -76,4 +79,11 @@ def _conv_transpose(node: onnx.NodeProto, x: list[int], w: list[int], out: list[
     return math.prod(x) * math.prod(w[1:])  # one weight slice (M/group x kernel) per input element
 
 
-_COUNTERS = {"MatMul": _matmul, "Gemm": _gemm, "Conv": _conv, "ConvTranspose": _conv_transpose}
+def _recurrent(node: onnx.NodeProto, x: list[int], w: list[int], r: list[int]) -> int:
+    # W and R ([directions, gates x hidden, in / hidden]) are applied once per time step and batch element
+    return math.prod(x[:-1]) * (math.prod(w) + math.prod(r))
+
+
+_RECURRENT = frozenset({"LSTM", "GRU", "RNN"})
+_COUNTERS = {"MatMul": _matmul, "Gemm": _gemm, "Conv": _conv, "ConvTranspose": _conv_transpose,
+             **{op: _recurrent for op in _RECURRENT}}

@@ -75,12 +75,19 @@ POLICY: tuple[PolicyRow, ...] = (
               ("Range", "ConstantOfShape", "RandomNormal", "RandomUniform", "RandomNormalLike",
                "RandomUniformLike", "EyeLike", "Multinomial", "Bernoulli")),
     PolicyRow(Category.KEEP, "reads shape metadata only", ("Shape", "Size")),
+    # float tensors of Constant nodes are weights (onnx.view); what reaches the table is an integer,
+    # boolean or attribute-typed constant
+    PolicyRow(Category.KEEP, "constant written in the model; kept as it is", ("Constant",)),
     PolicyRow(Category.KEEP, "quantization: its fp32 scales define the integer grid, and rounding them to low "
               "precision would move every quantized value; kept as the model wrote it",
               ("QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "QLinearConv", "QLinearMatMul",
                "MatMulInteger", "ConvInteger")),
     PolicyRow(Category.KEEP, "control flow: values cross the subgraph boundary in fp32; the body's nodes are "
               "planned one by one", ("If", "Loop", "Scan")),
+    PolicyRow(Category.KEEP, "sequence or optional container: holds tensors as the model wrote them; values go in "
+              "and come out in fp32", ("SequenceConstruct", "SequenceAt", "SequenceInsert", "SequenceErase",
+                                       "SequenceEmpty", "SequenceLength", "SplitToSequence", "ConcatFromSequence",
+                                       "Optional", "OptionalGetElement", "OptionalHasElement")),
     PolicyRow(Category.FOLLOW, "elementwise or data movement: runs in the precision of its inputs",
               ("Add", "Sub", "Mul", "Div", "Neg", "Abs", "Relu", "LeakyRelu", "PRelu", "Elu", "Selu", "Celu",
                "Gelu", "HardSigmoid", "HardSwish", "Mish", "Sigmoid", "Tanh", "Softplus", "Softsign", "Sqrt",

@@ -1,6 +1,7 @@
 """Multiply-accumulate counts of the heavy FX ops, from the shapes torch.export recorded.
 
-Only the ops that dominate a model's compute are counted (matrix products, convolutions, attention); the
+Only the ops that dominate a model's compute are counted (matrix products, convolutions, attention,
+recurrent layers and cells); the
 report uses them to say which share of the heavy work runs in low precision. Symbolic dimensions count at
 the example inputs' sizes (their hint); a node whose shapes are unknown counts as ``None``.
 """
@@ -20,6 +21,10 @@ from ..fx.ops import op_name
 _MATMULS = {"linear": 0, "mm": 0, "bmm": 0, "matmul": 0, "addmm": 1, "baddbmm": 1, "addbmm": 1}
 _CONVS = frozenset({"conv1d", "conv2d", "conv3d", "convolution", "_convolution"})
 _CONV_TRANSPOSES = frozenset({"conv_transpose1d", "conv_transpose2d", "conv_transpose3d"})
+# recurrent layers take their weights as a list (args[2]: w_ih, w_hh, biases, projections per layer and
+# direction); cells take w_ih and w_hh as args[2] and args[3]
+_RECURRENT_LAYERS = frozenset({"lstm", "gru", "rnn_tanh", "rnn_relu"})
+_RECURRENT_CELLS = frozenset({"lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell"})
 
 
 def node_macs(node: fx.Node) -> int | None:
@@ -36,6 +41,10 @@ def node_macs(node: fx.Node) -> int | None:
             return _conv_macs(node, transposed=name in _CONV_TRANSPOSES)
         if name == "scaled_dot_product_attention":
             return _attention_macs(node)
+        if name in _RECURRENT_LAYERS:
+            return _recurrent_macs(node, node.args[2])
+        if name in _RECURRENT_CELLS:
+            return _recurrent_macs(node, node.args[2:4])
     except (IndexError, TypeError):
         return None
     return None
@@ -60,6 +69,16 @@ def _attention_macs(node: fx.Node) -> int | None:
     batch = math.prod(query[:-2])
     length, source = query[-2], key[-2]
     return batch * length * source * (query[-1] + value[-1])  # Q @ K^T, then weights @ V
+
+
+def _recurrent_macs(node: fx.Node, weights: Any) -> int | None:
+    """Every weight matrix (input, hidden and projection, each layer and direction) is applied once per
+    time step and batch element; biases are additions, not MACs."""
+    steps = _shape(node.args[0])
+    shapes = [_shape(w) for w in weights]
+    if steps is None or any(s is None for s in shapes):
+        return None
+    return math.prod(steps[:-1]) * sum(math.prod(s) for s in shapes if len(s) == 2)
 
 
 def _shape(value: Any) -> list[int] | None:

@@ -10,9 +10,11 @@ JavaScript.
 from __future__ import annotations
 
 import math
+import re
 from html import escape
 
-from .report import LOW_PRECISIONS, PRECISIONS, Report, Row, summary_lines
+from .report import (LOCAL_ERROR, LOW_PRECISIONS, OUTPUT_ERROR, PRECISIONS, SCHEMA_VERSION, Report, Row, finite,
+                     summary_lines)
 
 FP16_MAX = 65504.0
 FP16_MIN_NORMAL = 6.103515625e-05
@@ -23,7 +25,7 @@ _CSS = """
 body{font:14px/1.4 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#212529;background:#fff}
 h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:28px 0 8px}
 .muted{color:#6c757d}.cards{display:flex;flex-wrap:wrap;gap:10px;margin:14px 0}
-.card{border:1px solid #dee2e6;border-radius:6px;padding:8px 12px;min-width:120px}
+.card{border:1px solid #dee2e6;border-radius:6px;padding:8px 12px;min-width:100px}
 .card b{display:block;font-size:19px}.legend span{display:inline-block;margin-right:14px}
 .sw{display:inline-block;width:11px;height:11px;border-radius:2px;margin-right:4px;vertical-align:-1px}
 table{border-collapse:collapse;width:100%}th,td{border-bottom:1px solid #e9ecef;padding:4px 8px;text-align:left;vertical-align:top}
@@ -32,7 +34,9 @@ th[aria-sort=ascending]::after{content:" \\25B2"}th[aria-sort=descending]::after
 td.num{text-align:right;font-variant-numeric:tabular-nums}td.name,td.op{font-family:ui-monospace,monospace;font-size:12px}
 .pill{border-radius:9px;padding:0 7px;color:#fff;font-size:12px}.controls{margin:8px 0;display:flex;gap:10px;align-items:center}
 input,select{font:inherit;padding:3px 6px}svg text{font:11px system-ui,sans-serif;fill:#495057}
-ul.summary{margin:6px 0;padding-left:20px}
+ul.summary{margin:6px 0;padding-left:20px}ul.terms{margin:6px 0;padding-left:20px;font-size:13px}
+.card[title]{cursor:help}th[title]{text-decoration:underline dotted}
+td.reason{min-width:24em}
 """
 
 _JS = """
@@ -75,10 +79,11 @@ def render_html(report: Report, title: str | None = None) -> str:
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
         f"<title>{escape(title)}</title><style>{_CSS}</style></head><body>",
         f"<h1>{escape(title)}</h1>",
-        f'<div class="muted">amppass {escape(str(info.get("amppass_version", "")))} · '
-        f"report schema {escape(str(report.to_dict()['schema_version']))}</div>",
+        f'<div class="muted" id="target">{escape(_target(report))} · amppass '
+        f'{escape(str(info.get("amppass_version", "")))} · report schema {SCHEMA_VERSION}</div>',
         _cards(report),
         '<ul class="summary">' + "".join(f"<li>{escape(line)}</li>" for line in summary_lines(report)) + "</ul>",
+        _terms(report),
         "<h2>Nodes in graph order</h2>",
         _legend(),
         _strip(report.rows),
@@ -91,22 +96,59 @@ def render_html(report: Report, title: str | None = None) -> str:
     return "\n".join(parts)
 
 
+def _target(report: Report) -> str:
+    """What the plan was made for: dtype, mode, and the tolerance with the output error it reached."""
+    info = report.info
+    text = f"target {info.get('dtype')}, {info.get('mode', 'inference')} mode"
+    limit, achieved = finite(info.get("tolerance")), finite(info.get("achieved_error"))
+    if limit is not None:
+        text += f", tolerance {limit:.2g} on the output error"
+        if achieved is not None:
+            text += f" (reached {achieved:.2g}{'' if info.get('tolerance_met', True) else ', not met'})"
+    return text
+
+
 def _cards(report: Report) -> str:
     stats = report.stats()
     counts = stats["by_precision"]
     share = stats["macs"]["low_share"]
     before, after = stats["weight_bytes"]["before"], stats["weight_bytes"]["after"]
-    cards = [(f"{counts.get(p, 0)}", f"{p} nodes") for p in PRECISIONS if p != "-" and counts.get(p)]
+    cards = [(str(report.info.get("dtype")), "target dtype")]
+    cards += [(f"{counts.get(p, 0)}", f"{p} nodes") for p in PRECISIONS if p != "-" and counts.get(p)]
     cards += [
         ("-" if share is None else f"{share:.1%}", f"heavy compute in {report.info.get('dtype')}"),
         (f"{stats['casts']}", "casts inserted"),
         ("-" if not before else f"{after / before:.2f}×", "weight bytes vs fp32"),
-        ("yes" if stats["calibrated"] else "no", "calibrated"),
     ]
+    limit, achieved = finite(report.info.get("tolerance")), finite(report.info.get("achieved_error"))
+    if limit is not None and achieved is not None:  # a tolerance implies calibration
+        met = report.info.get("tolerance_met", achieved <= limit)
+        cards.append((f"{achieved:.2g}", f"output error, {'within' if met else 'over'} {limit:.2g}", OUTPUT_ERROR))
+    else:
+        cards.append(("yes" if stats["calibrated"] else "no", "calibrated"))
     if stats["moved_by_tolerance"] is not None:
         cards.append((f"{stats['moved_by_tolerance']}", "moved by tolerance"))
-    body = "".join(f'<div class="card"><b>{escape(v)}</b><span class="muted">{escape(k)}</span></div>' for v, k in cards)
+    body = "".join(
+        f'<div class="card"{_title(card[2] if len(card) > 2 else "")}><b>{escape(card[0])}</b>'
+        f'<span class="muted">{escape(card[1])}</span></div>' for card in cards
+    )
     return f'<div class="cards">{body}</div>'
+
+
+def _terms(report: Report) -> str:
+    """The two error measures in words, where the page shows either."""
+    shown = []
+    if finite(report.info.get("tolerance")) is not None:
+        shown.append(OUTPUT_ERROR)
+    if any(row.local_error is not None for row in report.rows):
+        shown.append(LOCAL_ERROR)
+    if not shown:
+        return ""
+    return '<ul class="terms muted" id="terms">' + "".join(f"<li>{escape(text)}</li>" for text in shown) + "</ul>"
+
+
+def _title(text: str) -> str:
+    return f' title="{escape(text)}"' if text else ""
 
 
 def _legend() -> str:
@@ -125,6 +167,8 @@ def _strip(rows: list[Row]) -> str:
     for i, row in enumerate(rows):
         x, y = (i % _PER_LINE) * _CELL, (i // _PER_LINE) * _CELL
         tip = f"{row.name} · {row.op} · {row.precision} ({row.source}): {row.reason}"
+        if row.local_error is not None:
+            tip += f" · local error {row.local_error:.2g} (relative to the fp32 output's norm, no unit)"
         cells.append(
             f'<rect class="node" data-precision="{escape(row.precision)}" x="{x + 1}" y="{y + 1}" '
             f'width="{_CELL - 2}" height="{_CELL - 2}" rx="2" fill="{COLOURS.get(row.precision, "#000")}">'
@@ -181,6 +225,9 @@ def _ranges(report: Report) -> str:
             f'fill="{COLOURS.get(row.precision, "#000")}"><title>{escape(tip)}</title></rect>'
         )
     return (
+        '<p class="muted">Each bar spans a node\'s smallest non-zero to largest output magnitude seen during '
+        "calibration (log scale). Dashed lines: fp16's smallest normal value 6.1e-5 and its largest 65504; "
+        "shaded: outside that range.</p>"
         '<div style="max-height:520px;overflow:auto">'
         f'<svg id="ranges" role="img" aria-label="observed ranges, log scale" width="{width}" height="{height}" '
         f'viewBox="0 0 {width} {height}" xmlns="http://www.w3.org/2000/svg">{"".join(parts)}</svg></div>'
@@ -194,21 +241,36 @@ def _table(rows: list[Row]) -> str:
         f'<select id="precision"><option value="">all precisions</option>{options}</select>'
         f'<span id="shown" class="muted">{len(rows)} nodes</span></div>'
     )
-    head = "".join(
-        f"<th>{h}</th>" for h in ("#", "node", "op", "precision", "source", "casts in", "MACs", "absmax", "reason")
-    )
+    with_local = any(row.local_error is not None for row in rows)
+    headers = ["#", "node", "op", "precision", "source", "casts in", "MACs", "absmax"]
+    headers += ["local error"] * with_local + ["reason"]
+    tips = {"local error": LOCAL_ERROR, "absmax": "largest magnitude of the node's output seen during calibration"}
+    head = "".join(f"<th{_title(tips.get(h, ''))}>{h}</th>" for h in headers)
     body = []
     for i, row in enumerate(rows):
-        macs, observed = row.macs, row.observed
+        macs, absmax, local = row.macs, row.observed[0] if row.observed else None, row.local_error
         pill = f'<span class="pill" style="background:{COLOURS.get(row.precision, "#000")}">{escape(row.precision)}</span>'
         low = "1" if row.precision in LOW_PRECISIONS else "0"
+        numbers = _number(macs, f"{macs:,}" if macs is not None else "") + \
+            _number(absmax, f"{absmax:.3g}" if absmax is not None else "")
+        if with_local:
+            numbers += _number(local, f"{local:.2g}", LOCAL_ERROR) if local is not None else _number(None, "")
         body.append(
             f'<tr data-precision="{escape(row.precision)}" data-low="{low}"><td class="num">{i}</td>'
-            f'<td class="name">{escape(row.name)}</td><td class="op">{escape(row.op)}</td>'
+            f'<td class="name">{_breakable(row.name)}</td><td class="op">{_breakable(row.op)}</td>'
             f'<td data-sort="{escape(row.precision)}">{pill}</td><td>{escape(row.source)}</td>'
-            f'<td class="name">{escape(", ".join(row.casts))}</td>'
-            f'<td class="num" data-sort="{macs if macs is not None else ""}">{"" if macs is None else f"{macs:,}"}</td>'
-            f'<td class="num" data-sort="{observed[0] if observed else ""}">{f"{observed[0]:.3g}" if observed else ""}</td>'
-            f"<td>{escape(row.reason)}</td></tr>"
+            f'<td class="name">{_breakable(", ".join(row.casts))}</td>{numbers}'
+            f'<td class="reason">{escape(row.reason)}</td></tr>'
         )
     return f'{controls}<table id="rows"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
+
+
+def _breakable(text: str) -> str:
+    """``text`` escaped, with line-break opportunities after the separators of node and op names, so a
+    long name wraps at "/", "." or "_" instead of in the middle of a word."""
+    return re.sub(r"([/._])", r"\1<wbr>", escape(text))
+
+
+def _number(value: float | None, text: str, title: str = "") -> str:
+    """A right-aligned cell showing ``text`` that sorts by ``value`` (empty when None)."""
+    return f'<td class="num" data-sort="{"" if value is None else value}"{_title(title)}>{escape(text)}</td>'

@@ -12,13 +12,26 @@ import os
 from importlib import resources
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Iterable
+
+from ..analysis.overrides import same_op
+from ..errors import InputError
 
 from ..files import write_atomic
 
 SCHEMA_VERSION = 1
 LOW_PRECISIONS = ("fp16", "bf16")
 PRECISIONS = ("fp16", "bf16", "fp32", "-")
+# what the report's "local error" and "output error" are, in words (HTML legend and tooltips, docs)
+LOCAL_ERROR = ("local error: ||y_low - y_fp32|| / ||y_fp32|| for one node's output y when that node alone runs in "
+               "low precision on inputs recorded from the fp32 model (first calibration batch). A ratio with no "
+               "unit: 1e-3 means the output moved by 0.1% of its size (L2 norm). The tolerance search ranks nodes "
+               "by it.")
+OUTPUT_ERROR = ("output error: the largest ||out - out_fp32|| / ||out_fp32|| over the model's floating outputs and "
+                "the calibration batches, the same unitless ratio for the whole converted model; the tolerance "
+                "bounds it.")
+# what select() takes: a precision, "low" for either low dtype, "none" for "-" (a word a shell passes as is)
+PRECISION_FILTERS = ("fp16", "bf16", "fp32", "low", "none")
 
 
 @dataclass
@@ -27,7 +40,8 @@ class Row:
 
     ``evidence`` holds what the decision rested on; the report reads these keys when present:
     ``macs`` (multiply-accumulates of one call, heavy ops only), ``absmax`` and ``min_nonzero`` (observed
-    magnitudes, from calibration), ``unknown`` (op not in the policy table).
+    magnitudes, from calibration), ``unknown`` (op not in the policy table), ``local_error`` (see
+    :data:`LOCAL_ERROR`; recorded for the nodes the tolerance search moved).
     """
 
     name: str
@@ -41,14 +55,32 @@ class Row:
     @property
     def macs(self) -> int | None:
         """Multiply-accumulates of one call, where the front end could count them."""
-        value = _finite(self.evidence.get("macs"))
+        value = finite(self.evidence.get("macs"))
         return None if value is None else int(value)
+
+    @property
+    def local_error(self) -> float | None:
+        """The node's local error (:data:`LOCAL_ERROR`), where the tolerance search recorded it."""
+        return finite(self.evidence.get("local_error"))
 
     @property
     def observed(self) -> tuple[float, float | None] | None:
         """``(absmax, smallest non-zero magnitude)`` observed during calibration, if recorded and finite."""
-        absmax, low = _finite(self.evidence.get("absmax")), _finite(self.evidence.get("min_nonzero"))
+        absmax, low = finite(self.evidence.get("absmax")), finite(self.evidence.get("min_nonzero"))
         return None if absmax is None else (absmax, low)
+
+
+@dataclass
+class OpGroup:
+    """The rows of one op: how many in each precision, and their MACs where counted."""
+
+    op: str
+    by_precision: dict[str, int] = field(default_factory=dict)
+    macs: int | None = None
+
+    @property
+    def nodes(self) -> int:
+        return sum(self.by_precision.values())
 
 
 @dataclass
@@ -61,6 +93,31 @@ class Report:
     def counts(self) -> dict[str, int]:
         """Number of nodes per precision."""
         return dict(Counter(row.precision for row in self.rows))
+
+    def select(self, precision: Iterable[str] = (), op: Iterable[str] = ()) -> list[Row]:
+        """The rows in one of the ``precision`` filters and running one of the ``op`` names; an empty
+        filter keeps every row.
+
+        Precisions are those of :data:`PRECISION_FILTERS`; ops match case-insensitively, with or without
+        a namespace ("add", "aten.add"; "Add"), as ``keep_fp32`` patterns do.
+        """
+        precision, op = list(precision), list(op)
+        unknown = [p for p in precision if p not in PRECISION_FILTERS]
+        if unknown:
+            raise InputError(f"precision {unknown[0]!r} is not one of {', '.join(PRECISION_FILTERS)}")
+        wanted = {p for name in precision for p in {"low": LOW_PRECISIONS, "none": ("-",)}.get(name, (name,))}
+        return [row for row in self.rows
+                if (not wanted or row.precision in wanted) and (not op or any(same_op(row.op, o) for o in op))]
+
+    def by_op(self, rows: Iterable[Row] | None = None) -> list[OpGroup]:
+        """``rows`` (by default all) grouped by op, most nodes first."""
+        groups: dict[str, OpGroup] = {}
+        for row in self.rows if rows is None else rows:
+            group = groups.setdefault(row.op, OpGroup(row.op))
+            group.by_precision[row.precision] = group.by_precision.get(row.precision, 0) + 1
+            if row.macs is not None:
+                group.macs = (group.macs or 0) + row.macs
+        return sorted(groups.values(), key=lambda g: (-g.nodes, g.op))
 
     def stats(self) -> dict[str, Any]:
         """The summary as numbers: the ``summary`` object of the JSON form."""
@@ -141,7 +198,8 @@ class Report:
         return text
 
 
-def _finite(value: Any) -> float | None:
+def finite(value: Any) -> float | None:
+    """``value`` as a float when it is a finite number (not a bool), else None."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None
     return float(value)
@@ -176,7 +234,7 @@ def summary_lines(report: Report) -> list[str]:
     if macs["total"]:
         lines.append(
             f"heavy compute in {info.get('dtype')}: {macs['low_share']:.1%} of {macs['total']:,} MACs "
-            f"({macs['counted_nodes']} matmul/conv/attention nodes with known shapes)"
+            f"({macs['counted_nodes']} matmul, conv, attention or RNN nodes)"
         )
     lines.append(f"casts inserted: {stats['casts']}")
     before, after = stats["weight_bytes"]["before"], stats["weight_bytes"]["after"]
@@ -185,8 +243,9 @@ def summary_lines(report: Report) -> list[str]:
     if stats["sources"]:
         lines.append("decided by: " + ", ".join(f"{n} {s}" for s, n in stats["sources"].items()))
     if stats["moved_by_tolerance"] is not None:
-        lines.append(f"moved to fp32 by the tolerance search: {stats['moved_by_tolerance']} nodes")
-    achieved, limit = _finite(info.get("achieved_error")), _finite(info.get("tolerance"))
+        moved = stats["moved_by_tolerance"]
+        lines.append(f"moved to fp32 by the tolerance search: {moved} node{'' if moved == 1 else 's'}")
+    achieved, limit = finite(info.get("achieved_error")), finite(info.get("tolerance"))
     if achieved is not None and limit is not None:
         lines.append(f"output error {achieved:.3g} against a tolerance of {limit:.3g}"
                      + ("" if info.get("tolerance_met", True) else " (not met)"))
