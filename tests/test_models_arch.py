@@ -1,0 +1,202 @@
+"""Tests for models.arch: every architecture builds, serves its example inputs and its other shapes with finite
+outputs, is deterministic per seed, is exportable exactly when it says so, and keeps the structure of the model
+it copies (parameter counts, Swin's shift mask)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from models import ARCHS, ArchCase, ModelCase, build_arch
+from models.vision import _window_mask
+
+KINDS = {"depthwise-cnn", "grouped-cnn", "rnn", "transformer", "decoder-llm", "ssm", "detector", "audio",
+         "segmentation"}
+# torchvision's published parameter counts of the models whose layouts the registry copies
+TORCHVISION_PARAMS = {
+    "mobilenet_v3_small": 2_542_856,
+    "regnet_y_400mf": 4_344_144,
+    "efficientnet_b0": 5_288_548,
+    "convnext_tiny": 28_589_128,
+    "swin_t": 28_288_354,
+}
+# Default-run sizes for the architectures whose own shapes take seconds on two CPU cores; their own shapes
+# run in the slow tests.
+QUICK = {"convnext_tiny": 64, "swin_t": 64, "efficientnet_b0": 96, "regnet_y_400mf": 96, "mamba": 16}
+EXPORT_QUICK = ("lstm", "gru", "interpolate_net", "qwen2", "distilbert")
+
+
+@functools.cache
+def _case(name: str) -> ArchCase:
+    """One build per architecture (at its default-run shape), shared by the tests that only run it."""
+    return build_arch(name, shape=QUICK.get(name))
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    """Every tensor of a model output: tensors, tuples, dicts and ModelOutputs, and the keys and values of a
+    transformers cache."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        return [t for v in out.values() for t in _tensors(v)]
+    if isinstance(out, (tuple, list)):
+        return [t for v in out for t in _tensors(v)]
+    if hasattr(out, "layers"):  # DynamicCache
+        return [t for layer in out.layers for t in (layer.keys, layer.values)]
+    raise TypeError(f"unexpected output {type(out).__name__}")
+
+
+def _run(case: ArchCase, inputs: tuple) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return _tensors(case.model(*inputs, **case.example_kwargs))
+
+
+def _check_serves(case: ArchCase, batch: int, shape) -> None:
+    outputs = _run(case, case.make_inputs(3, batch, shape))
+    assert outputs, case.name
+    for out in outputs:
+        if out.is_floating_point():
+            assert torch.isfinite(out).all(), (case.name, batch, shape)
+    assert outputs[0].shape[0] == batch
+
+
+def test_registry():
+    assert len(ARCHS) == len(set(ARCHS)) >= 15
+    for name in ("mobilenet_v3_small", "regnet_y_400mf", "efficientnet_b0", "convnext_tiny", "swin_t", "lstm",
+                 "gru", "transformer_encoder", "mamba", "mistral", "mistral_cache", "qwen2", "t5_small",
+                 "interpolate_net"):
+        assert name in ARCHS
+    with pytest.raises(KeyError, match="unknown architecture 'nope'"):
+        build_arch("nope")
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_case_facts(name):
+    case = _case(name)
+    assert isinstance(case, ModelCase) and case.name == name
+    assert case.kind in KINDS
+    assert not case.model.training
+    assert case.description and "\n" not in case.description
+    (b1, s1), (b2, s2), (b3, s3) = case.other_shapes
+    assert b1 == 1 and b2 > 1 and b3 == 1 and s1 == s2 != s3
+    assert case.batch == 1 and case.shape == QUICK.get(name, s1)
+    if name in TORCHVISION_PARAMS:
+        assert sum(p.numel() for p in case.model.parameters()) == TORCHVISION_PARAMS[name]
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_runs(name):
+    """Example inputs, then the other shapes (for the heavy models: batch 3 at the reduced shape)."""
+    case = _case(name)
+    outputs = _run(case, case.example_inputs)
+    assert outputs[0].std() > 0
+    for batch, shape in [(3, case.shape)] if name in QUICK else case.other_shapes:
+        _check_serves(case, batch, shape)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(QUICK))
+def test_runs_at_own_shapes(name):
+    case = build_arch(name)
+    _check_serves(case, 1, case.shape)
+    for batch, shape in case.other_shapes:
+        _check_serves(case, batch, shape)
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_deterministic(name):
+    shape = QUICK.get(name)
+    a, b = _case(name), build_arch(name, shape=shape)
+    for (key, x), y in zip(a.model.state_dict().items(), b.model.state_dict().values()):
+        assert torch.equal(x, y), key
+    for x, y in zip(_run(a, a.example_inputs), _run(b, a.example_inputs)):
+        assert torch.equal(x, y)
+    assert all(torch.equal(x, y) for x, y in zip(a.make_inputs(0), a.example_inputs))
+    assert all(torch.equal(x, y) for x, y in zip(a.make_inputs(5, 2), b.make_inputs(5, 2)))
+    assert not torch.equal(a.make_inputs(1)[0], a.example_inputs[0])
+    other = build_arch(name, shape=shape, seed=1)
+    assert any(not torch.equal(x, y) for x, y in zip(a.model.parameters(), other.model.parameters()))
+
+
+def test_make_inputs_shapes():
+    swin = build_arch("swin_t", batch=2)
+    assert swin.example_inputs[0].shape == (2, 3, 224, 224)
+    assert swin.make_inputs(0, batch=1, shape=(192, 256))[0].shape == (1, 3, 192, 256)
+    t5 = build_arch("t5_small", shape=20)
+    ids, mask, decoder = t5.make_inputs(0, batch=4)
+    assert ids.shape == mask.shape == (4, 20) and decoder.shape == (4, 10)
+    assert mask[0].all() and (ids[mask == 0] == 0).all() and (decoder[:, 0] == 0).all()
+
+
+def test_build_leaves_global_rng_alone():
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    build_arch("lstm").make_inputs(4)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def _exports(case: ArchCase) -> bool:
+    try:
+        torch.export.export(case.model, case.example_inputs, case.example_kwargs, strict=False)
+    except Exception:  # any failure to capture counts: data-dependent guards, unknown output types, ...
+        return False
+    return True
+
+
+@pytest.mark.parametrize("name", EXPORT_QUICK)
+def test_exportable_flag_quick(name):
+    case = build_arch(name, shape=QUICK.get(name))
+    assert _exports(case) == case.exportable
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in ARCHS if n not in EXPORT_QUICK + ("mistral_cache",)])
+def test_exportable_flag(name):
+    case = build_arch(name)
+    assert _exports(case) == case.exportable
+
+
+def test_cache_output_blocks_export():
+    """mistral_cache is marked not exportable: torch.export refuses the DynamicCache in its output, unless
+    the process has registered a pytree for it (transformers' executorch helpers do)."""
+    from transformers import DynamicCache
+
+    case = build_arch("mistral_cache", shape=8)
+    assert not case.exportable
+    assert _exports(case) == (DynamicCache in torch.utils._pytree.SUPPORTED_NODES)
+
+
+def test_swin_shift_mask():
+    """On a 14x14 map (four 7x7 windows) shifted by 3, the top-left window holds one image region and the
+    bottom-right one four (4x4, 4x3, 3x4, 3x3 positions): attention stays inside a region."""
+    mask = _window_mask(14, 14, 7, (3, 3), torch.device("cpu"))
+    assert mask.shape == (4, 49, 49)
+    assert (mask[0] == 0).all()
+    assert int((mask[3] == 0).sum()) == 16 ** 2 + 12 ** 2 + 12 ** 2 + 9 ** 2
+    assert set(mask.unique().tolist()) == {-100.0, 0.0}
+    only_rows = _window_mask(14, 7, 7, (3, 0), torch.device("cpu"))  # one window wide: no shift across
+    assert int((only_rows[1] == 0).sum()) == 28 ** 2 + 21 ** 2
+
+
+def test_swin_serves_sizes_off_the_window_grid():
+    """At 64x64 the first stage map (16x16) is padded to 21x21 and cropped back; images stay independent of
+    the others in their batch, and non-square images work."""
+    case = build_arch("swin_t", shape=64)
+    x = case.make_inputs(0, batch=2)[0]
+    with torch.no_grad():
+        both = case.model(x)
+        first = case.model(x[:1])
+    torch.testing.assert_close(both[:1], first, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        assert case.model(case.make_inputs(0, shape=(64, 96))[0]).shape == (1, 1000)
+
+
+def test_interpolate_net_keeps_even_sizes():
+    case = build_arch("interpolate_net")
+    for shape in (64, 100, (72, 120)):
+        x = case.make_inputs(0, shape=shape)[0]
+        with torch.no_grad():
+            assert case.model(x).shape[-2:] == x.shape[-2:]
