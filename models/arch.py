@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from models import sequence, vision
+from models import audio, detection, sequence, vision
 from models.zoo import ModelCase
 
 
@@ -95,6 +95,16 @@ _ARCHS: dict[str, _Arch] = {
     "distilbert": _Arch(
         sequence.distilbert, sequence.token_inputs(), 32, 128, "transformer", True,
         "transformers DistilBertModel (dim 128, 2 layers, 4 heads)"),
+    "detector": _Arch(
+        detection.detector, vision.image_inputs, 256, (256, 320), "detector", False,
+        "Two-stage detector: backbone, FPN, RPN, torch NMS loops, RoI-align by grid_sample, box head"),
+    "db_text_detector": _Arch(
+        detection.db_text_detector, vision.image_inputs, 640, (480, 640), "segmentation", True,
+        "DB text detector: ResNet-18-vd, FPN/PAN, scale attention, sigmoid(50 (P - T)) (49 convs)",
+        large_batch=2),
+    "audio_cqt": _Arch(
+        audio.audio_cqt, audio.waveform_inputs, audio.SAMPLE_RATE, 2 * audio.SAMPLE_RATE, "audio", True,
+        "Constant-Q transform by 4115-tap Conv1d banks (72 bins), log magnitude, conv + GRU classifier"),
 }
 
 ARCHS: tuple[str, ...] = tuple(_ARCHS)
