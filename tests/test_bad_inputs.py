@@ -89,6 +89,38 @@ def _unreadable(tmp: Path) -> str:
     return _file("locked.onnx", matmul_model().SerializeToString(), 0)(tmp)
 
 
+def _external(location: str, **fields: str) -> Callable[[Path], str]:
+    """matmul_model saved in tmp with W's bytes in an external file named by ``location`` (and ``fields``)."""
+    def make(tmp: Path) -> str:
+        model = matmul_model()
+        weight = model.graph.initializer[0]
+        (tmp / "w.data").write_bytes(weight.raw_data)
+        weight.ClearField("raw_data")
+        weight.data_location = TensorProto.EXTERNAL
+        for key, value in {"location": location, "offset": "0", **fields}.items():
+            weight.external_data.add(key=key, value=value)
+        (tmp / "m.onnx").write_bytes(model.SerializeToString())
+        return str(tmp / "m.onnx")
+    return make
+
+
+def _truncated(model: onnx.ModelProto) -> onnx.ModelProto:
+    model.graph.initializer[0].raw_data = model.graph.initializer[0].raw_data[:-4]
+    return model
+
+
+def _cycle(tmp: Path) -> onnx.ModelProto:
+    model = matmul_model()
+    model.graph.node[0].input[0] = "y"
+    return model
+
+
+def _forged_report(tmp: Path) -> object:
+    model = amppass.convert_onnx(matmul_model())
+    next(p for p in model.metadata_props if p.key == "amppass").value = '{"dtype": "fp16", "casts": 1e999}'
+    return amppass.report(model)
+
+
 def _bad_calibration(value: float) -> list[tuple[torch.Tensor]]:
     return [(torch.ones(2, 4),), (torch.full((2, 4), value),)]
 
@@ -121,6 +153,21 @@ CASES = [
     Case("onnx-missing-path", "a path that does not exist", _onnx(_file("missing.onnx")),
          InputError, ("missing.onnx", "no such path", "pass the path")),
     Case("onnx-directory", "a folder", _onnx(str), InputError, ("is a folder", "pass the path of the .onnx model")),
+    Case("onnx-external-absolute", "external data at an absolute path (/etc/passwd)",
+         _onnx(_external("/etc/passwd")), InputError, ("'W'", "'/etc/passwd'", "absolute path", "inside the model's folder")),
+    Case("onnx-external-climbing", "external data outside the model's folder (../x)",
+         _onnx(_external("../secret.data")), InputError, ("'W'", "climbs out of the model's folder")),
+    Case("onnx-external-reserved", "external data at amppass's reserved location",
+         _onnx(_external("amppass:weight-store")), InputError, ("'W'", "reserves for its own weight store")),
+    Case("onnx-external-offset", "an external-data offset past the end of the file",
+         _onnx(_external("w.data", offset="999999")), InputError, ("'W'", "would end at byte", "truncated")),
+    Case("onnx-external-offset-text", "an external-data offset that is not a number",
+         _onnx(_external("w.data", offset="-8")), InputError, ("'W'", "offset '-8'", "non-negative whole number")),
+    Case("onnx-raw-data-short", "raw data shorter than the tensor's shape",
+         _onnx(lambda tmp: _truncated(matmul_model())), InputError, ("'W'", "bytes of raw data", "needs 256")),
+    Case("onnx-cycle", "a graph with a cycle", _onnx(_cycle), InputError, ("in a cycle", "acyclic")),
+    Case("onnx-forged-metadata", "amppass.report of a model with forged metadata", _forged_report,
+         InputError, ("'casts'", "not a finite number", "convert the original model again")),
     Case("onnx-not-a-model", "bytes instead of a model", _onnx(lambda tmp: matmul_model().SerializeToString()),
          InputError, ("not bytes", "path to a .onnx file or an onnx.ModelProto")),
     Case("onnx-unknown-dtype", "convert_onnx(dtype='int8')", _onnx(lambda tmp: matmul_model(), dtype="int8"),

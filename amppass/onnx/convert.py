@@ -137,7 +137,7 @@ def convert_skeleton(
                          f"{runtime.max_opset()}; re-export with opset <= {runtime.max_opset()}")
     name_nodes(work)
     bytes_before = weight_bytes(work)
-    typed = _infer(work)
+    typed = _infer(work, strict=True)
 
     view, refs, types = build_view(typed, low, store, measure_weights=low == TensorProto.FLOAT16)
     given = {**policy.quantized_nodes(typed.graph), **overrides.resolve(view, keep_fp32, force_low, low_name)}
@@ -240,14 +240,16 @@ def _check_has_graph(model: onnx.ModelProto, where: str) -> None:
                          "by torch.onnx.export or another ONNX exporter")
 
 
-def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
+def _infer(model: onnx.ModelProto, strict: bool = False) -> onnx.ModelProto:
     """``model`` with value_info re-inferred (a new proto; ``model`` itself is left as it was).
 
     ``model`` is a skeleton (:mod:`amppass.onnx.weights`): its large tensors carry no bytes, so the
-    serialisation shape inference does is cheap and stays under protobuf's 2 GB limit.
+    serialisation shape inference does is cheap and stays under protobuf's 2 GB limit. ``strict`` refuses
+    a model whose shapes contradict each other (a weight that does not fit its MatMul), which would
+    otherwise convert into a model the checker rejects.
     """
     try:
-        return onnx.shape_inference.infer_shapes(model, check_type=True)
+        return onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=strict)
     except onnx.shape_inference.InferenceError as err:
         raise InputError(f"onnx shape inference rejects the model ({err}); check it with "
                          "onnx.checker.check_model(model, full_check=True) and fix the reported node") from err

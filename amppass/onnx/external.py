@@ -42,7 +42,7 @@ def check_location(tensor: onnx.TensorProto, where: str) -> str:
     if not location:
         problem = "names no location"
     elif location == RESERVED:
-        problem = f"uses the location {RESERVED!r}, which amppass reserves for its own weight store"
+        problem = "is the location amppass reserves for its own weight store"
     elif "\x00" in location:
         problem = "holds a NUL character"
     elif os.path.isabs(location) or os.path.splitdrive(location)[0] or location.startswith(("/", "\\")):

@@ -55,7 +55,7 @@ def row(name: str, raw: Any, low: str) -> Row | None:
     if raw.get("cast"):
         return None
     precision = raw.get("precision")
-    if precision not in _PRECISIONS:
+    if not isinstance(precision, str) or precision not in _PRECISIONS:
         raise InputError(f"{where} has precision {str(precision)[:40]!r}, not one of {sorted(_PRECISIONS)}; {_FIX}")
     texts = {key: raw.get(key) for key in ("op", "reason", "source")}
     wrong = [key for key, value in texts.items() if not isinstance(value, str)]

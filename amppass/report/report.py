@@ -126,6 +126,8 @@ class Report:
         total = sum(m for m, _ in counted)
         low = sum(m for m, p in counted if p in LOW_PRECISIONS)
         before, after = info.get("weight_bytes_before"), info.get("weight_bytes_after")
+        if not before or after is None:  # counted by an older amppass, or not at all
+            before = after = None
         return {
             "nodes": len(self.rows),
             "by_precision": self.counts(),
@@ -136,7 +138,7 @@ class Report:
                 "low_share": low / total if total else None,
                 "counted_nodes": len(counted),
             },
-            "weight_bytes": {"before": before or None, "after": after if before else None},
+            "weight_bytes": {"before": before, "after": after},
             "moved_by_tolerance": self._moved_by_tolerance(),
             "calibrated": bool(info.get("calibrated")),
             "sources": dict(Counter(row.source for row in self.rows if row.precision != "-").most_common()),
