@@ -1,8 +1,16 @@
-"""Low-precision target dtypes: parsing user spellings and the numbers that bound them."""
+"""Low-precision dtypes: their facts in one value (:class:`LowType`), and parsing user spellings of them.
+
+Every part of amppass that needs to know about the low dtype (the range rules, painting's reasons, the
+rewrites, the ONNX element types, the report) reads it from one :class:`LowType`, carried by the
+:class:`~amppass.targets.target.Target` a plan is made for.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from onnx import TensorProto
 
 from .errors import InputError
 
@@ -10,42 +18,62 @@ FP16_MAX = 65504.0
 FP16_MIN_NORMAL = 6.103515625e-05
 FP16_MIN_SUBNORMAL = 5.960464477539063e-08
 
+
+@dataclass(frozen=True)
+class LowType:
+    """A low-precision floating type: its names in torch and ONNX and the numbers that bound it."""
+
+    name: str  # "fp16" or "bf16", as reasons and reports spell it
+    torch: torch.dtype
+    onnx: int  # TensorProto element type
+    max: float  # largest finite value
+    min_normal: float  # smallest positive normal value
+    significand_bits: int  # with the implicit leading one: a sum of 2**bits terms loses them all
+
+    @property
+    def wide_range(self) -> bool:
+        """Whether the type has fp32's exponent range (bf16): no overflow or underflow rules apply."""
+        return self.max > FP16_MAX
+
+    def __str__(self) -> str:
+        return self.name
+
+
+FP16 = LowType("fp16", torch.float16, TensorProto.FLOAT16, FP16_MAX, FP16_MIN_NORMAL, 11)
+BF16 = LowType("bf16", torch.bfloat16, TensorProto.BFLOAT16, float(torch.finfo(torch.bfloat16).max),
+               float(torch.finfo(torch.bfloat16).tiny), 8)
+LOW_TYPES = (FP16, BF16)
+
 _SPELLINGS = {
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
+    "fp16": FP16, "float16": FP16, "half": FP16, torch.float16: FP16,
+    "bf16": BF16, "bfloat16": BF16, torch.bfloat16: BF16,
 }
+BY_ONNX = {low.onnx: low for low in LOW_TYPES}
 
 SHORT_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
-def resolve_dtype(dtype: object, device: torch.device | str | None = None) -> torch.dtype:
-    """Turn ``dtype`` (torch dtype, "fp16"/"bf16"/... or "auto") into torch.float16 or torch.bfloat16.
+def low_type(dtype: object, device: torch.device | str | None = None) -> LowType:
+    """``dtype`` (a torch dtype, "fp16"/"bf16"/..., a LowType or "auto") as a :class:`LowType`.
 
     ``"auto"`` picks fp16 when ``device`` is CUDA and bf16 otherwise (CPUs have bf16 kernels, not fp16 ones).
     """
-    if dtype in (torch.float16, torch.bfloat16):
-        return dtype  # type: ignore[return-value]
-    if isinstance(dtype, str):
-        key = dtype.strip().lower()
-        if key == "auto":
-            device_type = torch.device(device).type if device is not None else "cpu"
-            return torch.float16 if device_type == "cuda" else torch.bfloat16
-        if key in _SPELLINGS:
-            return _SPELLINGS[key]
-    raise InputError(
-        f"dtype={dtype!r} is not a low-precision dtype amppass can target; "
-        "use torch.float16, torch.bfloat16, 'fp16', 'bf16' or 'auto'"
-    )
+    if isinstance(dtype, LowType):
+        return dtype
+    key = dtype.strip().lower() if isinstance(dtype, str) else dtype
+    if key == "auto":
+        device_type = torch.device(device).type if device is not None else "cpu"
+        return FP16 if device_type == "cuda" else BF16
+    try:
+        found = _SPELLINGS.get(key)  # type: ignore[call-overload]
+    except TypeError:  # an unhashable value
+        found = None
+    if found is None:
+        raise InputError(f"dtype={dtype!r} is not a low-precision dtype amppass can target; use torch.float16, "
+                         "torch.bfloat16, 'fp16', 'bf16' or 'auto'")
+    return found
 
 
 def short_name(dtype: torch.dtype) -> str:
-    """'fp16', 'bf16' or 'fp32' for the dtypes amppass plans with; str(dtype) otherwise."""
+    """'fp16', 'bf16' or 'fp32' for the torch dtypes amppass plans with; str(dtype) otherwise."""
     return SHORT_NAMES.get(dtype, str(dtype).replace("torch.", ""))
-
-
-def max_finite(dtype: torch.dtype) -> float:
-    """Largest finite value of ``dtype``."""
-    return float(torch.finfo(dtype).max)

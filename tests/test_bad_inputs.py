@@ -171,7 +171,7 @@ CASES = [
     Case("onnx-not-a-model", "bytes instead of a model", _onnx(lambda tmp: matmul_model().SerializeToString()),
          InputError, ("not bytes", "path to a .onnx file or an onnx.ModelProto")),
     Case("onnx-unknown-dtype", "convert_onnx(dtype='int8')", _onnx(lambda tmp: matmul_model(), dtype="int8"),
-         InputError, ("dtype='int8'", "use 'fp16' or 'bf16'")),
+         InputError, ("dtype='int8'", "'fp16', 'bf16' or 'auto'")),
     Case("fx-unknown-dtype", "convert(dtype='int8')", lambda tmp: amppass.convert(mlp(), X, "int8"),
          InputError, ("dtype='int8'", "torch.float16", "'bf16'")),
     Case("fx-untraceable-export", "`if x.sum() > 0` in forward (torch.export)",

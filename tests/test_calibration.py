@@ -11,11 +11,12 @@ import torch
 from torch import nn
 
 import amppass
+from amppass.dtypes import BF16, FP16
 from amppass.analysis.plan import Category, Decision, Precision, Source
+from amppass.analysis.policy import DIVISION, NORMALISATION
 from amppass.analysis.rules import range_decisions
 from amppass.analysis.stats import CalibrationStats, ValueStats
 from amppass.analysis.view import GraphView, OpView
-from amppass.dtypes import FP16_MAX
 from models import build
 
 
@@ -41,9 +42,9 @@ def _view():
     nodes = [
         OpView("linear", "aten.linear", Category.LOW, "mm", ["x", "w"], ["linear"]),
         OpView("add", "aten.add", Category.FOLLOW, "ew", ["linear"], ["add"]),
-        OpView("norm", "aten.layer_norm", Category.FP32, "norm", ["add"], ["norm"]),
+        OpView("norm", "aten.layer_norm", Category.FP32, "norm", ["add"], ["norm"], facts=frozenset({NORMALISATION})),
         OpView("mul", "aten.mul", Category.FOLLOW, "ew", ["y", "y"], ["mul"]),
-        OpView("div", "aten.div", Category.FOLLOW, "ew", ["norm", "mul"], ["div"]),
+        OpView("div", "aten.div", Category.FOLLOW, "ew", ["norm", "mul"], ["div"], facts=frozenset({DIVISION})),
     ]
     return GraphView(nodes, weights={"w": 1.0}, outputs=["div"])
 
@@ -59,14 +60,14 @@ def test_rules_overflow_propagates_and_underflow_walks_up():
     stats = _stats({"x": torch.ones(4), "linear": torch.tensor([1e5, 1.0]), "add": torch.tensor([1e5, 1.0]),
                     "norm": torch.ones(2), "y": torch.tensor([1e-5, 1e-6]), "mul": torch.tensor([1e-10, 1e-12]),
                     "div": torch.ones(2)})
-    decisions = range_decisions(_view(), stats, "fp16", FP16_MAX)
+    decisions = range_decisions(_view(), stats, FP16)
     assert decisions["linear"].precision is Precision.FP32
     assert decisions["linear"].evidence["propagates"] and decisions["linear"].evidence["rule"] == "overflow"
     assert decisions["linear"].evidence["absmax"] == 1e5
     assert decisions["mul"].evidence["rule"] == "underflow" and decisions["mul"].evidence["feeds"] == "div"
     assert "norm" not in decisions
     # bf16 has fp32's range: no range rules
-    assert range_decisions(_view(), stats, "bf16", float(torch.finfo(torch.bfloat16).max)) == {}
+    assert range_decisions(_view(), stats, BF16) == {}
 
 
 def _case():
@@ -158,7 +159,7 @@ def test_tolerance_search_is_logarithmic():
         plan[f"n{i}"] = Decision(Precision.LOW, "mm", Source.POLICY)
     local = {f"n{i}": 1.0 / (i + 1) for i in range(64)}
     # error falls as the first 37 nodes (the most sensitive) move
-    found = search(plan, {}, local, 0.5, lambda given: 1.0 if len(given) < 37 else 0.1, "fp16")
+    found = search(plan, {}, local, 0.5, lambda given: 1.0 if len(given) < 37 else 0.1, FP16)
     assert found.met and len(found.moved) == 37 and found.moved[0] == "n0"
     assert found.runs <= 2 * math.ceil(math.log2(64)) + 1 + trim_runs(37)
     assert paint  # painting consumes found.given in convert
@@ -173,7 +174,7 @@ def test_tolerance_search_gives_back_nodes_the_ranking_overrated():
     for i in range(8):
         plan[f"n{i}"] = Decision(Precision.LOW, "mm", Source.POLICY)
     local = {f"n{i}": 1.0 / (i + 1) for i in range(8)}
-    found = search(plan, {}, local, 0.5, lambda given: 0.1 if "n5" in given else 1.0, "fp16")
+    found = search(plan, {}, local, 0.5, lambda given: 0.1 if "n5" in given else 1.0, FP16)
     assert found.met and found.moved == ["n5"] and found.achieved_error == 0.1
     assert found.given["n5"].evidence["rank"] == 6, "the reason keeps the node's place in the ranking"
     assert found.runs <= 2 * math.ceil(math.log2(8)) + 1 + trim_runs(6)

@@ -27,9 +27,9 @@ def busy_model() -> "onnx.ModelProto":  # noqa: F821 - a hand-built graph with t
         return numpy_helper.from_array((rng.standard_normal(shape) * 0.3).astype(np.float32), name)
 
     then_g = helper.make_graph([helper.make_node("MatMul", ["h", "W"], ["t"]), helper.make_node("Relu", ["t"], ["to"])],
-                               "then", [], [helper.make_tensor_value_info("to", F32, [2, 8])])
+                               "then", [], [helper.make_tensor_value_info("to", F32, [8, 8])])
     else_g = helper.make_graph([helper.make_node("Add", ["h", "x"], ["eo"])], "else", [],
-                               [helper.make_tensor_value_info("eo", F32, [2, 8])])
+                               [helper.make_tensor_value_info("eo", F32, [8, 8])])
     nodes = [
         helper.make_node("MatMul", ["x", "W"], ["h"]),
         helper.make_node("Add", ["h", "W"], ["shared"]),  # W read again by an fp32-following op
@@ -39,10 +39,10 @@ def busy_model() -> "onnx.ModelProto":  # noqa: F821 - a hand-built graph with t
         helper.make_node("Softmax", ["m"], ["s"], axis=-1),
         helper.make_node("Mul", ["s", "shared"], ["y"]),
     ]
-    graph = helper.make_graph(nodes, "busy", [helper.make_tensor_value_info("x", F32, [2, 8]),
+    graph = helper.make_graph(nodes, "busy", [helper.make_tensor_value_info("x", F32, [8, 8]),
                                               helper.make_tensor_value_info("cond", TensorProto.BOOL, [])],
-                              [helper.make_tensor_value_info("y", F32, [2, 8]),
-                               helper.make_tensor_value_info("m", F32, [2, 8])],
+                              [helper.make_tensor_value_info("y", F32, [8, 8]),
+                               helper.make_tensor_value_info("m", F32, [8, 8])],
                               [w("W", 8, 8), w("W2", 8, 8), w("gamma", 8), w("beta", 8)])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 

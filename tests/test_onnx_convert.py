@@ -16,6 +16,7 @@ from amppass.onnx import policy, runtime
 from amppass.onnx.convert import save
 from amppass.onnx.simulate import simulated
 from amppass.onnx.view import all_nodes
+from amppass.targets import onnx_target
 
 F32, F16, BF16 = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16
 HEAVY = {"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum", "LSTM", "GRU", "RNN", "Attention"}
@@ -260,7 +261,7 @@ def test_bf16_keeps_ops_without_a_cpu_kernel_fp32():
          helper.make_node("Transpose", ["h"], ["y"], name="t", perm=[1, 0])],
         [vinfo("x")], [vinfo("y", shape=(8, 2))], [weight("W1", 8, 8)],
     )
-    found = policy.classify("", "MatMul", 17, 2, BF16)
+    found = policy.classify("", "MatMul", 17, 2, onnx_target("cpu", "bf16"))
     assert found.category is Category.FP32 and "kernel" in found.reason
     converted = amppass.convert_onnx(model, "bf16")
     onnx.checker.check_model(converted, full_check=True)
@@ -269,11 +270,11 @@ def test_bf16_keeps_ops_without_a_cpu_kernel_fp32():
 
 
 def test_policy_table_checked_against_schema_and_runtime():
-    assert policy.classify("", "MatMul", 17, 2, F16).category is Category.LOW
-    assert policy.classify("", "Softmax", 17, 1, F16).category is Category.FP32
-    resize = policy.classify("", "Resize", 19, 4, F16)
+    assert policy.classify("", "MatMul", 17, 2, onnx_target("cpu", "fp16")).category is Category.LOW
+    assert policy.classify("", "Softmax", 17, 1, onnx_target("cpu", "fp16")).category is Category.FP32
+    resize = policy.classify("", "Resize", 19, 4, onnx_target("cpu", "fp16"))
     assert resize.kept_slots == frozenset({1, 2, 3})
-    unknown = policy.classify("my.domain", "Frobnicate", 1, 1, F16)
+    unknown = policy.classify("my.domain", "Frobnicate", 1, 1, onnx_target("cpu", "fp16"))
     assert unknown.unknown and unknown.category is Category.FP32 and "custom op" in unknown.reason
     for row in policy.POLICY:
         assert row.reason and row.ops

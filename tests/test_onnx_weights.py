@@ -7,6 +7,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from amppass.dtypes import BF16, FP16
 from amppass.errors import InputError
 from amppass.onnx.weights import LIFT_BYTES, WeightStore, tensors
 
@@ -56,7 +57,7 @@ def test_lower_rounds_like_numpy_and_torch_and_clamps_with_a_count():
     assert store.absmax(tensor) == pytest.approx(1e5)  # largest finite magnitude
 
     half = onnx.TensorProto(name="w_fp16")
-    assert store.lower(tensor, TensorProto.FLOAT16, half) == 2  # 7e4 and -1e5; inf and NaN are kept
+    assert store.lower(tensor, FP16, half) == 2  # 7e4 and -1e5; inf and NaN are kept
     got = store.array(half).view(np.float16)
     want = np.clip(values, -65504, 65504).astype(np.float16)
     want[2] = np.inf
@@ -65,14 +66,14 @@ def test_lower_rounds_like_numpy_and_torch_and_clamps_with_a_count():
     assert half.name == "w_fp16" and half.data_type == TensorProto.FLOAT16
 
     brain = onnx.TensorProto()
-    store.lower(tensor, TensorProto.BFLOAT16, brain)
+    store.lower(tensor, BF16, brain)
     bits = values.view(np.uint32)
     rne = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # round to nearest, ties to even
     np.testing.assert_array_equal(store.array(brain)[4:], rne[4:])
     assert brain.name == "w"
 
     again = onnx.TensorProto(name="w_again")
-    store.lower(tensor, TensorProto.FLOAT16, again)  # the same entry converted twice: one payload
+    store.lower(tensor, FP16, again)  # the same entry converted twice: one payload
     assert again.external_data[1].value == half.external_data[1].value
 
 

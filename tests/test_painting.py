@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from amppass.dtypes import FP16
 from amppass.analysis.painting import paint
 from amppass.analysis.plan import Category, Decision, Precision, Source
 from amppass.analysis.view import GraphView, OpView
@@ -21,7 +22,7 @@ def test_cast_moves_before_data_movement_whose_readers_all_run_fp32():
         _op("reshape", Category.FOLLOW, ["transpose"]),
         _op("norm", Category.FP32, ["reshape"]),
     ], weights={"w": 1.0}, outputs=["norm"])
-    plan = paint(view, "fp16", FP16_MAX)
+    plan = paint(view, FP16)
     assert [plan[n].precision for n in ("mm", "transpose", "reshape", "norm")] == [
         Precision.LOW, Precision.FP32, Precision.FP32, Precision.FP32]
     assert "every reader runs fp32" in plan["transpose"].reason
@@ -40,5 +41,5 @@ def test_cast_stays_where_moving_it_would_not_be_free():
         _op("norm", Category.FP32, ["relu", "add", "forced"]),
     ], weights={"w": 1.0}, outputs=["norm", "out"])
     given = {"forced": Decision(Precision.LOW, "user", Source.OVERRIDE)}
-    plan = paint(view, "fp16", FP16_MAX, given)
+    plan = paint(view, FP16, given)
     assert all(plan[n].precision is Precision.LOW for n in ("relu", "add", "out", "forced"))

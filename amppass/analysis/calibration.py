@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import torch
 
+from ..dtypes import LowType
 from ..errors import InputError
 from . import tolerance as search_tolerance
 from .painting import paint
@@ -53,8 +54,7 @@ def relative_error(out: Any, ref: Any) -> float:
 def plan_from_stats(
     view: GraphView,
     stats: CalibrationStats,
-    low_name: str,
-    low_max: float,
+    low: LowType,
     given: Mapping[str, Decision],
     *,
     batches: int,
@@ -73,9 +73,9 @@ def plan_from_stats(
     ``progress`` shows each of its runs (nodes moved, error) on a progress bar on stderr.
     Every node's observed output range lands in its evidence, for the report's range plot.
     """
-    ranges = range_decisions(view, stats, low_name, low_max)
+    ranges = range_decisions(view, stats, low)
     merged = {**ranges, **given}  # user overrides win over calibration
-    plan = paint(view, low_name, low_max, merged, low_weight_tables=low_weight_tables)
+    plan = paint(view, low, merged, low_weight_tables=low_weight_tables)
     info: dict[str, Any] = {
         "calibrated": True, "calibration_batches": batches,
         "calibration_seconds": round(seconds, 3), "calibration_decisions": len(ranges),
@@ -83,7 +83,7 @@ def plan_from_stats(
     if tolerance is not None and run_plan is not None:
 
         def measure(decisions: Mapping[str, Decision]) -> float:
-            return run_plan(paint(view, low_name, low_max, decisions, low_weight_tables=low_weight_tables))
+            return run_plan(paint(view, low, decisions, low_weight_tables=low_weight_tables))
 
         with Progress(progress, label="tolerance search") as advance:
             runs = itertools.count(1)
@@ -92,13 +92,12 @@ def plan_from_stats(
                 verdict = "<=" if error <= tolerance else ">"
                 advance(f"run {next(runs)}, {moved} nodes fp32, error {error:.2g} {verdict} {tolerance:.2g}")
 
-            found = search_tolerance.search(plan, merged, local_error or {}, tolerance, measure, low_name,
-                                            on_run=show)
+            found = search_tolerance.search(plan, merged, local_error or {}, tolerance, measure, low, on_run=show)
         info.update({
             "tolerance": tolerance, "achieved_error": found.achieved_error, "initial_error": found.initial_error,
             "tolerance_met": found.met, "moved_by_tolerance": len(found.moved), "tolerance_runs": found.runs,
         })
-        plan = paint(view, low_name, low_max, found.given, low_weight_tables=low_weight_tables)
+        plan = paint(view, low, found.given, low_weight_tables=low_weight_tables)
     return with_ranges(plan, view, stats), info
 
 

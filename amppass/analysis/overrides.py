@@ -24,6 +24,7 @@ from typing import Iterable
 import onnx
 import torch
 
+from ..dtypes import FP16, LowType
 from ..errors import InputError
 from .plan import Category, Decision, Precision, Source
 from .view import GraphView, OpView
@@ -94,14 +95,14 @@ def _no_match(argument: str, pattern: str, view: GraphView, target: str) -> None
 
 
 def resolve(
-    view: GraphView, keep_fp32: Iterable[str] = (), force_low: Iterable[str] = (), low_name: str = "fp16"
+    view: GraphView, keep_fp32: Iterable[str] = (), force_low: Iterable[str] = (), low: LowType = FP16
 ) -> dict[str, Decision]:
     """Decisions for the nodes the user's patterns match; a pattern that matches nothing warns or raises
     (module docstring)."""
     decisions: dict[str, Decision] = {}
     for argument, patterns, precision in (("keep_fp32", keep_fp32, Precision.FP32),
                                           ("force_low", force_low, Precision.LOW)):
-        target = "fp32" if precision is Precision.FP32 else low_name
+        target = "fp32" if precision is Precision.FP32 else low
         done = "kept in fp32" if precision is Precision.FP32 else f"forced to {target}"
         for pattern, regex in _compile(patterns, argument):
             hits = [n for n in view.nodes if n.category is not Category.KEEP and _matches(n, pattern, regex)]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
+from ..dtypes import LowType
 from .plan import Category, Decision, Precision, PrecisionPlan, Source
 from .view import GraphView, OpView
 
@@ -39,27 +40,26 @@ _CATEGORY_PRECISION = {
 
 def paint(
     view: GraphView,
-    low_name: str,
-    low_max: float,
+    low: LowType,
     given: Mapping[str, Decision] | None = None,
     low_weight_tables: bool = False,
 ) -> PrecisionPlan:
     """Return one decision per node of ``view``.
 
-    ``low_name`` ("fp16"/"bf16") appears in reasons; ``low_max`` is the low dtype's largest finite value.
+    ``low`` is the low dtype (its name appears in reasons, its largest finite value bounds weights).
     ``given`` holds decisions made before painting (overrides, calibration); they are kept as they are.
     ``low_weight_tables`` paints ops fed by weights alone low whatever their consumers (rule 7).
     """
     given = dict(given or {})
     plan = PrecisionPlan()
     denied: dict[str, str] = {}  # value -> name of the range-caused fp32 node it descends from
-    too_big = {w: m for w, m in view.weights.items() if m > low_max}
+    too_big = {w: m for w, m in view.weights.items() if m > low.max}
     produced: dict[str, Precision] = {}
 
     for node in view.nodes:
-        decision = given.get(node.name) or _fixed(node, low_name, low_max, too_big)
+        decision = given.get(node.name) or _fixed(node, low, too_big)
         if decision is None:
-            decision = _follow(node, low_name, produced, denied, view.weights)
+            decision = _follow(node, low, produced, denied, view.weights)
         plan[node.name] = decision
         # fp32-accumulating ops output fp32; ops without float work leave their (fp32) values as they are
         out_precision = Precision.LOW if decision.precision is Precision.LOW else Precision.FP32
@@ -72,12 +72,12 @@ def paint(
             if origin:
                 denied.update({value: origin for value in node.outputs})
     consumers = view.consumers()
-    _cast_early(view, plan, low_name, given, consumers)
-    _resolve_weight_only(view, plan, low_name, low_weight_tables, consumers)
+    _cast_early(view, plan, low, given, consumers)
+    _resolve_weight_only(view, plan, low, low_weight_tables, consumers)
     return plan
 
 
-def _cast_early(view: GraphView, plan: PrecisionPlan, low_name: str, given: Mapping[str, Decision],
+def _cast_early(view: GraphView, plan: PrecisionPlan, low: LowType, given: Mapping[str, Decision],
                 consumers: Mapping[str, list[OpView]]) -> None:
     """Rule 8, in reverse graph order."""
     outputs = set(view.outputs)
@@ -92,13 +92,13 @@ def _cast_early(view: GraphView, plan: PrecisionPlan, low_name: str, given: Mapp
             continue
         plan[node.name] = Decision(
             Precision.FP32,
-            f"reads one {low_name} value and every reader runs fp32: runs fp32 so the cast comes before it "
+            f"reads one {low} value and every reader runs fp32: runs fp32 so the cast comes before it "
             f"at no extra cost ({node.reason})",
             Source.PAINTING,
         )
 
 
-def _resolve_weight_only(view: GraphView, plan: PrecisionPlan, low_name: str, always_low: bool,
+def _resolve_weight_only(view: GraphView, plan: PrecisionPlan, low: LowType, always_low: bool,
                          consumers: Mapping[str, list[OpView]]) -> None:
     """Rule 7, in reverse graph order so chains of weight-only ops resolve from their far end."""
     for node in reversed(view.nodes):
@@ -107,9 +107,9 @@ def _resolve_weight_only(view: GraphView, plan: PrecisionPlan, low_name: str, al
             continue
         users = [plan[c.name].precision for v in node.outputs for c in consumers.get(v, [])]
         if always_low or (users and all(p is Precision.LOW for p in users)):
-            why = ("low_weight_tables is set" if always_low else f"every consumer runs {low_name}")
+            why = ("low_weight_tables is set" if always_low else f"every consumer runs {low}")
             plan[node.name] = Decision(
-                Precision.LOW, f"reads weights only and {why}: its weights are stored in {low_name}",
+                Precision.LOW, f"reads weights only and {why}: its weights are stored in {low}",
                 Source.PAINTING, {"weights_only": True},
             )
         else:
@@ -119,24 +119,24 @@ def _resolve_weight_only(view: GraphView, plan: PrecisionPlan, low_name: str, al
             )
 
 
-def _fixed(node: OpView, low_name: str, low_max: float, too_big: Mapping[str, float]) -> Decision | None:
+def _fixed(node: OpView, low: LowType, too_big: Mapping[str, float]) -> Decision | None:
     """Rules 2-4: the decisions that do not depend on neighbours; None for a FOLLOW op."""
     big = [w for w in node.inputs if w in too_big]
     if big and node.category is not Category.KEEP:
         return Decision(
             Precision.FP32,
-            f"weight {big[0]!r} holds values up to {too_big[big[0]]:.3g}, beyond {low_name}'s largest "
-            f"{low_max:.6g}; kept fp32",
+            f"weight {big[0]!r} holds values up to {too_big[big[0]]:.3g}, beyond {low}'s largest "
+            f"{low.max:.6g}; kept fp32",
             Source.STATIC,
-            {"weight": big[0], "absmax": too_big[big[0]], "limit": low_max},
+            {"weight": big[0], "absmax": too_big[big[0]], "limit": low.max},
         )
-    huge = [s for s in node.scalars if abs(s) > low_max and abs(s) != float("inf")]
+    huge = [s for s in node.scalars if abs(s) > low.max and abs(s) != float("inf")]
     if huge and node.category is not Category.KEEP:
         return Decision(
             Precision.FP32,
-            f"constant {huge[0]:.3g} in the op is beyond {low_name}'s largest {low_max:.6g}; kept fp32",
+            f"constant {huge[0]:.3g} in the op is beyond {low}'s largest {low.max:.6g}; kept fp32",
             Source.STATIC,
-            {"constant": huge[0], "limit": low_max},
+            {"constant": huge[0], "limit": low.max},
         )
     if node.category is Category.FOLLOW:
         return None
@@ -146,7 +146,7 @@ def _fixed(node: OpView, low_name: str, low_max: float, too_big: Mapping[str, fl
 
 def _follow(
     node: OpView,
-    low_name: str,
+    low: LowType,
     produced: Mapping[str, Precision],
     denied: Mapping[str, str],
     weights: Mapping[str, float],
@@ -156,7 +156,7 @@ def _follow(
     if origins:
         return Decision(
             Precision.FP32,
-            f"carries values from {origins[0]!r}, which exceed {low_name}'s range; kept fp32",
+            f"carries values from {origins[0]!r}, which exceed {low}'s range; kept fp32",
             Source.CALIBRATION,
             {"origin": origins[0]},
         )
@@ -172,6 +172,6 @@ def _follow(
             why = "combines a low-precision input with an fp32 weight"
         return Decision(Precision.FP32, f"{why}; runs fp32 ({node.reason})", Source.PAINTING)
     if Precision.LOW in seen:
-        return Decision(Precision.LOW, f"its inputs are {low_name}; runs {low_name} ({node.reason})", Source.PAINTING)
+        return Decision(Precision.LOW, f"its inputs are {low}; runs {low} ({node.reason})", Source.PAINTING)
     return Decision(Precision.KEEP, "no floating-point input to follow", Source.PAINTING)
 

@@ -25,72 +25,49 @@ from __future__ import annotations
 import logging
 from typing import Iterable, Mapping
 
-from ..dtypes import FP16_MAX, FP16_MIN_NORMAL
+from ..dtypes import LowType
 from .plan import Category, Decision, Precision, Source
+from .policy import DIVISION, NORMALISATION, POWER, REDUCTION, SINGULAR
 from .stats import HEADROOM, CalibrationStats, ValueStats
 from .view import GraphView, OpView
 
 log = logging.getLogger(__name__)
 
-# Op names after normalisation (namespace dropped, lower case, no underscores), FX and ONNX spellings.
-DIVISIONS = frozenset({"div", "divide", "truediv", "floordivide", "remainder", "fmod"})
-SINGULAR_AT_ZERO = frozenset({"log", "log2", "log10", "reciprocal", "rsqrt", "xlogy", "pow", "floatpower"})
-NORMALISATIONS = frozenset({
-    "layernorm", "nativelayernorm", "groupnorm", "nativegroupnorm", "batchnorm", "nativebatchnorm",
-    "nativebatchnormlegit", "nativebatchnormlegitnotraining", "instancenorm", "rmsnorm", "fusedrmsnorm",
-    "normalize", "var", "std", "varmean", "stdmean", "layernormalization", "batchnormalization",
-    "instancenormalization", "groupnormalization", "rmsnormalization", "simplifiedlayernormalization",
-    "skiplayernormalization", "skipsimplifiedlayernormalization", "lpnormalization", "meanvariancenormalization",
-})
-REDUCTIONS = frozenset({
-    "sum", "mean", "nansum", "nanmean", "prod", "cumsum", "avgpool1d", "avgpool2d", "avgpool3d",
-    "adaptiveavgpool1d", "adaptiveavgpool2d", "adaptiveavgpool3d", "averagepool", "globalaveragepool",
-    "reducesum", "reducemean", "reducesumsquare", "reducel1", "reducel2", "reduceprod", "cumprod",
-})
-# significand bits (with the implicit one) of each low dtype: a sum of 2**bits terms loses them all
-MANTISSA_BITS = {"fp16": 11, "bf16": 8}
 # a value whose non-zero entries are mostly this far below the smallest normal is "small" (rule 3)
 UNDERFLOW_SHARE = 0.01
 
 
-def op_key(op: str) -> str:
-    """A front-end-neutral op key: "aten.native_layer_norm" -> "nativelayernorm", "LayerNormalization" -> ..."""
-    return op.rsplit(".", 1)[-1].split(":")[-1].replace("_", "").lower()
-
-
-def range_decisions(
-    view: GraphView, stats: CalibrationStats, low_name: str, low_max: float
-) -> dict[str, Decision]:
+def range_decisions(view: GraphView, stats: CalibrationStats, low: LowType) -> dict[str, Decision]:
     """Decisions, by node name, that calibration statistics call for; merge them under user overrides.
 
-    ``low_name`` ("fp16"/"bf16") selects the rules (module docstring); ``low_max`` is its largest finite
-    value. Each decision's evidence names the rule, the value it read and the observed range.
+    ``low`` selects the rules (module docstring). Each decision's evidence names the rule, the value it
+    read and the observed range. Which ops divide, reduce or normalise is each node's ``facts``, from the
+    policy tables.
     """
     decisions: dict[str, Decision] = {}
-    if low_max <= FP16_MAX:
-        _overflow(view, stats, low_name, low_max, decisions)
-        _underflow(view, stats, low_name, decisions)
-    _depth(view, stats, low_name, decisions)
+    if not low.wide_range:
+        _overflow(view, stats, low, decisions)
+        _underflow(view, stats, low, decisions)
+    _depth(view, stats, low, decisions)
     log.debug("calibration rules decided %d of %d nodes", len(decisions), len(view.nodes))
     return decisions
 
 
-def _overflow(view: GraphView, stats: CalibrationStats, low_name: str, low_max: float,
-              decisions: dict[str, Decision]) -> None:
+def _overflow(view: GraphView, stats: CalibrationStats, low: LowType, decisions: dict[str, Decision]) -> None:
     """Rules 1 and 2."""
-    limit = low_max / HEADROOM
+    limit = low.max / HEADROOM
     for node in view.nodes:
         if node.category in (Category.KEEP, Category.FP32_ACCUM):
             continue  # no float work, or an fp32 result already
         big = _largest(node.outputs, stats)
         if big is not None and big[1].absmax > limit:
             value, seen = big
-            rule = "reduction-overflow" if op_key(node.op) in REDUCTIONS else "overflow"
+            rule = "reduction-overflow" if REDUCTION in node.facts else "overflow"
             what = "reduction result" if rule == "reduction-overflow" else "output"
             decisions[node.name] = Decision(
                 Precision.FP32,
                 f"{what} reaches {seen.absmax:.3g} on calibration data, within a factor {HEADROOM:g} of "
-                f"{low_name}'s largest {low_max:.6g} or beyond; runs fp32 and so do the ops it feeds",
+                f"{low}'s largest {low.max:.6g} or beyond; runs fp32 and so do the ops it feeds",
                 Source.CALIBRATION, _evidence(rule, value, seen, limit=limit, propagates=True),
             )
             continue
@@ -99,13 +76,13 @@ def _overflow(view: GraphView, stats: CalibrationStats, low_name: str, low_max: 
             value, seen = big
             decisions[node.name] = Decision(
                 Precision.FP32,
-                f"input {value!r} reaches {seen.absmax:.3g} on calibration data, beyond what {low_name} holds "
+                f"input {value!r} reaches {seen.absmax:.3g} on calibration data, beyond what {low} holds "
                 f"with headroom ({limit:.6g}); runs fp32 rather than read infinities",
                 Source.CALIBRATION, _evidence("overflow-input", value, seen, limit=limit),
             )
 
 
-def _underflow(view: GraphView, stats: CalibrationStats, low_name: str, decisions: dict[str, Decision]) -> None:
+def _underflow(view: GraphView, stats: CalibrationStats, low: LowType, decisions: dict[str, Decision]) -> None:
     """Rule 3: walk up from each sensitive read through producers whose outputs are as small."""
     producers = view.producers()
     for node in view.nodes:
@@ -123,9 +100,9 @@ def _underflow(view: GraphView, stats: CalibrationStats, low_name: str, decision
                     continue
                 decisions[producer.name] = Decision(
                     Precision.FP32,
-                    f"{current_stats.share_below_normal:.1%} of its non-zero values are below {low_name}'s "
-                    f"smallest normal {FP16_MIN_NORMAL:.2g} (smallest {current_stats.min_nonzero:.3g}) and "
-                    f"they reach {op_key(node.op)} {node.name!r}, which divides by them, takes their log or "
+                    f"{current_stats.share_below_normal:.1%} of its non-zero values are below {low}'s "
+                    f"smallest normal {low.min_normal:.2g} (smallest {current_stats.min_nonzero:.3g}) and "
+                    f"they reach {node.op} {node.name!r}, which divides by them, takes their log or "
                     "normalises them; computed in fp32 so they do not flush to zero",
                     Source.CALIBRATION,
                     _evidence("underflow", current, current_stats, feeds=node.name, feeds_op=node.op),
@@ -133,13 +110,11 @@ def _underflow(view: GraphView, stats: CalibrationStats, low_name: str, decision
                 todo.extend(v for v in producer.inputs if v not in view.weights)
 
 
-def _depth(view: GraphView, stats: CalibrationStats, low_name: str, decisions: dict[str, Decision]) -> None:
+def _depth(view: GraphView, stats: CalibrationStats, low: LowType, decisions: dict[str, Decision]) -> None:
     """Rule 4."""
-    bits = MANTISSA_BITS.get(low_name)
-    if bits is None:
-        return
+    bits = low.significand_bits
     for node in view.nodes:
-        if node.name in decisions or node.category is not Category.FOLLOW or op_key(node.op) not in REDUCTIONS:
+        if node.name in decisions or node.category is not Category.FOLLOW or REDUCTION not in node.facts:
             continue
         inputs = [stats.get(v) for v in node.inputs if v not in view.weights]
         outputs = [stats.get(v) for v in node.outputs]
@@ -149,7 +124,7 @@ def _depth(view: GraphView, stats: CalibrationStats, low_name: str, decisions: d
         if depth > 2 ** bits:
             decisions[node.name] = Decision(
                 Precision.FP32,
-                f"reduces {depth} terms per result; summed in {low_name} that loses all {bits} significand "
+                f"reduces {depth} terms per result; summed in {low} that loses all {bits} significand "
                 "bits and this op has no fp32-accumulate path; runs fp32",
                 Source.CALIBRATION,
                 {"rule": "reduction-depth", "depth": depth, "limit": 2 ** bits, "value": node.inputs[0]},
@@ -158,14 +133,13 @@ def _depth(view: GraphView, stats: CalibrationStats, low_name: str, decisions: d
 
 def _sensitive_inputs(node: OpView, weights: Mapping[str, float]) -> list[str]:
     """Inputs where a flush to zero turns into inf, NaN or a wrong normalisation."""
-    key = op_key(node.op)
     activations = [v for v in node.inputs if v not in weights]
-    if key in DIVISIONS:
+    if DIVISION in node.facts:
         return activations  # a ratio of small values keeps its precision only if both sides keep theirs
-    if key in ("pow", "floatpower"):
+    if POWER in node.facts:
         # a tensor exponent's sign is unknown: treat it as possibly negative
         return activations[:1] if not node.scalars or any(s < 0 for s in node.scalars) else []
-    if key in SINGULAR_AT_ZERO or key in NORMALISATIONS:
+    if SINGULAR in node.facts or NORMALISATION in node.facts:
         return activations[:1]
     return []
 

@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
+from ..dtypes import LowType
 from .plan import Decision, Precision, PrecisionPlan, Source
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ def search(
     local_error: Mapping[str, float],
     tolerance: float,
     measure: Measure,
-    low_name: str,
+    low: LowType,
     on_run: Callable[[int, float], None] | None = None,
 ) -> SearchResult:
     """Smallest prefix of the sensitivity ranking that, moved to fp32, meets ``tolerance`` (module docstring).
@@ -73,7 +74,7 @@ def search(
     errors: list[tuple[int, float]] = []
 
     def run_with(moved: list[str]) -> float:
-        error = measure(_with_moves(given, moved, local_error, low_name, order))
+        error = measure(_with_moves(given, moved, local_error, low, order))
         errors.append((len(moved), error))
         log.info("tolerance search: %d node(s) in fp32 -> max relative output error %.3g", len(moved), error)
         if on_run is not None:
@@ -97,7 +98,7 @@ def search(
     if met_at is None:
         log.warning("tolerance %.3g not met even with all %d candidate nodes in fp32 (error %.3g)",
                     tolerance, len(order), errors[-1][1])
-        return SearchResult(_with_moves(given, order, local_error, low_name, order), order, errors[-1][1], initial,
+        return SearchResult(_with_moves(given, order, local_error, low, order), order, errors[-1][1], initial,
                             False, len(errors), errors)
     while met_at - missed > 1:  # bisect: the smallest prefix that meets the tolerance
         k = (missed + met_at) // 2
@@ -107,7 +108,7 @@ def search(
         else:
             missed = k
     moved, met_error = _trim(order[:met_at], met_error, tolerance, run_with)
-    return SearchResult(_with_moves(given, moved, local_error, low_name, order), moved, met_error, initial, True,
+    return SearchResult(_with_moves(given, moved, local_error, low, order), moved, met_error, initial, True,
                         len(errors), errors)
 
 
@@ -140,7 +141,7 @@ def _trim(moved: list[str], error: float, tolerance: float,
 
 
 def _with_moves(given: Mapping[str, Decision], moved: list[str], local_error: Mapping[str, float],
-                low_name: str, order: list[str]) -> dict[str, Decision]:
+                low: LowType, order: list[str]) -> dict[str, Decision]:
     result = dict(given)
     rank_of = {name: i for i, name in enumerate(order)}
     for name in moved:
@@ -149,7 +150,7 @@ def _with_moves(given: Mapping[str, Decision], moved: list[str], local_error: Ma
         measured = f"{error:.2g}" if _known(error) else "not measurable"
         result[name] = Decision(
             Precision.FP32,
-            f"moved back to fp32 to meet the output tolerance: its local {low_name} error ({measured}) "
+            f"moved back to fp32 to meet the output tolerance: its local {low} error ({measured}) "
             f"ranks #{rank_index + 1} among the low-precision nodes",
             Source.TOLERANCE,
             {"rule": "tolerance", "local_error": error, "rank": rank_index + 1},

@@ -28,6 +28,8 @@ class OpView:
     scalars: list[float] = field(default_factory=list)
     # why the target runtime cannot run this op in low precision ("" when it can); overrides respect it
     low_blocked: str = ""
+    # what the op computes, from its policy row (amppass.analysis.policy: division, reduction, ...)
+    facts: frozenset[str] = frozenset()
 
 
 @dataclass

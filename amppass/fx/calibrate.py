@@ -29,7 +29,7 @@ from ..analysis.calibration import Progress, check_tolerance, first_line, plan_f
 from ..analysis.plan import Category, Decision, PrecisionPlan
 from ..analysis.stats import CalibrationStats
 from ..analysis.view import GraphView
-from ..dtypes import max_finite, short_name
+from ..dtypes import LowType
 from ..errors import CalibrationError
 from .rewrite import rewrite
 
@@ -100,7 +100,7 @@ def calibrated_plan(
     gm: fx.GraphModule,
     view: GraphView,
     calibration: Iterable[Any],
-    low: torch.dtype,
+    low: LowType,
     given: Mapping[str, Decision],
     *,
     tolerance: float | None = None,
@@ -115,7 +115,7 @@ def calibrated_plan(
     trial rewrite so the trials compute what the final model computes.
     """
     check_tolerance(tolerance)
-    data = calibrate(gm, calibration, view, replay=low if tolerance is not None else None,
+    data = calibrate(gm, calibration, view, replay=low.torch if tolerance is not None else None,
                      keep=tolerance is not None, progress=progress)
 
     def run_plan(plan: PrecisionPlan) -> float:
@@ -123,7 +123,7 @@ def calibrated_plan(
         rewrite(trial, plan, low, **dict(rewrite_options or {}))
         return output_error(trial, data.kept, data.references)
 
-    return plan_from_stats(view, data.stats, short_name(low), max_finite(low), given, batches=data.batches,
+    return plan_from_stats(view, data.stats, low, given, batches=data.batches,
                            seconds=data.seconds, low_weight_tables=low_weight_tables, tolerance=tolerance,
                            local_error=data.local_error, run_plan=run_plan, progress=progress)
 

@@ -12,8 +12,9 @@ from .. import __version__
 from ..analysis import overrides
 from ..analysis.calibration import check_tolerance
 from ..analysis.painting import paint
-from ..dtypes import max_finite, resolve_dtype, short_name
+from ..dtypes import low_type
 from ..errors import InputError
+from ..targets.target import Target, torch_target
 from ..report.flops import node_macs
 from ..training.backward import annotate_backward
 from ..training.module import TrainEvalGraphs
@@ -33,6 +34,7 @@ def convert(
     dtype: Any = "auto",
     *,
     example_kwargs: dict[str, Any] | None = None,
+    target: str | None = None,
     mode: str = "inference",
     keep_io_types: bool = True,
     keep_fp32: Iterable[str] = (),
@@ -52,6 +54,8 @@ def convert(
         dtype: ``torch.float16``, ``torch.bfloat16``, ``"fp16"``, ``"bf16"`` or ``"auto"`` (bf16 on CPU,
             fp16 on CUDA, judged by the model's parameters).
         example_kwargs: keyword inputs for capture.
+        target: the device the converted model will run on, "cpu" or "cuda" (default: the device of the
+            model's parameters). It is recorded in the model and shown in the report.
         mode: ``"inference"`` stores low-precision copies of the weights once; ``"train"`` keeps fp32
             master parameters and casts them inside the graph so gradients come back fp32, and returns a
             :class:`~amppass.training.module.TrainEvalGraphs`: a train graph and an eval graph that switch
@@ -81,7 +85,7 @@ def convert(
     if isinstance(model, TrainEvalGraphs):
         return _unchanged(model, model.train_graph.meta[META_KEY], dtype, mode)
     check_tolerance(tolerance, calibration)
-    low = resolve_dtype(dtype, device=_device(model))
+    plan_target = _target(target, dtype, model)
     if mode == "train" and calibration is not None:
         calibration = list(calibration)  # both graphs calibrate on it
     options = dict(keep_io_types=keep_io_types, keep_fp32=keep_fp32, force_low=force_low,
@@ -91,18 +95,18 @@ def convert(
         # torch.export bakes the training flag into the graph: one graph per mode over one set of fp32 tensors
         train_gm, eval_gm = (
             _convert_captured(capture(model, example_inputs, example_kwargs, train=flag, dynamic_shapes=dynamic_shapes),
-                              model, low, mode, **options)
+                              model, plan_target, mode, **options)
             for flag in (True, False)
         )
         return TrainEvalGraphs(train_gm, eval_gm, training=model.training)
     gm = capture(model, example_inputs, example_kwargs, train=False, dynamic_shapes=dynamic_shapes)
-    return _convert_captured(gm, model, low, mode, **options)
+    return _convert_captured(gm, model, plan_target, mode, **options)
 
 
 def _convert_captured(
     gm: fx.GraphModule,
     model: nn.Module,
-    low: torch.dtype,
+    target: Target,
     mode: str,
     *,
     keep_io_types: bool,
@@ -114,14 +118,14 @@ def _convert_captured(
     progress: bool,
 ) -> fx.GraphModule:
     """Analyse, paint and rewrite a captured graph of ``model`` in place; record the decisions in it."""
-    low_name, low_max = short_name(low), max_finite(low)
+    low = target.low
     bytes_before = weight_bytes(model) if isinstance(model, nn.Module) else 0
-    view, _ = build_view(gm, low_max, measure_weights=low == torch.float16)
-    given = overrides.resolve(view, keep_fp32, force_low, low_name)
+    view, _ = build_view(gm, low)
+    given = overrides.resolve(view, keep_fp32, force_low, low)
     rewrite_options = {"precast_weights": mode == "inference", "keep_io_types": keep_io_types}
     calibration_info: dict[str, Any] = {"calibrated": False}
     if calibration is None:
-        plan = paint(view, low_name, low_max, given, low_weight_tables=low_weight_tables)
+        plan = paint(view, low, given, low_weight_tables=low_weight_tables)
     else:
         plan, calibration_info = calibrated_plan(
             gm, view, calibration, low, given, tolerance=tolerance, progress=progress,
@@ -140,7 +144,8 @@ def _convert_captured(
     gm.meta[META_KEY] = {
         "amppass_version": __version__,
         "front_end": "fx",
-        "dtype": low_name,
+        "dtype": low.name,
+        "target": target.describe(),
         "mode": mode,
         "keep_io_types": keep_io_types,
         "casts": stats.casts,
@@ -151,15 +156,16 @@ def _convert_captured(
         **calibration_info,
     }
     if mode == "train":
-        gm.meta[META_KEY]["backward"] = annotate_backward(gm, low_name)
-    log.info("converted %s to %s: %d nodes planned, %d casts", type(model).__name__, low_name, len(plan), stats.casts)
+        gm.meta[META_KEY]["backward"] = annotate_backward(gm, low.name)
+    log.info("converted %s to %s for %s: %d nodes planned, %d casts", type(model).__name__, low, target.name,
+             len(plan), stats.casts)
     return gm
 
 
 def _unchanged(model: nn.Module, info: dict, dtype: Any, mode: str) -> nn.Module:
     """An already converted ``model``, returned as it is when the caller asks for what it already is."""
     done = info.get("dtype", "unknown")
-    wanted = done if isinstance(dtype, str) and dtype.strip().lower() == "auto" else short_name(resolve_dtype(dtype))
+    wanted = done if isinstance(dtype, str) and dtype.strip().lower() == "auto" else low_type(dtype).name
     if wanted != done or mode != info.get("mode", mode):
         raise InputError(f"{type(model).__name__} was already converted by amppass to {done} ({info.get('mode')} "
                          f"mode); it cannot be converted to {wanted} ({mode} mode) on top of that: convert the "
@@ -176,6 +182,16 @@ def weight_bytes(module: nn.Module) -> int:
         if tensor.is_floating_point():
             seen[id(tensor)] = tensor.numel() * tensor.element_size()
     return sum(seen.values())
+
+
+def _target(target: str | None, dtype: Any, model: Any) -> Target:
+    """The plan's target: ``target``, or the device of the model's parameters."""
+    name = target if target is not None else _device(model).type
+    try:
+        return torch_target(name, dtype)
+    except TypeError:  # an unhashable dtype or target
+        low_type(dtype)
+        raise InputError(f"target={target!r} is not a device name; pass 'cpu' or 'cuda'") from None
 
 
 def _device(model: Any) -> torch.device:

@@ -8,24 +8,8 @@ their ``dtype=`` argument, which avoids casting the whole input); everything els
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-import torch
-
 from ..analysis.plan import Category
-
-aten = torch.ops.aten
-
-
-@dataclass(frozen=True)
-class PolicyRow:
-    """A category, the reason given for every op in it, and per-argument-slot exceptions."""
-
-    category: Category
-    reason: str
-    ops: tuple[str, ...]
-    # argument name -> how that slot is treated instead of the node's precision ("keep" or "saturate")
-    slots: dict[str, str] = field(default_factory=dict)
+from ..analysis.policy import DIVISION, NORMALISATION, POWER, REDUCTION, SINGULAR, PolicyRow
 
 
 # Each op is named once, by its ATen overload packet name.
@@ -66,26 +50,50 @@ POLICY: tuple[PolicyRow, ...] = (
         Category.FP32_ACCUM,
         "reduction: a sum over many terms loses bits and can overflow in fp16; accumulated in fp32",
         ("sum", "mean", "nansum", "nanmean", "prod", "cumsum", "cumprod", "logcumsumexp"),
+        facts=frozenset({REDUCTION}),
     ),
     PolicyRow(
         Category.FP32,
         "normalisation: mean and variance statistics need fp32",
         ("layer_norm", "native_layer_norm", "group_norm", "native_group_norm", "batch_norm",
          "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
-         "_native_batch_norm_legit_functional", "instance_norm", "rms_norm", "_fused_rms_norm", "local_response_norm",
-         "renorm", "norm", "linalg_vector_norm", "linalg_norm", "frobenius_norm", "nuclear_norm",
+         "_native_batch_norm_legit_functional", "instance_norm", "rms_norm", "_fused_rms_norm",
          "var", "std", "var_mean", "std_mean", "normalize"),
+        facts=frozenset({NORMALISATION}),
     ),
     PolicyRow(
         Category.FP32,
-        "exponential or logarithm: overflows or loses precision in fp16",
-        ("exp", "exp2", "expm1", "log", "log1p", "log2", "log10", "logsumexp", "logaddexp", "logaddexp2",
-         "xlogy", "special_xlog1py", "special_entr"),
+        "norm: a sum of squares overflows fp16 and loses bits; computed in fp32",
+        ("local_response_norm", "renorm", "norm", "linalg_vector_norm", "linalg_norm", "frobenius_norm",
+         "nuclear_norm"),
     ),
     PolicyRow(
         Category.FP32,
-        "power or reciprocal: magnifies relative error and leaves fp16's range quickly",
-        ("pow", "reciprocal", "rsqrt", "float_power"),
+        "exponential: overflows fp16 quickly (exp(11.1) > 65504); computed in fp32",
+        ("exp", "exp2", "expm1", "logsumexp", "logaddexp", "logaddexp2"),
+    ),
+    PolicyRow(
+        Category.FP32,
+        "logarithm: singular at zero and loses precision in fp16; computed in fp32",
+        ("log", "log2", "log10", "xlogy"),
+        facts=frozenset({SINGULAR}),
+    ),
+    PolicyRow(
+        Category.FP32,
+        "logarithm near one: loses precision in fp16; computed in fp32",
+        ("log1p", "special_xlog1py", "special_entr"),
+    ),
+    PolicyRow(
+        Category.FP32,
+        "power: magnifies relative error and leaves fp16's range quickly",
+        ("pow", "float_power"),
+        facts=frozenset({POWER}),
+    ),
+    PolicyRow(
+        Category.FP32,
+        "reciprocal: singular at zero, magnifies relative error",
+        ("reciprocal", "rsqrt"),
+        facts=frozenset({SINGULAR}),
     ),
     PolicyRow(
         Category.FP32,
@@ -116,13 +124,27 @@ POLICY: tuple[PolicyRow, ...] = (
     ),
     PolicyRow(
         Category.FOLLOW,
+        "division: runs in the precision of its inputs (a divisor that flushes to zero in fp16 is kept fp32 by "
+        "calibration)",
+        ("div", "div_", "floor_divide", "remainder", "fmod"),
+        facts=frozenset({DIVISION}),
+    ),
+    PolicyRow(
+        Category.FOLLOW,
+        "average pooling: runs in the precision of its inputs (long windows are kept fp32 by calibration)",
+        ("avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
+         "adaptive_avg_pool3d"),
+        facts=frozenset({REDUCTION}),
+    ),
+    PolicyRow(
+        Category.FOLLOW,
         "picks one output of a multi-output op (split, lstm) or indexes a tensor: runs in the precision of its input",
         ("getitem",),  # Python's operator.getitem, which every graph with a multi-output op has
     ),
     PolicyRow(
         Category.FOLLOW,
         "elementwise or data movement: runs in the precision of its inputs",
-        ("add", "sub", "rsub", "mul", "div", "neg", "abs", "relu", "relu_", "gelu", "silu", "mish", "tanh",
+        ("add", "sub", "rsub", "mul", "neg", "abs", "relu", "relu_", "gelu", "silu", "mish", "tanh",
          "sigmoid", "hardtanh", "hardswish", "hardsigmoid", "leaky_relu", "elu", "selu", "celu", "softplus",
          "dropout", "native_dropout", "feature_dropout", "alpha_dropout", "clamp", "clamp_min", "clamp_max",
          "clip", "where", "masked_fill", "sqrt", "sin", "cos", "erf", "sign", "floor", "ceil", "round",
@@ -133,12 +155,11 @@ POLICY: tuple[PolicyRow, ...] = (
          "split", "split_with_sizes", "chunk", "unbind", "slice", "select", "narrow", "index", "index_select",
          "gather", "scatter", "embedding", "roll", "flip", "pad", "constant_pad_nd", "alias", "detach",
          "max_pool1d", "max_pool2d", "max_pool3d", "max_pool2d_with_indices", "adaptive_max_pool2d",
-         "avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
-         "adaptive_avg_pool3d", "pixel_shuffle", "pixel_unshuffle", "tril", "triu", "zeros_like",
+         "pixel_shuffle", "pixel_unshuffle", "tril", "triu", "zeros_like",
          "ones_like", "empty_like", "full_like", "fill", "new_zeros", "new_ones", "new_full", "new_empty",
-         "type_as", "lerp", "addcmul", "addcdiv", "fmod", "remainder", "atan", "atan2", "square", "glu",
+         "type_as", "lerp", "addcmul", "addcdiv", "atan", "atan2", "square", "glu",
          "hardshrink", "softshrink", "tanhshrink", "threshold", "prelu", "rrelu", "logsigmoid", "bucketize",
-         "masked_scatter", "index_put", "index_add", "_to_copy", "to", "sub_", "add_", "mul_", "div_",
+         "masked_scatter", "index_put", "index_add", "_to_copy", "to", "sub_", "add_", "mul_",
          "copy", "copy_", "view_as", "movedim", "swapaxes", "diagonal", "as_strided", "unfold", "im2col",
          "col2im", "tile", "repeat_interleave", "slice_scatter", "select_scatter", "_unsafe_index",
          "take_along_dim", "rot90", "nonzero", "sym_size", "sym_numel", "sym_stride", "scalar_tensor",

@@ -29,7 +29,7 @@ import torch
 from torch import fx
 
 from ..analysis.plan import Precision, PrecisionPlan
-from ..dtypes import short_name
+from ..dtypes import LowType, short_name
 from . import ops, policy, runtime
 from .view import carries_fp32, cast_target, fetch_attr, has_dtypes, module_state
 
@@ -53,8 +53,8 @@ def input_dtype(precision: Precision, low: torch.dtype) -> torch.dtype | None:
 
 
 class _Rewriter:
-    def __init__(self, gm: fx.GraphModule, plan: PrecisionPlan, low: torch.dtype, precast: bool, keep_io: bool):
-        self.gm, self.plan, self.low, self.precast, self.keep_io = gm, plan, low, precast, keep_io
+    def __init__(self, gm: fx.GraphModule, plan: PrecisionPlan, low: LowType, precast: bool, keep_io: bool):
+        self.gm, self.plan, self.low, self.precast, self.keep_io = gm, plan, low.torch, precast, keep_io
         self.typed = has_dtypes(gm)
         self.fp32 = {n: carries_fp32(n, gm, self.typed) for n in gm.graph.nodes}
         self.graph = fx.Graph()
@@ -243,7 +243,7 @@ class _Rewriter:
 def rewrite(
     gm: fx.GraphModule,
     plan: PrecisionPlan,
-    low: torch.dtype,
+    low: LowType,
     *,
     precast_weights: bool = True,
     keep_io_types: bool = True,

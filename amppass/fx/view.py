@@ -15,7 +15,7 @@ from torch import fx
 
 from ..analysis.plan import Category
 from ..analysis.view import GraphView, OpView
-from ..dtypes import FP16_MAX
+from ..dtypes import LowType
 from . import ops, policy
 
 # whole exponents that a wide-range low dtype (bf16) computes as safely as a product: x**2, x**3 (GELU's tanh form)
@@ -67,11 +67,12 @@ def cast_target(node: fx.Node) -> torch.dtype | None:
     return val.dtype if isinstance(val, torch.Tensor) else None
 
 
-def build_view(gm: fx.GraphModule, low_max: float, measure_weights: bool) -> tuple[GraphView, dict[str, fx.Node]]:
-    """The neutral view of ``gm`` and a map from view names back to FX nodes.
+def build_view(gm: fx.GraphModule, low: LowType) -> tuple[GraphView, dict[str, fx.Node]]:
+    """The neutral view of ``gm`` for the low dtype ``low`` and a map from view names back to FX nodes.
 
-    ``measure_weights`` computes each fp32 weight's absmax, needed for fp16's range rule only.
+    Each fp32 weight's absmax is measured where the low dtype's range needs the check (fp16).
     """
+    measure_weights = not low.wide_range
     typed = has_dtypes(gm)
     fp32 = {n: carries_fp32(n, gm, typed) for n in gm.graph.nodes}
     view = GraphView(nodes=[])
@@ -84,7 +85,7 @@ def build_view(gm: fx.GraphModule, low_max: float, measure_weights: bool) -> tup
         elif node.op == "output":
             view.outputs = [a.name for a in node.all_input_nodes if fp32[a]]
         elif node.op in ("call_function", "call_method", "call_module"):
-            category, reason, unknown = _category(node, gm, typed, wide_range=low_max > FP16_MAX)
+            category, reason, unknown = _category(node, gm, typed, wide_range=low.wide_range)
             inputs = [a.name for a in node.all_input_nodes if fp32[a]]
             for state_name, tensor in module_state(gm, node):
                 view.weights[state_name] = _absmax(tensor) if measure_weights else 0.0
@@ -102,6 +103,7 @@ def build_view(gm: fx.GraphModule, low_max: float, measure_weights: bool) -> tup
                 outputs=[node.name] if fp32[node] else [],
                 unknown=unknown,
                 scalars=[float(a) for a in _flat_args(node) if type(a) is float],
+                facts=_facts(node, gm) if category is not Category.KEEP else frozenset(),
             ))
     return view, nodes
 
@@ -146,6 +148,12 @@ def _category(node: fx.Node, gm: fx.GraphModule, typed: bool, wide_range: bool =
             f"x ** {exponent:g} in a low dtype with fp32's range (bf16) overflows no sooner than a product "
             "does: follows its inputs"), False
     return row.category, row.reason, False
+
+
+def _facts(node: fx.Node, gm: fx.GraphModule) -> frozenset[str]:
+    """What the node's op computes, from its policy row (division, reduction, ...)."""
+    row = policy.lookup(ops.op_name(node, gm))
+    return row.facts if row is not None else frozenset()
 
 
 def module_state(gm: fx.GraphModule, node: fx.Node) -> list[tuple[str, torch.Tensor]]:

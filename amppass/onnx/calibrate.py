@@ -17,11 +17,12 @@ inputs; weights and Constant nodes copied), with the inputs the plan would cast 
 CPU provider even where it has no fp16 kernel for an op, as a GPU kernel with fp32 accumulation computes.
 A node whose inputs were not recorded (an untyped value) is not replayed and ranks last.
 
-Tolerance: ``measure`` rewrites a copy of the fp32 model by the trial plan (the conversion's own rewrite),
-turns it into its fp32 simulation (:mod:`amppass.onnx.simulate`, which reads the low values from the trial
-model's own types, as it does for any converter's output: onnxruntime's CPU provider would otherwise
-compute most low-precision values in fp32 and hide their error) and runs that on the kept feeds;
-the error is the largest relative error of any floating output against the fp32 outputs of the data pass.
+Tolerance: ``measure`` rewrites a copy of the fp32 model by the trial plan (the conversion's own rewrite)
+and runs it on the kept feeds as the target computes it; the error is the largest relative error of any
+floating output against the fp32 outputs of the data pass. For the CPU target the trial runs as it is in
+onnxruntime's CPU provider, with its default graph optimisations: what the user will run. For targets
+this machine cannot run (CUDA, TensorRT) the trial is first turned into its fp32 simulation
+(:mod:`amppass.onnx.simulate`: fp16 storage of every low value, read from the trial model's own types).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from ..analysis.plan import Category, Decision, PrecisionPlan
 from ..analysis.stats import CalibrationStats
 from ..analysis.view import GraphView
 from ..errors import CalibrationError
+from ..targets.target import Target
 from . import runtime
 from .rewrite import all_names, unique_name
 from .simulate import rounding, simulate
@@ -90,9 +92,7 @@ class Calibration:
 def calibrated_plan(
     fp32: Fp32Model,
     calibration: Iterable[Mapping[str, Any]],
-    low: int,
-    low_name: str,
-    low_max: float,
+    target: Target,
     given: Mapping[str, Decision],
     *,
     apply: Apply,
@@ -103,23 +103,28 @@ def calibrated_plan(
     """The plan from calibration feeds and the metadata to record about it.
 
     ``fp32.model`` is left as it was; ``apply(copy, plan)`` rewrites a copy of it in place the way the
-    conversion does, for the tolerance search's trial runs.
+    conversion does, for the tolerance search's trial runs, judged as ``target`` computes (module docstring).
     """
     check_tolerance(tolerance)
-    data = calibrate(fp32, calibration, replay=low if tolerance is not None else None, keep=tolerance is not None,
-                     progress=progress)
+    low = target.low
+    data = calibrate(fp32, calibration, replay=low.onnx if tolerance is not None else None,
+                     keep=tolerance is not None, progress=progress)
 
     def run_plan(plan: PrecisionPlan) -> float:
         trial = onnx.ModelProto()
         trial.CopyFrom(fp32.model)
         apply(trial, plan)
+        if target.judge == "runtime":
+            return output_error(trial, fp32.store, data, optimized=True)
         return output_error(simulate(trial, fp32.store), fp32.store, data)
 
-    plan, info = plan_from_stats(fp32.view, data.stats, low_name, low_max, given, batches=data.batches,
+    plan, info = plan_from_stats(fp32.view, data.stats, low, given, batches=data.batches,
                                  seconds=data.seconds, low_weight_tables=low_weight_tables, tolerance=tolerance,
                                  local_error=data.local_error, run_plan=run_plan, progress=progress)
     if data.unobserved:
         info["calibration_unobserved"] = len(data.unobserved)
+    if tolerance is not None:
+        info["error_judged_by"] = target.runtime if target.judge == "runtime" else "fp16-storage simulation"
     return plan, info
 
 
@@ -185,11 +190,12 @@ def calibrate(
     return result
 
 
-def output_error(model: onnx.ModelProto, store: WeightStore, data: Calibration) -> float:
+def output_error(model: onnx.ModelProto, store: WeightStore, data: Calibration, optimized: bool = False) -> float:
     """Largest relative error of ``model``'s floating outputs against the fp32 ones over the kept feeds
-    (inf when onnxruntime cannot run it)."""
+    (inf when onnxruntime cannot run it); ``optimized`` runs it with onnxruntime's default graph
+    optimisations, as a user's session would."""
     try:
-        session = _session(model, store)
+        session = _session(model, store, optimized=optimized)
         worst = 0.0
         for feed, references in zip(data.kept, data.references):
             for out, ref in zip(session.run(data.output_names, feed), references):
@@ -347,8 +353,10 @@ def _replay_model(model: onnx.ModelProto, refs: Mapping[str, NodeRef], candidate
 
 # -- onnxruntime -------------------------------------------------------------------------------------
 
-def _session(model: onnx.ModelProto, store: WeightStore, extra_outputs: Iterable[onnx.ValueInfoProto] = ()):
-    """A CPU onnxruntime session of ``model`` with ``extra_outputs`` added, at an IR version it loads.
+def _session(model: onnx.ModelProto, store: WeightStore, extra_outputs: Iterable[onnx.ValueInfoProto] = (),
+             optimized: bool = False):
+    """A CPU onnxruntime session of ``model`` with ``extra_outputs`` added, at an IR version it loads;
+    ``optimized`` keeps onnxruntime's default graph optimisations (else basic ones only).
 
     ``model`` is a conversion skeleton (:mod:`amppass.onnx.weights`): its large main-graph initializers are
     handed to onnxruntime as arrays from ``store`` (no copy into the proto, nothing over protobuf's 2 GB);
@@ -361,7 +369,8 @@ def _session(model: onnx.ModelProto, store: WeightStore, extra_outputs: Iterable
     options.log_severity_level = 3
     # basic rewrites only (exact ones: constant folding, no-op removal): fusions would halve BERT-base's
     # calibration time to build a session that runs a handful of times
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    if not optimized:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     graph = model.graph
     main = {t.name for t in graph.initializer}
     injected = [t for t in graph.initializer if external_data_helper.uses_external_data(t) and t.data_type in _INJECT]
@@ -380,7 +389,10 @@ def _session(model: onnx.ModelProto, store: WeightStore, extra_outputs: Iterable
             del tensor.external_data[:]
             tensor.data_location = onnx.TensorProto.DEFAULT
             tensor.raw_data = payload.tobytes()
-        session = ort.InferenceSession(model.SerializeToString(), options, providers=[runtime.PROVIDER])
+        # MatmulTransposeFusion (a numerically exact fusion) segfaults onnxruntime 1.31 on a low Transpose
+        # read through a Cast by an fp32 MatMul, which a trial plan may hold
+        session = ort.InferenceSession(model.SerializeToString(), options, providers=[runtime.PROVIDER],
+                                       disabled_optimizers=["MatmulTransposeFusion"] if optimized else None)
     finally:
         for tensor, entries in zip(inlined, saved):
             tensor.ClearField("raw_data")

@@ -16,32 +16,28 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 import numpy as np
-
 import onnx
-import torch
 from onnx import TensorProto
 
 from .. import __version__
 from ..analysis import overrides
 from ..analysis.calibration import check_tolerance
 from ..analysis.painting import paint
-from ..analysis.plan import PrecisionPlan
-from ..dtypes import FP16_MAX, max_finite
+from ..analysis.plan import Precision, PrecisionPlan
 from ..errors import InputError
 from ..files import Staged
+from ..targets.target import Target, onnx_target
 from . import policy, runtime, validate
 from . import save as saving
 from .calibrate import Fp32Model, calibrated_plan
 from .macs import is_heavy, node_macs, operands, value_shapes
-from .rewrite import META_KEY, SHORT, RewriteStats, rewrite
+from .rewrite import META_KEY, RewriteStats, rewrite
 from .view import build_view, clear_value_info, name_nodes, opsets
 from .weights import WeightStore, tensors
 
 save = saving.save
 log = logging.getLogger(__name__)
 
-_LOW = {"fp16": TensorProto.FLOAT16, "float16": TensorProto.FLOAT16, "half": TensorProto.FLOAT16,
-        "bf16": TensorProto.BFLOAT16, "bfloat16": TensorProto.BFLOAT16}
 IR_WITH_NODE_METADATA = 10  # NodeProto.metadata_props arrived with IR version 10
 
 
@@ -49,6 +45,7 @@ def convert_onnx(
     model: str | os.PathLike | onnx.ModelProto,
     dtype: str = "fp16",
     *,
+    target: str = "cpu",
     keep_io_types: bool = True,
     keep_fp32: Iterable[str] = (),
     force_low: Iterable[str] = (),
@@ -62,7 +59,12 @@ def convert_onnx(
     Args:
         model: a path to a .onnx file (external data beside it is read) or an ``onnx.ModelProto``,
             which is never changed.
-        dtype: "fp16" or "bf16".
+        dtype: "fp16", "bf16" or "auto" (fp16: what every ONNX target runs fastest).
+        target: where the converted model will run: "cpu" (onnxruntime's CPU provider, the default),
+            "cuda" (its CUDA provider) or "tensorrt". The target decides which ops have low-precision
+            kernels (the installed onnxruntime's registry for "cpu"; packaged kernel tables for the others)
+            and how the tolerance search judges error: by running the candidate in onnxruntime for "cpu",
+            on the fp16-storage simulation for targets this machine cannot run (:mod:`amppass.targets`).
         keep_io_types: keep float32 graph outputs float32 (inputs always keep their type).
         keep_fp32: op types ("Softmax") or regular expressions over node names to keep in fp32.
         force_low: op types or node-name regexes to run in low precision regardless of the policy.
@@ -79,7 +81,7 @@ def convert_onnx(
     Each node's decision is stored in its ``metadata_props["amppass"]`` and the summary in the model's;
     ``amppass.report`` reads them back.
     """
-    return convert_skeleton(model, dtype, keep_io_types=keep_io_types, keep_fp32=keep_fp32, force_low=force_low,
+    return convert_skeleton(model, dtype, target=target, keep_io_types=keep_io_types, keep_fp32=keep_fp32, force_low=force_low,
                             low_weight_tables=low_weight_tables, calibration=calibration, tolerance=tolerance,
                             progress=progress).materialized()
 
@@ -105,6 +107,7 @@ def convert_skeleton(
     model: str | os.PathLike | onnx.ModelProto,
     dtype: str = "fp16",
     *,
+    target: str = "cpu",
     keep_io_types: bool = True,
     keep_fp32: Iterable[str] = (),
     force_low: Iterable[str] = (),
@@ -119,17 +122,18 @@ def convert_skeleton(
     Calibration decisions, when they exist, enter as ``given`` below.
     """
     check_tolerance(tolerance, calibration, example="[{input name: array, ...}, ...]")
-    low = _low_type(dtype)
-    low_name, low_max = SHORT[low], (FP16_MAX if low == TensorProto.FLOAT16 else max_finite(torch.bfloat16))
+    plan_target = _target(target, dtype)
+    low = plan_target.low
     source, base_dir, where = _load(model)
     store = WeightStore(base_dir, where)
     work = store.skeleton(source)  # the private copy the conversion works on; payloads stay in the store
     validate.check_order(work, where)
+    validate.dynamic_negative_dims(work)
     previous = converted_dtype(work)
     if previous is not None:
-        return _unchanged(work, store, previous, low_name, where)
+        return _unchanged(work, store, previous, low.name, where)
     versions = opsets(work)
-    if low == TensorProto.BFLOAT16 and versions.get("", 1) < 13:
+    if low.onnx == TensorProto.BFLOAT16 and versions.get("", 1) < 13:
         raise InputError(f"bf16 needs opset 13 or later for Cast; this model imports opset {versions.get('', 1)}. "
                          "Re-export it with a newer opset or use dtype='fp16'")
     if versions.get("", 1) > runtime.max_opset():
@@ -139,8 +143,8 @@ def convert_skeleton(
     bytes_before = weight_bytes(work)
     typed = _infer(work, strict=True)
 
-    view, refs, types = build_view(typed, low, store, measure_weights=low == TensorProto.FLOAT16)
-    given = {**policy.quantized_nodes(typed.graph), **overrides.resolve(view, keep_fp32, force_low, low_name)}
+    view, refs, types = build_view(typed, plan_target, None if low.wide_range else store.absmax)
+    given = {**policy.quantized_nodes(typed.graph), **overrides.resolve(view, keep_fp32, force_low, low)}
 
     def apply(target: onnx.ModelProto, chosen: PrecisionPlan) -> RewriteStats:
         """Rewrite ``target`` (``typed``, or a copy for a tolerance trial) by ``chosen``, loadable as it is."""
@@ -151,10 +155,10 @@ def convert_skeleton(
 
     calibration_info: dict[str, Any] = {"calibrated": False}
     if calibration is None:
-        plan = paint(view, low_name, low_max, given, low_weight_tables=low_weight_tables)
+        plan = paint(view, low, given, low_weight_tables=low_weight_tables)
     else:
         plan, calibration_info = calibrated_plan(
-            Fp32Model(typed, view, refs, types, store), calibration, low, low_name, low_max, given, apply=apply,
+            Fp32Model(typed, view, refs, types, store), calibration, plan_target, given, apply=apply,
             tolerance=tolerance, progress=progress, low_weight_tables=low_weight_tables)
     shapes = value_shapes(typed, {v for ref in refs.values() if is_heavy(ref.node) for v in operands(ref.node)})
     for node in view.nodes:
@@ -171,7 +175,8 @@ def convert_skeleton(
     info = {
         "amppass_version": __version__,
         "front_end": "onnx",
-        "dtype": low_name,
+        "dtype": low.name,
+        "target": plan_target.describe(),
         "mode": "inference",
         "keep_io_types": keep_io_types,
         "casts": stats.casts,
@@ -183,7 +188,9 @@ def convert_skeleton(
         **calibration_info,
     }
     _set_model_meta(result, info)
-    log.info("converted ONNX model to %s: %d nodes planned, %d casts", low_name, len(plan), stats.casts)
+    _warn_if_little_runs_low(plan, refs, plan_target)
+    log.info("converted ONNX model to %s for %s: %d nodes planned, %d casts", low, plan_target.name, len(plan),
+             stats.casts)
     return Converted(result, store)
 
 
@@ -197,11 +204,23 @@ def weight_bytes(model: onnx.ModelProto) -> int:
     return total
 
 
-def _low_type(dtype: object) -> int:
-    key = getattr(dtype, "__name__", None) or str(dtype).replace("torch.", "").strip().lower()
-    if key not in _LOW:
-        raise InputError(f"dtype={dtype!r} is not a low-precision dtype amppass can target in ONNX; use 'fp16' or 'bf16'")
-    return _LOW[key]
+def _target(target: object, dtype: object) -> Target:
+    try:
+        return onnx_target(target, dtype)
+    except TypeError:  # an unhashable argument
+        raise InputError(f"convert_onnx(target={target!r}, dtype={dtype!r}): pass the target and dtype as "
+                         "strings, e.g. target='cuda', dtype='fp16'") from None
+
+
+def _warn_if_little_runs_low(plan: PrecisionPlan, refs: Mapping[str, Any], target: Target) -> None:
+    """Say so when the target's missing kernels keep every heavy op fp32: such a plan converts nothing worth
+    having (onnxruntime's CPU provider has no bf16 MatMul, Gemm or Conv)."""
+    heavy = [name for name in plan if is_heavy(refs[name].node)]
+    if heavy and not any(plan[name].precision is Precision.LOW for name in heavy):
+        blocked = next((plan[name] for name in heavy if plan[name].evidence.get("no_low_kernel")), None)
+        if blocked is not None:
+            log.warning("no matrix product or convolution runs in %s on %s: %s; use dtype='fp16' or another "
+                        "target", target.low, target.runtime, blocked.reason)
 
 
 def _load(model: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.ModelProto, str | None, str]:

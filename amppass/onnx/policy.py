@@ -1,18 +1,19 @@
 """The ONNX op policy table: rows keyed by (domain, op_type) with opset ranges, categories and reasons.
 
-The same facts as the FX table (:mod:`amppass.fx.policy`), in ONNX's spelling. ONNX reductions and
-softmax have no ``dtype=`` argument, so what FX runs as FP32_ACCUM runs here as FP32 (inputs cast up).
-Per-input-slot exceptions name inputs by their schema name; a slot marked "keep" is fed the value the
-model gives it, whatever the node's precision (Resize's roi/scales, Dropout's ratio, shapes, indices).
+The same facts as the FX table (:mod:`amppass.fx.policy`), in ONNX's spelling, in the same row type
+(:class:`amppass.analysis.policy.PolicyRow`). ONNX reductions and softmax have no ``dtype=`` argument, so
+what FX runs as FP32_ACCUM runs here as FP32 (inputs cast up). Per-input-slot exceptions name inputs by
+their schema name; a slot marked "keep" is fed the value the model gives it, whatever the node's precision
+(Resize's roi/scales, Dropout's ratio, shapes, indices).
 
 :func:`classify` adds two checks on the table: the op's schema must allow the low dtype for the inputs
-the plan would convert, and the installed onnxruntime must run it (:mod:`amppass.onnx.runtime`).
+the plan would convert, and the target's runtime must run it (its kernels: :mod:`amppass.targets`).
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping
 
@@ -20,19 +21,8 @@ import onnx
 from onnx import TensorProto
 
 from ..analysis.plan import Category, Decision, Precision, Source
-from . import runtime
-
-
-@dataclass(frozen=True)
-class PolicyRow:
-    """A category and reason for some ops of one domain over an opset range, plus slot exceptions."""
-
-    category: Category
-    reason: str
-    ops: tuple[str, ...]
-    domain: str = ""
-    opsets: tuple[int, int] = (1, 1 << 30)
-    slots: dict[str, str] = field(default_factory=dict)  # input name -> "keep"
+from ..analysis.policy import DIVISION, NORMALISATION, POWER, REDUCTION, SINGULAR, PolicyRow
+from ..targets.target import Kernels, Target
 
 
 _MS = "com.microsoft"
@@ -52,16 +42,21 @@ POLICY: tuple[PolicyRow, ...] = (
     PolicyRow(Category.FP32, "reduction: a sum over many terms loses bits and can overflow in fp16; ONNX has "
               "no fp32-accumulate form, so its input is cast up",
               ("ReduceSum", "ReduceMean", "ReduceProd", "ReduceSumSquare", "ReduceL1", "ReduceL2",
-               "ReduceLogSum", "ReduceLogSumExp", "CumSum")),
+               "ReduceLogSum", "ReduceLogSumExp", "CumSum"), facts=frozenset({REDUCTION})),
     PolicyRow(Category.FP32, "normalisation: mean and variance statistics need fp32",
               ("LayerNormalization", "BatchNormalization", "InstanceNormalization", "GroupNormalization",
-               "RMSNormalization", "LpNormalization", "MeanVarianceNormalization", "LRN")),
+               "RMSNormalization", "LpNormalization", "MeanVarianceNormalization"), facts=frozenset({NORMALISATION})),
+    PolicyRow(Category.FP32, "norm: a sum of squares overflows fp16 and loses bits; computed in fp32", ("LRN",)),
     PolicyRow(Category.FP32, "normalisation (onnxruntime contrib op): mean and variance statistics need fp32",
               ("SkipLayerNormalization", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization"),
-              domain=_MS),
-    PolicyRow(Category.FP32, "exponential or logarithm: overflows or loses precision in fp16", ("Exp", "Log")),
-    PolicyRow(Category.FP32, "power or reciprocal: magnifies relative error and leaves fp16's range quickly",
-              ("Pow", "Reciprocal")),
+              domain=_MS, facts=frozenset({NORMALISATION})),
+    PolicyRow(Category.FP32, "exponential: overflows fp16 quickly (exp(11.1) > 65504); computed in fp32", ("Exp",)),
+    PolicyRow(Category.FP32, "logarithm: singular at zero and loses precision in fp16; computed in fp32", ("Log",),
+              facts=frozenset({SINGULAR})),
+    PolicyRow(Category.FP32, "power: magnifies relative error and leaves fp16's range quickly", ("Pow",),
+              facts=frozenset({POWER})),
+    PolicyRow(Category.FP32, "reciprocal: singular at zero, magnifies relative error", ("Reciprocal",),
+              facts=frozenset({SINGULAR})),
     PolicyRow(Category.FP32, "transcendental with a narrow fp16 domain or range",
               ("Tan", "Acos", "Asin", "Cosh", "Sinh", "Atanh", "Acosh", "Asinh")),
     PolicyRow(Category.FP32, "loss: log, exp and long sums; kept in fp32",
@@ -88,17 +83,21 @@ POLICY: tuple[PolicyRow, ...] = (
               "and come out in fp32", ("SequenceConstruct", "SequenceAt", "SequenceInsert", "SequenceErase",
                                        "SequenceEmpty", "SequenceLength", "SplitToSequence", "ConcatFromSequence",
                                        "Optional", "OptionalGetElement", "OptionalHasElement")),
+    PolicyRow(Category.FOLLOW, "division: runs in the precision of its inputs (a divisor that flushes to zero in "
+              "fp16 is kept fp32 by calibration)", ("Div", "Mod"), facts=frozenset({DIVISION})),
+    PolicyRow(Category.FOLLOW, "average pooling: runs in the precision of its inputs (long windows are kept fp32 "
+              "by calibration)", ("AveragePool", "GlobalAveragePool"), facts=frozenset({REDUCTION})),
     PolicyRow(Category.FOLLOW, "elementwise or data movement: runs in the precision of its inputs",
-              ("Add", "Sub", "Mul", "Div", "Neg", "Abs", "Relu", "LeakyRelu", "PRelu", "Elu", "Selu", "Celu",
+              ("Add", "Sub", "Mul", "Neg", "Abs", "Relu", "LeakyRelu", "PRelu", "Elu", "Selu", "Celu",
                "Gelu", "HardSigmoid", "HardSwish", "Mish", "Sigmoid", "Tanh", "Softplus", "Softsign", "Sqrt",
                "Sin", "Cos", "Atan", "Erf", "Sign", "Floor", "Ceil", "Round", "Max", "Min", "Mean", "Sum",
                "Clip", "Where", "Dropout", "Identity", "Reshape", "Transpose", "Squeeze", "Unsqueeze",
                "Flatten", "Concat", "Split", "Slice", "Gather", "GatherElements", "GatherND", "Scatter",
                "ScatterElements", "ScatterND", "Expand", "Tile", "Pad", "DepthToSpace", "SpaceToDepth",
-               "MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "ReduceMax", "ReduceMin",
+               "MaxPool", "GlobalMaxPool", "ReduceMax", "ReduceMin",
                "ArgMax", "ArgMin", "TopK", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual",
                "IsNaN", "IsInf", "Trilu", "Cast", "CastLike", "Compress", "ReverseSequence", "Hardmax",
-               "ThresholdedRelu", "Shrink", "Mod", "NonZero", "OneHot", "Unique"),
+               "ThresholdedRelu", "Shrink", "NonZero", "OneHot", "Unique"),
               slots={"ratio": "keep", "training_mode": "keep", "shape": "keep", "axes": "keep", "indices": "keep",
                      "starts": "keep", "ends": "keep", "steps": "keep", "pads": "keep", "repeats": "keep",
                      "split": "keep", "k": "keep", "K": "keep", "condition": "keep", "depth": "keep"}),
@@ -163,6 +162,7 @@ class Classification:
     kept_slots: frozenset[int]  # input positions fed unchanged
     evidence: Mapping[str, Any]  # facts for the report: no low kernel, custom op, run through fp32 on CPU
     low_blocked: str = ""  # why the op cannot run in the low dtype (schema or runtime), whatever its category
+    facts: frozenset[str] = frozenset()  # what the op computes, from its policy row
 
 
 def input_names(domain: str, op_type: str, opset: int, count: int) -> list[str]:
@@ -175,41 +175,42 @@ def input_names(domain: str, op_type: str, opset: int, count: int) -> list[str]:
 
 
 @functools.lru_cache(maxsize=None)
-def classify(domain: str, op_type: str, opset: int, input_count: int, low: int) -> Classification:
-    """Category, reason and slot exceptions of one node; ``low`` is TensorProto.FLOAT16 or BFLOAT16.
+def classify(domain: str, op_type: str, opset: int, input_count: int, target: Target) -> Classification:
+    """Category, reason and slot exceptions of one node for ``target`` (its low dtype and kernels).
 
-    Cached: a graph repeats a few dozen op forms thousands of times. ``evidence`` is read-only.
+    Cached: a graph repeats a few dozen op forms thousands of times, and targets are shared objects.
+    ``evidence`` is read-only.
     """
+    kernels = target.kernels
     row = lookup(domain, op_type, opset)
     names = input_names(domain, op_type, opset, input_count)
     kept = frozenset(i for i, n in enumerate(names) if row is not None and row.slots.get(n) == "keep")
-    if row is None and _custom(domain, op_type, opset):
+    if row is None and _custom(domain, op_type, opset, kernels):
         return Classification(Category.FP32, CUSTOM_REASON.format(op=op_type, domain=domain or "ai.onnx"), True,
                               kept, MappingProxyType({"custom_op": True}))
     if row is None:
-        category, reason, unknown = Category.FOLLOW, UNKNOWN_REASON, True
+        category, reason, unknown, facts = Category.FOLLOW, UNKNOWN_REASON, True, frozenset()
     else:
-        category, reason, unknown = row.category, row.reason, False
+        category, reason, unknown, facts = row.category, row.reason, False, row.facts
     evidence: dict = {}
-    # checked for fp32 ops too: a user's force_low must not put them where onnxruntime cannot run them
-    blocked = _low_blocked(domain, op_type, opset, low, kept, input_count) if category is not Category.KEEP else ""
+    # checked for fp32 ops too: a user's force_low must not put them where the target cannot run them
+    blocked = _low_blocked(domain, op_type, opset, target, kept, input_count) if category is not Category.KEEP else ""
     if category in (Category.LOW, Category.FOLLOW):
         if blocked:
             return Classification(Category.FP32, blocked, unknown, kept, MappingProxyType({"no_low_kernel": True}),
-                                  blocked)
-        status = runtime.kernel_status(domain, op_type, opset, low)
-        if status == "via-fp32":
+                                  blocked, facts)
+        if kernels.status(domain, op_type, opset, target.low.onnx) == "via-fp32":
             evidence["onnxruntime_cpu"] = "no native low-precision kernel; onnxruntime casts around it on CPU"
-    return Classification(category, reason, unknown, kept, MappingProxyType(evidence), blocked)
+    return Classification(category, reason, unknown, kept, MappingProxyType(evidence), blocked, facts)
 
 
-def _low_blocked(domain: str, op_type: str, opset: int, low: int, kept: frozenset[int], count: int) -> str:
-    """Why ``op_type`` cannot run in ``low`` (schema or runtime), or "" when it can."""
-    low_name = _LOW_NAMES[low]
+def _low_blocked(domain: str, op_type: str, opset: int, target: Target, kept: frozenset[int], count: int) -> str:
+    """Why ``op_type`` cannot run in the target's low dtype (schema or kernels), or "" when it can."""
+    low = target.low
     schema = _schema(domain, op_type, opset)
     if schema is not None:
         allowed = {c.type_param_str: set(c.allowed_type_strs) for c in schema.type_constraints}
-        wanted = f"tensor({'float16' if low == TensorProto.FLOAT16 else 'bfloat16'})"
+        wanted = f"tensor({'float16' if low.onnx == TensorProto.FLOAT16 else 'bfloat16'})"
         params = schema.inputs
         for i in range(min(count, len(params)) if params else 0):
             if i in kept:
@@ -217,21 +218,17 @@ def _low_blocked(domain: str, op_type: str, opset: int, low: int, kept: frozense
             type_str = params[i].type_str
             types = allowed.get(type_str, {type_str})
             if "tensor(float)" in types and wanted not in types:
-                return f"the ONNX schema of {op_type} (opset {opset}) does not allow {low_name} inputs; kept fp32"
-    status = runtime.kernel_status(domain, op_type, opset, low)
-    if status == "none":
-        return (f"onnxruntime {runtime.PROVIDER} has no {low_name} kernel for {op_type} (opset {opset}) "
-                "and does not cast around it; kept fp32")
+                return f"the ONNX schema of {op_type} (opset {opset}) does not allow {low} inputs; kept fp32"
+    if target.kernels.status(domain, op_type, opset, low.onnx) == "none":
+        around = " and does not cast around it" if target.name == "cpu" else ""
+        return f"{target.runtime} has no {low} kernel for {op_type} (opset {opset}){around}; kept fp32"
     return ""
 
 
-_LOW_NAMES = {TensorProto.FLOAT16: "fp16", TensorProto.BFLOAT16: "bf16"}
-
-
-def _custom(domain: str, op_type: str, opset: int) -> bool:
-    """An op neither ONNX nor the installed onnxruntime knows: its kernel (if any) comes from the user."""
+def _custom(domain: str, op_type: str, opset: int, kernels: Kernels) -> bool:
+    """An op neither ONNX nor the target's runtime knows: its kernel (if any) comes from the user."""
     return _schema(domain, op_type, opset) is None and \
-        runtime.kernel_status(domain, op_type, opset, TensorProto.FLOAT) == "unknown"
+        kernels.status(domain, op_type, opset, TensorProto.FLOAT) == "unknown"
 
 
 def _schema(domain: str, op_type: str, opset: int) -> onnx.defs.OpSchema | None:

@@ -30,7 +30,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from ..analysis.plan import Decision, PrecisionPlan, Precision
-from ..dtypes import FP16_MAX
+from ..dtypes import FP16_MAX, LowType
 from .view import FLOAT, NodeRef, constant_tensor, subgraphs
 from .weights import WeightStore
 
@@ -61,9 +61,9 @@ class _Scope:
 
 class _Rewriter:
     def __init__(self, model: onnx.ModelProto, plan: PrecisionPlan, refs: dict[str, NodeRef],
-                 types: dict[str, int], weights: set[str], store: WeightStore, low: int, keep_io_types: bool):
+                 types: dict[str, int], weights: set[str], store: WeightStore, low: LowType, keep_io_types: bool):
         self.model, self.plan, self.refs, self.types, self.store = model, plan, refs, types, store
-        self.weights, self.low, self.keep_io = weights, low, keep_io_types
+        self.weights, self.low_type, self.low, self.keep_io = weights, low, low.onnx, keep_io_types
         self.stats = RewriteStats()
         self.dtype: dict[str, int] = {}
         self.cache: dict[tuple[str, int], str] = {}
@@ -211,7 +211,7 @@ class _Rewriter:
         else:
             target = TensorProto(name=self._value_name(f"{name}__{SHORT[self.low]}"))
             self.stats.weight_copies += 1
-        clamped = self.store.lower(tensor, self.low, target)
+        clamped = self.store.lower(tensor, self.low_type, target)
         if clamped:
             self.stats.clamped[name] = clamped
             log.warning("weight %r: %d values beyond fp16's range clamped to +-%g", name, clamped, FP16_MAX)
@@ -284,7 +284,7 @@ def unique_name(taken: set[str], base: str) -> str:
 
 
 def rewrite(model: onnx.ModelProto, plan: PrecisionPlan, refs: dict[str, NodeRef], types: dict[str, int],
-            weights: set[str], store: WeightStore, low: int, keep_io_types: bool = True) -> RewriteStats:
+            weights: set[str], store: WeightStore, low: LowType, keep_io_types: bool = True) -> RewriteStats:
     """Rewrite ``model`` (a private skeleton whose payloads ``store`` holds) in place according to ``plan``;
     returns what was done. Weights are converted through ``store``; nothing is written into it in place."""
     return _Rewriter(model, plan, refs, types, weights, store, low, keep_io_types).run()

@@ -10,6 +10,8 @@
 4. Order: nodes must read only values defined before them (graph inputs, initializers, earlier nodes, the
    enclosing graphs' values for a body). A graph that is merely out of order is sorted on the conversion's
    private copy; one with a cycle is refused, naming a node on it.
+5. Dynamic dimensions written as ``dim_value: -1`` (Paddle, some TF exports) become unknown dimensions on the
+   private copy, so shape inference treats them as dynamic instead of as a size that contradicts the others.
 """
 
 from __future__ import annotations
@@ -86,6 +88,19 @@ def check_order(model: onnx.ModelProto, where: str) -> None:
         for node in graph.node:
             for body in subgraphs(node):
                 stack.append((body, own))
+
+
+def dynamic_negative_dims(model: onnx.ModelProto) -> None:
+    """Rule 5, on every value info of every graph of ``model`` (a private copy)."""
+    stack = [model.graph]
+    while stack:
+        graph = stack.pop()
+        for info in list(graph.input) + list(graph.output) + list(graph.value_info):
+            for dim in info.type.tensor_type.shape.dim:
+                if dim.HasField("dim_value") and dim.dim_value < 0:
+                    dim.ClearField("dim_value")
+        for node in graph.node:
+            stack.extend(subgraphs(node))
 
 
 def _order_graph(graph: onnx.GraphProto, outer: frozenset[str], where: str) -> None:

@@ -9,17 +9,15 @@ control node that owns them, so painting sees the outer values they capture alre
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import onnx
 from onnx import TensorProto
 
 from ..analysis.plan import Category
 from ..analysis.view import GraphView, OpView
+from ..targets.target import Target
 from . import policy
-
-if TYPE_CHECKING:
-    from .weights import WeightStore
 
 FLOAT = TensorProto.FLOAT
 _ANY_FLOAT_TYPE = frozenset({"Shape", "Size"})
@@ -119,13 +117,12 @@ def opsets(model: onnx.ModelProto) -> dict[str, int]:
 
 
 def build_view(
-    model: onnx.ModelProto, low: int, store: WeightStore, measure_weights: bool
+    model: onnx.ModelProto, target: Target, absmax: Callable[[onnx.TensorProto], float] | None
 ) -> tuple[GraphView, dict[str, NodeRef], dict[str, int]]:
-    """The view of ``model`` (named by :func:`name_nodes`, typed by shape inference).
+    """The view of ``model`` (named by :func:`name_nodes`, typed by shape inference) for ``target``.
 
-    Returns the view, view name -> :class:`NodeRef`, and value name -> element type.
-    ``low`` is TensorProto.FLOAT16 or BFLOAT16; ``store`` holds the weights' payloads;
-    ``measure_weights`` computes weights' absmax (fp16 only).
+    Returns the view, view name -> :class:`NodeRef`, and value name -> element type. ``absmax`` measures a
+    weight's largest magnitude (the weight store's; None where the low dtype's range needs no check).
     """
     types = value_types(model)
     versions = opsets(model)
@@ -136,26 +133,26 @@ def build_view(
         graph_inputs = {i.name for i in graph.input}
         for init in graph.initializer:
             if init.data_type == FLOAT and init.name not in graph_inputs:
-                view.weights[init.name] = store.absmax(init) if measure_weights else 0.0
+                view.weights[init.name] = absmax(init) if absmax else 0.0
         for node in graph.node:
             tensor = constant_tensor(node) if node.op_type == "Constant" else None
             if tensor is not None and tensor.data_type == FLOAT:
-                view.weights[node.output[0]] = store.absmax(tensor) if measure_weights else 0.0
+                view.weights[node.output[0]] = absmax(tensor) if absmax else 0.0
                 continue
             for sub in subgraphs(node):
                 visit(sub)
-            view.nodes.append(_op_view(node, types, versions, low, refs))
+            view.nodes.append(_op_view(node, types, versions, target, refs))
 
     visit(model.graph)
     view.outputs = [o.name for o in model.graph.output if types.get(o.name) == FLOAT]
     return view, refs, types
 
 
-def _op_view(node: onnx.NodeProto, types: dict[str, int], versions: dict[str, int], low: int,
+def _op_view(node: onnx.NodeProto, types: dict[str, int], versions: dict[str, int], target: Target,
              refs: dict[str, NodeRef]) -> OpView:
     domain = "" if node.domain == "ai.onnx" else node.domain
     opset = versions.get(domain, 1)
-    found = policy.classify(domain, node.op_type, opset, len(node.input), low)
+    found = policy.classify(domain, node.op_type, opset, len(node.input), target)
     category, reason = found.category, found.reason
     planned = [i for i, v in enumerate(node.input) if v and types.get(v) == FLOAT and i not in found.kept_slots]
     outputs = [v for v in node.output if v and types.get(v) == FLOAT]
@@ -189,6 +186,7 @@ def _op_view(node: onnx.NodeProto, types: dict[str, int], versions: dict[str, in
         outputs=outputs,
         unknown=found.unknown,
         low_blocked=found.low_blocked,
+        facts=found.facts,
         scalars=[float(a.f) for a in node.attribute if a.type == onnx.AttributeProto.FLOAT],
     )
 

@@ -26,7 +26,7 @@ import onnx
 import torch
 from onnx import TensorProto, external_data_helper, numpy_helper
 
-from ..dtypes import FP16_MAX
+from ..dtypes import LowType
 from ..errors import InputError
 from . import validate
 from .external import RESERVED, ExternalFiles, info
@@ -35,7 +35,6 @@ from .view import subgraphs
 LOCATION = RESERVED  # the external-data location that names an in-memory store entry
 LIFT_BYTES = 1024  # smaller tensors stay in the proto: shape inference reads shapes and axes from them
 _SERIAL_CHUNK = 1 << 15  # torch's parallel grain size (at::internal::GRAIN_SIZE): smaller copies run serially
-_TORCH_LOW = {TensorProto.FLOAT16: torch.float16, TensorProto.BFLOAT16: torch.bfloat16}
 
 
 def tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
@@ -158,7 +157,7 @@ class WeightStore:
         return result
 
     # -- writing --------------------------------------------------------------------------------------
-    def lower(self, tensor: onnx.TensorProto, low: int, target: onnx.TensorProto) -> int:
+    def lower(self, tensor: onnx.TensorProto, low: LowType, target: onnx.TensorProto) -> int:
         """Make ``target`` hold ``tensor``'s float32 values rounded to ``low`` (fp16 or bf16).
 
         ``target`` may be ``tensor`` itself (conversion in place) or a new tensor; its name is kept.
@@ -171,16 +170,16 @@ class WeightStore:
         else:
             values = _torch(self.array(tensor))
             clamped = 0
-            if low == TensorProto.FLOAT16 and self.absmax(tensor) > FP16_MAX:
-                beyond = torch.isfinite(values) & (values.abs() > FP16_MAX)
+            if not low.wide_range and self.absmax(tensor) > low.max:
+                beyond = torch.isfinite(values) & (values.abs() > low.max)
                 clamped = int(beyond.sum())
-                values = torch.where(beyond, values.clamp(-FP16_MAX, FP16_MAX), values)
-            done = self._add(_rounded(values, _TORCH_LOW[low]).view(torch.int16).numpy().tobytes())
+                values = torch.where(beyond, values.clamp(-low.max, low.max), values)
+            done = self._add(_rounded(values, low.torch).view(torch.int16).numpy().tobytes())
             if entry is not None:
                 self._lowered[(entry, low)] = (done, clamped)
         name, dims = target.name or tensor.name, list(tensor.dims)
         target.Clear()
-        target.name, target.data_type = name, low
+        target.name, target.data_type = name, low.onnx
         target.dims.extend(dims)
         _point(target, LOCATION, done, int(np.prod(dims, dtype=np.int64)) * 2)
         return clamped

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..dtypes import resolve_dtype
+from ..dtypes import low_type
 from ..errors import AmpPassError, InputError
 
 logger = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ class LossScaler:
                 "LossScaler(dtype='auto') cannot know which dtype the model trains in; pass the dtype the "
                 "model was converted with: torch.float16 / 'fp16' (scaled) or torch.bfloat16 / 'bf16' (passthrough)"
             )
-        self._dtype = resolve_dtype(dtype)
+        self._dtype = low_type(dtype).torch
         self._enabled = enabled and self._dtype == torch.float16
         if not self._enabled:
             why = "enabled=False" if not enabled else "bf16 has fp32's range, so its gradients do not underflow"

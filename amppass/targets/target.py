@@ -1,0 +1,154 @@
+"""The target a precision plan is made for: the device and runtime the converted model will run on.
+
+A :class:`Target` carries everything about the deployment that changes a plan:
+
+- ``low``: the low dtype and its range facts (:class:`~amppass.dtypes.LowType`).
+- ``kernels`` (ONNX): which ops the runtime runs in the low dtype. For ``"cpu"`` that is the installed
+  onnxruntime's own CPU kernel registry, asked at run time; for ``"cuda"`` and ``"tensorrt"``, machines
+  this one usually cannot load, the static tables of :mod:`amppass.targets.kernels`, each naming its source.
+  TensorRT's ONNX runtime provider hands what TensorRT does not support to the CUDA provider, so the
+  TensorRT target falls back to the CUDA table for those ops.
+- ``judge``: how the tolerance search measures a candidate's error. Where this machine runs the target it
+  runs the candidate there ("runtime": onnxruntime's CPU provider for ONNX, the model's own device for
+  torch); otherwise the fp16-storage simulation of :mod:`amppass.onnx.simulate` stands in ("simulation").
+- ``profitable`` (torch, on this machine's device): whether profitability is measured, i.e. a region of
+  the plan runs low only where its low-precision kernels and casts beat fp32 here
+  (:mod:`amppass.fx.profit`).
+
+Targets are made by :func:`onnx_target` and :func:`torch_target` and are recorded in the converted model
+(``describe()``) and shown in its report.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from ..dtypes import LowType, low_type
+from ..errors import InputError
+from .kernels import KernelTable, load
+
+ONNX_TARGETS = ("cpu", "cuda", "tensorrt")
+TORCH_TARGETS = ("cpu", "cuda")
+
+
+class Kernels(Protocol):
+    """Which ops a runtime runs on which element type: ``status`` answers "native", "via-fp32" (the
+    runtime casts around an fp32 kernel by itself), "none" or "unknown" (a custom op)."""
+
+    def status(self, domain: str, op: str, opset: int, elem_type: int) -> str: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True, eq=False)
+class Target:
+    """Where a converted model runs (module docstring). Compared and hashed by identity: targets are made
+    once per (kind, dtype) and shared, so caches keyed by them stay small."""
+
+    name: str  # "cpu", "cuda" or "tensorrt"
+    front_end: str  # "fx" or "onnx"
+    low: LowType
+    runtime: str  # what runs the model: "torch", "onnxruntime CPUExecutionProvider", ...
+    judge: str  # "runtime" or "simulation"
+    kernels: Kernels | None = None  # ONNX only
+    profitable: bool = False  # torch on this machine's device: profitability measured
+
+    def describe(self) -> dict[str, Any]:
+        """What the converted model's metadata and report say about the target."""
+        info: dict[str, Any] = {"name": self.name, "runtime": self.runtime, "dtype": self.low.name,
+                                "error_judged_by": "running it" if self.judge == "runtime" else
+                                "fp16-storage simulation (this machine cannot run the target)"}
+        if self.kernels is not None:
+            info["kernels"] = self.kernels.describe()
+        if self.front_end == "fx":
+            info["profitability"] = "measured on this machine" if self.profitable else "off"
+        return info
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.runtime}, {self.low})"
+
+
+class _LiveCpu:
+    """The installed onnxruntime's CPU kernel registry (:mod:`amppass.onnx.runtime`)."""
+
+    def status(self, domain: str, op: str, opset: int, elem_type: int) -> str:
+        from ..onnx import runtime
+
+        return runtime.kernel_status(domain, op, opset, elem_type)
+
+    def describe(self) -> dict[str, Any]:
+        try:
+            import onnxruntime
+
+            version = onnxruntime.__version__
+        except ImportError:
+            version = "not installed"
+        return {"provider": "CPUExecutionProvider", "source": f"kernel registry of the installed onnxruntime "
+                f"{version}"}
+
+
+class _Table:
+    """A static kernel table, with another consulted for the ops it does not list at all."""
+
+    def __init__(self, table: KernelTable, fallback: KernelTable | None = None):
+        self.table, self.fallback = table, fallback
+
+    def status(self, domain: str, op: str, opset: int, elem_type: int) -> str:
+        found = self.table.status(domain, op, opset, elem_type)
+        if found == "unknown" and self.fallback is not None:
+            return self.fallback.status(domain, op, opset, elem_type)
+        return found
+
+    def describe(self) -> dict[str, Any]:
+        info = {"provider": self.table.provider, "source": _source(self.table)}
+        if self.fallback is not None:
+            info["fallback"] = {"provider": self.fallback.provider, "source": _source(self.fallback)}
+        return info
+
+
+def _source(table: KernelTable) -> str:
+    src = table.source
+    return " ".join(str(src[k]) for k in ("repository", "file", "version") if k in src) or "packaged table"
+
+
+@functools.lru_cache(maxsize=None)
+def onnx_target(name: str = "cpu", dtype: object = "fp16") -> Target:
+    """The target for an ONNX model run by onnxruntime's CPU or CUDA provider or by TensorRT.
+
+    ``dtype="auto"`` is fp16 for every ONNX target: onnxruntime's CPU provider runs no bf16 MatMul or Conv,
+    and fp16 is what the GPU providers are fastest in.
+    """
+    name = _checked(name, ONNX_TARGETS, "convert_onnx")
+    low = low_type("fp16" if isinstance(dtype, str) and dtype.strip().lower() == "auto" else dtype)
+    if name == "cpu":
+        return Target("cpu", "onnx", low, "onnxruntime CPUExecutionProvider", "runtime", _LiveCpu())
+    if name == "cuda":
+        return Target("cuda", "onnx", low, "onnxruntime CUDAExecutionProvider", "simulation",
+                      _Table(load("onnxruntime-cuda")))
+    return Target("tensorrt", "onnx", low, "onnxruntime TensorrtExecutionProvider (TensorRT, CUDA fallback)",
+                  "simulation", _Table(load("tensorrt"), load("onnxruntime-cuda")))
+
+
+@functools.lru_cache(maxsize=None)
+def torch_target(name: str, dtype: object, profitability: bool = True) -> Target:
+    """The target for a torch model run eagerly or compiled on ``name`` ("cpu" or "cuda").
+
+    Profitability is measured only where this machine has the device (a CUDA target without a GPU here
+    keeps the numerics-only plan)."""
+    name = _checked(name, TORCH_TARGETS, "convert")
+    low = low_type(dtype, device=name)
+    local = name == "cpu" or torch.cuda.is_available()
+    return Target(name, "fx", low, f"torch {torch.__version__.split('+')[0]} on {name}",
+                  "runtime" if local else "simulation", profitable=profitability and local)
+
+
+def _checked(name: object, choices: tuple[str, ...], function: str) -> str:
+    key = str(name).strip().lower() if isinstance(name, str) else name
+    if key not in choices:
+        raise InputError(f"{function}(target={name!r}): amppass plans for {', '.join(repr(c) for c in choices)}; "
+                         f"pass one of them (the device and runtime the converted model will run on)")
+    return key  # type: ignore[return-value]
