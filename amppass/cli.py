@@ -24,6 +24,7 @@ from . import __version__
 from .errors import AmpPassError
 from .files import Staged, check_writable
 from .onnx.view import dims as value_dims
+from .targets import ONNX_TARGETS, onnx_target
 from .report.report import PRECISION_FILTERS, Report
 
 log = logging.getLogger(__name__)
@@ -84,8 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("model", help="the fp32 ONNX model (.onnx)")
     convert.add_argument("-o", "--output", required=True, help="where to write the converted model")
     convert.add_argument("--dtype", choices=("fp16", "bf16", "auto"), default="fp16",
-                         help="low-precision dtype (default fp16); auto picks the one the installed onnxruntime "
-                         "runs matrix products in: fp16 on its CPU provider, which has no bf16 MatMul")
+                         help="low-precision dtype (default fp16; auto is fp16, what every target runs fastest: "
+                         "onnxruntime's CPU provider has no bf16 MatMul)")
+    convert.add_argument("--target", choices=ONNX_TARGETS, default="cpu",
+                         help="where the model will run: onnxruntime's CPU provider (default), its CUDA "
+                         "provider, or TensorRT; decides which ops have low-precision kernels and how "
+                         "--tolerance judges error (run here for cpu, simulated for the GPU targets)")
     convert.add_argument("--calib", metavar="FEEDS.npz", help=_CALIB_HELP)
     convert.add_argument("--tolerance", type=float, metavar="X",
                          help="with --calib: the largest relative output error ||out - out_fp32|| / ||out_fp32|| "
@@ -152,8 +157,9 @@ def _convert(args: argparse.Namespace) -> int:
     feeds = _load_feeds(args.calib, model) if args.calib else None
     if args.tolerance is not None and feeds is None:
         raise UsageError("--tolerance needs --calib FEEDS.npz: the output error is measured on those feeds")
-    dtype = _auto_dtype(model) if args.dtype == "auto" else args.dtype
-    options: dict[str, Any] = {"dtype": dtype, "keep_fp32": args.keep_fp32, "force_low": args.force_low}
+    dtype = onnx_target(args.target, args.dtype).low.name  # "auto": fp16, what every ONNX target runs fastest
+    options: dict[str, Any] = {"dtype": dtype, "target": args.target, "keep_fp32": args.keep_fp32,
+                               "force_low": args.force_low}
     if feeds is not None:
         options.update(calibration=feeds, tolerance=args.tolerance, progress=sys.stderr.isatty())
     if converted_dtype(model) == dtype:  # convert_onnx returns it unchanged, with a log warning
@@ -199,16 +205,6 @@ def _check_report_formats(paths: Sequence[str]) -> None:
         if os.path.splitext(path)[1].lower() not in _FORMATS:
             raise UsageError(f"{path}: --report writes HTML (.html, .htm) or JSON (.json), chosen by the file's "
                              "extension; name the file report.html or report.json")
-
-
-def _auto_dtype(model: onnx.ModelProto) -> str:
-    """``--dtype auto``: bf16 where the onnxruntime amppass plans for runs bf16 MatMul natively, fp16
-    otherwise (its CPU provider has no bf16 MatMul, Gemm or Conv: bf16 would leave them all fp32)."""
-    from .onnx.runtime import kernel_status
-    from .onnx.view import opsets
-
-    bf16 = kernel_status("", "MatMul", opsets(model).get("", 1), onnx.TensorProto.BFLOAT16) == "native"
-    return "bf16" if bf16 else "fp16"
 
 
 def _check_not_input(model: str, output: str, force: bool) -> None:

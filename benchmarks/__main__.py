@@ -115,8 +115,21 @@ def _onnx_calibration(quick: bool, out: Path) -> Section:
     return section
 
 
+def _never_slower(quick: bool, out: Path) -> Section:
+    from . import never_slower
+
+    section = Section("Never slower than fp32 or autocast (target-aware plans, bf16, this CPU)", "",
+                      notes=[never_slower.NOTES])
+    rows = never_slower.run(quick)
+    met = sum(r["met"] == "yes" for r in rows)
+    section.tables.append((f"Every model at batch 1 and a large batch: {met} of {len(rows)} rows met", rows))
+    section.tables.append(("torch.compile with inductor freezing, BERT 1x16", never_slower.compiled(quick)))
+    return section
+
+
 SECTIONS: dict[str, Callable[[bool, Path], Section]] = {
     "latency": _latency,
+    "never_slower": _never_slower,
     "scaling": _scaling,
     "onnx": _external("onnx_compare", "ONNX converters: onnxconverter-common against amppass",
                       lambda m, quick: m.run(quick)),

@@ -76,7 +76,7 @@ def _case():
 
 def test_uncalibrated_plan_says_so():
     case = _case()
-    fast = amppass.convert(case.model, case.example_inputs, torch.float16)
+    fast = amppass.convert(case.model, case.example_inputs, torch.float16, plan_for="coverage")
     assert fast.meta["amppass"]["calibrated"] is False
     assert "uncalibrated" in amppass.report(fast).summary()
 
@@ -88,13 +88,13 @@ def test_calibrated_plan_records_batches_and_overrides_win():
         model.fc1.weight.mul_(1e5)  # fc1's output now overflows fp16
     try:
         batches = [case.make_inputs(s) for s in (1, 2)]
-        fast = amppass.convert(model, case.example_inputs, torch.float16, calibration=batches)
+        fast = amppass.convert(model, case.example_inputs, torch.float16, calibration=batches, plan_for="coverage")
         meta = fast.meta["amppass"]
         assert meta["calibrated"] and meta["calibration_batches"] == 2 and meta["calibration_decisions"] >= 1
         rows = {r.name: r for r in amppass.report(fast).rows}
         assert rows["linear"].precision == "fp32" and rows["linear"].source == "calibration"
         forced = amppass.convert(model, case.example_inputs, torch.float16, calibration=batches,
-                                 force_low=["linear"])
+                                 force_low=["linear"], plan_for="coverage")
         rows = {r.name: r for r in amppass.report(forced).rows}
         assert rows["linear"].source == "override"
     finally:
@@ -113,16 +113,16 @@ def test_calibrated_plan_records_batches_and_overrides_win():
 def test_bad_calibration_data_is_named(bad, message):
     case = _case()
     with pytest.raises(amppass.CalibrationError, match=re.escape(message)):
-        amppass.convert(case.model, case.example_inputs, torch.float16, calibration=bad)
+        amppass.convert(case.model, case.example_inputs, torch.float16, calibration=bad, plan_for="coverage")
 
 
 def test_tolerance_needs_calibration_and_a_positive_number():
     case = _case()
     with pytest.raises(amppass.InputError, match="tolerance=0.001 needs calibration"):
-        amppass.convert(case.model, case.example_inputs, torch.float16, tolerance=1e-3)
+        amppass.convert(case.model, case.example_inputs, torch.float16, tolerance=1e-3, plan_for="coverage")
     with pytest.raises(amppass.InputError, match="positive number"):
         amppass.convert(case.model, case.example_inputs, torch.float16, calibration=[case.example_inputs],
-                        tolerance=-1)
+                        tolerance=-1, plan_for="coverage")
 
 
 def _held_out_error(case, fast, seed=10):
@@ -136,7 +136,7 @@ def _held_out_error(case, fast, seed=10):
 def test_tolerance_met_on_held_out_inputs(name, dtype):
     case = build(name)
     batches = [case.make_inputs(s) for s in (1, 2, 3, 4)]
-    fast = amppass.convert(case.model, case.example_inputs, dtype, calibration=batches, tolerance=1e-3)
+    fast = amppass.convert(case.model, case.example_inputs, dtype, calibration=batches, tolerance=1e-3, plan_for="coverage")
     meta = fast.meta["amppass"]
     assert meta["tolerance_met"] and meta["achieved_error"] <= 1e-3
     assert _held_out_error(case, fast) <= 1e-3
@@ -185,7 +185,7 @@ def test_every_calibrated_row_carries_its_observed_range():
 
     case = build("cnn")
     fast = amppass.convert(case.model, case.example_inputs, torch.float16,
-                           calibration=[case.make_inputs(s) for s in (1, 2)])
+                           calibration=[case.make_inputs(s) for s in (1, 2)], plan_for="coverage")
     rows = [r for r in amppass.report(fast).rows if r.precision != "-"]
     assert rows and all(r.evidence["absmax"] > 0 for r in rows if r.op in ("aten.conv2d", "aten.linear"))
     assert sum("min_nonzero" in r.evidence for r in rows) >= len(rows) // 2

@@ -33,7 +33,7 @@ def check_fx(program: Program, dtype: str, **options) -> torch.fx.GraphModule:
     module = ProgramModule(program).eval()
     before = {k: v.clone() for k, v in module.state_dict().items()}
     example = tuple(torch.from_numpy(x) for x in program.feeds(0))
-    fast = amppass.convert(module, example, DTYPES[dtype], **options)
+    fast = amppass.convert(module, example, DTYPES[dtype], **{"plan_for": "coverage", **options})
     fast.graph.lint()
     casts = collections.Counter(
         (n.args[0], n.kwargs.get("dtype")) for n in fast.graph.nodes if n.meta.get(META_KEY, {}).get("cast"))
@@ -74,7 +74,7 @@ def check_calibrated_fx(program: Program, dtype: str, seeds: list[int], scale: f
     report = amppass.report(fast)
     check_calibration_info(report.info, len(seeds), tolerance, error)
     example = tuple(torch.from_numpy(x) for x in program.feeds(0))
-    plain = amppass.report(amppass.convert(module, example, DTYPES[dtype]))
+    plain = amppass.report(amppass.convert(module, example, DTYPES[dtype], plan_for="coverage"))
     check_calibrated_rows(report.rows, plain.rows, dtype, report.info)
 
 
@@ -83,7 +83,7 @@ def draw_options(program: Program, dtype: str, data: st.DataObject) -> dict:
     kept fp32, and ``keep_io_types``."""
     module = ProgramModule(program).eval()
     example = tuple(torch.from_numpy(x) for x in program.feeds(0))
-    rows = amppass.report(amppass.convert(module, example, DTYPES[dtype])).rows
+    rows = amppass.report(amppass.convert(module, example, DTYPES[dtype], plan_for="coverage")).rows
     fp32_ops = sorted({r.op for r in rows if r.precision == "fp32"})
     float_ops = sorted({r.op for r in rows if r.precision != "-"})
     return {

@@ -32,7 +32,7 @@ def case(request):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 def test_zoo_matches_fp32_as_well_as_autocast(case, dtype):
     before = copy.deepcopy(case.model.state_dict())
-    fast = amppass.convert(case.model, case.example_inputs, dtype)
+    fast = amppass.convert(case.model, case.example_inputs, dtype, plan_for="coverage")
     fast.graph.lint()
     inputs = case.make_inputs(3)
     with torch.no_grad():
@@ -52,7 +52,7 @@ def test_zoo_matches_fp32_as_well_as_autocast(case, dtype):
 @pytest.mark.parametrize("name", ["bert", "cnn", "llama"])
 def test_heavy_ops_low_norms_fp32_and_one_cast_per_value(name):
     case = build(name)
-    fast = amppass.convert(case.model, case.example_inputs, torch.bfloat16)
+    fast = amppass.convert(case.model, case.example_inputs, torch.bfloat16, plan_for="coverage")
     seen_casts = set()
     for node in fast.graph.nodes:
         meta = node.meta.get(META_KEY, {})
@@ -73,10 +73,10 @@ def test_heavy_ops_low_norms_fp32_and_one_cast_per_value(name):
 
 def test_weight_bytes_about_half():
     cnn = build("cnn")
-    report = amppass.report(amppass.convert(cnn.model, cnn.example_inputs, torch.bfloat16))
+    report = amppass.report(amppass.convert(cnn.model, cnn.example_inputs, torch.bfloat16, plan_for="coverage"))
     assert report.info["weight_bytes_after"] <= 0.55 * report.info["weight_bytes_before"]
     bert = build("bert")
-    tables = amppass.convert(bert.model, bert.example_inputs, torch.bfloat16, low_weight_tables=True)
+    tables = amppass.convert(bert.model, bert.example_inputs, torch.bfloat16, low_weight_tables=True, plan_for="coverage")
     info = amppass.report(tables).info
     assert info["weight_bytes_after"] <= 0.55 * info["weight_bytes_before"]
     weights = [t for t in tables.parameters()] + [b for b in tables.buffers() if b.is_floating_point()]
@@ -94,7 +94,7 @@ def test_softmax_and_sum_accumulate_in_fp32_without_casting_their_input():
             return F.softmax(h, dim=-1) + h.sum(dim=-1, keepdim=True)
 
     x = torch.randn(4, 16)
-    fast = amppass.convert(Net(), (x,), torch.float16)
+    fast = amppass.convert(Net(), (x,), torch.float16, plan_for="coverage")
     nodes = {n.target: n for n in fast.graph.nodes if n.op == "call_function"}
     softmax = nodes[torch.ops.aten.softmax.int]
     assert softmax.kwargs.get("dtype") == torch.float32
@@ -105,7 +105,7 @@ def test_softmax_and_sum_accumulate_in_fp32_without_casting_their_input():
 def test_symbolic_trace_without_example_inputs():
     for name in ("mlp", "cnn"):
         case = build(name)
-        fast = amppass.convert(case.model, dtype="bf16")
+        fast = amppass.convert(case.model, dtype="bf16", plan_for="coverage")
         with torch.no_grad():
             out, ref = fast(*case.make_inputs(2)), case.model(*case.make_inputs(2))
         assert out.dtype == torch.float32
@@ -123,7 +123,7 @@ def test_attention_mask_is_saturated_not_turned_into_inf():
     q = torch.randn(1, 2, 8, 16)
     mask = torch.ones(1, 1, 8, 8)
     mask[..., 0, :] = 0.0  # a fully masked row: -inf in fp16 would give NaN
-    fast = amppass.convert(Attn(), (q, mask), torch.float16)
+    fast = amppass.convert(Attn(), (q, mask), torch.float16, plan_for="coverage")
     out = fast(q, mask)
     ref = Attn()(q, mask)
     assert torch.isfinite(out).all()
@@ -132,7 +132,7 @@ def test_attention_mask_is_saturated_not_turned_into_inf():
 
 def test_dynamic_batch_from_a_batch_of_one():
     case = build("bert", batch=1)
-    fast = amppass.convert(case.model, case.example_inputs, torch.bfloat16)
+    fast = amppass.convert(case.model, case.example_inputs, torch.bfloat16, plan_for="coverage")
     bigger = build("bert", batch=3, seq=24).make_inputs(5)
     with torch.no_grad():
         assert rel_err(first(fast(*bigger)), first(case.model(*bigger))) < 2e-2
@@ -140,28 +140,28 @@ def test_dynamic_batch_from_a_batch_of_one():
 
 def test_convert_is_idempotent():
     case = build("mlp")
-    fast = amppass.convert(case.model, case.example_inputs, torch.float16)
+    fast = amppass.convert(case.model, case.example_inputs, torch.float16, plan_for="coverage")
     code = fast.code
-    again = amppass.convert(fast, case.example_inputs, torch.float16)
+    again = amppass.convert(fast, case.example_inputs, torch.float16, plan_for="coverage")
     assert again is fast and again.code == code
 
 
 def test_overrides_keep_fp32_and_force_low():
     case = build("bert")
     fast = amppass.convert(case.model, case.example_inputs, torch.float16, keep_fp32=["linear_1", "gelu"],
-                           force_low=["layer_norm"])
+                           force_low=["layer_norm"], plan_for="coverage")
     rows = {r.name: r for r in amppass.report(fast).rows}
     assert rows["linear_1"].precision == "fp32" and rows["linear_1"].source == "override"
     assert rows["linear_2"].precision == "fp16"
     assert all(r.precision == "fp32" and r.source == "override" for r in rows.values() if r.op == "aten.gelu")
     assert all(r.precision == "fp16" and r.source == "override" for r in rows.values() if r.op == "aten.layer_norm")
     with pytest.raises(amppass.InputError, match="matches no node"):
-        amppass.convert(case.model, case.example_inputs, torch.float16, keep_fp32=["no_such_op"])
+        amppass.convert(case.model, case.example_inputs, torch.float16, keep_fp32=["no_such_op"], plan_for="coverage")
 
 
 def test_report_rows_and_json():
     case = build("cnn")
-    report = amppass.report(amppass.convert(case.model, case.example_inputs, torch.float16))
+    report = amppass.report(amppass.convert(case.model, case.example_inputs, torch.float16, plan_for="coverage"))
     assert report.rows and all(r.reason and r.source for r in report.rows)
     data = __import__("json").loads(report.to_json())
     assert data["schema_version"] == 1 and len(data["rows"]) == len(report.rows)
@@ -171,7 +171,7 @@ def test_report_rows_and_json():
 @pytest.mark.parametrize("dtype", ["fp32", "int8", torch.float32, 3])
 def test_bad_dtype(dtype):
     with pytest.raises(amppass.InputError, match="dtype"):
-        amppass.convert(build("mlp").model, dtype=dtype)
+        amppass.convert(build("mlp").model, dtype=dtype, plan_for="coverage")
 
 
 def test_untraceable_module_names_the_cause_and_the_fix():
@@ -182,20 +182,20 @@ def test_untraceable_module_names_the_cause_and_the_fix():
             return x
 
     with pytest.raises(amppass.CaptureError, match="example_inputs"):
-        amppass.convert(DataDependent(), dtype="bf16")
+        amppass.convert(DataDependent(), dtype="bf16", plan_for="coverage")
     with pytest.raises(amppass.CaptureError, match="torch.export could not capture DataDependent"):
-        amppass.convert(DataDependent(), (torch.randn(3),), dtype="bf16", dynamic_shapes=None)
+        amppass.convert(DataDependent(), (torch.randn(3),), dtype="bf16", dynamic_shapes=None, plan_for="coverage")
 
 
 def test_not_a_module():
     with pytest.raises(amppass.InputError, match="torch.nn.Module"):
-        amppass.convert(lambda x: x, dtype="bf16")
+        amppass.convert(lambda x: x, dtype="bf16", plan_for="coverage")
 
 
 def test_training_flag_restored():
     case = build("cnn")
     case.model.train()
-    amppass.convert(case.model, case.example_inputs, torch.bfloat16)
+    amppass.convert(case.model, case.example_inputs, torch.bfloat16, plan_for="coverage")
     assert case.model.training and all(m.training for m in case.model.modules())
 
 
@@ -215,7 +215,7 @@ def test_model_cast_to_fp32_between_low_ops_is_retargeted():
         def forward(self, x):
             return self.b(self.a(x).float())
 
-    fast = amppass.convert(Net(), dtype="bf16")
+    fast = amppass.convert(Net(), dtype="bf16", plan_for="coverage")
     casts = [n for n in fast.graph.nodes if n.op == "call_method"]
     assert [(n.target, n.args[1]) for n in casts] == [("to", torch.bfloat16)]
     assert fast(torch.randn(2, 8)).dtype == torch.float32
@@ -236,12 +236,12 @@ def test_gelu_cube_stays_low_under_bf16_only():
 
     model, x = Net(), torch.randn(4, 16)
     for dtype, precision in ((torch.bfloat16, "low"), (torch.float16, "fp32")):
-        fast = amppass.convert(model, (x,), dtype)
+        fast = amppass.convert(model, (x,), dtype, plan_for="coverage")
         pows = [n for n in fast.graph.nodes if n.target is torch.ops.aten.pow.Tensor_Scalar]
         assert [n.meta[META_KEY]["precision"] for n in pows] == [precision]
         with torch.no_grad():
             error = float((fast(x) - model(x)).norm() / model(x).norm())
         assert error < (2e-2 if dtype == torch.bfloat16 else 3e-3)
-    casts = [n for n in amppass.convert(model, (x,), torch.bfloat16).graph.nodes
+    casts = [n for n in amppass.convert(model, (x,), torch.bfloat16, plan_for="coverage").graph.nodes
              if n.meta.get(META_KEY, {}).get("cast")]
     assert len(casts) == 2, "only the input and the output are cast: the GELU runs in bf16 throughout"

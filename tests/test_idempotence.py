@@ -62,19 +62,19 @@ def test_cli_reconvert_prints_one_note_and_writes_the_same_model(tmp_path, capsy
 
 
 def test_fx_reconvert_returns_the_same_module_and_warns(caplog):
-    once = amppass.convert(mlp(), X, "fp16")
+    once = amppass.convert(mlp(), X, "fp16", plan_for="coverage")
     code = once.code
     with caplog.at_level(logging.WARNING, logger="amppass"):
-        assert amppass.convert(once, X, "fp16") is once
-        assert amppass.convert(once, X) is once, "dtype='auto' accepts what the module already is"
+        assert amppass.convert(once, X, "fp16", plan_for="coverage") is once
+        assert amppass.convert(once, X, plan_for="coverage") is once, "dtype='auto' accepts what the module already is"
     assert once.code == code
     warned = ours(caplog)
     assert warned and all("already converted by amppass to fp16" in r.getMessage() for r in warned)
 
 
 def test_fx_reconvert_to_another_dtype_or_mode_names_both():
-    once = amppass.convert(mlp(), X, torch.bfloat16)
+    once = amppass.convert(mlp(), X, torch.bfloat16, plan_for="coverage")
     with pytest.raises(amppass.InputError, match="already converted by amppass to bf16.*to fp16"):
-        amppass.convert(once, X, torch.float16)
+        amppass.convert(once, X, torch.float16, plan_for="coverage")
     with pytest.raises(amppass.InputError, match=r"\(inference mode\).*\(train mode\)"):
-        amppass.convert(once, X, "bf16", mode="train")
+        amppass.convert(once, X, "bf16", mode="train", plan_for="coverage")

@@ -53,14 +53,14 @@ def _snapshot(net: torch.nn.Module) -> dict:
 
 
 CALLS = {
-    "fx-inference": lambda net, tmp: amppass.convert(net, X, "fp16"),
-    "fx-bf16-calibrated": lambda net, tmp: amppass.convert(net, X, "bf16", calibration=[X, (X[0] * 3,)]),
-    "fx-train": lambda net, tmp: amppass.convert(net, X, "fp16", mode="train"),
+    "fx-inference": lambda net, tmp: amppass.convert(net, X, "fp16", plan_for="coverage"),
+    "fx-bf16-calibrated": lambda net, tmp: amppass.convert(net, X, "bf16", calibration=[X, (X[0] * 3,)], plan_for="coverage"),
+    "fx-train": lambda net, tmp: amppass.convert(net, X, "fp16", mode="train", plan_for="coverage"),
     "export-onnx": lambda net, tmp: amppass.export_onnx(net, X, tmp / "net.onnx"),
     # failures after capture: the override matches nothing; a calibration batch is bad halfway through
-    "fx-fails-on-override": lambda net, tmp: amppass.convert(net, X, "fp16", keep_fp32=["nothing_here"]),
+    "fx-fails-on-override": lambda net, tmp: amppass.convert(net, X, "fp16", keep_fp32=["nothing_here"], plan_for="coverage"),
     "fx-fails-in-calibration": lambda net, tmp: amppass.convert(
-        net, X, "fp16", calibration=[X, (torch.full((2, 4), float("nan")),)]),
+        net, X, "fp16", calibration=[X, (torch.full((2, 4), float("nan")),)], plan_for="coverage"),
     "export-fails-in-convert": lambda net, tmp: amppass.export_onnx(net, X, tmp / "net.onnx", keep_fp32=["Nope"]),
 }
 

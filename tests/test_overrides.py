@@ -40,7 +40,7 @@ def test_readme_keep_fp32_example_on_the_bundled_bert_warns_with_its_ops(caplog)
     """The bundled BERT runs attention as one fused op: keep_fp32=['softmax'] has nothing to keep."""
     case = build("bert", "small")
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        fast = amppass.convert(case.model, case.example_inputs, dtype="bf16", keep_fp32=["softmax"])
+        fast = amppass.convert(case.model, case.example_inputs, dtype="bf16", keep_fp32=["softmax"], plan_for="coverage")
     (warning,) = [r.getMessage() for r in caplog.records if r.name == LOGGER]
     assert "keep_fp32=['softmax']" in warning and "no softmax op" in warning
     assert "aten.scaled_dot_product_attention" in warning and "aten.linear" in warning
@@ -64,7 +64,7 @@ def test_onnx_op_the_model_lacks_warns_and_converts(caplog):
 def test_fx_node_pattern_matching_nothing_is_an_error_that_lists_the_ops(pattern):
     case = build("mlp", "small")
     with pytest.raises(amppass.InputError) as error:
-        amppass.convert(case.model, case.example_inputs, dtype="fp16", keep_fp32=[pattern])
+        amppass.convert(case.model, case.example_inputs, dtype="fp16", keep_fp32=[pattern], plan_for="coverage")
     message = str(error.value)
     assert f"{pattern!r} matches no node name" in message and "aten.linear" in message and "aten.gelu" in message
     assert "e.g. 'softmax'" not in message  # the old message suggested what the user had just passed

@@ -37,7 +37,7 @@ def _fx(progress: bool):
     case = build("mlp", "small")
     batches = [case.make_inputs(i) for i in range(2)]
     return amppass.convert(case.model, case.example_inputs, dtype="fp16", calibration=batches, tolerance=1e-5,
-                           progress=progress)
+                           progress=progress, plan_for="coverage")
 
 
 def _onnx(progress: bool):

@@ -27,7 +27,7 @@ jsonschema = pytest.importorskip("jsonschema")
 @pytest.fixture(scope="module")
 def cnn_report() -> Report:
     case = build("cnn", "small")
-    return amppass.report(amppass.convert(case.model, case.example_inputs, dtype="fp16"))
+    return amppass.report(amppass.convert(case.model, case.example_inputs, dtype="fp16", plan_for="coverage"))
 
 
 @pytest.fixture()
@@ -67,7 +67,7 @@ def test_attention_macs_count_both_products():
             return nn.functional.scaled_dot_product_attention(q, k, v)
 
     q, k, v = torch.randn(2, 4, 8, 16), torch.randn(2, 4, 6, 16), torch.randn(2, 4, 6, 32)
-    gm = amppass.convert(Attention(), (q, k, v), dtype="bf16")
+    gm = amppass.convert(Attention(), (q, k, v), dtype="bf16", plan_for="coverage")
     sdpa = [n for n in gm.graph.nodes if "scaled_dot_product" in str(n.target)]
     assert sdpa and sdpa[0].meta["amppass"]["evidence"]["macs"] == 2 * 4 * 8 * 6 * (16 + 32)
 
@@ -101,7 +101,7 @@ class _Recurrent(nn.Module):
 
 def test_recurrent_layers_count_in_the_mac_share_and_getitem_is_known():
     x = torch.randn(2, 5, 8)
-    report = amppass.report(amppass.convert(_Recurrent().eval(), (x,), dtype="fp16"))
+    report = amppass.report(amppass.convert(_Recurrent().eval(), (x,), dtype="fp16", plan_for="coverage"))
     rows = {r.op: r for r in report.rows}
     steps = 2 * 5  # batch x sequence
     # per step: layer 1 w_ih (64x8) + w_hh (64x4) + w_hr (4x16); layer 2 w_ih (64x8) + ...; both directions

@@ -38,6 +38,7 @@ class Source(enum.Enum):
     CALIBRATION = "calibration"  # a rule over observed value ranges
     STATIC = "static"  # a rule over constants / initializers
     TOLERANCE = "tolerance"  # moved back to fp32 by the tolerance search
+    PROFITABILITY = "profitability"  # measured slower in low precision on the target device
     OVERRIDE = "override"  # the user asked for it
 
 

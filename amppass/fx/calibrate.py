@@ -203,8 +203,8 @@ def _batches(gm: fx.GraphModule, calibration: Iterable[Any]) -> Iterator[tuple[i
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     index = -1
     for index, batch in enumerate(calibration):
-        args, kwargs = _split(batch)
-        flat = _flatten(gm, placeholders, args, kwargs, index)
+        args, kwargs = split_batch(batch)
+        flat = flatten_inputs(gm, args, kwargs, index)
         for node, value in zip(placeholders, flat):
             _check(node, value, index)
         yield index, args, kwargs, flat
@@ -212,7 +212,7 @@ def _batches(gm: fx.GraphModule, calibration: Iterable[Any]) -> Iterator[tuple[i
         raise CalibrationError(f"calibration is empty: it yielded no batches; {_FIX}")
 
 
-def _split(batch: Any) -> tuple[tuple, dict]:
+def split_batch(batch: Any) -> tuple[tuple, dict]:
     if isinstance(batch, dict):
         return (), dict(batch)
     if isinstance(batch, (tuple, list)):
@@ -220,7 +220,10 @@ def _split(batch: Any) -> tuple[tuple, dict]:
     return (batch,), {}
 
 
-def _flatten(gm: fx.GraphModule, placeholders: list[fx.Node], args: tuple, kwargs: dict, index: int) -> list:
+def flatten_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict, index: int) -> list:
+    """The graph's placeholder values for one batch of ``args``/``kwargs``; CalibrationError naming batch ``index``
+    when its structure is not the captured one."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     codegen = gm.graph._codegen
     spec = getattr(getattr(codegen, "pytree_info", None), "in_spec", None)
     if spec is not None:

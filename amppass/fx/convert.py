@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable
+import time
+from typing import Any, Iterable, Mapping
 
 import torch
 from torch import fx, nn
@@ -18,7 +19,11 @@ from ..targets.target import Target, torch_target
 from ..report.flops import node_macs
 from ..training.backward import annotate_backward
 from ..training.module import TrainEvalGraphs
-from .calibrate import calibrated_plan
+from ..analysis.view import GraphView
+from . import profit
+from .calibrate import calibrated_plan, flatten_inputs, split_batch
+from .kept import KeptFp32
+from .profit import CostModel
 from .capture import capture
 from .rewrite import META_KEY, rewrite
 from .view import build_view
@@ -26,6 +31,7 @@ from .view import build_view
 log = logging.getLogger(__name__)
 
 MODES = ("inference", "train")
+PLAN_FOR = ("speed", "coverage", "memory")
 
 
 def convert(
@@ -35,6 +41,8 @@ def convert(
     *,
     example_kwargs: dict[str, Any] | None = None,
     target: str | None = None,
+    plan_for: str = "speed",
+    costs: Mapping[str, float] | None = None,
     mode: str = "inference",
     keep_io_types: bool = True,
     keep_fp32: Iterable[str] = (),
@@ -56,6 +64,15 @@ def convert(
         example_kwargs: keyword inputs for capture.
         target: the device the converted model will run on, "cpu" or "cuda" (default: the device of the
             model's parameters). It is recorded in the model and shown in the report.
+        plan_for: ``"speed"`` (default): where this machine has the target device and example inputs are
+            given, a region of the plan runs low only if measuring shows its low kernels and casts are
+            faster than fp32 there, and the original module is kept in fp32 if the converted graph
+            measures slower than it (profitability: :mod:`amppass.fx.profit`, :mod:`amppass.fx.kept`).
+            ``"coverage"``: every op that numerics allow runs low, nothing is measured (the plan is the
+            same on every machine). ``"memory"``: as "coverage", and every weight is stored in the low dtype
+            (where its values fit), cast up at use by the ops that run fp32: the smallest model.
+        costs: a cost table a previous conversion measured (``amppass.report(m).info["costs"]``); its
+            times are used instead of measuring again, so the plan is the same on any machine.
         mode: ``"inference"`` stores low-precision copies of the weights once; ``"train"`` keeps fp32
             master parameters and casts them inside the graph so gradients come back fp32, and returns a
             :class:`~amppass.training.module.TrainEvalGraphs`: a train graph and an eval graph that switch
@@ -80,17 +97,25 @@ def convert(
     if mode not in MODES:
         raise InputError(f"mode={mode!r} is not one of {MODES}: use mode='inference' to serve or evaluate "
                          "the model, mode='train' to train it")
+    if plan_for not in PLAN_FOR:
+        raise InputError(f"plan_for={plan_for!r} is not one of {PLAN_FOR}: 'speed' keeps low precision only where "
+                         "it is faster on the target, 'coverage' runs low every op numerics allow, 'memory' "
+                         "also stores every weight in low precision")
     if isinstance(model, fx.GraphModule) and META_KEY in getattr(model, "meta", {}):
         return _unchanged(model, model.meta[META_KEY], dtype, mode)
     if isinstance(model, TrainEvalGraphs):
         return _unchanged(model, model.train_graph.meta[META_KEY], dtype, mode)
+    if isinstance(model, KeptFp32):
+        return _unchanged(model, model.meta[META_KEY], dtype, mode)
     check_tolerance(tolerance, calibration)
     plan_target = _target(target, dtype, model)
     if mode == "train" and calibration is not None:
         calibration = list(calibration)  # both graphs calibrate on it
     options = dict(keep_io_types=keep_io_types, keep_fp32=keep_fp32, force_low=force_low,
                    low_weight_tables=low_weight_tables, calibration=calibration, tolerance=tolerance,
-                   progress=progress)
+                   progress=progress, plan_for=plan_for, costs=costs,
+                   example=None if example_inputs is None and example_kwargs is None else
+                   (example_inputs, example_kwargs or {}))
     if mode == "train":
         # torch.export bakes the training flag into the graph: one graph per mode over one set of fp32 tensors
         train_gm, eval_gm = (
@@ -100,7 +125,29 @@ def convert(
         )
         return TrainEvalGraphs(train_gm, eval_gm, training=model.training)
     gm = capture(model, example_inputs, example_kwargs, train=False, dynamic_shapes=dynamic_shapes)
-    return _convert_captured(gm, model, plan_target, mode, **options)
+    gm = _convert_captured(gm, model, plan_target, mode, **options)
+    if plan_for == "speed" and plan_target.profitable and options["example"] is not None and not calibration:
+        return _faster_of(gm, model, options["example"], costs)
+    return gm
+
+
+def _faster_of(gm: fx.GraphModule, model: nn.Module, example: tuple[Any, dict],
+               costs: Mapping[str, float] | None) -> nn.Module:
+    """``gm``, or the original module kept in fp32 where that measured faster here (:mod:`amppass.fx.kept`)."""
+    args, kwargs = example
+    args = split_batch(args)[0] if args is not None else ()
+    info = gm.meta[META_KEY]
+    table = CostModel({**info.get("costs", {}), **(costs or {})})
+    converted_s, original_s = profit.whole_model(gm, model, args, kwargs, table)
+    info["costs"] = table.table() if not info.get("costs") else {**info["costs"], **table.table()}
+    info["whole_model"] = {"converted_ms": round(converted_s * 1e3, 4), "original_ms": round(original_s * 1e3, 4)}
+    if converted_s <= (1 + profit.MARGIN) * original_s:
+        return gm
+    log.warning("%s: the converted graph measured %.3g ms against %.3g ms for the original module in fp32 on "
+                "this device; keeping the original (plan_for='coverage' converts it anyway)",
+                type(model).__name__, converted_s * 1e3, original_s * 1e3)
+    return KeptFp32(model, {**info, "casts": 0, "weights_converted": 0, "weight_copies": 0,
+                            "weight_bytes_after": info["weight_bytes_before"]})
 
 
 def _convert_captured(
@@ -116,13 +163,24 @@ def _convert_captured(
     calibration: Iterable[Any] | None,
     tolerance: float | None,
     progress: bool,
+    plan_for: str = "speed",
+    costs: Mapping[str, float] | None = None,
+    example: tuple[Any, dict] | None = None,
 ) -> fx.GraphModule:
-    """Analyse, paint and rewrite a captured graph of ``model`` in place; record the decisions in it."""
+    """Analyse, paint and rewrite a captured graph of ``model`` in place; record the decisions in it.
+
+    ``example`` (example inputs and keyword inputs) feeds the profitability measurements."""
     low = target.low
     bytes_before = weight_bytes(model) if isinstance(model, nn.Module) else 0
     view, _ = build_view(gm, low)
     given = overrides.resolve(view, keep_fp32, force_low, low)
-    rewrite_options = {"precast_weights": mode == "inference", "keep_io_types": keep_io_types}
+    profit_info: dict[str, Any] = {}
+    if plan_for == "speed" and mode == "inference" and target.profitable and example is not None:
+        decided, profit_info = _profitability(gm, view, target, given, example, costs, keep_io_types,
+                                              low_weight_tables)
+        given = {**decided, **given}  # the user's overrides win
+    rewrite_options = {"precast_weights": mode == "inference", "keep_io_types": keep_io_types,
+                       "weights_low": plan_for == "memory" and mode == "inference"}
     calibration_info: dict[str, Any] = {"calibrated": False}
     if calibration is None:
         plan = paint(view, low, given, low_weight_tables=low_weight_tables)
@@ -153,6 +211,8 @@ def _convert_captured(
         "weight_copies": stats.weight_copies,
         "weight_bytes_before": bytes_before,
         "weight_bytes_after": weight_bytes(gm),
+        "plan_for": plan_for,
+        **profit_info,
         **calibration_info,
     }
     if mode == "train":
@@ -160,6 +220,24 @@ def _convert_captured(
     log.info("converted %s to %s for %s: %d nodes planned, %d casts", type(model).__name__, low, target.name,
              len(plan), stats.casts)
     return gm
+
+
+def _profitability(gm: fx.GraphModule, view: GraphView, target: Target, given: dict, example: tuple[Any, dict],
+                   costs: Mapping[str, float] | None, keep_io_types: bool,
+                   low_weight_tables: bool) -> tuple[dict, dict[str, Any]]:
+    """Fp32 decisions for the regions not faster low on this device, and what to record about them."""
+    start = time.perf_counter()
+    args, kwargs = example
+    flat = flatten_inputs(gm, split_batch(args)[0] if args is not None else (), kwargs, index=0)
+    model = CostModel(costs)
+    plan = paint(view, target.low, given, low_weight_tables=low_weight_tables)
+    device = next((t.device for t in gm.parameters()), torch.device(target.name))
+    decided = profit.decide(gm, view, plan, target.low, flat, given, model, keep_io_types, device)
+    regions = len({d.evidence.get("fp32_us") for d in decided.values()})
+    seconds = time.perf_counter() - start
+    log.info("profitability: %d region(s) kept fp32, %d timings, %.2f s", regions, len(model.used), seconds)
+    return decided, {"costs": model.table(), "profitability": {"regions_fp32": regions, "nodes_fp32": len(decided),
+                                                             "seconds": round(seconds, 3)}}
 
 
 def _unchanged(model: nn.Module, info: dict, dtype: Any, mode: str) -> nn.Module:

@@ -6,7 +6,9 @@ Rules:
    no cast is placed where producer and consumer agree.
 2. Weights are converted ahead of time (inference): a weight read only in low precision is replaced by
    its low-precision copy under the same name; one read in both keeps fp32 and gains a low copy. In
-   training the graph casts the fp32 master weights instead, so autograd returns fp32 gradients.
+   training the graph casts the fp32 master weights instead, so autograd returns fp32 gradients. With
+   ``weights_low`` (memory-first plans) every fp32 weight whose values fit the low dtype is stored low
+   once, and the ops that run fp32 read it through a cast at use.
 3. fp32-accumulating ops (softmax, sums, means) take their low-precision input as it is and get
    ``dtype=torch.float32``, so the widening happens inside the kernel rather than as a cast of the input.
 4. Casts already in the model to fp32 (the working dtype of an fp32 model) are retargeted to the dtype
@@ -16,6 +18,9 @@ Rules:
 6. With ``keep_io_types`` graph outputs are cast back to fp32; graph inputs are never changed.
 7. The tuple or list of a multi-output op (split, unbind) is never cast: ``getitem`` selects from it as
    it is and its element keeps the container's dtype; readers of the element cast it where they need to.
+8. A constant the graph creates at run time in fp32 (``zeros``, ``full``, ... : an RNN's initial state, a
+   mask) that only low-precision readers read is created in the low dtype directly, instead of created in
+   fp32 and cast on every call, when its fill value fits the low dtype.
 """
 
 from __future__ import annotations
@@ -53,8 +58,10 @@ def input_dtype(precision: Precision, low: torch.dtype) -> torch.dtype | None:
 
 
 class _Rewriter:
-    def __init__(self, gm: fx.GraphModule, plan: PrecisionPlan, low: LowType, precast: bool, keep_io: bool):
+    def __init__(self, gm: fx.GraphModule, plan: PrecisionPlan, low: LowType, precast: bool, keep_io: bool,
+                 weights_low: bool = False):
         self.gm, self.plan, self.low, self.precast, self.keep_io = gm, plan, low.torch, precast, keep_io
+        self.low_max, self.weights_low = low.max, weights_low and precast
         self.typed = has_dtypes(gm)
         self.fp32 = {n: carries_fp32(n, gm, self.typed) for n in gm.graph.nodes}
         self.graph = fx.Graph()
@@ -64,6 +71,8 @@ class _Rewriter:
         self.cache: dict[tuple[fx.Node, torch.dtype, bool], fx.Node] = {}
         self.stats = RewriteStats()
         self.low_only_weights = self._low_only_weights() if precast else set()
+        if self.weights_low:
+            self.low_only_weights |= self._fitting_weights()
 
     # -- planning helpers -------------------------------------------------------------------------
     def _wanted(self, node: fx.Node) -> torch.dtype | None:
@@ -81,6 +90,16 @@ class _Rewriter:
             if node.op == "get_attr" and self.fp32[node] and node.users:
                 wants = {self._wanted(user) for user in node.users}
                 if wants == {self.low}:
+                    result.add(node)
+        return result
+
+    def _fitting_weights(self) -> set[fx.Node]:
+        """Every read fp32 weight whose values the low dtype holds (rule 2, ``weights_low``)."""
+        result = set()
+        for node in self.gm.graph.nodes:
+            if node.op == "get_attr" and self.fp32[node] and node.users:
+                tensor = fetch_attr(self.gm, str(node.target))
+                if not tensor.numel() or float(tensor.detach().abs().max()) <= self.low_max:
                     result.add(node)
         return result
 
@@ -144,6 +163,9 @@ class _Rewriter:
         )
         kwargs = {k: torch.utils._pytree.tree_map(lambda a, s=k: convert(a, s), v) for k, v in node.kwargs.items()}
         target, args, kwargs = self._retarget_cast(node, args, kwargs, decision)
+        created_low = self._created_low(node, args, kwargs)
+        if created_low:
+            kwargs = {**kwargs, "dtype": self.low}
         if decision is not None and decision.precision is Precision.FP32_ACCUM and wanted is None:
             kwargs["dtype"] = torch.float32
         if node.op == "call_module" and decision is not None and decision.precision is Precision.LOW and self.precast:
@@ -154,8 +176,18 @@ class _Rewriter:
         new.meta = dict(node.meta)
         if decision is not None:
             new.meta[META_KEY] = {**decision.to_meta(), "op": ops.display_name(node, self.gm), "casts_in": casts}
-        self.dtype[new] = self._out_dtype(node, decision)
+        self.dtype[new] = self.low if created_low else self._out_dtype(node, decision)
         return new
+
+    def _created_low(self, node: fx.Node, args: tuple, kwargs: dict) -> bool:
+        """Rule 8: whether ``node`` is an fp32 factory call whose every reader wants the low dtype."""
+        if (node.op != "call_function" or ops.op_name(node) not in _FACTORIES or kwargs.get("dtype") != torch.float32
+                or not self.fp32[node] or not node.users):
+            return False
+        fills = [a for a in list(args[1:]) + [kwargs.get("fill_value")] if isinstance(a, (int, float))]
+        if any(abs(f) > self.low_max and abs(f) != float("inf") for f in fills):
+            return False
+        return all(self._wanted(user) == self.low and not _is_container(node) for user in node.users)
 
     def _retarget_cast(self, node: fx.Node, args: tuple, kwargs: dict, decision: Any) -> tuple[Any, tuple, dict]:
         """Rule 4: a model's cast to fp32 on a node painted low now casts to the low dtype."""
@@ -196,7 +228,7 @@ class _Rewriter:
         key = (arg, dtype, saturate)
         if key in self.cache:
             return self.cache[key]
-        if arg.op == "get_attr" and self.precast:
+        if arg.op == "get_attr" and self.precast and not self.weights_low:
             cast = self._weight_copy(arg, dtype)
         else:
             value = source
@@ -247,9 +279,10 @@ def rewrite(
     *,
     precast_weights: bool = True,
     keep_io_types: bool = True,
+    weights_low: bool = False,
 ) -> RewriteStats:
     """Rewrite ``gm`` (a private copy the caller owns) in place according to ``plan``."""
-    rewriter = _Rewriter(gm, plan, low, precast_weights, keep_io_types)
+    rewriter = _Rewriter(gm, plan, low, precast_weights, keep_io_types, weights_low)
     graph = rewriter.run()
     for node in list(graph.nodes):
         if node.op == "get_attr" and not node.users:
@@ -257,6 +290,10 @@ def rewrite(
     gm.graph = graph
     gm.recompile()
     return rewriter.stats
+
+
+_FACTORIES = frozenset({"zeros", "ones", "full", "empty", "zeros_like", "ones_like", "full_like", "empty_like",
+                        "new_zeros", "new_ones", "new_full", "new_empty", "scalar_tensor"})
 
 
 def _is_container(node: fx.Node) -> bool:

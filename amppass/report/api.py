@@ -8,6 +8,7 @@ from typing import Any
 from torch import fx
 
 from ..errors import InputError
+from ..fx.kept import KeptFp32
 from ..training.module import TrainEvalGraphs
 from .fx_reader import read_graph_module
 from .report import Report
@@ -17,11 +18,14 @@ def report(converted: Any) -> Report:
     """Rebuild the per-node precision report from a model amppass converted.
 
     Accepts the ``torch.fx.GraphModule`` that :func:`amppass.convert` returned, the module it returned for
-    ``mode="train"`` (its train graph is reported; rows say which ops' gradients run in low precision), or an
+    ``mode="train"`` (its train graph is reported; rows say which ops' gradients run in low precision), the
+    original module it kept in fp32 where that measured faster (:mod:`amppass.fx.kept`), or an
     ``onnx.ModelProto`` (or .onnx path) that :func:`amppass.convert_onnx` returned.
     """
     if isinstance(converted, TrainEvalGraphs):
         converted = converted.train_graph
+    if isinstance(converted, KeptFp32):
+        return converted.report()
     if isinstance(converted, fx.GraphModule):
         return read_graph_module(converted)
     if isinstance(converted, (str, os.PathLike)) or type(converted).__name__ == "ModelProto":

@@ -112,7 +112,7 @@ class _Table:
 
 def _source(table: KernelTable) -> str:
     src = table.source
-    return " ".join(str(src[k]) for k in ("repository", "file", "version") if k in src) or "packaged table"
+    return " ".join(str(src[k]) for k in ("repo", "file", "version", "commit") if k in src) or "packaged table"
 
 
 @functools.lru_cache(maxsize=None)

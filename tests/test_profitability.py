@@ -1,0 +1,158 @@
+"""Target-aware FX plans: profitability regions, saved cost tables, the kept original, memory-first plans.
+
+Timings on a shared machine are not asserted on. The decisions are: each test hands the conversion a cost
+table (``costs=``, the form a converted model records in ``info["costs"]``) whose times it chose, so the
+outcome is fixed, and the real measuring path is exercised by recording and reusing its own table.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import amppass
+from amppass import InputError
+from amppass.analysis.plan import Category, Decision, Precision, PrecisionPlan, Source
+from amppass.analysis.view import GraphView, OpView
+from amppass.fx.kept import KeptFp32
+from amppass.fx.profit import regions
+
+X = (torch.randn(4, 64, generator=torch.Generator().manual_seed(0)),)
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64), nn.LayerNorm(64), nn.Linear(64, 8)).eval()
+
+
+def _decisions(plan_rows, low):
+    plan = PrecisionPlan()
+    for name, precision in plan_rows:
+        plan[name] = Decision(Precision.LOW if precision == "low" else Precision.FP32, "r", Source.POLICY)
+    return plan
+
+
+def test_regions_join_connected_low_nodes_and_cast_once_on_their_boundary():
+    # x -> a (low) -> b (low) -> n (fp32) -> c (low) -> out ; b also returned
+    view = GraphView([
+        OpView("a", "mm", Category.LOW, "", ["x", "w1"], ["a"]),
+        OpView("b", "relu", Category.FOLLOW, "", ["a"], ["b"]),
+        OpView("n", "norm", Category.FP32, "", ["b"], ["n"]),
+        OpView("c", "mm", Category.LOW, "", ["n", "w2"], ["c"]),
+    ], weights={"w1": 1.0, "w2": 1.0}, outputs=["c", "b"])
+    plan = _decisions([("a", "low"), ("b", "low"), ("n", "fp32"), ("c", "low")], "bf16")
+    found = regions(view, plan, keep_io_types=True)
+    assert [r.nodes for r in found] == [("a", "b"), ("c",)]
+    assert found[0].cast_in == ("x",) and found[0].cast_out == ("b",)  # weights cost nothing: converted ahead
+    assert found[1].cast_in == ("n",) and found[1].cast_out == ("c",)
+    assert regions(view, plan, keep_io_types=False)[1].cast_out == ()
+
+
+def _measured(model, **options):
+    converted = amppass.convert(model, X, "bf16", **options)
+    return converted, amppass.report(converted)
+
+
+def _costs_favouring(costs: dict, low_faster: bool) -> dict:
+    """The recorded table with every bf16 op 10x faster (or slower) than its fp32 twin."""
+    table = dict(costs)
+    for key in table:
+        if "bfloat16" in key and not key.startswith(("cast", "whole model")):
+            twin = key.replace("bfloat16", "float32")
+            if twin in table:
+                table[key] = table[twin] / 10 if low_faster else table[twin] * 10
+        if key.startswith("whole model"):
+            table[key] = 1.0 if key.endswith("|converted") else 2.0  # the converted graph wins
+    return table
+
+
+def test_a_saved_cost_table_decides_and_makes_plans_reproducible():
+    model = mlp()
+    first, report = _measured(model)
+    costs = report.info["costs"]
+    assert any(k.startswith("aten.linear|float32") for k in costs) and any("bfloat16" in k for k in costs)
+    assert "whole_model" in report.info and report.info["target"]["profitability"] == "measured on this machine"
+
+    slow = _costs_favouring(costs, low_faster=False)
+    gm, kept_fp32 = _measured(model, costs=slow)
+    moved = [r for r in kept_fp32.rows if r.source == "profitability"]
+    assert {r.name for r in moved} >= {"linear", "linear_1", "linear_2"}
+    assert all(r.precision == "fp32" and "in bf16" in r.reason and "in fp32" in r.reason for r in moved)
+    assert all(r.evidence["fp32_us"] < r.evidence["low_us"] for r in moved)
+    again, _ = _measured(model, costs=kept_fp32.info["costs"])
+    assert again.code == gm.code  # the recorded table reproduces the plan without measuring
+
+    fast, low = _measured(model, costs=_costs_favouring(costs, low_faster=True))
+    assert not [r for r in low.rows if r.source == "profitability"]
+    assert all(r.precision == "bf16" for r in low.rows if r.op == "aten.linear")
+    with torch.no_grad():
+        assert torch.allclose(fast(*X), model(*X), rtol=0.05, atol=0.05)
+
+
+def test_the_original_module_is_kept_where_it_is_faster(caplog):
+    model = mlp()
+    _, report = _measured(model)
+    costs = {k: v for k, v in report.info["costs"].items() if not k.startswith("whole model")}
+    keys = [k for k in report.info["costs"] if k.startswith("whole model")]
+    costs.update({k: (3.0 if k.endswith("|converted") else 1.0) for k in keys})
+    with caplog.at_level(logging.WARNING, logger="amppass"):
+        kept = amppass.convert(model, X, "bf16", costs=costs)
+    assert isinstance(kept, KeptFp32) and "keeping the original" in caplog.text
+    row, = amppass.report(kept).rows
+    assert row.precision == "fp32" and row.source == "profitability" and "plan_for='coverage'" in row.reason
+    with torch.no_grad():
+        assert torch.equal(kept(*X), model(*X))
+    kept.train()
+    assert not model.training  # the caller's module is not the one switched
+    assert amppass.convert(kept, X, "bf16") is kept
+
+
+def test_memory_first_plans_store_every_fitting_weight_low():
+    model = mlp()
+    coverage = amppass.report(amppass.convert(model, X, "bf16", plan_for="coverage")).info
+    memory_gm = amppass.convert(model, X, "bf16", plan_for="memory")
+    memory = amppass.report(memory_gm).info
+    assert memory["weight_bytes_after"] < coverage["weight_bytes_after"]
+    assert memory["weight_bytes_after"] == memory["weight_bytes_before"] // 2  # LayerNorm's weights too
+    assert all(p.dtype == torch.bfloat16 for p in memory_gm.parameters())
+    assert "costs" not in memory and memory["target"]["profitability"] == "measured on this machine"
+    with torch.no_grad():
+        ref, out = model(*X), memory_gm(*X)
+    assert float((out - ref).norm() / ref.norm()) < 2e-2
+
+
+def test_plan_for_and_target_are_checked_and_recorded():
+    with pytest.raises(InputError, match="plan_for='fast' is not one of"):
+        amppass.convert(mlp(), X, "bf16", plan_for="fast")
+    with pytest.raises(InputError, match="target='tpu'"):
+        amppass.convert(mlp(), X, "bf16", target="tpu")
+    if not torch.cuda.is_available():  # a CUDA target planned here: nothing to measure, fp16 by default
+        info = amppass.report(amppass.convert(mlp(), X, target="cuda")).info
+        assert info["dtype"] == "fp16" and info["target"]["name"] == "cuda"
+        assert info["target"]["profitability"] == "off" and "costs" not in info
+
+
+class Recurrent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(16, 32, num_layers=2, batch_first=True)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0])
+
+
+def test_run_time_constants_read_low_are_created_low():
+    """An RNN's zero initial state is created in bf16, not created in fp32 and cast on every call."""
+    model = Recurrent().eval()
+    x = (torch.randn(2, 5, 16),)
+    gm = amppass.convert(model, x, "bf16", plan_for="coverage")
+    zeros = [n for n in gm.graph.nodes if n.target is torch.ops.aten.zeros.default]
+    assert zeros and all(n.kwargs["dtype"] == torch.bfloat16 for n in zeros)
+    assert not any(a in zeros for n in gm.graph.nodes if n.target is torch.ops.aten._to_copy.default for a in n.args)
+    with torch.no_grad():
+        ref, out = model(*x), gm(*x)
+    assert float((out - ref).norm() / ref.norm()) < 2e-2
