@@ -13,8 +13,8 @@ import math
 import re
 from html import escape
 
-from .report import (LOCAL_ERROR, LOW_PRECISIONS, OUTPUT_ERROR, PRECISIONS, SCHEMA_VERSION, Report, Row, finite,
-                     summary_lines)
+from .rows import (LOCAL_ERROR, LOW_PRECISIONS, OUTPUT_ERROR, PRECISIONS, SCHEMA_VERSION, Row, Summarised, finite,
+                   summary_lines)
 
 FP16_MAX = 65504.0
 FP16_MIN_NORMAL = 6.103515625e-05
@@ -69,7 +69,7 @@ _JS = """
 """
 
 
-def render_html(report: Report, title: str | None = None) -> str:
+def render_html(report: Summarised, title: str | None = None) -> str:
     """The whole page as a string; ``title`` names the model (by default, its front end)."""
     info = report.info
     title = f"amppass report: {title or info.get('front_end', '')} to {info.get('dtype')}"
@@ -96,7 +96,7 @@ def render_html(report: Report, title: str | None = None) -> str:
     return "\n".join(parts)
 
 
-def _target(report: Report) -> str:
+def _target(report: Summarised) -> str:
     """What the plan was made for: dtype, mode, and the tolerance with the output error it reached."""
     info = report.info
     text = f"target {info.get('dtype')}, {info.get('mode', 'inference')} mode"
@@ -108,7 +108,7 @@ def _target(report: Report) -> str:
     return text
 
 
-def _cards(report: Report) -> str:
+def _cards(report: Summarised) -> str:
     stats = report.stats()
     counts = stats["by_precision"]
     share = stats["macs"]["low_share"]
@@ -135,7 +135,7 @@ def _cards(report: Report) -> str:
     return f'<div class="cards">{body}</div>'
 
 
-def _terms(report: Report) -> str:
+def _terms(report: Summarised) -> str:
     """The two error measures in words, where the page shows either."""
     shown = []
     if finite(report.info.get("tolerance")) is not None:
@@ -180,7 +180,7 @@ def _strip(rows: list[Row]) -> str:
     )
 
 
-def _ranges(report: Report) -> str:
+def _ranges(report: Summarised) -> str:
     """Per calibrated node, a bar from its smallest non-zero to its largest magnitude on a log axis."""
     observed = [(row, row.observed) for row in report.rows if row.observed is not None and row.observed[0] > 0]
     if not report.info.get("calibrated"):

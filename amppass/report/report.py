@@ -18,70 +18,12 @@ from ..analysis.overrides import same_op
 from ..errors import InputError
 
 from ..files import write_atomic
+from .html import render_html
+from .rows import (LOCAL_ERROR, LOW_PRECISIONS, OUTPUT_ERROR, PRECISION_FILTERS, PRECISIONS, SCHEMA_VERSION, OpGroup,
+                   Row, finite, summary_lines)
 
-SCHEMA_VERSION = 1
-LOW_PRECISIONS = ("fp16", "bf16")
-PRECISIONS = ("fp16", "bf16", "fp32", "-")
-# what the report's "local error" and "output error" are, in words (HTML legend and tooltips, docs)
-LOCAL_ERROR = ("local error: ||y_low - y_fp32|| / ||y_fp32|| for one node's output y when that node alone runs in "
-               "low precision on inputs recorded from the fp32 model (first calibration batch). A ratio with no "
-               "unit: 1e-3 means the output moved by 0.1% of its size (L2 norm). The tolerance search ranks nodes "
-               "by it.")
-OUTPUT_ERROR = ("output error: the largest ||out - out_fp32|| / ||out_fp32|| over the model's floating outputs and "
-                "the calibration batches, the same unitless ratio for the whole converted model; the tolerance "
-                "bounds it.")
-# what select() takes: a precision, "low" for either low dtype, "none" for "-" (a word a shell passes as is)
-PRECISION_FILTERS = ("fp16", "bf16", "fp32", "low", "none")
-
-
-@dataclass
-class Row:
-    """One node's decision as a user reads it.
-
-    ``evidence`` holds what the decision rested on; the report reads these keys when present:
-    ``macs`` (multiply-accumulates of one call, heavy ops only), ``absmax`` and ``min_nonzero`` (observed
-    magnitudes, from calibration), ``unknown`` (op not in the policy table), ``local_error`` (see
-    :data:`LOCAL_ERROR`; recorded for the nodes the tolerance search moved).
-    """
-
-    name: str
-    op: str
-    precision: str  # "fp16", "bf16", "fp32" or "-" for nodes without floating-point work
-    reason: str
-    source: str
-    casts: list[str] = field(default_factory=list)
-    evidence: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def macs(self) -> int | None:
-        """Multiply-accumulates of one call, where the front end could count them."""
-        value = finite(self.evidence.get("macs"))
-        return None if value is None else int(value)
-
-    @property
-    def local_error(self) -> float | None:
-        """The node's local error (:data:`LOCAL_ERROR`), where the tolerance search recorded it."""
-        return finite(self.evidence.get("local_error"))
-
-    @property
-    def observed(self) -> tuple[float, float | None] | None:
-        """``(absmax, smallest non-zero magnitude)`` observed during calibration, if recorded and finite."""
-        absmax, low = finite(self.evidence.get("absmax")), finite(self.evidence.get("min_nonzero"))
-        return None if absmax is None else (absmax, low)
-
-
-@dataclass
-class OpGroup:
-    """The rows of one op: how many in each precision, and their MACs where counted."""
-
-    op: str
-    by_precision: dict[str, int] = field(default_factory=dict)
-    macs: int | None = None
-
-    @property
-    def nodes(self) -> int:
-        return sum(self.by_precision.values())
-
+__all__ = ["LOCAL_ERROR", "LOW_PRECISIONS", "OUTPUT_ERROR", "PRECISIONS", "PRECISION_FILTERS", "SCHEMA_VERSION",
+           "OpGroup", "Report", "Row", "finite", "load_schema", "summary_lines", "write_atomic"]
 
 @dataclass
 class Report:
@@ -192,19 +134,10 @@ class Report:
 
         ``title`` names the model in the page's heading.
         """
-        from .html import render_html
-
         text = render_html(self, title)
         if path is not None:
             write_atomic(path, text)
         return text
-
-
-def finite(value: Any) -> float | None:
-    """``value`` as a float when it is a finite number (not a bool), else None."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return None
-    return float(value)
 
 
 def _strict(value: Any) -> Any:
@@ -221,38 +154,3 @@ def _strict(value: Any) -> Any:
 def load_schema() -> dict[str, Any]:
     """The JSON Schema that :meth:`Report.to_json` output follows."""
     return json.loads(resources.files(__package__).joinpath("schema.json").read_text(encoding="utf-8"))
-
-
-def summary_lines(report: Report) -> list[str]:
-    """The summary as short sentences, shared by :meth:`Report.summary` and the terminal view."""
-    info, stats = report.info, report.stats()
-    counts = stats["by_precision"]
-    parts = ", ".join(f"{counts[p]} {p}" for p in PRECISIONS if p in counts)
-    lines = [
-        f"amppass {info.get('front_end', '')} plan, target {info.get('dtype')} ({info.get('mode', 'inference')}): "
-        f"{stats['nodes']} nodes: {parts}",
-    ]
-    macs = stats["macs"]
-    if macs["total"]:
-        lines.append(
-            f"heavy compute in {info.get('dtype')}: {macs['low_share']:.1%} of {macs['total']:,} MACs "
-            f"({macs['counted_nodes']} matmul, conv, attention or RNN nodes)"
-        )
-    lines.append(f"casts inserted: {stats['casts']}")
-    before, after = stats["weight_bytes"]["before"], stats["weight_bytes"]["after"]
-    if before:
-        lines.append(f"weight bytes: {before:,} -> {after:,} ({after / before:.2f} of fp32)")
-    if stats["sources"]:
-        lines.append("decided by: " + ", ".join(f"{n} {s}" for s, n in stats["sources"].items()))
-    if stats["moved_by_tolerance"] is not None:
-        moved = stats["moved_by_tolerance"]
-        lines.append(f"moved to fp32 by the tolerance search: {moved} node{'' if moved == 1 else 's'}")
-    achieved, limit = finite(info.get("achieved_error")), finite(info.get("tolerance"))
-    if achieved is not None and limit is not None:
-        lines.append(f"output error {achieved:.3g} against a tolerance of {limit:.3g}"
-                     + ("" if info.get("tolerance_met", True) else " (not met)"))
-    if stats["unknown_ops"]:
-        lines.append("ops not in the policy table (followed their inputs): " + ", ".join(stats["unknown_ops"]))
-    if not stats["calibrated"]:
-        lines.append("uncalibrated: decisions come from op semantics and weights only")
-    return lines
