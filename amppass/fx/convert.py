@@ -20,6 +20,7 @@ from ..training.module import TrainEvalGraphs
 from .calibrate import calibrated_plan
 from .capture import capture
 from .rewrite import META_KEY, rewrite
+from .shapes import GUARDS_KEY, ServingGraph, carried_decisions, matching
 from .view import build_view
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,8 @@ def convert(
         keep_fp32: op names or node-name regexes to keep in fp32.
         force_low: op names or node-name regexes to run in low precision regardless of the policy.
         dynamic_shapes: passed to ``torch.export``; by default every input dimension is dynamic where
-            the model allows it.
+            the model allows it, and a call with a shape the captured graph does not take is captured and
+            converted again for it (see :mod:`amppass.fx.shapes`).
         low_weight_tables: store tables read by weight-only ops (embeddings) in low precision even when
             they feed fp32 work: half the bytes of those tables, at the cost of rounding them.
         calibration: an iterable of input tuples like ``example_inputs``; the fp32 model runs on each and
@@ -72,6 +74,9 @@ def convert(
         progress: show a progress bar on stderr while calibrating.
 
     The returned module records its decisions in ``node.meta["amppass"]``; ``amppass.report`` reads them.
+    Captured with example inputs, it is a :class:`~amppass.fx.shapes.ServingGraph`: it takes every input
+    shape the original model takes, converting again (a few plans at most, cached) where torch.export had
+    to fix a dimension.
     """
     if mode not in MODES:
         raise InputError(f"mode={mode!r} is not one of {MODES}: use mode='inference' to serve or evaluate "
@@ -90,13 +95,29 @@ def convert(
     if mode == "train":
         # torch.export bakes the training flag into the graph: one graph per mode over one set of fp32 tensors
         train_gm, eval_gm = (
-            _convert_captured(capture(model, example_inputs, example_kwargs, train=flag, dynamic_shapes=dynamic_shapes),
-                              model, low, mode, **options)
+            _served(model, capture(model, example_inputs, example_kwargs, train=flag, dynamic_shapes=dynamic_shapes),
+                    low, mode, flag, options)
             for flag in (True, False)
         )
         return TrainEvalGraphs(train_gm, eval_gm, training=model.training)
     gm = capture(model, example_inputs, example_kwargs, train=False, dynamic_shapes=dynamic_shapes)
-    return _convert_captured(gm, model, low, mode, **options)
+    return _served(model, gm, low, mode, False, options)
+
+
+def _served(model: nn.Module, gm: fx.GraphModule, low: torch.dtype, mode: str, train: bool,
+            options: dict[str, Any]) -> fx.GraphModule:
+    """Convert a captured graph; one captured by torch.export comes back serving every input shape."""
+    gm = _convert_captured(gm, model, low, mode, **options)
+    if GUARDS_KEY not in gm.meta:  # symbolically traced: no shapes in the graph to guard
+        return gm
+    carried = carried_decisions(gm)
+    later = {**options, "calibration": None, "tolerance": None, "progress": False}
+
+    def recapture(args: tuple, kwargs: dict) -> fx.GraphModule:
+        new = capture(model, args, kwargs, train=train, note_fixed_dims=False)
+        return _convert_captured(new, model, low, mode, decided=matching(new, carried), **later)
+
+    return ServingGraph(gm, gm.meta[GUARDS_KEY], recapture, original=model, name=type(model).__name__)
 
 
 def _convert_captured(
@@ -112,12 +133,17 @@ def _convert_captured(
     calibration: Iterable[Any] | None,
     tolerance: float | None,
     progress: bool,
+    decided: dict[str, Any] | None = None,
 ) -> fx.GraphModule:
-    """Analyse, paint and rewrite a captured graph of ``model`` in place; record the decisions in it."""
+    """Analyse, paint and rewrite a captured graph of ``model`` in place; record the decisions in it.
+
+    ``decided`` holds decisions made before (a later plan's carried calibration results); the user's
+    overrides win over them.
+    """
     low_name, low_max = short_name(low), max_finite(low)
     bytes_before = weight_bytes(model) if isinstance(model, nn.Module) else 0
     view, _ = build_view(gm, low_max, measure_weights=low == torch.float16)
-    given = overrides.resolve(view, keep_fp32, force_low, low_name)
+    given = {**(decided or {}), **overrides.resolve(view, keep_fp32, force_low, low_name)}
     rewrite_options = {"precast_weights": mode == "inference", "keep_io_types": keep_io_types}
     calibration_info: dict[str, Any] = {"calibrated": False}
     if calibration is None:
