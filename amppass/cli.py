@@ -32,7 +32,8 @@ _EPILOG = (
     "examples:\n"
     "  amppass convert model.onnx -o model.fp16.onnx --dtype fp16 --report report.html\n"
     "  amppass convert model.onnx -o model.fp16.onnx --calib feeds.npz --tolerance 1e-2\n"
-    "  amppass report model.fp16.onnx --json report.json\n\n"
+    "  amppass report model.fp16.onnx --json report.json\n"
+    "  amppass convert model.pt2 -o model.bf16.pt2 --dtype bf16   # a program saved by torch.export.save\n\n"
     "exit codes: 0 done, 1 a file or model that cannot be used or a failed conversion, 2 a bad command line"
 )
 
@@ -64,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     convert = commands.add_parser("convert", help="convert an ONNX model to fp16 or bf16",
                                   description="Convert an ONNX model to mixed precision and write the result.")
-    convert.add_argument("model", help="the fp32 ONNX model (.onnx)")
+    convert.add_argument("model", help="the fp32 ONNX model (.onnx), or a torch.export program (.pt2)")
     convert.add_argument("-o", "--output", required=True, help="where to write the converted model")
     convert.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16", help="low-precision dtype (default fp16)")
     convert.add_argument("--calib", metavar="FEEDS.npz", help=_CALIB_HELP)
@@ -81,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     report = commands.add_parser("report", help="show the precision report stored in a converted model",
                                  description="Show the per-node report read back from a converted model.")
-    report.add_argument("model", help="an ONNX model written by amppass convert")
+    report.add_argument("model", help="an ONNX model (or .pt2 program) written by amppass convert")
     report.add_argument("--json", metavar="REPORT.json", help="write the report as JSON")
     report.add_argument("--html", metavar="REPORT.html", help="write the report as an HTML page")
     report.add_argument("--rows", type=int, default=None, metavar="N", help="show only the first N rows")
@@ -115,6 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _convert(args: argparse.Namespace) -> int:
     from .onnx.convert import convert_onnx, converted_dtype
 
+    if _is_program(args.model):
+        return _convert_program(args)
     _check_not_input(args.model, args.output, args.force)
     for path in (args.output, args.report, args.json):
         _check_writable(path)
@@ -149,7 +152,8 @@ def _convert(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     for path in (args.json, args.html):
         _check_writable(path)
-    report = _read_report(_load_onnx(args.model), args.model)
+    model = _load_program(args.model) if _is_program(args.model) else _load_onnx(args.model)
+    report = _read_report(model, args.model)
     outputs: dict[str, str | bytes] = {}
     if args.html:
         outputs[args.html] = report.to_html(title=os.path.basename(args.model))
@@ -162,6 +166,64 @@ def _report(args: argparse.Namespace) -> int:
     for path in outputs:
         print(f"wrote {path}")
     return 0
+
+
+def _convert_program(args: argparse.Namespace) -> int:
+    """``amppass convert model.pt2 -o out.pt2``: a torch.export program through amppass.convert and amppass.save."""
+    import amppass
+
+    _check_not_input(args.model, args.output, args.force)
+    if not args.output.endswith(".pt2"):
+        raise UsageError(f"{args.output}: a converted program is written as a torch.export program; name it .pt2")
+    if args.calib or args.tolerance is not None:
+        raise UsageError("--calib and --tolerance read ONNX feeds; for a .pt2 program calibrate in Python with "
+                         "amppass.convert(torch.export.load(path), calibration=batches)")
+    for path in (args.output, args.report, args.json):
+        _check_writable(path)
+    program = _load_program(args.model)
+    try:
+        converted = amppass.convert(program, dtype=args.dtype, keep_fp32=args.keep_fp32, force_low=args.force_low)
+        report = amppass.report(converted)
+        amppass.save(converted, args.output)
+    except AmpPassError as error:
+        raise FileProblem(f"{args.model}: {_one_line(error)}") from error
+    outputs: dict[str, str | bytes | onnx.ModelProto] = {}
+    if args.report:
+        outputs[args.report] = report.to_html(title=os.path.basename(args.model))
+    if args.json:
+        outputs[args.json] = report.to_json()
+    try:
+        _write_all(outputs)
+    except FileProblem:
+        os.remove(args.output)
+        raise
+    from .report.terminal import summary_panel
+
+    _console().print(summary_panel(report))
+    for path in [args.output, *outputs]:
+        print(f"wrote {path}")
+    return 0
+
+
+def _is_program(path: str) -> bool:
+    return path.endswith(".pt2")
+
+
+def _load_program(path: str) -> Any:
+    """A .pt2 file: the converted module if amppass wrote it, else the program torch.export.load reads."""
+    import amppass
+    import torch
+
+    if not os.path.isfile(path):
+        raise FileProblem(f"{path}: no such file")
+    try:
+        if zipfile.is_zipfile(path) and any(n.endswith("/extra/amppass.json") for n in zipfile.ZipFile(path).namelist()):
+            return amppass.load(path)
+        return torch.export.load(path)
+    except AmpPassError as error:
+        raise FileProblem(_one_line(error)) from error
+    except Exception as error:  # a zip that is not a program, a truncated file, types not registered
+        raise FileProblem(f"{path}: not a torch.export program torch.export.load can read ({_one_line(error)})") from error
 
 
 # -- checks ---------------------------------------------------------------------------------------------
@@ -259,7 +321,7 @@ def _batches(path: str, value: onnx.ValueInfoProto, array: np.ndarray) -> list[n
 
 # -- output -------------------------------------------------------------------------------------------
 
-def _read_report(model: onnx.ModelProto, path: str) -> Report:
+def _read_report(model: Any, path: str) -> Report:
     import amppass
 
     try:

@@ -91,7 +91,7 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any, no
     last: Exception | None = None
     for shapes, oblivious in attempts:
         try:
-            with _no_size_one_specialisation(oblivious):
+            with size_one_dynamic(oblivious):
                 program = torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
         except Exception as err:  # noqa: BLE001 - retried with static shapes, then reported
             log.debug("torch.export with dynamic_shapes=%s (size-1 dims dynamic: %s) failed: %s", shapes, oblivious, err)
@@ -104,6 +104,12 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any, no
     raise CaptureError(
         f"torch.export could not capture {type(model).__name__}: {_first_line(last)}. {_HINTS}"
     ) from last
+
+
+def capture_program(program: torch.export.ExportedProgram) -> fx.GraphModule:
+    """The module of a program exported elsewhere (``torch.export.load``), prepared as :func:`capture` prepares
+    its own captures."""
+    return _without_dtype_asserts(_with_guards_kept(program.module()))
 
 
 def _with_guards_kept(gm: fx.GraphModule) -> fx.GraphModule:
@@ -188,7 +194,7 @@ def _dims(value: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _no_size_one_specialisation(enabled: bool) -> Iterator[None]:
+def size_one_dynamic(enabled: bool) -> Iterator[None]:
     """Let a batch of 1 in the example stay dynamic instead of being baked into the graph.
 
     Fails where a size-1 dimension broadcasts; the caller then retries without it.

@@ -18,7 +18,7 @@ from ..report.flops import node_macs
 from ..training.backward import annotate_backward
 from ..training.module import TrainEvalGraphs
 from .calibrate import calibrated_plan
-from .capture import capture
+from .capture import capture, capture_program
 from .rewrite import META_KEY, rewrite
 from .shapes import GUARDS_KEY, ServingGraph, carried_decisions, matching
 from .view import build_view
@@ -47,7 +47,8 @@ def convert(
     """Return a mixed-precision ``torch.fx.GraphModule`` computing what ``model`` computes.
 
     Args:
-        model: the module to convert; it is never changed.
+        model: the module to convert; it is never changed. A ``torch.export.ExportedProgram`` (from
+            ``torch.export.load``) converts too, for inference: its graph is the capture.
         example_inputs: positional inputs (a tuple, or one tensor) for capture with ``torch.export``;
             without them (and without ``example_kwargs``) the module is traced symbolically.
         dtype: ``torch.float16``, ``torch.bfloat16``, ``"fp16"``, ``"bf16"`` or ``"auto"`` (bf16 on CPU,
@@ -86,6 +87,10 @@ def convert(
     if isinstance(model, TrainEvalGraphs):
         return _unchanged(model, model.train_graph.meta[META_KEY], dtype, mode)
     check_tolerance(tolerance, calibration)
+    if isinstance(model, torch.export.ExportedProgram):
+        return _convert_program(model, dtype, mode, keep_io_types=keep_io_types, keep_fp32=keep_fp32,
+                                force_low=force_low, low_weight_tables=low_weight_tables, calibration=calibration,
+                                tolerance=tolerance, progress=progress)
     low = resolve_dtype(dtype, device=_device(model))
     if mode == "train" and calibration is not None:
         calibration = list(calibration)  # both graphs calibrate on it
@@ -118,6 +123,35 @@ def _served(model: nn.Module, gm: fx.GraphModule, low: torch.dtype, mode: str, t
         return _convert_captured(new, model, low, mode, decided=matching(new, carried), **later)
 
     return ServingGraph(gm, gm.meta[GUARDS_KEY], recapture, original=model, name=type(model).__name__)
+
+
+def _convert_program(program: torch.export.ExportedProgram, dtype: Any, mode: str, **options: Any) -> fx.GraphModule:
+    """Convert a program exported elsewhere (``torch.export.load``): its graph is the capture."""
+    from .serialize import from_program, is_converted
+
+    if mode != "inference":
+        raise InputError("an ExportedProgram is converted for inference only (export fixed its train/eval "
+                         "behaviour); convert the nn.Module itself with mode='train' to train it")
+    if is_converted(program):
+        loaded = from_program(program, {"dtype": _converted_dtype(program), "mode": "inference"}, "ExportedProgram")
+        return _unchanged(loaded, loaded.meta[META_KEY], dtype, mode)
+    gm = capture_program(program)
+    low = resolve_dtype(dtype, device=_device(gm))
+    gm = _convert_captured(gm, gm, low, mode, **options)
+    return ServingGraph(gm, gm.meta[GUARDS_KEY], name="ExportedProgram",
+                        origin="it was converted from a torch.export program, which serves the shapes its export "
+                               "left dynamic; export it with dynamic_shapes to serve more")
+
+
+def _converted_dtype(program: torch.export.ExportedProgram) -> str:
+    """The low dtype a converted program's casts go to (its plan's summary is not in the program itself)."""
+    import json
+
+    for node in program.graph.nodes:
+        decision = json.loads(node.meta.get("custom", {}).get("amppass", "{}"))
+        if decision.get("cast") and decision.get("to") in ("fp16", "bf16"):
+            return decision["to"]
+    return "unknown"
 
 
 def _convert_captured(

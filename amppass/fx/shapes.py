@@ -99,9 +99,10 @@ class ShapeGuards:
     """
 
     def __init__(self, in_spec: Any, inputs: list[InputSpec], ranges: dict[str, tuple[int, float]],
-                 guard_fn: Callable[..., Any] | None, signature: inspect.Signature | None):
+                 guard_module: nn.Module | None, signature: inspect.Signature | None):
         self.in_spec, self.inputs, self.ranges = in_spec, inputs, ranges
-        self.guard_fn, self.signature = guard_fn, signature
+        self.guard_module, self.signature = guard_module, signature  # the module: for export to trace again
+        self.guard_fn = _guard_function(guard_module) or guard_module
 
     @classmethod
     def of(cls, gm: fx.GraphModule) -> "ShapeGuards":
@@ -114,8 +115,7 @@ class ShapeGuards:
         inputs = [_spec(name, value) for name, value in zip(names, values)]
         ranges = {str(symbol): (max(_bound(bounds.lower), 0), _bound(bounds.upper))
                   for symbol, bounds in (getattr(gm, "range_constraints", None) or {}).items()}
-        guard_fn = getattr(gm, "_guards_fn", None)
-        return cls(in_spec, inputs, ranges, _guard_function(guard_fn) or guard_fn, signature)
+        return cls(in_spec, inputs, ranges, getattr(gm, "_guards_fn", None), signature)
 
     def describe(self) -> str:
         """The inputs this plan takes, one per flattened input: ``x: [s0>=2, 40, 16] float32``."""
@@ -395,6 +395,7 @@ class _Plans:
     name: str
     recapture: Recapture | None
     original: nn.Module | None
+    origin: str
     extra: "collections.OrderedDict[int, _Plan]" = field(default_factory=collections.OrderedDict)
     rejected: "collections.OrderedDict[tuple, None]" = field(default_factory=collections.OrderedDict)
     made: int = 0
@@ -413,16 +414,17 @@ class ServingGraph(fx.GraphModule):
             the original is not at hand (a loaded program).
         original: the original model, run on a call that cannot be captured to raise its own error.
         name: the model's name in messages.
+        origin: why there is no original model (when ``recapture`` is None), for the error message.
     """
 
     def __init__(self, gm: fx.GraphModule, guards: ShapeGuards, recapture: Recapture | None = None,
-                 original: nn.Module | None = None, name: str = "model"):
+                 original: nn.Module | None = None, name: str = "model", origin: str = "it was loaded from a file"):
         super().__init__(gm, gm.graph)
         self.meta = gm.meta
         self.meta[GUARDS_KEY] = guards
         _keep_non_persistent(gm, self)
         _without_guard_node(self)
-        object.__setattr__(self, "_plans", _Plans(name, recapture, original))
+        object.__setattr__(self, "_plans", _Plans(name, recapture, original, origin))
         self._record()
 
     @property
@@ -467,8 +469,8 @@ class ServingGraph(fx.GraphModule):
         if plans.recapture is None:
             raise InputError(
                 f"{plans.name}: {mismatch}; this converted model serves {served}, and it has no original model to "
-                "convert again for this shape (it was loaded from a file): convert the original with an example of "
-                "this shape, e.g. amppass.convert(model, example_inputs), and save that"
+                f"convert again for this shape ({plans.origin}): convert the original with an example of this shape, "
+                "e.g. amppass.convert(model, example_inputs)"
             )
         signature = _call_signature(args, kwargs)
         if signature in plans.rejected:
@@ -537,7 +539,7 @@ class ServingGraph(fx.GraphModule):
             copied = super().__deepcopy__(memo)
         finally:
             object.__setattr__(self, "_plans", plans)
-        object.__setattr__(copied, "_plans", _Plans(plans.name, plans.recapture, plans.original))
+        object.__setattr__(copied, "_plans", _Plans(plans.name, plans.recapture, plans.original, plans.origin))
         copied._record()
         return copied
 
