@@ -91,9 +91,14 @@ class Detector(nn.Module):
                                       nn.ReLU(), nn.Conv2d(32, 32, 3, stride=2, padding=1), nn.ReLU())
         self.boxes = nn.Conv2d(32, 4, 1)
         self.scores = nn.Conv2d(32, 1, 1)
+        nn.init.normal_(self.scores.weight, std=0.3)  # scores spread apart, as a trained head's are: a stable order
         self.iou, self.keep = iou, keep
 
     def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.select(*self.predict(images))
+
+    def predict(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Boxes (x0, y0, x1, y1) and scores for every cell of the feature map."""
         features = self.backbone(images)
         n, _, h, w = features.shape
         ys, xs = torch.meshgrid(torch.arange(h, dtype=images.dtype), torch.arange(w, dtype=images.dtype), indexing="ij")
@@ -101,9 +106,12 @@ class Detector(nn.Module):
         deltas = self.boxes(features).flatten(2).transpose(1, 2)
         sizes = torch.exp(deltas[..., 2:].clamp(max=3.0)) * 4.0
         boxes = torch.cat([centres + deltas[..., :2] - sizes / 2, centres + deltas[..., :2] + sizes / 2], -1)
-        scores = torch.sigmoid(self.scores(features).flatten(1))
+        return boxes, torch.sigmoid(self.scores(features).flatten(1))
+
+    def select(self, boxes: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The best boxes of each image after non-maximum suppression."""
         kept_boxes, kept_scores = [], []
-        for b in range(n):
+        for b in range(boxes.shape[0]):
             keep = _nms(boxes[b], scores[b], self.iou)[: self.keep]
             kept_boxes.append(boxes[b][keep])
             kept_scores.append(scores[b][keep])

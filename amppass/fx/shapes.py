@@ -442,6 +442,12 @@ class ServingGraph(fx.GraphModule):
             return super().__call__(*args, **kwargs)
         return self._later_plan(args, kwargs)(*args, **kwargs)
 
+    def select(self, args: tuple, kwargs: dict) -> fx.GraphModule:
+        """The plan that serves this call (this module, or a later plan, made now if none takes it)."""
+        if self.guards.mismatch(args, kwargs) is None:
+            return self
+        return self._later_plan(args, kwargs)
+
     def _later_plan(self, args: tuple, kwargs: dict) -> fx.GraphModule:
         plans = self._plans
         for key in reversed(plans.extra):
