@@ -109,19 +109,24 @@ class CompiledGraph:
         self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.state = _state_inputs(self.placeholders, example_inputs)  # position -> attribute name (rule 1)
         self.served: ServingGraph | None = None
-        self.compiled: dict[int, Callable[..., Any]] = {}
+        # compiled code per plan, dropped with the plan when the served module lets it go
+        self.compiled: weakref.WeakKeyDictionary[fx.GraphModule, Callable[..., Any]] = weakref.WeakKeyDictionary()
+        self.last: tuple[tuple, fx.GraphModule] | None = None  # (input shapes and dtypes, the plan that ran)
 
     def __call__(self, *args: Any) -> Any:
         if self.served is None:
             self._convert(list(args))
         self._refresh(args)
         inputs = tuple(args[i] for i in self.users)
+        # the plan of the last call serves this one when the shapes are the same: its guards hold again
+        key = tuple((t.shape, t.dtype) for t in inputs)
+        plan = self.last[1] if self.last is not None and self.last[0] == key else self.served.select(inputs, {})
+        self.last = (key, plan)
         if self.compiler == "eager":
-            return self.served(*inputs)
-        plan = self.served.select(inputs, {})
-        run = self.compiled.get(id(plan))
+            return nn.Module.__call__(plan, *inputs)  # the plan's own forward: its guards were checked
+        run = self.compiled.get(plan)
         if run is None:
-            run = self.compiled[id(plan)] = _inductor(plan, inputs, freeze=self._frozen())
+            run = self.compiled[plan] = _inductor(plan, inputs, freeze=self._frozen())
         return run(*inputs)
 
     def _frozen(self) -> bool:
@@ -162,6 +167,8 @@ class CompiledGraph:
         if replaced or (refreshed and self._frozen()):
             # compiled code holds the tensors it was compiled with, and frozen code their values: compile again
             self.compiled.clear()
+        if refreshed:
+            self.last = None
 
     def _copy_into_plans(self, name: str, tensor: torch.Tensor) -> None:
         with torch.no_grad():
