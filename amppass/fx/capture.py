@@ -23,8 +23,9 @@ log = logging.getLogger(__name__)
 
 _HINTS = (
     "Try: pass example_inputs (and example_kwargs) exactly as forward() takes them; for data-dependent "
-    "Python control flow use torch.cond or convert the submodules around the untraceable part separately; "
-    "for transformers models set use_cache=False."
+    "Python control flow use torch.cond, convert the submodules around the untraceable part separately, or "
+    "compile the model with torch.compile(model, backend='amppass'), which converts every region dynamo "
+    "traces around it."
 )
 
 
