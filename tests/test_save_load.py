@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import amppass
+from amppass.cli import main
 from amppass.fx import serialize
 from models import build
 from tests.shape_models import Recurrent
@@ -94,7 +95,8 @@ def test_loaded_model_keeps_the_guards_and_names_the_dim_it_cannot_take(tmp_path
         loaded(floats(1, 8, 16))
 
 
-def test_convert_takes_an_exported_program_and_the_cli_converts_pt2_files(tmp_path):
+def test_convert_takes_an_exported_program_and_the_cli_converts_pt2_files(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # rich prints op names unfolded
     case = build("mlp")
     program = torch.export.export(case.model, case.example_inputs)
     fast = amppass.convert(program, dtype="bf16")
@@ -105,21 +107,18 @@ def test_convert_takes_an_exported_program_and_the_cli_converts_pt2_files(tmp_pa
         assert float((fast(x) - case.model(x)).norm() / case.model(x).norm()) < 2e-2
     source, target, report = tmp_path / "mlp.pt2", tmp_path / "mlp.bf16.pt2", tmp_path / "r.json"
     torch.export.save(program, source)
-    done = subprocess.run([sys.executable, "-m", "amppass", "convert", str(source), "-o", str(target), "--dtype",
-                           "bf16", "--json", str(report)], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert f"wrote {target}" in done.stdout
+    assert main(["convert", str(source), "-o", str(target), "--dtype", "bf16", "--json", str(report)]) == 0
+    assert f"wrote {target}" in capsys.readouterr().out
     loaded = amppass.load(target)
     with torch.no_grad():
         assert torch.equal(loaded(x), fast(x))
     data = json.loads(report.read_text())
     assert data["info"]["dtype"] == "bf16" and any(r["precision"] == "bf16" for r in data["rows"])
-    shown = subprocess.run([sys.executable, "-m", "amppass", "report", str(target)], capture_output=True, text=True,
-                           timeout=300, env={**os.environ, "COLUMNS": "200"})
-    assert shown.returncode == 0 and "aten.linear" in shown.stdout
-    wrong = subprocess.run([sys.executable, "-m", "amppass", "convert", str(source), "-o", str(tmp_path / "x.onnx")],
-                           capture_output=True, text=True, timeout=300)
-    assert wrong.returncode == 2 and "name it .pt2" in wrong.stderr
+    assert main(["report", str(target)]) == 0 and "aten.linear" in capsys.readouterr().out
+    assert main(["convert", str(source), "-o", str(tmp_path / "x.onnx")]) == 2
+    assert "name it .pt2" in capsys.readouterr().err
+    assert main(["convert", str(tmp_path / "none.pt2"), "-o", str(tmp_path / "y.pt2")]) == 1
+    assert "none.pt2: no such file" in capsys.readouterr().err
     assert sorted(os.listdir(tmp_path)) == ["mlp.bf16.pt2", "mlp.pt2", "r.json"]
 
 
