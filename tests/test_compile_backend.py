@@ -198,3 +198,24 @@ def test_bert_base_against_autocast_with_inductor_freezing():
     print(f"BERT-base bf16 1x128: compile {our_compile:.1f} s vs {auto_compile:.1f} s, "
           f"latency {our_latency * 1e3:.1f} ms vs {auto_latency * 1e3:.1f} ms")
     assert our_latency <= auto_latency * 1.1 and our_compile <= auto_compile * 1.2
+
+
+def test_a_graph_export_cannot_take_runs_unconverted_with_a_warning(monkeypatch, caplog):
+    from amppass.fx import backend
+
+    def refuse(*args, **kwargs):
+        raise amppass.CaptureError("torch.export could not capture it (this test)")
+
+    torch.manual_seed(0)
+    model = Split().eval()
+    compiled = torch.compile(model, backend=amppass_backend, options={"compiler": "eager"})
+    x = torch.randn(4, 16)
+    real = backend.capture
+    calls = iter([real, refuse])
+    monkeypatch.setattr(backend, "capture", lambda *a, **k: next(calls)(*a, **k))
+    with torch.no_grad():
+        out = compiled(x)
+        assert rel(out, model(x)) < 2e-2 and torch.equal(compiled(x), out)
+    assert "graph 1 runs as dynamo traced it, in fp32" in caplog.text
+    info = amppass.report(compiled).info
+    assert info["graphs"] == 1 and info["unconverted"][0]["graph"] == 1

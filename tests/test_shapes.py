@@ -152,6 +152,9 @@ def test_without_the_original_a_rejected_call_names_input_dim_and_plan(lstm):
     message = str(err.value)
     assert "input x dim 1 is 7" in message and "x: [" in message and ", 10, 16] float32" in message
     assert "amppass.convert" in message
+    fast.drop_original()  # no longer keeps the caller's fp32 model alive
+    with pytest.raises(amppass.InputError, match=r"input x dim 1 is 7.*drop_original\(\) released it"):
+        fast(floats(2, 7, 16))
 
 
 def test_plans_are_bounded_and_share_the_first_plans_weights(lstm, monkeypatch):

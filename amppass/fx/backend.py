@@ -69,20 +69,22 @@ class Session:
             raise InputError("this compiled model has not run yet, so dynamo has given amppass no graph to "
                              "convert; call it once, then ask for the report")
         rows, info = [], {}
-        for index, graph in enumerate(g for g in self.graphs if g.served is not None):
+        converted = [g for g in self.graphs if g.served is not None]
+        for graph in converted:
             part = read_graph_module(graph.served)
             for row in part.rows:
-                row.name = f"g{index}.{row.name}"
-                row.casts = [f"g{index}.{c}" for c in row.casts]
+                row.name = f"g{graph.index}.{row.name}"
+                row.casts = [f"g{graph.index}.{c}" for c in row.casts]
                 rows.append(row)
             for key in ("casts", "weights_converted", "weight_copies", "weight_bytes_before", "weight_bytes_after"):
                 info[key] = info.get(key, 0) + int(part.info.get(key, 0))
             info.setdefault("dtype", part.info["dtype"])
             info.setdefault("mode", part.info.get("mode"))
         info.update({"front_end": "fx", "compiler": self.options.get("compiler", "inductor"),
-                     "graphs": len(self.graphs), "calibrated": any(g.calibrated for g in self.graphs),
-                     "graph_plans": [{"graph": i, "calibrated": g.calibrated, "inputs": g.served.guards.describe(),
-                                      "refreshes": g.refreshes} for i, g in enumerate(self.graphs)]})
+                     "graphs": len(converted), "calibrated": any(g.calibrated for g in converted),
+                     "unconverted": [{"graph": g.index, "reason": g.failed} for g in self.graphs if g.failed],
+                     "graph_plans": [{"graph": g.index, "calibrated": g.calibrated, "inputs": g.served.guards.describe(),
+                                      "refreshes": g.refreshes} for g in converted]})
         return Report(rows, info)
 
 
@@ -109,13 +111,21 @@ class CompiledGraph:
         self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.state = _state_inputs(self.placeholders, example_inputs)  # position -> attribute name (rule 1)
         self.served: ServingGraph | None = None
+        self.failed: str | None = None  # why the graph could not be converted (it then runs unconverted)
         # compiled code per plan, dropped with the plan when the served module lets it go
         self.compiled: weakref.WeakKeyDictionary[fx.GraphModule, Callable[..., Any]] = weakref.WeakKeyDictionary()
         self.last: tuple[tuple, fx.GraphModule] | None = None  # (input shapes and dtypes, the plan that ran)
 
     def __call__(self, *args: Any) -> Any:
         if self.served is None:
-            self._convert(list(args))
+            if self.failed is not None:
+                return self.gm(*args)
+            try:
+                self._convert(list(args))
+            except CaptureError as err:  # one region stays fp32 rather than the whole model failing
+                self.failed = str(err)
+                log.warning("amppass backend: graph %d runs as dynamo traced it, in fp32: %s", self.index, err)
+                return self.gm(*args)
         self._refresh(args)
         inputs = tuple(args[i] for i in self.users)
         # the plan of the last call serves this one when the shapes are the same: its guards hold again

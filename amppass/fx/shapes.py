@@ -432,6 +432,16 @@ class ServingGraph(fx.GraphModule):
         """What this module's own graph (the example's plan) accepts."""
         return self.meta[GUARDS_KEY]
 
+    def drop_original(self) -> None:
+        """Stop holding the original model (and so its fp32 weights) for conversions of new shapes.
+
+        Afterwards a call no plan takes raises :class:`~amppass.errors.InputError` naming the input and
+        dimension, as a loaded model does.
+        """
+        plans = self._plans
+        plans.recapture, plans.original = None, None
+        plans.origin = "drop_original() released it"
+
     @property
     def plans(self) -> list[fx.GraphModule]:
         """Every plan's graph: this module first, then later ones from the most recently used."""
