@@ -158,27 +158,30 @@ class CompiledGraph:
                  len(self.state))
 
     def _refresh(self, args: tuple) -> None:
-        """Rule 2: new values in a parameter reach its low-precision copies in every plan, in place."""
+        """Rule 2: new values in a parameter reach its low-precision copies in every plan, in place.
+
+        In training the graphs cast the parameters themselves (an optimizer step changes nothing to
+        refresh); only a parameter that is another tensor now is pointed at.
+        """
+        training = self.settings["mode"] == "train"
         refreshed = replaced = False
         for position, name in self.state.items():
             tensor = args[position]
             seen, version = self.bound[position]
-            if tensor is seen and tensor._version == version:
+            if tensor is seen and (training or tensor._version == version):
                 continue
             self._copy_into_plans(name, tensor)
             replaced |= tensor is not seen
             refreshed = True
             self.bound[position] = (tensor, tensor._version)
         for name, (tensor, version) in self.attributes.items():  # state dynamo kept as the graph's attributes
-            if tensor._version != version:
+            if not training and tensor._version != version:
                 self._copy_into_plans(name, tensor)
                 refreshed = True
                 self.attributes[name] = (tensor, tensor._version)
         if replaced or (refreshed and self._frozen()):
             # compiled code holds the tensors it was compiled with, and frozen code their values: compile again
             self.compiled.clear()
-        if refreshed:
-            self.last = None
 
     def _copy_into_plans(self, name: str, tensor: torch.Tensor) -> None:
         with torch.no_grad():

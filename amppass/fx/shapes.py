@@ -216,7 +216,10 @@ class ShapeGuards:
         return Mismatch(name, got, condition, dim)
 
     def _layout(self) -> str:
-        return _layout(*pytree.tree_unflatten([_Shown(s) for s in self.inputs], self.in_spec)) if self.in_spec else "?"
+        try:
+            return _layout(*pytree.tree_unflatten([_Shown(s) for s in self.inputs], self.in_spec))
+        except Exception:  # noqa: BLE001 - a container type that will not hold names (a cache class)
+            return self.describe()
 
 
 class _Shown:
