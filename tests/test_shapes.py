@@ -209,3 +209,5 @@ def test_train_mode_serves_another_length_and_trains_its_own_parameters(lstm):
     grads = {n: p.grad for n, p in train.named_parameters()}
     assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
     assert all(p.grad is None for p in model.parameters()), "the caller's model is not trained"
+    with pytest.raises(amppass.InputError, match="state_dict"):
+        pickle.dumps(train)

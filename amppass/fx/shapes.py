@@ -563,6 +563,10 @@ class ServingGraph(fx.GraphModule):
         return copied
 
     def __reduce__(self) -> Any:
+        if self.meta.get(META_KEY, {}).get("mode") == "train":
+            raise InputError(f"{self._plans.name}: torch.save cannot pickle a converted model (its graphs run generated "
+                             "code); checkpoint a train-mode model with torch.save(model.state_dict(), path) and load "
+                             "it into a model converted the same way")
         raise InputError(f"{self._plans.name}: torch.save cannot pickle a converted model (its graph runs generated "
                          "code): save it with amppass.save(model, 'model.pt2') and read it back with amppass.load")
 
