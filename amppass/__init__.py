@@ -9,6 +9,7 @@ __version__ = "0.1.0"
 
 from .errors import AmpPassError, CalibrationError, CaptureError, InputError  # noqa: E402
 from .fx.convert import convert  # noqa: E402
+from .fx.serialize import load, save  # noqa: E402
 from .onnx.convert import convert_onnx  # noqa: E402
 from .onnx.export import export_onnx  # noqa: E402
 from .report.api import report  # noqa: E402
@@ -24,5 +25,7 @@ __all__ = [
     "convert",
     "convert_onnx",
     "export_onnx",
+    "load",
     "report",
+    "save",
 ]

@@ -24,7 +24,7 @@ from . import __version__
 from .errors import AmpPassError
 from .files import Staged, check_writable
 from .onnx.view import dims as value_dims
-from .targets import ONNX_TARGETS, onnx_target
+from .targets import ONNX_TARGETS, TORCH_TARGETS, onnx_target
 from .report.report import PRECISION_FILTERS, Report
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,8 @@ _EPILOG = (
     "  amppass convert model.onnx -o model.fp16.onnx --dtype fp16 --report report.html\n"
     "  amppass convert model.onnx -o model.fp16.onnx --calib feeds.npz --tolerance 1e-2\n"
     "  amppass report model.fp16.onnx --precision fp32 --by-op\n"
-    "  amppass report model.fp16.onnx --report report.json\n\n"
+    "  amppass report model.fp16.onnx --report report.json\n"
+    "  amppass convert model.pt2 -o model.bf16.pt2 --dtype bf16   # a program saved by torch.export.save\n\n"
     "exit codes: 0 done, 1 a file or model that cannot be used or a failed conversion, 2 a bad command line"
 )
 _FORMATS = {".html": "html", ".htm": "html", ".json": "json"}
@@ -82,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     convert = commands.add_parser("convert", help="convert an ONNX model to fp16 or bf16",
                                   description="Convert an ONNX model to mixed precision and write the result.")
-    convert.add_argument("model", help="the fp32 ONNX model (.onnx)")
+    convert.add_argument("model", help="the fp32 ONNX model (.onnx), or a torch.export program (.pt2)")
     convert.add_argument("-o", "--output", required=True, help="where to write the converted model")
     convert.add_argument("--dtype", choices=("fp16", "bf16", "auto"), default="fp16",
                          help="low-precision dtype (default fp16; auto is fp16, what every target runs fastest: "
@@ -104,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     report = commands.add_parser("report", help="show the precision report stored in a converted model",
                                  description="Show the per-node report read back from a converted model.")
-    report.add_argument("model", help="an ONNX model written by amppass convert")
+    report.add_argument("model", help="an ONNX model (or .pt2 program) written by amppass convert")
     _report_options(report)
     report.add_argument("--precision", nargs="+", default=[], choices=PRECISION_FILTERS, metavar="P",
                         help="list only nodes in these precisions: fp16, bf16, fp32, low (fp16 or bf16), none "
@@ -149,6 +150,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _convert(args: argparse.Namespace) -> int:
     from .onnx.convert import convert_skeleton, converted_dtype
 
+    if _is_program(args.model):
+        return _convert_program(args)
     _check_not_input(args.model, args.output, args.force)
     _check_report_formats(args.report)
     for path in (args.output, *args.report):
@@ -186,7 +189,8 @@ def _report(args: argparse.Namespace) -> int:
     _check_report_formats(args.report)
     for path in args.report:
         _check_writable(path)
-    report = _read_report(_load_onnx(args.model), args.model)
+    model = _load_program(args.model) if _is_program(args.model) else _load_onnx(args.model)
+    report = _read_report(model, args.model)
     with _writing() as staged:
         for path, text in _report_files(report, args.report, args.model).items():
             staged.write(path, text)
@@ -196,6 +200,63 @@ def _report(args: argparse.Namespace) -> int:
     for path in args.report:
         print(f"wrote {path}")
     return 0
+
+
+def _convert_program(args: argparse.Namespace) -> int:
+    """``amppass convert model.pt2 -o out.pt2``: a torch.export program through amppass.convert and amppass.save."""
+    import amppass
+
+    _check_not_input(args.model, args.output, args.force)
+    if not args.output.endswith(".pt2"):
+        raise UsageError(f"{args.output}: a converted program is written as a torch.export program; name it .pt2")
+    if args.calib or args.tolerance is not None:
+        raise UsageError("--calib and --tolerance read ONNX feeds; for a .pt2 program calibrate in Python with "
+                         "amppass.convert(torch.export.load(path), calibration=batches)")
+    if args.target not in TORCH_TARGETS:
+        raise UsageError(f"--target {args.target}: a torch program runs on {' or '.join(TORCH_TARGETS)}")
+    _check_report_formats(args.report)
+    for path in (args.output, *args.report):
+        _check_writable(path)
+    program = _load_program(args.model)
+    from .fx.serialize import stage
+
+    try:
+        converted = amppass.convert(program, dtype=args.dtype, target=args.target, keep_fp32=args.keep_fp32,
+                                    force_low=args.force_low)
+        report = amppass.report(converted)
+        with _writing() as staged:  # the program and its reports land together, or none does
+            stage(staged, converted, args.output)
+            for path, text in _report_files(report, args.report, args.model).items():
+                staged.write(path, text)
+    except AmpPassError as error:
+        raise FileProblem(f"{args.model}: {_one_line(error)}") from error
+    from .report.terminal import summary_panel
+
+    _console().print(summary_panel(report))
+    for path in (args.output, *args.report):
+        print(f"wrote {path}")
+    return 0
+
+
+def _is_program(path: str) -> bool:
+    return path.endswith(".pt2")
+
+
+def _load_program(path: str) -> Any:
+    """A .pt2 file: the converted module if amppass wrote it, else the program torch.export.load reads."""
+    import amppass
+    import torch
+
+    if not os.path.isfile(path):
+        raise FileProblem(f"{path}: no such file")
+    try:
+        if zipfile.is_zipfile(path) and any(n.endswith("/extra/amppass.json") for n in zipfile.ZipFile(path).namelist()):
+            return amppass.load(path)
+        return torch.export.load(path)
+    except AmpPassError as error:
+        raise FileProblem(_one_line(error)) from error
+    except Exception as error:  # a zip that is not a program, a truncated file, types not registered
+        raise FileProblem(f"{path}: not a torch.export program torch.export.load can read ({_one_line(error)})") from error
 
 
 # -- checks ---------------------------------------------------------------------------------------------
@@ -333,7 +394,7 @@ def _report_files(report: Report, paths: Sequence[str], model: str) -> dict[str,
             else report.to_json() for path in paths}
 
 
-def _read_report(model: onnx.ModelProto, path: str) -> Report:
+def _read_report(model: Any, path: str) -> Report:
     import amppass
 
     try:

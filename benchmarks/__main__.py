@@ -127,6 +127,28 @@ def _never_slower(quick: bool, out: Path) -> Section:
     return section
 
 
+def _shapes(quick: bool, out: Path) -> Section:
+    from . import shapes
+
+    rows = shapes.run(quick)
+    section = Section("Shapes: converted at one shape, called at three others (bf16, CPU)", "",
+                      notes=[shapes.SHAPES_NOTES])
+    section.tables.append(("Per architecture: every call ran, worst error ratio against autocast (target <= 1.1), "
+                           "re-captures", shapes.verdict(rows)))
+    section.tables.append(("Every call", rows))
+    return section
+
+
+def _compile(quick: bool, out: Path) -> Section:
+    from . import shapes
+
+    section = Section("torch.compile backend against autocast with inductor freezing (bf16, CPU)", "",
+                      notes=[shapes.COMPILE_NOTES])
+    section.tables.append(("Issue-15 target: amppass latency <= autocast+freezing's, first call <= its",
+                           shapes.compile_rows(quick)))
+    return section
+
+
 SECTIONS: dict[str, Callable[[bool, Path], Section]] = {
     "latency": _latency,
     "never_slower": _never_slower,
@@ -137,6 +159,8 @@ SECTIONS: dict[str, Callable[[bool, Path], Section]] = {
     "train": _external("train_step", "Training step: amppass against autocast + GradScaler",
                        lambda m, quick: m.run(quick)),
     "hostile": _external("hostile", "Hostile models", lambda m, quick: m.run()),
+    "shapes": _shapes,
+    "compile": _compile,
 }
 
 

@@ -23,6 +23,8 @@ from torch.export import Dim
 
 from ..errors import CaptureError, InputError
 from .quiet import quiet_torch
+from .modes import module_mode
+from .shapes import GUARDS_KEY, ShapeGuards, specialised_dims
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +32,9 @@ CAPTURE_LOCK = threading.RLock()  # one torch.export / symbolic_trace / ONNX exp
 
 _HINTS = (
     "Try: pass example_inputs (and example_kwargs) exactly as forward() takes them; for data-dependent "
-    "Python control flow use torch.cond or convert the submodules around the untraceable part separately; "
-    "for transformers models set use_cache=False."
+    "Python control flow use torch.cond, convert the submodules around the untraceable part separately, or "
+    "compile the model with torch.compile(model, backend='amppass'), which converts every region dynamo "
+    "traces around it."
 )
 
 
@@ -42,13 +45,15 @@ def capture(
     *,
     train: bool = False,
     dynamic_shapes: Any = "auto",
+    note_fixed_dims: bool = True,
 ) -> fx.GraphModule:
     """Return a private GraphModule for ``model``.
 
     With ``example_inputs`` (or ``example_kwargs``) the model is captured by ``torch.export`` (non-strict),
     which handles real architectures; every input dimension is left for export to decide
     (``Dim.AUTO``) unless ``dynamic_shapes`` says otherwise. Without them it is traced symbolically.
-    The model is captured in eval mode unless ``train`` is set.
+    The model is captured in eval mode unless ``train`` is set. Dimensions export had to fix are logged
+    as a warning unless ``note_fixed_dims`` is off; the graph's guards are kept in ``gm.meta``.
     """
     if not isinstance(model, nn.Module):
         raise InputError(f"model must be a torch.nn.Module, got {type(model).__name__}; pass the module object "
@@ -66,8 +71,9 @@ def capture(
         () if example_inputs is None else (tuple(example_inputs) if isinstance(example_inputs, list) else (example_inputs,))
     )
     kwargs = dict(example_kwargs or {})
+    _register_cache_types(model)
     with CAPTURE_LOCK, module_mode(model, train):
-        return _export(model, args, kwargs, dynamic_shapes)
+        return _export(model, args, kwargs, dynamic_shapes, note_fixed_dims)
 
 
 def _symbolic(model: nn.Module) -> fx.GraphModule:
@@ -86,7 +92,7 @@ def _symbolic(model: nn.Module) -> fx.GraphModule:
     return copy.deepcopy(traced, memo)
 
 
-def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any) -> fx.GraphModule:
+def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any, notes: bool) -> fx.GraphModule:
     # (dynamic_shapes, keep size-1 dimensions dynamic): the most general capture first
     if dynamic_shapes != "auto":
         attempts = [(dynamic_shapes, False)]
@@ -96,15 +102,69 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any) ->
     last: Exception | None = None
     for shapes, oblivious in attempts:
         try:
-            with _no_size_one_specialisation(oblivious), quiet_torch():
+            with size_one_dynamic(oblivious), quiet_torch():
                 program = torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
-            return _without_dtype_asserts(program.module())
         except Exception as err:  # noqa: BLE001 - retried with static shapes, then reported
             log.debug("torch.export with dynamic_shapes=%s (size-1 dims dynamic: %s) failed: %s", shapes, oblivious, err)
             last = err
+            continue
+        gm = _without_dtype_asserts(_with_guards_kept(program.module()))
+        if dynamic_shapes == "auto" and notes:
+            _note_fixed_dims(gm, model, dynamic=shapes is not None, failure=last)
+        return gm
     raise CaptureError(
         f"torch.export could not capture {type(model).__name__}: {_first_line(last)}. {_HINTS}"
     ) from last
+
+
+def capture_program(program: torch.export.ExportedProgram) -> fx.GraphModule:
+    """The module of a program exported elsewhere (``torch.export.load``), prepared as :func:`capture` prepares
+    its own captures."""
+    return _without_dtype_asserts(_with_guards_kept(program.module()))
+
+
+def _with_guards_kept(gm: fx.GraphModule) -> fx.GraphModule:
+    """Keep export's guards as a :class:`ShapeGuards` in ``gm.meta``.
+
+    The module amppass returns checks them before each call, and converts again for a call they reject;
+    torch's guard node stays in the graph until then, so calibration runs are checked too.
+    """
+    gm.meta[GUARDS_KEY] = ShapeGuards.of(gm)
+    return gm
+
+
+def _note_fixed_dims(gm: fx.GraphModule, model: nn.Module, dynamic: bool, failure: Exception | None) -> None:
+    """Say at conversion which input dimensions the graph fixed, and why, since other sizes mean a new plan."""
+    name = type(model).__name__
+    if not dynamic:
+        log.warning("%s: torch.export could not keep any input dimension dynamic (%s); the converted model is "
+                    "captured and converted again for each new input shape", name, _first_line(failure))
+        return
+    fixed = specialised_dims(gm, model)
+    if fixed:
+        log.warning("%s: %s; a call with another size is captured and converted again for it",
+                    name, "; ".join(fixed))
+
+
+def _register_cache_types(model: nn.Module) -> None:
+    """Let torch.export flatten transformers' cache objects (DynamicCache and friends) in inputs and outputs.
+
+    A decoder with ``use_cache=True`` returns a cache object; export needs its type registered as a pytree
+    node, and transformers ships the registration. Models without transformers are left alone.
+    """
+    import sys
+
+    if "transformers" not in sys.modules:
+        return
+    try:
+        from transformers.exporters.exporter_dynamo import register_cache_pytrees_for_model
+    except ImportError:
+        log.debug("this transformers has no cache pytree registration; cache outputs may not capture")
+        return
+    for module in model.modules():
+        if type(module).__module__.startswith("transformers."):
+            register_cache_pytrees_for_model(module)
+            return
 
 
 def _without_dtype_asserts(gm: fx.GraphModule) -> fx.GraphModule:
@@ -118,10 +178,6 @@ def _without_dtype_asserts(gm: fx.GraphModule) -> fx.GraphModule:
 
 def _auto_dims(model: nn.Module, args: tuple, kwargs: dict) -> Any:
     """Dim.AUTO for every dimension of every tensor input, keyed by forward()'s argument names."""
-
-    def dims(leaf: Any) -> Any:
-        return {i: Dim.AUTO for i in range(leaf.ndim)} if isinstance(leaf, torch.Tensor) else None
-
     signature = inspect.signature(model.forward)
     try:
         bound = signature.bind(*args, **kwargs)
@@ -130,11 +186,26 @@ def _auto_dims(model: nn.Module, args: tuple, kwargs: dict) -> Any:
     variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
     if any(signature.parameters[name].kind in variadic for name in bound.arguments):
         return None
-    return {name: torch.utils._pytree.tree_map(dims, value) for name, value in bound.arguments.items()}
+    return {name: _dims(value) for name, value in bound.arguments.items()}
+
+
+def _dims(value: Any) -> Any:
+    """The dynamic_shapes entry of one input: export wants a registered pytree node (a cache object) as
+    the list of its flattened children's entries, and containers as the same container."""
+    if isinstance(value, torch.Tensor):
+        return {i: Dim.AUTO for i in range(value.ndim)}
+    if type(value) in (list, tuple):
+        return type(value)(_dims(v) for v in value)
+    if type(value) is dict:
+        return {k: _dims(v) for k, v in value.items()}
+    node = torch.utils._pytree.SUPPORTED_NODES.get(type(value))
+    if node is not None:
+        return [_dims(child) for child in node.flatten_fn(value)[0]]
+    return None
 
 
 @contextlib.contextmanager
-def _no_size_one_specialisation(enabled: bool) -> Iterator[None]:
+def size_one_dynamic(enabled: bool) -> Iterator[None]:
     """Let a batch of 1 in the example stay dynamic instead of being baked into the graph.
 
     Fails where a size-1 dimension broadcasts; the caller then retries without it.
@@ -142,18 +213,6 @@ def _no_size_one_specialisation(enabled: bool) -> Iterator[None]:
     config = torch.fx.experimental._config
     with config.patch(backed_size_oblivious=enabled):
         yield
-
-
-@contextlib.contextmanager
-def module_mode(model: nn.Module, train: bool) -> Iterator[None]:
-    """Put ``model`` in train or eval mode (for capture or export), then restore every submodule's own flag."""
-    flags = [(m, m.training) for m in model.modules()]
-    model.train(train)
-    try:
-        yield
-    finally:
-        for module, flag in flags:
-            module.training = flag
 
 
 def _first_line(err: BaseException | None) -> str:

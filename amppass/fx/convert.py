@@ -22,10 +22,11 @@ from ..training.module import TrainEvalGraphs
 from ..analysis.view import GraphView
 from . import profit
 from .calibrate import calibrated_plan, flatten_inputs, split_batch
+from .capture import capture, capture_program
 from .kept import KeptFp32
 from .profit import CostModel
-from .capture import capture
 from .rewrite import META_KEY, rewrite
+from .shapes import GUARDS_KEY, ServingGraph, carried_decisions, matching
 from .view import build_view
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,8 @@ def convert(
     """Return a mixed-precision ``torch.fx.GraphModule`` computing what ``model`` computes.
 
     Args:
-        model: the module to convert; it is never changed.
+        model: the module to convert; it is never changed. A ``torch.export.ExportedProgram`` (from
+            ``torch.export.load``) converts too, for inference: its graph is the capture.
         example_inputs: positional inputs (a tuple, or one tensor) for capture with ``torch.export``;
             without them (and without ``example_kwargs``) the module is traced symbolically.
         dtype: ``torch.float16``, ``torch.bfloat16``, ``"fp16"``, ``"bf16"`` or ``"auto"`` (bf16 on CPU,
@@ -81,7 +83,8 @@ def convert(
         keep_fp32: op names or node-name regexes to keep in fp32.
         force_low: op names or node-name regexes to run in low precision regardless of the policy.
         dynamic_shapes: passed to ``torch.export``; by default every input dimension is dynamic where
-            the model allows it.
+            the model allows it, and a call with a shape the captured graph does not take is captured and
+            converted again for it (see :mod:`amppass.fx.shapes`).
         low_weight_tables: store tables read by weight-only ops (embeddings) in low precision even when
             they feed fp32 work: half the bytes of those tables, at the cost of rounding them.
         calibration: an iterable of input tuples like ``example_inputs``; the fp32 model runs on each and
@@ -93,6 +96,9 @@ def convert(
         progress: show a progress bar on stderr while calibrating.
 
     The returned module records its decisions in ``node.meta["amppass"]``; ``amppass.report`` reads them.
+    Captured with example inputs, it is a :class:`~amppass.fx.shapes.ServingGraph`: it takes every input
+    shape the original model takes, converting again (a few plans at most, cached) where torch.export had
+    to fix a dimension.
     """
     if mode not in MODES:
         raise InputError(f"mode={mode!r} is not one of {MODES}: use mode='inference' to serve or evaluate "
@@ -108,6 +114,10 @@ def convert(
     if isinstance(model, KeptFp32):
         return _unchanged(model, model.meta[META_KEY], dtype, mode)
     check_tolerance(tolerance, calibration)
+    if isinstance(model, torch.export.ExportedProgram):
+        return _convert_program(model, dtype, target, mode, keep_io_types=keep_io_types, keep_fp32=keep_fp32,
+                                force_low=force_low, low_weight_tables=low_weight_tables, calibration=calibration,
+                                tolerance=tolerance, progress=progress, plan_for=plan_for, costs=costs)
     plan_target = _target(target, dtype, model)
     if mode == "train" and calibration is not None:
         calibration = list(calibration)  # both graphs calibrate on it
@@ -119,16 +129,62 @@ def convert(
     if mode == "train":
         # torch.export bakes the training flag into the graph: one graph per mode over one set of fp32 tensors
         train_gm, eval_gm = (
-            _convert_captured(capture(model, example_inputs, example_kwargs, train=flag, dynamic_shapes=dynamic_shapes),
-                              model, plan_target, mode, **options)
+            _served(model, capture(model, example_inputs, example_kwargs, train=flag, dynamic_shapes=dynamic_shapes),
+                    plan_target, mode, flag, options)
             for flag in (True, False)
         )
         return TrainEvalGraphs(train_gm, eval_gm, training=model.training)
     gm = capture(model, example_inputs, example_kwargs, train=False, dynamic_shapes=dynamic_shapes)
-    gm = _convert_captured(gm, model, plan_target, mode, **options)
+    served = _served(model, gm, plan_target, mode, False, options)
     if plan_for == "speed" and plan_target.profitable and options["example"] is not None and not calibration:
-        return _faster_of(gm, model, options["example"], costs)
-    return gm
+        return _faster_of(served, model, options["example"], costs)
+    return served
+
+
+def _served(model: nn.Module, gm: fx.GraphModule, target: Target, mode: str, train: bool,
+            options: dict[str, Any]) -> fx.GraphModule:
+    """Convert a captured graph; one captured by torch.export comes back serving every input shape."""
+    gm = _convert_captured(gm, model, target, mode, **options)
+    if GUARDS_KEY not in gm.meta:  # symbolically traced: no shapes in the graph to guard
+        return gm
+    carried = carried_decisions(gm)
+    later = {**options, "calibration": None, "tolerance": None, "progress": False}
+
+    def recapture(args: tuple, kwargs: dict) -> fx.GraphModule:
+        new = capture(model, args, kwargs, train=train, note_fixed_dims=False)
+        return _convert_captured(new, model, target, mode, decided=matching(new, carried),
+                                 **{**later, "example": (args, kwargs)})
+
+    return ServingGraph(gm, gm.meta[GUARDS_KEY], recapture, original=model, name=type(model).__name__)
+
+
+def _convert_program(program: torch.export.ExportedProgram, dtype: Any, target: str | None, mode: str,
+                     **options: Any) -> fx.GraphModule:
+    """Convert a program exported elsewhere (``torch.export.load``): its graph is the capture."""
+    from .serialize import from_program, is_converted
+
+    if mode != "inference":
+        raise InputError("an ExportedProgram is converted for inference only (export fixed its train/eval "
+                         "behaviour); convert the nn.Module itself with mode='train' to train it")
+    if is_converted(program):
+        loaded = from_program(program, {"dtype": _converted_dtype(program), "mode": "inference"}, "ExportedProgram")
+        return _unchanged(loaded, loaded.meta[META_KEY], dtype, mode)
+    gm = capture_program(program)
+    gm = _convert_captured(gm, gm, _target(target, dtype, gm), mode, **options)
+    return ServingGraph(gm, gm.meta[GUARDS_KEY], name="ExportedProgram",
+                        origin="it was converted from a torch.export program, which serves the shapes its export "
+                               "left dynamic; export it with dynamic_shapes to serve more")
+
+
+def _converted_dtype(program: torch.export.ExportedProgram) -> str:
+    """The low dtype a converted program's casts go to (its plan's summary is not in the program itself)."""
+    import json
+
+    for node in program.graph.nodes:
+        decision = json.loads(node.meta.get("custom", {}).get("amppass", "{}"))
+        if decision.get("cast") and decision.get("to") in ("fp16", "bf16"):
+            return decision["to"]
+    return "unknown"
 
 
 def _faster_of(gm: fx.GraphModule, model: nn.Module, example: tuple[Any, dict],
@@ -166,14 +222,17 @@ def _convert_captured(
     plan_for: str = "speed",
     costs: Mapping[str, float] | None = None,
     example: tuple[Any, dict] | None = None,
+    decided: dict[str, Any] | None = None,
 ) -> fx.GraphModule:
     """Analyse, paint and rewrite a captured graph of ``model`` in place; record the decisions in it.
 
-    ``example`` (example inputs and keyword inputs) feeds the profitability measurements."""
+    ``example`` (example inputs and keyword inputs) feeds the profitability measurements; ``decided`` holds
+    decisions made before (a later plan's carried calibration results); the user's overrides win over them.
+    """
     low = target.low
     bytes_before = weight_bytes(model) if isinstance(model, nn.Module) else 0
     view, _ = build_view(gm, low)
-    given = overrides.resolve(view, keep_fp32, force_low, low)
+    given = {**(decided or {}), **overrides.resolve(view, keep_fp32, force_low, low)}
     profit_info: dict[str, Any] = {}
     if plan_for == "speed" and mode == "inference" and target.profitable and example is not None:
         decided, profit_info = _profitability(gm, view, target, given, example, costs, keep_io_types,

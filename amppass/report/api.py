@@ -19,9 +19,19 @@ def report(converted: Any) -> Report:
 
     Accepts the ``torch.fx.GraphModule`` that :func:`amppass.convert` returned, the module it returned for
     ``mode="train"`` (its train graph is reported; rows say which ops' gradients run in low precision), the
-    original module it kept in fp32 where that measured faster (:mod:`amppass.fx.kept`), or an
-    ``onnx.ModelProto`` (or .onnx path) that :func:`amppass.convert_onnx` returned.
+    original module it kept in fp32 where that measured faster (:mod:`amppass.fx.kept`), a module
+    :func:`amppass.load` returned, a module or function ``torch.compile(..., backend="amppass")`` returned
+    (every graph dynamo captured, rows named ``g<i>.<node>``), or an ``onnx.ModelProto`` (or .onnx path)
+    that :func:`amppass.convert_onnx` returned.
     """
+    if _compiled(converted):
+        from ..fx.backend import session_of
+
+        session = session_of(converted)
+        if session is None:
+            raise InputError(f"{type(converted).__name__} was not compiled with torch.compile(backend='amppass'); "
+                             "compile it with that backend, call it once, then ask for the report")
+        return session.report()
     if isinstance(converted, TrainEvalGraphs):
         converted = converted.train_graph
     if isinstance(converted, KeptFp32):
@@ -36,3 +46,8 @@ def report(converted: Any) -> Report:
         f"amppass.report cannot read a {type(converted).__name__}; pass a GraphModule from amppass.convert, "
         "or an ONNX model (or .onnx path) from amppass.convert_onnx"
     )
+
+
+def _compiled(value: Any) -> bool:
+    """Whether ``value`` is what ``torch.compile`` returned (a module wrapper or a function)."""
+    return hasattr(value, "dynamo_ctx") or hasattr(value, "_torchdynamo_orig_callable")

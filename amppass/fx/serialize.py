@@ -1,0 +1,260 @@
+"""``amppass.save`` / ``amppass.load``: a converted torch model as a torch.export program file (.pt2).
+
+The converted graph is exported again (its casts and low-precision weights are plain ATen ops and
+tensors), so the file is an ordinary ``ExportedProgram``: ``torch.export.load`` reads it, AOTInductor and
+ExecuTorch take it. amppass keeps its plan in the program itself: each node's decision in the node's
+``custom`` metadata (which torch.export serialises) and the conversion's summary in an extra file of the
+archive, so ``amppass.report`` works on what :func:`load` returns.
+
+Rules:
+
+1. What is saved is the plan of the example's shapes with its guards: the export traces torch's guard
+   function again, so the loaded program accepts what the converted module's own graph accepted, and
+   dimensions that were dynamic stay dynamic. Later plans (shapes converted after the example's) are not
+   saved; a warning says so.
+2. The file is written through a temporary file in the same folder and renamed: no half-written file.
+3. The loaded module checks its guards before each call; a call they reject raises an
+   :class:`~amppass.errors.InputError` naming the input and dimension (it has no original model to convert
+   again).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.export import Dim
+from torch.utils import _pytree as pytree
+
+from ..errors import InputError
+from ..files import Staged, check_writable
+from ..training.module import TrainEvalGraphs
+from .capture import capture_program, size_one_dynamic
+from .modes import module_mode
+from .rewrite import META_KEY
+from .shapes import GUARDS_KEY, ServingGraph, ShapeGuards
+
+log = logging.getLogger(__name__)
+
+PLAN_FILE = "amppass.json"  # the archive's extra file holding the conversion's summary (gm.meta["amppass"])
+_NODE_KEY = "amppass"  # node.meta["custom"] entry holding a node's decision, as JSON
+_NAME_KEY = "amppass_name"  # node.meta["custom"] entry holding the node's name in the converted graph
+
+
+def exported_program(converted: nn.Module) -> torch.export.ExportedProgram:
+    """The ``ExportedProgram`` of a module :func:`amppass.convert` returned (inference mode), plan included."""
+    served = _served(converted)
+    guards: ShapeGuards = served.meta[GUARDS_KEY]
+    later = len(served.plans) - 1
+    if later:
+        log.warning("%s: saving the plan of the example's shapes (%s); %d later plan(s) made for other shapes "
+                    "are not saved, and the loaded model takes only what that plan takes",
+                    type(served).__name__, guards.describe(), later)
+    traced = _with_guard_call(served, guards)
+    args, kwargs, dynamic = _example(served, guards)
+    with module_mode(traced, train=False), size_one_dynamic(True):
+        return torch.export.export(traced, args, kwargs, dynamic_shapes=dynamic, strict=False)
+
+
+def save(converted: nn.Module, path: str | os.PathLike) -> None:
+    """Write ``converted`` (what :func:`amppass.convert` returned) to ``path`` as a torch.export program.
+
+    ``torch.export.load(path)`` reads it as any program; :func:`load` also restores the report.
+    """
+    with Staged() as staged:  # whole or not at all: the user's old file is kept on failure
+        stage(staged, converted, path)
+    log.info("saved %s to %s", type(converted).__name__, path)
+
+
+def stage(staged: Staged, converted: nn.Module, path: str | os.PathLike) -> None:
+    """Add ``converted`` to ``staged`` as the program at ``path`` (see :func:`save`)."""
+    path = check_writable(path)
+    program = exported_program(converted)
+    info = json.dumps({**_info(converted), "pytree_types": _custom_types(program)}, default=str)
+    with staged.open(path) as out:
+        torch.export.save(program, out, extra_files={PLAN_FILE: info})
+
+
+def load(path: str | os.PathLike) -> ServingGraph:
+    """Read a model :func:`save` wrote: a module that runs it and that ``amppass.report`` reads."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise InputError(f"{path}: no such file; give the .pt2 file amppass.save wrote")
+    _register_types(_plan_file(path).get("pytree_types", []))
+    extra = {PLAN_FILE: ""}
+    try:
+        program = torch.export.load(path, extra_files=extra)
+    except Exception as err:  # noqa: BLE001 - a zip that is not a program, a truncated file, another format
+        raise InputError(f"{path}: torch.export.load cannot read it ({type(err).__name__}: "
+                         f"{str(err).splitlines()[0] if str(err) else ''}); give a .pt2 file amppass.save wrote, "
+                         "read with the torch version that wrote it") from err
+    if not extra[PLAN_FILE]:
+        raise InputError(f"{path}: a torch.export program amppass did not convert; convert it with "
+                         f"amppass.convert(torch.export.load({path!r}), dtype=...) or `amppass convert {path} -o OUT.pt2`")
+    return from_program(program, json.loads(extra[PLAN_FILE]), name=os.path.basename(path))
+
+
+def from_program(program: torch.export.ExportedProgram, info: dict[str, Any], name: str) -> ServingGraph:
+    """The served module of a program amppass converted: decisions back in ``node.meta``, summary in ``meta``."""
+    gm = capture_program(program)
+    for node in gm.graph.nodes:
+        decision = node.meta.get("custom", {}).get(_NODE_KEY)
+        if decision is not None:
+            node.meta[META_KEY] = json.loads(decision)
+    _restore_names(gm)
+    gm.meta[META_KEY] = info
+    return ServingGraph(gm, gm.meta[GUARDS_KEY], name=name)
+
+
+def _custom_types(program: torch.export.ExportedProgram) -> list[str]:
+    """The serialised names of the registered pytree types in the program's inputs and outputs."""
+    names, pending = set(), [program.call_spec.in_spec, program.call_spec.out_spec]
+    while pending:
+        spec = pending.pop()
+        if spec is None:
+            continue
+        known = pytree.SUPPORTED_SERIALIZED_TYPES.get(spec.type)
+        if known is not None and "." in known.serialized_type_name and not known.serialized_type_name.startswith(
+                ("builtins.", "collections.", "torch.")):
+            names.add(known.serialized_type_name)
+        pending += [spec.child(i) for i in range(spec.num_children)]
+    return sorted(names)
+
+
+def _plan_file(path: str) -> dict[str, Any]:
+    """The plan file of a .pt2 archive read on its own (it names the types the program needs registered)."""
+    import zipfile
+
+    if not zipfile.is_zipfile(path):
+        raise InputError(f"{path}: not a torch.export program file (not a zip archive); give a .pt2 file "
+                         "amppass.save wrote")
+    with zipfile.ZipFile(path) as archive:
+        found = [n for n in archive.namelist() if n.endswith(f"/extra/{PLAN_FILE}")]
+        return json.loads(archive.read(found[0])) if found else {}
+
+
+def _register_types(names: list[str]) -> None:
+    """Register the pytree types a saved program's inputs and outputs use, before torch.export reads it.
+
+    transformers' output classes register themselves when their module is imported; its cache classes are
+    registered by the same call capture makes. Only transformers' own modules are imported.
+    """
+    import importlib
+
+    for name in names:
+        module_name, _, class_name = name.partition(":") if ":" in name else name.rpartition(".")
+        if not module_name.startswith("transformers.") or name in pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE:
+            continue
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError) as err:
+            raise InputError(f"the saved program returns or takes {name}, which this environment cannot import "
+                             f"({err}); install the transformers version the model was saved with") from err
+        if cls not in pytree.SUPPORTED_NODES:
+            from transformers.exporters.exporter_dynamo import register_pytree_node
+
+            register_pytree_node(cls)
+
+
+def is_converted(program: torch.export.ExportedProgram) -> bool:
+    """Whether ``program`` carries amppass decisions (it was written by :func:`save`)."""
+    return any(_NODE_KEY in n.meta.get("custom", {}) for n in program.graph.nodes)
+
+
+def _served(converted: Any) -> ServingGraph:
+    if isinstance(converted, TrainEvalGraphs):
+        raise InputError("amppass.save writes inference models; for a train-mode model save its state_dict() as a "
+                         "checkpoint, and convert the trained model with mode='inference' to ship it")
+    if isinstance(converted, ServingGraph):
+        return converted
+    if isinstance(converted, fx.GraphModule) and META_KEY in converted.meta:
+        raise InputError(f"{type(converted).__name__} was converted without example inputs (symbolically traced), so "
+                         "it has no input shapes to export; convert it with example_inputs to save it")
+    raise InputError(f"amppass.save takes the module amppass.convert returned, got {type(converted).__name__}")
+
+
+def _info(converted: ServingGraph) -> dict[str, Any]:
+    info = {k: v for k, v in converted.meta[META_KEY].items() if k not in ("plans", "recaptures")}
+    info["plans"] = converted.meta[META_KEY]["plans"][:1]
+    return info
+
+
+def _with_guard_call(served: ServingGraph, guards: ShapeGuards) -> fx.GraphModule:
+    """A copy of the served graph (sharing its tensors) that calls torch's guard module first (rule 1).
+
+    Export traces the call: each condition on a size becomes a guard of the new program again. Every node
+    carries its decision and name in ``custom`` metadata, which export keeps and serialises.
+    """
+    traced = fx.GraphModule(served, copy.deepcopy(served.graph))
+    traced.meta = {}
+    graph = traced.graph
+    for node in graph.nodes:
+        decision = node.meta.get(META_KEY)
+        if decision is not None:
+            custom = dict(node.meta.get("custom", {}))
+            custom.update({_NODE_KEY: json.dumps(decision, default=str), _NAME_KEY: node.name})
+            node.meta["custom"] = custom
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if guards.guard_module is not None and placeholders:
+        traced.add_submodule("_guards_fn", guards.guard_module)
+        with graph.inserting_after(placeholders[-1]):
+            graph.call_module("_guards_fn", tuple(placeholders))
+        traced.recompile()
+    return traced
+
+
+def _example(served: ServingGraph, guards: ShapeGuards) -> tuple[tuple, dict, Any]:
+    """Inputs of the example's shapes (zeros: export traces with fake values) and Dim.AUTO where dynamic."""
+    values = [n.meta.get("val") for n in served.graph.nodes if n.op == "placeholder"]
+    leaves, dims = [], {}
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            shape = [_hint(d) for d in value.shape]
+            leaf = torch.zeros(shape, dtype=value.dtype)
+            dims[id(leaf)] = {i: Dim.AUTO for i, d in enumerate(value.shape) if not isinstance(d, int)} or None
+        else:
+            leaf = value
+        leaves.append(leaf)
+    args, kwargs = pytree.tree_unflatten(leaves, guards.in_spec)
+
+    def spec(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return dims.get(id(value))
+        if type(value) in (list, tuple):
+            return type(value)(spec(v) for v in value)
+        if type(value) is dict:
+            return {k: spec(v) for k, v in value.items()}
+        node = pytree.SUPPORTED_NODES.get(type(value))
+        return [spec(child) for child in node.flatten_fn(value)[0]] if node is not None else None
+
+    bound = guards.signature.bind(*args, **kwargs)
+    return args, kwargs, {name: spec(value) for name, value in bound.arguments.items()}
+
+
+def _hint(size: Any) -> int:
+    """The example's value of a (possibly symbolic) size."""
+    if isinstance(size, int):
+        return size
+    hint = size.node.hint
+    return int(hint) if hint is not None else 2
+
+
+def _restore_names(gm: fx.GraphModule) -> None:
+    """Give each node the name it had in the converted graph (export renames nodes after their ops), so the
+    loaded model's report, and the casts each decision names, read as the converted model's did."""
+    wanted = {n: n.meta["custom"][_NAME_KEY] for n in gm.graph.nodes if _NAME_KEY in n.meta.get("custom", {})}
+    taken = set(wanted.values())
+    namespace = gm.graph._graph_namespace
+    for node in gm.graph.nodes:
+        if node not in wanted and node.name in taken:
+            node._rename(f"{node.name}_")  # a size computation export re-created under a name a decision had
+    for node, name in wanted.items():
+        if node.name != name and node.op != "placeholder":
+            node.name = name
+            namespace._rename_object(node, name)
+    gm.recompile()

@@ -1,0 +1,224 @@
+"""torch.compile(backend="amppass") (issue 15): the plan on every graph dynamo captures, graph breaks included."""
+
+from __future__ import annotations
+
+import copy
+import importlib.metadata
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import amppass
+from amppass.fx.backend import amppass_backend
+from tests.shape_models import detector
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def registered():
+    """backend="amppass" as an installed amppass provides it: the entry point pyproject.toml declares."""
+    from torch._dynamo.backends import registry
+
+    value = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["torch_dynamo_backends"]
+    point = importlib.metadata.EntryPoint(name="amppass", value=value["amppass"], group="torch_dynamo_backends")
+    assert point.load() is amppass_backend
+    before = (registry._BACKENDS.get("amppass"), registry._COMPILER_FNS.pop("amppass", None))
+    registry._lazy_import()
+    registry._BACKENDS["amppass"] = point
+    yield
+    registry._COMPILER_FNS.pop("amppass", None)
+    if before[0] is not None:
+        registry._BACKENDS["amppass"] = before[0]
+    if before[1] is not None:
+        registry._COMPILER_FNS["amppass"] = before[1]
+
+
+class Split(nn.Module):
+    """Two linear stages with a graph break between them: the second graph takes an activation."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.first(x))
+        torch._dynamo.graph_break()
+        return self.second(h)
+
+
+def test_detector_with_nms_runs_every_shape_as_close_to_fp32_as_autocast(registered):
+    case = detector()
+    compiled = torch.compile(case.model, backend="amppass", options={"dtype": torch.bfloat16, "compiler": "eager"})
+    for args in [case.example, *case.calls.values()]:
+        with torch.no_grad():
+            boxes, scores = compiled(*args)
+            ref_boxes, ref_scores = case.model(*args)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                auto_boxes, auto_scores = case.model(*args)
+            raw, ref_raw = compiled.predict(*args), case.model.predict(*args)
+        assert boxes.shape == ref_boxes.shape and scores.dtype == torch.float32
+        assert rel(scores, ref_scores) <= 1.1 * rel(auto_scores, ref_scores) + 1e-6
+        assert rel(boxes, ref_boxes) <= 1.1 * rel(auto_boxes, ref_boxes) + 1e-6
+        assert rel(raw[0], ref_raw[0]) < 1e-2
+    report = amppass.report(compiled)
+    assert report.info["graphs"] >= 2 and report.info["compiler"] == "eager"
+    convolutions = [r for r in report.rows if r.op in ("aten.conv2d", "aten.convolution")]
+    assert convolutions and all(r.precision == "bf16" and r.name.startswith("g") for r in convolutions)
+    assert {r.name.split(".")[0] for r in report.rows} == {f"g{i}" for i in range(report.info["graphs"])}
+
+
+def test_inductor_matches_fp32_and_a_changed_weight_is_refreshed():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 8)).eval()
+    compiled = torch.compile(model, backend=amppass_backend, options={"dtype": "bf16"})  # frozen: compiles again
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        started = time.perf_counter()
+        out = compiled(x)
+        seconds = time.perf_counter() - started
+        assert rel(out, model(x)) < 2e-2
+        model[0].weight.mul_(-0.5)  # in place: its version counter moves
+        after = compiled(x)
+    assert rel(after, model(x)) < 2e-2 and rel(after, out) > 0.1
+    info = amppass.report(compiled).info
+    assert info["graph_plans"][0]["refreshes"] == 1 and info["compiler"] == "inductor"
+    print(f"inductor: first call (dynamo + amppass + inductor) {seconds:.1f} s")
+
+
+def test_eager_refreshes_weights_changed_in_place_or_replaced():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)).eval()
+    compiled = torch.compile(model, backend=amppass_backend, options={"compiler": "eager"})
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        compiled(x)
+        model[2].weight.add_(1.0)
+        assert rel(compiled(x), model(x)) < 2e-2
+        model[0].weight = nn.Parameter(torch.randn(32, 16))
+        assert rel(compiled(x), model(x)) < 2e-2
+    assert amppass.report(compiled).info["graph_plans"][0]["refreshes"] == 2
+
+
+def test_train_mode_gradients_reach_the_models_fp32_parameters():
+    torch.manual_seed(0)
+    model = Split()
+    compiled = torch.compile(model, backend=amppass_backend, options={"dtype": "bf16", "mode": "train",
+                                                                       "compiler": "eager"})
+    x = torch.randn(4, 16)
+    compiled(x).square().mean().backward()
+    reference = copy.deepcopy(model)
+    reference.zero_grad()
+    reference(x).square().mean().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32, name
+        assert rel(p.grad, q.grad) < 5e-2, name
+    torch.optim.SGD(model.parameters(), lr=0.5).step()  # the graphs read the stepped fp32 parameters
+    with torch.no_grad():
+        assert rel(compiled(x), model(x)) < 2e-2 and rel(compiled(x), reference(x)) > 1e-2
+    assert amppass.report(compiled).info["mode"] == "train"
+
+
+def test_calibration_reaches_the_graphs_its_batches_fit():
+    torch.manual_seed(0)
+    model = Split().eval()
+    batches = [(torch.randn(4, 16),) for _ in range(2)]
+    compiled = torch.compile(model, backend=amppass_backend,
+                             options={"dtype": "fp16", "compiler": "eager", "calibration": batches})
+    with torch.no_grad():
+        assert rel(compiled(batches[0][0]), model(batches[0][0])) < 1e-2
+    plans = amppass.report(compiled).info["graph_plans"]
+    assert [p["calibrated"] for p in plans] == [True, False]
+
+
+def test_a_compiled_function_reports_and_bad_options_name_the_fix():
+    weight = nn.Linear(8, 8)
+
+    def f(x):
+        return weight(x).relu()
+
+    compiled = torch.compile(f, backend=amppass_backend, options={"compiler": "eager"})
+    with torch.no_grad():
+        compiled(torch.randn(2, 8))
+    assert [r.precision for r in amppass.report(compiled).rows if r.op == "aten.linear"] == ["bf16"]
+    bad = torch.compile(nn.Linear(8, 8), backend=amppass_backend, options={"dtyp": "bf16"})
+    with pytest.raises(Exception, match="unknown option.*dtyp"):
+        bad(torch.randn(2, 8))
+    with pytest.raises(amppass.InputError, match="not compiled with torch.compile"):
+        amppass.report(torch.compile(nn.Linear(8, 8), backend="eager"))
+
+
+@pytest.mark.slow
+def test_bert_base_against_autocast_with_inductor_freezing():
+    """Issue 15's figure: latency and compile time of the backend against autocast + inductor freezing."""
+    import torch._inductor.config as inductor
+
+    from models import build
+
+    case = build("bert", "base", batch=1, seq=128)
+    x = case.example_inputs[0]
+
+    def timed(fn, repeats=20):
+        started = time.perf_counter()
+        fn()
+        first = time.perf_counter() - started
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - started)
+        return first, sorted(times)[repeats // 2]
+
+    with torch.no_grad():
+        with inductor.patch(freezing=True):
+            baseline = torch.compile(copy.deepcopy(case.model))
+
+            def autocast():
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    return baseline(x)
+
+            auto_compile, auto_latency = timed(autocast)
+        torch._dynamo.reset()
+        ours = torch.compile(case.model, backend=amppass_backend, options={"dtype": "bf16"})
+        our_compile, our_latency = timed(lambda: ours(x))
+        reference = case.model(x).last_hidden_state
+        assert rel(ours(x).last_hidden_state, reference) <= 1.1 * rel(autocast().last_hidden_state, reference)
+    print(f"BERT-base bf16 1x128: compile {our_compile:.1f} s vs {auto_compile:.1f} s, "
+          f"latency {our_latency * 1e3:.1f} ms vs {auto_latency * 1e3:.1f} ms")
+    assert our_latency <= auto_latency * 1.1 and our_compile <= auto_compile * 1.2
+
+
+def test_a_graph_export_cannot_take_runs_unconverted_with_a_warning(monkeypatch, caplog):
+    from amppass.fx import backend
+
+    def refuse(*args, **kwargs):
+        raise amppass.CaptureError("torch.export could not capture it (this test)")
+
+    torch.manual_seed(0)
+    model = Split().eval()
+    compiled = torch.compile(model, backend=amppass_backend, options={"compiler": "eager"})
+    x = torch.randn(4, 16)
+    real = backend.capture
+    calls = iter([real, refuse])
+    monkeypatch.setattr(backend, "capture", lambda *a, **k: next(calls)(*a, **k))
+    with torch.no_grad():
+        out = compiled(x)
+        assert rel(out, model(x)) < 2e-2 and torch.equal(compiled(x), out)
+    assert "graph 1 runs as dynamo traced it, in fp32" in caplog.text
+    info = amppass.report(compiled).info
+    assert info["graphs"] == 1 and info["unconverted"][0]["graph"] == 1

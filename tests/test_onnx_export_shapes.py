@@ -1,0 +1,79 @@
+"""export_onnx keeps batch and sequence dims dynamic, exports without autograd, and warns when it falls back."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+import amppass
+from amppass.onnx import export
+from models import build
+
+
+def dims(model) -> list[list]:
+    return [[d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input]
+
+
+def run(path, model, *inputs) -> np.ndarray:
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return session.run(None, {i.name: x.numpy() for i, x in zip(model.graph.input, inputs)})[0]
+
+
+def rel(out: np.ndarray, ref: torch.Tensor) -> float:
+    return float(np.linalg.norm(out - ref.numpy()) / np.linalg.norm(ref.numpy()))
+
+
+def test_a_two_by_sixteen_export_serves_batch_six_and_another_length(tmp_path):
+    case = build("bert", batch=2, seq=16)
+    path = tmp_path / "bert.fp16.onnx"
+    model = amppass.export_onnx(case.model, case.example_inputs, path, dtype="fp16")
+    assert all(isinstance(d, str) for d in dims(model)[0]), dims(model)
+    for batch, seq in ((6, 16), (1, 9), (3, 40)):
+        ids = build("bert", batch=batch, seq=seq).make_inputs(batch)[0]
+        with torch.no_grad():
+            ref = case.model(ids).last_hidden_state
+        assert rel(run(path, model, ids), ref) < 1e-2
+
+
+def test_a_batch_of_one_stays_dynamic_and_features_stay_fixed(tmp_path):
+    case = build("mlp", batch=1)
+    model = amppass.export_onnx(case.model, case.example_inputs, tmp_path / "mlp.onnx", dtype="fp16")
+    assert isinstance(dims(model)[0][0], str) and dims(model)[0][1] == 64
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        assert rel(run(tmp_path / "mlp.onnx", model, x), case.model(x)) < 1e-2
+    fixed = amppass.export_onnx(case.model, case.example_inputs, tmp_path / "fixed.onnx", dynamic_shapes=None)
+    assert dims(fixed) == [[1, 64]]
+
+
+def test_exported_without_autograd_and_a_fallback_is_a_warning_with_the_same_dynamic_dims(tmp_path, monkeypatch, caplog):
+    case = build("mlp", batch=2)
+    real = torch.onnx.export
+    seen = []
+
+    def dynamo_fails(*args, dynamo=True, **kwargs):
+        seen.append((dynamo, torch.is_grad_enabled()))
+        if dynamo:
+            raise RuntimeError("unsupported op in this test")
+        return real(*args, dynamo=False, **kwargs)
+
+    monkeypatch.setattr(torch.onnx, "export", dynamo_fails)
+    with caplog.at_level(logging.WARNING, logger="amppass"):
+        model = amppass.export_onnx(case.model, case.example_inputs, tmp_path / "m.onnx", dtype="fp16")
+    assert [grad for _, grad in seen] == [False] * len(seen) and seen[-1][0] is False
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "TorchScript" in r.getMessage()]
+    assert warned and "unsupported op in this test" in warned[0].getMessage()
+    assert dims(model)[0][0] == "x_0" and dims(model)[0][1] == 64
+    x = torch.randn(7, 64)
+    with torch.no_grad():
+        assert rel(run(tmp_path / "m.onnx", model, x), case.model(x)) < 1e-2
+
+
+def test_both_exporters_failing_is_one_capture_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.onnx, "export", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("nope")))
+    with pytest.raises(amppass.CaptureError, match="dynamo=True: RuntimeError: nope.*dynamo=False"):
+        export.export_fp32(build("mlp").model, build("mlp").example_inputs)
