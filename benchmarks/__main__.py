@@ -127,6 +127,19 @@ def _never_slower(quick: bool, out: Path) -> Section:
     return section
 
 
+def _onnx_targets(quick: bool, out: Path) -> Section:
+    from . import onnx_targets
+
+    heavy, gap, tolerance = onnx_targets.run(quick)
+    section = Section("ONNX plans per target (CPU, CUDA, TensorRT) and how their error is judged", "",
+                      notes=[onnx_targets.NOTES])
+    section.tables.append(("Heavy nodes low per target and dtype", heavy))
+    section.tables.append(("Plain fp16 plan: onnxruntime CPU error against the fp16-storage simulation (held-out "
+                           "feed)", gap))
+    section.tables.append(("Tolerance 1e-2 on the CPU target, judged by onnxruntime", tolerance))
+    return section
+
+
 def _shapes(quick: bool, out: Path) -> Section:
     from . import shapes
 
@@ -152,6 +165,7 @@ def _compile(quick: bool, out: Path) -> Section:
 SECTIONS: dict[str, Callable[[bool, Path], Section]] = {
     "latency": _latency,
     "never_slower": _never_slower,
+    "onnx_targets": _onnx_targets,
     "scaling": _scaling,
     "onnx": _external("onnx_compare", "ONNX converters: onnxconverter-common against amppass",
                       lambda m, quick: m.run(quick)),

@@ -45,11 +45,12 @@ def test_bf16_for_cuda_runs_the_heavy_ops_the_cpu_provider_cannot():
     cuda_model = amppass.convert_onnx(net(), "bf16", target="cuda")
     onnx.checker.check_model(cuda_model, full_check=True)
     cuda = rows(cuda_model)
-    assert cuda["mm"].precision == "bf16"
-    # ONNX allows bf16 Conv only from opset 22 (so does onnxruntime's CUDA provider): at 17 it keeps fp32
-    assert cuda["conv"].precision == "fp32" and "schema of Conv (opset 17) does not allow bf16" in cuda["conv"].reason
-    info = amppass.report(cuda_model).info["target"]
-    assert info["name"] == "cuda" and "onnxruntime" in info["kernels"]["source"]
+    # ONNX allows bf16 Conv only from opset 22 (so does onnxruntime's CUDA provider): the model is upgraded
+    assert cuda["mm"].precision == cuda["conv"].precision == "bf16"
+    info = amppass.report(cuda_model).info
+    assert info["opset_upgraded"] == [17, 22] and {o.domain: o.version for o in cuda_model.opset_import}[""] == 22
+    assert info["target"]["name"] == "cuda" and "onnxruntime" in info["target"]["kernels"]["source"]
+    assert "opset_upgraded" not in amppass.report(amppass.convert_onnx(net(), "fp16", target="cuda")).info
 
 
 def test_fp16_for_tensorrt_and_cuda_run_every_heavy_op_low():

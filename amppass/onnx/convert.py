@@ -39,6 +39,7 @@ save = saving.save
 log = logging.getLogger(__name__)
 
 IR_WITH_NODE_METADATA = 10  # NodeProto.metadata_props arrived with IR version 10
+BF16_OPSET = 22  # ONNX allows bf16 in Conv, ConvTranspose, pooling, RNNs and ~40 more ops from opset 22
 
 
 def convert_onnx(
@@ -133,6 +134,11 @@ def convert_skeleton(
     if previous is not None:
         return _unchanged(work, store, previous, low.name, where)
     versions = opsets(work)
+    upgraded_from = None
+    if low.onnx == TensorProto.BFLOAT16 and plan_target.name != "cpu" and \
+            13 <= versions.get("", 1) < BF16_OPSET <= runtime.max_opset():
+        work, upgraded_from = _upgraded(work, BF16_OPSET), versions.get("", 1)
+        versions = opsets(work)
     if low.onnx == TensorProto.BFLOAT16 and versions.get("", 1) < 13:
         raise InputError(f"bf16 needs opset 13 or later for Cast; this model imports opset {versions.get('', 1)}. "
                          "Re-export it with a newer opset or use dtype='fp16'")
@@ -185,6 +191,7 @@ def convert_skeleton(
         "weight_bytes_before": bytes_before,
         "weight_bytes_after": weight_bytes(result),
         "clamped": stats.clamped,
+        **({"opset_upgraded": [upgraded_from, BF16_OPSET]} if upgraded_from is not None else {}),
         **calibration_info,
     }
     _set_model_meta(result, info)
@@ -210,6 +217,20 @@ def _target(target: object, dtype: object) -> Target:
     except TypeError:  # an unhashable argument
         raise InputError(f"convert_onnx(target={target!r}, dtype={dtype!r}): pass the target and dtype as "
                          "strings, e.g. target='cuda', dtype='fp16'") from None
+
+
+def _upgraded(work: onnx.ModelProto, opset: int) -> onnx.ModelProto:
+    """``work`` at ``opset`` (onnx's version converter), so bf16 plans for GPU targets can run Conv, pooling
+    and RNNs low: their ONNX schemas allow bf16 from opset 22 only. ``work`` as it is where that fails."""
+    try:
+        upgraded = onnx.version_converter.convert_version(work, opset)
+    except Exception as err:  # noqa: BLE001 - an op the converter has no adapter for: plan at the model's opset
+        log.info("kept opset %s: onnx's version converter could not upgrade the model to %d (%s)",
+                 opsets(work).get("", 1), opset, str(err).splitlines()[0] if str(err) else type(err).__name__)
+        return work
+    log.info("upgraded the model from opset %s to %d so bf16 Conv, pooling and RNNs can run low",
+             opsets(work).get("", 1), opset)
+    return upgraded
 
 
 def _warn_if_little_runs_low(plan: PrecisionPlan, refs: Mapping[str, Any], target: Target) -> None:

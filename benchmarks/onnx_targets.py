@@ -1,0 +1,140 @@
+"""ONNX plans per target: how much heavy work runs low for CPU, CUDA and TensorRT, and how error is judged.
+
+Three tables:
+
+1. **Heavy ops per target.** BERT-base (dynamo export), ResNet-50 and the DB text detector converted for
+   each target and dtype: heavy nodes (MatMul, Gemm, Conv, ...) planned low out of all heavy nodes, the
+   share of their MACs, Casts added, and whether ``onnx.checker.check_model(full_check=True)`` passes.
+   The goal: at least 90% of heavy nodes low for ``cuda`` fp16 and bf16 and ``tensorrt`` fp16.
+2. **Simulation against the runtime.** For each model, the plain fp16 plan's relative output error as
+   onnxruntime's CPU provider computes it (``runtime``) and as the fp16-storage simulation computes it
+   (``simulated``, what the tolerance search uses for targets this machine cannot run), on a held-out feed.
+3. **Tolerance on the CPU target**, judged by running the candidates in onnxruntime: calibration on 3
+   feeds, the error on a held-out feed against the tolerance, nodes moved to fp32, search runs.
+
+Errors are ``||out - out_fp32|| / ||out_fp32||`` (largest over floating outputs).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+import amppass
+from amppass.onnx.export import export_fp32
+from amppass.onnx.simulate import simulated
+from models import build
+from models.arch import build_arch
+
+NOTES = __doc__.split("\n\n", 1)[1]
+HEAVY = ("MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum", "Attention", "LSTM", "GRU", "RNN", "FusedMatMul")
+PLANS = (("cpu", "fp16"), ("cpu", "bf16"), ("cuda", "fp16"), ("cuda", "bf16"), ("tensorrt", "fp16"))
+
+Feed = Callable[[int], dict[str, np.ndarray]]
+
+
+def _zoo(name: str, size: str, batch: int = 1, seq: int = 32) -> tuple[onnx.ModelProto, Feed]:
+    case = build(name, size=size, batch=batch, seq=seq)
+    model = export_fp32(case.model, case.example_inputs)
+    names = [i.name for i in model.graph.input]
+
+    def feed(seed: int) -> dict[str, np.ndarray]:
+        return {n: t.numpy() for n, t in zip(names, case.make_inputs(seed))}
+
+    return model, feed
+
+
+def _arch(name: str, export: Callable[[], onnx.ModelProto], **shape: Any) -> tuple[onnx.ModelProto, Feed]:
+    case = build_arch(name, batch=1, **shape)
+    model = export()
+    names = [i.name for i in model.graph.input]
+
+    def feed(seed: int) -> dict[str, np.ndarray]:
+        return {n: t.numpy() for n, t in zip(names, case.make_inputs(seed))}
+
+    return model, feed
+
+
+def _sensor() -> tuple[onnx.ModelProto, Feed]:
+    from models.sensor import sensor_feed, sensor_net
+
+    return sensor_net(), sensor_feed
+
+
+def models(quick: bool) -> dict[str, Callable[[], tuple[onnx.ModelProto, Feed]]]:
+    from models.audio import audio_onnx
+    from models.detection import db_onnx
+
+    size = "small" if quick else "base"
+    found = {
+        f"bert-{size}": lambda: _zoo("bert", size),
+        f"resnet-{size}": lambda: _zoo("resnet", size),
+        "db_text_detector 320": lambda: _arch("db_text_detector", lambda: db_onnx(shape=320), shape=320),
+        "audio_cqt": lambda: _arch("audio_cqt", audio_onnx),
+        "sensor": _sensor,
+    }
+    if not quick:
+        found["vit-base"] = lambda: _zoo("vit", "base")
+        found["gpt2-base"] = lambda: _zoo("gpt2", "base")
+    return found
+
+
+def _session(model: onnx.ModelProto) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"],
+                                disabled_optimizers=["MatmulTransposeFusion"])
+
+
+def error(model: onnx.ModelProto, reference: list[np.ndarray], feed: dict[str, np.ndarray]) -> float:
+    got = _session(model).run(None, feed)
+    return max(float(np.linalg.norm(g.astype(np.float64) - r) / np.linalg.norm(r))
+               for g, r in zip(got, reference) if np.issubdtype(r.dtype, np.floating))
+
+
+def heavy_rows(label: str, model: onnx.ModelProto) -> list[dict[str, Any]]:
+    rows = []
+    for target, dtype in PLANS:
+        converted = amppass.convert_onnx(model, dtype, target=target)
+        try:
+            onnx.checker.check_model(converted, full_check=True)
+            valid = "yes"
+        except Exception as err:  # noqa: BLE001 - reported, not raised
+            valid = f"no: {str(err)[:60]}"
+        report = amppass.report(converted)
+        heavy = [r for r in report.rows if r.op.split(".")[-1] in HEAVY]
+        low = [r for r in heavy if r.precision == dtype]
+        share = report.stats()["macs"]["low_share"]
+        rows.append({"model": label, "target": target, "dtype": dtype, "heavy_low": f"{len(low)}/{len(heavy)}",
+                     "heavy_low_share": len(low) / len(heavy) if heavy else None,
+                     "heavy_macs_low": share, "casts": report.info["casts"], "checker": valid})
+    return rows
+
+
+def run(quick: bool) -> tuple[list[dict], list[dict], list[dict]]:
+    heavy, gap, tolerance = [], [], []
+    for label, make in models(quick).items():
+        model, feed = make()
+        held_out = feed(10)
+        reference = [r.astype(np.float64) for r in _session(model).run(None, held_out)]
+        heavy += heavy_rows(label, model)
+        plain = amppass.convert_onnx(model, "fp16")
+        runtime, simulated_error = error(plain, reference, held_out), error(simulated(plain), reference, held_out)
+        gap.append({"model": label, "runtime_error": runtime, "simulated_error": simulated_error,
+                    "simulated_over_runtime": simulated_error / runtime if runtime else None})
+        limit = 1e-2
+        start = time.perf_counter()
+        tuned = amppass.convert_onnx(model, "fp16", calibration=[feed(s) for s in (1, 2, 3)], tolerance=limit)
+        seconds = time.perf_counter() - start
+        info = amppass.report(tuned).info
+        held = error(tuned, reference, held_out)
+        tolerance.append({"model": label, "tolerance": limit, "plain_error": runtime,
+                          "achieved_on_calibration": info["achieved_error"], "held_out_error": held,
+                          "within": "yes" if held <= limit else "no", "moved": info["moved_by_tolerance"],
+                          "runs": info["tolerance_runs"], "judged_by": info["error_judged_by"],
+                          "convert_s": seconds})
+    return heavy, gap, tolerance
