@@ -267,7 +267,7 @@ def test_html_shows_the_target_the_tolerance_and_what_local_error_means(calibrat
     tip = re.search(r"<title>(big · [^<]*)</title>", text).group(1)
     assert "local error 0.0032 (relative to the fp32 output&#x27;s norm, no unit)" in tip
     plain = cnn_report.to_html()  # no tolerance, no local errors: neither the terms nor the column
-    assert 'id="terms"' not in plain and _parse(plain).headers == 9 and "target fp16, inference mode" in plain
+    assert 'id="terms"' not in plain and _parse(plain).headers == 9 and "fp16 for cpu (torch " in plain and ", inference mode" in plain
 
 
 def test_html_escapes_node_text():

@@ -14,7 +14,7 @@ import re
 from html import escape
 
 from .rows import (LOCAL_ERROR, LOW_PRECISIONS, OUTPUT_ERROR, PRECISIONS, SCHEMA_VERSION, Row, Summarised, finite,
-                   summary_lines)
+                   summary_lines, target_phrase)
 
 FP16_MAX = 65504.0
 FP16_MIN_NORMAL = 6.103515625e-05
@@ -99,12 +99,15 @@ def render_html(report: Summarised, title: str | None = None) -> str:
 def _target(report: Summarised) -> str:
     """What the plan was made for: dtype, mode, and the tolerance with the output error it reached."""
     info = report.info
-    text = f"target {info.get('dtype')}, {info.get('mode', 'inference')} mode"
+    text = f"{target_phrase(info)}, {info.get('mode', 'inference')} mode"
+    judged = info.get("target", {}).get("error_judged_by") if isinstance(info.get("target"), dict) else None
     limit, achieved = finite(info.get("tolerance")), finite(info.get("achieved_error"))
     if limit is not None:
         text += f", tolerance {limit:.2g} on the output error"
         if achieved is not None:
             text += f" (reached {achieved:.2g}{'' if info.get('tolerance_met', True) else ', not met'})"
+        if isinstance(judged, str):
+            text += f"; error judged by {judged}"
     return text
 
 

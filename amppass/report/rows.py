@@ -96,7 +96,7 @@ def summary_lines(report: Summarised) -> list[str]:
     counts = stats["by_precision"]
     parts = ", ".join(f"{counts[p]} {p}" for p in PRECISIONS if p in counts)
     lines = [
-        f"amppass {info.get('front_end', '')} plan, target {info.get('dtype')} ({info.get('mode', 'inference')}): "
+        f"amppass {info.get('front_end', '')} plan, {target_phrase(info)} ({info.get('mode', 'inference')}): "
         f"{stats['nodes']} nodes: {parts}",
     ]
     macs = stats["macs"]
@@ -118,8 +118,20 @@ def summary_lines(report: Summarised) -> list[str]:
     if achieved is not None and limit is not None:
         lines.append(f"output error {achieved:.3g} against a tolerance of {limit:.3g}"
                      + ("" if info.get("tolerance_met", True) else " (not met)"))
+    profit = info.get("profitability")
+    if isinstance(profit, dict) and finite(profit.get("nodes_fp32")) is not None:
+        lines.append(f"profitability: {profit.get('nodes_fp32')} node(s) in {profit.get('regions_fp32')} region(s) "
+                     "kept fp32, measured slower in low precision on this machine")
     if stats["unknown_ops"]:
         lines.append("ops not in the policy table (followed their inputs): " + ", ".join(stats["unknown_ops"]))
     if not stats["calibrated"]:
         lines.append("uncalibrated: decisions come from op semantics and weights only")
     return lines
+
+
+def target_phrase(info: dict[str, Any]) -> str:
+    """The dtype and what the plan was made for, in words: "bf16 for cpu (torch 2.13.0 on cpu)"."""
+    target = info.get("target")
+    if not isinstance(target, dict) or not isinstance(target.get("name"), str):
+        return f"target {info.get('dtype')}"  # converted by an amppass without targets
+    return f"{info.get('dtype')} for {target['name']} ({target.get('runtime', '?')})"
