@@ -156,7 +156,8 @@ def _convert(args: argparse.Namespace) -> int:
     _check_report_formats(args.report)
     for path in (args.output, *args.report):
         _check_writable(path)
-    model = _load_onnx(args.model)
+    loaded = _load_onnx(args.model)
+    model = loaded.model
     feeds = _load_feeds(args.calib, model) if args.calib else None
     if args.tolerance is not None and feeds is None:
         raise UsageError("--tolerance needs --calib FEEDS.npz: the output error is measured on those feeds")
@@ -167,9 +168,8 @@ def _convert(args: argparse.Namespace) -> int:
         options.update(calibration=feeds, tolerance=args.tolerance, progress=sys.stderr.isatty())
     if converted_dtype(model) == dtype:  # convert_onnx returns it unchanged, with a log warning
         print(f"{args.model}: already converted by amppass to {dtype}; writing it unchanged")
-    del model  # the conversion reads the file again: external data memory-mapped, payloads streamed out
-    try:
-        converted = convert_skeleton(args.model, **options)
+    try:  # the model read once: external data memory-mapped, payloads streamed to the output
+        converted = convert_skeleton(loaded, **options)
     except AmpPassError as error:
         raise FileProblem(f"{args.model}: {_one_line(error)}") from error
     report = _read_report(converted.model, args.model)
@@ -189,7 +189,7 @@ def _report(args: argparse.Namespace) -> int:
     _check_report_formats(args.report)
     for path in args.report:
         _check_writable(path)
-    model = _load_program(args.model) if _is_program(args.model) else _load_onnx(args.model)
+    model = _load_program(args.model) if _is_program(args.model) else _load_onnx(args.model).model
     report = _read_report(model, args.model)
     with _writing() as staged:
         for path, text in _report_files(report, args.report, args.model).items():
@@ -286,23 +286,19 @@ def _check_writable(path: str | None) -> None:
         raise FileProblem(str(error)) from error
 
 
-def _load_onnx(path: str) -> onnx.ModelProto:
-    """The model at ``path`` without its external data, checked to be a well-formed ONNX model."""
+def _load_onnx(path: str) -> Any:
+    """The model at ``path`` (external data not loaded), checked to be a valid ONNX model by onnx.checker on a
+    stand-in that holds no weights (:func:`amppass.onnx.convert.load`)."""
+    from .onnx.convert import load
+
     if not os.path.exists(path):
         raise FileProblem(f"{path}: no such file")
     if not os.path.isfile(path):
         raise FileProblem(f"{path}: not a file")
     try:
-        model = onnx.load(path, load_external_data=False)
-    except Exception as error:  # protobuf decode errors, missing external data, unreadable file
-        raise FileProblem(f"{path}: not a readable ONNX model ({_one_line(error)})") from error
-    if model.ir_version == 0 or not model.HasField("graph"):
-        raise FileProblem(f"{path}: not an ONNX model (no IR version or graph in it)")
-    try:
-        onnx.checker.check_model(path)
-    except (onnx.checker.ValidationError, onnx.onnx_cpp2py_export.shape_inference.InferenceError) as error:
-        raise FileProblem(f"{path}: invalid ONNX model: {_one_line(error)}") from error
-    return model
+        return load(path, check=True)
+    except AmpPassError as error:
+        raise FileProblem(_one_line(error)) from error
 
 
 def _load_feeds(path: str, model: onnx.ModelProto) -> list[dict[str, np.ndarray]]:

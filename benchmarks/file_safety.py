@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
@@ -294,7 +295,7 @@ PROBES: dict[str, str] = {
 }
 
 _MEMORY = textwrap.dedent('''
-    import os, resource, subprocess, sys, time
+    import sys
     from pathlib import Path
     import numpy as np, onnx
     from onnx import TensorProto as T, helper, numpy_helper
@@ -320,21 +321,8 @@ _MEMORY = textwrap.dedent('''
     g = helper.make_graph(nodes, "big", [helper.make_tensor_value_info("x", T.FLOAT, ["n", dim])],
                           [helper.make_tensor_value_info("y", T.FLOAT, ["n", dim])], inits)
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]); m.ir_version = 10
-    (tmp / "big.onnx").write_bytes(m.SerializeToString()); del m, g, inits, weight
-    size = sum(p.stat().st_size for p in tmp.iterdir()) / 1024**3
-    start = time.perf_counter()
-    run = ("import resource, sys\\nfrom amppass.cli import main\\ncode = main(sys.argv[1:])\\n"
-           "print('RSS', code, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
-    done = subprocess.run([sys.executable, "-c", run, "convert", str(tmp / "big.onnx"), "-o", str(tmp / "out.onnx")],
-                          capture_output=True, text=True)
-    line = [l for l in done.stdout.splitlines() if l.startswith("RSS")]
-    if not line:
-        print(f"{size:.2f} GiB model: failed ({done.stderr.strip().splitlines()[-1][:120]})")
-    else:
-        _, code, rss = line[-1].split()
-        peak = int(rss) / 1024**2
-        print(f"{size:.2f} GiB model: exit {code}, {time.perf_counter() - start:.1f} s, peak RSS {peak:.2f} GiB "
-              f"({peak / size:.2f}x the model)")
+    (tmp / "big.onnx").write_bytes(m.SerializeToString())
+
 ''')
 
 
@@ -353,12 +341,29 @@ def run_probe(root: Path, name: str) -> str:
         return f"process died (exit {done.returncode}): {tail[:90]}"
 
 
+_CLI = ("import resource, sys\nfrom amppass.cli import main\ncode = main(sys.argv[1:])\n"
+        "print('RSS', code, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+
+
 def run_memory(root: Path, gib: float, external: bool) -> str:
+    """Peak RSS of ``amppass convert`` on a generated model, in a process started from this lean one (a child
+    forked from the process that generated the model would start with that process's peak)."""
     with tempfile.TemporaryDirectory(dir=os.environ.get("AMPPASS_SCALE_DIR")) as folder:
-        done = subprocess.run([sys.executable, "-c", _MEMORY, folder, str(gib), "external" if external else "inline"],
-                              cwd=root, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)},
+        env = {**os.environ, "PYTHONPATH": str(root)}
+        subprocess.run([sys.executable, "-c", _MEMORY, folder, str(gib), "external" if external else "inline"],
+                       cwd=root, check=True, env=env, timeout=3600)
+        size = sum(p.stat().st_size for p in Path(folder).iterdir()) / 1024**3
+        start = time.perf_counter()
+        done = subprocess.run([sys.executable, "-c", _CLI, "convert", str(Path(folder) / "big.onnx"), "-o",
+                               str(Path(folder) / "out.onnx")], cwd=root, capture_output=True, text=True, env=env,
                               timeout=3600)
-        return (done.stdout.strip().splitlines() or [done.stderr.strip()[-200:]])[-1]
+        line = [entry for entry in done.stdout.splitlines() if entry.startswith("RSS")]
+        if not line:
+            return f"{size:.2f} GiB model: failed ({(done.stderr.strip().splitlines() or ['?'])[-1][:120]})"
+        _, code, rss = line[-1].split()
+        peak = int(rss) / 1024**2
+        return (f"{size:.2f} GiB model: exit {code}, {time.perf_counter() - start:.1f} s, peak RSS {peak:.2f} GiB "
+                f"({peak / size:.2f}x the model)")
 
 
 def main(argv: list[str] | None = None) -> None:

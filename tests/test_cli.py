@@ -113,7 +113,7 @@ def _convert(capsys, folder, *extra: str, model: str = "mlp.onnx") -> tuple[int,
 
 @pytest.mark.parametrize("name, content, words", [
     ("missing.onnx", None, ["missing.onnx", "no such file"]),
-    ("notes.txt", b"just some text, not a model\n", ["notes.txt", "not a readable ONNX model"]),
+    ("notes.txt", b"just some text, not a model\n", ["notes.txt", "could not be read as an ONNX model"]),
     ("empty.onnx", b"", ["empty.onnx", "not an ONNX model"]),
 ])
 def test_unusable_model_files(capsys, folder, name, content, words):

@@ -27,7 +27,7 @@ from ..analysis.plan import Precision, PrecisionPlan
 from ..errors import InputError
 from ..files import Staged
 from ..targets.target import Target, onnx_target
-from . import policy, runtime, validate
+from . import policy, runtime, scan, validate
 from . import save as saving
 from .calibrate import Fp32Model, calibrated_plan
 from .macs import is_heavy, node_macs, operands, value_shapes
@@ -104,8 +104,33 @@ class Converted:
         saving.stage(staged, self.model, self.store, path, external_data)
 
 
+@dataclass(frozen=True)
+class Loaded:
+    """A model read for conversion: the proto (large payloads not copied), the folder its external data lives
+    in (None for a proto given in memory), and how messages name it."""
+
+    model: onnx.ModelProto
+    base_dir: str | None
+    where: str
+    owned: bool = False  # read from a file by amppass: a conversion may take its tensors' bytes
+
+
+def load(model: str | os.PathLike | onnx.ModelProto, check: bool = False) -> Loaded:
+    """Read ``model`` (a path or a proto, which is only read) for :func:`convert_skeleton`, refusing what is
+    not an ONNX model. ``check`` also runs ``onnx.checker`` on a stand-in of it that holds no weights
+    (:func:`amppass.onnx.validate.check_with_onnx`): the command line's promise that a file is a valid model,
+    without loading or copying the model a second time."""
+    source, base_dir, where = _load(model)
+    owned = source is not model
+    if check:
+        skeleton = WeightStore(base_dir, where).skeleton(source)
+        validate.check_order(skeleton, where)
+        validate.check_with_onnx(skeleton, where)
+    return Loaded(source, base_dir, where, owned)
+
+
 def convert_skeleton(
-    model: str | os.PathLike | onnx.ModelProto,
+    model: str | os.PathLike | onnx.ModelProto | Loaded,
     dtype: str = "fp16",
     *,
     target: str = "cpu",
@@ -125,8 +150,9 @@ def convert_skeleton(
     check_tolerance(tolerance, calibration, example="[{input name: array, ...}, ...]")
     plan_target = _target(target, dtype)
     low = plan_target.low
-    source, base_dir, where = _load(model)
-    store = WeightStore(base_dir, where)
+    loaded = model if isinstance(model, Loaded) else load(model)
+    source, base_dir, where = loaded.model, loaded.base_dir, loaded.where
+    store = WeightStore(base_dir, where, owns_source=loaded.owned)
     work = store.skeleton(source)  # the private copy the conversion works on; payloads stay in the store
     validate.check_order(work, where)
     validate.dynamic_negative_dims(work)
@@ -178,6 +204,7 @@ def convert_skeleton(
             plan[node.name].evidence["macs"] = macs
     stats = apply(typed, plan)
     result = _infer(typed)
+    store.release(result)
     info = {
         "amppass_version": __version__,
         "front_end": "onnx",
@@ -245,9 +272,9 @@ def _warn_if_little_runs_low(plan: PrecisionPlan, refs: Mapping[str, Any], targe
 
 
 def _load(model: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.ModelProto, str | None, str]:
-    """``model`` as a proto (the caller's own, to be read only, or the one loaded from the path; external
-    data not loaded), the folder its external data lives in, and how messages name it. Nesting is checked
-    here, before anything walks the model recursively."""
+    """``model`` as a proto (the caller's own, to be read only, or the one read from the path without its
+    weights: :mod:`amppass.onnx.scan`), the folder its external data lives in, and how messages name it.
+    Nesting is checked here, before anything walks the model recursively."""
     if isinstance(model, onnx.ModelProto):
         where = "the onnx.ModelProto passed to convert_onnx"
         _check_has_graph(model, where)
@@ -261,7 +288,7 @@ def _load(model: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.ModelProto, 
     if not os.path.isfile(path):
         raise InputError(f"{path!r} is not a file (no such path); pass the path of an .onnx model")
     try:
-        loaded = onnx.load(path, load_external_data=False)
+        loaded = scan.load(path)
     except OSError as err:
         raise InputError(f"{path!r} cannot be read ({err.strerror or err}); check the file's permissions") from err
     except Exception as err:  # protobuf's DecodeError and friends
@@ -270,7 +297,7 @@ def _load(model: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.ModelProto, 
         raise InputError(f"{path!r} could not be read as an ONNX model ({err}); is it an .onnx file?{hint}") from err
     _check_has_graph(loaded, repr(path))
     validate.check_nesting(loaded, repr(path))
-    return loaded, os.path.dirname(os.path.abspath(path)), repr(path)
+    return loaded, os.path.dirname(os.path.abspath(path)), repr(path)  # large tensors: references into the file
 
 
 def _check_has_graph(model: onnx.ModelProto, where: str) -> None:

@@ -91,6 +91,22 @@ class ExternalFiles:
             return np.zeros(0, dtype)
         return np.frombuffer(opened.buffer, dtype, count, offset)
 
+    def release(self, tensor: onnx.TensorProto) -> None:
+        """Let the pages of ``tensor``'s bytes go from this process's memory (they stay in the page cache and
+        come back if read again): a conversion reads each weight once or twice, never all at the same time."""
+        opened = self._open.get(info(tensor).get("location", ""))
+        if opened is None or not isinstance(opened.buffer, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        fields = info(tensor)
+        try:
+            offset, length = int(fields.get("offset", 0)), int(fields.get("length", 0))
+        except ValueError:
+            return
+        page = mmap.PAGESIZE
+        start, end = offset // page * page, min(opened.size, offset + length)
+        if end > start:
+            opened.buffer.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def close(self) -> None:
         """Unmap and forget every file (arrays handed out before must no longer be used)."""
         for opened in self._open.values():

@@ -12,11 +12,16 @@
    private copy; one with a cycle is refused, naming a node on it.
 5. Dynamic dimensions written as ``dim_value: -1`` (Paddle, some TF exports) become unknown dimensions on the
    private copy, so shape inference treats them as dynamic instead of as a size that contradicts the others.
+6. On request (:func:`check_with_onnx`), ``onnx.checker`` itself, run on a stand-in of the conversion's
+   skeleton whose tensors point at one empty file: the checker's schema and graph checks without reading,
+   copying or serialising any weight.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 from collections import deque
 from typing import Iterator
 
@@ -25,7 +30,7 @@ from onnx import TensorProto
 
 from ..errors import InputError
 from .external import check_location
-from .view import subgraphs
+from .view import subgraphs, tensors
 
 MAX_NESTING = 48
 
@@ -88,6 +93,28 @@ def check_order(model: onnx.ModelProto, where: str) -> None:
         for node in graph.node:
             for body in subgraphs(node):
                 stack.append((body, own))
+
+
+def check_with_onnx(skeleton: onnx.ModelProto, where: str) -> None:
+    """Rule 6: ``onnx.checker.check_model`` on ``skeleton`` with every tensor that keeps its data outside the
+    proto pointed at an empty stand-in file; InputError with the checker's words."""
+    stand_in = onnx.ModelProto()
+    stand_in.CopyFrom(skeleton)  # a skeleton holds no large payloads: this copy is small
+    for tensor in tensors(stand_in.graph):
+        if tensor.data_location == TensorProto.EXTERNAL:
+            for entry in tensor.external_data:
+                if entry.key == "location":
+                    entry.value = "stand-in.data"
+    with tempfile.TemporaryDirectory(prefix="amppass-check-") as folder:
+        open(os.path.join(folder, "stand-in.data"), "wb").close()
+        path = os.path.join(folder, "model.onnx")
+        with open(path, "wb") as out:
+            out.write(stand_in.SerializeToString())
+        try:
+            onnx.checker.check_model(path)
+        except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as err:
+            raise InputError(f"{where}: invalid ONNX model: {' '.join(str(err).split())[:300]}; check it with "
+                             "onnx.checker.check_model and fix the reported node or re-export the model") from None
 
 
 def dynamic_negative_dims(model: onnx.ModelProto) -> None:

@@ -42,6 +42,17 @@ def subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
             yield from attr.graphs
 
 
+def tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    """Initializers and Constant tensors of ``graph`` and its bodies."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.TENSOR:
+                yield attr.t
+        for sub in subgraphs(node):
+            yield from tensors(sub)
+
+
 def all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
     """Every node of ``graph`` and of its subgraphs, bodies before their owners."""
     for node in graph.node:

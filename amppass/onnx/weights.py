@@ -30,35 +30,26 @@ from ..dtypes import LowType
 from ..errors import InputError
 from . import validate
 from .external import RESERVED, ExternalFiles, info
-from .view import subgraphs
+from .view import subgraphs, tensors
 
 LOCATION = RESERVED  # the external-data location that names an in-memory store entry
 LIFT_BYTES = 1024  # smaller tensors stay in the proto: shape inference reads shapes and axes from them
 _SERIAL_CHUNK = 1 << 15  # torch's parallel grain size (at::internal::GRAIN_SIZE): smaller copies run serially
 
 
-def tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
-    """Initializers and Constant tensors of ``graph`` and its bodies."""
-    yield from graph.initializer
-    for node in graph.node:
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.TENSOR:
-                yield attr.t
-        for sub in subgraphs(node):
-            yield from tensors(sub)
-
-
 class WeightStore:
     """Payloads of the large tensors of one conversion, keyed by the index in their external reference.
 
     ``base_dir`` is the folder the source model's own external-data files are found in (None for a model
-    given as a proto with every tensor inline); ``where`` names the model in error messages. Every tensor of
+    given as a proto with every tensor inline); ``where`` names the model in error messages; with
+    ``owns_source`` (a model amppass read from a file itself) a source tensor gives up its bytes once they
+    are read, so they are held once, not twice. Every tensor of
     the source is checked as the skeleton is built (:func:`amppass.onnx.validate.check_tensor`, raw lengths),
     and external files are read only through :class:`~amppass.onnx.external.ExternalFiles`.
     """
 
-    def __init__(self, base_dir: str | None = None, where: str = "the model"):
-        self.base_dir, self.where = base_dir, where
+    def __init__(self, base_dir: str | None = None, where: str = "the model", owns_source: bool = False):
+        self.base_dir, self.where, self.owns_source = base_dir, where, owns_source
         self._files = ExternalFiles(base_dir, where) if base_dir is not None else None
         # an entry is the caller's tensor itself until its bytes are first read, then those bytes
         self._payloads: list[bytes | onnx.TensorProto] = []
@@ -154,6 +145,7 @@ class WeightStore:
                 result = float(np.abs(finite).max()) if finite.size else 0.0
         if entry is not None:
             self._absmax[entry] = result
+        self.done_with(tensor)
         return result
 
     # -- writing --------------------------------------------------------------------------------------
@@ -177,6 +169,8 @@ class WeightStore:
             done = self._add(_rounded(values, low.torch).view(torch.int16).numpy().tobytes())
             if entry is not None:
                 self._lowered[(entry, low)] = (done, clamped)
+            del values
+            self.done_with(tensor)
         name, dims = target.name or tensor.name, list(tensor.dims)
         target.Clear()
         target.name, target.data_type = name, low.onnx
@@ -208,7 +202,16 @@ class WeightStore:
                 continue
             offset = out.tell()
             out.write(self.payload(tensor))
+            self.done_with(tensor)
             _point(tensor, location, offset, out.tell() - offset)
+
+    def release(self, model: onnx.ModelProto) -> None:
+        """Drop the payloads no tensor of ``model`` references any more (fp32 originals a conversion replaced
+        with their low-precision values), so a converted model holds only what it will write."""
+        kept = {_entry(t) for t in tensors(model.graph)}
+        for entry in range(len(self._payloads)):
+            if entry not in kept:
+                self._payloads[entry] = b""
 
     def references(self, tensor: onnx.TensorProto) -> bool:
         """Whether ``tensor``'s bytes are held outside the proto: by this store or in an external file."""
@@ -223,6 +226,11 @@ class WeightStore:
         held = self._payloads[entry]
         return held.raw_data if isinstance(held, onnx.TensorProto) else held
 
+    def done_with(self, tensor: onnx.TensorProto) -> None:
+        """A tensor read from a memory-mapped file: let its pages go (see :meth:`ExternalFiles.release`)."""
+        if self._files is not None and _entry(tensor) is None and tensor.data_location == TensorProto.EXTERNAL:
+            self._files.release(tensor)
+
     def payload_size(self, tensor: onnx.TensorProto) -> int:
         """Bytes :meth:`payload` returns for ``tensor``, known from its shape and type."""
         return _nbytes(tensor)
@@ -236,7 +244,10 @@ class WeightStore:
         """The payload of ``entry``, read from the caller's tensor the first time (protobuf copies it)."""
         payload = self._payloads[entry]
         if isinstance(payload, onnx.TensorProto):
-            payload = self._payloads[entry] = payload.raw_data
+            source = payload
+            payload = self._payloads[entry] = source.raw_data
+            if self.owns_source:  # a model amppass read itself: its copy of the bytes is not needed twice
+                source.ClearField("raw_data")
         return payload
 
     def _mapped(self, tensor: onnx.TensorProto) -> np.ndarray:

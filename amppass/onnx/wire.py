@@ -48,7 +48,11 @@ def size(parts: list[Piece]) -> int:
 def write(parts: list[Piece], store: WeightStore, out: BinaryIO) -> None:
     """Write the pieces to ``out``, payloads one at a time straight from ``store``."""
     for part in parts:
-        out.write(store.payload(part.tensor) if isinstance(part, _Payload) else part)
+        if isinstance(part, _Payload):
+            out.write(store.payload(part.tensor))
+            store.done_with(part.tensor)
+        else:
+            out.write(part)
 
 
 def _message(message, store: WeightStore) -> list[Piece]:

@@ -7,7 +7,7 @@ import os
 import onnx
 
 from ..errors import InputError
-from ..onnx import validate
+from ..onnx import scan, validate
 from ..onnx.rewrite import META_KEY
 from ..onnx.view import all_nodes
 from . import meta
@@ -23,7 +23,7 @@ def read_onnx(model: onnx.ModelProto | str | os.PathLike) -> Report:
         if not os.path.isfile(path):
             raise InputError(f"{path!r} is not a file; pass the path of an .onnx model amppass converted")
         try:
-            model = onnx.load(path, load_external_data=False)
+            model = scan.load(path)  # the decisions without the weights
         except Exception as err:  # protobuf's DecodeError and friends
             raise InputError(f"{path!r} could not be read as an ONNX model ({str(err)[:120]}); pass an .onnx "
                              "model amppass converted") from err

@@ -1,0 +1,132 @@
+"""Reading an .onnx file without its weights: large inline tensors become references into the file itself.
+
+``onnx.load`` reads the whole file into memory and parses it into a second copy: a 1 GiB model costs 2 GiB
+before any work starts, and reading a tensor's bytes from the parsed proto copies them once more. Instead
+the file is memory-mapped and its protobuf encoding walked field by field. Every message is parsed as
+usual, except the large tensors: a TensorProto whose ``raw_data`` is longer than :data:`INLINE_BYTES` is
+parsed without it and marked as external data whose ``location`` is the model file itself, at the offset
+the bytes sit at. The rest of amppass reads such a tensor like any external-data tensor, through
+:class:`~amppass.onnx.external.ExternalFiles` (memory-mapped, bounds-checked, inside the model's folder).
+
+Only the messages that can hold weights are walked (model, graph, node, attribute, tensor), and only when
+they are large enough to; everything else, and every small message, is parsed by protobuf in one call.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import onnx
+from onnx import TensorProto
+
+INLINE_BYTES = 4096  # tensors up to this size stay in the proto (shape inference reads small constants)
+_MAX_DEPTH = 100  # protobuf's own parser stops at the same depth
+
+_LENGTH_DELIMITED = 2
+
+
+def load(path: str) -> onnx.ModelProto:
+    """The model at ``path`` with its large inline tensors referencing the file itself (module docstring).
+
+    Raises OSError for a file that cannot be read, ValueError (or protobuf's DecodeError) for one that is
+    not a protobuf message."""
+    with open(path, "rb") as handle:
+        if not os.fstat(handle.fileno()).st_size:
+            handle.read(1)  # a file that reports no size may still refuse reading (/proc): say so
+            return onnx.ModelProto()
+        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            data = memoryview(mapped)
+            try:
+                model = onnx.ModelProto()
+                _message(model, data, 0, len(data), os.path.basename(path), 0)
+                return model
+            finally:
+                data.release()
+
+
+def _message(message, data: memoryview, start: int, end: int, location: str, depth: int) -> None:
+    """Fill ``message`` from ``data[start:end]``, walking into the fields that can hold large tensors.
+
+    Each walked sub-message gets its own memory view slices only; nothing is copied but the small fields."""
+    if depth > _MAX_DEPTH:
+        raise ValueError(f"messages nested more than {_MAX_DEPTH} deep")
+    walk = _WALKED.get(type(message))
+    if walk is None or end - start <= INLINE_BYTES:
+        message.MergeFromString(data[start:end])
+        return
+    pending: list[memoryview] = []  # fields parsed as they are, merged in one call, in order
+    payload: tuple[int, int] | None = None  # a large raw_data: marked external once the tensor is complete
+    position = start
+    while position < end:
+        field_start = position
+        key, position = _varint(data, position, end)
+        number, wire = key >> 3, key & 7
+        if wire == _LENGTH_DELIMITED:
+            length, position = _varint(data, position, end)
+            value_start, position = position, position + length
+            if position > end:
+                raise ValueError("a field runs past the end of its message")
+            if number in walk and walk[number] == "raw_data" and length > INLINE_BYTES:
+                payload = (value_start, length)
+                continue
+            if number in walk and walk[number] != "raw_data":
+                _flush(message, pending)
+                target = getattr(message, walk[number])
+                child = target.add() if hasattr(target, "add") else target
+                _message(child, data, value_start, position, location, depth + 1)
+                continue
+        else:
+            position = _skip(data, position, end, wire)
+        pending.append(data[field_start:position])
+    _flush(message, pending)
+    if payload is not None:  # the bytes stay in the file: the tensor points at them
+        message.ClearField("raw_data")
+        message.data_location = TensorProto.EXTERNAL
+        del message.external_data[:]
+        for key, value in (("location", location), ("offset", str(payload[0])), ("length", str(payload[1]))):
+            message.external_data.add(key=key, value=value)
+
+
+def _flush(message, pending: list[memoryview]) -> None:
+    if pending:
+        message.MergeFromString(b"".join(pending))
+        pending.clear()
+
+
+def _varint(data: memoryview, position: int, end: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if position >= end or shift > 63:
+            raise ValueError("a truncated or malformed field")
+        byte = data[position]
+        position += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, position
+        shift += 7
+
+
+def _skip(data: memoryview, position: int, end: int, wire: int) -> int:
+    """The position after a field of wire type ``wire`` (not length-delimited) starting at ``position``."""
+    if wire == 0:
+        return _varint(data, position, end)[1]
+    if wire == 1:
+        return position + 8
+    if wire == 5:
+        return position + 4
+    raise ValueError(f"wire type {wire} is not used by ONNX")
+
+
+def _fields(message_type, *names: str) -> dict[int, str]:
+    return {message_type.DESCRIPTOR.fields_by_name[name].number: name for name in names}
+
+
+# The fields that can lead to a large tensor, by message type: field number -> field name.
+_WALKED = {
+    onnx.ModelProto: _fields(onnx.ModelProto, "graph"),
+    onnx.GraphProto: _fields(onnx.GraphProto, "node", "initializer"),
+    onnx.NodeProto: _fields(onnx.NodeProto, "attribute"),
+    onnx.AttributeProto: _fields(onnx.AttributeProto, "t", "g", "graphs", "tensors"),
+    onnx.TensorProto: _fields(onnx.TensorProto, "raw_data"),
+}

@@ -1,0 +1,79 @@
+"""Reading an .onnx file without its weights (amppass.onnx.scan): the same model, with large tensors as
+references into the file, and nothing but AmpPassError for damaged files."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import amppass
+from amppass import InputError
+from amppass.onnx import scan
+from amppass.onnx.view import tensors
+from amppass.onnx.weights import WeightStore
+
+F32 = TensorProto.FLOAT
+
+
+def model() -> onnx.ModelProto:
+    """A large initializer, a large Constant, a large If-body initializer and a small initializer."""
+    big = numpy_helper.from_array(np.arange(64 * 64, dtype=np.float32).reshape(64, 64) / 4096, "W")
+    constant = helper.make_node("Constant", [], ["C"], name="c",
+                                value=numpy_helper.from_array(np.full((64, 64), 0.5, np.float32), "cv"))
+    body = helper.make_graph([helper.make_node("MatMul", ["h", "B"], ["yb"], name="mb")], "then", [],
+                             [helper.make_tensor_value_info("yb", F32, [64, 64])],
+                             [numpy_helper.from_array(np.full((64, 64), 0.25, np.float32), "B")])
+    other = helper.make_graph([helper.make_node("Identity", ["h"], ["ye"], name="ie")], "else", [],
+                              [helper.make_tensor_value_info("ye", F32, [64, 64])])
+    nodes = [constant, helper.make_node("MatMul", ["x", "W"], ["m"], name="mm"),
+             helper.make_node("Add", ["m", "C"], ["a"], name="add"),
+             helper.make_node("Add", ["a", "S"], ["h"], name="add_s"),
+             helper.make_node("If", ["cond"], ["y"], name="if", then_branch=body, else_branch=other)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F32, [64, 64]),
+                                           helper.make_tensor_value_info("cond", TensorProto.BOOL, [])],
+                              [helper.make_tensor_value_info("y", F32, [64, 64])],
+                              [big, numpy_helper.from_array(np.ones(64, np.float32), "S")])
+    built = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    built.ir_version = 10
+    return built
+
+
+def test_large_tensors_become_references_into_the_file_and_read_back_equal(tmp_path):
+    original = model()
+    path = tmp_path / "m.onnx"
+    path.write_bytes(original.SerializeToString())
+    read = scan.load(str(path))
+    by_name = {t.name: t for t in tensors(read.graph)}
+    assert {n for n, t in by_name.items() if t.data_location == TensorProto.EXTERNAL} == {"W", "cv", "B"}
+    assert by_name["S"].raw_data and not by_name["W"].raw_data  # small tensors stay inline
+    assert [(e.key, e.value) for e in by_name["W"].external_data][0] == ("location", "m.onnx")
+    store = WeightStore(str(tmp_path), "m.onnx")
+    for tensor in tensors(original.graph):
+        np.testing.assert_array_equal(store.array(by_name[tensor.name]), numpy_helper.to_array(tensor))
+    stripped = onnx.ModelProto()
+    stripped.CopyFrom(read)
+    for tensor in tensors(stripped.graph):
+        tensor.Clear()
+    again = onnx.ModelProto()
+    again.CopyFrom(original)
+    for tensor in tensors(again.graph):
+        tensor.Clear()
+    assert stripped == again  # everything but the tensors parses as onnx.load parses it
+
+
+def test_a_converted_file_matches_the_conversion_of_the_loaded_proto(tmp_path):
+    path = tmp_path / "m.onnx"
+    path.write_bytes(model().SerializeToString())
+    from_path, from_proto = amppass.convert_onnx(str(path)), amppass.convert_onnx(model())
+    assert from_path.graph == from_proto.graph
+
+
+@pytest.mark.parametrize("cut", [3, 100, 9000, -5])
+def test_truncated_files_are_input_errors(tmp_path, cut):
+    data = model().SerializeToString()
+    path = tmp_path / "m.onnx"
+    path.write_bytes(data[:cut])
+    with pytest.raises(InputError, match="m.onnx"):
+        amppass.convert_onnx(str(path))
