@@ -208,9 +208,10 @@ def _ranges(report: Summarised) -> str:
         f'<rect x="{x(FP16_MAX):.1f}" y="18" width="{width - 10 - x(FP16_MAX):.1f}" height="{plot_bottom - 18}" '
         'fill="#fff5f5"/>',
     ]
+    step = 2 * max(1, math.ceil((hi_exp - lo_exp) / 20))  # at most about ten labels, whatever the span
     for exp in range(lo_exp, hi_exp + 1):
         parts.append(f'<line x1="{x(10**exp):.1f}" x2="{x(10**exp):.1f}" y1="18" y2="{plot_bottom}" stroke="#f1f3f5"/>')
-        if exp % 2 == 0:
+        if exp % step == 0:
             parts.append(f'<text x="{x(10**exp):.1f}" y="12" text-anchor="middle">1e{exp}</text>')
     for limit, label in ((FP16_MIN_NORMAL, "fp16 min normal 6.1e-5"), (FP16_MAX, "fp16 max 65504")):
         parts.append(
