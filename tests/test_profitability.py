@@ -159,3 +159,20 @@ def test_run_time_constants_read_low_are_created_low():
     with torch.no_grad():
         ref, out = model(*x), gm(*x)
     assert float((out - ref).norm() / ref.norm()) < 2e-2
+
+
+def test_gru_runs_fp32_on_cpu_where_torch_has_no_fused_low_kernel_for_it():
+    """torch on CPU runs GRU and plain RNN layers in bf16 through an unfused path (slower, less accurate):
+    the CPU target keeps them fp32 whatever the plan; LSTM, which oneDNN fuses, runs low."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gru, self.lstm = nn.GRU(8, 8, batch_first=True), nn.LSTM(8, 8, batch_first=True)
+
+        def forward(self, x):
+            return self.lstm(self.gru(x)[0])[0]
+
+    x = (torch.randn(2, 5, 8),)
+    rows = {r.op: r for r in amppass.report(amppass.convert(Net().eval(), x, "bf16", plan_for="coverage")).rows}
+    assert rows["aten.gru"].precision == "fp32" and "unfused reference path" in rows["aten.gru"].reason
+    assert rows["aten.lstm"].precision == "bf16"

@@ -231,7 +231,7 @@ def _convert_captured(
     """
     low = target.low
     bytes_before = weight_bytes(model) if isinstance(model, nn.Module) else 0
-    view, _ = build_view(gm, low)
+    view, _ = build_view(gm, target)
     given = {**(decided or {}), **overrides.resolve(view, keep_fp32, force_low, low)}
     profit_info: dict[str, Any] = {}
     if plan_for == "speed" and mode == "inference" and target.profitable and example is not None:

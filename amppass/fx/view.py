@@ -15,7 +15,7 @@ from torch import fx
 
 from ..analysis.plan import Category
 from ..analysis.view import GraphView, OpView
-from ..dtypes import LowType
+from ..targets.target import Target
 from . import ops, policy
 
 # whole exponents that a wide-range low dtype (bf16) computes as safely as a product: x**2, x**3 (GELU's tanh form)
@@ -67,11 +67,13 @@ def cast_target(node: fx.Node) -> torch.dtype | None:
     return val.dtype if isinstance(val, torch.Tensor) else None
 
 
-def build_view(gm: fx.GraphModule, low: LowType) -> tuple[GraphView, dict[str, fx.Node]]:
-    """The neutral view of ``gm`` for the low dtype ``low`` and a map from view names back to FX nodes.
+def build_view(gm: fx.GraphModule, target: Target) -> tuple[GraphView, dict[str, fx.Node]]:
+    """The neutral view of ``gm`` for ``target`` (its low dtype and the ops it has no fast low-precision
+    kernel for) and a map from view names back to FX nodes.
 
     Each fp32 weight's absmax is measured where the low dtype's range needs the check (fp16).
     """
+    low = target.low
     measure_weights = not low.wide_range
     typed = has_dtypes(gm)
     fp32 = {n: carries_fp32(n, gm, typed) for n in gm.graph.nodes}
@@ -86,6 +88,11 @@ def build_view(gm: fx.GraphModule, low: LowType) -> tuple[GraphView, dict[str, f
             view.outputs = [a.name for a in node.all_input_nodes if fp32[a]]
         elif node.op in ("call_function", "call_method", "call_module"):
             category, reason, unknown = _category(node, gm, typed, wide_range=low.wide_range)
+            if category is Category.LOW and ops.op_name(node, gm) in target.slow_low:
+                category, reason = Category.FP32, (
+                    f"{ops.op_name(node, gm)}: torch on {target.name} runs it in {low} only through an unfused "
+                    "reference path, slower and less accurate than fp32 (only LSTM has a fused low-precision "
+                    "kernel there); kept fp32")
             inputs = [a.name for a in node.all_input_nodes if fp32[a]]
             for state_name, tensor in module_state(gm, node):
                 view.weights[state_name] = _absmax(tensor) if measure_weights else 0.0

@@ -14,6 +14,10 @@ A :class:`Target` carries everything about the deployment that changes a plan:
 - ``profitable`` (torch, on this machine's device): whether profitability is measured, i.e. a region of
   the plan runs low only where its low-precision kernels and casts beat fp32 here
   (:mod:`amppass.fx.profit`).
+- ``slow_low`` (torch): ATen ops the device runs in low precision only through a slow reference path, kept
+  fp32 by the plan whatever is measured. On CPUs torch has oneDNN's fused low-precision LSTM, but GRU and
+  plain RNN layers and cells run bf16 through unfused code, several times slower than fp32 and less
+  accurate (torch.autocast on CPU keeps them fp32 too).
 
 Targets are made by :func:`onnx_target` and :func:`torch_target` and are recorded in the converted model
 (``describe()``) and shown in its report.
@@ -56,6 +60,7 @@ class Target:
     judge: str  # "runtime" or "simulation"
     kernels: Kernels | None = None  # ONNX only
     profitable: bool = False  # torch on this machine's device: profitability measured
+    slow_low: frozenset[str] = frozenset()  # torch: ATen packets without a fast low-precision kernel
 
     def describe(self) -> dict[str, Any]:
         """What the converted model's metadata and report say about the target."""
@@ -143,7 +148,12 @@ def torch_target(name: str, dtype: object, profitability: bool = True) -> Target
     low = low_type(dtype, device=name)
     local = name == "cpu" or torch.cuda.is_available()
     return Target(name, "fx", low, f"torch {torch.__version__.split('+')[0]} on {name}",
-                  "runtime" if local else "simulation", profitable=profitability and local)
+                  "runtime" if local else "simulation", profitable=profitability and local,
+                  slow_low=_CPU_SLOW_LOW if name == "cpu" else frozenset())
+
+
+_CPU_SLOW_LOW = frozenset({"gru", "rnn_tanh", "rnn_relu", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
+                           "_thnn_fused_gru_cell"})
 
 
 def _checked(name: object, choices: tuple[str, ...], function: str) -> str:
