@@ -31,6 +31,11 @@ class LowType:
     significand_bits: int  # with the implicit leading one: a sum of 2**bits terms loses them all
 
     @property
+    def smallest_subnormal(self) -> float:
+        """Smallest positive value: non-zero magnitudes below half of it round to zero."""
+        return self.min_normal * 2.0 ** -(self.significand_bits - 1)
+
+    @property
     def wide_range(self) -> bool:
         """Whether the type has fp32's exponent range (bf16): no overflow or underflow rules apply."""
         return self.max > FP16_MAX

@@ -50,7 +50,7 @@ def test_zoo_matches_fp32_as_well_as_autocast(case, dtype):
 
 
 @pytest.mark.parametrize("name", ["bert", "cnn", "llama"])
-def test_heavy_ops_low_norms_fp32_and_one_cast_per_value(name):
+def test_heavy_ops_low_layer_norm_fp32_and_one_cast_per_value(name):
     case = build(name)
     fast = amppass.convert(case.model, case.example_inputs, torch.bfloat16, plan_for="coverage")
     seen_casts = set()
@@ -59,8 +59,12 @@ def test_heavy_ops_low_norms_fp32_and_one_cast_per_value(name):
         op = node.target
         if op in (torch.ops.aten.linear.default, torch.ops.aten.conv2d.default, torch.ops.aten.convolution.default):
             assert meta["precision"] == "low", node.name
-        if op in (torch.ops.aten.layer_norm.default, torch.ops.aten.batch_norm.default):
+        if op is torch.ops.aten.layer_norm.default:
             assert meta["precision"] == "fp32", node.name
+        if op is torch.ops.aten.batch_norm.default:  # eval batch norm: low input, its statistics read in fp32
+            assert meta["precision"] == "low" and not meta["casts_in"], node.name
+            assert all(fast.get_parameter(a.target).dtype == torch.float32 if "running" not in a.target else
+                       fast.get_buffer(a.target).dtype == torch.float32 for a in node.args[1:5]), node.name
         if op is torch.ops.aten._to_copy.default and meta.get("cast"):
             key = (node.args[0], node.kwargs["dtype"])
             assert key not in seen_casts, f"two casts of {key}"

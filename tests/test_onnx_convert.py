@@ -271,7 +271,8 @@ def test_bf16_keeps_ops_without_a_cpu_kernel_fp32():
 
 def test_policy_table_checked_against_schema_and_runtime():
     assert policy.classify("", "MatMul", 17, 2, onnx_target("cpu", "fp16")).category is Category.LOW
-    assert policy.classify("", "Softmax", 17, 1, onnx_target("cpu", "fp16")).category is Category.FP32
+    assert policy.classify("", "LogSoftmax", 17, 1, onnx_target("cpu", "fp16")).category is Category.FP32
+    assert policy.classify("", "Softmax", 17, 1, onnx_target("cpu", "fp16")).category is Category.FOLLOW
     resize = policy.classify("", "Resize", 19, 4, onnx_target("cpu", "fp16"))
     assert resize.kept_slots == frozenset({1, 2, 3})
     unknown = policy.classify("my.domain", "Frobnicate", 1, 1, onnx_target("cpu", "fp16"))

@@ -6,20 +6,29 @@ Rules, in the order they apply (after TF grappler's auto mixed precision pass):
 2. LOW, FP32 and FP32_ACCUM ops take the policy table's precision; KEEP ops do no float work.
 3. Range of weights: in fp16, a weight beyond 65504 cannot be stored in low precision; its consumers
    run fp32 rather than read an inf.
-4. Constants in the op itself (a fill value of -3.4e38, say) beyond the low dtype's range keep that op fp32.
+4. Constants in the op itself (a fill value of -3.4e38, say) beyond the low dtype's range keep that op fp32;
+   so does a non-zero constant of a LOW or FOLLOW op that flushes to zero in it (1e-12 in fp16).
 5. Deny propagation: an fp32 decision caused by range flows downstream through FOLLOW ops, which would
    carry the out-of-range values, until an op of another category.
-6. FOLLOW ops take the precision of their inputs in graph order, as type promotion would: any fp32 input
-   (a weight read next to an activation counts) makes them fp32, so nothing the original kept fp32 next
-   to another value gets rounded; all-low inputs keep them low, so element-wise ops between Tensor Core
-   ops stay low and cost no casts.
+6. FOLLOW ops take the precision of their activations in graph order, as type promotion would: any fp32
+   activation (graph inputs are fp32) makes them fp32, so nothing the original kept fp32 next to another
+   value gets rounded; all-low activations keep them low, so element-wise ops between Tensor Core ops stay
+   low and cost no casts. A weight or constant read beside low activations (a bias, a scale, a batch
+   norm's statistics) runs low with them and is stored low once, when its values fit the low dtype
+   (:mod:`amppass.analysis.fit`); one that does not fit keeps the op fp32, with the reason. A value
+   computed from weights alone (an embedding lookup) is not a weight here: it counts as fp32 until rule 7
+   decides it, as type promotion would have it; so is a weight joined to low activations by a
+   concatenation (the policy fact "join"): its values become data of the result, which type promotion
+   keeps fp32.
 7. An op fed by weights alone (an embedding gather, a transposed weight) follows its consumers: low when
-   every consumer runs low, so the weight is converted once ahead of time instead of on every call, fp32
-   otherwise. ``low_weight_tables`` stores such tables in low precision regardless, for half the bytes.
-8. A FOLLOW op painted low with a single low input, whose readers all run fp32, runs fp32 instead: its
-   cast moves before it at no extra cost, exact for data movement and more precise for arithmetic. This
-   goes in reverse graph order, so a chain of such ops (transpose, reshape) resolves from its far end;
-   it also keeps onnxruntime 1.31 from crashing on Transpose -> Cast(float) -> MatMul.
+   every consumer runs low and its weights fit, so the weight is converted once ahead of time instead of
+   on every call, fp32 otherwise. ``low_weight_tables`` stores such tables in low precision regardless,
+   for half the bytes.
+8. A FOLLOW op painted low with a single low activation (weights beside it allowed), whose readers all run
+   fp32, runs fp32 instead: its cast moves before it at no extra cost, exact for data movement and more
+   precise for arithmetic (a bias added before a residual sum in fp32). This goes in reverse graph order,
+   so a chain of such ops (transpose, reshape) resolves from its far end; it also keeps onnxruntime 1.31
+   from crashing on Transpose -> Cast(float) -> MatMul.
 """
 
 from __future__ import annotations
@@ -27,7 +36,9 @@ from __future__ import annotations
 from typing import Mapping
 
 from ..dtypes import LowType
+from .fit import misfit
 from .plan import Category, Decision, Precision, PrecisionPlan, Source
+from .policy import DIVISION, JOIN
 from .view import GraphView, OpView
 
 _CATEGORY_PRECISION = {
@@ -59,7 +70,7 @@ def paint(
     for node in view.nodes:
         decision = given.get(node.name) or _fixed(node, low, too_big)
         if decision is None:
-            decision = _follow(node, low, produced, denied, view.weights)
+            decision = _follow(node, view, low, produced, denied)
         plan[node.name] = decision
         # fp32-accumulating ops output fp32; ops without float work leave their (fp32) values as they are
         out_precision = Precision.LOW if decision.precision is Precision.LOW else Precision.FP32
@@ -84,15 +95,16 @@ def _cast_early(view: GraphView, plan: PrecisionPlan, low: LowType, given: Mappi
     for node in reversed(view.nodes):
         decision = plan[node.name]
         if (node.category is not Category.FOLLOW or decision.precision is not Precision.LOW
-                or node.name in given or len(set(node.inputs)) != 1):
+                or node.name in given or len({v for v in node.inputs if v not in view.weights}) != 1):
             continue
         readers = [c for v in node.outputs for c in consumers.get(v, [])]
         if not readers or outputs.intersection(node.outputs) or any(
                 plan[c.name].precision is not Precision.FP32 for c in readers):
             continue
+        beside = " (beside weights, which stay fp32)" if len(set(node.inputs)) > 1 else ""
         plan[node.name] = Decision(
             Precision.FP32,
-            f"reads one {low} value and every reader runs fp32: runs fp32 so the cast comes before it "
+            f"reads one {low} value{beside} and every reader runs fp32: runs fp32 so the cast comes before it "
             f"at no extra cost ({node.reason})",
             Source.PAINTING,
         )
@@ -106,10 +118,23 @@ def _resolve_weight_only(view: GraphView, plan: PrecisionPlan, low: LowType, alw
         if not decision.evidence.get("weights_only"):
             continue
         users = [plan[c.name].precision for v in node.outputs for c in consumers.get(v, [])]
-        if always_low or (users and all(p is Precision.LOW for p in users)):
-            why = ("low_weight_tables is set" if always_low else f"every consumer runs {low}")
+        if always_low:
             plan[node.name] = Decision(
-                Precision.LOW, f"reads weights only and {why}: its weights are stored in {low}",
+                Precision.LOW, f"reads weights only and low_weight_tables is set: its weights are stored in {low}",
+                Source.PAINTING, {"weights_only": True},
+            )
+        elif users and all(p is Precision.LOW for p in users):
+            unfit = _unfit(node, view, low)
+            if unfit is not None:
+                weight, why, evidence = unfit
+                plan[node.name] = Decision(
+                    Precision.FP32, f"reads weights only and every consumer runs {low}, but weight {weight!r} "
+                    f"does not fit {low} ({why}); its weights stay fp32", Source.STATIC,
+                    {"weights_only": True, "rule": "weight-fit", **evidence},
+                )
+                continue
+            plan[node.name] = Decision(
+                Precision.LOW, f"reads weights only and every consumer runs {low}: its weights are stored in {low}",
                 Source.PAINTING, {"weights_only": True},
             )
         else:
@@ -117,6 +142,15 @@ def _resolve_weight_only(view: GraphView, plan: PrecisionPlan, low: LowType, alw
                 Precision.FP32, "reads weights only and feeds fp32 work: its weights stay fp32",
                 Source.PAINTING, {"weights_only": True},
             )
+
+
+def _unfit(node: OpView, view: GraphView, low: LowType) -> tuple[str, str, dict] | None:
+    """The first weight ``node`` reads that does not fit ``low``: (weight, why, evidence)."""
+    for weight in [v for v in node.inputs if v in view.weights]:
+        why, evidence = misfit(view, weight, low, divides=DIVISION in node.facts)
+        if why:
+            return weight, why, evidence
+    return None
 
 
 def _fixed(node: OpView, low: LowType, too_big: Mapping[str, float]) -> Decision | None:
@@ -138,6 +172,15 @@ def _fixed(node: OpView, low: LowType, too_big: Mapping[str, float]) -> Decision
             Source.STATIC,
             {"constant": huge[0], "limit": low.max},
         )
+    flushed = [s for s in node.scalars if 0 < abs(s) < low.smallest_subnormal / 2]
+    if flushed and node.category in (Category.LOW, Category.FOLLOW):
+        return Decision(
+            Precision.FP32,
+            f"constant {flushed[0]:.3g} in the op rounds to zero in {low} (its smallest subnormal is "
+            f"{low.smallest_subnormal:.3g}); kept fp32",
+            Source.STATIC,
+            {"constant": flushed[0], "limit": low.smallest_subnormal},
+        )
     if node.category is Category.FOLLOW:
         return None
     reason = node.reason
@@ -146,10 +189,10 @@ def _fixed(node: OpView, low: LowType, too_big: Mapping[str, float]) -> Decision
 
 def _follow(
     node: OpView,
+    view: GraphView,
     low: LowType,
     produced: Mapping[str, Precision],
     denied: Mapping[str, str],
-    weights: Mapping[str, float],
 ) -> Decision:
     """Rules 5-6 for a FOLLOW op."""
     origins = [denied[v] for v in node.inputs if v in denied]
@@ -160,18 +203,33 @@ def _follow(
             Source.CALIBRATION,
             {"origin": origins[0]},
         )
-    # graph inputs are fp32; a weight next to an activation votes fp32, as type promotion would
-    activations = {produced.get(v, Precision.FP32) for v in node.inputs if v not in weights}
+    # graph inputs, and values computed from weights alone until rule 7 resolves them, are fp32
+    activations = {produced.get(v, Precision.FP32) for v in node.inputs if v not in view.weights}
     if node.inputs and not activations:
         # provisional: resolved from the consumers once the whole graph is painted (rule 7)
         return Decision(Precision.FP32, "reads weights only", Source.PAINTING, {"weights_only": True})
-    seen = activations | ({Precision.FP32} if any(v in weights for v in node.inputs) else set())
-    if Precision.FP32 in seen:
-        why = "mixes fp32 and low-precision inputs" if Precision.LOW in seen else "its inputs are fp32"
-        if Precision.LOW in activations and Precision.FP32 not in activations:
-            why = "combines a low-precision input with an fp32 weight"
+    if Precision.FP32 in activations:
+        why = "mixes fp32 and low-precision inputs" if Precision.LOW in activations else "its inputs are fp32"
         return Decision(Precision.FP32, f"{why}; runs fp32 ({node.reason})", Source.PAINTING)
-    if Precision.LOW in seen:
-        return Decision(Precision.LOW, f"its inputs are {low}; runs {low} ({node.reason})", Source.PAINTING)
-    return Decision(Precision.KEEP, "no floating-point input to follow", Source.PAINTING)
-
+    if not activations:
+        return Decision(Precision.KEEP, "no floating-point input to follow", Source.PAINTING)
+    weights = [v for v in node.inputs if v in view.weights]
+    if weights and JOIN in node.facts:
+        return Decision(
+            Precision.FP32,
+            f"joins weight {weights[0]!r} to {low} inputs: its values become part of the result, which keeps "
+            f"them in fp32 as type promotion would; runs fp32 ({node.reason})", Source.PAINTING,
+        )
+    unfit = _unfit(node, view, low)
+    if unfit is not None:
+        weight, why, evidence = unfit
+        return Decision(
+            Precision.FP32,
+            f"reads weight {weight!r} beside {low} inputs, but it does not fit {low} ({why}); runs fp32 "
+            f"({node.reason})",
+            Source.STATIC, {"rule": "weight-fit", **evidence},
+        )
+    if weights:
+        return Decision(Precision.LOW, f"its inputs are {low} and the weights it reads fit {low}, which stores "
+                        f"them; runs {low} ({node.reason})", Source.PAINTING)
+    return Decision(Precision.LOW, f"its inputs are {low}; runs {low} ({node.reason})", Source.PAINTING)

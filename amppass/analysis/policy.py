@@ -20,8 +20,9 @@ SINGULAR = "singular-at-zero"  # log, reciprocal, rsqrt of an input: zero is a s
 POWER = "power"  # x ** p: singular at zero when p may be negative
 NORMALISATION = "normalisation"  # divides by a variance or norm computed from its input
 REDUCTION = "reduction"  # sums or averages many terms into each result
+JOIN = "join"  # joins its inputs into one value (concatenation): a weight it reads becomes part of the result
 
-FACTS = frozenset({DIVISION, SINGULAR, POWER, NORMALISATION, REDUCTION})
+FACTS = frozenset({DIVISION, SINGULAR, POWER, NORMALISATION, REDUCTION, JOIN})
 
 
 @dataclass(frozen=True)

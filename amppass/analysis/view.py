@@ -8,6 +8,7 @@ outputs. Values come from three kinds of source: graph inputs and run-time const
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from .plan import Category
 
@@ -39,6 +40,13 @@ class GraphView:
     nodes: list[OpView]
     weights: dict[str, float] = field(default_factory=dict)  # weight value -> absmax (for the range rule)
     outputs: list[str] = field(default_factory=list)
+    # a weight's values (numpy or torch), read on demand by the painting's fit check; None: not readable,
+    # and every weight within the low dtype's largest value is taken to fit
+    weight_values: Callable[[str], Any] | None = None
+    # (weight, low dtype name) -> (relative rounding error, smallest non-zero magnitude): measured once by
+    # amppass.analysis.fit for the many paintings of one conversion (the tolerance search paints every run)
+    rounding_cache: dict[tuple[str, str], tuple[float, float]] = field(default_factory=dict, repr=False,
+                                                                         compare=False)
 
     def producers(self) -> dict[str, OpView]:
         """Value name -> the node that produces it."""

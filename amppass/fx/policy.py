@@ -4,13 +4,27 @@ Facts from torch.autocast's cast lists, TF grappler's AMP lists, TVM's ToMixedPr
 products and convolutions are Tensor Core work; exponentials, logarithms, powers, norms, losses and long
 reductions lose range or bits in fp16 and run in fp32 (reductions and softmax accumulate in fp32 through
 their ``dtype=`` argument, which avoids casting the whole input); everything else follows its inputs.
+Batch normalisation with stored statistics is a per-channel affine map and follows its input; its
+training form, which computes statistics of its batch, has a row of its own in :data:`TRAINING`, picked
+per node by :func:`in_training`.
 """
 
 from __future__ import annotations
 
-from ..analysis.plan import Category
-from ..analysis.policy import DIVISION, NORMALISATION, POWER, REDUCTION, SINGULAR, PolicyRow
+import inspect
+from types import MappingProxyType
+from typing import Any
 
+import torch
+from torch import fx, nn
+
+from ..analysis.plan import Category
+from ..analysis.policy import DIVISION, JOIN, NORMALISATION, POWER, REDUCTION, SINGULAR, PolicyRow
+from . import ops
+
+
+_BATCH_NORMS = ("batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
+                "_native_batch_norm_legit_functional")
 
 # Each op is named once, by its ATen overload packet name.
 POLICY: tuple[PolicyRow, ...] = (
@@ -55,11 +69,17 @@ POLICY: tuple[PolicyRow, ...] = (
     PolicyRow(
         Category.FP32,
         "normalisation: mean and variance statistics need fp32",
-        ("layer_norm", "native_layer_norm", "group_norm", "native_group_norm", "batch_norm",
-         "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
-         "_native_batch_norm_legit_functional", "instance_norm", "rms_norm", "_fused_rms_norm",
-         "var", "std", "var_mean", "std_mean", "normalize"),
+        ("layer_norm", "native_layer_norm", "group_norm", "native_group_norm", "instance_norm", "rms_norm",
+         "_fused_rms_norm", "var", "std", "var_mean", "std_mean", "normalize"),
         facts=frozenset({NORMALISATION}),
+    ),
+    PolicyRow(
+        Category.FOLLOW,
+        "batch normalisation with stored statistics (inference): a per-channel scale and shift; runs in the "
+        "precision of its input and reads its statistics and affine weights in fp32, which torch's kernels take "
+        "beside a low-precision input",
+        _BATCH_NORMS,
+        slots=MappingProxyType({"weight": "keep", "bias": "keep", "running_mean": "keep", "running_var": "keep"}),
     ),
     PolicyRow(
         Category.FP32,
@@ -143,6 +163,12 @@ POLICY: tuple[PolicyRow, ...] = (
     ),
     PolicyRow(
         Category.FOLLOW,
+        "concatenation: runs in the precision of its inputs",
+        ("cat", "concat", "stack"),
+        facts=frozenset({JOIN}),
+    ),
+    PolicyRow(
+        Category.FOLLOW,
         "elementwise or data movement: runs in the precision of its inputs",
         ("add", "sub", "rsub", "mul", "neg", "abs", "relu", "relu_", "gelu", "silu", "mish", "tanh",
          "sigmoid", "hardtanh", "hardswish", "hardsigmoid", "leaky_relu", "elu", "selu", "celu", "softplus",
@@ -151,7 +177,7 @@ POLICY: tuple[PolicyRow, ...] = (
          "trunc", "maximum", "minimum", "max", "min", "amax", "amin", "argmax", "argmin", "topk", "sort",
          "eq", "ne", "lt", "le", "gt", "ge", "logical_not", "isnan", "isinf", "isfinite",
          "view", "reshape", "_unsafe_view", "permute", "transpose", "t", "contiguous", "clone", "flatten",
-         "unflatten", "squeeze", "unsqueeze", "expand", "expand_as", "repeat", "cat", "concat", "stack",
+         "unflatten", "squeeze", "unsqueeze", "expand", "expand_as", "repeat",
          "split", "split_with_sizes", "chunk", "unbind", "slice", "select", "narrow", "index", "index_select",
          "gather", "scatter", "embedding", "roll", "flip", "pad", "constant_pad_nd", "alias", "detach",
          "max_pool1d", "max_pool2d", "max_pool3d", "max_pool2d_with_indices", "adaptive_max_pool2d",
@@ -167,14 +193,81 @@ POLICY: tuple[PolicyRow, ...] = (
     ),
 )
 
+# rows for the training form of an op (:func:`in_training`), which computes statistics of its batch
+TRAINING: tuple[PolicyRow, ...] = (
+    PolicyRow(
+        Category.FP32,
+        "batch normalisation in training mode: the batch's mean and variance statistics need fp32",
+        _BATCH_NORMS,
+        facts=frozenset({NORMALISATION}),
+    ),
+)
+
 UNKNOWN_REASON = "not in the policy table: follows its inputs (override it if it needs fp32)"
 
 _BY_NAME: dict[str, PolicyRow] = {op: row for row in POLICY for op in row.ops}
+_TRAINING_BY_NAME: dict[str, PolicyRow] = {op: row for row in TRAINING for op in row.ops}
 
 
-def lookup(op_name: str) -> PolicyRow | None:
-    """The policy row for an ATen op name ("linear", "aten.linear" or "aten.linear.default"), or None."""
-    return _BY_NAME.get(canonical_name(op_name))
+def lookup(op_name: str, training: bool = False) -> PolicyRow | None:
+    """The policy row for an ATen op name ("linear", "aten.linear" or "aten.linear.default"), or None;
+    ``training`` picks the row of the op's training form where it has one."""
+    name = canonical_name(op_name)
+    return (_TRAINING_BY_NAME.get(name) if training else None) or _BY_NAME.get(name)
+
+
+def in_training(node: fx.Node, root: nn.Module | None = None) -> bool:
+    """Whether ``node`` is a batch normalisation that normalises by its batch's statistics: its ``training``
+    argument is True (or not a constant), or its module is in training mode or keeps no running statistics."""
+    if ops.op_name(node, root) not in _TRAINING_BY_NAME:
+        return False
+    if node.op == "call_module":
+        module = root.get_submodule(str(node.target)) if root is not None else None
+        return module is None or module.training or getattr(module, "running_mean", None) is None
+    flag = _argument(node, "training")
+    return not isinstance(flag, bool) or flag
+
+
+def kept_arguments(node: fx.Node, root: nn.Module | None = None) -> tuple[set[fx.Node], frozenset[str]]:
+    """What ``node``'s policy row feeds unchanged ("keep" slots): the argument nodes passed in those slots,
+    and the slot names (for a ``call_module`` node, the names of the module state it keeps)."""
+    row = lookup(ops.op_name(node, root), in_training(node, root))
+    slots = frozenset(s for s, how in row.slots.items() if how == "keep") if row is not None else frozenset()
+    if not slots or node.op != "call_function":
+        return set(), slots
+    names = argument_names(node)
+    passed = [(names[i] if i < len(names) else "", a) for i, a in enumerate(node.args)] + list(node.kwargs.items())
+    return {a for name, a in passed if name in slots and isinstance(a, fx.Node)}, slots
+
+
+def argument_names(node: fx.Node) -> list[str]:
+    """The names of the positional arguments of ``node``'s target (an ATen overload or a Python function);
+    [] where its signature is unknown."""
+    return [name for name, _ in _parameters(node.target)]
+
+
+def _argument(node: fx.Node, name: str) -> Any:
+    """The value ``node`` passes for its target's argument ``name`` (its default when left out); None if the
+    target's signature is unknown or has no such argument."""
+    if name in node.kwargs:
+        return node.kwargs[name]
+    for index, (param, default) in enumerate(_parameters(node.target)):
+        if param == name:
+            return node.args[index] if index < len(node.args) else default
+    return None
+
+
+def _parameters(target: Any) -> list[tuple[str, Any]]:
+    """(name, default or None) of the positional parameters of an ATen overload or a Python function."""
+    if isinstance(target, torch._ops.OpOverload):
+        return [(a.name, a.default_value if a.has_default_value() else None)
+                for a in target._schema.arguments if not a.kwarg_only]
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):
+        return []
+    return [(p.name, None if p.default is p.empty else p.default) for p in signature.parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
 def canonical_name(op_name: str) -> str:

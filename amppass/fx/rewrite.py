@@ -14,7 +14,9 @@ Rules:
 4. Casts already in the model to fp32 (the working dtype of an fp32 model) are retargeted to the dtype
    their painted node runs in; casts to other dtypes are kept.
 5. Per-slot exceptions from the policy: an attention mask is clamped to the low dtype's range before it
-   is cast, so -3.4e38 becomes the largest negative finite value instead of -inf.
+   is cast, so -3.4e38 becomes the largest negative finite value instead of -inf; a batch norm's
+   statistics and affine weights are read as they are stored (fp32 beside a low-precision input), in
+   place or in its module.
 6. With ``keep_io_types`` graph outputs are cast back to fp32; graph inputs are never changed.
 7. The tuple or list of a multi-output op (split, unbind) is never cast: ``getitem`` selects from it as
    it is and its element keeps the container's dtype; readers of the element cast it where they need to.
@@ -84,11 +86,13 @@ class _Rewriter:
         return input_dtype(decision.precision, self.low)
 
     def _low_only_weights(self) -> set[fx.Node]:
-        """get_attr nodes whose every consumer wants them in low precision (rule 2)."""
+        """get_attr nodes whose every consumer wants them in low precision (rule 2); a consumer that reads
+        one in a slot its policy keeps (a batch norm's statistics) wants it as it is."""
         result = set()
         for node in self.gm.graph.nodes:
             if node.op == "get_attr" and self.fp32[node] and node.users:
-                wants = {self._wanted(user) for user in node.users}
+                wants = {None if node in policy.kept_arguments(user, self.gm)[0] else self._wanted(user)
+                         for user in node.users}
                 if wants == {self.low}:
                     result.add(node)
         return result
@@ -169,9 +173,11 @@ class _Rewriter:
         if decision is not None and decision.precision is Precision.FP32_ACCUM and wanted is None:
             kwargs["dtype"] = torch.float32
         if node.op == "call_module" and decision is not None and decision.precision is Precision.LOW and self.precast:
+            kept = policy.kept_arguments(node, self.gm)[1]
             for name, _ in module_state(self.gm, node):
-                self._replace_attr(name, self.low)
-                self.stats.weights_converted += 1
+                if name.rsplit(".", 1)[-1] not in kept:
+                    self._replace_attr(name, self.low)
+                    self.stats.weights_converted += 1
         new = self.graph.create_node(node.op, target, args, kwargs, name=node.name, type_expr=node.type)
         new.meta = dict(node.meta)
         if decision is not None:
@@ -261,15 +267,12 @@ class _Rewriter:
             _assign(self.gm, target, _converted(tensor, dtype))
 
     def _slots(self, node: fx.Node) -> dict[str, str]:
-        row = policy.lookup(ops.op_name(node, self.gm))
-        return row.slots if row is not None else {}
+        row = policy.lookup(ops.op_name(node, self.gm), policy.in_training(node, self.gm))
+        return dict(row.slots) if row is not None else {}
 
     @staticmethod
     def _arg_names(node: fx.Node) -> list[str]:
-        target = node.target
-        if isinstance(target, torch._ops.OpOverload):
-            return [a.name for a in target._schema.arguments if not a.kwarg_only]
-        return []
+        return policy.argument_names(node)
 
 
 def rewrite(

@@ -79,11 +79,14 @@ def build_view(gm: fx.GraphModule, target: Target) -> tuple[GraphView, dict[str,
     fp32 = {n: carries_fp32(n, gm, typed) for n in gm.graph.nodes}
     view = GraphView(nodes=[])
     nodes: dict[str, fx.Node] = {}
+    held: dict[str, torch.Tensor] = {}
+    view.weight_values = held.__getitem__
     for node in gm.graph.nodes:
         nodes[node.name] = node
         if node.op == "get_attr" and fp32[node]:
             tensor = fetch_attr(gm, str(node.target))
             view.weights[node.name] = _absmax(tensor) if measure_weights else 0.0
+            held[node.name] = tensor
         elif node.op == "output":
             view.outputs = [a.name for a in node.all_input_nodes if fp32[a]]
         elif node.op in ("call_function", "call_method", "call_module"):
@@ -93,9 +96,13 @@ def build_view(gm: fx.GraphModule, target: Target) -> tuple[GraphView, dict[str,
                     f"{ops.op_name(node, gm)}: torch on {target.name} runs it in {low} only through an unfused "
                     "reference path, slower and less accurate than fp32 (only LSTM has a fused low-precision "
                     "kernel there); kept fp32")
-            inputs = [a.name for a in node.all_input_nodes if fp32[a]]
+            kept, kept_state = policy.kept_arguments(node, gm)  # fed as they are: not the plan's to convert
+            inputs = [a.name for a in node.all_input_nodes if fp32[a] and a not in kept]
             for state_name, tensor in module_state(gm, node):
+                if state_name.rsplit(".", 1)[-1] in kept_state:
+                    continue
                 view.weights[state_name] = _absmax(tensor) if measure_weights else 0.0
+                held[state_name] = tensor
                 inputs.append(state_name)
             if category is not Category.KEEP and not inputs:
                 category, unknown, reason = Category.KEEP, False, (
@@ -135,9 +142,10 @@ def _category(node: fx.Node, gm: fx.GraphModule, typed: bool, wide_range: bool =
         if target == torch.float32:
             return Category.FOLLOW, "cast to fp32, the model's working dtype: follows its input", False
         return Category.KEEP, f"explicit cast to {target} in the model; kept", False
+    training = policy.in_training(node, gm)
     if node.op == "call_module":
         module = gm.get_submodule(str(node.target))
-        row = policy.lookup(name)
+        row = policy.lookup(name, training)
         if row is None:
             if any(p.is_floating_point() for p in module.parameters()):
                 return Category.FP32, (
@@ -146,7 +154,7 @@ def _category(node: fx.Node, gm: fx.GraphModule, typed: bool, wide_range: bool =
                 ), True
             return Category.FOLLOW, policy.UNKNOWN_REASON, True
         return row.category, row.reason, False
-    row = policy.lookup(name)
+    row = policy.lookup(name, training)
     if row is None:
         return Category.FOLLOW, policy.UNKNOWN_REASON, True
     exponent = node.args[1] if name == "pow" and len(node.args) > 1 else None
@@ -159,7 +167,7 @@ def _category(node: fx.Node, gm: fx.GraphModule, typed: bool, wide_range: bool =
 
 def _facts(node: fx.Node, gm: fx.GraphModule) -> frozenset[str]:
     """What the node's op computes, from its policy row (division, reduction, ...)."""
-    row = policy.lookup(ops.op_name(node, gm))
+    row = policy.lookup(ops.op_name(node, gm), policy.in_training(node, gm))
     return row.facts if row is not None else frozenset()
 
 

@@ -175,7 +175,7 @@ def convert_skeleton(
     bytes_before = weight_bytes(work)
     typed = _infer(work, strict=True)
 
-    view, refs, types = build_view(typed, plan_target, None if low.wide_range else store.absmax)
+    view, refs, types = build_view(typed, plan_target, None if low.wide_range else store.absmax, store.array)
     given = {**policy.quantized_nodes(typed.graph), **overrides.resolve(view, keep_fp32, force_low, low)}
 
     def apply(target: onnx.ModelProto, chosen: PrecisionPlan) -> RewriteStats:

@@ -1,8 +1,11 @@
 """The ONNX op policy table: rows keyed by (domain, op_type) with opset ranges, categories and reasons.
 
 The same facts as the FX table (:mod:`amppass.fx.policy`), in ONNX's spelling, in the same row type
-(:class:`amppass.analysis.policy.PolicyRow`). ONNX reductions and softmax have no ``dtype=`` argument, so
-what FX runs as FP32_ACCUM runs here as FP32 (inputs cast up). Per-input-slot exceptions name inputs by
+(:class:`amppass.analysis.policy.PolicyRow`). ONNX reductions have no ``dtype=`` argument, so what FX runs
+as FP32_ACCUM runs here as FP32 (inputs cast up); Softmax follows its input instead, because the runtimes'
+low-precision softmax kernels already keep their statistics in fp32. An op whose training form computes
+statistics of its batch (BatchNormalization) has a second row in :data:`TRAINING`, picked per node by
+:func:`in_training`. Per-input-slot exceptions name inputs by
 their schema name; a slot marked "keep" is fed the value the model gives it, whatever the node's precision
 (Resize's roi/scales, Dropout's ratio, shapes, indices).
 
@@ -21,7 +24,7 @@ import onnx
 from onnx import TensorProto
 
 from ..analysis.plan import Category, Decision, Precision, Source
-from ..analysis.policy import DIVISION, NORMALISATION, POWER, REDUCTION, SINGULAR, PolicyRow
+from ..analysis.policy import DIVISION, JOIN, NORMALISATION, POWER, REDUCTION, SINGULAR, PolicyRow
 from ..targets.target import Kernels, Target
 
 
@@ -37,14 +40,14 @@ POLICY: tuple[PolicyRow, ...] = (
     PolicyRow(Category.LOW, "recurrent cell: matrix products dominate", ("LSTM", "GRU", "RNN")),
     PolicyRow(Category.LOW, "fused matrix multiply or attention (onnxruntime contrib op): Tensor Core work",
               ("FusedMatMul", "Attention", "MultiHeadAttention", "GroupQueryAttention", "FusedConv"), domain=_MS),
-    PolicyRow(Category.FP32, "softmax: exp and its sum overflow fp16; ONNX has no fp32-accumulate form, so "
-              "its input is cast up", ("Softmax", "LogSoftmax")),
+    PolicyRow(Category.FP32, "log-softmax: its log-probabilities are large negative numbers that fp16 holds to "
+              "a few hundredths; ONNX has no fp32-accumulate form, so its input is cast up", ("LogSoftmax",)),
     PolicyRow(Category.FP32, "reduction: a sum over many terms loses bits and can overflow in fp16; ONNX has "
               "no fp32-accumulate form, so its input is cast up",
               ("ReduceSum", "ReduceMean", "ReduceProd", "ReduceSumSquare", "ReduceL1", "ReduceL2",
                "ReduceLogSum", "ReduceLogSumExp", "CumSum"), facts=frozenset({REDUCTION})),
     PolicyRow(Category.FP32, "normalisation: mean and variance statistics need fp32",
-              ("LayerNormalization", "BatchNormalization", "InstanceNormalization", "GroupNormalization",
+              ("LayerNormalization", "InstanceNormalization", "GroupNormalization",
                "RMSNormalization", "LpNormalization", "MeanVarianceNormalization"), facts=frozenset({NORMALISATION})),
     PolicyRow(Category.FP32, "norm: a sum of squares overflows fp16 and loses bits; computed in fp32", ("LRN",)),
     PolicyRow(Category.FP32, "normalisation (onnxruntime contrib op): mean and variance statistics need fp32",
@@ -87,12 +90,19 @@ POLICY: tuple[PolicyRow, ...] = (
               "fp16 is kept fp32 by calibration)", ("Div", "Mod"), facts=frozenset({DIVISION})),
     PolicyRow(Category.FOLLOW, "average pooling: runs in the precision of its inputs (long windows are kept fp32 "
               "by calibration)", ("AveragePool", "GlobalAveragePool"), facts=frozenset({REDUCTION})),
+    PolicyRow(Category.FOLLOW, "softmax: runs in the precision of its input; low-precision kernels subtract the "
+              "maximum and sum in fp32 (onnxruntime's CUDA kernel accumulates fp16 in float, its CPU provider "
+              "casts around an fp32 kernel), as the FX path's fused attention does", ("Softmax",)),
+    PolicyRow(Category.FOLLOW, "batch normalisation with stored statistics (inference): a per-channel scale and "
+              "shift by its weights; runs in the precision of its input", ("BatchNormalization",)),
+    PolicyRow(Category.FOLLOW, "concatenation: runs in the precision of its inputs", ("Concat",),
+              facts=frozenset({JOIN})),
     PolicyRow(Category.FOLLOW, "elementwise or data movement: runs in the precision of its inputs",
               ("Add", "Sub", "Mul", "Neg", "Abs", "Relu", "LeakyRelu", "PRelu", "Elu", "Selu", "Celu",
                "Gelu", "HardSigmoid", "HardSwish", "Mish", "Sigmoid", "Tanh", "Softplus", "Softsign", "Sqrt",
                "Sin", "Cos", "Atan", "Erf", "Sign", "Floor", "Ceil", "Round", "Max", "Min", "Mean", "Sum",
                "Clip", "Where", "Dropout", "Identity", "Reshape", "Transpose", "Squeeze", "Unsqueeze",
-               "Flatten", "Concat", "Split", "Slice", "Gather", "GatherElements", "GatherND", "Scatter",
+               "Flatten", "Split", "Slice", "Gather", "GatherElements", "GatherND", "Scatter",
                "ScatterElements", "ScatterND", "Expand", "Tile", "Pad", "DepthToSpace", "SpaceToDepth",
                "MaxPool", "GlobalMaxPool", "ReduceMax", "ReduceMin",
                "ArgMax", "ArgMin", "TopK", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual",
@@ -105,6 +115,12 @@ POLICY: tuple[PolicyRow, ...] = (
               ("Gelu", "FastGelu", "BiasGelu", "QuickGelu", "BiasAdd"), domain=_MS),
 )
 
+# rows for the training form of an op (:func:`in_training`), which computes statistics of its batch
+TRAINING: tuple[PolicyRow, ...] = (
+    PolicyRow(Category.FP32, "batch normalisation in training mode: the batch's mean and variance statistics "
+              "need fp32", ("BatchNormalization",), facts=frozenset({NORMALISATION})),
+)
+
 QDQ_REASON = ("quantized (QDQ) node: it reads DequantizeLinear outputs and feeds QuantizeLinear only, so "
               "onnxruntime runs it as one integer kernel; casts would break that fusion, so it is kept fp32")
 UNKNOWN_REASON = "not in the policy table: follows its inputs (override it if it needs fp32)"
@@ -113,18 +129,31 @@ CUSTOM_REASON = ("custom op {op} (domain {domain}): no ONNX schema and no onnxru
                  "takes low precision")
 
 _BY_KEY: dict[tuple[str, str], list[PolicyRow]] = {}
-for _row in POLICY:
-    for _op in _row.ops:
-        _BY_KEY.setdefault((_row.domain, _op), []).append(_row)
+_TRAINING_BY_KEY: dict[tuple[str, str], list[PolicyRow]] = {}
+for _table, _index in ((POLICY, _BY_KEY), (TRAINING, _TRAINING_BY_KEY)):
+    for _row in _table:
+        for _op in _row.ops:
+            _index.setdefault((_row.domain, _op), []).append(_row)
 
 
-def lookup(domain: str, op_type: str, opset: int) -> PolicyRow | None:
-    """The row for ``(domain, op_type)`` whose opset range holds ``opset``, or None."""
+def lookup(domain: str, op_type: str, opset: int, training: bool = False) -> PolicyRow | None:
+    """The row for ``(domain, op_type)`` whose opset range holds ``opset``, or None; ``training`` picks the
+    row of the op's training form where it has one."""
     domain = "" if domain == "ai.onnx" else domain
-    for row in _BY_KEY.get((domain, op_type), []):
+    rows = _TRAINING_BY_KEY.get((domain, op_type), []) if training else []
+    for row in rows + _BY_KEY.get((domain, op_type), []):
         if row.opsets[0] <= opset <= row.opsets[1]:
             return row
     return None
+
+
+def in_training(node: onnx.NodeProto) -> bool:
+    """Whether ``node`` is a BatchNormalization that normalises by its batch's statistics: ``training_mode=1``
+    (opset 14 on) or the mean and variance outputs (opsets 7-13) of the training form."""
+    if node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx"):
+        return False
+    flagged = any(a.name == "training_mode" and a.i for a in node.attribute)
+    return flagged or sum(1 for v in node.output if v) > 1
 
 
 def quantized_nodes(graph: onnx.GraphProto) -> dict[str, Decision]:
@@ -175,14 +204,16 @@ def input_names(domain: str, op_type: str, opset: int, count: int) -> list[str]:
 
 
 @functools.lru_cache(maxsize=None)
-def classify(domain: str, op_type: str, opset: int, input_count: int, target: Target) -> Classification:
-    """Category, reason and slot exceptions of one node for ``target`` (its low dtype and kernels).
+def classify(domain: str, op_type: str, opset: int, input_count: int, target: Target,
+             training: bool = False) -> Classification:
+    """Category, reason and slot exceptions of one node for ``target`` (its low dtype and kernels);
+    ``training`` for a node in its training form (:func:`in_training`).
 
     Cached: a graph repeats a few dozen op forms thousands of times, and targets are shared objects.
     ``evidence`` is read-only.
     """
     kernels = target.kernels
-    row = lookup(domain, op_type, opset)
+    row = lookup(domain, op_type, opset, training)
     names = input_names(domain, op_type, opset, input_count)
     kept = frozenset(i for i, n in enumerate(names) if row is not None and row.slots.get(n) == "keep")
     if row is None and _custom(domain, op_type, opset, kernels):

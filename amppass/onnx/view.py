@@ -128,27 +128,32 @@ def opsets(model: onnx.ModelProto) -> dict[str, int]:
 
 
 def build_view(
-    model: onnx.ModelProto, target: Target, absmax: Callable[[onnx.TensorProto], float] | None
+    model: onnx.ModelProto, target: Target, absmax: Callable[[onnx.TensorProto], float] | None,
+    values: Callable[[onnx.TensorProto], Any] | None = None,
 ) -> tuple[GraphView, dict[str, NodeRef], dict[str, int]]:
     """The view of ``model`` (named by :func:`name_nodes`, typed by shape inference) for ``target``.
 
     Returns the view, view name -> :class:`NodeRef`, and value name -> element type. ``absmax`` measures a
-    weight's largest magnitude (the weight store's; None where the low dtype's range needs no check).
+    weight's largest magnitude (the weight store's; None where the low dtype's range needs no check);
+    ``values`` reads a weight's values, for the painting's check that a weight fits the low dtype.
     """
     types = value_types(model)
     versions = opsets(model)
     view = GraphView(nodes=[])
     refs: dict[str, NodeRef] = {}
+    held: dict[str, onnx.TensorProto] = {}
 
     def visit(graph: onnx.GraphProto) -> None:
         graph_inputs = {i.name for i in graph.input}
         for init in graph.initializer:
             if init.data_type == FLOAT and init.name not in graph_inputs:
                 view.weights[init.name] = absmax(init) if absmax else 0.0
+                held[init.name] = init
         for node in graph.node:
             tensor = constant_tensor(node) if node.op_type == "Constant" else None
             if tensor is not None and tensor.data_type == FLOAT:
                 view.weights[node.output[0]] = absmax(tensor) if absmax else 0.0
+                held[node.output[0]] = tensor
                 continue
             for sub in subgraphs(node):
                 visit(sub)
@@ -156,6 +161,8 @@ def build_view(
 
     visit(model.graph)
     view.outputs = [o.name for o in model.graph.output if types.get(o.name) == FLOAT]
+    if values is not None:
+        view.weight_values = lambda name: values(held[name])
     return view, refs, types
 
 
@@ -163,7 +170,7 @@ def _op_view(node: onnx.NodeProto, types: dict[str, int], versions: dict[str, in
              refs: dict[str, NodeRef]) -> OpView:
     domain = "" if node.domain == "ai.onnx" else node.domain
     opset = versions.get(domain, 1)
-    found = policy.classify(domain, node.op_type, opset, len(node.input), target)
+    found = policy.classify(domain, node.op_type, opset, len(node.input), target, policy.in_training(node))
     category, reason = found.category, found.reason
     planned = [i for i, v in enumerate(node.input) if v and types.get(v) == FLOAT and i not in found.kept_slots]
     outputs = [v for v in node.output if v and types.get(v) == FLOAT]
