@@ -18,6 +18,7 @@ import inspect
 import logging
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -266,4 +267,6 @@ def _check(node: fx.Node, value: Any, index: int) -> None:
 def _private_copy(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of ``gm`` to rewrite; parameters and buffers are shared (the rewrite never writes them)."""
     memo = {id(t): t for t in list(gm.parameters()) + list(gm.buffers())}
-    return copy.deepcopy(gm, memo)
+    with warnings.catch_warnings():  # copying torch's pytree specs trips its own LeafSpec deprecation notice
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+        return copy.deepcopy(gm, memo)

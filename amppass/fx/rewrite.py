@@ -67,7 +67,7 @@ class _Rewriter:
         self.typed = has_dtypes(gm)
         self.fp32 = {n: carries_fp32(n, gm, self.typed) for n in gm.graph.nodes}
         self.graph = fx.Graph()
-        self.graph._codegen = copy.deepcopy(gm.graph._codegen)
+        self.graph._codegen = copy.copy(gm.graph._codegen)  # its pytree specs are immutable: shared, not deep-copied
         self.env: dict[fx.Node, fx.Node] = {}
         self.dtype: dict[fx.Node, torch.dtype | None] = {}
         self.cache: dict[tuple[fx.Node, torch.dtype, bool], fx.Node] = {}
