@@ -19,6 +19,10 @@ So after painting, the plan is checked against measurements on this machine's de
    painting then runs the region's element-wise ops fp32 too. The margin keeps timing noise on a shared
    machine from flipping near-even regions, and a near-even region runs fp32: never slower than fp32.
 
+4. Whole model (:func:`whole_model`, used by :func:`amppass.convert`): the converted graph against the original
+   module in fp32; where the original is faster, it is kept (:mod:`amppass.fx.kept`). That throws the whole
+   plan away, so it is done only on a quiet machine (:func:`busy`) or from a saved table.
+
 The measured table is stored in the converted model's metadata (``info["costs"]``); passing it back as
 ``costs=`` makes a conversion reuse those times instead of measuring, so a plan is reproducible across
 processes and machines.
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -316,3 +321,13 @@ def whole_model(converted: torch.nn.Module, original: torch.nn.Module, args: tup
                 spent += found[-1]
     costs.used[f"{key}|converted"], costs.used[f"{key}|original"] = min(samples[0]), min(samples[1])
     return min(samples[0]), min(samples[1])
+
+
+def busy() -> str:
+    """Why whole-model timings here cannot be trusted now ("" when they can): a 1-minute load average at or
+    above the number of cores means other processes take the cores the model's threads wait for."""
+    try:
+        load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    except OSError:
+        return ""
+    return f"the machine is busy (load {load:.1f} on {cores} cores)" if load >= cores else ""
