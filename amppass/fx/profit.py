@@ -304,7 +304,7 @@ def whole_model(converted: torch.nn.Module, original: torch.nn.Module, args: tup
     """Seconds per call of ``converted`` and of ``original`` (fp32): the fastest of interleaved rounds (as in
     rule 2), within ``budget`` seconds of measuring (at least 3 rounds, at most 15). Both times go into
     ``costs`` (keyed by the model and its input shapes), which answers instead when it already holds them."""
-    key = f"whole model|{type(original).__name__}|{_describe((args, kwargs))}"
+    key = whole_model_key(original, args, kwargs)
     if f"{key}|converted" in costs.known and f"{key}|original" in costs.known:
         return costs.time(f"{key}|converted", lambda: None), costs.time(f"{key}|original", lambda: None)
     calls = (lambda: converted(*args, **kwargs), lambda: original(*args, **kwargs))
@@ -321,6 +321,11 @@ def whole_model(converted: torch.nn.Module, original: torch.nn.Module, args: tup
                 spent += found[-1]
     costs.used[f"{key}|converted"], costs.used[f"{key}|original"] = min(samples[0]), min(samples[1])
     return min(samples[0]), min(samples[1])
+
+
+def whole_model_key(original: torch.nn.Module, args: tuple, kwargs: dict) -> str:
+    """The cost-table key of the whole-model times (``<key>|converted``, ``<key>|original``)."""
+    return f"whole model|{type(original).__name__}|{_describe((args, kwargs))}"
 
 
 def busy() -> str:
