@@ -22,6 +22,7 @@ would hide the figure.
 from __future__ import annotations
 
 import copy
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -118,17 +119,33 @@ def peak_alloc_bytes(call: Callable[[], Any]) -> int:
     return peak
 
 
-def time_interleaved(calls: dict[str, Callable[[], Any]], warmup: int, repeats: int) -> dict[str, list[float]]:
-    """Seconds per call, every sample; each round calls every variant once, in turn."""
+def time_interleaved(calls: dict[str, Callable[[], Any]], warmup: int, repeats: int,
+                 sample_s: float = 0.02) -> dict[str, list[float]]:
+    """Seconds per call of each variant, one sample per round.
+
+    Each round times every variant once, in an order rotated from round to round (on this CPU a variant run
+    right after bf16 kernels can run a few percent slower). ``repeats`` rounds, three times as many where
+    every variant takes under 0.2 s; a sample of a fast model averages ``ceil(sample_s / call)`` calls, so
+    that it is not one timer tick of noise."""
+    first: dict[str, float] = {}
     for _ in range(warmup):
-        for call in calls.values():
-            call()
-    samples: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(repeats):
         for name, call in calls.items():
             start = time.perf_counter()
             call()
-            samples[name].append(time.perf_counter() - start)
+            first[name] = time.perf_counter() - start
+    slowest = max(first.values(), default=1.0)
+    inner = max(1, math.ceil(sample_s / max(slowest, 1e-6)))
+    rounds = repeats if slowest > 0.2 else 3 * repeats
+    names = list(calls)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for index in range(rounds):
+        shift = index % len(names)
+        for name in names[shift:] + names[:shift]:
+            call = calls[name]
+            start = time.perf_counter()
+            for _ in range(inner):
+                call()
+            samples[name].append((time.perf_counter() - start) / inner)
     return samples
 
 

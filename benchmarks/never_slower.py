@@ -4,7 +4,8 @@ For every model of ``models/`` (the zoo and the architectures of ``models/arch.p
 captures whole) at batch 1 and at a large batch, bf16 on this CPU, in one process on the same inputs:
 ``fp32`` eager, ``autocast`` (``torch.autocast("cpu", torch.bfloat16)``) and ``amppass``
 (``amppass.convert(model, inputs, "bf16")``: target "cpu", profitability measured). Latencies are medians
-of interleaved rounds (one call of each variant per round). Columns:
+of interleaved rounds (``benchmarks.latency.time_interleaved``: the variants' order rotates from round to
+round, and a sample of a fast model averages enough calls to take ~20 ms). Columns:
 
 - ``vs_best`` = amppass's latency / min(fp32, autocast): at most 1.0 is the goal; ``met`` allows 2% for
   timing noise between interleaved medians on a shared 2-core machine.
