@@ -175,6 +175,8 @@ SECTIONS: dict[str, Callable[[bool, Path], Section]] = {
     "hostile": _external("hostile", "Hostile models", lambda m, quick: m.run()),
     "shapes": _shapes,
     "compile": _compile,
+    "tolerance_ref": _external("tolerance_reference", "Tolerance search against a reference ranking (ONNX fp16, "
+                               "onnxruntime CPU)", lambda m, quick: m.run(quick)),
 }
 
 

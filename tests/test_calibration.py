@@ -144,7 +144,7 @@ def test_tolerance_met_on_held_out_inputs(name, dtype):
     assert len(moved) == meta["moved_by_tolerance"]
     if dtype is torch.bfloat16:  # bf16's output error (~4e-3) is above the tolerance: nodes must move
         assert meta["initial_error"] > 1e-3 and meta["moved_by_tolerance"] >= 1
-        assert all("local bf16 error" in r.reason for r in moved)
+        assert all("bf16 error x gain" in r.reason and r.evidence["local_error"] is not None for r in moved)
     else:  # fp16 already meets 1e-3 on this model: nothing moves
         assert meta["moved_by_tolerance"] == 0
 
@@ -152,29 +152,36 @@ def test_tolerance_met_on_held_out_inputs(name, dtype):
 def test_tolerance_search_is_logarithmic():
     from amppass.analysis.painting import paint
     from amppass.analysis.plan import PrecisionPlan
-    from amppass.analysis.tolerance import search, trim_runs
+    from amppass.analysis.tolerance import by_local_error, rank_runs, search, trim_runs
 
     plan = PrecisionPlan()
     for i in range(64):
         plan[f"n{i}"] = Decision(Precision.LOW, "mm", Source.POLICY)
     local = {f"n{i}": 1.0 / (i + 1) for i in range(64)}
-    # error falls as the first 37 nodes (the most sensitive) move
-    found = search(plan, {}, local, 0.5, lambda given: 1.0 if len(given) < 37 else 0.1, FP16)
+
+    def measure(given):  # error falls as the first 37 nodes (the most sensitive) move
+        return 1.0 if sum(f"n{i}" in given for i in range(37)) < 37 else 0.1
+
+    found = search(plan, {}, local, 0.5, measure, FP16, rank_with=by_local_error)
     assert found.met and len(found.moved) == 37 and found.moved[0] == "n0"
     assert found.runs <= 2 * math.ceil(math.log2(64)) + 1 + trim_runs(37)
+    found = search(plan, {}, local, 0.5, measure, FP16)  # the default ranking spends its own runs first
+    assert found.met and set(found.moved) >= {f"n{i}" for i in range(37)}
+    assert found.runs <= rank_runs(64) + 2 * math.ceil(math.log2(64)) + 1 + trim_runs(37)
     assert paint  # painting consumes found.given in convert
 
 
 def test_tolerance_search_gives_back_nodes_the_ranking_overrated():
     """Local error ranks n0..n4 above n5, but only n5 matters for the output: the trim gives them back."""
     from amppass.analysis.plan import PrecisionPlan
-    from amppass.analysis.tolerance import search, trim_runs
+    from amppass.analysis.tolerance import by_local_error, search, trim_runs
 
     plan = PrecisionPlan()
     for i in range(8):
         plan[f"n{i}"] = Decision(Precision.LOW, "mm", Source.POLICY)
     local = {f"n{i}": 1.0 / (i + 1) for i in range(8)}
-    found = search(plan, {}, local, 0.5, lambda given: 0.1 if "n5" in given else 1.0, FP16)
+    found = search(plan, {}, local, 0.5, lambda given: 0.1 if "n5" in given else 1.0, FP16,
+                   rank_with=by_local_error)
     assert found.met and found.moved == ["n5"] and found.achieved_error == 0.1
     assert found.given["n5"].evidence["rank"] == 6, "the reason keeps the node's place in the ranking"
     assert found.runs <= 2 * math.ceil(math.log2(8)) + 1 + trim_runs(6)

@@ -19,6 +19,7 @@ import torch
 
 from ..dtypes import LowType
 from ..errors import InputError
+from . import propagation
 from . import tolerance as search_tolerance
 from .painting import paint
 from .plan import Decision, PrecisionPlan
@@ -62,6 +63,8 @@ def plan_from_stats(
     low_weight_tables: bool = False,
     tolerance: float | None = None,
     local_error: Mapping[str, float] | None = None,
+    added_error: Mapping[str, float] | None = None,
+    norms: Mapping[str, float] | None = None,
     run_plan: Callable[[PrecisionPlan], float] | None = None,
     progress: bool = False,
 ) -> tuple[PrecisionPlan, dict[str, Any]]:
@@ -69,7 +72,9 @@ def plan_from_stats(
 
     ``given`` (user overrides) wins over the range rules. With ``tolerance``, ``run_plan(plan)`` returns the
     largest relative output error of the model rewritten by ``plan`` over the calibration data, and
-    ``local_error`` ranks the nodes the search of :mod:`amppass.analysis.tolerance` moves back to fp32;
+    ``local_error`` (and ``added_error``, the part of it each node adds itself) with ``norms`` (values' L2
+    norms on one batch, for :mod:`amppass.analysis.propagation`) ranks the nodes the search of
+    :mod:`amppass.analysis.tolerance` moves back to fp32;
     ``progress`` shows each of its runs (nodes moved, error) on a progress bar on stderr.
     Every node's observed output range lands in its evidence, for the report's range plot.
     """
@@ -92,7 +97,9 @@ def plan_from_stats(
                 verdict = "<=" if error <= tolerance else ">"
                 advance(f"run {next(runs)}, {moved} nodes fp32, error {error:.2g} {verdict} {tolerance:.2g}")
 
-            found = search_tolerance.search(plan, merged, local_error or {}, tolerance, measure, low, on_run=show)
+            sensitivity = search_tolerance.Sensitivity(local_error or {}, added_error or {},
+                                                       propagation.gains(view, norms or {}))
+            found = search_tolerance.search(plan, merged, sensitivity, tolerance, measure, low, on_run=show)
         info.update({
             "tolerance": tolerance, "achieved_error": found.achieved_error, "initial_error": found.initial_error,
             "tolerance_met": found.met, "moved_by_tolerance": len(found.moved), "tolerance_runs": found.runs,

@@ -21,8 +21,9 @@ POWER = "power"  # x ** p: singular at zero when p may be negative
 NORMALISATION = "normalisation"  # divides by a variance or norm computed from its input
 REDUCTION = "reduction"  # sums or averages many terms into each result
 JOIN = "join"  # joins its inputs into one value (concatenation): a weight it reads becomes part of the result
+ADDITION = "addition"  # adds or subtracts its inputs: an input's error reaches the result scaled by its share
 
-FACTS = frozenset({DIVISION, SINGULAR, POWER, NORMALISATION, REDUCTION, JOIN})
+FACTS = frozenset({DIVISION, SINGULAR, POWER, NORMALISATION, REDUCTION, JOIN, ADDITION})
 
 
 @dataclass(frozen=True)

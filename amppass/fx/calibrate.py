@@ -4,8 +4,9 @@
 each node's output into streaming :class:`~amppass.analysis.stats.CalibrationStats`, keyed by node name
 (the :class:`GraphView` value name). Values are freed as soon as their last reader has run, so memory is
 one forward pass whatever the number of batches. For the tolerance search it also replays candidate
-nodes in low precision on the first batch (their local error) and keeps the batches and the fp32 outputs,
-which the search re-runs.
+nodes in low precision on the first batch (their local error), records the norms of the values on that
+batch (how errors propagate, :mod:`amppass.analysis.propagation`) and keeps the batches and the fp32
+outputs, which the search re-runs.
 
 :func:`calibrated_plan` turns that into a plan: range rules, user overrides on top, painting, and the
 tolerance search when asked.
@@ -46,6 +47,7 @@ class Calibration:
     stats: CalibrationStats
     seconds: float = 0.0
     local_error: dict[str, float] = field(default_factory=dict)  # node -> relative error replayed low
+    norms: dict[str, float] = field(default_factory=dict)  # value -> L2 norm on the first batch (with replay)
     kept: list[tuple[tuple, dict]] = field(default_factory=list)  # the batches, for the tolerance search
     references: list[list[torch.Tensor]] = field(default_factory=list)  # their fp32 floating outputs
 
@@ -80,13 +82,14 @@ def calibrate(
         for index, args, kwargs, flat in _batches(gm, calibration):
             if replay is not None and index == 0:
                 recorder.replay = (replay, candidates, result.local_error)
+                recorder.norms = result.norms
             try:
                 raw = recorder.run(*flat, enable_io_processing=False)
             except Exception as err:  # noqa: BLE001 - a batch the fp32 model rejects is the caller's data
                 raise CalibrationError(
                     f"calibration batch {index}: the fp32 model failed on it ({first_line(err)}); {_FIX}"
                 ) from err
-            recorder.replay = None
+            recorder.replay, recorder.norms = None, None
             if keep:
                 result.kept.append((args, kwargs))
                 result.references.append([t.clone() for t in _floating(raw)])
@@ -126,7 +129,7 @@ def calibrated_plan(
 
     return plan_from_stats(view, data.stats, low, given, batches=data.batches,
                            seconds=data.seconds, low_weight_tables=low_weight_tables, tolerance=tolerance,
-                           local_error=data.local_error, run_plan=run_plan, progress=progress)
+                           local_error=data.local_error, norms=data.norms, run_plan=run_plan, progress=progress)
 
 
 def output_error(module: torch.nn.Module, batches: list[tuple[tuple, dict]],
@@ -147,6 +150,7 @@ class _Recorder(fx.Interpreter):
         super().__init__(gm)
         self.stats, self.tracked = stats, tracked
         self.replay: tuple[torch.dtype, set[str], dict[str, float]] | None = None
+        self.norms: dict[str, float] | None = None  # filled on the replayed batch, for the search's gains
 
     def run_node(self, n: fx.Node) -> Any:
         result = super().run_node(n)
@@ -156,6 +160,9 @@ class _Recorder(fx.Interpreter):
                 self.stats.update(n.name, result)
             else:
                 self.stats.alias(n.name, source)
+        if self.norms is not None and n.name in self.tracked and isinstance(result, torch.Tensor) \
+                and result.is_floating_point():
+            self.norms[n.name] = float(result.detach().double().norm())
         if self.replay is not None and n.name in self.replay[1]:
             low, _, errors = self.replay
             errors[n.name] = self._replay(n, result, low)

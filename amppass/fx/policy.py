@@ -19,7 +19,7 @@ import torch
 from torch import fx, nn
 
 from ..analysis.plan import Category
-from ..analysis.policy import DIVISION, JOIN, NORMALISATION, POWER, REDUCTION, SINGULAR, PolicyRow
+from ..analysis.policy import ADDITION, DIVISION, JOIN, NORMALISATION, POWER, REDUCTION, SINGULAR, PolicyRow
 from . import ops
 
 
@@ -169,8 +169,14 @@ POLICY: tuple[PolicyRow, ...] = (
     ),
     PolicyRow(
         Category.FOLLOW,
+        "addition: runs in the precision of its inputs",
+        ("add", "add_", "sub", "sub_", "rsub"),
+        facts=frozenset({ADDITION}),
+    ),
+    PolicyRow(
+        Category.FOLLOW,
         "elementwise or data movement: runs in the precision of its inputs",
-        ("add", "sub", "rsub", "mul", "neg", "abs", "relu", "relu_", "gelu", "silu", "mish", "tanh",
+        ("mul", "neg", "abs", "relu", "relu_", "gelu", "silu", "mish", "tanh",
          "sigmoid", "hardtanh", "hardswish", "hardsigmoid", "leaky_relu", "elu", "selu", "celu", "softplus",
          "dropout", "native_dropout", "feature_dropout", "alpha_dropout", "clamp", "clamp_min", "clamp_max",
          "clip", "where", "masked_fill", "sqrt", "sin", "cos", "erf", "sign", "floor", "ceil", "round",
@@ -185,7 +191,7 @@ POLICY: tuple[PolicyRow, ...] = (
          "ones_like", "empty_like", "full_like", "fill", "new_zeros", "new_ones", "new_full", "new_empty",
          "type_as", "lerp", "addcmul", "addcdiv", "atan", "atan2", "square", "glu",
          "hardshrink", "softshrink", "tanhshrink", "threshold", "prelu", "rrelu", "logsigmoid", "bucketize",
-         "masked_scatter", "index_put", "index_add", "_to_copy", "to", "sub_", "add_", "mul_",
+         "masked_scatter", "index_put", "index_add", "_to_copy", "to", "mul_",
          "copy", "copy_", "view_as", "movedim", "swapaxes", "diagonal", "as_strided", "unfold", "im2col",
          "col2im", "tile", "repeat_interleave", "slice_scatter", "select_scatter", "_unsafe_index",
          "take_along_dim", "rot90", "nonzero", "sym_size", "sym_numel", "sym_stride", "scalar_tensor",

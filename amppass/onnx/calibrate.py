@@ -15,7 +15,15 @@ inputs; weights and Constant nodes copied), with the inputs the plan would cast 
 (Cast to low and back), computes in fp32 and rounds its outputs likewise; its local error is
 ``relative_error(replayed, recorded)``. One session and one run measure every node, and they run on the
 CPU provider even where it has no fp16 kernel for an op, as a GPU kernel with fp32 accumulation computes.
-A node whose inputs were not recorded (an untyped value) is not replayed and ranks last.
+Where the target is that CPU provider (its tolerance trials run there), a node it has no low-precision
+kernel for is replayed as the provider runs it: it casts around the node's fp32 kernel and removes the
+cast pairs this leaves between such nodes, so of that node only the weights are stored low; its copy
+rounds its weights alone. A node that reads values its replayed producers store low also gets a reference
+copy, computed in fp32 on those same rounded values: against it, the replay gives the error the node adds
+itself (a reshape adds none), which the search ranks by; the local error, against the fp32 model, is what
+the report shows. A node whose inputs were not recorded (an untyped value) is not replayed and ranks last.
+The same run records the L2 norm of every observed value, from which the search estimates
+how far each node's error travels (:mod:`amppass.analysis.propagation`).
 
 Tolerance: ``measure`` rewrites a copy of the fp32 model by the trial plan (the conversion's own rewrite)
 and runs it on the kept feeds as the target computes it; the error is the largest relative error of any
@@ -79,6 +87,8 @@ class Calibration:
     seconds: float = 0.0
     unobserved: list[str] = field(default_factory=list)  # fp32 values onnxruntime cannot return
     local_error: dict[str, float] = field(default_factory=dict)  # node -> relative error replayed low
+    added_error: dict[str, float] = field(default_factory=dict)  # node -> the part of it the node adds itself
+    norms: dict[str, float] = field(default_factory=dict)  # value -> L2 norm on the first feed (with replay)
     kept: list[dict[str, np.ndarray]] = field(default_factory=list)  # the feeds, for the tolerance search
     references: list[list[np.ndarray]] = field(default_factory=list)  # their fp32 floating outputs
     output_names: list[str] = field(default_factory=list)  # the floating graph outputs compared
@@ -108,7 +118,7 @@ def calibrated_plan(
     check_tolerance(tolerance)
     low = target.low
     data = calibrate(fp32, calibration, replay=low.onnx if tolerance is not None else None,
-                     keep=tolerance is not None, progress=progress)
+                     keep=tolerance is not None, progress=progress, casts_around=target.judge == "runtime")
 
     def run_plan(plan: PrecisionPlan) -> float:
         trial = onnx.ModelProto()
@@ -120,7 +130,8 @@ def calibrated_plan(
 
     plan, info = plan_from_stats(fp32.view, data.stats, low, given, batches=data.batches,
                                  seconds=data.seconds, low_weight_tables=low_weight_tables, tolerance=tolerance,
-                                 local_error=data.local_error, run_plan=run_plan, progress=progress)
+                                 local_error=data.local_error, added_error=data.added_error, norms=data.norms,
+                                 run_plan=run_plan, progress=progress)
     if data.unobserved:
         info["calibration_unobserved"] = len(data.unobserved)
     if tolerance is not None:
@@ -135,11 +146,13 @@ def calibrate(
     replay: int | None = None,
     keep: bool = False,
     progress: bool = False,
+    casts_around: bool = False,
 ) -> Calibration:
     """Run ``fp32.model`` on every feed and record per-value statistics (module docstring).
 
     ``replay`` (TensorProto.FLOAT16 or BFLOAT16) also measures each LOW or FOLLOW node's local error on the
-    first feed; ``keep`` keeps the feeds and their fp32 outputs for the tolerance search.
+    first feed; ``casts_around`` replays the nodes onnxruntime's CPU provider runs through fp32 kernels as it
+    computes them (module docstring); ``keep`` keeps the feeds and their fp32 outputs for the tolerance search.
     """
     model, view, types, store = fp32.model, fp32.view, fp32.types, fp32.store
     graph = model.graph
@@ -181,10 +194,12 @@ def calibrate(
                 result.references.append([values[o] for o in floating])
             if index == 0 and replay is not None:
                 first = values
+                result.norms = {v: _norm(values[v]) for v in observed if np.issubdtype(values[v].dtype, np.floating)}
             result.stats.batches += 1
             advance()
     if replay is not None:
-        result.local_error = local_errors(model, fp32.refs, store, candidates, first, replay)
+        result.local_error, result.added_error = local_errors(model, fp32.refs, store, candidates, first, replay,
+                                                              casts_around)
     result.seconds = time.perf_counter() - start
     log.info("calibrated on %d batches in %.2fs (%d values observed)", result.batches, result.seconds, len(observed))
     return result
@@ -256,6 +271,11 @@ def _checked(where: str, info: onnx.ValueInfoProto, value: Any) -> np.ndarray:
     return array
 
 
+def _norm(values: np.ndarray) -> float:
+    """L2 norm, summed in float64 (a float32 sum of squares overflows past 1.8e19)."""
+    return float(np.linalg.norm(values.reshape(-1).astype(np.float64)))
+
+
 # -- local error -------------------------------------------------------------------------------------
 
 def _candidates(model: onnx.ModelProto, view: GraphView, types: Mapping[str, int]) -> dict[str, list[str]]:
@@ -276,25 +296,34 @@ def _candidates(model: onnx.ModelProto, view: GraphView, types: Mapping[str, int
 
 
 def local_errors(model: onnx.ModelProto, refs: Mapping[str, NodeRef], store: WeightStore,
-                 candidates: Mapping[str, list[str]], recorded: Mapping[str, np.ndarray], low: int) -> dict[str, float]:
-    """Each candidate's relative output error replayed with low-precision inputs, weights and outputs."""
+                 candidates: Mapping[str, list[str]], recorded: Mapping[str, np.ndarray], low: int,
+                 casts_around: bool = False) -> tuple[dict[str, float], dict[str, float]]:
+    """Each candidate's relative output error replayed with low-precision inputs, weights and outputs (only
+    weights for the nodes onnxruntime's CPU provider casts around, with ``casts_around``), and the part of it
+    the node adds itself: against its fp32 result on the inputs its replayed producers round."""
     if not candidates:
-        return {}
-    replay, pairs = _replay_model(model, refs, candidates, recorded, low)
-    wanted = [r for outs in pairs.values() for r, _ in outs]
+        return {}, {}
+    replay, pairs = _replay_model(model, refs, candidates, recorded, low, casts_around)
+    wanted = list(dict.fromkeys(v for outs in pairs.values() for r, _, ref in outs for v in (r, ref) if v))
     feed = {i.name: recorded[i.name] for i in replay.graph.input}
     try:
         got = dict(zip(wanted, _session(replay, store).run(wanted, feed)))
     except Exception as err:  # noqa: BLE001 - the ranking then falls back to graph order
         log.warning("local errors could not be measured in onnxruntime (%s); the tolerance search ranks "
                     "nodes in graph order", first_line(err))
-        return {}
-    return {node: max(relative_error(got[r], recorded[o]) for r, o in outs) for node, outs in pairs.items()}
+        return {}, {}
+    local = {node: max(relative_error(got[r], recorded[o]) for r, o, _ in outs) for node, outs in pairs.items()}
+    added = {node: max(relative_error(got[r], got[ref] if ref else recorded[o]) for r, o, ref in outs)
+             for node, outs in pairs.items()}
+    return local, added
 
 
 def _replay_model(model: onnx.ModelProto, refs: Mapping[str, NodeRef], candidates: Mapping[str, list[str]],
-                  recorded: Mapping[str, np.ndarray], low: int) -> tuple[onnx.ModelProto, dict[str, list]]:
-    """The replay model (module docstring) and node -> [(replayed output, recorded output)]."""
+                  recorded: Mapping[str, np.ndarray], low: int,
+                  casts_around: bool = False) -> tuple[onnx.ModelProto, dict[str, list]]:
+    """The replay model (module docstring) and node -> [(replayed output, recorded output, reference output
+    or "")]: a node that reads values its replayed producers round also gets a reference copy, computed in
+    fp32 on those rounded values and its exact weights and other inputs, for the error it adds itself."""
     graph = model.graph
     initializers = {t.name: t for t in graph.initializer}
     constants = {n.output[0]: n for n in graph.node if n.op_type == "Constant"}
@@ -313,12 +342,23 @@ def _replay_model(model: onnx.ModelProto, refs: Mapping[str, NodeRef], candidate
             nodes.extend(rounding(value, rounded[value], low, taken))
         return rounded[value]
 
+    # values a replayed producer stores low: in the plan with every candidate low, their rounding is theirs
+    stored_low = {v for name in candidates if not (casts_around and "onnxruntime_cpu" in refs[name].evidence)
+                  for v in refs[name].node.output if v}
     for name in candidates:
         node = refs[name].node
+        # the CPU provider runs this node through an fp32 kernel: only its weights are stored low
+        around = casts_around and "onnxruntime_cpu" in refs[name].evidence
         twin = onnx.NodeProto()
         twin.CopyFrom(node)
         del twin.metadata_props[:]
         twin.name = unique_name(taken, f"{name}__replay")
+        reference = None
+        inherited = [i for i in refs[name].planned if node.input[i] in stored_low] if not around else []
+        if inherited:
+            reference = onnx.NodeProto()
+            reference.CopyFrom(twin)
+            reference.name = unique_name(taken, f"{name}__replay_ref")
         for i, value in enumerate(node.input):
             if not value:
                 continue
@@ -329,21 +369,28 @@ def _replay_model(model: onnx.ModelProto, refs: Mapping[str, NodeRef], candidate
                 used[value] = initializers[value]
             elif value not in constants:
                 fed[value] = None
-            if i in refs[name].planned:
+            if i in refs[name].planned and (not around or value in initializers or value in constants):
                 twin.input[i] = round_trip(value)
+            if reference is not None and i in inherited:
+                reference.input[i] = round_trip(value)
         outs = []
         for j, value in enumerate(node.output):
             if value:
                 twin.output[j] = unique_name(taken, f"{value}__replay_out")
+                if reference is not None:
+                    reference.output[j] = unique_name(taken, f"{value}__replay_ref")
                 if value in recorded and np.issubdtype(recorded[value].dtype, np.floating):
-                    outs.append((twin.output[j], value))
+                    outs.append((twin.output[j], value, reference.output[j] if reference is not None else ""))
         nodes.append(twin)
-        pairs[name] = [(round_trip(out), value) for out, value in outs]
+        if reference is not None:
+            nodes.append(reference)
+        pairs[name] = [(out if around else round_trip(out), value, ref) for out, value, ref in outs]
     replay_graph = helper.make_graph(
         nodes, "amppass_replay",
         [helper.make_tensor_value_info(v, helper.np_dtype_to_tensor_dtype(recorded[v].dtype), recorded[v].shape)
          for v in fed],
-        [helper.make_tensor_value_info(r, FLOAT, None) for outs in pairs.values() for r, _ in outs],
+        [helper.make_tensor_value_info(v, FLOAT, None) for outs in pairs.values() for r, _, ref in outs
+         for v in (r, ref) if v],
         list(used.values()),
     )
     replay = helper.make_model(replay_graph, opset_imports=list(model.opset_import), functions=list(model.functions))

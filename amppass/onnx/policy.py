@@ -24,7 +24,7 @@ import onnx
 from onnx import TensorProto
 
 from ..analysis.plan import Category, Decision, Precision, Source
-from ..analysis.policy import DIVISION, JOIN, NORMALISATION, POWER, REDUCTION, SINGULAR, PolicyRow
+from ..analysis.policy import ADDITION, DIVISION, JOIN, NORMALISATION, POWER, REDUCTION, SINGULAR, PolicyRow
 from ..targets.target import Kernels, Target
 
 
@@ -97,10 +97,12 @@ POLICY: tuple[PolicyRow, ...] = (
               "shift by its weights; runs in the precision of its input", ("BatchNormalization",)),
     PolicyRow(Category.FOLLOW, "concatenation: runs in the precision of its inputs", ("Concat",),
               facts=frozenset({JOIN})),
+    PolicyRow(Category.FOLLOW, "addition: runs in the precision of its inputs", ("Add", "Sub", "Sum"),
+              facts=frozenset({ADDITION})),
     PolicyRow(Category.FOLLOW, "elementwise or data movement: runs in the precision of its inputs",
-              ("Add", "Sub", "Mul", "Neg", "Abs", "Relu", "LeakyRelu", "PRelu", "Elu", "Selu", "Celu",
+              ("Mul", "Neg", "Abs", "Relu", "LeakyRelu", "PRelu", "Elu", "Selu", "Celu",
                "Gelu", "HardSigmoid", "HardSwish", "Mish", "Sigmoid", "Tanh", "Softplus", "Softsign", "Sqrt",
-               "Sin", "Cos", "Atan", "Erf", "Sign", "Floor", "Ceil", "Round", "Max", "Min", "Mean", "Sum",
+               "Sin", "Cos", "Atan", "Erf", "Sign", "Floor", "Ceil", "Round", "Max", "Min", "Mean",
                "Clip", "Where", "Dropout", "Identity", "Reshape", "Transpose", "Squeeze", "Unsqueeze",
                "Flatten", "Split", "Slice", "Gather", "GatherElements", "GatherND", "Scatter",
                "ScatterElements", "ScatterND", "Expand", "Tile", "Pad", "DepthToSpace", "SpaceToDepth",

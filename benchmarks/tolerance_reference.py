@@ -1,0 +1,259 @@
+"""The tolerance search measured against an expensive reference (issue 16).
+
+For each model of a set, the ONNX model is converted to fp16 for onnxruntime's CPU provider (the default
+target: every trial of the search runs in onnxruntime) with calibration feeds and a fixed tolerance, twice:
+
+- *default*: amppass's tolerance search as it ships (:func:`amppass.analysis.tolerance.by_region_effect`);
+- *local*: the same search ranked by local error alone, as it was before (``by_local_error``);
+- *reference*: the same search with its ranking replaced by each candidate's output error when it alone is
+  moved to fp32 (:func:`amppass.analysis.tolerance.by_error_alone`: one run per candidate), then the same
+  prefix search and trim.
+
+The models: the sensor net of :mod:`models.sensor` (fp16 error in its first two convs), the DB text
+detector (its head sigmoid(50 (P - T)) amplifies rounding about 50x) and the constant-Q audio classifier,
+exported by :mod:`models.detection` and :mod:`models.audio`, and real-shaped conv nets and transformers of
+:mod:`models`: ResNet-50, EfficientNet-B0, a 4-layer BERT and a 4-layer ViT-Base, exported by the dynamo
+exporter (``amppass.onnx.export.export_fp32``). Batch axes are fixed so that every heavy op's
+multiply-accumulates are known. Images are smaller than the architectures' own (fewer MACs per run, the
+same graphs).
+
+Run: ``python -m benchmarks.tolerance_reference [--full]`` (quick: the sensor net, the audio model, BERT).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import onnx
+import torch
+
+import amppass
+from amppass.analysis import tolerance
+from amppass.onnx import runtime
+from amppass.onnx.macs import is_heavy, node_macs, operands
+from amppass.onnx.view import name_nodes, value_types
+
+NOTES = ("heavy_low: share of the heavy ops' multiply-accumulates (MatMul, Gemm, Conv, ...) planned fp16, for "
+         "each ranking: default (amppass's: estimated effects checked by region runs), local (local error "
+         "alone, the default before issue 16), ref (the reference: each candidate alone moved to fp32, one "
+         "run each); gap: ref - default in points; runs: full runs of the model over the calibration feeds; "
+         "error: the largest ||out - out_fp32|| / ||out_fp32|| on the calibration feeds (as the search "
+         "measured it) and held_out on feeds not calibrated on, onnxruntime CPU.")
+CALIBRATION_SEEDS = (0, 1)
+HELD_OUT_SEEDS = (10, 11)
+
+
+@dataclass(frozen=True)
+class Case:
+    """A model of the benchmark: how to build its fp32 ONNX export and its feeds, and its tolerance."""
+
+    name: str
+    build: Callable[[], onnx.ModelProto]
+    feed: Callable[[int], dict[str, np.ndarray]]  # seed -> one feed
+    tolerance: float
+    quick: bool = False
+
+
+def _torch_case(name: str, make: Callable[[], tuple[torch.nn.Module, Callable[[int], tuple]]], tolerance: float,
+                quick: bool = False) -> Case:
+    """A case exported from a torch model by the dynamo exporter, built once on first use."""
+    built: dict[str, object] = {}
+
+    def model_and_inputs() -> tuple[onnx.ModelProto, Callable[[int], tuple]]:
+        if not built:
+            from amppass.onnx.export import export_fp32
+
+            module, inputs = make()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                built["model"] = export_fp32(module, inputs(0))
+            built["inputs"] = inputs
+        return built["model"], built["inputs"]  # type: ignore[return-value]
+
+    def feed(seed: int) -> dict[str, np.ndarray]:
+        model, inputs = model_and_inputs()
+        return {i.name: t.numpy() for i, t in zip(model.graph.input, inputs(seed))}
+
+    return Case(name, lambda: model_and_inputs()[0], feed, tolerance, quick)
+
+
+def _seeded(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return build().eval()
+
+
+def _images(side: int) -> Callable[[int], tuple]:
+    return lambda seed: (torch.randn(1, 3, side, side, generator=torch.Generator().manual_seed(seed)),)
+
+
+def _tokens(vocab: int, length: int) -> Callable[[int], tuple]:
+    return lambda seed: (torch.randint(1, vocab, (1, length), generator=torch.Generator().manual_seed(seed)),)
+
+
+def _resnet50() -> tuple[torch.nn.Module, Callable[[int], tuple]]:
+    from models import build
+
+    return build("resnet", size="base").model, _images(96)
+
+
+def _efficientnet_b0() -> tuple[torch.nn.Module, Callable[[int], tuple]]:
+    from models.arch import build_arch
+
+    return build_arch("efficientnet_b0").model, _images(96)
+
+
+def _bert() -> tuple[torch.nn.Module, Callable[[int], tuple]]:
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(vocab_size=1000, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                        intermediate_size=1024, attn_implementation="sdpa")
+    return _seeded(lambda: BertModel(config)), _tokens(1000, 64)
+
+
+def _vit() -> tuple[torch.nn.Module, Callable[[int], tuple]]:
+    from transformers import ViTConfig, ViTModel
+
+    config = ViTConfig(num_hidden_layers=4, attn_implementation="sdpa")  # ViT-Base/16 widths, 4 layers
+    return _seeded(lambda: ViTModel(config)), _images(224)
+
+
+def _fixed_batch(model: onnx.ModelProto, batch: int = 1) -> onnx.ModelProto:
+    """``model`` with its symbolic batch axes (axis 0 of inputs and outputs) set to ``batch``."""
+    for value in list(model.graph.input) + list(model.graph.output):
+        dims = value.type.tensor_type.shape.dim
+        if dims and dims[0].HasField("dim_param"):
+            dims[0].dim_value = batch
+    return model
+
+
+def _sensor() -> Case:
+    from models.sensor import sensor_feed, sensor_net
+
+    return Case("sensor net", sensor_net, sensor_feed, 1e-2, quick=True)
+
+
+def _db() -> Case:
+    from models.arch import build_arch
+    from models.detection import db_onnx
+
+    side = 256
+    inputs = build_arch("db_text_detector", shape=side).make_inputs
+    return Case("DB text detector 256x256", lambda: _fixed_batch(db_onnx(shape=side)),
+                lambda seed: {"image": inputs(seed)[0].numpy()}, 1e-4)
+
+
+def _audio() -> Case:
+    from models.arch import build_arch
+    from models.audio import audio_onnx
+
+    inputs = build_arch("audio_cqt").make_inputs
+    return Case("audio CQT classifier", lambda: _fixed_batch(audio_onnx()),
+                lambda seed: {"waveform": inputs(seed)[0].numpy()}, 1e-4, quick=True)
+
+
+def cases() -> list[Case]:
+    """Every model of the benchmark, with its tolerance."""
+    return [
+        _sensor(), _db(), _audio(),
+        _torch_case("ResNet-50 96x96", _resnet50, 2e-4),
+        _torch_case("EfficientNet-B0 96x96", _efficientnet_b0, 1.5e-4),
+        _torch_case("BERT 4 layers, 64 tokens", _bert, 1e-4, quick=True),
+        _torch_case("ViT-Base/16 4 layers", _vit, 3e-4),
+    ]
+
+
+def compare(case: Case) -> dict:
+    """One row: the default search and the reference on ``case``."""
+    model = case.build()
+    calibration = [case.feed(s) for s in CALIBRATION_SEEDS]
+    held_out = [case.feed(s) for s in HELD_OUT_SEEDS]
+    reference_outputs = _session(model)
+    macs = heavy_macs(model, calibration[0])
+    row: dict = {"model": case.name, "tolerance": case.tolerance}
+    for label, strategy in STRATEGIES:
+        start = time.perf_counter()
+        with tolerance.ranking(strategy):
+            converted = amppass.convert_onnx(model, "fp16", calibration=calibration, tolerance=case.tolerance)
+        seconds = time.perf_counter() - start
+        report = amppass.report(converted)
+        info = report.info
+        row.setdefault("initial_error", info["initial_error"])
+        row[f"heavy_low_{label}"] = heavy_low_share(report.rows, macs)
+        row[f"runs_{label}"] = info["tolerance_runs"]
+        row[f"moved_{label}"] = info["moved_by_tolerance"]
+        row[f"error_{label}"] = info["achieved_error"]
+        row[f"held_out_{label}"] = _error(reference_outputs, _session(converted), held_out)
+        row[f"convert_s_{label}"] = round(seconds, 1)
+    row["gap_points"] = round(100 * (row["heavy_low_ref"] - row["heavy_low_default"]), 1)
+    return row
+
+
+# (column label, ranking): amppass's default, the ranking by local error alone it replaced, the reference
+STRATEGIES = (("default", tolerance.by_region_effect), ("local", tolerance.by_local_error),
+              ("ref", tolerance.by_error_alone))
+
+
+def heavy_low_share(rows: list, macs: dict[str, int]) -> float:
+    """Share of the heavy ops' multiply-accumulates (``macs``, by node name) in the rows planned low."""
+    total = sum(macs.values())
+    low = sum(macs.get(r.name, 0) for r in rows if r.precision in ("fp16", "bf16"))
+    return round(low / total, 3) if total else float("nan")
+
+
+def heavy_macs(model: onnx.ModelProto, feed: dict[str, np.ndarray]) -> dict[str, int]:
+    """Node name (as the conversion names nodes) -> multiply-accumulates of each heavy node of the main
+    graph, from the shapes one fp32 run on ``feed`` gives (the report's own count needs shapes that shape
+    inference alone cannot always find: a Pad or Reshape fed by computed values)."""
+    named = onnx.ModelProto()
+    named.CopyFrom(model)
+    name_nodes(named)
+    heavy = [n for n in named.graph.node if is_heavy(n)]
+    types = value_types(onnx.shape_inference.infer_shapes(named))
+    shapes = {t.name: list(t.dims) for t in named.graph.initializer}
+    wanted = [v for v in dict.fromkeys(v for n in heavy for v in operands(n)) if v and v not in shapes]
+    declared = {o.name for o in named.graph.output}
+    named.graph.output.extend(onnx.helper.make_tensor_value_info(v, types[v], None) for v in wanted
+                              if v not in declared and v in types)
+    values = _session(named).run(wanted, feed)
+    shapes.update({v: list(a.shape) for v, a in zip(wanted, values)})
+    counted = {n.name: node_macs(n, shapes) for n in heavy}
+    return {name: count for name, count in counted.items() if count}
+
+
+def run(quick: bool) -> list[dict]:
+    """The table: one row per model (the quick set or all of them)."""
+    return [compare(case) for case in cases() if case.quick or not quick]
+
+
+def _session(model: onnx.ModelProto):
+    import onnxruntime as ort
+
+    loadable = onnx.ModelProto()
+    loadable.CopyFrom(model)
+    loadable.ir_version = min(loadable.ir_version, runtime.max_ir_version())
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    return ort.InferenceSession(loadable.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _error(reference, converted, feeds: list[dict]) -> float:
+    worst = 0.0
+    for feed in feeds:
+        for want, got in zip(reference.run(None, feed), converted.run(None, feed)):
+            if np.issubdtype(want.dtype, np.floating):
+                want64, got64 = want.astype(np.float64), got.astype(np.float64)
+                worst = max(worst, float(np.linalg.norm(got64 - want64) / max(np.linalg.norm(want64), 1e-30)))
+    return worst
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.ERROR)
+    for found in run(quick="--full" not in sys.argv):
+        print(found, flush=True)
