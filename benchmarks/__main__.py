@@ -152,6 +152,15 @@ def _shapes(quick: bool, out: Path) -> Section:
     return section
 
 
+def _lean_onnx(quick: bool, out: Path) -> Section:
+    from . import lean_onnx
+
+    section = Section("Lean ONNX plans against the FX plan of the same model (fp16)", "",
+                      notes=[lean_onnx.__doc__.split("\n\n", 1)[1]])
+    section.tables.append(("Casts added, float-work nodes low, error against fp32", lean_onnx.run(full=not quick)))
+    return section
+
+
 def _compile(quick: bool, out: Path) -> Section:
     from . import shapes
 
@@ -175,6 +184,7 @@ SECTIONS: dict[str, Callable[[bool, Path], Section]] = {
     "hostile": _external("hostile", "Hostile models", lambda m, quick: m.run()),
     "shapes": _shapes,
     "compile": _compile,
+    "lean_onnx": _lean_onnx,
     "tolerance_ref": _external("tolerance_reference", "Tolerance search against a reference ranking (ONNX fp16, "
                                "onnxruntime CPU)", lambda m, quick: m.run(quick)),
 }

@@ -196,3 +196,56 @@ def test_dynamo_bert_needs_no_more_casts_than_the_fx_plan():
     for run in (session(converted), session(simulated(converted))):
         got = run.run(None, feeds)
         assert np.linalg.norm(got[0] - want[0]) / np.linalg.norm(want[0]) < 2e-3
+
+
+def test_batchnorm_weights_behind_identity_nodes_are_weights(tmp_path):
+    """The TorchScript exporter without constant folding (eval BatchNorm kept as a node) reads the BN's
+    parameters through Identity nodes: they are bypassed, so Conv-BN-ReLU runs fp16 with its statistics
+    stored fp16 (the last block's BN may take the output's cast before it), with as many Casts as the FX
+    plan (+2)."""
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1, bias=False), torch.nn.BatchNorm2d(8),
+                              torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3, padding=1, bias=False),
+                              torch.nn.BatchNorm2d(8), torch.nn.ReLU())
+    with torch.no_grad():
+        for module in net:
+            if isinstance(module, torch.nn.BatchNorm2d):
+                module.running_mean.uniform_(-0.5, 0.5)
+                module.running_var.uniform_(0.5, 2.0)
+    net.eval()
+    x = torch.randn(1, 3, 16, 16)
+    path = tmp_path / "convbn.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(net, (x,), str(path), dynamo=False, do_constant_folding=False, input_names=["x"])
+    exported = onnx.load(str(path))
+    identities = [n for n in exported.graph.node if n.op_type == "Identity"]
+    assert identities, "the exporter no longer wraps the parameters: this test checks nothing"
+    converted = amppass.convert_onnx(exported)
+    check_converted(exported, converted, {"x": x.numpy()})
+    decisions = plan(converted)
+    bns = [n.name for n in converted.graph.node if n.op_type == "BatchNormalization"]
+    assert decisions[bns[0]]["precision"] == "low" and "fit fp16" in decisions[bns[0]]["reason"]
+    assert not [n for n in converted.graph.node if n.op_type == "Identity"]
+    first = next(n for n in converted.graph.node if n.name == bns[0])
+    stored = {i.name: i.data_type for i in converted.graph.initializer}
+    assert [stored[v] for v in first.input[1:]] == [F16] * 4  # scale, bias, mean, variance
+    fx_casts = amppass.convert(net, (x,), torch.float16, plan_for="coverage").meta["amppass"]["casts"]
+    assert len(casts(converted)) <= fx_casts + 2
+
+
+def test_identity_of_a_weight_that_is_a_graph_output_or_read_in_a_subgraph_stays():
+    from amppass.onnx.simplify import bypass_weight_identities
+
+    then = helper.make_graph([helper.make_node("Identity", ["wi2"], ["t"])], "then", [], [vinfo("t", shape=(8,))])
+    model = model_of(
+        [helper.make_node("Identity", ["w"], ["wi1"], name="id1"),
+         helper.make_node("Identity", ["w"], ["wi2"], name="id2"),
+         helper.make_node("Identity", ["w"], ["wi3"], name="id3"),
+         helper.make_node("Add", ["x", "wi3"], ["y"], name="add"),
+         helper.make_node("If", ["c"], ["z"], name="if", then_branch=then, else_branch=then)],
+        [vinfo("x", shape=(8,)), helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
+        [vinfo("y", shape=(8,)), vinfo("wi1", shape=(8,)), vinfo("z", shape=(8,))], [weight("w", 8)])
+    assert bypass_weight_identities(model) == 1
+    assert [n.name for n in model.graph.node] == ["id1", "id2", "add", "if"]
+    assert list(model.graph.node[2].input) == ["x", "w"]
+    onnx.checker.check_model(model, full_check=True)

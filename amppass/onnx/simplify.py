@@ -1,0 +1,55 @@
+"""Clean-ups of the private copy before planning, for graphs whose exporter wrapped weights in nodes.
+
+The TorchScript exporter without constant folding (the way to keep an eval BatchNorm as its own node) reads
+shared parameters through ``Identity`` nodes: a BatchNorm's scale, bias, mean and variance come out of
+``Identity(initializer)``. To the planner those are run-time values computed in fp32, not weights, so the
+op mixes an fp32 value with its low-precision input and runs fp32, with a Cast on each side. Readers of
+such an Identity read the weight itself instead, and the Identity goes: the weight rules then decide (a
+weight that fits the low dtype is stored low once), as for the same model exported with folding.
+"""
+
+from __future__ import annotations
+
+import onnx
+
+
+def bypass_weight_identities(model: onnx.ModelProto) -> int:
+    """Point readers of ``Identity(weight)`` in the main graph at the weight and drop the Identity; the
+    number dropped. An Identity whose output is a graph output, or is read inside a subgraph, stays."""
+    graph = model.graph
+    weights = {t.name for t in graph.initializer}
+    weights.update(n.output[0] for n in graph.node if n.op_type == "Constant" and n.output)
+    kept = {o.name for o in graph.output} | _read_in_subgraphs(graph)
+    alias = {}
+    for node in graph.node:
+        if node.op_type == "Identity" and node.domain in ("", "ai.onnx") and len(node.input) == 1 \
+                and node.input[0] in weights and node.output[0] not in kept:
+            alias[node.output[0]] = node.input[0]
+    if not alias:
+        return 0
+    survivors = []
+    for node in graph.node:
+        if not (node.op_type == "Identity" and node.output and node.output[0] in alias):
+            survivors.append(onnx.NodeProto())
+            survivors[-1].CopyFrom(node)  # copied: removing from a repeated field may free the originals
+    for node in survivors:
+        for i, value in enumerate(node.input):
+            if value in alias:
+                node.input[i] = alias[value]
+    del graph.node[:]
+    graph.node.extend(survivors)
+    return len(alias)
+
+
+def _read_in_subgraphs(graph: onnx.GraphProto) -> set[str]:
+    """Names read by nodes of any subgraph (If/Loop/Scan bodies) of ``graph``, however deep."""
+    found: set[str] = set()
+    stack = [a.g for n in graph.node for a in n.attribute if a.type == onnx.AttributeProto.GRAPH]
+    stack += [g for n in graph.node for a in n.attribute if a.type == onnx.AttributeProto.GRAPHS for g in a.graphs]
+    while stack:
+        sub = stack.pop()
+        for node in sub.node:
+            found.update(node.input)
+            stack += [a.g for a in node.attribute if a.type == onnx.AttributeProto.GRAPH]
+            stack += [g for a in node.attribute if a.type == onnx.AttributeProto.GRAPHS for g in a.graphs]
+    return found
