@@ -40,7 +40,8 @@ COLUMNS = ("casts_onnx", "casts_fx", "float_low", "err_runtime", "err_simulated"
 
 
 class ConvBN(nn.Module):
-    """Six Conv-BatchNorm-ReLU blocks (two strided), global pooling and a linear head."""
+    """Six Conv-BatchNorm-ReLU blocks (two strided), global pooling and a linear head; the batch norms hold
+    trained-looking statistics, not the identity."""
 
     def __init__(self, width: int = 32) -> None:
         super().__init__()
@@ -52,49 +53,52 @@ class ConvBN(nn.Module):
             channels = width
         self.body = nn.Sequential(*layers)
         self.head = nn.Linear(width, 10)
+        for norm in self.body:
+            if isinstance(norm, nn.BatchNorm2d):
+                generator = torch.Generator().manual_seed(norm.num_features)
+                norm.running_mean.uniform_(-0.5, 0.5, generator=generator)
+                norm.running_var.uniform_(0.5, 2.0, generator=generator)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.body(x).mean((2, 3)))
 
 
-def _seeded(build: Callable[[], nn.Module]) -> nn.Module:
+def seeded(build: Callable[[], nn.Module]) -> nn.Module:
+    """``build()`` in eval mode, its weights drawn from seed 0 (the caller's random state untouched)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = build().eval()
-    for module in model.modules():  # trained-looking batch-norm statistics, not the identity
-        if isinstance(module, nn.BatchNorm2d):
-            generator = torch.Generator().manual_seed(module.num_features)
-            module.running_mean.uniform_(-0.5, 0.5, generator=generator)
-            module.running_var.uniform_(0.5, 2.0, generator=generator)
-    return model
+        return build().eval()
 
 
-def _bert(layers: int, hidden: int) -> tuple[nn.Module, Callable[[int], tuple]]:
+def bert(layers: int, hidden: int) -> tuple[nn.Module, Callable[[int], tuple]]:
+    """A random-weight BERT (vocabulary 1000, heads of 64) and its feeds: seed -> (1x64 token ids,)."""
     from transformers import BertConfig, BertModel
 
     config = BertConfig(vocab_size=1000, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=hidden // 64,
                         intermediate_size=4 * hidden, attn_implementation="sdpa")
     ids = lambda seed: (torch.randint(1, 1000, (1, 64), generator=torch.Generator().manual_seed(seed)),)  # noqa: E731
-    return _seeded(lambda: BertModel(config)), ids
+    return seeded(lambda: BertModel(config)), ids
 
 
-def _vit() -> tuple[nn.Module, Callable[[int], tuple]]:
+def vit() -> tuple[nn.Module, Callable[[int], tuple]]:
+    """A random-weight ViT-Base/16 with 4 layers and its feeds: seed -> (1x3x224x224 image,)."""
     from transformers import ViTConfig, ViTModel
 
     config = ViTConfig(num_hidden_layers=4, attn_implementation="sdpa")
-    return _seeded(lambda: ViTModel(config)), _images(224)
+    return seeded(lambda: ViTModel(config)), images(224)
 
 
-def _images(side: int) -> Callable[[int], tuple]:
+def images(side: int) -> Callable[[int], tuple]:
+    """seed -> (one random 3-channel image of ``side`` x ``side``,)."""
     return lambda seed: (torch.randn(1, 3, side, side, generator=torch.Generator().manual_seed(seed)),)
 
 
 # name -> (builder, exporter: "dynamo" or "torchscript", only with --full)
 MODELS: dict[str, tuple[Callable[[], tuple[nn.Module, Callable[[int], tuple]]], str, bool]] = {
-    "BERT 4 layers (dynamo)": (lambda: _bert(4, 256), "dynamo", False),
-    "ViT-Base/16 4 layers (dynamo)": (_vit, "dynamo", False),
-    "6 Conv-BN-ReLU blocks (BN unfolded)": (lambda: (_seeded(ConvBN), _images(64)), "torchscript", False),
-    "BERT-base (dynamo)": (lambda: _bert(12, 768), "dynamo", True),
+    "BERT 4 layers (dynamo)": (lambda: bert(4, 256), "dynamo", False),
+    "ViT-Base/16 4 layers (dynamo)": (vit, "dynamo", False),
+    "6 Conv-BN-ReLU blocks (BN unfolded)": (lambda: (seeded(ConvBN), images(64)), "torchscript", False),
+    "BERT-base (dynamo)": (lambda: bert(12, 768), "dynamo", True),
 }
 
 

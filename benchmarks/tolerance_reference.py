@@ -39,6 +39,8 @@ from amppass.onnx import runtime
 from amppass.onnx.macs import is_heavy, node_macs, operands
 from amppass.onnx.view import name_nodes, value_types
 
+from .lean_onnx import bert, images, vit
+
 NOTES = ("heavy_low: share of the heavy ops' multiply-accumulates (MatMul, Gemm, Conv, ...) planned fp16, for "
          "each ranking: default (amppass's: estimated effects checked by region runs), local (local error "
          "alone, the default before issue 16), ref (the reference: each candidate alone moved to fp32, one "
@@ -83,45 +85,16 @@ def _torch_case(name: str, make: Callable[[], tuple[torch.nn.Module, Callable[[i
     return Case(name, lambda: model_and_inputs()[0], feed, tolerance, quick)
 
 
-def _seeded(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return build().eval()
-
-
-def _images(side: int) -> Callable[[int], tuple]:
-    return lambda seed: (torch.randn(1, 3, side, side, generator=torch.Generator().manual_seed(seed)),)
-
-
-def _tokens(vocab: int, length: int) -> Callable[[int], tuple]:
-    return lambda seed: (torch.randint(1, vocab, (1, length), generator=torch.Generator().manual_seed(seed)),)
-
-
 def _resnet50() -> tuple[torch.nn.Module, Callable[[int], tuple]]:
     from models import build
 
-    return build("resnet", size="base").model, _images(96)
+    return build("resnet", size="base").model, images(96)
 
 
 def _efficientnet_b0() -> tuple[torch.nn.Module, Callable[[int], tuple]]:
     from models.arch import build_arch
 
-    return build_arch("efficientnet_b0").model, _images(96)
-
-
-def _bert() -> tuple[torch.nn.Module, Callable[[int], tuple]]:
-    from transformers import BertConfig, BertModel
-
-    config = BertConfig(vocab_size=1000, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-                        intermediate_size=1024, attn_implementation="sdpa")
-    return _seeded(lambda: BertModel(config)), _tokens(1000, 64)
-
-
-def _vit() -> tuple[torch.nn.Module, Callable[[int], tuple]]:
-    from transformers import ViTConfig, ViTModel
-
-    config = ViTConfig(num_hidden_layers=4, attn_implementation="sdpa")  # ViT-Base/16 widths, 4 layers
-    return _seeded(lambda: ViTModel(config)), _images(224)
+    return build_arch("efficientnet_b0").model, images(96)
 
 
 def _fixed_batch(model: onnx.ModelProto, batch: int = 1) -> onnx.ModelProto:
@@ -164,8 +137,8 @@ def cases() -> list[Case]:
         _sensor(), _db(), _audio(),
         _torch_case("ResNet-50 96x96", _resnet50, 2e-4),
         _torch_case("EfficientNet-B0 96x96", _efficientnet_b0, 1.5e-4),
-        _torch_case("BERT 4 layers, 64 tokens", _bert, 1e-4, quick=True),
-        _torch_case("ViT-Base/16 4 layers", _vit, 3e-4),
+        _torch_case("BERT 4 layers, 64 tokens", lambda: bert(4, 256), 1e-4, quick=True),
+        _torch_case("ViT-Base/16 4 layers", vit, 3e-4),
     ]
 
 
