@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import onnx
 
+from .view import all_nodes, subgraphs
+
 
 def bypass_weight_identities(model: onnx.ModelProto) -> int:
     """Point readers of ``Identity(weight)`` in the main graph at the weight and drop the Identity; the
@@ -43,13 +45,5 @@ def bypass_weight_identities(model: onnx.ModelProto) -> int:
 
 def _read_in_subgraphs(graph: onnx.GraphProto) -> set[str]:
     """Names read by nodes of any subgraph (If/Loop/Scan bodies) of ``graph``, however deep."""
-    found: set[str] = set()
-    stack = [a.g for n in graph.node for a in n.attribute if a.type == onnx.AttributeProto.GRAPH]
-    stack += [g for n in graph.node for a in n.attribute if a.type == onnx.AttributeProto.GRAPHS for g in a.graphs]
-    while stack:
-        sub = stack.pop()
-        for node in sub.node:
-            found.update(node.input)
-            stack += [a.g for a in node.attribute if a.type == onnx.AttributeProto.GRAPH]
-            stack += [g for a in node.attribute if a.type == onnx.AttributeProto.GRAPHS for g in a.graphs]
-    return found
+    return {value for node in graph.node for body in subgraphs(node) for inner in all_nodes(body)
+            for value in inner.input}
