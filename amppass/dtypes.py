@@ -53,7 +53,6 @@ _SPELLINGS = {
     "fp16": FP16, "float16": FP16, "half": FP16, torch.float16: FP16,
     "bf16": BF16, "bfloat16": BF16, torch.bfloat16: BF16,
 }
-BY_ONNX = {low.onnx: low for low in LOW_TYPES}
 
 SHORT_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 

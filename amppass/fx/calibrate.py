@@ -14,12 +14,10 @@ tolerance search when asked.
 
 from __future__ import annotations
 
-import copy
 import inspect
 import logging
 import math
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -33,6 +31,7 @@ from ..analysis.stats import CalibrationStats
 from ..analysis.view import GraphView
 from ..dtypes import LowType
 from ..errors import CalibrationError
+from .copies import shared_copy
 from .rewrite import rewrite
 
 log = logging.getLogger(__name__)
@@ -123,7 +122,7 @@ def calibrated_plan(
                      keep=tolerance is not None, progress=progress)
 
     def run_plan(plan: PrecisionPlan) -> float:
-        trial = _private_copy(gm)
+        trial = shared_copy(gm)
         rewrite(trial, plan, low, **dict(rewrite_options or {}))
         return output_error(trial, data.kept, data.references)
 
@@ -271,9 +270,3 @@ def _check(node: fx.Node, value: Any, index: int) -> None:
                                "batch (e.g. torch.nan_to_num) before passing it")
 
 
-def _private_copy(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm`` to rewrite; parameters and buffers are shared (the rewrite never writes them)."""
-    memo = {id(t): t for t in list(gm.parameters()) + list(gm.buffers())}
-    with warnings.catch_warnings():  # copying torch's pytree specs trips its own LeafSpec deprecation notice
-        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
-        return copy.deepcopy(gm, memo)

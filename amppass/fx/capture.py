@@ -11,7 +11,6 @@ traces. Everything after capture (analysis, rewrite, calibration) runs concurren
 from __future__ import annotations
 
 import contextlib
-import copy
 import inspect
 import logging
 import threading
@@ -22,13 +21,21 @@ from torch import fx, nn
 from torch.export import Dim
 
 from ..errors import CaptureError, InputError
-from .quiet import quiet_torch
+from .copies import shared_copy
 from .modes import module_mode
+from .quiet import quiet_torch
 from .shapes import GUARDS_KEY, ShapeGuards, specialised_dims
 
 log = logging.getLogger(__name__)
 
 CAPTURE_LOCK = threading.RLock()  # one torch.export / symbolic_trace / ONNX export at a time (module docstring)
+
+
+@contextlib.contextmanager
+def capturing(model: nn.Module, train: bool) -> Iterator[None]:
+    """Hold :data:`CAPTURE_LOCK` with ``model`` in train or eval mode: around every trace or export of it."""
+    with CAPTURE_LOCK, module_mode(model, train):
+        yield
 
 _HINTS = (
     "Try: pass example_inputs (and example_kwargs) exactly as forward() takes them; for data-dependent "
@@ -65,14 +72,14 @@ def capture(
         raise InputError(f"example_kwargs must be a dict of keyword inputs, got {type(example_kwargs).__name__}; "
                          "e.g. example_kwargs={'attention_mask': mask}")
     if example_inputs is None and example_kwargs is None:
-        with CAPTURE_LOCK, module_mode(model, train):
+        with capturing(model, train):
             return _symbolic(model)
     args = example_inputs if isinstance(example_inputs, tuple) else (
         () if example_inputs is None else (tuple(example_inputs) if isinstance(example_inputs, list) else (example_inputs,))
     )
     kwargs = dict(example_kwargs or {})
     _register_cache_types(model)
-    with CAPTURE_LOCK, module_mode(model, train):
+    with capturing(model, train):
         return _export(model, args, kwargs, dynamic_shapes, note_fixed_dims)
 
 
@@ -87,9 +94,7 @@ def _symbolic(model: nn.Module) -> fx.GraphModule:
             "data-dependent shapes the symbolic tracer cannot; or convert the submodules around the "
             "untraceable part separately."
         ) from err
-    # Own module objects so replacing a weight never touches the caller's modules; tensors stay shared.
-    memo = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
-    return copy.deepcopy(traced, memo)
+    return shared_copy(traced)  # own module objects: replacing a weight never touches the caller's modules
 
 
 def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any, notes: bool) -> fx.GraphModule:

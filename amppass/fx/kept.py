@@ -10,12 +10,12 @@ and carries the measurement, which :func:`amppass.report` shows as its one row.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 from torch import nn
 
 from ..report.report import Report, Row
+from .copies import shared_copy
 from .rewrite import META_KEY
 
 
@@ -24,8 +24,7 @@ class KeptFp32(nn.Module):
 
     def __init__(self, original: nn.Module, info: dict[str, Any]):
         super().__init__()
-        memo = {id(t): t for t in list(original.parameters()) + list(original.buffers())}
-        self.original = copy.deepcopy(original, memo)  # own module objects: .train() never reaches the caller's
+        self.original = shared_copy(original)  # own module objects: .train() never reaches the caller's
         self.original.eval()
         self.meta = {META_KEY: info}
 

@@ -50,7 +50,7 @@ from .view import fetch_attr
 log = logging.getLogger(__name__)
 
 MARGIN = 0.05  # a low region must save at least this share of its fp32 time
-_SAMPLES = 7  # timed samples per variant (median)
+_SAMPLES = 7  # timed samples per variant (the fastest counts)
 _SAMPLE_SECONDS = 2e-4  # calls are batched until one sample takes about this long
 
 
@@ -76,7 +76,7 @@ class CostModel:
         self.used: dict[str, float] = {}
 
     def time(self, key: str, call: Callable[[], Any]) -> float:
-        """Seconds one ``call()`` takes (the median of several samples), measured once per key."""
+        """Seconds one ``call()`` takes (the fastest of several samples), measured once per key."""
         if key in self.known:
             seconds = float(self.known[key])
         elif key in CostModel._cache:
@@ -94,7 +94,7 @@ class CostModel:
 def regions(view: GraphView, plan: PrecisionPlan, keep_io_types: bool) -> list[Region]:
     """Rule 1: the connected low regions of ``plan``, in graph order."""
     low = {n.name for n in view.nodes if n.name in plan and plan[n.name].precision is Precision.LOW}
-    producer = {v: n for n in view.nodes for v in n.outputs}
+    producer = view.producers()
     parent = {name: name for name in low}
 
     def find(name: str) -> str:
@@ -114,15 +114,12 @@ def regions(view: GraphView, plan: PrecisionPlan, keep_io_types: bool) -> list[R
     for node in view.nodes:
         if node.name in low:
             groups.setdefault(find(node.name), []).append(node.name)
-    readers: dict[str, list[str]] = {}
-    for node in view.nodes:
-        for value in node.inputs:
-            readers.setdefault(value, []).append(node.name)
+    readers = {value: [n.name for n in nodes] for value, nodes in view.consumers().items()}
+    by_name = {n.name: n for n in view.nodes}
     outputs = set(view.outputs)
     found = []
     for members in groups.values():
         inside = set(members)
-        by_name = {n.name: n for n in view.nodes if n.name in inside}
         cast_in = {v for name in members for v in by_name[name].inputs if v not in view.weights
                    and (producer.get(v) is None or producer[v].name not in inside)}
         cast_out = {v for name in members for v in by_name[name].outputs

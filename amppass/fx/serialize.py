@@ -34,8 +34,7 @@ from torch.utils import _pytree as pytree
 from ..errors import InputError
 from ..files import Staged, check_writable
 from ..training.module import TrainEvalGraphs
-from .capture import capture_program, size_one_dynamic
-from .modes import module_mode
+from .capture import capture_program, capturing, size_one_dynamic
 from .rewrite import META_KEY
 from .shapes import GUARDS_KEY, ServingGraph, ShapeGuards
 
@@ -57,7 +56,7 @@ def exported_program(converted: nn.Module) -> torch.export.ExportedProgram:
                     type(served).__name__, guards.describe(), later)
     traced = _with_guard_call(served, guards)
     args, kwargs, dynamic = _example(served, guards)
-    with module_mode(traced, train=False), size_one_dynamic(True):
+    with capturing(traced, train=False), size_one_dynamic(True):
         return torch.export.export(traced, args, kwargs, dynamic_shapes=dynamic, strict=False)
 
 

@@ -104,6 +104,7 @@ class ShapeGuards:
         self.in_spec, self.inputs, self.ranges = in_spec, inputs, ranges
         self.guard_module, self.signature = guard_module, signature  # the module: for export to trace again
         self.guard_fn = _guard_function(guard_module) or guard_module
+        self._described: str | None = None  # describe(), formatted once: the report reads it on every call
 
     @classmethod
     def of(cls, gm: fx.GraphModule) -> "ShapeGuards":
@@ -120,7 +121,9 @@ class ShapeGuards:
 
     def describe(self) -> str:
         """The inputs this plan takes, one per flattened input: ``x: [s0>=2, 40, 16] float32``."""
-        return "; ".join(spec.describe(self.ranges) for spec in self.inputs)
+        if self._described is None:
+            self._described = "; ".join(spec.describe(self.ranges) for spec in self.inputs)
+        return self._described
 
     def key(self) -> str:
         """A short label of the plan's shapes for logs and the report: ``x[s0,40,16]``."""

@@ -14,8 +14,7 @@ from torch.export import Dim
 
 from ..errors import CaptureError, InputError
 from ..files import check_writable
-from ..fx.capture import CAPTURE_LOCK, size_one_dynamic
-from ..fx.modes import module_mode
+from ..fx.capture import capturing, size_one_dynamic
 from .convert import convert_onnx, save
 
 log = logging.getLogger(__name__)
@@ -43,7 +42,7 @@ def export_onnx(
         raise InputError(f"export_onnx takes a torch.nn.Module, got {type(torch_model).__name__}; for an ONNX "
                          "model already on disk use amppass.convert_onnx")
     check_writable(path)
-    with CAPTURE_LOCK, module_mode(torch_model, train=False):  # an inference export: dropout off, BN running stats
+    with capturing(torch_model, train=False):  # an inference export: dropout off, BN running stats
         fp32 = export_fp32(torch_model, example_inputs, dynamic_shapes=dynamic_shapes)
     converted = convert_onnx(fp32, dtype, **convert_kwargs)
     save(converted, path)

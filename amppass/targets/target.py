@@ -139,7 +139,7 @@ def onnx_target(name: str = "cpu", dtype: object = "fp16") -> Target:
 
 
 @functools.lru_cache(maxsize=None)
-def torch_target(name: str, dtype: object, profitability: bool = True) -> Target:
+def torch_target(name: str, dtype: object) -> Target:
     """The target for a torch model run eagerly or compiled on ``name`` ("cpu" or "cuda").
 
     Profitability is measured only where this machine has the device (a CUDA target without a GPU here
@@ -148,7 +148,7 @@ def torch_target(name: str, dtype: object, profitability: bool = True) -> Target
     low = low_type(dtype, device=name)
     local = name == "cpu" or torch.cuda.is_available()
     return Target(name, "fx", low, f"torch {torch.__version__.split('+')[0]} on {name}",
-                  "runtime" if local else "simulation", profitable=profitability and local,
+                  "runtime" if local else "simulation", profitable=local,
                   slow_low=_CPU_SLOW_LOW if name == "cpu" else frozenset())
 
 
