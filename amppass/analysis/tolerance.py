@@ -21,7 +21,8 @@ the share of a relative error at its output that reaches the outputs (:mod:`ampp
 additions and concatenations scale it by norm ratios), and corrects that estimate with runs: regions of
 the graph are measured (alone in low precision, and moved to fp32), best first, in at most ``rank_runs(n) = 4 * ceil(log2(n))`` runs for ``n``
 candidates. Each step is one full run over the calibration data, so a search costs at most
-``rank_runs(n) + 2 * ceil(log2(n)) + 1 + trim_runs(k)`` runs: never one run per node or per segment.
+``rank_runs(n) + 2 * ceil(log2(n)) + 1 + trim_runs(k)`` runs: never one run per node or per segment. A
+trial is run once per set of nodes moved; a step that asks for one already run reads its error back.
 
 Other rankings are strategies of the same type (:data:`Ranking`): :func:`by_local_error`, which spends no
 run, and :func:`by_error_alone`, which moves each candidate alone to fp32 and ranks by the output error that
@@ -131,7 +132,8 @@ def by_region_effect(candidates: list[str], sensitivity: Sensitivity, run_with: 
     squares the two agree; where they interact, errors that saturate (the sensor net's early convolutions:
     removing one of two leaves the output as wrong) or compound (a class token the pooler reads), each
     misses what the other sees, so the effect is their mean. Best first, the region with the largest effect
-    is split in halves and both halves measured (four runs), ``splits`` times (default ``ceil(log2(n))``);
+    is split in halves and both halves measured (at most four runs: the first split's halves are each
+    other's complements, so two), ``splits`` times (default ``ceil(log2(n))``);
     a region's nodes share its effect in proportion to their squared estimates.
 
     How far the gains are trusted is decided by those runs: the estimate is ``own error * gain ** t`` for
@@ -237,9 +239,13 @@ def search(
     if not isinstance(sensitivity, Sensitivity):
         sensitivity = Sensitivity(sensitivity)
     errors: list[tuple[int, float]] = []
+    measured: dict[frozenset[str], float] = {}  # a trial depends only on the set moved: never run one twice
 
     def run_with(moved: list[str]) -> float:
-        error = measure(_trial(given, moved))
+        key = frozenset(moved)
+        if key in measured:
+            return measured[key]
+        error = measured[key] = measure(_trial(given, moved))
         errors.append((len(moved), error))
         log.info("tolerance search: %d node(s) in fp32 -> max relative output error %.3g", len(moved), error)
         if on_run is not None:
