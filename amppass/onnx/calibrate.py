@@ -342,13 +342,13 @@ def _replay_model(model: onnx.ModelProto, refs: Mapping[str, NodeRef], candidate
             nodes.extend(rounding(value, rounded[value], low, taken))
         return rounded[value]
 
+    # nodes the CPU provider runs through an fp32 kernel: only their weights are stored low
+    fp32_kernel = {name for name in candidates if casts_around and "onnxruntime_cpu" in refs[name].evidence}
     # values a replayed producer stores low: in the plan with every candidate low, their rounding is theirs
-    stored_low = {v for name in candidates if not (casts_around and "onnxruntime_cpu" in refs[name].evidence)
-                  for v in refs[name].node.output if v}
+    stored_low = {v for name in candidates if name not in fp32_kernel for v in refs[name].node.output if v}
     for name in candidates:
         node = refs[name].node
-        # the CPU provider runs this node through an fp32 kernel: only its weights are stored low
-        around = casts_around and "onnxruntime_cpu" in refs[name].evidence
+        around = name in fp32_kernel
         twin = onnx.NodeProto()
         twin.CopyFrom(node)
         del twin.metadata_props[:]

@@ -59,7 +59,6 @@ def check_location(tensor: onnx.TensorProto, where: str) -> str:
 
 @dataclass
 class _Opened:
-    path: str
     size: int
     buffer: mmap.mmap | bytes
 
@@ -107,16 +106,6 @@ class ExternalFiles:
         if end > start:
             opened.buffer.madvise(mmap.MADV_DONTNEED, start, end - start)
 
-    def close(self) -> None:
-        """Unmap and forget every file (arrays handed out before must no longer be used)."""
-        for opened in self._open.values():
-            if isinstance(opened.buffer, mmap.mmap):
-                try:
-                    opened.buffer.close()
-                except BufferError:  # an array still views it; the map goes when that array does
-                    pass
-        self._open.clear()
-
     def _file(self, tensor: onnx.TensorProto, location: str) -> _Opened:
         if location in self._open:
             return self._open[location]
@@ -154,8 +143,8 @@ class ExternalFiles:
             if (seen.st_dev, seen.st_ino) != (status.st_dev, status.st_ino):
                 raise self._outside(tensor, location, resolved)
         if not status.st_size:
-            return _Opened(resolved, 0, b"")
-        return _Opened(resolved, status.st_size, mmap.mmap(fd, 0, access=mmap.ACCESS_READ))
+            return _Opened(0, b"")
+        return _Opened(status.st_size, mmap.mmap(fd, 0, access=mmap.ACCESS_READ))
 
     def _outside(self, tensor: onnx.TensorProto, location: str, resolved: str) -> InputError:
         return InputError(f"{self.where}: tensor {tensor.name!r} keeps its data at {location!r}, which resolves to "

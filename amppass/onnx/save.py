@@ -40,7 +40,7 @@ def save(model: onnx.ModelProto, path: str | os.PathLike, external_data: bool | 
 def stage(staged: Staged, skeleton: onnx.ModelProto, store: WeightStore, path: str,
           external_data: bool | None = None) -> None:
     """Add the model ``skeleton`` (payloads in ``store``) to ``staged`` as ``path`` (see :func:`save`)."""
-    parts = wire.pieces(skeleton, store)
+    parts = wire.pieces(skeleton, store) if external_data is not True else None
     if external_data is None:
         external_data = wire.size(parts) >= PROTOBUF_LIMIT
     old = _old_data_files(path)

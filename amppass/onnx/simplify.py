@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import onnx
 
-from .view import all_nodes, subgraphs
+from .view import all_nodes, replace_nodes, subgraphs
 
 
 def bypass_weight_identities(model: onnx.ModelProto) -> int:
@@ -29,17 +29,12 @@ def bypass_weight_identities(model: onnx.ModelProto) -> int:
             alias[node.output[0]] = node.input[0]
     if not alias:
         return 0
-    survivors = []
     for node in graph.node:
-        if not (node.op_type == "Identity" and node.output and node.output[0] in alias):
-            survivors.append(onnx.NodeProto())
-            survivors[-1].CopyFrom(node)  # copied: removing from a repeated field may free the originals
-    for node in survivors:
         for i, value in enumerate(node.input):
             if value in alias:
                 node.input[i] = alias[value]
-    del graph.node[:]
-    graph.node.extend(survivors)
+    replace_nodes(graph, [n for n in graph.node
+                          if not (n.op_type == "Identity" and n.output and n.output[0] in alias)])
     return len(alias)
 
 

@@ -30,7 +30,7 @@ from onnx import TensorProto
 
 from ..errors import InputError
 from .external import check_location
-from .view import subgraphs, tensors
+from .view import replace_nodes, subgraphs, tensors
 
 MAX_NESTING = 48
 
@@ -85,14 +85,12 @@ def check_raw_length(tensor: onnx.TensorProto, held: int, itemsize: int, where: 
 
 def check_order(model: onnx.ModelProto, where: str) -> None:
     """Rules 3 and 4 on every graph of ``model`` (a private copy: out-of-order graphs are sorted in place)."""
-    stack: list[tuple[onnx.GraphProto, frozenset[str]]] = [(model.graph, frozenset())]
+    stack = [model.graph]
     while stack:
-        graph, outer = stack.pop()
-        _order_graph(graph, outer, where)
-        own = outer | _defined(graph)
+        graph = stack.pop()
+        _order_graph(graph, where)
         for node in graph.node:
-            for body in subgraphs(node):
-                stack.append((body, own))
+            stack.extend(subgraphs(node))
 
 
 def check_with_onnx(skeleton: onnx.ModelProto, where: str) -> None:
@@ -130,7 +128,7 @@ def dynamic_negative_dims(model: onnx.ModelProto) -> None:
             stack.extend(subgraphs(node))
 
 
-def _order_graph(graph: onnx.GraphProto, outer: frozenset[str], where: str) -> None:
+def _order_graph(graph: onnx.GraphProto, where: str) -> None:
     fixed = {i.name for i in graph.input} | {t.name for t in graph.initializer}
     writer: dict[str, int] = {}
     for index, node in enumerate(graph.node):
@@ -153,12 +151,7 @@ def _order_graph(graph: onnx.GraphProto, outer: frozenset[str], where: str) -> N
         names = [graph.node[i].name or graph.node[i].op_type for i in stuck[:4]]
         raise InputError(f"{where}: nodes {names} read each other's outputs in a cycle; an ONNX graph must be "
                          "acyclic. The model file is damaged or malicious: re-export it")
-    nodes = [graph.node[i] for i in order]
-    kept = [onnx.NodeProto() for _ in nodes]
-    for copy, node in zip(kept, nodes):
-        copy.CopyFrom(node)
-    del graph.node[:]
-    graph.node.extend(kept)
+    replace_nodes(graph, [graph.node[i] for i in order])
 
 
 def _reads(node: onnx.NodeProto) -> Iterator[str]:

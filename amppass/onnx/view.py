@@ -61,6 +61,16 @@ def all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
         yield node
 
 
+def replace_nodes(graph: onnx.GraphProto, nodes: list[onnx.NodeProto]) -> None:
+    """Make ``nodes`` (messages of ``graph``, in any order, some left out) ``graph``'s node list. They are
+    copied first: removing messages from a repeated field may free them."""
+    kept = [onnx.NodeProto() for _ in nodes]
+    for copy, node in zip(kept, nodes):
+        copy.CopyFrom(node)
+    del graph.node[:]
+    graph.node.extend(kept)
+
+
 def clear_value_info(graph: onnx.GraphProto) -> None:
     """Drop the inferred types of ``graph`` and every body (stale once a rewrite changed dtypes)."""
     del graph.value_info[:]

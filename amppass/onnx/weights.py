@@ -49,7 +49,7 @@ class WeightStore:
     """
 
     def __init__(self, base_dir: str | None = None, where: str = "the model", owns_source: bool = False):
-        self.base_dir, self.where, self.owns_source = base_dir, where, owns_source
+        self.where, self.owns_source = where, owns_source
         self._files = ExternalFiles(base_dir, where) if base_dir is not None else None
         # an entry is the caller's tensor itself until its bytes are first read, then those bytes
         self._payloads: list[bytes | onnx.TensorProto] = []
@@ -79,7 +79,7 @@ class WeightStore:
                 copy_field(target, field, value)
 
     def _node(self, source: onnx.NodeProto, target: onnx.NodeProto) -> None:
-        if not any(a.type in _NESTED for a in source.attribute):
+        if not any(a.type in NESTED for a in source.attribute):
             target.CopyFrom(source)
             return
         for field, value in source.ListFields():
@@ -262,7 +262,8 @@ class WeightStore:
         return self._files.array(tensor, dtype, count).reshape(tuple(tensor.dims))
 
 
-_NESTED = frozenset({onnx.AttributeProto.TENSOR, onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS})
+# attribute types that hold a tensor or a graph: a node with one is copied field by field
+NESTED = frozenset({onnx.AttributeProto.TENSOR, onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS})
 
 
 def copy_field(target: object, field: object, value: object) -> None:

@@ -16,11 +16,10 @@ from typing import BinaryIO, Union
 import onnx
 from onnx import TensorProto
 
-from .weights import WeightStore, copy_field
+from .weights import NESTED, WeightStore, copy_field
 
 _RAW_DATA = TensorProto.DESCRIPTOR.fields_by_name["raw_data"].number
 _PAYLOAD_FIELDS = frozenset({"raw_data", "external_data", "data_location"})
-_NESTED = frozenset({onnx.AttributeProto.TENSOR, onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS})
 
 
 class _Payload:
@@ -90,9 +89,9 @@ def _may_hold_payload(message) -> bool:
     if isinstance(message, (onnx.ModelProto, onnx.GraphProto)):
         return True
     if isinstance(message, onnx.NodeProto):
-        return any(a.type in _NESTED for a in message.attribute)
+        return any(a.type in NESTED for a in message.attribute)
     if isinstance(message, onnx.AttributeProto):
-        return message.type in _NESTED
+        return message.type in NESTED
     return False
 
 

@@ -9,11 +9,11 @@ node's entry must name a known precision with string reasons. Anything else rais
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 from ..errors import InputError
 from .report import Row
+from .rows import finite
 
 # numbers the summary reads from the model-level metadata, when present
 _NUMBERS = ("casts", "weights_converted", "weight_copies", "weight_bytes_before", "weight_bytes_after",
@@ -39,10 +39,10 @@ def model_info(raw: Any, what: str) -> dict[str, Any]:
         raise InputError(f"{what} names no low-precision dtype (field 'dtype'); {_FIX}")
     for key in _NUMBERS:
         value = raw.get(key)
-        if value is not None and not _finite_number(value):
+        if value is not None and finite(value) is None:
             raise InputError(f"{what}: field {key!r} is {str(value)[:40]!r}, not a finite number; {_FIX}")
     moved = raw.get("moved_by_tolerance")
-    if moved is not None and not isinstance(moved, (list, dict)) and not _finite_number(moved):
+    if moved is not None and not isinstance(moved, (list, dict)) and finite(moved) is None:
         raise InputError(f"{what}: field 'moved_by_tolerance' is {str(moved)[:40]!r}, not a count; {_FIX}")
     return raw
 
@@ -71,6 +71,3 @@ def row(name: str, raw: Any, low: str) -> Row | None:
     return Row(name, texts["op"], _PRECISIONS[precision] or low, texts["reason"], texts["source"], list(casts),
                evidence)
 
-
-def _finite_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
