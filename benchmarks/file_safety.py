@@ -82,7 +82,6 @@ _PRELUDE = textwrap.dedent('''
 
 PROBES: dict[str, str] = {
     "external data at an absolute path (initializer)": '''
-        (tmp / "secret").write_bytes(SECRET)
         def go():
             c = amppass.convert_onnx(str(external(location=str(tmp.parent / "outside" / "secret"))))
             return "converted; " + ("weight read from the outside file" if leaked(c) else "no leak")

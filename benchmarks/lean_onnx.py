@@ -36,7 +36,6 @@ import torch
 from torch import nn
 
 HERE = Path(__file__).resolve().parent
-COLUMNS = ("casts_onnx", "casts_fx", "float_low", "err_runtime", "err_simulated")
 
 
 class ConvBN(nn.Module):

@@ -96,10 +96,11 @@ def error(model: onnx.ModelProto, reference: list[np.ndarray], feed: dict[str, n
                for g, r in zip(got, reference) if np.issubdtype(r.dtype, np.floating))
 
 
-def heavy_rows(label: str, model: onnx.ModelProto) -> list[dict[str, Any]]:
-    rows = []
+def heavy_rows(label: str, model: onnx.ModelProto) -> tuple[list[dict[str, Any]], dict[tuple[str, str], Any]]:
+    """One row per (target, dtype) of :data:`PLANS`, and the converted models by (target, dtype)."""
+    rows, plans = [], {}
     for target, dtype in PLANS:
-        converted = amppass.convert_onnx(model, dtype, target=target)
+        converted = plans[target, dtype] = amppass.convert_onnx(model, dtype, target=target)
         try:
             onnx.checker.check_model(converted, full_check=True)
             valid = "yes"
@@ -112,7 +113,7 @@ def heavy_rows(label: str, model: onnx.ModelProto) -> list[dict[str, Any]]:
         rows.append({"model": label, "target": target, "dtype": dtype, "heavy_low": f"{len(low)}/{len(heavy)}",
                      "heavy_low_share": len(low) / len(heavy) if heavy else None,
                      "heavy_macs_low": share, "casts": report.info["casts"], "checker": valid})
-    return rows
+    return rows, plans
 
 
 def run(quick: bool) -> tuple[list[dict], list[dict], list[dict]]:
@@ -121,8 +122,9 @@ def run(quick: bool) -> tuple[list[dict], list[dict], list[dict]]:
         model, feed = make()
         held_out = feed(10)
         reference = [r.astype(np.float64) for r in _session(model).run(None, held_out)]
-        heavy += heavy_rows(label, model)
-        plain = amppass.convert_onnx(model, "fp16")
+        rows, plans = heavy_rows(label, model)
+        heavy += rows
+        plain = plans["cpu", "fp16"]  # the default target
         runtime, simulated_error = error(plain, reference, held_out), error(simulated(plain), reference, held_out)
         gap.append({"model": label, "runtime_error": runtime, "simulated_error": simulated_error,
                     "simulated_over_runtime": simulated_error / runtime if runtime else None})

@@ -17,18 +17,11 @@ from amppass.fx import shapes
 from amppass.fx.shapes import ServingGraph
 from models import build
 from tests.shape_models import Encoder, Recurrent, _decoder
+from tests.shape_models import _floats as floats
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).norm() / ref.float().norm())
-
-
-def seeded(module: nn.Module) -> nn.Module:
-    return module.eval()
-
-
-def floats(*shape: int, seed: int = 1) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
 def within_autocast(model: nn.Module, fast: nn.Module, x: torch.Tensor, factor: float = 1.1) -> tuple[float, float]:
