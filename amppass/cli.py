@@ -246,11 +246,12 @@ def _load_program(path: str) -> Any:
     """A .pt2 file: the converted module if amppass wrote it, else the program torch.export.load reads."""
     import amppass
     import torch
+    from amppass.fx.serialize import has_plan
 
     if not os.path.isfile(path):
         raise FileProblem(f"{path}: no such file")
     try:
-        if zipfile.is_zipfile(path) and any(n.endswith("/extra/amppass.json") for n in zipfile.ZipFile(path).namelist()):
+        if has_plan(path):
             return amppass.load(path)
         return torch.export.load(path)
     except AmpPassError as error:

@@ -24,6 +24,7 @@ import copy
 import json
 import logging
 import os
+import zipfile
 from typing import Any
 
 import torch
@@ -125,16 +126,26 @@ def _custom_types(program: torch.export.ExportedProgram) -> list[str]:
     return sorted(names)
 
 
+def has_plan(path: str) -> bool:
+    """Whether ``path`` is a .pt2 archive holding an amppass plan (one :func:`save` wrote)."""
+    if not zipfile.is_zipfile(path):
+        return False
+    with zipfile.ZipFile(path) as archive:
+        return _plan_entry(archive) is not None
+
+
 def _plan_file(path: str) -> dict[str, Any]:
     """The plan file of a .pt2 archive read on its own (it names the types the program needs registered)."""
-    import zipfile
-
     if not zipfile.is_zipfile(path):
         raise InputError(f"{path}: not a torch.export program file (not a zip archive); give a .pt2 file "
                          "amppass.save wrote")
     with zipfile.ZipFile(path) as archive:
-        found = [n for n in archive.namelist() if n.endswith(f"/extra/{PLAN_FILE}")]
-        return json.loads(archive.read(found[0])) if found else {}
+        entry = _plan_entry(archive)
+        return json.loads(archive.read(entry)) if entry is not None else {}
+
+
+def _plan_entry(archive: zipfile.ZipFile) -> str | None:
+    return next((n for n in archive.namelist() if n.endswith(f"/extra/{PLAN_FILE}")), None)
 
 
 def _register_types(names: list[str]) -> None:
