@@ -69,6 +69,14 @@ _PRELUDE = textwrap.dedent('''
         values = numpy_helper.to_array(t).astype(np.float32)
         return not np.allclose(values, W, atol=1e-3)
 
+    def checker_verdict(m):
+        """Convert ``m`` and say whether onnx.checker accepts the result."""
+        c = amppass.convert_onnx(m)
+        try:
+            onnx.checker.check_model(c); return "converted; checker accepts it"
+        except Exception:
+            return "converted into a model the checker rejects"
+
     def outcome(call):
         try:
             result = call()
@@ -232,22 +240,10 @@ PROBES: dict[str, str] = {
         print(outcome(go))''',
     "graph with a cycle": '''
         m = model(); m.graph.node.append(helper.make_node("Relu", ["y"], ["x2"], name="back")); m.graph.node[0].input[0] = "x2"
-        def go():
-            c = amppass.convert_onnx(m)
-            try:
-                onnx.checker.check_model(c); return "converted; checker accepts it"
-            except Exception:
-                return "converted into a model the checker rejects"
-        print(outcome(go))''',
+        print(outcome(lambda: checker_verdict(m)))''',
     "two nodes writing one output": '''
         m = model(); m.graph.node.append(helper.make_node("Neg", ["x"], ["y"], name="again"))
-        def go():
-            c = amppass.convert_onnx(m)
-            try:
-                onnx.checker.check_model(c); return "converted; checker accepts it"
-            except Exception:
-                return "converted into a model the checker rejects"
-        print(outcome(go))''',
+        print(outcome(lambda: checker_verdict(m)))''',
     "SIGTERM during save (temporary files left)": '''
         import signal, subprocess, time
         src = tmp / "m.onnx"; src.write_bytes(model().SerializeToString())
