@@ -276,7 +276,7 @@ def test_backoff_stops_at_min_scale_with_hysteresis():
         ({"min_scale": 2.0**-127}, "min_scale="),
         ({"max_scale": 0.5}, "max_scale=0.5 must be a number between min_scale=1.0"),
         ({"max_scale": float("inf")}, "max_scale=inf"),
-        ({"init_scale": 0.5}, "init_scale=0.5 lies outside [min_scale, max_scale] = [1, 1.67772e+07]"),
+        ({"init_scale": 0.5}, "init_scale=0.5 lies outside [min_scale, max_scale] = [1, 16777216]"),
         ({"init_scale": 2.0**25}, "lies outside"),
     ],
 )

@@ -535,7 +535,7 @@ def _check_scale(name: str, value: Any, min_scale: float, max_scale: float) -> N
         )
     if not min_scale <= value <= max_scale:
         raise ScalerValueError(
-            f"{name}={value!r} lies outside [min_scale, max_scale] = [{min_scale:g}, {max_scale:g}]; pass a "
+            f"{name}={value!r} lies outside [min_scale, max_scale] = [{min_scale:.10g}, {max_scale:.10g}]; pass a "
             "scale within them, or widen them with LossScaler(min_scale=..., max_scale=...)"
         )
 

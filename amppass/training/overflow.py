@@ -59,8 +59,8 @@ def unscale_and_check(
                 with torch.no_grad():
                     grad = grad.to_local()  # the shard itself: unscaled in place, no collective per batch
             if grad.is_sparse:
-                if not grad.is_coalesced():
-                    # Duplicate indices are summed later; check the sums, which can overflow.
+                if grad.dtype == torch.float16:
+                    # Duplicate indices are summed later, and fp16 sums can overflow: check the sums.
                     grad = param.grad = grad.coalesce()
                 grad = grad._values()
             grads[(grad.device, grad.dtype)].append(grad)
