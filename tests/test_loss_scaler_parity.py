@@ -37,6 +37,8 @@ class Recorder:
             "scale": scaler.get_scale(),
             "growth_tracker": scaler.state_dict().get("_growth_tracker"),
             "result": result,
+            "factors": (scaler.get_growth_factor(), scaler.get_backoff_factor(), scaler.get_growth_interval())
+            if scaler.is_enabled() else None,
             "params": [p.detach().clone() for p in self.model.parameters()],
             "optimizers": [copy.deepcopy(o.state_dict()) for o in self.optimizers],
         })
@@ -57,21 +59,34 @@ def _overflows(seed: int, steps: int, rate: float) -> list[bool]:
     return [rng.random() < rate for _ in range(steps)]
 
 
-def _loop(make: Callable, optimizer: Callable, pattern: list[bool], clip: bool = False, **kwargs: Any) -> list:
-    """The plain loop: forward, scale, backward, (unscale_ + clip), step, update, on the overflow pattern."""
-    model = _mlp()
-    opt = optimizer(model.parameters())
-    scaler = make(**kwargs)
-    record = Recorder(model, opt)
+def _mse_backward(scaler, model: nn.Module, step: int, overflow: bool) -> None:
+    """One batch's scaled backward; an overflow multiplies the loss by inf."""
+    x, y = _batch(step)
+    scaler.scale(F.mse_loss(model(x), y) * (INF if overflow else 1.0)).backward()
+
+
+def _loop(make: Callable, optimizer: Callable, pattern: list[bool], *, model: Callable[[], nn.Module] = _mlp,
+          backward: Callable = _mse_backward, clip: bool = False, before: Callable | None = None,
+          new_scale: dict | None = None, **settings: Any) -> list:
+    """The plain loop on an overflow pattern: zero_grad, ``backward(scaler, model, step, overflow)``,
+    (unscale_ + clip), step, update.
+
+    ``before(step, scaler, make)`` may return another scaler at the start of a step; ``new_scale`` maps steps to
+    the argument of that step's ``update``.
+    """
+    net = model()
+    opt = optimizer(net.parameters())
+    scaler = make(**settings)
+    record = Recorder(net, opt)
     for step, overflow in enumerate(pattern):
-        x, y = _batch(step)
+        scaler = before(step, scaler, make) if before else scaler
         opt.zero_grad()
-        scaler.scale(F.mse_loss(model(x), y) * (INF if overflow else 1.0)).backward()
+        backward(scaler, net, step, overflow)
         if clip:
             scaler.unscale_(opt)
-            nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            nn.utils.clip_grad_norm_(net.parameters(), 0.5)
         result = scaler.step(opt)
-        scaler.update()
+        scaler.update((new_scale or {}).get(step))
         record(scaler, result)
     return record.rows
 
@@ -124,116 +139,72 @@ def seq_two_optimizers(make):
 
 
 def seq_accumulation(make):
-    """Two micro-batches accumulate scaled gradients before one step."""
-    model = _mlp()
-    opt = _sgd(model.parameters())
-    scaler = make(init_scale=2.0**8, growth_interval=3)
-    record = Recorder(model, opt)
-    for step, overflow in enumerate(_overflows(5, 30, 0.2)):
-        opt.zero_grad()
+    """Two micro-batches accumulate scaled gradients before one step; an overflow comes in the second."""
+
+    def backward(scaler, model: nn.Module, step: int, overflow: bool) -> None:
         for micro in range(2):
             x, y = _batch(2 * step + micro)
-            poison = INF if overflow and micro == 1 else 1.0
-            scaler.scale(F.mse_loss(model(x), y) * poison / 2).backward()
-        result = scaler.step(opt)
-        scaler.update()
-        record(scaler, result)
-    return record.rows
+            scaler.scale(F.mse_loss(model(x), y) * (INF if overflow and micro == 1 else 1.0) / 2).backward()
+
+    return _loop(make, _sgd, _overflows(5, 30, 0.2), backward=backward, init_scale=2.0**8, growth_interval=3)
 
 
 def seq_multiple_losses(make):
     """Two losses scaled as a list, each with its own backward."""
-    model = _mlp()
-    opt = _adam(model.parameters())
-    scaler = make(init_scale=2.0**7, growth_interval=2)
-    record = Recorder(model, opt)
-    for step, overflow in enumerate(_overflows(6, 30, 0.25)):
+
+    def backward(scaler, model: nn.Module, step: int, overflow: bool) -> None:
         x, y = _batch(step)
-        opt.zero_grad()
         out = model(x)
         first, second = scaler.scale([F.mse_loss(out, y), out.abs().mean() * (INF if overflow else 1.0)])
         first.backward(retain_graph=True)
         second.backward()
-        result = scaler.step(opt)
-        scaler.update()
-        record(scaler, result)
-    return record.rows
+
+    return _loop(make, _adam, _overflows(6, 30, 0.25), backward=backward, init_scale=2.0**7, growth_interval=2)
 
 
 def seq_nan_gradient(make):
     """NaN, not inf, in one gradient element."""
-    model = _mlp()
-    opt = _sgd(model.parameters())
-    scaler = make(init_scale=2.0**12, growth_interval=2)
-    record = Recorder(model, opt)
-    for step, overflow in enumerate(_overflows(7, 30, 0.3)):
-        x, y = _batch(step)
-        opt.zero_grad()
-        scaler.scale(F.mse_loss(model(x), y)).backward()
+
+    def backward(scaler, model: nn.Module, step: int, overflow: bool) -> None:
+        _mse_backward(scaler, model, step, overflow=False)
         if overflow:
             model[0].weight.grad[1, 2] = float("nan")
-        result = scaler.step(opt)
-        scaler.update()
-        record(scaler, result)
-    return record.rows
+
+    return _loop(make, _sgd, _overflows(7, 30, 0.3), backward=backward, init_scale=2.0**12, growth_interval=2)
 
 
 def seq_new_scale(make):
     """update(new_scale=...) with a float and with a tensor, between ordinary updates."""
-    model = _mlp()
-    opt = _sgd(model.parameters())
-    scaler = make(init_scale=2.0**8, growth_interval=2)
-    record = Recorder(model, opt)
-    for step, overflow in enumerate(_overflows(8, 20, 0.2)):
-        x, y = _batch(step)
-        opt.zero_grad()
-        scaler.scale(F.mse_loss(model(x), y) * (INF if overflow else 1.0)).backward()
-        result = scaler.step(opt)
-        scaler.update({5: 64.0, 11: torch.tensor(32.0)}.get(step))
-        record(scaler, result)
-    return record.rows
+    return _loop(make, _sgd, _overflows(8, 20, 0.2), new_scale={5: 64.0, 11: torch.tensor(32.0)},
+                 init_scale=2.0**8, growth_interval=2)
 
 
 def seq_resume_from_state_dict(make):
     """Mid-run, a fresh scaler of the same kind loads the state dict and carries on."""
-    model = _mlp()
-    opt = _adam(model.parameters())
-    scaler = make(init_scale=2.0**9, growth_interval=3)
-    record = Recorder(model, opt)
-    for step, overflow in enumerate(_overflows(9, 30, 0.25)):
-        if step == 13:
-            fresh = make()
-            fresh.load_state_dict(scaler.state_dict())
-            scaler = fresh
-        x, y = _batch(step)
-        opt.zero_grad()
-        scaler.scale(F.mse_loss(model(x), y) * (INF if overflow else 1.0)).backward()
-        result = scaler.step(opt)
-        scaler.update()
-        record(scaler, result)
-    return record.rows
+
+    def resume(step: int, scaler, make: Callable):
+        if step != 13:
+            return scaler
+        fresh = make()
+        fresh.load_state_dict(scaler.state_dict())
+        return fresh
+
+    return _loop(make, _adam, _overflows(9, 30, 0.25), before=resume, init_scale=2.0**9, growth_interval=3)
 
 
 def seq_setters_mid_run(make):
     """set_growth_factor / set_backoff_factor / set_growth_interval mid-run, with factors that are not powers
     of two (the products must round as GradScaler's kernel rounds them)."""
-    model = _mlp()
-    opt = _sgd(model.parameters())
-    scaler = make(init_scale=1000.0, growth_factor=1.7, backoff_factor=0.3, growth_interval=2)
-    record = Recorder(model, opt)
-    for step, overflow in enumerate(_overflows(10, 40, 0.3)):
+
+    def change(step: int, scaler, make: Callable):
         if step == 15:
             scaler.set_growth_factor(1.37)
             scaler.set_backoff_factor(0.71)
             scaler.set_growth_interval(scaler.get_growth_interval() + 1)
-        x, y = _batch(step)
-        opt.zero_grad()
-        scaler.scale(F.mse_loss(model(x), y) * (INF if overflow else 1.0)).backward()
-        result = scaler.step(opt)
-        scaler.update()
-        record(scaler, (result, scaler.get_growth_factor(), scaler.get_backoff_factor(),
-                        scaler.get_growth_interval()))
-    return record.rows
+        return scaler
+
+    return _loop(make, _sgd, _overflows(10, 40, 0.3), before=change, init_scale=1000.0, growth_factor=1.7,
+                 backoff_factor=0.3, growth_interval=2)
 
 
 def seq_sparse_embedding(make):
@@ -255,19 +226,13 @@ def seq_sparse_embedding(make):
 
 def seq_unused_parameter(make):
     """A parameter that never gets a gradient (None), beside ones that do."""
-    model = _mlp()
-    model.register_parameter("unused", nn.Parameter(torch.ones(2)))
-    opt = _adam(model.parameters())
-    scaler = make(init_scale=2.0**6, growth_interval=2)
-    record = Recorder(model, opt)
-    for step, overflow in enumerate(_overflows(12, 20, 0.3)):
-        x, y = _batch(step)
-        opt.zero_grad()
-        scaler.scale(F.mse_loss(model(x), y) * (INF if overflow else 1.0)).backward()
-        result = scaler.step(opt)
-        scaler.update()
-        record(scaler, result)
-    return record.rows
+
+    def model() -> nn.Module:
+        net = _mlp()
+        net.register_parameter("unused", nn.Parameter(torch.ones(2)))
+        return net
+
+    return _loop(make, _adam, _overflows(12, 20, 0.3), model=model, init_scale=2.0**6, growth_interval=2)
 
 
 def seq_disabled(make):
@@ -397,31 +362,16 @@ def _backward(scaler, param) -> None:
     scaler.scale((param.float() * 2).sum()).backward()
 
 
-def misuse_unscale_twice(scaler):
-    param, opt = _param_and_optimizer()
-    _backward(scaler, param)
-    scaler.unscale_(opt)
-    scaler.unscale_(opt)
+def _after_backward(*calls: str, **step_kwargs: Any) -> Callable:
+    """A misuse: one scaled backward, then these scaler methods on the optimizer, in order."""
 
+    def sequence(scaler) -> None:
+        param, opt = _param_and_optimizer()
+        _backward(scaler, param)
+        for call in calls:
+            getattr(scaler, call)(opt, **(step_kwargs if call == "step" else {}))
 
-def misuse_unscale_after_step(scaler):
-    param, opt = _param_and_optimizer()
-    _backward(scaler, param)
-    scaler.step(opt)
-    scaler.unscale_(opt)
-
-
-def misuse_step_twice(scaler):
-    param, opt = _param_and_optimizer()
-    _backward(scaler, param)
-    scaler.step(opt)
-    scaler.step(opt)
-
-
-def misuse_closure(scaler):
-    param, opt = _param_and_optimizer()
-    _backward(scaler, param)
-    scaler.step(opt, closure=lambda: None)
+    return sequence
 
 
 def misuse_load_empty_state_dict(scaler):
@@ -439,10 +389,10 @@ def misuse_scale_a_number(scaler):
 
 
 MISUSE = {
-    "unscale_twice": (misuse_unscale_twice, RuntimeError),
-    "unscale_after_step": (misuse_unscale_after_step, RuntimeError),
-    "step_twice": (misuse_step_twice, RuntimeError),
-    "closure": (misuse_closure, RuntimeError),
+    "unscale_twice": (_after_backward("unscale_", "unscale_"), RuntimeError),
+    "unscale_after_step": (_after_backward("step", "unscale_"), RuntimeError),
+    "step_twice": (_after_backward("step", "step"), RuntimeError),
+    "closure": (_after_backward("step", closure=lambda: None), RuntimeError),
     "load_empty_state_dict": (misuse_load_empty_state_dict, RuntimeError),
     "unscale_fp16_gradients": (misuse_unscale_fp16_gradients, ValueError),
     "scale_a_number": (misuse_scale_a_number, ValueError),
