@@ -15,3 +15,15 @@ class InputError(AmpPassError):
 
 class CalibrationError(AmpPassError):
     """Calibration data that is empty, non-finite or does not match the model's inputs."""
+
+
+class ScalerUsageError(AmpPassError, RuntimeError):
+    """LossScaler's methods called out of order (also a RuntimeError, which torch.amp.GradScaler raises there)."""
+
+
+class ScalerValueError(InputError, ValueError):
+    """A LossScaler setting, gradient or state dict it cannot use (also a ValueError, as GradScaler raises)."""
+
+
+class ScaleCollapseError(AmpPassError, RuntimeError):
+    """Gradients still overflow with the loss scale at its minimum: training cannot go on in fp16."""

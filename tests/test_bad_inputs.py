@@ -20,6 +20,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import amppass
 from amppass import AmpPassError, CalibrationError, CaptureError, InputError
+from amppass.errors import ScaleCollapseError, ScalerUsageError, ScalerValueError
 from amppass.onnx import runtime
 
 F32 = TensorProto.FLOAT
@@ -141,6 +142,18 @@ class Case:
     needs_onnx_calibration: bool = False
 
 
+def _scaler_at_floor_overflows(tmp: Path) -> None:
+    """fp16 training whose loss is inf every step: the loss scale backs off to min_scale=1, then raises."""
+    param = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([param], lr=0.1)
+    scaler = amppass.LossScaler(init_scale=4.0)
+    for _ in range(3):
+        opt.zero_grad()
+        scaler.scale((param * float("inf")).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+
+
 CASES = [
     Case("onnx-unreadable", "a file that cannot be read", lambda tmp: amppass.convert_onnx(_unreadable(tmp)),
          InputError, ("cannot be read", "check the file's permissions")),
@@ -259,6 +272,18 @@ CASES = [
     Case("fx-reconvert-other-dtype", "bf16 of a module amppass converted to fp16",
          lambda tmp: amppass.convert(amppass.convert(mlp(), X, "fp16"), X, "bf16"),
          InputError, ("already converted", "to fp16", "to bf16", "original float32 module")),
+    Case("scaler-min-scale-zero", "LossScaler(min_scale=0)", lambda tmp: amppass.LossScaler(min_scale=0.0),
+         ScalerValueError, ("min_scale=0.0", "2**-126", "finite")),
+    Case("scaler-init-below-min", "LossScaler(init_scale=0.5) below the default min_scale=1",
+         lambda tmp: amppass.LossScaler(init_scale=0.5), ScalerValueError, ("init_scale=0.5", "min_scale=...")),
+    Case("scaler-bad-process-group", "LossScaler(process_group='world')",
+         lambda tmp: amppass.LossScaler(process_group="world"), ScalerValueError,
+         ("process_group='world'", "torch.distributed.group.WORLD")),
+    Case("scaler-step-before-scale", "scaler.step(optimizer) before scaler.scale(loss)",
+         lambda tmp: amppass.LossScaler().step(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))])),
+         ScalerUsageError, ("before scaler.scale()", "scaler.scale(loss).backward()")),
+    Case("scaler-collapse", "fp16 gradients that overflow at the loss scale's minimum", _scaler_at_floor_overflows,
+         ScaleCollapseError, ("min_scale=1", "inf/NaN", "bf16")),
 ]
 
 

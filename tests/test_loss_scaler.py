@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from amppass.errors import AmpPassError
+from amppass.errors import AmpPassError, ScaleCollapseError, ScalerValueError
+from amppass.training import loss_scaler
 from amppass.training.loss_scaler import LossScaler
 
 INF = float("inf")
@@ -75,10 +76,20 @@ def test_growth_and_backoff_schedule():
     assert scales == [4, 4, 8, 4, 4, 4, 2, 2, 2, 4]
 
 
+def test_growth_stops_at_max_scale():
+    param, opt, scaler = _one_param_setup(init_scale=2.0**22, growth_interval=1)
+    scales = []
+    for _ in range(4):
+        _iteration(scaler, opt, param)
+        scales.append(scaler.get_scale())
+    assert scales == [2.0**23, 2.0**24, 2.0**24, 2.0**24]  # Apex amp's max_loss_scale, the default
+
+
 def test_growth_never_reaches_inf():
-    param, opt, scaler = _one_param_setup(init_scale=2.0**127, growth_interval=1)
+    top = torch.finfo(torch.float32).max
+    param, opt, scaler = _one_param_setup(init_scale=2.0**127, growth_interval=1, max_scale=top)
     _iteration(scaler, opt, param)
-    assert scaler.get_scale() == 2.0**127
+    assert scaler.get_scale() == top
 
 
 def test_schedule_matches_torch_grad_scaler():
@@ -96,16 +107,74 @@ def test_schedule_matches_torch_grad_scaler():
         assert torch.equal(ours_param, ref_param)
 
 
-def test_hysteresis_backs_off_only_after_consecutive_overflows():
+def test_hysteresis_follows_megatron_overflows_every_other_step_back_off():
+    """hysteresis=2 with an overflow every other step: Megatron-LM's rule backs off from the 2nd overflow on.
+
+    Before, a clean step refilled the tracker, so this sequence skipped half the steps and never backed off.
+    """
     param, opt, scaler = _one_param_setup(init_scale=1024.0, hysteresis=2, growth_interval=100)
     scales = []
-    for overflow in [True, False, True, True, True, False, True]:
+    for overflow in [True, False] * 4:
         before = param.detach().clone()
         _iteration(scaler, opt, param, overflow)
         assert torch.equal(param, before) == overflow  # every overflowing step is skipped
         scales.append(scaler.get_scale())
-    # 1st overflow tolerated; a clean step refills; then the 2nd and each further overflow in a row back off
-    assert scales == [1024, 1024, 1024, 512, 256, 256, 256]
+    assert scales == [1024, 1024, 512, 512, 256, 256, 128, 128]
+
+
+def test_hysteresis_is_refilled_only_by_growth():
+    param, opt, scaler = _one_param_setup(init_scale=1024.0, hysteresis=2, growth_interval=3)
+    scales, trackers = [], []
+    for overflow in [True, False, False, False, True, True, True, False]:
+        _iteration(scaler, opt, param, overflow)
+        scales.append(scaler.get_scale())
+        trackers.append(scaler.state_dict()["_hysteresis_tracker"])
+    # 1st overflow tolerated; 3 clean steps grow and refill; then 1 tolerated, each further one backs off
+    assert scales == [1024, 1024, 1024, 2048, 2048, 1024, 512, 512]
+    assert trackers == [1, 1, 1, 2, 1, 0, 0, 0]
+
+
+def _megatron_update(state: dict, found_inf: bool, min_scale: float, growth_interval: int, hysteresis: int) -> None:
+    """Megatron-LM's DynamicGradScaler.update (megatron/core/optimizer/grad_scaler.py), transcribed: factors
+    2 and 0.5, with the growth capped at LossScaler's default max_scale."""
+    if found_inf:
+        state["growth"] = 0
+        state["hysteresis"] -= 1
+        if state["hysteresis"] <= 0:
+            state["scale"] = max(state["scale"] * 0.5, min_scale)
+    else:
+        state["growth"] += 1
+        if state["growth"] == growth_interval:
+            state["growth"] = 0
+            state["hysteresis"] = hysteresis
+            state["scale"] = min(state["scale"] * 2.0, 2.0**24)
+
+
+@pytest.mark.parametrize("hysteresis", [1, 2, 3])
+def test_schedule_matches_megatron_dynamic_grad_scaler(hysteresis):
+    """Megatron's scales and trackers step for step, and ScaleCollapseError exactly where Megatron's back-off
+    would go below min_scale (DeepSpeed's raise); after the error the scaler goes on from the floor."""
+    rng = random.Random(hysteresis)
+    param, opt, scaler = _one_param_setup(init_scale=2.0**4, growth_interval=4, hysteresis=hysteresis)
+    megatron = {"scale": 2.0**4, "growth": 0, "hysteresis": hysteresis}
+    collapses, grown = 0, False
+    for step in range(300):
+        overflow = rng.random() < (0.1, 0.6, 0.3)[step // 100]  # grow, collapse, mixed
+        backs_off_at_floor = overflow and megatron["scale"] == 1.0 and megatron["hysteresis"] <= 1
+        _megatron_update(megatron, overflow, 1.0, 4, hysteresis)
+        try:
+            _iteration(scaler, opt, param, overflow)
+            raised = False
+        except ScaleCollapseError:
+            raised = True
+        assert raised == backs_off_at_floor
+        collapses += raised
+        state = scaler.state_dict()
+        assert state["scale"] == megatron["scale"]
+        assert state["_growth_tracker"] == megatron["growth"]
+        assert state["_hysteresis_tracker"] == max(megatron["hysteresis"], 0)
+        grown |= state["scale"] > 2.0**4
+    assert collapses > 0 and grown  # the sequence reached both ends
 
 
 def test_update_new_scale_sets_the_scale():
@@ -148,6 +217,81 @@ def test_load_state_dict_rejects_empty_and_partial_dicts():
         LossScaler().load_state_dict(LossScaler(dtype="bf16").state_dict())
     with pytest.raises(AmpPassError, match="growth_interval"):
         LossScaler().load_state_dict({"scale": 1.0, "growth_factor": 2.0, "backoff_factor": 0.5})
+
+
+# ---------------------------------------------------------------- the scale's bounds
+
+
+def test_grad_scaler_collapses_into_inf_and_loss_scaler_raises_instead():
+    """144 overflows in a row take GradScaler's scale from 2**16 to 2**-128, whose inverse is inf, and the next
+    clean step writes inf into the parameters. LossScaler stops at min_scale=1 and raises on the next back-off."""
+    ref_param = nn.Parameter(torch.ones(3))
+    ref_opt = torch.optim.SGD([ref_param], lr=0.1)
+    ref = torch.amp.GradScaler("cpu")
+    for _ in range(144):
+        _iteration(ref, ref_opt, ref_param, overflow=True)
+    assert ref.get_scale() == 2.0**-128
+    _iteration(ref, ref_opt, ref_param)
+    assert not torch.isfinite(ref_param).any()  # the anchor's failure
+
+    param, opt, scaler = _one_param_setup()
+    for _ in range(16):
+        _iteration(scaler, opt, param, overflow=True)
+    assert scaler.get_scale() == 1.0
+    with pytest.raises(ScaleCollapseError, match="min_scale=1") as caught:
+        _iteration(scaler, opt, param, overflow=True)
+    assert isinstance(caught.value, RuntimeError)  # what a GradScaler loop may already catch
+    assert "17 steps skipped" in str(caught.value)
+    assert scaler.get_scale() == 1.0
+    _iteration(scaler, opt, param)  # the floor's scale still trains
+    assert torch.isfinite(param).all() and not torch.equal(param, torch.ones(3))
+
+
+def test_lowest_min_scale_keeps_the_inverse_finite():
+    param, opt, scaler = _one_param_setup(init_scale=2.0**-120, min_scale=2.0**-126)
+    for _ in range(6):
+        _iteration(scaler, opt, param, overflow=True)
+    assert scaler.get_scale() == 2.0**-126
+    _iteration(scaler, opt, param)
+    assert torch.allclose(param, torch.full((3,), 0.9))  # the true gradient, 1.0, unscaled from 2**-126
+    with pytest.raises(ScaleCollapseError):
+        _iteration(scaler, opt, param, overflow=True)
+
+
+def test_backoff_stops_at_min_scale_with_hysteresis():
+    param, opt, scaler = _one_param_setup(init_scale=8.0, min_scale=3.0, hysteresis=2)
+    scales = []
+    for _ in range(3):
+        _iteration(scaler, opt, param, overflow=True)
+        scales.append(scaler.get_scale())
+    assert scales == [8.0, 4.0, 3.0]  # clamped to the floor, as Megatron-LM's max(scale * backoff, min_scale)
+    with pytest.raises(ScaleCollapseError):
+        _iteration(scaler, opt, param, overflow=True)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"min_scale": 0.0}, "min_scale=0.0 must be a number >= 2**-126"),
+        ({"min_scale": 2.0**-127}, "min_scale="),
+        ({"max_scale": 0.5}, "max_scale=0.5 must be a number between min_scale=1.0"),
+        ({"max_scale": float("inf")}, "max_scale=inf"),
+        ({"init_scale": 0.5}, "init_scale=0.5 lies outside [min_scale, max_scale] = [1, 16777216]"),
+        ({"init_scale": 2.0**25}, "lies outside"),
+    ],
+)
+def test_bad_bounds_name_the_argument(kwargs, words):
+    with pytest.raises(ScalerValueError) as caught:
+        LossScaler(**kwargs)
+    assert words in str(caught.value)
+
+
+def test_update_new_scale_must_lie_within_the_bounds():
+    param, opt, scaler = _one_param_setup()
+    scaler.scale(param.sum()).backward()
+    scaler.step(opt)
+    with pytest.raises(ScalerValueError, match=r"update\(new_scale\)=0.25 lies outside"):
+        scaler.update(new_scale=0.25)
 
 
 # ---------------------------------------------------------------- skipped steps
@@ -199,6 +343,81 @@ def test_overflow_skips_exactly_that_step(optimizer_name, poison):
 
     iteration(poisoned=False)  # the next clean step trains again
     assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), params))
+
+
+def test_skipped_steps_are_counted_and_checkpointed():
+    param, opt, scaler = _one_param_setup(init_scale=2.0**10)
+    for overflow in [True, False, True, True, False]:
+        _iteration(scaler, opt, param, overflow)
+    assert scaler.skipped_steps == 3
+    state = scaler.state_dict()
+    assert state["skipped_steps"] == 3
+    restored = LossScaler()
+    restored.load_state_dict(state)
+    assert restored.skipped_steps == 3
+
+    old = {k: v for k, v in state.items() if k not in ("skipped_steps", "min_scale", "max_scale")}
+    from_old = LossScaler(init_scale=2.0**11, min_scale=2.0, max_scale=2.0**12)
+    from_old.load_state_dict(old)  # a dict saved before these keys existed
+    assert from_old.skipped_steps == 0
+    assert (from_old.state_dict()["min_scale"], from_old.state_dict()["max_scale"]) == (2.0, 2.0**12)
+    assert LossScaler(dtype="bf16").skipped_steps == 0
+
+
+class FakeClock:
+    """Stands in for loss_scaler._clock: time moves only when a test says so."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch) -> FakeClock:
+    fake = FakeClock()
+    monkeypatch.setattr(loss_scaler, "_clock", fake)
+    return fake
+
+
+def _skip_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == loss_scaler.__name__ and "skipped" in r.getMessage()]
+
+
+def test_skipped_steps_are_logged_at_a_rate_limit(clock, caplog, capsys):
+    param, opt, scaler = _one_param_setup(init_scale=2.0**10)
+    with caplog.at_level(logging.INFO, logger=loss_scaler.__name__):
+        _iteration(scaler, opt, param, overflow=True)  # the first one is told at once
+        assert _skip_lines(caplog) == [
+            "LossScaler skipped 1 optimizer step(s) because gradients held inf/NaN (1 in all); loss scale after "
+            "the last: 512"
+        ]
+        for _ in range(3):
+            clock.now += 10
+            _iteration(scaler, opt, param, overflow=True)
+            _iteration(scaler, opt, param)
+        assert len(_skip_lines(caplog)) == 1  # within the minute: counted, not told
+        clock.now += 40
+        _iteration(scaler, opt, param)  # a clean step past the minute tells what is pending
+        assert _skip_lines(caplog)[1:] == [
+            "LossScaler skipped 3 optimizer step(s) in the last 70 s because gradients held inf/NaN (4 in all); "
+            "loss scale after the last: 64"
+        ]
+        clock.now += 120
+        _iteration(scaler, opt, param)
+        assert len(_skip_lines(caplog)) == 2  # nothing new to tell
+    assert all(r.levelno == logging.INFO for r in caplog.records)
+    assert capsys.readouterr() == ("", "")
+
+
+def test_reaching_min_scale_warns(clock, caplog):
+    param, opt, scaler = _one_param_setup(init_scale=2.0)
+    with caplog.at_level(logging.INFO, logger=loss_scaler.__name__):
+        _iteration(scaler, opt, param, overflow=True)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == ["LossScaler's loss scale is at its minimum, min_scale=1: one more back-off raises "
+                        "ScaleCollapseError"]
 
 
 # ---------------------------------------------------------------- fp16 underflow
@@ -429,19 +648,20 @@ def _fused_adam_supported() -> bool:
 
 
 @pytest.fixture
-def forbid_host_sync(monkeypatch):
-    """A context in which reading a tensor's value on the host raises."""
+def forbid_host_sync():
+    """A context in which reading a tensor's value on the host raises (its own patches: others' stay)."""
 
     class Forbid:
         def __enter__(self):
             def sync(*args, **kwargs):
                 raise AssertionError("host sync")
 
+            self.patch = pytest.MonkeyPatch()
             for method in SYNCING_METHODS:
-                monkeypatch.setattr(torch.Tensor, method, sync)
+                self.patch.setattr(torch.Tensor, method, sync)
 
         def __exit__(self, *exc):
-            monkeypatch.undo()
+            self.patch.undo()
 
     return Forbid()
 
@@ -489,3 +709,32 @@ def test_fused_adam_steps_and_skips_without_host_sync(forbid_host_sync, clip):
         for p_fused, p_plain in zip(fused_model.parameters(), plain_model.parameters()):
             torch.testing.assert_close(p_fused, p_plain)
     assert fused_scaler.get_scale() == 2.0**9
+
+
+@pytest.mark.skipif(not _fused_adam_supported(), reason="this torch has no fused Adam on CPU")
+def test_fused_adam_counters_are_read_once_a_minute(forbid_host_sync, clock, caplog):
+    """Fused optimizers skip on the device: the host reads the counters only when the report interval has
+    passed, then logs the skips and raises a collapse that happened meanwhile."""
+    model = _small_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+    scaler = LossScaler(init_scale=2.0)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+
+    def iteration(overflow: bool) -> None:
+        opt.zero_grad()
+        scaler.scale(F.mse_loss(model(x), y) * (INF if overflow else 1.0)).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    with caplog.at_level(logging.INFO, logger=loss_scaler.__name__):
+        with forbid_host_sync:
+            iteration(overflow=True)  # 2 -> 1
+            iteration(overflow=True)  # a back-off due at min_scale: noted on the device
+            iteration(overflow=False)
+        assert _skip_lines(caplog) == []
+        clock.now += loss_scaler.REPORT_INTERVAL_S
+        with pytest.raises(ScaleCollapseError, match="2 steps skipped"):
+            iteration(overflow=False)
+        assert _skip_lines(caplog) == []  # the error says it
+        iteration(overflow=False)  # the collapse was told once; training goes on
+    assert scaler.skipped_steps == 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -22,7 +23,9 @@ def _train(rank: int, poison_rank1: str | None) -> dict:
     converted = amppass.convert(net, (torch.randn(8, 4),), dtype=torch.float16, mode="train")
     model = DistributedDataParallel(converted)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    record = train_steps(model, opt, amppass.LossScaler(init_scale=INIT_SCALE), rank, STEPS, poison_rank1)
+    # process_group: the "grad" case writes an inf after DDP's all-reduce, on rank 1 only
+    scaler = amppass.LossScaler(init_scale=INIT_SCALE, process_group=dist.group.WORLD)
+    record = train_steps(model, opt, scaler, rank, STEPS, poison_rank1)
     record["param_dtypes"] = {p.dtype for p in model.parameters()}
     record["running_mean"] = converted.state_dict()["1.running_mean"].clone()
     return record

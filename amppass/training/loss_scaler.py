@@ -3,17 +3,30 @@
 fp16 gradients below 6e-8 flush to zero. Multiplying the loss by a large scale lifts them into fp16's range;
 ``unscale_`` divides the fp32 master gradients back before the optimizer sees them. The scale is dynamic:
 
-1. A step whose gradients hold inf/NaN is skipped, so parameters and optimizer state stay untouched.
-2. An overflowing step backs the scale off by ``backoff_factor`` once ``hysteresis`` consecutive steps have
-   overflowed (``hysteresis=1``, the default, is GradScaler's behaviour: every overflow backs off).
-3. After ``growth_interval`` consecutive clean steps the scale grows by ``growth_factor``.
-4. Under torch.distributed the found-inf flag is all-reduced (MAX), so every rank skips the same steps even
-   when gradients are sharded or only one rank overflowed.
+1. A step whose gradients hold inf/NaN is skipped, so parameters and optimizer state stay untouched. Skipped
+   steps are counted (``skipped_steps``, kept in ``state_dict``) and logged at INFO, at most once a minute.
+2. Overflowing steps back the scale off by ``backoff_factor`` under the rule of Megatron-LM's
+   ``DynamicGradScaler``: each overflow counts a tracker down from ``hysteresis``; once it reaches zero that
+   overflow backs off, and so does every further one until a growth refills the tracker. Clean steps do not
+   refill it, so overflows every other step back off too. ``hysteresis=1`` (the default) backs off on every
+   overflow: GradScaler's rule.
+3. After ``growth_interval`` clean steps in a row the scale grows by ``growth_factor`` and the hysteresis
+   tracker is refilled.
+4. The scale stays within ``[min_scale, max_scale]``. The defaults are 1, the floor of Megatron-LM
+   (``--min-loss-scale``), MindSpore (``DynamicLossScaleUpdateCell``) and DeepSpeed (``min_loss_scale``), and
+   2**24, Apex amp's ``max_loss_scale``. GradScaler has neither: 144 overflows in a row take its scale from
+   2**16 to 2**-128, whose inverse is inf, and the next clean step writes inf into every parameter. A back-off
+   that falls due with the scale already at ``min_scale`` raises :class:`~amppass.errors.ScaleCollapseError`
+   instead (DeepSpeed raises there too): gradients that overflow at that scale will not stop overflowing.
+5. Ranks agree on the overflow flag where their gradients can differ (sharded DTensor gradients, or an explicit
+   ``process_group``), with one all-reduce per step; see :mod:`amppass.training.overflow`.
 
 The scale and trackers are tensors on the loss's device and ``update()`` changes them with tensor ops, so the
-only host synchronisation per step is the skip decision of an optimizer that cannot take the flag itself.
-Optimizers with ``_step_supports_amp_scaling`` (fused Adam/AdamW/SGD/Adagrad) get the flag and the scale as
-tensors (``optimizer.found_inf``, ``optimizer.grad_scale``) and skip or unscale inside their kernel: no sync.
+only host synchronisation per step is the skip decision of an optimizer that cannot take the flag itself
+(plus one read of the counters on a step it skips). Optimizers with ``_step_supports_amp_scaling`` (fused
+Adam/AdamW/SGD/Adagrad) get the flag and the scale as tensors (``optimizer.found_inf``,
+``optimizer.grad_scale``) and skip or unscale inside their kernel: no sync, and the counters are read at most
+once a minute for the log.
 
 bf16 has fp32's range and needs no scaling: ``LossScaler(dtype=torch.bfloat16)`` (or ``enabled=False``) is a
 passthrough, so one training loop serves both dtypes.
@@ -24,6 +37,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from numbers import Real
@@ -33,11 +47,20 @@ import torch
 import torch.distributed as dist
 
 from ..dtypes import low_type
-from ..errors import AmpPassError, InputError
+from ..errors import ScaleCollapseError, ScalerUsageError, ScalerValueError
+from .overflow import unscale_and_check
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["LossScaler"]
+
+REPORT_INTERVAL_S = 60.0  # at most one log line about skipped steps per this many seconds
+_FP32_MAX = torch.finfo(torch.float32).max
+_FP32_TINY = torch.finfo(torch.float32).tiny  # 2**-126: the smallest scale whose inverse is finite and exact
+
+
+def _clock() -> float:
+    return time.monotonic()
 
 
 class _Stage(enum.Enum):
@@ -52,6 +75,7 @@ class _OptimizerState:
 
     stage: _Stage = _Stage.READY
     found_inf: torch.Tensor | None = None  # float32 scalar on the scale's device: 1.0 if any rank saw inf/NaN
+    skipped: bool | None = None  # the skip decision, when step() read it on the host (plain optimizers)
 
 
 class LossScaler:
@@ -68,18 +92,31 @@ class LossScaler:
             scaler.step(optimizer)                          # skipped if any gradient is inf/NaN
             scaler.update()
 
+    With the defaults it follows GradScaler bit for bit while the scale stays within ``[min_scale, max_scale]``.
+    Deliberate differences: the scale's bounds (module docstring, rule 4); the scale grows once the clean-step
+    count reaches ``growth_interval``, where GradScaler needs it to equal it (so lowering the interval below
+    the count with ``set_growth_interval`` stops GradScaler's growth until the next overflow); ``scale()`` takes
+    tensors and nested lists/tuples of them, not other iterables; misuse raises amppass's errors, which are
+    also the ``RuntimeError``/``ValueError`` GradScaler raises (``AssertionError`` where GradScaler asserts).
+
     Args:
         init_scale: first scale factor.
         growth_factor: the scale is multiplied by this (> 1) after ``growth_interval`` clean steps in a row.
         backoff_factor: the scale is multiplied by this (between 0 and 1) on an overflow that backs off.
         growth_interval: clean steps in a row before the scale grows.
-        hysteresis: overflowing steps in a row before the scale backs off (as in Megatron-LM and DeepSpeed);
-            a clean step resets the count. Every overflowing step is skipped either way. 1 = GradScaler.
+        hysteresis: overflows before the scale backs off, counted as Megatron-LM's DynamicGradScaler counts
+            them (module docstring, rule 2); every overflowing step is skipped either way. 1 = GradScaler.
         enabled: False makes the scaler a passthrough.
         dtype: the low-precision dtype of the training graph: torch.float16 / "fp16" scales;
             torch.bfloat16 / "bf16" needs no scaling, so the scaler is a passthrough.
-        process_group: group over which to agree on skipped steps; None uses the default group whenever
-            torch.distributed is initialized.
+        process_group: None (default) all-reduces the overflow flag only where the gradients are sharded
+            DTensors (FSDP2, tensor parallel), over their mesh; plain and DDP gradients need no collective,
+            so a scaler used on one rank never waits for the others. A group (e.g.
+            ``torch.distributed.group.WORLD``) all-reduces the flag over it every step, for sharding that
+            DTensors do not describe; every rank of the group must then call ``step``.
+        min_scale: the scale never backs off below this (default 1); a back-off due at it raises
+            ScaleCollapseError. At least 2**-126, so that the inverse scale stays finite.
+        max_scale: the scale never grows above this (default 2**24, Apex amp's); at most float32's largest.
     """
 
     def __init__(
@@ -92,12 +129,25 @@ class LossScaler:
         enabled: bool = True,
         dtype: torch.dtype | str = torch.float16,
         process_group: Any = None,
+        min_scale: float = 1.0,
+        max_scale: float = 2.0**24,
     ) -> None:
-        _check_settings(init_scale, growth_factor, backoff_factor, growth_interval, hysteresis)
+        _check_bounds(min_scale, max_scale)
+        _check_scale("init_scale", init_scale, min_scale, max_scale)
+        _check_growth_factor(growth_factor)
+        _check_backoff_factor(backoff_factor)
+        _check_count("growth_interval", growth_interval, "e.g. 2000")
+        _check_count("hysteresis", hysteresis, "1 backs off on every overflow")
         if not isinstance(enabled, bool):
-            raise InputError(f"enabled={enabled!r} must be True or False")
+            raise ScalerValueError(f"enabled={enabled!r} must be True or False")
+        if process_group is not None and not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
+            raise ScalerValueError(
+                f"process_group={process_group!r} is not a torch.distributed process group; pass one such as "
+                "torch.distributed.group.WORLD (after init_process_group), or None to agree only where the "
+                "gradients are sharded DTensors"
+            )
         if isinstance(dtype, str) and dtype.strip().lower() == "auto":
-            raise InputError(
+            raise ScalerValueError(
                 "LossScaler(dtype='auto') cannot know which dtype the model trains in; pass the dtype the "
                 "model was converted with: torch.float16 / 'fp16' (scaled) or torch.bfloat16 / 'bf16' (passthrough)"
             )
@@ -115,13 +165,18 @@ class LossScaler:
         self._backoff_factor = float(backoff_factor)
         self._growth_interval = growth_interval
         self._hysteresis = hysteresis
+        self._min_scale = float(min_scale)
+        self._max_scale = float(max_scale)
         self._process_group = process_group
         # Created on the CPU; the first scale() moves them to the loss's device, where update() keeps them.
         self._scale = torch.tensor(float(init_scale), dtype=torch.float32)
         self._growth_tracker = torch.tensor(0, dtype=torch.int32)  # clean steps in a row
         self._hysteresis_tracker = torch.tensor(hysteresis, dtype=torch.int32)  # overflows left before backoff
+        self._skipped = torch.tensor(0, dtype=torch.int64)  # steps skipped since the start
+        self._collapsed = torch.tensor(False)  # a back-off fell due at min_scale since the last read
         self._placed = False  # whether scale() has run, i.e. the gradients can carry the scale
         self._per_optimizer: dict[int, _OptimizerState] = defaultdict(_OptimizerState)
+        self._report = _SkipReport()
 
     # ------------------------------------------------------------------ the training-loop API
 
@@ -141,7 +196,7 @@ class LossScaler:
             if isinstance(outputs, tuple) and hasattr(outputs, "_fields"):  # namedtuple
                 return type(outputs)(*scaled)
             return type(outputs)(scaled)
-        raise AmpPassError(
+        raise ScalerValueError(
             f"scale() takes a tensor or (nested) lists/tuples of tensors, got {type(outputs).__name__}; "
             "pass the loss tensor"
         )
@@ -161,18 +216,18 @@ class LossScaler:
         self._require_scaled("unscale_")
         state = self._per_optimizer[id(optimizer)]
         if state.stage is _Stage.UNSCALED:
-            raise AmpPassError(
+            raise ScalerUsageError(
                 "unscale_(optimizer) was already called for this optimizer since the last update(); call it "
                 "once per iteration, after all backward passes and before scaler.step(optimizer)"
             )
         if state.stage is _Stage.STEPPED:
-            raise AmpPassError(
+            raise ScalerUsageError(
                 "unscale_(optimizer) was called after scaler.step(optimizer); call unscale_ before step, "
                 "or call scaler.update() first to start the next iteration"
             )
         # The reciprocal in float64: a float32 one can be off by an ulp under some compiler flags.
         inv_scale = self._scale.double().reciprocal().float()
-        state.found_inf = self._unscale_and_check(optimizer, inv_scale, allow_fp16=False)
+        state.found_inf = unscale_and_check(optimizer, inv_scale, allow_fp16=False, process_group=self._process_group)
         state.stage = _Stage.UNSCALED
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -183,14 +238,14 @@ class LossScaler:
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
-            raise AmpPassError(
+            raise ScalerUsageError(
                 "scaler.step(optimizer, closure=...) is not supported: the closure's backward would not be "
                 "scaled; run the forward and scaler.scale(loss).backward() before scaler.step(optimizer)"
             )
         self._require_scaled("step")
         state = self._per_optimizer[id(optimizer)]
         if state.stage is _Stage.STEPPED:
-            raise AmpPassError(
+            raise ScalerUsageError(
                 "scaler.step(optimizer) was already called for this optimizer since the last update(); "
                 "call scaler.update() once at the end of each iteration"
             )
@@ -201,39 +256,78 @@ class LossScaler:
                 self.unscale_(optimizer)
             assert state.found_inf is not None  # unscale_ sets it
             # The one host sync per step: a plain optimizer cannot take the skip decision as a tensor.
-            result = optimizer.step(*args, **kwargs) if state.found_inf.item() == 0 else None
+            state.skipped = state.found_inf.item() != 0
+            result = None if state.skipped else optimizer.step(*args, **kwargs)
         state.stage = _Stage.STEPPED
         return result
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Back off, grow or keep the scale from this iteration's overflow flags; call once per iteration.
 
-        ``new_scale`` sets the scale instead (the trackers are kept), as GradScaler's ``update`` does.
-        Needs no host sync: the scale and trackers are updated with tensor ops.
+        ``new_scale`` sets the scale instead (the trackers are kept), as GradScaler's ``update`` does; it must
+        lie within ``[min_scale, max_scale]``. Raises ScaleCollapseError when a back-off fell due with the scale
+        at ``min_scale`` (for fused optimizers, at the next read of the counters, at most a minute later).
         """
         if not self._enabled:
             return
+        self._require_scaled("update")
+        states = list(self._per_optimizer.values())
+        flags = [s.found_inf for s in states if s.found_inf is not None]
         if new_scale is not None:
             value = float(new_scale)
-            if not (math.isfinite(value) and value > 0):
-                raise InputError(f"update(new_scale={value!r}): the new scale must be a positive finite number")
+            _check_scale("update(new_scale)", value, self._min_scale, self._max_scale)
             self._scale.fill_(value)
-        else:
-            flags = [s.found_inf for s in self._per_optimizer.values() if s.found_inf is not None]
-            if not flags:
-                raise AmpPassError(
-                    "scaler.update() was called before scaler.step(optimizer) in this iteration; call "
-                    "scaler.scale(loss).backward(), then scaler.step(optimizer), then scaler.update()"
-                )
+        elif not flags:
+            raise ScalerUsageError(
+                "scaler.update() was called before scaler.step(optimizer) in this iteration; call "
+                "scaler.scale(loss).backward(), then scaler.step(optimizer), then scaler.update()"
+            )
+        if flags:
             found_inf = flags[0]
             for flag in flags[1:]:
                 found_inf = torch.maximum(found_inf, flag)
-            self._update_scale(found_inf)
+            self._skipped += (found_inf > 0).to(self._skipped.dtype)
+            if new_scale is None:
+                self._update_scale(found_inf)
         self._per_optimizer.clear()
+        decisions = [s.skipped for s in states if s.found_inf is not None]
+        self._read_counters_if_due(decisions)
 
     def get_scale(self) -> float:
         """The current scale as a float (1.0 for a passthrough scaler). Synchronises with the device."""
         return float(self._scale.item()) if self._enabled else 1.0
+
+    def get_growth_factor(self) -> float:
+        """The factor the scale grows by after ``growth_interval`` clean steps."""
+        return self._growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Set the growth factor (> 1) for the following updates."""
+        _check_growth_factor(new_factor)
+        self._growth_factor = float(new_factor)
+
+    def get_backoff_factor(self) -> float:
+        """The factor the scale is multiplied by on an overflow that backs off."""
+        return self._backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Set the backoff factor (between 0 and 1) for the following updates."""
+        _check_backoff_factor(new_factor)
+        self._backoff_factor = float(new_factor)
+
+    def get_growth_interval(self) -> int:
+        """Clean steps in a row before the scale grows."""
+        return self._growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Set the growth interval (an int >= 1); a clean-step count already at or past it grows next step."""
+        _check_count("growth_interval", new_interval, "e.g. 2000")
+        self._growth_interval = new_interval
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped since the start (0 for a passthrough scaler). Synchronises with the device."""
+        return int(self._skipped.item()) if self._enabled else 0
 
     def is_enabled(self) -> bool:
         """Whether the scaler scales; False for bf16 or ``enabled=False``."""
@@ -243,8 +337,8 @@ class LossScaler:
         """The scaler's state for a checkpoint; {} for a passthrough scaler.
 
         Keys: ``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``_growth_tracker`` (the
-        names GradScaler uses, so checkpoints move between the two), ``hysteresis``, ``_hysteresis_tracker``.
-        Call it after :meth:`update`.
+        names GradScaler uses, so checkpoints move between the two), ``hysteresis``, ``_hysteresis_tracker``,
+        ``min_scale``, ``max_scale``, ``skipped_steps``. Call it after :meth:`update`.
         """
         if not self._enabled:
             return {}
@@ -256,51 +350,58 @@ class LossScaler:
             "_growth_tracker": int(self._growth_tracker.item()),
             "hysteresis": self._hysteresis,
             "_hysteresis_tracker": int(self._hysteresis_tracker.item()),
+            "min_scale": self._min_scale,
+            "max_scale": self._max_scale,
+            "skipped_steps": self.skipped_steps,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` (also one from ``torch.amp.GradScaler``); no-op for a passthrough."""
+        """Restore a :meth:`state_dict`, also one from ``torch.amp.GradScaler`` or an older amppass; no-op for
+        a passthrough. Keys a dict lacks keep this scaler's settings (``skipped_steps`` restarts at 0)."""
         if not self._enabled:
             return
         if not state_dict:
-            raise AmpPassError(
+            raise ScalerUsageError(
                 "load_state_dict() got an empty state dict, which a disabled or bf16 scaler saves; load it into "
                 "a scaler built the same way, or start this fp16 scaler fresh without it"
             )
         required = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
         missing = [key for key in required if key not in state_dict]
         if missing:
-            raise AmpPassError(
+            raise ScalerValueError(
                 f"load_state_dict() is missing {missing}; pass the dict from LossScaler.state_dict() "
                 "or torch.amp.GradScaler.state_dict()"
             )
         hysteresis = state_dict.get("hysteresis", self._hysteresis)
-        _check_settings(
-            state_dict["scale"],
-            state_dict["growth_factor"],
-            state_dict["backoff_factor"],
-            state_dict["growth_interval"],
-            hysteresis,
-        )
+        min_scale = state_dict.get("min_scale", self._min_scale)
+        max_scale = state_dict.get("max_scale", self._max_scale)
+        _check_bounds(min_scale, max_scale)
+        _check_scale("the state dict's scale", state_dict["scale"], min_scale, max_scale)
+        _check_growth_factor(state_dict["growth_factor"])
+        _check_backoff_factor(state_dict["backoff_factor"])
+        _check_count("growth_interval", state_dict["growth_interval"], "e.g. 2000")
+        _check_count("hysteresis", hysteresis, "1 backs off on every overflow")
         self._growth_factor = float(state_dict["growth_factor"])
         self._backoff_factor = float(state_dict["backoff_factor"])
         self._growth_interval = state_dict["growth_interval"]
         self._hysteresis = hysteresis
+        self._min_scale, self._max_scale = float(min_scale), float(max_scale)
         self._scale.fill_(float(state_dict["scale"]))
         self._growth_tracker.fill_(int(state_dict["_growth_tracker"]))
         self._hysteresis_tracker.fill_(int(state_dict.get("_hysteresis_tracker", hysteresis)))
+        self._skipped.fill_(int(state_dict.get("skipped_steps", 0)))
+        self._report = _SkipReport(known=int(state_dict.get("skipped_steps", 0)))
 
     # ------------------------------------------------------------------ internals
 
     def _place_state(self, device: torch.device) -> None:
-        self._scale = self._scale.to(device)
-        self._growth_tracker = self._growth_tracker.to(device)
-        self._hysteresis_tracker = self._hysteresis_tracker.to(device)
+        for name in ("_scale", "_growth_tracker", "_hysteresis_tracker", "_skipped", "_collapsed"):
+            setattr(self, name, getattr(self, name).to(device))
         self._placed = True
 
     def _require_scaled(self, method: str) -> None:
         if not self._placed:
-            raise AmpPassError(
+            raise ScalerUsageError(
                 f"scaler.{method}() was called before scaler.scale(); call scaler.scale(loss).backward() "
                 "first so the gradients carry the scale"
             )
@@ -311,7 +412,9 @@ class LossScaler:
         """Hand the overflow flag and the scale to an optimizer that skips and unscales inside its kernel."""
         if state.stage is _Stage.READY:
             # Only look for inf/NaN (dividing by 1): the fused kernel divides by grad_scale itself.
-            state.found_inf = self._unscale_and_check(optimizer, torch.ones_like(self._scale), allow_fp16=True)
+            state.found_inf = unscale_and_check(
+                optimizer, torch.ones_like(self._scale), allow_fp16=True, process_group=self._process_group
+            )
             grad_scale = self._scale
         else:
             grad_scale = None  # unscale_() already divided the gradients
@@ -323,94 +426,130 @@ class LossScaler:
             del optimizer.grad_scale  # type: ignore[attr-defined]
             del optimizer.found_inf  # type: ignore[attr-defined]
 
-    def _unscale_and_check(
-        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, allow_fp16: bool
-    ) -> torch.Tensor:
-        """Multiply every gradient by ``inv_scale`` in place; return 1.0 if any rank has an inf/NaN, else 0.0."""
-        grads: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                grad = param.grad
-                if grad is None:
-                    continue
-                if grad.dtype == torch.float16 and not allow_fp16:
-                    raise AmpPassError(
-                        "unscale_() found an fp16 gradient; unscaling it in fp16 underflows again. Keep fp32 "
-                        "master parameters and cast them to fp16 inside the forward (amppass.convert(..., "
-                        "mode='train') does)"
-                    )
-                if grad.is_sparse:
-                    if not grad.is_coalesced():
-                        # Duplicate indices are summed later; check the sums, which can overflow.
-                        grad = param.grad = grad.coalesce()
-                    grad = grad._values()
-                grads[(grad.device, grad.dtype)].append(grad)
-        if not grads:
-            raise AmpPassError(
-                "none of the optimizer's parameters has a gradient; call scaler.scale(loss).backward() "
-                "before scaler.unscale_(optimizer) or scaler.step(optimizer)"
-            )
-
-        flags: dict[torch.device, torch.Tensor] = {}
-        with torch.no_grad():
-            for (device, _), tensors in grads.items():
-                flag = flags.setdefault(device, torch.zeros((), dtype=torch.float32, device=device))
-                torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, inv_scale.to(device))
-        found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
-        for flag in flags.values():
-            # max, not sum: fused optimizers subtract the flag from their step counters, so it must stay 0 or 1.
-            found_inf = torch.maximum(found_inf, flag.to(found_inf.device, non_blocking=True))
-
-        if self._distributed():
-            # With sharded gradients (or an overflow on one rank only) the ranks would otherwise disagree.
-            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self._process_group)
-        return found_inf
-
-    def _distributed(self) -> bool:
-        if self._process_group is not None:
-            return True
-        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
     def _update_scale(self, found_inf: torch.Tensor) -> None:
-        """Apply the backoff/growth rules (module docstring) with tensor ops, so no host sync."""
+        """Apply the backoff/growth rules (module docstring, rules 2-4) with tensor ops, so no host sync."""
         overflow = found_inf > 0
-        # Counts down on each overflow, refilled by a clean step; the scale backs off once it reaches zero.
-        hysteresis_left = torch.where(overflow, (self._hysteresis_tracker - 1).clamp(min=0), self._hysteresis)
+        hysteresis_left = torch.where(overflow, (self._hysteresis_tracker - 1).clamp(min=0), self._hysteresis_tracker)
         back_off = overflow & (hysteresis_left == 0)
         clean_steps = torch.where(overflow, 0, self._growth_tracker + 1)
-        grow = clean_steps >= self._growth_interval
-        grown = self._scale * self._growth_factor
+        grow = clean_steps >= self._growth_interval  # never on an overflow: clean_steps is 0 there
+        # float64 products rounded once to float32, as GradScaler's kernel computes them
+        scale = self._scale.double()
         new_scale = torch.where(
             back_off,
-            self._scale * self._backoff_factor,
-            torch.where(grow & torch.isfinite(grown), grown, self._scale),  # never grow into inf
+            (scale * self._backoff_factor).clamp(min=self._min_scale),
+            torch.where(grow, (scale * self._growth_factor).clamp(max=self._max_scale), scale),
         )
+        self._collapsed |= back_off & (self._scale <= self._min_scale)
         self._scale.copy_(new_scale)
         self._growth_tracker.copy_(torch.where(grow, 0, clean_steps))
-        self._hysteresis_tracker.copy_(hysteresis_left)
+        self._hysteresis_tracker.copy_(torch.where(grow, self._hysteresis, hysteresis_left))
+
+    def _read_counters_if_due(self, decisions: list[bool | None]) -> None:
+        """Read the counters on the host when a step was skipped on the host's decision, or (for decisions
+        taken on the device) once a report interval has passed; raise on a collapse, log skipped steps."""
+        if all(decision is not None for decision in decisions):
+            due = any(decisions)  # the host already waited for this step's flag: one more read costs nothing
+        else:
+            due = self._report.read_due()
+        if due:
+            skipped, collapsed, scale = torch.stack(
+                (self._skipped.double(), self._collapsed.double(), self._scale.double())
+            ).tolist()
+            self._report.read(int(skipped), scale)
+            if collapsed:
+                self._collapsed.fill_(False)
+                raise ScaleCollapseError(
+                    f"the gradients overflowed (inf/NaN) with the loss scale already at min_scale="
+                    f"{self._min_scale:g}, so it cannot back off further ({int(skipped)} steps skipped so far). "
+                    "The loss or the gradients are inf/NaN without scaling: check the data and the loss for "
+                    "inf/NaN, lower the learning rate, keep the overflowing ops in fp32 (amppass.convert(..., "
+                    "keep_fp32=[...])) or train in bf16; lower min_scale only if a scale below it still helps"
+                )
+        self._report.log_if_due(self._min_scale)
 
 
-def _check_settings(
-    init_scale: Any, growth_factor: Any, backoff_factor: Any, growth_interval: Any, hysteresis: Any
-) -> None:
-    """Raise InputError naming the first setting a scaler cannot use."""
+class _SkipReport:
+    """What the host knows of skipped steps, and when it last said so (one INFO line per REPORT_INTERVAL_S)."""
 
-    def number(value: Any) -> bool:
-        return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+    def __init__(self, known: int = 0) -> None:
+        self.known = known  # skipped steps as of the last read
+        self.reported = known  # skipped steps the log has told of
+        self.scale = math.nan  # the scale as of the last read
+        self.last_read = _clock()
+        self.last_line: float | None = None  # None: the first skipped step is logged at once
 
-    def count(value: Any) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    def pending(self) -> bool:
+        return self.known > self.reported
 
-    if not (number(init_scale) and init_scale > 0):
-        raise InputError(
-            f"init_scale={init_scale!r} must be a positive finite number such as 2.**16 (LossScaler takes its "
-            "device from the loss, so drop the device argument a torch.amp.GradScaler call may have)"
+    def read_due(self) -> bool:
+        return _clock() - self.last_read >= REPORT_INTERVAL_S
+
+    def read(self, skipped: int, scale: float) -> None:
+        self.known, self.scale, self.last_read = skipped, scale, _clock()
+
+    def log_if_due(self, min_scale: float) -> None:
+        now = _clock()
+        if not self.pending() or (self.last_line is not None and now - self.last_line < REPORT_INTERVAL_S):
+            return
+        since = "" if self.last_line is None else f" in the last {now - self.last_line:.0f} s"
+        logger.info(
+            "LossScaler skipped %d optimizer step(s)%s because gradients held inf/NaN (%d in all); loss scale "
+            "after the last: %g",
+            self.known - self.reported,
+            since,
+            self.known,
+            self.scale,
         )
-    if not (number(growth_factor) and growth_factor > 1):
-        raise InputError(f"growth_factor={growth_factor!r} must be a finite number > 1, e.g. 2.0")
-    if not (number(backoff_factor) and 0 < backoff_factor < 1):
-        raise InputError(f"backoff_factor={backoff_factor!r} must be a number between 0 and 1, e.g. 0.5")
-    if not count(growth_interval):
-        raise InputError(f"growth_interval={growth_interval!r} must be an int >= 1, e.g. 2000")
-    if not count(hysteresis):
-        raise InputError(f"hysteresis={hysteresis!r} must be an int >= 1 (1 backs off on every overflow)")
+        if self.scale <= min_scale:
+            logger.warning(
+                "LossScaler's loss scale is at its minimum, min_scale=%g: one more back-off raises "
+                "ScaleCollapseError",
+                min_scale,
+            )
+        self.reported, self.last_line = self.known, now
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_bounds(min_scale: Any, max_scale: Any) -> None:
+    if not (_is_number(min_scale) and min_scale >= _FP32_TINY):
+        raise ScalerValueError(
+            f"min_scale={min_scale!r} must be a number >= 2**-126 (float32's smallest normal, so that 1/scale "
+            "stays finite), e.g. 1.0"
+        )
+    if not (_is_number(max_scale) and min_scale <= max_scale <= _FP32_MAX):
+        raise ScalerValueError(
+            f"max_scale={max_scale!r} must be a number between min_scale={min_scale!r} and float32's largest "
+            "(3.4e38), e.g. 2.**24"
+        )
+
+
+def _check_scale(name: str, value: Any, min_scale: float, max_scale: float) -> None:
+    if not (_is_number(value) and value > 0):
+        raise ScalerValueError(
+            f"{name}={value!r} must be a positive finite number such as 2.**16 (LossScaler takes its device "
+            "from the loss, so drop the device argument a torch.amp.GradScaler call may have)"
+        )
+    if not min_scale <= value <= max_scale:
+        raise ScalerValueError(
+            f"{name}={value!r} lies outside [min_scale, max_scale] = [{min_scale:.10g}, {max_scale:.10g}]; pass a "
+            "scale within them, or widen them with LossScaler(min_scale=..., max_scale=...)"
+        )
+
+
+def _check_growth_factor(value: Any) -> None:
+    if not (_is_number(value) and value > 1):
+        raise ScalerValueError(f"growth_factor={value!r} must be a finite number > 1, e.g. 2.0")
+
+
+def _check_backoff_factor(value: Any) -> None:
+    if not (_is_number(value) and 0 < value < 1):
+        raise ScalerValueError(f"backoff_factor={value!r} must be a number between 0 and 1, e.g. 0.5")
+
+
+def _check_count(name: str, value: Any, example: str) -> None:
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        raise ScalerValueError(f"{name}={value!r} must be an int >= 1 ({example})")
