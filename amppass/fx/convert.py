@@ -133,7 +133,7 @@ def convert(
                     plan_target, mode, flag, options)
             for flag in (True, False)
         )
-        return TrainEvalGraphs(train_gm, eval_gm, training=model.training)
+        return TrainEvalGraphs(train_gm, eval_gm, training=model.training, original=model, example=options["example"])
     gm = capture(model, example_inputs, example_kwargs, train=False, dynamic_shapes=dynamic_shapes)
     served = _served(model, gm, plan_target, mode, False, options)
     if plan_for == "speed" and plan_target.profitable and options["example"] is not None and not calibration:
