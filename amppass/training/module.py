@@ -21,11 +21,11 @@ Rules:
 4. Both modes read the very same tensors: a step taken in train mode is seen in eval mode, and batch norm's
    running statistics, updated in place by the train graph, are what the eval graph normalises with.
 
-FSDP2's ``MixedPrecisionPolicy``: leave ``param_dtype`` unset (the default) and amppass's casts do the
-low-precision work, ops the plan keeps fp32 reading fp32 weights; ``reduce_dtype`` may be set as usual.
-With ``param_dtype=<the plan's dtype>`` FSDP2 gathers low-precision weights (half the traffic) and the
-casts of the plan become no-ops, but the ops the plan keeps fp32 (layer norms, embeddings feeding fp32
-work) then read weights rounded to the low dtype.
+FSDP2's ``MixedPrecisionPolicy``: amppass's casts do the low-precision work, so ``param_dtype`` stays unset
+(FSDP2 gathers the fp32 parameters and each op reads them in the precision its plan says); ``reduce_dtype``
+may be set as usual. ``param_dtype=torch.float16`` would hand the ops the plan keeps fp32 (layer norms,
+embeddings feeding fp32 work) low-precision weights: a call under such a policy raises
+:class:`~amppass.errors.InputError` saying so.
 """
 
 from __future__ import annotations
@@ -39,12 +39,12 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from ..errors import InputError
-from .tree import Mode, ModulePart, Outline, build_tree, missing_modules, outline
+from .tree import Children, Mode, Outline, build_tree, missing_modules, outline
 
 log = logging.getLogger(__name__)
 
 
-class TrainEvalGraphs(nn.Module):
+class TrainEvalGraphs(Children, nn.Module):
     """Runs the train graph in training mode and the eval graph in eval mode, over one set of fp32 tensors.
 
     Args:
@@ -89,6 +89,7 @@ class TrainEvalGraphs(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the graph of the current mode: through the module tree where the example's plan takes the call."""
+        _check_fsdp_policy(self)
         served = self._graphs[self.training]
         found = self._outlines.get(self.training)
         if found is not None and served.guards.mismatch(args, kwargs) is None:
@@ -169,6 +170,22 @@ class TrainEvalGraphs(nn.Module):
         for name, tensor in _state(self):
             groups.setdefault(id(tensor), []).append(name)
         return [names for names in groups.values() if len(names) > 1]
+
+
+def _check_fsdp_policy(root: nn.Module) -> None:
+    """FSDP2 may not cast the parameters itself: the plan reads fp32 weights in the ops it keeps fp32."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for name, module in root.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+        low = getattr(getattr(group, "mp_policy", None), "param_dtype", None)
+        if low not in (None, torch.float32):
+            raise InputError(
+                f"fully_shard({name or 'model'}) has MixedPrecisionPolicy(param_dtype={low}): amppass casts the "
+                "parameters itself, and the ops its plan keeps fp32 (layer norms, embeddings) must read fp32 "
+                "weights; leave param_dtype unset (reduce_dtype may be set)")
 
 
 def _state(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

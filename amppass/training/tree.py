@@ -35,7 +35,7 @@ from torch import fx, nn
 from torch.export.unflatten import InterpreterModule
 from torch.utils import _pytree as pytree
 
-from ..fx.capture import _auto_dims, size_one_dynamic
+from ..fx.capture import _auto_dims, _without_dtype_asserts, size_one_dynamic
 from ..fx.quiet import quiet_torch
 from ..fx.shapes import GUARDS_KEY
 
@@ -51,12 +51,29 @@ class Mode:
         self.training = training
 
 
-class ModulePart(nn.Module):
-    """One module of the original model: its parameters, buffers and submodules, and its part of each graph.
+class Children:
+    """Iterating, ``len`` and indexing reach a module's submodules in order, as they do on the
+    ``nn.ModuleList`` or ``nn.Sequential`` it may stand for (``for block in model.transformer.h: ...``)."""
 
-    Iterating, ``len`` and indexing reach its submodules in order, as they do on the ``nn.ModuleList`` or
-    ``nn.Sequential`` it may stand for (``for block in model.transformer.h: fully_shard(block)``).
-    """
+    _modules: dict[str, nn.Module]
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self._modules.values())
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __bool__(self) -> bool:  # a module with no submodules is still a module, not an empty container
+        return True
+
+    def __getitem__(self, key: int | str) -> nn.Module:
+        if isinstance(key, str):
+            return self._modules[key]
+        return list(self._modules.values())[key]
+
+
+class ModulePart(Children, nn.Module):
+    """One module of the original model: its parameters, buffers and submodules, and its part of each graph."""
 
     def __init__(self, original_type: str, mode: Mode):
         super().__init__()
@@ -67,17 +84,6 @@ class ModulePart(nn.Module):
     def forward(self, *args: Any) -> Any:
         """Run this module's part of the graph of the root's mode."""
         return self._code[self._mode.training](self, *args)
-
-    def __iter__(self) -> Iterator[nn.Module]:
-        return iter(self._modules.values())
-
-    def __len__(self) -> int:
-        return len(self._modules)
-
-    def __getitem__(self, key: int | str) -> nn.Module:
-        if isinstance(key, str):
-            return self._modules[key]
-        return list(self._modules.values())[key]
 
     def extra_repr(self) -> str:
         return f"part of {self.original_type}"
@@ -178,6 +184,7 @@ def _export_like(gm: fx.GraphModule, args: tuple, kwargs: dict, guards: Any) -> 
             last = err
             continue
         if _same_dynamism(program, guards):
+            _without_dtype_asserts(program.graph_module)
             return program
     log.warning("the converted graph could not be exported again with the capture's dynamic dimensions (%s); "
                 "it runs as one graph, so FSDP2 can wrap only the whole model", last or "a dimension became fixed")
