@@ -39,7 +39,10 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from ..errors import InputError
-from .tree import Children, Mode, Outline, build_tree, missing_modules, outline
+from ..fx.calibrate import flatten_inputs
+from ..fx.rewrite import META_KEY
+from .backward import record_saved_bytes
+from .tree import Children, Mode, Outline, build_tree, example_call, missing_modules, outline
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +63,8 @@ class TrainEvalGraphs(Children, nn.Module):
                  original: nn.Module | None = None, example: tuple[Any, dict] | None = None):
         super().__init__()
         _own_state(train_graph)
+        if example is not None and META_KEY in train_graph.meta:
+            record_saved_bytes(train_graph, flatten_inputs(train_graph, *example_call(example), index=0))
         # Not submodules: their state is this module's, and registering them would prefix every name.
         object.__setattr__(self, "_graphs", {True: train_graph, False: eval_graph})
         self._mode = Mode(training)
@@ -69,6 +74,9 @@ class TrainEvalGraphs(Children, nn.Module):
         runnable = all(o is not None for o in outlines.values()) and not missing_modules(original, outlines)
         build_tree(self, original, self._mode, outlines if runnable else {}, *_named_state(train_graph, original))
         self._outlines: dict[bool, Outline] = outlines if runnable else {}
+        read = {name for name, _ in _state(train_graph)}
+        # tied names, the one the graphs read first: after load_state_dict(assign=True) all point at its tensor
+        self._tied = [sorted(names, key=lambda n: n not in read) for names in _groups(self)]
         self._share_state()
         self.train(training)
 
@@ -136,8 +144,8 @@ class TrainEvalGraphs(Children, nn.Module):
         return result
 
     def _tie(self) -> None:
-        """Point every tied name at the tensor of its first name, as the converted graphs read one tensor."""
-        for names in self._ties:
+        """Point every tied name at the tensor of the name the graphs read, as they read one tensor."""
+        for names in self._tied:
             first = self.get_parameter(names[0]) if _is_param(self, names[0]) else self.get_buffer(names[0])
             for name in names[1:]:
                 _set(self, name, first)
@@ -164,12 +172,6 @@ class TrainEvalGraphs(Children, nn.Module):
                 f"FSDP2 has sharded ({sharded[0]} ...): call it with inputs of the shapes it was converted for, "
                 "or convert with an example of these shapes")
 
-    @property
-    def _ties(self) -> list[list[str]]:
-        groups: dict[int, list[str]] = {}
-        for name, tensor in _state(self):
-            groups.setdefault(id(tensor), []).append(name)
-        return [names for names in groups.values() if len(names) > 1]
 
 
 def _check_fsdp_policy(root: nn.Module) -> None:
@@ -186,6 +188,14 @@ def _check_fsdp_policy(root: nn.Module) -> None:
                 f"fully_shard({name or 'model'}) has MixedPrecisionPolicy(param_dtype={low}): amppass casts the "
                 "parameters itself, and the ops its plan keeps fp32 (layer norms, embeddings) must read fp32 "
                 "weights; leave param_dtype unset (reduce_dtype may be set)")
+
+
+def _groups(module: nn.Module) -> list[list[str]]:
+    """The names of every tensor the module holds under more than one name."""
+    groups: dict[int, list[str]] = {}
+    for name, tensor in _state(module):
+        groups.setdefault(id(tensor), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
 
 
 def _state(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -36,6 +36,7 @@ from torch.export.unflatten import InterpreterModule
 from torch.utils import _pytree as pytree
 
 from ..fx.capture import _auto_dims, _without_dtype_asserts, size_one_dynamic
+from ..fx.calibrate import split_batch
 from ..fx.quiet import quiet_torch
 from ..fx.shapes import GUARDS_KEY
 
@@ -113,10 +114,12 @@ def outline(gm: fx.GraphModule, example: tuple[tuple, dict] | None) -> Outline |
     if example is None or guards is None:
         return None
     _place_new_nodes(gm)
-    args, kwargs = example
-    args = args if isinstance(args, tuple) else (() if args is None else (args,))
+    args, kwargs = example_call(example)
     plain = fx.GraphModule(gm, gm.graph)  # not the serving wrapper: export calls forward on fake inputs
-    program = _export_like(plain, args, kwargs, guards)
+    try:
+        program = _export_like(plain, args, kwargs, guards)
+    finally:
+        gm.graph.owning_module = gm  # the copy took the graph over; it must not keep the copy (and its tensors)
     if program is None:
         return None
     try:
@@ -148,6 +151,12 @@ def outline(gm: fx.GraphModule, example: tuple[tuple, dict] | None) -> Outline |
             constants[attr] = value
     signature = tree.module_call_graph[0].signature
     return Outline(type(tree.graph_module).forward, signature.in_spec, signature.out_spec, parts, constants)
+
+
+def example_call(example: tuple[Any, dict]) -> tuple[tuple, dict]:
+    """The conversion's example as ``(args, kwargs)`` of one call."""
+    args, kwargs = example
+    return (split_batch(args)[0] if args is not None else ()), dict(kwargs or {})
 
 
 def _place_new_nodes(gm: fx.GraphModule) -> None:
