@@ -30,6 +30,7 @@ embeddings feeding fp32 work) low-precision weights: a call under such a policy 
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 from typing import Any, Iterator, Mapping
@@ -42,7 +43,7 @@ from ..errors import InputError
 from ..fx.calibrate import flatten_inputs
 from ..fx.rewrite import META_KEY
 from .backward import record_saved_bytes
-from .tree import Children, Mode, Outline, build_tree, example_call, missing_modules, outline
+from .tree import Children, Mode, Outline, build_tree, example_call, outline, unfit
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,11 @@ class TrainEvalGraphs(Children, nn.Module):
         outlines = {flag: outline(graph, example) for flag, graph in self._graphs.items()}
         if original is None:
             original = train_graph
-        runnable = all(o is not None for o in outlines.values()) and not missing_modules(original, outlines)
+        why = unfit(original, outlines)
+        runnable = why is None
+        if why is not None and all(o is not None for o in outlines.values()):  # outline() logged its own failures
+            log.warning("%s: %s; the converted model runs as one graph, so FSDP2 can wrap only the whole model",
+                        type(original).__name__, why)
         build_tree(self, original, self._mode, outlines if runnable else {}, *_named_state(train_graph, original))
         self._outlines: dict[bool, Outline] = outlines if runnable else {}
         read = {name for name, _ in _state(train_graph)}
@@ -126,6 +131,18 @@ class TrainEvalGraphs(Children, nn.Module):
             if drop is not None:
                 drop()
 
+    def __reduce__(self) -> Any:
+        raise InputError(f"{type(self).__name__}: torch.save cannot pickle a converted model (its graphs run "
+                         "generated code); checkpoint a train-mode model with torch.save(model.state_dict(), path) "
+                         "and load it into a model converted the same way")
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "TrainEvalGraphs":
+        """A copy with its own tensors and modules (what ``copy.deepcopy`` does without ``__reduce__``)."""
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__dict__.update({key: copy.deepcopy(value, memo) for key, value in self.__dict__.items()})
+        return copied
+
     def _apply(self, fn: Any, recurse: bool = True) -> "TrainEvalGraphs":
         result = super()._apply(fn, recurse)
         for part in self.modules():  # the graphs' constants move with the tree
@@ -160,6 +177,8 @@ class TrainEvalGraphs(Children, nn.Module):
 
     def _check_whole_tensors(self, args: tuple, kwargs: dict) -> None:
         """A call the tree cannot run reads every tensor from the root: sharded ones cannot be read there."""
+        if not torch.distributed.is_available():
+            return
         from torch.distributed.tensor import DTensor
 
         sharded = [name for name, tensor in _state(self) if isinstance(tensor, DTensor)]
@@ -176,6 +195,8 @@ class TrainEvalGraphs(Children, nn.Module):
 
 def _check_fsdp_policy(root: nn.Module) -> None:
     """FSDP2 may not cast the parameters itself: the plan reads fp32 weights in the ops it keeps fp32."""
+    if not torch.distributed.is_available():
+        return
     from torch.distributed.fsdp import FSDPModule
 
     for name, module in root.named_modules():

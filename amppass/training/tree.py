@@ -252,18 +252,25 @@ def build_tree(root: nn.Module, original: nn.Module, mode: Mode, outlines: dict[
             parts[name]._code[training] = code
         for name, value in found.constants.items():
             owner_name, _, leaf = name.rpartition(".")
-            owner = parts[owner_name]
-            if leaf in owner.__dict__ and owner.__dict__[leaf] is not value and not torch.equal(owner.__dict__[leaf], value):
-                raise ValueError(f"constant {name} differs between the train and eval graphs")
-            owner.__dict__[leaf] = value
+            parts[owner_name].__dict__[leaf] = value  # unfit() checked that both modes agree
 
 
-def missing_modules(original: nn.Module, outlines: dict[bool, Outline]) -> list[str]:
-    """Modules a graph calls that the original model does not name (the tree cannot hold their code)."""
+def unfit(original: nn.Module, outlines: dict[bool, Outline | None]) -> str | None:
+    """Why the outlined graphs cannot run in the original's module tree, or None when they can."""
+    if any(found is None for found in outlines.values()):
+        return "a graph could not be outlined (logged above)"
     names = {name for name, _ in original.named_modules(remove_duplicate=False)}
-    return sorted({name for found in outlines.values() for name in found.parts if name not in names}
-                  | {name.rpartition(".")[0] for found in outlines.values() for name in found.constants
-                     if name.rpartition(".")[0] not in names})
+    constants: dict[str, Any] = {}
+    for found in outlines.values():
+        strangers = sorted({n for n in found.parts if n not in names} |
+                           {n.rpartition(".")[0] for n in found.constants if n.rpartition(".")[0] not in names})
+        if strangers:
+            return f"the graph calls modules the original does not name ({', '.join(strangers[:3])})"
+        for name, value in found.constants.items():
+            seen = constants.setdefault(name, value)
+            if seen is not value and not (seen.shape == value.shape and torch.equal(seen, value)):
+                return f"the train and eval graphs hold different constants named {name}"
+    return None
 
 
 def _join(prefix: str, leaf: str) -> str:
