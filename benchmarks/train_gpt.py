@@ -73,8 +73,8 @@ class Setting:
                 f"{self.batch}, {self.steps} AdamW steps (lr {self.lr})")
 
 
-QUICK = Setting(layers=2, width=64, heads=4, block=64, batch=8, steps=12, evals=2, text=300_000)
-FULL = Setting(layers=4, width=256, heads=8, block=256, batch=16, steps=400, evals=4, text=None)
+QUICK = Setting(layers=2, width=64, heads=4, block=64, batch=8, steps=8, evals=2, text=300_000)
+FULL = Setting(layers=4, width=256, heads=8, block=256, batch=16, steps=300, evals=3, text=None)
 
 
 @dataclass
