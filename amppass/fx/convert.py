@@ -23,6 +23,7 @@ from ..analysis.view import GraphView
 from . import profit
 from .calibrate import calibrated_plan, flatten_inputs, split_batch
 from .capture import capture, capture_program
+from .gelu import FUSED_KEY, fuse_tanh_gelu
 from .kept import KeptFp32
 from .profit import CostModel
 from .rewrite import META_KEY, rewrite
@@ -133,7 +134,7 @@ def convert(
                     plan_target, mode, flag, options)
             for flag in (True, False)
         )
-        return TrainEvalGraphs(train_gm, eval_gm, training=model.training)
+        return TrainEvalGraphs(train_gm, eval_gm, training=model.training, original=model, example=options["example"])
     gm = capture(model, example_inputs, example_kwargs, train=False, dynamic_shapes=dynamic_shapes)
     served = _served(model, gm, plan_target, mode, False, options)
     if plan_for == "speed" and plan_target.profitable and options["example"] is not None and not calibration:
@@ -238,6 +239,8 @@ def _convert_captured(
     """
     low = target.low
     bytes_before = weight_bytes(model) if isinstance(model, nn.Module) else 0
+    if mode == "train":  # a written-out tanh-GELU would run fp32 and save fp32 activations for backward
+        fuse_tanh_gelu(gm)
     view, _ = build_view(gm, target)
     given = {**(decided or {}), **overrides.resolve(view, keep_fp32, force_low, low)}
     profit_info: dict[str, Any] = {}
@@ -265,6 +268,8 @@ def _convert_captured(
             meta["evidence"]["unknown"] = True
         if meta and not meta.get("cast") and macs.get(node.name) is not None:
             meta["evidence"]["macs"] = macs[node.name]
+        if meta and FUSED_KEY in node.meta:
+            meta["evidence"]["fused"] = node.meta[FUSED_KEY]
     gm.meta[META_KEY] = {
         "amppass_version": __version__,
         "front_end": "fx",

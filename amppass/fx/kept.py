@@ -31,6 +31,10 @@ class KeptFp32(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.original(*args, **kwargs)
 
+    def drop_original(self) -> None:
+        """Nothing to release: this module holds its own copy of the caller's module objects, never the caller's
+        module itself, and runs the caller's fp32 tensors, which it needs (as every converted module has it)."""
+
     def report(self) -> Report:
         """The one decision: the whole module runs fp32, with the times that decided it."""
         info = self.meta[META_KEY]

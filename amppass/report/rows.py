@@ -32,7 +32,9 @@ class Row:
     ``evidence`` holds what the decision rested on; the report reads these keys when present:
     ``macs`` (multiply-accumulates of one call, heavy ops only), ``absmax`` and ``min_nonzero`` (observed
     magnitudes, from calibration), ``unknown`` (op not in the policy table), ``local_error`` (see
-    :data:`LOCAL_ERROR`; recorded for the nodes the tolerance search moved).
+    :data:`LOCAL_ERROR`; recorded for the nodes the tolerance search moved). Train-mode rows also carry
+    ``backward`` (the dtype the op's gradient runs in), ``saved_bytes`` / ``saved_dtypes`` (what it saved for
+    backward on the example) and, for a fused op, ``fused`` (what it replaced).
     """
 
     name: str

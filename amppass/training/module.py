@@ -10,81 +10,213 @@ Rules:
 
 1. The module owns its state: parameters and buffers are cloned from the captured (caller's) tensors, so
    training the converted module never touches the caller's model. Tied weights stay tied.
-2. Parameters and buffers keep the original model's qualified names, so ``named_parameters()``,
-   ``state_dict()`` and checkpoints read as the original's, and any optimizer works on them.
-3. Both graphs read the very same tensors: a step taken in train mode is seen in eval mode, and batch
-   norm's running statistics, updated in place by the train graph, are what the eval graph normalises with.
-   After anything that may replace tensors (``.to()``, ``load_state_dict(assign=True)``) the graphs are
-   pointed at the module's tensors again.
+2. Its module tree is the original model's (:mod:`amppass.training.tree`): the same submodules under the
+   same names, each holding the parameters and buffers it holds in the original, tied names included, in
+   the original's order. So ``named_parameters()``, ``state_dict()`` and ``load_state_dict()`` read and
+   write the original's keys, checkpoints go both ways, and any optimizer works on the parameters.
+3. Each module of the tree runs its own part of the graph of the current mode and reads its tensors from
+   itself at call time, so FSDP2's ``fully_shard`` per block and on the root, DDP, ``.to()`` and
+   ``load_state_dict(assign=True)`` reach both modes. A call the example's plan does not take runs a later
+   plan (:mod:`amppass.fx.shapes`) as one graph, pointed at the tree's tensors.
+4. Both modes read the very same tensors: a step taken in train mode is seen in eval mode, and batch norm's
+   running statistics, updated in place by the train graph, are what the eval graph normalises with.
+
+FSDP2's ``MixedPrecisionPolicy``: amppass's casts do the low-precision work, so ``param_dtype`` stays unset
+(FSDP2 gathers the fp32 parameters and each op reads them in the precision its plan says); ``reduce_dtype``
+may be set as usual. ``param_dtype=torch.float16`` would hand the ops the plan keeps fp32 (layer norms,
+embeddings feeding fp32 work) low-precision weights: a call under such a policy raises
+:class:`~amppass.errors.InputError` saying so.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 from typing import Any, Iterator, Mapping
 
 import torch
 from torch import fx, nn
+from torch.utils import _pytree as pytree
+
+from ..errors import InputError
+from ..fx.calibrate import flatten_inputs
+from ..fx.rewrite import META_KEY
+from .backward import record_saved_bytes
+from .tree import Children, Mode, Outline, build_tree, example_call, outline, unfit
 
 log = logging.getLogger(__name__)
 
 
-class TrainEvalGraphs(nn.Module):
-    """Runs ``train_graph`` in training mode and ``eval_graph`` in eval mode, over one set of fp32 tensors.
+class TrainEvalGraphs(Children, nn.Module):
+    """Runs the train graph in training mode and the eval graph in eval mode, over one set of fp32 tensors.
 
     Args:
         train_graph: the model captured and converted in training mode; its state becomes this module's.
         eval_graph: the same model captured and converted in eval mode; its state is replaced by this
             module's, so only its graph is used.
         training: the mode to start in.
+        original: the caller's model, read for its module tree and names (rule 2); not kept.
+        example: the example ``(args, kwargs)`` of the conversion, to outline the graphs into the tree.
     """
 
-    def __init__(self, train_graph: fx.GraphModule, eval_graph: fx.GraphModule, training: bool = True):
+    def __init__(self, train_graph: fx.GraphModule, eval_graph: fx.GraphModule, training: bool = True,
+                 original: nn.Module | None = None, example: tuple[Any, dict] | None = None):
         super().__init__()
         _own_state(train_graph)
-        # Rule 2: the train graph's module tree becomes this module's, so names are the original model's.
-        for name, child in train_graph.named_children():
-            self.add_module(name, child)
-        for name, param in train_graph._parameters.items():
-            self.register_parameter(name, param)
-        for name, buf in train_graph._buffers.items():
-            self.register_buffer(name, buf, persistent=name not in train_graph._non_persistent_buffers_set)
+        if example is not None and META_KEY in train_graph.meta:
+            record_saved_bytes(train_graph, flatten_inputs(train_graph, *example_call(example), index=0))
         # Not submodules: their state is this module's, and registering them would prefix every name.
         object.__setattr__(self, "_graphs", {True: train_graph, False: eval_graph})
+        self._mode = Mode(training)
+        outlines = {flag: outline(graph, example) for flag, graph in self._graphs.items()}
+        if original is None:
+            original = train_graph
+        why = unfit(original, outlines)
+        runnable = why is None
+        if why is not None and all(o is not None for o in outlines.values()):  # outline() logged its own failures
+            log.warning("%s: %s; the converted model runs as one graph, so FSDP2 can wrap only the whole model",
+                        type(original).__name__, why)
+        build_tree(self, original, self._mode, outlines if runnable else {}, *_named_state(train_graph, original))
+        self._outlines: dict[bool, Outline] = outlines if runnable else {}
+        read = {name for name, _ in _state(train_graph)}
+        # tied names, the one the graphs read first: after load_state_dict(assign=True) all point at its tensor
+        self._tied = [sorted(names, key=lambda n: n not in read) for names in _groups(self)]
         self._share_state()
         self.train(training)
 
     @property
     def train_graph(self) -> fx.GraphModule:
-        """The converted graph run in training mode (the one :func:`amppass.report` reads)."""
+        """The converted graph run in training mode, as one graph (the one :func:`amppass.report` reads)."""
         return self._graphs[True]
 
     @property
     def eval_graph(self) -> fx.GraphModule:
-        """The converted graph run in eval mode."""
+        """The converted graph run in eval mode, as one graph."""
         return self._graphs[False]
 
+    @property
+    def outlined(self) -> bool:
+        """Whether every module of the tree runs its own part of the graph (rule 3), so FSDP2 can wrap blocks."""
+        return bool(self._outlines)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the graph of the current mode."""
-        return self._graphs[self.training](*args, **kwargs)
+        """Run the graph of the current mode: through the module tree where the example's plan takes the call."""
+        _check_fsdp_policy(self)
+        served = self._graphs[self.training]
+        found = self._outlines.get(self.training)
+        if found is not None and served.guards.mismatch(args, kwargs) is None:
+            flat = found.flat_inputs(args, kwargs)
+            if flat is not None:
+                self._mode.training = self.training
+                return found.outputs(found.root(self, *flat))
+        self._check_whole_tensors(args, kwargs)
+        self._share_state()
+        return served(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> "TrainEvalGraphs":
+        """Switch the whole tree (every part follows the root's mode)."""
+        super().train(mode)
+        self._mode.training = mode
+        return self
+
+    def drop_original(self) -> None:
+        """Stop holding the original model (its fp32 weights) for conversions of new shapes.
+
+        Afterwards a call no plan takes raises :class:`~amppass.errors.InputError` naming the input and
+        dimension. The module's own state is a copy and stays.
+        """
+        for graph in self._graphs.values():
+            drop = getattr(graph, "drop_original", None)
+            if drop is not None:
+                drop()
+
+    def __reduce__(self) -> Any:
+        raise InputError(f"{type(self).__name__}: torch.save cannot pickle a converted model (its graphs run "
+                         "generated code); checkpoint a train-mode model with torch.save(model.state_dict(), path) "
+                         "and load it into a model converted the same way")
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "TrainEvalGraphs":
+        """A copy with its own tensors and modules (what ``copy.deepcopy`` does without ``__reduce__``)."""
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__dict__.update({key: copy.deepcopy(value, memo) for key, value in self.__dict__.items()})
+        return copied
 
     def _apply(self, fn: Any, recurse: bool = True) -> "TrainEvalGraphs":
         result = super()._apply(fn, recurse)
-        self._share_state()  # rule 3: buffers (and, on some settings, parameters) are new tensors now
+        for part in self.modules():  # the graphs' constants move with the tree
+            for name, value in list(vars(part).items()):
+                if isinstance(value, torch.Tensor):
+                    part.__dict__[name] = fn(value)
+        self._share_state()  # rule 4: buffers (and, on some settings, parameters) are new tensors now
         return result
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        """``nn.Module.load_state_dict``, then both graphs read the loaded tensors (they may be new with ``assign``)."""
+        """``nn.Module.load_state_dict``; with ``assign`` tied names are tied again to the tensor the graphs read."""
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        if assign:
+            self._tie()
         self._share_state()
         return result
 
+    def _tie(self) -> None:
+        """Point every tied name at the tensor of the name the graphs read, as they read one tensor."""
+        for names in self._tied:
+            first = self.get_parameter(names[0]) if _is_param(self, names[0]) else self.get_buffer(names[0])
+            for name in names[1:]:
+                _set(self, name, first)
+
     def _share_state(self) -> None:
-        """Rule 3: point every state attribute of both graphs at this module's tensor of the same name."""
+        """Rule 4: point every state attribute of both flat graphs at this module's tensor of the same name."""
+        mine = dict(_state(self))
         for graph in self._graphs.values():
-            for name, tensor in _state(self):
-                _set(graph, name, tensor)
+            for name, _ in list(_state(graph)):
+                if name in mine:
+                    _set(graph, name, mine[name])
+
+    def _check_whole_tensors(self, args: tuple, kwargs: dict) -> None:
+        """A call the tree cannot run reads every tensor from the root: sharded ones cannot be read there."""
+        if not torch.distributed.is_available():
+            return
+        from torch.distributed.tensor import DTensor
+
+        sharded = [name for name, tensor in _state(self) if isinstance(tensor, DTensor)]
+        if sharded:
+            served = self._graphs[self.training]
+            why = served.guards.mismatch(args, kwargs) if hasattr(served, "guards") else None
+            raise InputError(
+                f"{type(self).__name__}: this call runs the converted model as one graph "
+                f"({why or 'its modules could not be outlined, see the log'}), which cannot read parameters "
+                f"FSDP2 has sharded ({sharded[0]} ...): call it with inputs of the shapes it was converted for, "
+                "or convert with an example of these shapes")
+
+
+
+def _check_fsdp_policy(root: nn.Module) -> None:
+    """FSDP2 may not cast the parameters itself: the plan reads fp32 weights in the ops it keeps fp32."""
+    if not torch.distributed.is_available():
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for name, module in root.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+        low = getattr(getattr(group, "mp_policy", None), "param_dtype", None)
+        if low not in (None, torch.float32):
+            raise InputError(
+                f"fully_shard({name or 'model'}) has MixedPrecisionPolicy(param_dtype={low}): amppass casts the "
+                "parameters itself, and the ops its plan keeps fp32 (layer norms, embeddings) must read fp32 "
+                "weights; leave param_dtype unset (reduce_dtype may be set)")
+
+
+def _groups(module: nn.Module) -> list[list[str]]:
+    """The names of every tensor the module holds under more than one name."""
+    groups: dict[int, list[str]] = {}
+    for name, tensor in _state(module):
+        groups.setdefault(id(tensor), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
 
 
 def _state(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -93,17 +225,45 @@ def _state(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     )
 
 
+def _named_state(gm: fx.GraphModule, original: nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """Every name of the original's state mapped to the converted module's tensor, and the persistent buffers.
+
+    torch.export keeps one name of tied tensors; the original's other names map to the same clone.
+    """
+    own = dict(_state(gm))
+    by_id: dict[int, torch.Tensor] = {}
+    named = list(_state(original))
+    for name, tensor in named:
+        if name in own:
+            by_id.setdefault(id(tensor), own[name])
+    state = {}
+    for name, tensor in named:
+        found = by_id.get(id(tensor))
+        if found is None:  # not in the captured graph: unused by forward; a clone keeps the name
+            found = by_id[id(tensor)] = _clone(tensor)
+        state[name] = found
+    persistent = {k for k in original.state_dict(keep_vars=True)}
+    return state, persistent
+
+
+def _clone(tensor: torch.Tensor) -> torch.Tensor:
+    data = tensor.detach().clone()
+    return nn.Parameter(data, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else data
+
+
 def _own_state(gm: fx.GraphModule) -> None:
     """Rule 1: replace every parameter and buffer of ``gm`` by a clone, keeping tied tensors tied."""
     clones: dict[int, torch.Tensor] = {}
     for name, tensor in list(_state(gm)):
         if id(tensor) not in clones:
-            data = tensor.detach().clone()
-            clones[id(tensor)] = (
-                nn.Parameter(data, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else data
-            )
+            clones[id(tensor)] = _clone(tensor)
         _set(gm, name, clones[id(tensor)])
     log.debug("train-mode module owns %d cloned tensors", len(clones))
+
+
+def _is_param(root: nn.Module, name: str) -> bool:
+    *path, leaf = name.split(".")
+    return leaf in root.get_submodule(".".join(path))._parameters
 
 
 def _set(root: nn.Module, name: str, tensor: torch.Tensor) -> None:

@@ -1,0 +1,277 @@
+"""A converted train-mode model as the original's module tree, each module running its own part of the graph.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) swaps a module's parameters for sharded DTensors between
+calls and for whole tensors in a pre-forward hook of the module it wraps; DDP and activation checkpointing
+also work through module calls. A single flat graph that reads every parameter from the root never calls
+the wrapped blocks, so their hooks never run and it reads sharded parameters beside whole ones. So the
+converted graph is outlined the way ``torch.export.unflatten`` outlines an exported program: each module
+the original model called gets the part of the graph that ran inside it (found from the nodes'
+``nn_module_stack``), its parent calls it as a module, and every part reads its parameters from its own
+module at call time.
+
+Rules:
+
+1. A node the rewrite added (a cast, a clamp) runs in the innermost module that holds all of its readers,
+   so the cast of a block's weight runs inside the block, after its hooks have gathered the weight.
+2. The converted graph is exported again (torch.export keeps each node's module stack) with the same
+   dynamic dimensions as the capture, then unflattened; if export fixes a dimension the capture left
+   dynamic, or the model calls one module twice (unflatten's dispatcher), there is no tree and the flat
+   graph runs (logged).
+3. The tree has one :class:`ModulePart` per module of the original model, in the original's order and
+   under its names; each holds the code of its part in train mode and in eval mode, and runs the one of
+   the mode its root is in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import warnings
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import fx, nn
+from torch.export.unflatten import InterpreterModule
+from torch.utils import _pytree as pytree
+
+from ..fx.capture import _auto_dims, _without_dtype_asserts, size_one_dynamic
+from ..fx.calibrate import split_batch
+from ..fx.quiet import quiet_torch
+from ..fx.shapes import GUARDS_KEY
+
+log = logging.getLogger(__name__)
+
+STACK = "nn_module_stack"
+
+
+class Mode:
+    """The mode shared by every part of one tree: the root's, so a part never runs the other mode's code."""
+
+    def __init__(self, training: bool):
+        self.training = training
+
+
+class Children:
+    """Iterating, ``len`` and indexing reach a module's submodules in order, as they do on the
+    ``nn.ModuleList`` or ``nn.Sequential`` it may stand for (``for block in model.transformer.h: ...``)."""
+
+    _modules: dict[str, nn.Module]
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self._modules.values())
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __bool__(self) -> bool:  # a module with no submodules is still a module, not an empty container
+        return True
+
+    def __getitem__(self, key: int | str) -> nn.Module:
+        if isinstance(key, str):
+            return self._modules[key]
+        return list(self._modules.values())[key]
+
+
+class ModulePart(Children, nn.Module):
+    """One module of the original model: its parameters, buffers and submodules, and its part of each graph."""
+
+    def __init__(self, original_type: str, mode: Mode):
+        super().__init__()
+        self.original_type = original_type
+        self._code: dict[bool, Callable[..., Any]] = {}
+        self._mode = mode
+
+    def forward(self, *args: Any) -> Any:
+        """Run this module's part of the graph of the root's mode."""
+        return self._code[self._mode.training](self, *args)
+
+    def extra_repr(self) -> str:
+        return f"part of {self.original_type}"
+
+
+class Outline:
+    """What one mode's tree needs: the root's code and pytree specs, and each called module's code."""
+
+    def __init__(self, root: Callable[..., Any], in_spec: Any, out_spec: Any, parts: dict[str, Callable[..., Any]],
+                 constants: dict[str, Any]):
+        self.root, self.in_spec, self.out_spec = root, in_spec, out_spec
+        self.parts, self.constants = parts, constants
+
+    def outputs(self, leaves: Any) -> Any:
+        """The root code's flat outputs arranged as the model returns them (a single leaf may come bare)."""
+        return pytree.tree_unflatten(leaves if isinstance(leaves, (list, tuple)) else [leaves], self.out_spec)
+
+    def flat_inputs(self, args: tuple, kwargs: dict) -> list[Any] | None:
+        """The call's leaves in the root graph's order, or None if the call is laid out differently."""
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        return leaves if spec == self.in_spec else None
+
+
+def outline(gm: fx.GraphModule, example: tuple[tuple, dict] | None) -> Outline | None:
+    """The module tree of converted graph ``gm`` (rule 2), or None with the reason logged."""
+    guards = gm.meta.get(GUARDS_KEY)
+    if example is None or guards is None:
+        return None
+    _place_new_nodes(gm)
+    args, kwargs = example_call(example)
+    plain = fx.GraphModule(gm, gm.graph)  # not the serving wrapper: export calls forward on fake inputs
+    try:
+        program = _export_like(plain, args, kwargs, guards)
+    finally:
+        gm.graph.owning_module = gm  # the copy took the graph over; it must not keep the copy (and its tensors)
+    if program is None:
+        return None
+    try:
+        with quiet_torch(), contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+            # torch 2.13's unflatten prints a debug line, and copying its pytree specs trips a deprecation notice
+            warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+            tree = torch.export.unflatten(program)
+    except Exception as err:  # noqa: BLE001 - the flat graph still runs; only module hooks are lost
+        log.warning("the converted graph could not be split into its modules (%s); it runs as one graph, so "
+                    "FSDP2 can wrap only the whole model", err)
+        return None
+    parts, constants = {}, {}
+    for name, module in tree.named_modules(remove_duplicate=False):
+        if not name:
+            continue
+        if not isinstance(module, InterpreterModule):
+            if hasattr(module, "_call_modules"):
+                log.warning("%s is called more than once; the converted graph runs as one graph, so FSDP2 can wrap "
+                            "only the whole model", name)
+                return None
+            continue
+        if any(n.op != "placeholder" and n.op != "output" for n in module.graph.nodes):
+            parts[name] = type(module.graph_module).forward
+        for attr, value in vars(module).items():
+            if isinstance(value, torch.Tensor) and attr not in module._parameters and attr not in module._buffers:
+                constants[f"{name}.{attr}"] = value
+    for attr, value in vars(tree).items():
+        if isinstance(value, torch.Tensor):
+            constants[attr] = value
+    signature = tree.module_call_graph[0].signature
+    return Outline(type(tree.graph_module).forward, signature.in_spec, signature.out_spec, parts, constants)
+
+
+def example_call(example: tuple[Any, dict]) -> tuple[tuple, dict]:
+    """The conversion's example as ``(args, kwargs)`` of one call."""
+    args, kwargs = example
+    return (split_batch(args)[0] if args is not None else ()), dict(kwargs or {})
+
+
+def _place_new_nodes(gm: fx.GraphModule) -> None:
+    """Rule 1: a node without a module stack runs in the innermost module holding all its readers."""
+    outermost = next(({key: value} for n in gm.graph.nodes for key, value in (n.meta.get(STACK) or {}).items()
+                      if value[0] == ""), {})
+    for node in reversed(gm.graph.nodes):
+        if node.op in ("placeholder", "output", "get_attr") or node.meta.get(STACK):
+            continue
+        node.meta[STACK] = _common([user.meta.get(STACK) or outermost for user in node.users] or [outermost])
+
+
+def _common(stacks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The longest shared prefix of several module stacks (ordered dicts, outermost first)."""
+    shared = list(stacks[0].items())
+    for stack in stacks[1:]:
+        items = list(stack.items())
+        n = 0
+        while n < min(len(shared), len(items)) and shared[n] == items[n]:
+            n += 1
+        shared = shared[:n]
+    return dict(shared)
+
+
+def _export_like(gm: fx.GraphModule, args: tuple, kwargs: dict, guards: Any) -> torch.export.ExportedProgram | None:
+    """Export ``gm`` with every dimension dynamic that the capture left dynamic (rule 2)."""
+    dims = _auto_dims(gm, args, kwargs)
+    last: Exception | None = None
+    for oblivious in (True, False):
+        try:
+            with size_one_dynamic(oblivious), quiet_torch():
+                program = torch.export.export(gm, args, kwargs, dynamic_shapes=dims, strict=False)
+        except Exception as err:  # noqa: BLE001 - tried again without size-1 dims dynamic, then reported
+            last = err
+            continue
+        if _same_dynamism(program, guards):
+            _without_dtype_asserts(program.graph_module)
+            return program
+    log.warning("the converted graph could not be exported again with the capture's dynamic dimensions (%s); "
+                "it runs as one graph, so FSDP2 can wrap only the whole model", last or "a dimension became fixed")
+    return None
+
+
+def _same_dynamism(program: torch.export.ExportedProgram, guards: Any) -> bool:
+    """Whether every dimension the capture kept dynamic is dynamic in ``program`` too."""
+    names = set(program.graph_signature.user_inputs)
+    values = [n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder" and n.name in names]
+    if len(values) != len(guards.inputs):
+        return False
+    for spec, value in zip(guards.inputs, values):
+        if spec.dtype is None:
+            continue
+        if not isinstance(value, torch.Tensor) or value.dim() != len(spec.dims):
+            return False
+        for wanted, size in zip(spec.dims, value.shape):
+            if isinstance(wanted, str) and not isinstance(size, torch.SymInt):
+                return False
+    return True
+
+
+def build_tree(root: nn.Module, original: nn.Module, mode: Mode, outlines: dict[bool, Outline],
+               state: dict[str, torch.Tensor], persistent: set[str]) -> None:
+    """Give ``root`` the original's module tree (rule 3): a :class:`ModulePart` per module, each holding the
+    tensors of ``state`` under the original's names (tied names share one tensor) and its part of each graph.
+
+    Args:
+        root: the converted module; it becomes the tree's root.
+        original: the caller's model, read for its structure and names only.
+        mode: the mode object every part reads.
+        outlines: the tree of each mode's graph, by ``training`` flag.
+        state: every parameter and buffer the converted model owns, by each name it has in the original.
+        persistent: the buffer names that go into ``state_dict()``.
+    """
+    parts: dict[str, nn.Module] = {"": root}
+    for name, module in original.named_modules(remove_duplicate=False):
+        if not name:
+            continue
+        parent, _, leaf = name.rpartition(".")
+        part = ModulePart(type(module).__name__, mode)
+        parts[parent].add_module(leaf, part)
+        parts[name] = part
+    for name, module in original.named_modules(remove_duplicate=False):
+        owner = parts[name]
+        for leaf, param in module._parameters.items():
+            if param is not None:
+                owner.register_parameter(leaf, state[_join(name, leaf)])
+        for leaf, buf in module._buffers.items():
+            if buf is not None:
+                full = _join(name, leaf)
+                owner.register_buffer(leaf, state[full], persistent=full in persistent)
+    for training, found in outlines.items():
+        for name, code in found.parts.items():
+            parts[name]._code[training] = code
+        for name, value in found.constants.items():
+            owner_name, _, leaf = name.rpartition(".")
+            parts[owner_name].__dict__[leaf] = value  # unfit() checked that both modes agree
+
+
+def unfit(original: nn.Module, outlines: dict[bool, Outline | None]) -> str | None:
+    """Why the outlined graphs cannot run in the original's module tree, or None when they can."""
+    if any(found is None for found in outlines.values()):
+        return "a graph could not be outlined (logged above)"
+    names = {name for name, _ in original.named_modules(remove_duplicate=False)}
+    constants: dict[str, Any] = {}
+    for found in outlines.values():
+        strangers = sorted({n for n in found.parts if n not in names} |
+                           {n.rpartition(".")[0] for n in found.constants if n.rpartition(".")[0] not in names})
+        if strangers:
+            return f"the graph calls modules the original does not name ({', '.join(strangers[:3])})"
+        for name, value in found.constants.items():
+            seen = constants.setdefault(name, value)
+            if seen is not value and not (seen.shape == value.shape and torch.equal(seen, value)):
+                return f"the train and eval graphs hold different constants named {name}"
+    return None
+
+
+def _join(prefix: str, leaf: str) -> str:
+    return f"{prefix}.{leaf}" if prefix else leaf

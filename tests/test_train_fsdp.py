@@ -1,0 +1,112 @@
+"""A train-mode converted model under FSDP2 and DDP: two CPU processes (gloo) against one process.
+
+``fully_shard`` on each block and then on the root (FSDP2's usual pattern), ``fully_shard`` on the root
+only, and DistributedDataParallel each train the same converted fp16 GPT on halves of the batches one
+process trains on whole; afterwards the held-out loss in eval mode must equal the single process's.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+import amppass
+from models.char_gpt import char_gpt, next_char_loss, stdlib_corpus
+from tests.ddp_harness import WORLD_SIZE, run_ranks
+
+STEPS, BATCH, BLOCK = 6, 8, 32
+TIMEOUT_S = 400  # a run takes ~40 s on a quiet machine (a conversion and three trainings per rank)
+
+pytestmark = pytest.mark.slow  # ~1.5 min on a loaded 2-core machine; tests/test_train_tree.py has the quick checks
+
+
+def _model():
+    net = char_gpt(layers=2, width=64, heads=4, block=BLOCK, dropout=0.0)
+    return amppass.convert(net, (_batches()[0][:, :-1],), dtype=torch.float16, mode="train")
+
+
+def _batches() -> list[torch.Tensor]:
+    """STEPS training batches and one held-out batch of BLOCK + 1 characters of the standard library's source."""
+    corpus, generator = stdlib_corpus(200_000), torch.Generator().manual_seed(0)
+    return [corpus.batch(generator, BATCH, BLOCK) for _ in range(STEPS)] + [corpus.batch(generator, 4 * BATCH, BLOCK, True)]
+
+
+def _held_out(model) -> float:
+    held = _batches()[-1]
+    model.eval()
+    with torch.no_grad():
+        loss = next_char_loss(model(held[:, :-1]).logits, held[:, 1:]).item()
+    model.train()
+    return loss
+
+
+def _train(model, rank: int | None) -> dict:
+    """STEPS AdamW steps with LossScaler on this rank's half of each batch (the whole batch with no rank)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    scaler = amppass.LossScaler(init_scale=2.0**10)
+    before = _held_out(model)
+    for batch in _batches()[:-1]:
+        if rank is not None:
+            batch = batch.chunk(WORLD_SIZE)[rank]
+        opt.zero_grad()
+        loss = next_char_loss(model(batch[:, :-1]).logits, batch[:, 1:])
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    return {"before": before, "after": _held_out(model)}
+
+
+def _per_block(model):
+    for block in model.transformer.h:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def _low_params(model) -> dict:
+    """FSDP2 asked to gather fp16 parameters itself: refused, the plan's fp32 ops need fp32 weights."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    for block in model.transformer.h:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    try:
+        model(_batches()[0][:, :-1])
+    except amppass.InputError as err:
+        return {"refused": str(err)}
+    return {"refused": None}
+
+
+def _rank_results(rank: int) -> dict:
+    torch.set_num_threads(1)
+    converted = _model()
+    runs = {"fsdp2 per block": _per_block, "fsdp2 root only": fully_shard, "ddp": DistributedDataParallel}
+    results = {name: _train(wrap(copy.deepcopy(converted)), rank) for name, wrap in runs.items()}
+    return {**results, "fsdp2 fp16 params": _low_params(converted)}
+
+
+@pytest.fixture(scope="module")
+def single() -> dict:
+    return _train(_model(), None)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    return run_ranks(_rank_results, tmp_path_factory.mktemp("fsdp_train"), TIMEOUT_S)
+
+
+@pytest.mark.parametrize("run", ["fsdp2 per block", "fsdp2 root only", "ddp"])
+def test_sharded_training_matches_one_process_and_eval_reads_the_trained_weights(single, ranks, run):
+    assert single["after"] < single["before"] - 0.1  # it learned something
+    for rank in ranks:
+        assert rank[run]["before"] == pytest.approx(single["before"], rel=1e-4)
+        assert rank[run]["after"] == pytest.approx(single["after"], rel=2e-3), (run, rank[run], single)
+
+
+def test_fsdp2_casting_parameters_itself_is_refused_with_what_to_do(ranks):
+    for rank in ranks:
+        refused = rank["fsdp2 fp16 params"]["refused"]
+        assert refused and "param_dtype=torch.float16" in refused and "leave param_dtype unset" in refused

@@ -1,0 +1,236 @@
+"""The train-mode converted model as the original's module tree: module hooks, checkpoints, memory.
+
+Quick, single-process checks; ``tests/test_train_fsdp.py`` (slow) runs FSDP2 and DDP on two processes.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import gc
+import io
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import amppass
+from amppass.fx.kept import KeptFp32
+from models.char_gpt import char_gpt, next_char_loss, stdlib_corpus
+
+BATCH, BLOCK = 4, 16
+
+# deep copies of a converted model copy torch's pytree specs, which trips torch's own deprecation notice
+pytestmark = pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated:FutureWarning")
+
+
+def _gpt(dropout: float = 0.0) -> nn.Module:
+    return char_gpt(layers=2, width=32, heads=2, block=BLOCK, dropout=dropout)
+
+
+def _batch(seed: int) -> torch.Tensor:
+    return stdlib_corpus(100_000).batch(torch.Generator().manual_seed(seed), BATCH, BLOCK)
+
+
+def _convert(model: nn.Module, dtype=torch.float16) -> nn.Module:
+    return amppass.convert(model, (_batch(0)[:, :-1],), dtype=dtype, mode="train")
+
+
+@pytest.fixture(scope="module")
+def original() -> nn.Module:
+    return _gpt()
+
+
+@pytest.fixture(scope="module")
+def converted(original) -> nn.Module:
+    return _convert(original)
+
+
+# ---------------------------------------------------------------- item 1: module calls, as FSDP2 needs them
+
+
+def test_blocks_are_called_as_modules_and_read_their_parameters_at_call_time(converted):
+    """FSDP2 swaps a block's parameters in its pre-forward hook: the block must be called, and read them then."""
+    block = converted.transformer.h[0]
+    calls, x = [], _batch(1)[:, :-1]
+    scaled = nn.Parameter(block.ln_1.weight.detach() * 3)
+
+    def swap(module, args):
+        calls.append(module.training)
+        module.ln_1._parameters["weight"], swap.kept = scaled, module.ln_1._parameters["weight"]
+
+    def restore(module, args, output):
+        module.ln_1._parameters["weight"] = swap.kept
+
+    handles = [block.register_forward_pre_hook(swap), block.register_forward_hook(restore)]
+    try:
+        converted.eval()
+        with torch.no_grad():
+            swapped = converted(x).logits
+        handles += []
+    finally:
+        for handle in handles:
+            handle.remove()
+    with torch.no_grad():
+        plain = converted(x).logits
+        block.ln_1.weight.mul_(3)
+        expected = converted(x).logits
+        block.ln_1.weight.div_(3)
+    converted.train()
+    assert calls == [False]
+    assert not torch.equal(swapped, plain)
+    torch.testing.assert_close(swapped, expected)
+
+
+def test_eval_reads_parameters_replaced_on_the_modules(converted):
+    """FSDP2 (and load_state_dict(assign=True)) put new tensor objects on the modules: eval must read them."""
+    model, x = copy.deepcopy(converted), _batch(2)[:, :-1]
+    head = model.transformer.h[1].mlp.c_proj
+    head.weight = nn.Parameter(torch.zeros_like(head.weight))
+    head.bias = nn.Parameter(torch.zeros_like(head.bias))
+    reference = _gpt()
+    reference.load_state_dict(model.state_dict())
+    model.eval(), reference.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, reference(x).logits, rtol=2e-2, atol=2e-2)
+    assert model.outlined
+
+
+# ---------------------------------------------------------------- item 2: checkpoints
+
+
+def test_state_dict_and_parameter_names_are_the_originals_tied_weights_included(original, converted):
+    assert list(converted.state_dict()) == list(original.state_dict())
+    assert [n for n, _ in converted.named_parameters()] == [n for n, _ in original.named_parameters()]
+    assert [n for n, _ in converted.named_buffers()] == [n for n, _ in original.named_buffers()]
+    assert converted.transformer.wte.weight is converted.lm_head.weight
+    original.load_state_dict(converted.state_dict(), strict=True)  # writes checkpoints the original loads
+    converted.load_state_dict(original.state_dict(), strict=True)  # and loads the original's
+
+
+def test_loading_with_assign_keeps_tied_weights_tied(original, converted):
+    model = copy.deepcopy(converted)
+    state = {k: v.clone() for k, v in _gpt().state_dict().items()}  # two tensors for the tied pair
+    model.load_state_dict(state, assign=True)
+    assert model.transformer.wte.weight is model.lm_head.weight
+    assert len(list(model.parameters())) == len(list(original.parameters()))
+
+
+def _steps(model, opt, scaler, seeds) -> list[float]:
+    losses = []
+    for seed in seeds:
+        batch = _batch(seed)
+        opt.zero_grad()
+        loss = next_char_loss(model(batch[:, :-1]).logits, batch[:, 1:])
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_training_checkpoint_resumes_bit_identically():
+    """Model, AdamW and LossScaler state (and the RNG, for dropout) saved mid-run, loaded into a new model."""
+    converted = _convert(_gpt(dropout=0.1))
+
+    def fresh():
+        model = copy.deepcopy(converted)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2), amppass.LossScaler(init_scale=2.0**12)
+
+    torch.manual_seed(5)
+    model, opt, scaler = fresh()
+    straight = _steps(model, opt, scaler, range(6))
+    final = {k: v.clone() for k, v in model.state_dict().items()}
+
+    torch.manual_seed(5)
+    model, opt, scaler = fresh()
+    first = _steps(model, opt, scaler, range(3))
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "scaler": scaler.state_dict(),
+                "rng": torch.get_rng_state()}, buffer)
+    buffer.seek(0)
+    checkpoint = torch.load(buffer)
+    model, opt, scaler = fresh()
+    model.load_state_dict(checkpoint["model"])
+    opt.load_state_dict(checkpoint["opt"])
+    scaler.load_state_dict(checkpoint["scaler"])
+    torch.set_rng_state(checkpoint["rng"])
+    resumed = first + _steps(model, opt, scaler, range(3, 6))
+    assert resumed == straight
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, final[key]), key
+
+
+# ---------------------------------------------------------------- item 3: memory
+
+
+def _saved_bytes(run) -> dict[torch.dtype, int]:
+    """Bytes autograd holds for backward after one forward, each storage counted once, by dtype."""
+    seen: dict[int, tuple[torch.dtype, int]] = {}
+
+    def pack(tensor):
+        seen[tensor.untyped_storage().data_ptr()] = (tensor.dtype, tensor.untyped_storage().nbytes())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    by_dtype: dict[torch.dtype, int] = collections.Counter()
+    for dtype, size in seen.values():
+        by_dtype[dtype] += size
+    return by_dtype
+
+
+def test_fp16_training_saves_no_more_for_backward_than_autocast(original, converted):
+    x = torch.randint(0, 128, (8, BLOCK))
+    with torch.autocast("cpu", dtype=torch.float16):
+        autocast = _saved_bytes(lambda: original(x).logits)
+    ours = _saved_bytes(lambda: converted(x).logits)
+    assert sum(ours.values()) <= sum(autocast.values()), (ours, autocast)
+
+
+def test_gpt2_tanh_gelu_runs_low_as_one_op_with_the_reason_and_saved_bytes_in_the_report(converted):
+    report = amppass.report(converted)
+    gelus = [r for r in report.rows if r.op == "aten.gelu"]
+    assert len(gelus) == 2 and all(r.precision == "fp16" for r in gelus)
+    assert all("tanh approximation" in r.evidence["fused"] and r.evidence["saved_bytes"] > 0 for r in gelus)
+    assert not [r for r in report.rows if r.op in ("aten.pow", "aten.tanh")]
+    backward = report.info["backward"]
+    assert backward["saved_bytes"] == sum(backward["saved_bytes_by_dtype"].values()) > 0
+
+
+def test_fused_gelu_computes_what_the_written_out_chain_computes(original, converted):
+    x = _batch(3)[:, :-1]
+    converted.eval(), original.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(converted(x).logits, original(x).logits, rtol=1e-2, atol=1e-2)
+    converted.train(), original.train()
+
+
+def test_drop_original_releases_the_callers_model_and_its_weights():
+    def convert():
+        model = _gpt()
+        return _convert(model), weakref.ref(model), [weakref.ref(p) for p in model.parameters()]
+
+    converted, model, params = convert()
+    gc.collect()
+    assert model() is not None  # held for conversions of new shapes
+    converted.drop_original()
+    gc.collect()
+    assert model() is None and all(p() is None for p in params)
+
+
+@pytest.mark.parametrize("kind", ["inference", "kept"])
+def test_every_converted_module_has_drop_original(kind):
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    x = torch.randn(2, 8)
+    if kind == "kept":
+        converted = KeptFp32(model, {"whole_model": {}})
+    else:
+        converted = amppass.convert(model, (x,), dtype=torch.bfloat16, plan_for="coverage")
+    ref = weakref.ref(model)
+    del model
+    converted.drop_original()
+    gc.collect()
+    assert ref() is None
+    assert converted(x).shape == (2, 8)
