@@ -81,7 +81,7 @@ POLICY: tuple[PolicyRow, ...] = (
               ("QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "QLinearConv", "QLinearMatMul",
                "MatMulInteger", "ConvInteger")),
     PolicyRow(Category.KEEP, "control flow: values cross the subgraph boundary in fp32; the body's nodes are "
-              "planned one by one", ("If", "Loop", "Scan")),
+              "planned one by one", ("If", "Loop", "Scan", "SequenceMap")),
     PolicyRow(Category.KEEP, "sequence or optional container: holds tensors as the model wrote them; values go in "
               "and come out in fp32", ("SequenceConstruct", "SequenceAt", "SequenceInsert", "SequenceErase",
                                        "SequenceEmpty", "SequenceLength", "SplitToSequence", "ConcatFromSequence",
@@ -205,11 +205,22 @@ def input_names(domain: str, op_type: str, opset: int, count: int) -> list[str]:
     return (names + [names[-1]] * count)[:count]
 
 
+def kernel_attributes(node: onnx.NodeProto, target: Target) -> tuple[tuple[str, str], ...]:
+    """The ``(name, value)`` attributes of ``node`` that the target's kernel conditions read (ScatterND's
+    reduction), for :func:`classify`; empty for almost every node, which keeps its cache small."""
+    names = target.conditions.attributes(node.domain, node.op_type)
+    if not names:
+        return ()
+    found = [(a.name, onnx.helper.get_attribute_value(a)) for a in node.attribute if a.name in names]
+    return tuple(sorted((name, value.decode() if isinstance(value, bytes) else str(value)) for name, value in found))
+
+
 @functools.lru_cache(maxsize=None)
 def classify(domain: str, op_type: str, opset: int, input_count: int, target: Target,
-             training: bool = False) -> Classification:
+             training: bool = False, attributes: tuple[tuple[str, str], ...] = ()) -> Classification:
     """Category, reason and slot exceptions of one node for ``target`` (its low dtype and kernels);
-    ``training`` for a node in its training form (:func:`in_training`).
+    ``training`` for a node in its training form (:func:`in_training`); ``attributes`` those of
+    :func:`kernel_attributes`.
 
     Cached: a graph repeats a few dozen op forms thousands of times, and targets are shared objects.
     ``evidence`` is read-only.
@@ -227,7 +238,8 @@ def classify(domain: str, op_type: str, opset: int, input_count: int, target: Ta
         category, reason, unknown, facts = row.category, row.reason, False, row.facts
     evidence: dict = {}
     # checked for fp32 ops too: a user's force_low must not put them where the target cannot run them
-    blocked = _low_blocked(domain, op_type, opset, target, kept, input_count) if category is not Category.KEEP else ""
+    blocked = _low_blocked(domain, op_type, opset, target, kept, input_count, attributes) \
+        if category is not Category.KEEP else ""
     if category in (Category.LOW, Category.FOLLOW):
         if blocked:
             return Classification(Category.FP32, blocked, unknown, kept, MappingProxyType({"no_low_kernel": True}),
@@ -237,8 +249,10 @@ def classify(domain: str, op_type: str, opset: int, input_count: int, target: Ta
     return Classification(category, reason, unknown, kept, MappingProxyType(evidence), blocked, facts)
 
 
-def _low_blocked(domain: str, op_type: str, opset: int, target: Target, kept: frozenset[int], count: int) -> str:
-    """Why ``op_type`` cannot run in the target's low dtype (schema or kernels), or "" when it can."""
+def _low_blocked(domain: str, op_type: str, opset: int, target: Target, kept: frozenset[int], count: int,
+                 attributes: tuple[tuple[str, str], ...]) -> str:
+    """Why ``op_type`` cannot run in the target's low dtype (schema, kernels or their attribute conditions),
+    or "" when it can."""
     low = target.low
     schema = _schema(domain, op_type, opset)
     if schema is not None:
@@ -252,6 +266,9 @@ def _low_blocked(domain: str, op_type: str, opset: int, target: Target, kept: fr
             types = allowed.get(type_str, {type_str})
             if "tensor(float)" in types and wanted not in types:
                 return f"the ONNX schema of {op_type} (opset {opset}) does not allow {low} inputs; kept fp32"
+    refused = target.conditions.refusal(domain, op_type, opset, low.onnx, attributes)
+    if refused:
+        return f"{target.runtime} has no {low} kernel for {op_type} {refused}; kept fp32"
     if target.kernels.status(domain, op_type, opset, low.onnx) == "none":
         around = " and does not cast around it" if target.name == "cpu" else ""
         return f"{target.runtime} has no {low} kernel for {op_type} (opset {opset}){around}; kept fp32"

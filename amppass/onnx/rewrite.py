@@ -75,6 +75,8 @@ class _Rewriter:
     def _wanted(self, node: onnx.NodeProto, position: int) -> int | None:
         """The dtype input ``position`` of ``node`` is read in, or None when it is fed unchanged."""
         ref = self.refs.get(node.name)
+        if ref is not None and position in ref.kept_fp32:
+            return FLOAT
         if ref is None or position not in ref.planned:
             return None
         low = self.plan[node.name].precision is Precision.LOW
