@@ -64,8 +64,11 @@ POLICY: tuple[PolicyRow, ...] = (
               ("Tan", "Acos", "Asin", "Cosh", "Sinh", "Atanh", "Acosh", "Asinh")),
     PolicyRow(Category.FP32, "loss: log, exp and long sums; kept in fp32",
               ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")),
+    PolicyRow(Category.FP32, "affine grid: its outputs are sampling coordinates ([-1, 1] spans the image) that "
+              "GridSample interpolates at; fp16 rounds them to 2**-11 of their size (4e-3 on the ONNX suite's "
+              "grids, which reach 10: two pixels of a 1000-pixel side); computed in fp32", ("AffineGrid",)),
     PolicyRow(Category.FP32, "resampling: interpolation weights and coordinates need fp32",
-              ("Resize", "Upsample", "GridSample", "AffineGrid", "RoiAlign"),
+              ("Resize", "Upsample", "GridSample", "RoiAlign"),
               slots={"roi": "keep", "scales": "keep", "sizes": "keep", "rois": "keep", "batch_indices": "keep"}),
     PolicyRow(Category.FP32, "box selection: coordinates and IoU thresholds need fp32", ("NonMaxSuppression",),
               slots={"max_output_boxes_per_class": "keep", "iou_threshold": "keep", "score_threshold": "keep"}),
