@@ -4,7 +4,7 @@ runs, and calibration must take every legal model."""
 
 from __future__ import annotations
 
-import logging
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -12,7 +12,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import amppass
-from tests.test_onnx_convert import meta, session
+from benchmarks import onnx_conformance as suite
+from tests.test_onnx_convert import session
 
 F32 = TensorProto.FLOAT
 RNG = np.random.default_rng(0)
@@ -106,7 +107,7 @@ def test_an_op_holding_float_tensor_attributes_keeps_fp32():
     assert row.precision == "fp32" and "nodes_splits" in row.reason
 
 
-def test_forcing_affine_grid_low_says_what_the_user_risks(caplog):
+def test_forcing_affine_grid_low_says_what_the_user_risks():
     """AffineGrid stays fp32 by default; forced low it runs low and the report gives the policy's reason."""
     nodes = [helper.make_node("AffineGrid", ["theta", "size"], ["grid"], name="grid", align_corners=0)]
     model = _model(nodes, [helper.make_tensor_value_info("theta", F32, [1, 2, 3])],
@@ -149,3 +150,99 @@ def test_a_model_onnxruntime_cannot_load_for_calibration_is_an_amppass_error():
     model.opset_import.append(helper.make_opsetid("my.ops", 1))
     with pytest.raises(amppass.AmpPassError, match="onnxruntime cannot load the float32 model to calibrate"):
         amppass.convert_onnx(model, calibration=[{"x": np.ones((2, 64), np.float32)}])
+
+
+# -- lean plans on the light nets: weights the planner did not see as weights ---------------------------------
+
+LIGHT = Path(onnx.__file__).resolve().parent / "backend" / "test" / "data" / "light"
+
+
+def _casts(model) -> int:
+    return sum(1 for n in model.graph.node if n.op_type == "Cast")
+
+
+def test_densenet121_from_the_light_suite_converts_lean_and_right():
+    """main: 364 Casts for 176 fp16 nodes. Its weights are ConstantOfShape fills, its batch-norm statistics
+    initializers listed as graph inputs (IR version 3), its per-channel scales Unsqueeze(weight): none of them
+    counted as weights, so every batch norm mixed 'fp32 values' with its fp16 input and ran fp32."""
+    model = onnx.load(LIGHT / "light_densenet121.onnx")
+    feeds = dict(zip(suite.feed_names(model), suite._light_inputs(model)))
+    expected = numpy_helper.to_array(onnx.load_tensor(str(LIGHT / "light_densenet121_output_0.pb")))
+    converted = amppass.convert_onnx(model)
+    got = _valid_and_runs(converted, feeds)[0]
+    assert suite.error(got, expected) < suite.FP16_BOUND
+    rows = amppass.report(converted).rows
+    assert _casts(converted) <= 4, "the input's cast and the output's, and at most two more"
+    assert sum(r.precision == "fp16" for r in rows) >= 900 and all(r.precision == "fp16" for r in rows
+                                                                 if r.op in ("BatchNormalization", "Concat"))
+
+
+def _conv_bn_block(scale_node: str):
+    """Conv -> Mul(scale) -> Add(bias) -> Relu, the scale a weight reached through ``scale_node``."""
+    w, s, b = _weight("w", (4, 3, 3, 3)), numpy_helper.from_array(np.full((4,), 0.5, np.float32), "s"), \
+        numpy_helper.from_array(np.full((4, 1, 1), 0.1, np.float32), "b")
+    axes = numpy_helper.from_array(np.array([1, 2], np.int64), "axes")
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv"),
+             helper.make_node(scale_node, ["s", "axes"], ["s3"], name="scale_shape"),
+             helper.make_node("Mul", ["c", "s3"], ["m"], name="scale"),
+             helper.make_node("Add", ["m", "b"], ["a"], name="bias"),
+             helper.make_node("Relu", ["a"], ["y"], name="relu"),
+             helper.make_node("Conv", ["y", "w2"], ["z"], name="conv2")]
+    return _model(nodes, [helper.make_tensor_value_info("x", F32, [1, 3, 8, 8])],
+                  [helper.make_tensor_value_info("z", F32, None)], [w, s, b, axes, _weight("w2", (2, 4, 1, 1))])
+
+
+def test_a_weight_reshaped_for_broadcasting_is_a_weight():
+    """Unsqueeze(scale) -> Mul: the per-channel scale runs fp16 with its Mul (main: the Mul ran fp32 between
+    two fp16 convolutions, with a Cast on each side)."""
+    model = _conv_bn_block("Unsqueeze")
+    feeds = {"x": RNG.standard_normal((1, 3, 8, 8)).astype(np.float32)}
+    converted = amppass.convert_onnx(model)
+    np.testing.assert_allclose(_valid_and_runs(converted, feeds)[0], session(model).run(None, feeds)[0],
+                               rtol=2e-2, atol=2e-2)
+    precision = {r.name: r.precision for r in amppass.report(converted).rows}
+    assert precision["scale"] == precision["scale_shape"] == precision["relu"] == "fp16"
+    assert _casts(converted) == 2  # the input to fp16, the output back
+
+
+def test_a_fill_beside_low_values_is_stored_low_and_one_beyond_its_range_is_not():
+    """ConstantOfShape(value=0.5) is a weight with its values in the node; value=1e5 does not fit fp16."""
+    def model(fill):
+        shape = numpy_helper.from_array(np.array([1, 4, 6, 6], np.int64), "shape")
+        nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv"),
+                 helper.make_node("ConstantOfShape", ["shape"], ["f"], name="fill",
+                                  value=numpy_helper.from_array(np.array([fill], np.float32))),
+                 helper.make_node("Add", ["c", "f"], ["a"], name="add"),
+                 helper.make_node("Conv", ["a", "w2"], ["z"], name="conv2")]
+        return _model(nodes, [helper.make_tensor_value_info("x", F32, [1, 3, 8, 8])],
+                      [helper.make_tensor_value_info("z", F32, None)],
+                      [_weight("w", (4, 3, 3, 3)), shape, _weight("w2", (2, 4, 1, 1))])
+
+    feeds = {"x": RNG.standard_normal((1, 3, 8, 8)).astype(np.float32)}
+    fits = model(0.5)
+    converted = amppass.convert_onnx(fits)
+    np.testing.assert_allclose(_valid_and_runs(converted, feeds)[0], session(fits).run(None, feeds)[0],
+                               rtol=2e-2, atol=2e-2)
+    assert {r.name: r.precision for r in amppass.report(converted).rows}["add"] == "fp16"
+    assert _casts(converted) == 2
+    too_big = amppass.convert_onnx(model(1e5))
+    _valid_and_runs(too_big, feeds)
+    assert {r.name: r.precision for r in amppass.report(too_big).rows}["add"] == "fp32"
+
+
+def test_ir3_initializers_listed_as_inputs_are_weights_and_leave_the_inputs():
+    """IR version 3 requires every initializer among the inputs, where it is a constant all the same; at the
+    IR version amppass writes it would become an input the caller may override."""
+    model = _conv_bn_block("Unsqueeze")
+    constants = [t for t in model.graph.initializer if t.name in ("s", "b")]
+    model.graph.input.extend(helper.make_tensor_value_info(t.name, F32, list(t.dims)) for t in constants)
+    model.ir_version = 3
+    model.opset_import[0].version = 9
+    unsqueeze = next(n for n in model.graph.node if n.op_type == "Unsqueeze")  # opset 9: axes an attribute
+    del unsqueeze.input[1:]
+    unsqueeze.attribute.append(helper.make_attribute("axes", [1, 2]))
+    feeds = {"x": RNG.standard_normal((1, 3, 8, 8)).astype(np.float32)}
+    converted = amppass.convert_onnx(model)
+    _valid_and_runs(converted, feeds)
+    assert [i.name for i in converted.graph.input] == ["x"] and _casts(converted) == 2
+    assert [i.name for i in model.graph.input] == ["x", "s", "b"], "the caller's model is not changed"

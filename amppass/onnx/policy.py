@@ -24,7 +24,8 @@ import onnx
 from onnx import TensorProto
 
 from ..analysis.plan import Category, Decision, Precision, Source
-from ..analysis.policy import ADDITION, DIVISION, JOIN, NORMALISATION, POWER, REDUCTION, SINGULAR, PolicyRow
+from ..analysis.policy import (ADDITION, DIVISION, JOIN, LAYOUT, NORMALISATION, POWER, REDUCTION, SINGULAR,
+                               PolicyRow)
 from ..targets.target import Kernels, Target
 
 
@@ -102,12 +103,16 @@ POLICY: tuple[PolicyRow, ...] = (
               facts=frozenset({JOIN})),
     PolicyRow(Category.FOLLOW, "addition: runs in the precision of its inputs", ("Add", "Sub", "Sum"),
               facts=frozenset({ADDITION})),
+    PolicyRow(Category.FOLLOW, "data movement: runs in the precision of its input (of a weight, it is the weight "
+              "reshaped, stored low where its readers run low)",
+              ("Identity", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten"),
+              slots={"shape": "keep", "axes": "keep"}, facts=frozenset({LAYOUT})),
     PolicyRow(Category.FOLLOW, "elementwise or data movement: runs in the precision of its inputs",
               ("Mul", "Neg", "Abs", "Relu", "LeakyRelu", "PRelu", "Elu", "Selu", "Celu",
                "Gelu", "HardSigmoid", "HardSwish", "Mish", "Sigmoid", "Tanh", "Softplus", "Softsign", "Sqrt",
                "Sin", "Cos", "Atan", "Erf", "Sign", "Floor", "Ceil", "Round", "Max", "Min", "Mean",
-               "Clip", "Where", "Dropout", "Identity", "Reshape", "Transpose", "Squeeze", "Unsqueeze",
-               "Flatten", "Split", "Slice", "Gather", "GatherElements", "GatherND", "Scatter",
+               "Clip", "Where", "Dropout",
+               "Split", "Slice", "Gather", "GatherElements", "GatherND", "Scatter",
                "ScatterElements", "ScatterND", "Expand", "Tile", "Pad", "DepthToSpace", "SpaceToDepth",
                "MaxPool", "GlobalMaxPool", "ReduceMax", "ReduceMin",
                "ArgMax", "ArgMin", "TopK", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual",

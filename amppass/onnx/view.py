@@ -1,7 +1,9 @@
 """Build the neutral :class:`GraphView` of an ONNX model, subgraphs included.
 
-Value types come from ``onnx.shape_inference``; only float32 values are planned. Float32 initializers and
-``Constant`` nodes are weights (stored in low precision ahead of time where their readers run low);
+Value types come from ``onnx.shape_inference``; only float32 values are planned. Float32 initializers,
+``Constant`` nodes and ``ConstantOfShape`` fills (a float32 ``value`` repeated to a shape: exporters make
+zeros, masks and the ONNX suite's light nets their weights so) are weights (stored in low precision ahead of
+time where their readers run low);
 graph inputs and the formal inputs of If/Loop/Scan bodies are fixed fp32. A body's nodes come before the
 control node that owns them, so painting sees the outer values they capture already decided.
 """
@@ -129,6 +131,15 @@ def constant_tensor(node: onnx.NodeProto) -> onnx.TensorProto | None:
     return None
 
 
+def weight_tensor(node: onnx.NodeProto) -> onnx.TensorProto | None:
+    """The float32 tensor a ``Constant`` node writes, or a ``ConstantOfShape`` node fills its output with;
+    None for any other node (module docstring)."""
+    if node.op_type not in ("Constant", "ConstantOfShape") or node.domain not in ("", "ai.onnx"):
+        return None
+    tensor = constant_tensor(node)
+    return tensor if tensor is not None and tensor.data_type == FLOAT else None
+
+
 def dims(info: onnx.ValueInfoProto) -> list[int | None]:
     """The dimensions of a tensor value: fixed sizes, None for symbolic ones and for negative ones (Paddle and
     some TF exports write ``dim_value: -1`` for a dynamic dimension)."""
@@ -164,8 +175,8 @@ def build_view(
                 view.weights[init.name] = absmax(init) if absmax else 0.0
                 held[init.name] = init
         for node in graph.node:
-            tensor = constant_tensor(node) if node.op_type == "Constant" else None
-            if tensor is not None and tensor.data_type == FLOAT:
+            tensor = weight_tensor(node)
+            if tensor is not None:
                 view.weights[node.output[0]] = absmax(tensor) if absmax else 0.0
                 held[node.output[0]] = tensor
                 continue
