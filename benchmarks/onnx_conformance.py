@@ -25,9 +25,11 @@ The configurations (:data:`CONFIGS`):
   onnxruntime may drop a fp32->fp16->fp32 cast pair; so the output counts as correct when it is within the
   bound of either the expected output or the float32 model's output on the fp16-rounded inputs.
 
-``python -m benchmarks.onnx_conformance`` prints the outcome table of amppass, onnxconverter-common's
+``python -m benchmarks.onnx_conformance [--quick]`` prints the outcome table of amppass, onnxconverter-common's
 ``convert_float_to_float16`` and onnxruntime's ``onnxruntime.transformers.float16`` (both with
-``keep_io_types=True``) side by side.
+``keep_io_types=True``) side by side, and the Casts each adds to the light nets, amppass before (commit
+:data:`BEFORE`) and now; ``python -m benchmarks run --quick|--full --only conformance`` writes them into
+RESULTS.md.
 """
 
 from __future__ import annotations
@@ -397,8 +399,117 @@ def table(cases: Sequence[Case], quick: bool = False) -> list[dict]:
     return rows
 
 
-if __name__ == "__main__":
-    import sys
+LIGHT_NETS = ("densenet121", "inception_v1", "inception_v2", "resnet50", "shufflenet", "squeezenet", "vgg19",
+              "bvlc_alexnet", "zfnet512")
+BEFORE = "d7ec324"  # amppass as issue 23 measured it: DenseNet-121 converted with 364 Casts
+NOTES = ("Cases: every node case of onnx.backend.test.case.node.collect_testcases with a float32 input that "
+         "onnxruntime's CPU provider reproduces in float32, and the models of onnx/backend/test/data/"
+         "{pytorch-converted,pytorch-operator,simple,light} it reproduces (first data set). Outcomes: correct = "
+         "passes onnx.checker.check_model(full_check=True), loads and runs in onnxruntime CPU, and "
+         "||out - expected|| / ||expected|| <= 5e-3 on every output (NaN/inf where expected, integers equal); "
+         "refused = amppass.AmpPassError; crash = any other exception from the converter; invalid = the checker "
+         "or onnxruntime refuses the model; run failure = onnxruntime raises when running it; wrong = outside "
+         "the bound. amppass force_low = force_low= every op type of the model, bound 2e-2; amppass low_input "
+         "= each float32 input read through an Identity forced to fp16 first (the default plan then decides on "
+         "a low-precision value), also correct within the bound of the float32 model on fp16-rounded inputs. "
+         "onnxconverter-common and onnxruntime's tool: convert_float_to_float16(model, keep_io_types=True).")
 
-    for row in table(all_cases(), quick="--quick" in sys.argv):
+
+def _light(name: str) -> Case:
+    return next(c for c in folder_cases() if c.name == f"light/light_{name}")
+
+
+def casts(model: onnx.ModelProto) -> int:
+    """Cast nodes of ``model``, subgraphs included."""
+    return sum(1 for node in all_nodes(model.graph) if node.op_type == "Cast")
+
+
+def amppass_casts(names: Sequence[str]) -> dict[str, dict[str, int]]:
+    """For each light net: the Casts amppass's default plan adds and the nodes it plans fp16."""
+    found = {}
+    logging.disable(logging.WARNING)
+    try:
+        for name in names:
+            case = _light(name)
+            converted = amppass.convert_onnx(case.model)
+            low = sum(r.precision == "fp16" for r in amppass.report(converted).rows)
+            found[name] = {"casts": casts(converted) - casts(case.model), "fp16_nodes": low}
+    finally:
+        logging.disable(logging.NOTSET)
+    return found
+
+
+def _before(names: Sequence[str]) -> dict[str, dict[str, int]] | str:
+    """:func:`amppass_casts` of amppass at commit :data:`BEFORE` (``git archive`` into a temporary folder, measured
+    in a fresh process), or why it could not be measured."""
+    import json
+    import subprocess
+    import sys
+    import tarfile
+    import tempfile
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory(prefix="amppass-before-") as folder:
+        archive = subprocess.run(["git", "archive", BEFORE, "amppass"], cwd=repo, capture_output=True)
+        if archive.returncode:
+            return f"git archive {BEFORE} failed: {archive.stderr.decode(errors='replace').strip()[:200]}"
+        with tempfile.TemporaryFile() as tar:
+            tar.write(archive.stdout)
+            tar.seek(0)
+            tarfile.open(fileobj=tar).extractall(folder, filter="data")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([folder, str(repo)])}
+        done = subprocess.run([sys.executable, "-m", "benchmarks.onnx_conformance", "--casts", *names], cwd=folder,
+                              env=env, capture_output=True, text=True)
+        if done.returncode:
+            return f"measuring {BEFORE} failed: {done.stderr.strip().splitlines()[-1:]}"
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def casts_table(quick: bool = False) -> list[dict]:
+    """Casts per light net (DenseNet-121 alone with ``quick``): amppass at :data:`BEFORE` and now (Casts added,
+    fp16 nodes), and the Casts the other converters add, with their outcome."""
+    names = LIGHT_NETS[:1] if quick else LIGHT_NETS
+    now, before = amppass_casts(names), _before(names)
+    others = {k: v for k, v in converters().items() if k != "amppass"}
+    rows = []
+    for name in names:
+        case = _light(name)
+        row: dict[str, Any] = {"model": name}
+        if isinstance(before, dict):
+            row.update({f"casts_{BEFORE}": before[name]["casts"], f"fp16_nodes_{BEFORE}": before[name]["fp16_nodes"]})
+        row.update({"casts_now": now[name]["casts"], "fp16_nodes_now": now[name]["fp16_nodes"]})
+        for label, convert in others.items():
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    converted = convert(case)[1]
+                row[f"casts_{label}"] = casts(converted) - casts(case.model)
+            except Exception as err:  # noqa: BLE001 - counted in the outcome column
+                row[f"casts_{label}"] = f"crash: {type(err).__name__}"
+            row[f"outcome_{label}"] = outcome(case, convert).kind
+        rows.append(row)
+    if not isinstance(before, dict):
+        rows.append({"model": f"(before: {before})"})
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m benchmarks.onnx_conformance [--quick]``: the outcome table and the light nets' Casts;
+    ``--casts NAME ...`` prints this checkout's :func:`amppass_casts` as JSON (how :func:`_before` measures)."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.onnx_conformance", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="every tenth case, DenseNet-121 alone")
+    parser.add_argument("--casts", nargs="+", metavar="NAME", help="print amppass's Casts on these light nets")
+    args = parser.parse_args(argv)
+    if args.casts:
+        print(json.dumps(amppass_casts(args.casts)))
+        return
+    for row in table(all_cases(), quick=args.quick) + casts_table(args.quick):
         print(row)
+
+
+if __name__ == "__main__":
+    main()
