@@ -124,10 +124,7 @@ NO_CONDITIONS = KernelConditions("none")
 @functools.lru_cache(maxsize=None)
 def load_conditions(name: str) -> KernelConditions:
     """The :class:`KernelConditions` of table ``name`` (a key of :data:`CONDITIONS`), read once per process."""
-    if name not in CONDITIONS:
-        raise InputError(f"no kernel conditions named {name!r}; choose one of: {', '.join(CONDITIONS)}")
-    text = resources.files(__package__).joinpath("data", CONDITIONS[name]).read_text(encoding="utf-8")
-    data = json.loads(text)
+    data = _read(name, CONDITIONS, "kernel conditions")
     found = tuple(Condition(_domain(c["domain"]), c["op"], c["since"], c["attribute"], frozenset(c["values"]),
                             frozenset(c["types"]), c["source"]) for c in data["conditions"])
     return KernelConditions(data["provider"], found)
@@ -136,16 +133,20 @@ def load_conditions(name: str) -> KernelConditions:
 @functools.lru_cache(maxsize=None)
 def load(name: str) -> KernelTable:
     """The kernel table called ``name`` (a key of :data:`TABLES`), read once per process."""
-    if name not in TABLES:
-        raise InputError(f"no kernel table named {name!r}; choose one of: {', '.join(TABLES)}")
-    text = resources.files(__package__).joinpath("data", TABLES[name]).read_text(encoding="utf-8")
-    data = json.loads(text)
+    data = _read(name, TABLES, "kernel table")
     spans = {
         (_domain(domain), op): tuple((since, until, frozenset(types)) for since, until, types in rows)
         for domain, ops in data["ops"].items()
         for op, rows in ops.items()
     }
     return KernelTable(data["provider"], MappingProxyType(data["source"]), MappingProxyType(spans))
+
+
+def _read(name: str, files: Mapping[str, str], what: str) -> dict:
+    """The packaged JSON file ``files[name]``; an unknown ``name`` is an InputError listing the known ones."""
+    if name not in files:
+        raise InputError(f"no {what} named {name!r}; choose one of: {', '.join(files)}")
+    return json.loads(resources.files(__package__).joinpath("data", files[name]).read_text(encoding="utf-8"))
 
 
 def _domain(domain: str) -> str:
