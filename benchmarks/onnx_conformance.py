@@ -386,13 +386,13 @@ def table(cases: Sequence[Case], quick: bool = False) -> list[dict]:
     outcome. ``quick`` takes every tenth case."""
     chosen = cases[::10] if quick else cases
     rows = []
-    runs = [(name, convert, False) for name, convert in converters().items()]
-    runs.insert(1, ("amppass force_low", amppass_converter("force_low"), False))
-    runs.insert(2, ("amppass low_input", amppass_converter("low_input"), True))
+    runs = [(name, convert, FP16_BOUND, False) for name, convert in converters().items()]
+    runs.insert(1, ("amppass force_low", amppass_converter("force_low"), FORCED_BOUND, False))
+    runs.insert(2, ("amppass low_input", amppass_converter("low_input"), FP16_BOUND, True))
     logging.disable(logging.WARNING)  # every converter warns per case; the table says what happened
     try:
-        for name, convert, rounded in runs:
-            counts = Counter(outcome(case, convert, rounded=rounded).kind for case in chosen)
+        for name, convert, bound, rounded in runs:
+            counts = Counter(outcome(case, convert, bound, rounded).kind for case in chosen)
             rows.append({"converter": name, "cases": len(chosen), **{kind: counts.get(kind, 0) for kind in OUTCOMES}})
     finally:
         logging.disable(logging.NOTSET)
