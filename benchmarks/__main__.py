@@ -183,6 +183,20 @@ def _train(quick: bool, out: Path) -> Section:
     return section
 
 
+def _conformance(quick: bool, out: Path) -> Section:
+    from . import onnx_conformance
+
+    section = Section("ONNX conformance: the ONNX backend test suite converted to fp16 (issue 23)", "",
+                      notes=[onnx_conformance.NOTES])
+    cases = onnx_conformance.all_cases()
+    section.tables.append((f"Outcomes per converter ({'every tenth of ' if quick else ''}{len(cases)} cases)",
+                           onnx_conformance.table(cases, quick)))
+    section.tables.append((f"Casts added to the light nets: amppass at {onnx_conformance.BEFORE} (before issue 23) "
+                           "and now, with the fp16 nodes it plans; the other converters' Casts and outcome",
+                           onnx_conformance.casts_table(quick)))
+    return section
+
+
 SECTIONS: dict[str, Callable[[bool, Path], Section]] = {
     "latency": _latency,
     "never_slower": _never_slower,
@@ -196,6 +210,7 @@ SECTIONS: dict[str, Callable[[bool, Path], Section]] = {
     "shapes": _shapes,
     "compile": _compile,
     "lean_onnx": _lean_onnx,
+    "conformance": _conformance,
     "tolerance_ref": _external("tolerance_reference", "Tolerance search against a reference ranking (ONNX fp16, "
                                "onnxruntime CPU)", lambda m, quick: m.run(quick)),
 }

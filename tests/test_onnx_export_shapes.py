@@ -1,4 +1,5 @@
-"""export_onnx keeps batch and sequence dims dynamic, exports without autograd, and warns when it falls back."""
+"""export_onnx keeps batch, sequence and image dims dynamic where the model takes any size, exports without
+autograd, and warns when it falls back."""
 
 from __future__ import annotations
 
@@ -77,3 +78,45 @@ def test_both_exporters_failing_is_one_capture_error(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.onnx, "export", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("nope")))
     with pytest.raises(amppass.CaptureError, match="dynamo=True: RuntimeError: nope.*dynamo=False"):
         export.export_fp32(build("mlp").model, build("mlp").example_inputs)
+
+
+class _ProposalNet(torch.nn.Module):
+    """A fully convolutional face-proposal net (an MTCNN P-Net's shape): meant for any image size."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 10, 3), torch.nn.PReLU(10), torch.nn.MaxPool2d(2, 2, ceil_mode=True),
+            torch.nn.Conv2d(10, 16, 3), torch.nn.PReLU(16), torch.nn.Conv2d(16, 32, 3), torch.nn.PReLU(32))
+        self.prob, self.box = torch.nn.Conv2d(32, 2, 1), torch.nn.Conv2d(32, 4, 1)
+
+    def forward(self, image):
+        features = self.body(image)
+        return torch.softmax(self.prob(features), dim=1), self.box(features)
+
+
+def test_a_fully_convolutional_net_takes_other_image_sizes(tmp_path):
+    """main: 'INVALID_ARGUMENT : Got invalid dimensions for input' at any size but the example's."""
+    net = _ProposalNet().eval()
+    model = amppass.export_onnx(net, (torch.randn(1, 3, 24, 24),), tmp_path / "pnet.onnx")
+    assert dims(model)[0][1] == 3 and all(isinstance(d, str) for d in dims(model)[0][2:]), dims(model)
+    session = ort.InferenceSession(str(tmp_path / "pnet.onnx"), providers=["CPUExecutionProvider"])
+    for size in ((2, 3, 60, 40), (1, 3, 37, 53)):
+        image = torch.randn(*size)
+        got = session.run(None, {model.graph.input[0].name: image.numpy()})
+        with torch.no_grad():
+            want = net(image)
+        assert [g.shape for g in got] == [tuple(w.shape) for w in want]
+        assert max(rel(g, w) for g, w in zip(got, want)) < 1e-2
+
+
+def test_spatial_sizes_a_linear_head_fixes_stay_fixed(tmp_path):
+    """A Linear reading the flattened feature map takes one image size: the export says so instead of
+    declaring free sizes onnxruntime would fail on at run time."""
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),
+                              torch.nn.Linear(4 * 8 * 8, 5)).eval()
+    model = amppass.export_onnx(net, (torch.randn(2, 3, 8, 8),), tmp_path / "head.onnx")
+    assert isinstance(dims(model)[0][0], str) and dims(model)[0][1:] == [3, 8, 8]
+    x = torch.randn(5, 3, 8, 8)
+    with torch.no_grad():
+        assert rel(run(tmp_path / "head.onnx", model, x), net(x)) < 1e-2

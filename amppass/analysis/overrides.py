@@ -4,7 +4,8 @@ A pattern matches a node when it names the node's op ("softmax", "aten.softmax",
 case-insensitive) or when it matches the whole node name as a regular expression ("encoder\\.layer\\.0\\..*").
 Keeping fp32 wins over forcing low when both match. Forcing low an op the target runtime has no
 low-precision kernel for (``OpView.low_blocked``) keeps it fp32 with both facts in the reason and a
-warning: the converted model must still run.
+warning: the converted model must still run. Forcing low an op the policy keeps fp32 runs it low, and its
+reason carries the policy's, so the report says what the user risks.
 
 A pattern that matches no node is told apart by what it names. If it is an op name PyTorch or ONNX knows
 (an ATen op or an ONNX operator, case-insensitive, with or without a namespace such as ``aten.``), the
@@ -118,8 +119,15 @@ def resolve(
                         Source.OVERRIDE, {"pattern": pattern, "no_low_kernel": True},
                     )
                     continue
-                decisions[node.name] = Decision(
-                    precision, f"user asked for {target} ({argument}={pattern!r})", Source.OVERRIDE,
-                    {"pattern": pattern},
-                )
+                decisions[node.name] = _forced(node, precision, target, argument, pattern)
     return decisions
+
+
+def _forced(node: OpView, precision: Precision, target: str, argument: str, pattern: str) -> Decision:
+    """The user's decision for ``node``; forcing low an op the policy keeps fp32 says what the policy knows,
+    so the report shows the risk beside the choice."""
+    reason, evidence = f"user asked for {target} ({argument}={pattern!r})", {"pattern": pattern}
+    if precision is Precision.LOW and node.category in (Category.FP32, Category.FP32_ACCUM):
+        reason += f" over the policy's fp32, so expect a larger error here: {node.reason}"
+        evidence["policy_fp32"] = node.reason
+    return Decision(precision, reason, Source.OVERRIDE, evidence)

@@ -15,7 +15,9 @@ Rules, in the order they apply (after TF grappler's auto mixed precision pass):
    value gets rounded; all-low activations keep them low, so element-wise ops between Tensor Core ops stay
    low and cost no casts. A weight or constant read beside low activations (a bias, a scale, a batch
    norm's statistics) runs low with them and is stored low once, when its values fit the low dtype
-   (:mod:`amppass.analysis.fit`); one that does not fit keeps the op fp32, with the reason. A value
+   (:mod:`amppass.analysis.fit`); one that does not fit keeps the op fp32, with the reason. A weight
+   reshaped by weight-only layout ops (the policy fact "layout": an Unsqueeze of a per-channel scale for
+   broadcasting) is that weight here. A value
    computed from weights alone (an embedding lookup) is not a weight here: it counts as fp32 until rule 7
    decides it, as type promotion would have it; so is a weight joined to low activations by a
    concatenation (the policy fact "join"): its values become data of the result, which type promotion
@@ -38,7 +40,7 @@ from typing import Mapping
 from ..dtypes import LowType
 from .fit import misfit
 from .plan import Category, Decision, Precision, PrecisionPlan, Source
-from .policy import DIVISION, JOIN
+from .policy import DIVISION, JOIN, LAYOUT
 from .view import GraphView, OpView
 
 _CATEGORY_PRECISION = {
@@ -66,12 +68,16 @@ def paint(
     denied: dict[str, str] = {}  # value -> name of the range-caused fp32 node it descends from
     too_big = {w: m for w, m in view.weights.items() if m > low.max}
     produced: dict[str, Precision] = {}
+    reshaped: dict[str, str] = {}  # value -> the weight it holds, reshaped by weight-only layout ops (rule 6)
 
     for node in view.nodes:
         decision = given.get(node.name) or _fixed(node, low, too_big)
         if decision is None:
-            decision = _follow(node, view, low, produced, denied)
+            decision = _follow(node, view, low, produced, denied, reshaped)
         plan[node.name] = decision
+        held = {_weight_of(v, view, reshaped) for v in node.inputs} - {None}
+        if decision.evidence.get("weights_only") and LAYOUT in node.facts and len(held) == 1:
+            reshaped.update({value: next(iter(held)) for value in node.outputs})
         # fp32-accumulating ops output fp32; ops without float work leave their (fp32) values as they are
         out_precision = Precision.LOW if decision.precision is Precision.LOW else Precision.FP32
         for value in node.outputs:
@@ -144,9 +150,15 @@ def _resolve_weight_only(view: GraphView, plan: PrecisionPlan, low: LowType, alw
             )
 
 
-def _unfit(node: OpView, view: GraphView, low: LowType) -> tuple[str, str, dict] | None:
-    """The first weight ``node`` reads that does not fit ``low``: (weight, why, evidence)."""
-    for weight in [v for v in node.inputs if v in view.weights]:
+def _weight_of(value: str, view: GraphView, reshaped: Mapping[str, str]) -> str | None:
+    """The weight ``value`` holds: itself, or the weight a weight-only layout op reshaped into it; else None."""
+    return value if value in view.weights else reshaped.get(value)
+
+
+def _unfit(node: OpView, view: GraphView, low: LowType, weights: list[str] | None = None
+           ) -> tuple[str, str, dict] | None:
+    """The first weight ``node`` reads (or of ``weights``) that does not fit ``low``: (weight, why, evidence)."""
+    for weight in weights if weights is not None else [v for v in node.inputs if v in view.weights]:
         why, evidence = misfit(view, weight, low, divides=DIVISION in node.facts)
         if why:
             return weight, why, evidence
@@ -193,6 +205,7 @@ def _follow(
     low: LowType,
     produced: Mapping[str, Precision],
     denied: Mapping[str, str],
+    reshaped: Mapping[str, str],
 ) -> Decision:
     """Rules 5-6 for a FOLLOW op."""
     origins = [denied[v] for v in node.inputs if v in denied]
@@ -204,7 +217,7 @@ def _follow(
             {"origin": origins[0]},
         )
     # graph inputs, and values computed from weights alone until rule 7 resolves them, are fp32
-    activations = {produced.get(v, Precision.FP32) for v in node.inputs if v not in view.weights}
+    activations = {produced.get(v, Precision.FP32) for v in node.inputs if _weight_of(v, view, reshaped) is None}
     if node.inputs and not activations:
         # provisional: resolved from the consumers once the whole graph is painted (rule 7)
         return Decision(Precision.FP32, "reads weights only", Source.PAINTING, {"weights_only": True})
@@ -213,14 +226,14 @@ def _follow(
         return Decision(Precision.FP32, f"{why}; runs fp32 ({node.reason})", Source.PAINTING)
     if not activations:
         return Decision(Precision.KEEP, "no floating-point input to follow", Source.PAINTING)
-    weights = [v for v in node.inputs if v in view.weights]
+    weights = [w for w in (_weight_of(v, view, reshaped) for v in node.inputs) if w is not None]
     if weights and JOIN in node.facts:
         return Decision(
             Precision.FP32,
             f"joins weight {weights[0]!r} to {low} inputs: its values become part of the result, which keeps "
             f"them in fp32 as type promotion would; runs fp32 ({node.reason})", Source.PAINTING,
         )
-    unfit = _unfit(node, view, low)
+    unfit = _unfit(node, view, low, weights)
     if unfit is not None:
         weight, why, evidence = unfit
         return Decision(

@@ -22,8 +22,9 @@ NORMALISATION = "normalisation"  # divides by a variance or norm computed from i
 REDUCTION = "reduction"  # sums or averages many terms into each result
 JOIN = "join"  # joins its inputs into one value (concatenation): a weight it reads becomes part of the result
 ADDITION = "addition"  # adds or subtracts its inputs: an input's error reaches the result scaled by its share
+LAYOUT = "layout"  # reshapes or reorders its input without selecting or changing a value: of a weight, a weight
 
-FACTS = frozenset({DIVISION, SINGULAR, POWER, NORMALISATION, REDUCTION, JOIN, ADDITION})
+FACTS = frozenset({DIVISION, SINGULAR, POWER, NORMALISATION, REDUCTION, JOIN, ADDITION, LAYOUT})
 
 
 @dataclass(frozen=True)

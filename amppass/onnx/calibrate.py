@@ -54,7 +54,7 @@ from ..targets.target import Target
 from . import runtime
 from .rewrite import all_names, unique_name
 from .simulate import rounding, simulate
-from .view import FLOAT, NodeRef, subgraphs
+from .view import FLOAT, NodeRef, all_nodes, subgraphs
 from .view import dims as value_dims
 from .weights import WeightStore, tensors
 
@@ -170,7 +170,11 @@ def calibrate(
                                   if v not in inputs))
     outputs = [o.name for o in graph.output]
     extra = [helper.make_tensor_value_info(v, types[v], None) for v in recorded if v not in outputs]
-    session = _session(model, store, extra)
+    try:
+        session = _session(model, store, extra)
+    except Exception as err:  # noqa: BLE001 - onnxruntime's own exception types: the file is the cause
+        raise CalibrationError(f"{store.where}: onnxruntime cannot load the float32 model to calibrate it "
+                               f"({first_line(err)}); check that the model runs in onnxruntime") from err
     first_names = list(dict.fromkeys(outputs + recorded))
     names = list(dict.fromkeys(outputs + [v for v in observed if v not in inputs]))
 
@@ -420,12 +424,16 @@ def _session(model: onnx.ModelProto, store: WeightStore, extra_outputs: Iterable
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     graph = model.graph
     main = {t.name for t in graph.initializer}
-    injected = [t for t in graph.initializer if external_data_helper.uses_external_data(t) and t.data_type in _INJECT]
+    # onnxruntime drops initializers no node reads (legal ONNX) before it takes external ones, and refuses
+    # an external one it no longer has: hand it only those read somewhere
+    read = {v for node in all_nodes(graph) for v in node.input} | {o.name for o in graph.output}
+    injected = [t for t in graph.initializer if external_data_helper.uses_external_data(t) and t.data_type in _INJECT
+                and t.name in read]
     arrays = [ort.OrtValue.ortvalue_from_numpy(np.asarray(store.array(t))) for t in injected]
     if injected:
         options.add_external_initializers([t.name for t in injected], arrays)
     inlined = [t for t in tensors(graph) if external_data_helper.uses_external_data(t)
-               and not (t.name in main and t.data_type in _INJECT)]
+               and not (t.name in main and t.data_type in _INJECT and t.name in read)]
     saved = [list(t.external_data) for t in inlined]
     ir_version, outputs = model.ir_version, len(graph.output)
     model.ir_version = min(ir_version, runtime.max_ir_version())

@@ -32,7 +32,7 @@ from . import save as saving
 from .calibrate import Fp32Model, calibrated_plan
 from .macs import is_heavy, node_macs, operands, value_shapes
 from .rewrite import META_KEY, RewriteStats, rewrite
-from .simplify import bypass_weight_identities
+from .simplify import bypass_weight_identities, initializers_out_of_inputs
 from .view import build_view, clear_value_info, name_nodes, opsets
 from .weights import WeightStore, tensors
 
@@ -173,6 +173,7 @@ def convert_skeleton(
         raise InputError(f"the model imports opset {versions[''] } but the installed onnxruntime loads at most "
                          f"{runtime.max_opset()}; re-export with opset <= {runtime.max_opset()}")
     name_nodes(work)
+    initializers_out_of_inputs(work)
     bypass_weight_identities(work)
     bytes_before = weight_bytes(work)
     typed = _infer(work, strict=True)

@@ -24,7 +24,8 @@ import onnx
 from onnx import TensorProto
 
 from ..analysis.plan import Category, Decision, Precision, Source
-from ..analysis.policy import ADDITION, DIVISION, JOIN, NORMALISATION, POWER, REDUCTION, SINGULAR, PolicyRow
+from ..analysis.policy import (ADDITION, DIVISION, JOIN, LAYOUT, NORMALISATION, POWER, REDUCTION, SINGULAR,
+                               PolicyRow)
 from ..targets.target import Kernels, Target
 
 
@@ -64,8 +65,11 @@ POLICY: tuple[PolicyRow, ...] = (
               ("Tan", "Acos", "Asin", "Cosh", "Sinh", "Atanh", "Acosh", "Asinh")),
     PolicyRow(Category.FP32, "loss: log, exp and long sums; kept in fp32",
               ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")),
+    PolicyRow(Category.FP32, "affine grid: its outputs are sampling coordinates ([-1, 1] spans the image) that "
+              "GridSample interpolates at; fp16 rounds them to 2**-11 of their size (4e-3 on the ONNX suite's "
+              "grids, which reach 10: two pixels of a 1000-pixel side); computed in fp32", ("AffineGrid",)),
     PolicyRow(Category.FP32, "resampling: interpolation weights and coordinates need fp32",
-              ("Resize", "Upsample", "GridSample", "AffineGrid", "RoiAlign"),
+              ("Resize", "Upsample", "GridSample", "RoiAlign"),
               slots={"roi": "keep", "scales": "keep", "sizes": "keep", "rois": "keep", "batch_indices": "keep"}),
     PolicyRow(Category.FP32, "box selection: coordinates and IoU thresholds need fp32", ("NonMaxSuppression",),
               slots={"max_output_boxes_per_class": "keep", "iou_threshold": "keep", "score_threshold": "keep"}),
@@ -81,7 +85,7 @@ POLICY: tuple[PolicyRow, ...] = (
               ("QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "QLinearConv", "QLinearMatMul",
                "MatMulInteger", "ConvInteger")),
     PolicyRow(Category.KEEP, "control flow: values cross the subgraph boundary in fp32; the body's nodes are "
-              "planned one by one", ("If", "Loop", "Scan")),
+              "planned one by one", ("If", "Loop", "Scan", "SequenceMap")),
     PolicyRow(Category.KEEP, "sequence or optional container: holds tensors as the model wrote them; values go in "
               "and come out in fp32", ("SequenceConstruct", "SequenceAt", "SequenceInsert", "SequenceErase",
                                        "SequenceEmpty", "SequenceLength", "SplitToSequence", "ConcatFromSequence",
@@ -99,12 +103,16 @@ POLICY: tuple[PolicyRow, ...] = (
               facts=frozenset({JOIN})),
     PolicyRow(Category.FOLLOW, "addition: runs in the precision of its inputs", ("Add", "Sub", "Sum"),
               facts=frozenset({ADDITION})),
+    PolicyRow(Category.FOLLOW, "data movement: runs in the precision of its input (of a weight, it is the weight "
+              "reshaped, stored low where its readers run low)",
+              ("Identity", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten"),
+              slots={"shape": "keep", "axes": "keep"}, facts=frozenset({LAYOUT})),
     PolicyRow(Category.FOLLOW, "elementwise or data movement: runs in the precision of its inputs",
               ("Mul", "Neg", "Abs", "Relu", "LeakyRelu", "PRelu", "Elu", "Selu", "Celu",
                "Gelu", "HardSigmoid", "HardSwish", "Mish", "Sigmoid", "Tanh", "Softplus", "Softsign", "Sqrt",
                "Sin", "Cos", "Atan", "Erf", "Sign", "Floor", "Ceil", "Round", "Max", "Min", "Mean",
-               "Clip", "Where", "Dropout", "Identity", "Reshape", "Transpose", "Squeeze", "Unsqueeze",
-               "Flatten", "Split", "Slice", "Gather", "GatherElements", "GatherND", "Scatter",
+               "Clip", "Where", "Dropout",
+               "Split", "Slice", "Gather", "GatherElements", "GatherND", "Scatter",
                "ScatterElements", "ScatterND", "Expand", "Tile", "Pad", "DepthToSpace", "SpaceToDepth",
                "MaxPool", "GlobalMaxPool", "ReduceMax", "ReduceMin",
                "ArgMax", "ArgMin", "TopK", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual",
@@ -205,11 +213,22 @@ def input_names(domain: str, op_type: str, opset: int, count: int) -> list[str]:
     return (names + [names[-1]] * count)[:count]
 
 
+def kernel_attributes(node: onnx.NodeProto, target: Target) -> tuple[tuple[str, str], ...]:
+    """The ``(name, value)`` attributes of ``node`` that the target's kernel conditions read (ScatterND's
+    reduction), for :func:`classify`; empty for almost every node, which keeps its cache small."""
+    names = target.conditions.attributes(node.domain, node.op_type)
+    if not names:
+        return ()
+    found = [(a.name, onnx.helper.get_attribute_value(a)) for a in node.attribute if a.name in names]
+    return tuple(sorted((name, value.decode() if isinstance(value, bytes) else str(value)) for name, value in found))
+
+
 @functools.lru_cache(maxsize=None)
 def classify(domain: str, op_type: str, opset: int, input_count: int, target: Target,
-             training: bool = False) -> Classification:
+             training: bool = False, attributes: tuple[tuple[str, str], ...] = ()) -> Classification:
     """Category, reason and slot exceptions of one node for ``target`` (its low dtype and kernels);
-    ``training`` for a node in its training form (:func:`in_training`).
+    ``training`` for a node in its training form (:func:`in_training`); ``attributes`` those of
+    :func:`kernel_attributes`.
 
     Cached: a graph repeats a few dozen op forms thousands of times, and targets are shared objects.
     ``evidence`` is read-only.
@@ -227,7 +246,8 @@ def classify(domain: str, op_type: str, opset: int, input_count: int, target: Ta
         category, reason, unknown, facts = row.category, row.reason, False, row.facts
     evidence: dict = {}
     # checked for fp32 ops too: a user's force_low must not put them where the target cannot run them
-    blocked = _low_blocked(domain, op_type, opset, target, kept, input_count) if category is not Category.KEEP else ""
+    blocked = _low_blocked(domain, op_type, opset, target, kept, input_count, attributes) \
+        if category is not Category.KEEP else ""
     if category in (Category.LOW, Category.FOLLOW):
         if blocked:
             return Classification(Category.FP32, blocked, unknown, kept, MappingProxyType({"no_low_kernel": True}),
@@ -237,8 +257,10 @@ def classify(domain: str, op_type: str, opset: int, input_count: int, target: Ta
     return Classification(category, reason, unknown, kept, MappingProxyType(evidence), blocked, facts)
 
 
-def _low_blocked(domain: str, op_type: str, opset: int, target: Target, kept: frozenset[int], count: int) -> str:
-    """Why ``op_type`` cannot run in the target's low dtype (schema or kernels), or "" when it can."""
+def _low_blocked(domain: str, op_type: str, opset: int, target: Target, kept: frozenset[int], count: int,
+                 attributes: tuple[tuple[str, str], ...]) -> str:
+    """Why ``op_type`` cannot run in the target's low dtype (schema, kernels or their attribute conditions),
+    or "" when it can."""
     low = target.low
     schema = _schema(domain, op_type, opset)
     if schema is not None:
@@ -252,6 +274,9 @@ def _low_blocked(domain: str, op_type: str, opset: int, target: Target, kept: fr
             types = allowed.get(type_str, {type_str})
             if "tensor(float)" in types and wanted not in types:
                 return f"the ONNX schema of {op_type} (opset {opset}) does not allow {low} inputs; kept fp32"
+    refused = target.conditions.refusal(domain, op_type, opset, low.onnx, attributes)
+    if refused:
+        return f"{target.runtime} has no {low} kernel for {op_type} {refused}; kept fp32"
     if target.kernels.status(domain, op_type, opset, low.onnx) == "none":
         around = " and does not cast around it" if target.name == "cpu" else ""
         return f"{target.runtime} has no {low} kernel for {op_type} (opset {opset}){around}; kept fp32"

@@ -5,7 +5,7 @@ Rules:
 1. Casts sit on edges, one per (value, dtype) in the whole model, placed in the graph that defines the
    value, right before the first reader that needs it; a body reading an outer value (a capture) shares
    the outer cast.
-2. Weights (float32 initializers and Constant nodes) are converted once, through the
+2. Weights (float32 initializers, Constant nodes and ConstantOfShape fills) are converted once, through the
    :class:`~amppass.onnx.weights.WeightStore` that holds their payloads: in place when every reader runs
    low, as a low-precision copy beside the fp32 original when readers of both kinds share them. fp16
    values beyond 65504 are clamped and listed in the stats, never silently.
@@ -31,7 +31,7 @@ from onnx import TensorProto, helper
 
 from ..analysis.plan import Decision, PrecisionPlan, Precision
 from ..dtypes import FP16_MAX, LowType
-from .view import FLOAT, NodeRef, constant_tensor, subgraphs
+from .view import FLOAT, NodeRef, subgraphs, weight_tensor
 from .weights import WeightStore
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,8 @@ class _Rewriter:
     def _wanted(self, node: onnx.NodeProto, position: int) -> int | None:
         """The dtype input ``position`` of ``node`` is read in, or None when it is fed unchanged."""
         ref = self.refs.get(node.name)
+        if ref is not None and position in ref.kept_fp32:
+            return FLOAT
         if ref is None or position not in ref.planned:
             return None
         low = self.plan[node.name].precision is Precision.LOW
@@ -131,14 +133,15 @@ class _Rewriter:
             self._close(scope)
 
     def _node(self, scope: _Scope, node: onnx.NodeProto, pinned: set[str]) -> None:
-        tensor = constant_tensor(node) if node.op_type == "Constant" else None
+        tensor = weight_tensor(node)
         if tensor is not None and node.output[0] in self.weights:
             scope.nodes.append(node)
             copy = self._convert_weight(node.output[0], tensor)
             self._define(scope, node.output[0], self.dtype.get(node.output[0], tensor.data_type))
-            if copy is not None:
-                scope.nodes.append(helper.make_node("Constant", [], [copy.name], name=self._node_name(
-                    f"{node.name}_{SHORT[self.low]}"), value=copy))
+            if copy is not None:  # the same node writing the low copy (a ConstantOfShape reads the same shape)
+                scope.nodes.append(helper.make_node(node.op_type, list(node.input), [copy.name],
+                                                    name=self._node_name(f"{node.name}_{SHORT[self.low]}"),
+                                                    value=copy))
                 self._define(scope, copy.name, self.low)
                 self.cache[(node.output[0], self.low)] = copy.name
             return

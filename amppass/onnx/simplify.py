@@ -6,6 +6,12 @@ shared parameters through ``Identity`` nodes: a BatchNorm's scale, bias, mean an
 op mixes an fp32 value with its low-precision input and runs fp32, with a Cast on each side. Readers of
 such an Identity read the weight itself instead, and the Identity goes: the weight rules then decide (a
 weight that fits the low dtype is stored low once), as for the same model exported with folding.
+
+Models of IR version 3 (opset 8 and older exporters, the ONNX suite's light nets) must list every initializer
+among the graph inputs; there it is a constant all the same. The converted model is written at IR version 10,
+where an initializer listed as an input is only a default the caller may override, and the plan treats such
+inputs as fp32 values: the copy drops them from the inputs, so they stay the constants they were and are
+weights to the plan.
 """
 
 from __future__ import annotations
@@ -36,6 +42,26 @@ def bypass_weight_identities(model: onnx.ModelProto) -> int:
     replace_nodes(graph, [n for n in graph.node
                           if not (n.op_type == "Identity" and n.output and n.output[0] in alias)])
     return len(alias)
+
+
+def initializers_out_of_inputs(model: onnx.ModelProto) -> int:
+    """Drop the initializers of an IR-version-3 ``model``'s main graph from its inputs and make it IR version 4,
+    the first that allows this (module docstring); the number dropped. Later IR versions keep them: there
+    they are overridable inputs."""
+    if model.ir_version >= 4:
+        return 0
+    model.ir_version = 4
+    graph = model.graph
+    constants = {t.name for t in graph.initializer}
+    inputs = [i for i in graph.input if i.name not in constants]
+    dropped = len(graph.input) - len(inputs)
+    if dropped:
+        kept = [onnx.ValueInfoProto() for _ in inputs]
+        for copy, info in zip(kept, inputs):
+            copy.CopyFrom(info)
+        del graph.input[:]
+        graph.input.extend(kept)
+    return dropped
 
 
 def _read_in_subgraphs(graph: onnx.GraphProto) -> set[str]:

@@ -1,7 +1,9 @@
 """Build the neutral :class:`GraphView` of an ONNX model, subgraphs included.
 
-Value types come from ``onnx.shape_inference``; only float32 values are planned. Float32 initializers and
-``Constant`` nodes are weights (stored in low precision ahead of time where their readers run low);
+Value types come from ``onnx.shape_inference``; only float32 values are planned. Float32 initializers,
+``Constant`` nodes and ``ConstantOfShape`` fills (a float32 ``value`` repeated to a shape: exporters make
+zeros, masks and the ONNX suite's light nets their weights so) are weights (stored in low precision ahead of
+time where their readers run low);
 graph inputs and the formal inputs of If/Loop/Scan bodies are fixed fp32. A body's nodes come before the
 control node that owns them, so painting sees the outer values they capture already decided.
 """
@@ -21,6 +23,7 @@ from . import policy
 
 FLOAT = TensorProto.FLOAT
 _ANY_FLOAT_TYPE = frozenset({"Shape", "Size"})
+_READS_BITS = frozenset({"BitCast"})  # typed by an attribute, but its input's width sets the result
 
 
 @dataclass
@@ -31,6 +34,9 @@ class NodeRef:
     planned: list[int]  # input positions holding float32 values the plan may cast
     # facts the policy found (no low kernel, custom op), reported; the policy's cached, read-only mapping
     evidence: Mapping[str, Any] = field(default_factory=dict)
+    # input positions the policy keeps as the model wrote them (Resize's scales, NonMaxSuppression's
+    # thresholds) that hold float32 values: read in fp32 even where their producer runs low
+    kept_fp32: list[int] = field(default_factory=list)
 
 
 def subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
@@ -125,6 +131,15 @@ def constant_tensor(node: onnx.NodeProto) -> onnx.TensorProto | None:
     return None
 
 
+def weight_tensor(node: onnx.NodeProto) -> onnx.TensorProto | None:
+    """The float32 tensor a ``Constant`` node writes, or a ``ConstantOfShape`` node fills its output with;
+    None for any other node (module docstring)."""
+    if node.op_type not in ("Constant", "ConstantOfShape") or node.domain not in ("", "ai.onnx"):
+        return None
+    tensor = constant_tensor(node)
+    return tensor if tensor is not None and tensor.data_type == FLOAT else None
+
+
 def dims(info: onnx.ValueInfoProto) -> list[int | None]:
     """The dimensions of a tensor value: fixed sizes, None for symbolic ones and for negative ones (Paddle and
     some TF exports write ``dim_value: -1`` for a dynamic dimension)."""
@@ -160,8 +175,8 @@ def build_view(
                 view.weights[init.name] = absmax(init) if absmax else 0.0
                 held[init.name] = init
         for node in graph.node:
-            tensor = constant_tensor(node) if node.op_type == "Constant" else None
-            if tensor is not None and tensor.data_type == FLOAT:
+            tensor = weight_tensor(node)
+            if tensor is not None:
                 view.weights[node.output[0]] = absmax(tensor) if absmax else 0.0
                 held[node.output[0]] = tensor
                 continue
@@ -176,13 +191,20 @@ def build_view(
     return view, refs, types
 
 
+def _float_tensor_attributes(node: onnx.NodeProto) -> list[str]:
+    """Names of ``node``'s float32 tensor attributes (TreeEnsemble's split values, say)."""
+    return [a.name for a in node.attribute if a.type == onnx.AttributeProto.TENSOR and a.t.data_type == FLOAT]
+
+
 def _op_view(node: onnx.NodeProto, types: dict[str, int], versions: dict[str, int], target: Target,
              refs: dict[str, NodeRef]) -> OpView:
     domain = "" if node.domain == "ai.onnx" else node.domain
     opset = versions.get(domain, 1)
-    found = policy.classify(domain, node.op_type, opset, len(node.input), target, policy.in_training(node))
+    found = policy.classify(domain, node.op_type, opset, len(node.input), target, policy.in_training(node),
+                            policy.kernel_attributes(node, target))
     category, reason = found.category, found.reason
     planned = [i for i, v in enumerate(node.input) if v and types.get(v) == FLOAT and i not in found.kept_slots]
+    kept_fp32 = [i for i, v in enumerate(node.input) if v and types.get(v) == FLOAT and i in found.kept_slots]
     outputs = [v for v in node.output if v and types.get(v) == FLOAT]
     typed_by_attribute = [a for a in node.attribute if a.name in ("to", "dtype")]
     if node.op_type == "Cast" and typed_by_attribute and typed_by_attribute[0].i != FLOAT:
@@ -195,6 +217,10 @@ def _op_view(node: onnx.NodeProto, types: dict[str, int], versions: dict[str, in
     elif category is not Category.KEEP and any(v and v not in types for v in node.output) and not list(
             subgraphs(node)):
         category, reason = Category.FP32, "onnx shape inference could not type its outputs; kept fp32"
+    elif category is not Category.KEEP and _float_tensor_attributes(node):
+        category, reason = Category.FP32, (
+            f"holds float32 tensors in its attributes ({', '.join(_float_tensor_attributes(node))}), which ONNX "
+            "types like its inputs; kept fp32")
     if category is Category.KEEP or (not planned and (category is not Category.FP32 or not outputs)):
         planned_view: list[str] = []
         if category is not Category.KEEP:
@@ -202,9 +228,10 @@ def _op_view(node: onnx.NodeProto, types: dict[str, int], versions: dict[str, in
                 "creates fp32 values at run time; kept as they are" if outputs else "no fp32 tensors in or out")
     else:
         planned_view = list(dict.fromkeys(node.input[i] for i in planned))
-    if category is Category.KEEP and (node.op_type in _ANY_FLOAT_TYPE or typed_by_attribute):
-        planned = []  # reads any float type as it is; other KEEP ops (If/Loop/Scan, Range) read fp32
-    refs[node.name] = NodeRef(node, planned, found.evidence)
+    if category is Category.KEEP and (node.op_type in _ANY_FLOAT_TYPE or (
+            typed_by_attribute and node.op_type not in _READS_BITS)):
+        planned = []  # reads any float type as it is; other KEEP ops (If/Loop/Scan, Range, BitCast) read fp32
+    refs[node.name] = NodeRef(node, planned, found.evidence, kept_fp32)
     return OpView(
         name=node.name,
         op=node.op_type if not domain else f"{domain}.{node.op_type}",

@@ -6,6 +6,11 @@ cannot load, so their kernel facts travel as data: ``data/*.json``, made by ``sc
 from the support matrices each project publishes (onnxruntime's ``docs/OperatorKernels.md``,
 onnx-tensorrt's ``docs/operators.md``). Every table names its source: repository, file, version,
 commit and date. Only float types are recorded (float, float16, bfloat16, double).
+
+A registry says which types an op's kernel takes, not which attribute values it takes them with:
+onnxruntime's CPU provider registers ScatterND for float16, loads the model, and raises at the first run when
+``reduction='add'``. Such :class:`Condition` facts travel as data too (``data/*_conditions.json``, read from
+the kernel sources each entry names) and :class:`KernelConditions` applies them per node.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ TABLES = MappingProxyType({
     "onnxruntime-cuda": "onnxruntime_cuda.json",
     "tensorrt": "tensorrt.json",
 })
+
+CONDITIONS = MappingProxyType({"onnxruntime-cpu": "onnxruntime_cpu_conditions.json"})
 
 TYPE_NAMES = MappingProxyType({
     TensorProto.FLOAT: "float",
@@ -72,19 +79,74 @@ class KernelTable:
         return tuple(sorted(self.spans))
 
 
+@dataclass(frozen=True)
+class Condition:
+    """A kernel that takes ``types`` except when ``attribute`` holds one of ``values`` (opset ``since`` on)."""
+
+    domain: str
+    op: str
+    since: int
+    attribute: str
+    values: frozenset[str]
+    types: frozenset[str]
+    source: str  # the kernel source file and what in it refuses
+
+    def describe(self, value: str) -> str:
+        """The fact, for a reason string: "with reduction='add' (its kernel raises at run time: <source>)"."""
+        return f"with {self.attribute}={value!r} (its kernel raises at run time: {self.source})"
+
+
+@dataclass(frozen=True, eq=False)
+class KernelConditions:
+    """The :class:`Condition` facts of one provider, looked up per node."""
+
+    provider: str
+    conditions: tuple[Condition, ...] = ()
+
+    def attributes(self, domain: str, op: str) -> frozenset[str]:
+        """The attribute names some condition on ``op`` reads (empty for most ops)."""
+        return frozenset(c.attribute for c in self.conditions if (c.domain, c.op) == (_domain(domain), op))
+
+    def refusal(self, domain: str, op: str, opset: int, elem_type: int,
+                attributes: tuple[tuple[str, str], ...]) -> str:
+        """Why the provider refuses ``op`` on ``elem_type`` with these ``(name, value)`` attributes, or ""."""
+        given = dict(attributes)
+        for c in self.conditions:
+            if ((c.domain, c.op) == (_domain(domain), op) and opset >= c.since and TYPE_NAMES.get(elem_type) in c.types
+                    and given.get(c.attribute) in c.values):
+                return c.describe(given[c.attribute])
+        return ""
+
+
+NO_CONDITIONS = KernelConditions("none")
+
+
+@functools.lru_cache(maxsize=None)
+def load_conditions(name: str) -> KernelConditions:
+    """The :class:`KernelConditions` of table ``name`` (a key of :data:`CONDITIONS`), read once per process."""
+    data = _read(name, CONDITIONS, "kernel conditions")
+    found = tuple(Condition(_domain(c["domain"]), c["op"], c["since"], c["attribute"], frozenset(c["values"]),
+                            frozenset(c["types"]), c["source"]) for c in data["conditions"])
+    return KernelConditions(data["provider"], found)
+
+
 @functools.lru_cache(maxsize=None)
 def load(name: str) -> KernelTable:
     """The kernel table called ``name`` (a key of :data:`TABLES`), read once per process."""
-    if name not in TABLES:
-        raise InputError(f"no kernel table named {name!r}; choose one of: {', '.join(TABLES)}")
-    text = resources.files(__package__).joinpath("data", TABLES[name]).read_text(encoding="utf-8")
-    data = json.loads(text)
+    data = _read(name, TABLES, "kernel table")
     spans = {
         (_domain(domain), op): tuple((since, until, frozenset(types)) for since, until, types in rows)
         for domain, ops in data["ops"].items()
         for op, rows in ops.items()
     }
     return KernelTable(data["provider"], MappingProxyType(data["source"]), MappingProxyType(spans))
+
+
+def _read(name: str, files: Mapping[str, str], what: str) -> dict:
+    """The packaged JSON file ``files[name]``; an unknown ``name`` is an InputError listing the known ones."""
+    if name not in files:
+        raise InputError(f"no {what} named {name!r}; choose one of: {', '.join(files)}")
+    return json.loads(resources.files(__package__).joinpath("data", files[name]).read_text(encoding="utf-8"))
 
 
 def _domain(domain: str) -> str:

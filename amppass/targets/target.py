@@ -6,6 +6,9 @@ A :class:`Target` carries everything about the deployment that changes a plan:
 - ``kernels`` (ONNX): which ops the runtime runs in the low dtype. For ``"cpu"`` that is the installed
   onnxruntime's own CPU kernel registry, asked at run time; for ``"cuda"`` and ``"tensorrt"``, machines
   this one usually cannot load, the static tables of :mod:`amppass.targets.kernels`, each naming its source.
+- ``conditions`` (ONNX): attribute values a registered kernel refuses at run time (the CPU provider's
+  ScatterND with ``reduction='add'`` in fp16), read from the kernel sources; none are recorded for the GPU
+  providers.
   TensorRT's ONNX runtime provider hands what TensorRT does not support to the CUDA provider, so the
   TensorRT target falls back to the CUDA table for those ops.
 - ``judge``: how the tolerance search measures a candidate's error. Where this machine runs the target it
@@ -33,7 +36,7 @@ import torch
 
 from ..dtypes import LowType, low_type
 from ..errors import InputError
-from .kernels import KernelTable, load
+from .kernels import NO_CONDITIONS, KernelConditions, KernelTable, load, load_conditions
 
 ONNX_TARGETS = ("cpu", "cuda", "tensorrt")
 TORCH_TARGETS = ("cpu", "cuda")
@@ -59,6 +62,7 @@ class Target:
     runtime: str  # what runs the model: "torch", "onnxruntime CPUExecutionProvider", ...
     judge: str  # "runtime" or "simulation"
     kernels: Kernels | None = None  # ONNX only
+    conditions: KernelConditions = NO_CONDITIONS  # ONNX: attribute values its kernels refuse at run time
     profitable: bool = False  # torch on this machine's device: profitability measured
     slow_low: frozenset[str] = frozenset()  # torch: ATen packets without a fast low-precision kernel
 
@@ -130,7 +134,8 @@ def onnx_target(name: str = "cpu", dtype: object = "fp16") -> Target:
     name = _checked(name, ONNX_TARGETS, "convert_onnx")
     low = low_type("fp16" if isinstance(dtype, str) and dtype.strip().lower() == "auto" else dtype)
     if name == "cpu":
-        return Target("cpu", "onnx", low, "onnxruntime CPUExecutionProvider", "runtime", _LiveCpu())
+        return Target("cpu", "onnx", low, "onnxruntime CPUExecutionProvider", "runtime", _LiveCpu(),
+                      conditions=load_conditions("onnxruntime-cpu"))
     if name == "cuda":
         return Target("cuda", "onnx", low, "onnxruntime CUDAExecutionProvider", "simulation",
                       _Table(load("onnxruntime-cuda")))
