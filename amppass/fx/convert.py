@@ -295,15 +295,32 @@ def _profitability(gm: fx.GraphModule, view: GraphView, target: Target, given: d
     start = time.perf_counter()
     args, kwargs = example
     flat = flatten_inputs(gm, split_batch(args)[0] if args is not None else (), kwargs, index=0)
-    model = CostModel(costs)
-    plan = paint(view, target.low, given, low_weight_tables=low_weight_tables)
     device = next((t.device for t in gm.parameters()), torch.device(target.name))
-    decided = profit.decide(gm, view, plan, target.low, flat, given, model, keep_io_types, device)
-    regions = len({d.evidence.get("fp32_us") for d in decided.values()})
+    facts = profit.DeviceFacts(device, target.low)
+    model = CostModel(costs, facts.cache)
+    plan = paint(view, target.low, given, low_weight_tables=low_weight_tables)
+    decided, regions = profit.decide(gm, view, plan, target.low, flat, given, model, keep_io_types, facts)
+    timing = {source: sum(r["timing"] == source for r in regions) for source in (*profit.SOURCES, "device")}
+    timing = {source: count for source, count in timing.items() if count}
+    if timing.get("device"):
+        _say_once(f"profitability: {facts.native.reason}; every region runs fp32 without timing "
+                  "(plan_for='coverage' converts it anyway)")
     seconds = time.perf_counter() - start
-    log.info("profitability: %d region(s) kept fp32, %d timings, %.2f s", regions, len(model.used), seconds)
-    return decided, {"costs": model.table(), "profitability": {"regions_fp32": regions, "nodes_fp32": len(decided),
-                                                             "seconds": round(seconds, 3)}}
+    fp32 = sum(r["runs"] == "fp32" for r in regions)
+    log.info("profitability: %d of %d region(s) kept fp32 (%s), %d timings, %.2f s", fp32, len(regions),
+             ", ".join(f"{n} {s}" for s, n in timing.items()) or "none", len(model.used), seconds)
+    return decided, {"costs": model.table(), "profitability": {
+        "regions_fp32": fp32, "nodes_fp32": len(decided), "seconds": round(seconds, 3), "timing": timing,
+        "device": facts.describe(), "regions": regions}}
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    """Log ``message`` as a warning the first time in this process, at debug level after that."""
+    log.log(logging.DEBUG if message in _SAID else logging.WARNING, message)
+    _SAID.add(message)
 
 
 def _unchanged(model: nn.Module, info: dict, dtype: Any, mode: str) -> nn.Module:

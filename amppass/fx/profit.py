@@ -1,38 +1,57 @@
 """Profitability: run a part of the plan in low precision only where that is faster on the target device.
 
 Low-precision kernels are not always faster. On CPUs without AMX, oneDNN's bf16 depthwise and grouped
-convolutions are slower than fp32; small matrix products gain nothing and pay for the casts around them.
-So after painting, the plan is checked against measurements on this machine's device:
+convolutions are slower than fp32; small matrix products gain nothing and pay for the casts around them;
+a CPU without native bf16/fp16 instructions runs every low-precision kernel several times slower. So after
+painting, the plan is checked against the target device:
 
 1. Regions: the nodes painted low form connected regions (two low nodes are in one region when one reads
    the other's output). A region runs low or fp32 as a whole, so the casts it needs are exactly those on
    its boundary: an fp32 value read by a region node (a graph input, an fp32 op's output) is cast down
    once, a region value read outside the region in fp32 (or returned, with ``keep_io_types``) is cast up
    once. Weights are converted ahead of time in inference and cost nothing per call.
-2. Costs: each region node is timed in fp32 and in the low dtype on inputs of the shapes the example
-   inputs give it (:class:`CostModel`, cached per process and device under a key of op, shapes, dtypes
-   and arguments); each boundary cast is timed the same way. A time is the fastest of several samples:
-   other load only ever adds time (on a busy 2-core machine a multi-threaded kernel whose worker is
-   descheduled waits a whole time slice), so the fastest sample is the kernel's own cost.
+2. Costs: every region node has a time in fp32 and in the low dtype, every boundary cast a time, on
+   inputs of the shapes the example inputs give it, under a key of op, shapes, dtypes and arguments
+   (:class:`CostModel`). A region's times come from the first of these that has them all, and the report
+   names it for every region (``info["profitability"]["regions"]``, and the reason of each fp32 decision):
+
+   - ``table``: the cost table passed as ``costs=`` (a converted model's ``info["costs"]``);
+   - ``device``: the device has no native arithmetic for the low dtype (:func:`amppass.fx.device.native_low`):
+     nothing can win there, so the region runs fp32 without timing a kernel;
+   - ``cached``: the device's timing cache (:mod:`amppass.fx.timing_cache`, kept across processes) or an
+     earlier conversion in this process;
+   - ``measured``: the region's kernels timed now, fp32 and low variants in interleaved rounds
+     (:func:`amppass.fx.measure.interleaved`), so that load on the machine hits both sides alike. Each
+     kernel's time is its median over the rounds, the low side scaled so that the region's ratio is the
+     median of the rounds' ratios. The measurement counts only if those ratios agree (their spread at most
+     :data:`SPREAD_LIMIT`) or all lie far on one side; trusted times are stored in the timing cache;
+   - ``prior``: the spread says the machine is too busy to tell: the times are estimated from the device's
+     roofline (:mod:`amppass.fx.prior`), the region decided on them, and nothing is cached.
+
+   Where some of a region's keys are known and others are not, the new times are scaled so that the
+   known ones agree with them (a busy machine's times are slower, not different in ratio).
 3. Decision: a region stays low when its low kernels plus its casts take at most ``1 - MARGIN`` of its fp32
-   time; otherwise every LOW-category node in it gets an fp32 decision whose reason gives both times, and
-   painting then runs the region's element-wise ops fp32 too. The margin keeps timing noise on a shared
-   machine from flipping near-even regions, and a near-even region runs fp32: never slower than fp32.
+   time; otherwise every LOW-category node in it gets an fp32 decision whose reason gives both times and
+   their source, and painting then runs the region's element-wise ops fp32 too. The margin keeps timing
+   noise from flipping near-even regions, and a near-even region runs fp32: never slower than fp32. The
+   decision is made from the recorded (rounded) table, so the table alone reproduces it.
 
 4. Whole model (:func:`whole_model`, used by :func:`amppass.convert`): the converted graph against the original
    module in fp32; where the original is faster, it is kept (:mod:`amppass.fx.kept`). That throws the whole
    plan away, so it is done only on a quiet machine (:func:`busy`) or from a saved table.
 
-The measured table is stored in the converted model's metadata (``info["costs"]``); passing it back as
-``costs=`` makes a conversion reuse those times instead of measuring, so a plan is reproducible across
-processes and machines.
+The table of every time used is stored in the converted model's metadata (``info["costs"]``); passing it
+back as ``costs=`` makes a conversion reuse those times instead of measuring, so a plan is reproducible
+across processes and machines.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -44,14 +63,21 @@ from torch.utils import _pytree as pytree
 from ..analysis.plan import Category, Decision, Precision, PrecisionPlan, Source
 from ..analysis.view import GraphView
 from ..dtypes import LowType
+from ..report.flops import node_macs
+from . import device as device_facts
+from .measure import interleaved, probe, spread
 from .ops import display_name
+from .prior import Prior
+from .timing_cache import TimingCache
 from .view import fetch_attr
 
 log = logging.getLogger(__name__)
 
 MARGIN = 0.05  # a low region must save at least this share of its fp32 time
-_SAMPLES = 7  # timed samples per variant (the fastest counts)
-_SAMPLE_SECONDS = 2e-4  # calls are batched until one sample takes about this long
+ROUNDS = 9  # interleaved rounds per region measurement
+SPREAD_LIMIT = 0.25  # the interquartile range of a region's round ratios, over their median, it may have
+CLEAR = (0.3, 3.0)  # round ratios all below / all above these: clear-cut after three rounds
+SOURCES = ("table", "cached", "measured", "prior")  # rule 2, in increasing order of doubt
 
 
 @dataclass(frozen=True)
@@ -64,31 +90,92 @@ class Region:
 
 
 class CostModel:
-    """Measured times of ops on this process's device, cached under keys that name op, shapes and dtypes.
+    """Times of ops on one device, each with where it came from (module docstring, rule 2).
 
-    ``known`` (a table from a converted model's metadata) is consulted first and never re-measured.
-    """
+    ``known`` (a table from a converted model's metadata) is consulted first, then ``cache`` (the device's
+    :class:`~amppass.fx.timing_cache.TimingCache`) and the times measured earlier in this process."""
 
-    _cache: dict[str, float] = {}  # per process: the same op on the same shapes is timed once
+    _memory: dict[str, dict[str, float]] = {}  # per process, per device fingerprint: times measured here
 
-    def __init__(self, known: Mapping[str, float] | None = None):
+    def __init__(self, known: Mapping[str, float] | None = None, cache: TimingCache | None = None):
         self.known = dict(known or {})
+        self.cache = cache
+        self.memory = CostModel._memory.setdefault(device_facts.digest(cache.fingerprint), {}) if cache else {}
         self.used: dict[str, float] = {}
+        self.sources: dict[str, str] = {}
+        self.fresh: dict[str, float] = {}  # measured now and trusted: for the caches
 
-    def time(self, key: str, call: Callable[[], Any]) -> float:
-        """Seconds one ``call()`` takes (the fastest of several samples), measured once per key."""
-        if key in self.known:
-            seconds = float(self.known[key])
-        elif key in CostModel._cache:
-            seconds = CostModel._cache[key]
-        else:
-            seconds = CostModel._cache[key] = _measure(call)
-        self.used[key] = seconds
-        return seconds
+    def lookup(self, key: str) -> float | None:
+        """The time of ``key`` from the table or a cache (recorded as used), or None."""
+        if key not in self.used:
+            stored = self.cache.entries if self.cache is not None else {}
+            for source, table in (("table", self.known), ("cached", stored), ("cached", self.memory)):
+                if key in table:
+                    self.record(key, table[key], source)
+                    break
+            else:
+                return None
+        return self.used[key]
+
+    def record(self, key: str, seconds: float, source: str) -> None:
+        """Use ``seconds`` for ``key`` from now on; a measured time goes into the caches on :meth:`save`."""
+        self.used[key] = round(float(seconds), 9)
+        self.sources[key] = source
+        if source == "measured":
+            self.fresh[key] = self.used[key]
+
+    def save(self) -> None:
+        """Store the times measured since the last save in this process's and the device's cache."""
+        self.memory.update(self.fresh)
+        if self.cache is not None:
+            self.cache.add(self.fresh)
+        self.fresh = {}
 
     def table(self) -> dict[str, float]:
-        """Every time this model's decisions used, in microseconds-precise seconds, for the metadata."""
-        return {key: round(value, 9) for key, value in sorted(self.used.items())}
+        """Every time this model's decisions used, in seconds rounded to nanoseconds, for the metadata."""
+        return dict(sorted(self.used.items()))
+
+
+class DeviceFacts:
+    """The target device as profitability needs it: its fingerprint and timing cache, whether it runs the
+    low dtype natively, and (on demand) its cost prior. The probe is taken at most once per device and dtype,
+    and kept in the cache."""
+
+    def __init__(self, device: torch.device, low: LowType, found: dict[str, Any] | None = None,
+                 cache: TimingCache | None = None):
+        self.device, self.low = device, low
+        self.fingerprint = found if found is not None else device_facts.fingerprint(device)
+        self.cache = cache if cache is not None else TimingCache(self.fingerprint)
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else None
+        self.native = device_facts.native_low(self.fingerprint, low, self._probed(measure=False))
+        if not self.native.known:
+            self.native = device_facts.native_low(self.fingerprint, low, self._probed(measure=True))
+        self._prior: Prior | None = None
+
+    def prior(self) -> Prior:
+        """The device's prior (:mod:`amppass.fx.prior`): from the probe where it can be trusted."""
+        if self._prior is None:
+            probed = self._probed(measure=True)
+            self._prior = Prior.from_probe(probed) if probed else Prior.default(self.native.native)
+        return self._prior
+
+    def _probed(self, measure: bool) -> dict[str, float] | None:
+        prefix = f"probe|{self.low.name}|"
+        stored = {k[len(prefix):]: v for k, v in self.cache.entries.items() if k.startswith(prefix)}
+        if len(stored) == 4 or not measure:
+            return stored if len(stored) == 4 else None
+        found, ratio_spread = probe(self.device, self.low)
+        if ratio_spread > SPREAD_LIMIT:
+            log.info("profitability: the device probe spread %.0f%% (the machine is busy); not kept",
+                     ratio_spread * 100)
+            return None
+        self.cache.add({prefix + k: v for k, v in found.items()})
+        return found
+
+    def describe(self) -> dict[str, Any]:
+        """What the report says about the device: native support and why, the fingerprint, the cache."""
+        return {"native_low": self.native.native, "why": self.native.reason,
+                "fingerprint": device_facts.digest(self.fingerprint), "timing_cache": self.cache.describe()}
 
 
 def regions(view: GraphView, plan: PrecisionPlan, keep_io_types: bool) -> list[Region]:
@@ -161,68 +248,159 @@ def _spec(value: Any) -> Any:
 
 
 def decide(gm: fx.GraphModule, view: GraphView, plan: PrecisionPlan, low: LowType, flat_inputs: list,
-           given: Mapping[str, Decision], costs: CostModel, keep_io_types: bool, device: torch.device,
-           ) -> dict[str, Decision]:
-    """Rules 1-3: fp32 decisions for the LOW-category nodes of regions that are not faster low."""
+           given: Mapping[str, Decision], costs: CostModel, keep_io_types: bool, facts: DeviceFacts,
+           ) -> tuple[dict[str, Decision], list[dict[str, Any]]]:
+    """Rules 1-3: fp32 decisions for the LOW-category nodes of regions that are not faster low, and one
+    record per region (its first node, size, outcome, times and their source) for the report."""
     shapes = _Shapes(gm)
     with torch.no_grad():
         shapes.run(*flat_inputs, enable_io_processing=False)
     nodes = {n.name: n for n in gm.graph.nodes}
     categories = {n.name: n.category for n in view.nodes}
-    timer = _Timer(gm, shapes.specs, costs, low, device)
+    timer = _Timer(gm, shapes.specs, low, facts.device)
+    kind = facts.device.type.upper()
     decisions: dict[str, Decision] = {}
+    records = []
     for region in regions(view, plan, keep_io_types):
+        record: dict[str, Any] = {"first": region.nodes[0], "nodes": len(region.nodes)}
         try:
-            fp32 = sum(timer.node(nodes[name], low=False) for name in region.nodes)
-            lowered = sum(timer.node(nodes[name], low=True) for name in region.nodes)
-            casts = sum(timer.cast(nodes[v], down=True) for v in region.cast_in if v in nodes) + \
-                sum(timer.cast(nodes[v], down=False) for v in region.cast_out if v in nodes)
+            items = timer.items(region, nodes)
+            record["timing"] = _settle(items, costs, facts)
         except _Unmeasurable as why:
             log.debug("profitability: region of %s not measured (%s); kept as painted", region.nodes[0], why)
+            records.append({**record, "runs": low.name, "timing": "unmeasured"})
             continue
-        if lowered + casts <= (1 - MARGIN) * fp32:
-            continue
-        count = len(region.cast_in) + len(region.cast_out)
-        reason = (f"profitability: on this {device.type.upper()} its region of {len(region.nodes)} node(s) takes "
-                  f"{_us(lowered)} in {low} plus {_us(casts)} for {count} cast(s), against {_us(fp32)} in fp32; "
-                  "runs fp32")
-        evidence = {"rule": "profitability", "low_us": round(lowered * 1e6, 2), "casts_us": round(casts * 1e6, 2),
-                    "fp32_us": round(fp32 * 1e6, 2), "region": len(region.nodes)}
+        if record["timing"] == "device":
+            reason = f"profitability: {facts.native.reason}; runs fp32 (not timed)"
+            evidence: dict[str, Any] = {"rule": "profitability", "timing": "device", "region": len(region.nodes)}
+        else:
+            fp32, lowered, casts = (sum(costs.used[item.key] for item in items if item.kind == kind_)
+                                    for kind_ in ("fp32", "low", "cast"))
+            record.update(fp32_us=round(fp32 * 1e6, 2), low_us=round(lowered * 1e6, 2), casts_us=round(casts * 1e6, 2))
+            if lowered + casts <= (1 - MARGIN) * fp32:
+                records.append({**record, "runs": low.name})
+                continue
+            count = len(region.cast_in) + len(region.cast_out)
+            reason = (f"profitability: on this {kind} its region of {len(region.nodes)} node(s) takes "
+                      f"{_us(lowered)} in {low} plus {_us(casts)} for {count} cast(s), against {_us(fp32)} in fp32 "
+                      f"({_SAID[record['timing']]}); runs fp32")
+            evidence = {"rule": "profitability", "timing": record["timing"], "low_us": record["low_us"],
+                        "casts_us": record["casts_us"], "fp32_us": record["fp32_us"], "region": len(region.nodes)}
+        records.append({**record, "runs": "fp32"})
         for name in region.nodes:
             if name not in given and categories.get(name) is Category.LOW:
                 decisions[name] = Decision(Precision.FP32, reason, Source.PROFITABILITY, dict(evidence))
-    return decisions
+    costs.save()
+    return decisions, records
+
+
+_SAID = {"table": "from the given cost table", "cached": "from the timing cache", "measured": "measured",
+         "prior": "estimated from the device prior: the machine was too busy for timings to agree"}
+
+
+def _settle(items: list[_Item], costs: CostModel, facts: DeviceFacts) -> str:
+    """Rule 2: give every key of ``items`` a time in ``costs``; return where the region's times came from
+    (one of :data:`SOURCES`, or "device" where nothing is timed because nothing can win)."""
+    unique: dict[str, _Item] = {}
+    weights: dict[str, int] = {}
+    for item in items:
+        unique.setdefault(item.key, item)
+        weights[item.key] = weights.get(item.key, 0) + 1
+    known = {key: costs.lookup(key) for key in unique}
+    if all(value is not None for value in known.values()):
+        return max((costs.sources[key] for key in unique), key=SOURCES.index, default="table")
+    if not facts.native.native:
+        return "device"
+    keys = list(unique)
+    try:
+        found = interleaved([unique[k].call for k in keys], [unique[k].side for k in keys], ROUNDS,
+                            weights=[weights[k] for k in keys], sync=facts.sync, clear=CLEAR)
+    except Exception as error:  # noqa: BLE001 - an op that fails on synthetic values: the region stays as painted
+        raise _Unmeasurable(f"{type(error).__name__}: {error}") from None
+    if len(found.ratios) >= 3 and spread(found.ratios) <= SPREAD_LIMIT:
+        source = "measured"
+        sides = [sum(weights[k] * m for k, m in zip(keys, found.medians) if unique[k].side == side) for side in (0, 1)]
+        scale = statistics.median(found.ratios) * sides[0] / sides[1] if sides[1] > 0 else 1.0
+        estimates = {k: m * (scale if unique[k].side == 1 else 1.0) for k, m in zip(keys, found.medians)}
+    else:
+        source = "prior"
+        prior = facts.prior()
+        log.info("profitability: region of %s: %d of %d timing rounds undisturbed, their ratios spread %.0f%% "
+                 "(limit %.0f%%); decided on %s", items[0].key.split("|")[0], len(found.ratios), found.rounds,
+                 spread(found.ratios) * 100, SPREAD_LIMIT * 100, prior.source)
+        estimates = {k: unique[k].prior(prior) for k in keys}
+    agreed = [k for k in keys if known[k] is not None]
+    basis = sum(estimates[k] for k in agreed)
+    load = sum(known[k] for k in agreed) / basis if agreed and basis > 0 else 1.0
+    for key in keys:
+        if known[key] is None:
+            costs.record(key, estimates[key] * load, source)
+    return source
 
 
 class _Unmeasurable(Exception):
     """A node that cannot be timed alone (no recorded inputs, an op that fails on synthetic values)."""
 
 
-class _Timer:
-    """Times one node's op, or one cast, on synthetic inputs of the recorded shapes."""
+@dataclass(frozen=True)
+class _Item:
+    """One thing a region's decision adds up: a node's kernel in fp32 or low precision, or a cast."""
 
-    def __init__(self, gm: fx.GraphModule, specs: Mapping[fx.Node, Any], costs: CostModel, low: LowType,
-                 device: torch.device):
-        self.gm, self.specs, self.costs, self.low, self.device = gm, specs, costs, low, device
+    key: str
+    kind: str  # "fp32", "low" or "cast"
+    call: Callable[[], Any]
+    prior: Callable[[Prior], float]  # its estimated seconds under a device prior
+
+    @property
+    def side(self) -> int:
+        """Which side of the region's comparison it is on: fp32 (0), or low kernels and casts (1)."""
+        return 0 if self.kind == "fp32" else 1
+
+
+class _Timer:
+    """Builds the timed items of a region: its nodes' ops, and its casts, on synthetic inputs of the
+    recorded shapes."""
+
+    def __init__(self, gm: fx.GraphModule, specs: Mapping[fx.Node, Any], low: LowType, device: torch.device):
+        self.gm, self.specs, self.low, self.device = gm, specs, low, device
         self.low_modules: dict[str, torch.nn.Module] = {}
 
-    def node(self, node: fx.Node, low: bool) -> float:
-        if node.op not in ("call_function", "call_method", "call_module"):
-            return 0.0
+    def items(self, region: Region, nodes: Mapping[str, fx.Node]) -> list[_Item]:
+        found = []
+        for name in region.nodes:
+            if nodes[name].op in ("call_function", "call_method", "call_module"):
+                found += [self.node(nodes[name], low=False), self.node(nodes[name], low=True)]
+        for values, down in ((region.cast_in, True), (region.cast_out, False)):
+            found += [cast for v in values if v in nodes and (cast := self.cast(nodes[v], down)) is not None]
+        return found
+
+    def node(self, node: fx.Node, low: bool) -> _Item:
         dtype = self.low.torch if low else torch.float32
         args, kwargs = pytree.tree_map(lambda a: self._value(a, dtype), (node.args, node.kwargs))
         target = self._callable(node, low)
         key = f"{display_name(node, self.gm)}|{_describe((args, kwargs))}|{self.device.type}"
-        return self.costs.time(key, lambda: target(*args, **kwargs))
+        macs, values = node_macs(node) or 0, self._float_values(node)
+        size = self.low.torch.itemsize
+        return _Item(key, "low" if low else "fp32", lambda: target(*args, **kwargs),
+                     lambda prior: prior.op(macs, values, low, size))
 
-    def cast(self, node: fx.Node, down: bool) -> float:
+    def cast(self, node: fx.Node, down: bool) -> _Item | None:
         spec = self.specs.get(node)
         if not isinstance(spec, _Float):
-            return 0.0
+            return None
         source, dest = (torch.float32, self.low.torch) if down else (self.low.torch, torch.float32)
         tensor = torch.randn(spec.shape, device=self.device).to(source)
         key = f"cast|{list(spec.shape)}|{_short(source)}->{_short(dest)}|{self.device.type}"
-        return self.costs.time(key, lambda: tensor.to(dest))
+        values, size = math.prod(spec.shape), self.low.torch.itemsize
+        return _Item(key, "cast", lambda: tensor.to(dest), lambda prior: prior.cast(values, size))
+
+    def _float_values(self, node: fx.Node) -> int:
+        """Float values a node reads and writes (its operands, weights included, and its results)."""
+        specs = [self.specs.get(node)] + [self.specs.get(a) for a in node.all_input_nodes if a.op != "get_attr"]
+        weights = [fetch_attr(self.gm, str(a.target)) for a in node.all_input_nodes if a.op == "get_attr"]
+        floats = [leaf for leaf in pytree.tree_leaves(specs) if isinstance(leaf, _Float)]
+        return sum(math.prod(f.shape) for f in floats) + sum(w.numel() for w in weights
+                                                        if isinstance(w, torch.Tensor) and w.is_floating_point())
 
     def _value(self, arg: Any, dtype: torch.dtype) -> Any:
         if not isinstance(arg, fx.Node):
@@ -273,27 +451,8 @@ def _short(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _measure(call: Callable[[], Any]) -> float:
-    """Seconds of one ``call()``: the fastest of :data:`_SAMPLES` samples, each batching enough calls to be
-    timed (module docstring, rule 2)."""
-    with torch.no_grad():
-        call()  # warm-up: kernel selection, allocator
-        start = time.perf_counter()
-        call()
-        once = max(time.perf_counter() - start, 1e-7)
-        repeat = max(1, min(1000, int(_SAMPLE_SECONDS / once)))
-        samples = []
-        for _ in range(_SAMPLES):
-            start = time.perf_counter()
-            for _ in range(repeat):
-                call()
-            samples.append((time.perf_counter() - start) / repeat)
-    return min(samples)
-
-
 def _us(seconds: float) -> str:
     return f"{seconds * 1e6:.0f} µs" if seconds < 1e-2 else f"{seconds * 1e3:.1f} ms"
-
 
 
 def whole_model(converted: torch.nn.Module, original: torch.nn.Module, args: tuple, kwargs: dict,
@@ -303,7 +462,7 @@ def whole_model(converted: torch.nn.Module, original: torch.nn.Module, args: tup
     ``costs`` (keyed by the model and its input shapes), which answers instead when it already holds them."""
     key = whole_model_key(original, args, kwargs)
     if f"{key}|converted" in costs.known and f"{key}|original" in costs.known:
-        return costs.time(f"{key}|converted", lambda: None), costs.time(f"{key}|original", lambda: None)
+        return costs.lookup(f"{key}|converted"), costs.lookup(f"{key}|original")
     calls = (lambda: converted(*args, **kwargs), lambda: original(*args, **kwargs))
     samples: tuple[list[float], list[float]] = ([], [])
     with torch.inference_mode():
@@ -316,7 +475,8 @@ def whole_model(converted: torch.nn.Module, original: torch.nn.Module, args: tup
                 call()
                 found.append(time.perf_counter() - start)
                 spent += found[-1]
-    costs.used[f"{key}|converted"], costs.used[f"{key}|original"] = min(samples[0]), min(samples[1])
+    for name, found in zip(("converted", "original"), samples):
+        costs.used[f"{key}|{name}"] = round(min(found), 9)  # this model's own: never cached for others
     return min(samples[0]), min(samples[1])
 
 
