@@ -24,9 +24,11 @@ from . import profit
 from .calibrate import calibrated_plan, flatten_inputs, split_batch
 from .capture import capture, capture_program
 from .kept import KeptFp32
+from .device import fingerprint
 from .profit import CostModel
 from .rewrite import META_KEY, rewrite
 from .shapes import GUARDS_KEY, ServingGraph, carried_decisions, matching
+from .timing_cache import TimingCache
 from .view import build_view
 
 log = logging.getLogger(__name__)
@@ -193,15 +195,17 @@ def _faster_of(gm: fx.GraphModule, model: nn.Module, example: tuple[Any, dict],
     args, kwargs = example
     args = split_batch(args)[0] if args is not None else ()
     info = gm.meta[META_KEY]
-    table = CostModel({**info.get("costs", {}), **(costs or {})})
-    busy = profit.busy()
-    if busy and not any(k.startswith("whole model") for k in table.known):
-        # keeping the original throws the whole plan away: only on measurements a quiet machine gives
-        log.warning("%s: not compared with the original module: %s; the converted graph is kept (convert on a "
-                    "quiet machine, or pass costs= from one)", type(model).__name__, busy)
-        info["whole_model"] = {"skipped": busy}
+    device = next((t.device for t in gm.parameters()), torch.device("cpu"))
+    table = CostModel({**info.get("costs", {}), **(costs or {})}, TimingCache(fingerprint(device)))
+    measured = profit.whole_model(gm, model, args, kwargs, table)
+    if measured is None:
+        # keeping the original throws the whole plan away: only on measurements load left undisturbed
+        log.warning("%s: not compared with the original module: the machine was too busy for its timings to "
+                    "agree; the converted graph is kept (convert on a quiet machine, or pass costs= from one)",
+                    type(model).__name__)
+        info["whole_model"] = {"skipped": "the machine was too busy for the timings to agree"}
         return gm
-    converted_s, original_s = profit.whole_model(gm, model, args, kwargs, table)
+    converted_s, original_s = measured
     info["costs"] = table.table() if not info.get("costs") else {**info["costs"], **table.table()}
     info["whole_model"] = {"converted_ms": round(converted_s * 1e3, 4), "original_ms": round(original_s * 1e3, 4)}
     if converted_s <= (1 + profit.MARGIN) * original_s:

@@ -87,7 +87,7 @@ def fingerprint(device: torch.device) -> dict[str, Any]:
                      cuda=torch.version.cuda)
         return found
     facts = cpu_facts()
-    found.update(cpu=facts.model, isa=sorted(facts.flags & set(ISA_FLAGS)),
+    found.update(cpu=facts.model, isa=sorted(facts.flags & set(ISA_FLAGS)) if facts.flags else None,
                  capability=torch.backends.cpu.get_cpu_capability(), onednn=onednn_version(),
                  threads=torch.get_num_threads())
     return found
@@ -119,8 +119,8 @@ def native_low(found: dict[str, Any], low: LowType, probed: dict[str, float] | N
         return Native(native, True, f"{found['name']} (compute capability {found['capability']}) "
                       f"{'runs' if native else 'has no'} native {low.name} arithmetic"
                       + ("" if native else f" (it needs {needed[0]}.{needed[1]})"))
-    isa, wanted = set(found.get("isa", ())), _NATIVE_FLAGS[low.name]
-    if isa:
+    isa, wanted = found.get("isa"), _NATIVE_FLAGS[low.name]
+    if isa is not None:
         has = [flag for flag in wanted if flag in isa]
         if has:
             return Native(True, True, f"this CPU has {', '.join(has)} (torch capability {found['capability']})")

@@ -24,7 +24,7 @@ from ..dtypes import LowType
 
 PROBE_SIZE = 256  # the probe multiplies two square matrices of this side
 PROBE_COPY = 1 << 22  # and copies an fp32 tensor of this many values
-WAIT_SHARE = 0.02  # a sample is disturbed when this process's threads waited for a CPU this share of it
+WAIT_SHARE = 0.05  # a sample is disturbed when this process's threads waited for a CPU this share of it
 
 
 def probe(device: torch.device, low: LowType, rounds: int = 7) -> tuple[dict[str, float], float]:
@@ -53,7 +53,7 @@ class Timings:
 
 def interleaved(calls: list[Callable[[], Any]], sides: list[int | None], rounds: int,
                 weights: list[int] | None = None, sync: Callable[[], None] | None = None, sample_s: float = 2e-4,
-                clear: tuple[float, float] | None = None) -> Timings:
+                clear: tuple[float, float] | None = None, budget_s: float = float("inf")) -> Timings:
     """Time ``calls`` in interleaved rounds, so that both sides of a comparison meet the same machine.
 
     ``sides[i]`` puts call ``i`` on side 0 or 1 of the comparison (None: timed, not compared), counted
@@ -61,9 +61,9 @@ def interleaved(calls: list[Callable[[], Any]], sides: list[int | None], rounds:
     ``sample_s``), side 0 before side 1 in even rounds and after it in odd ones, and yields the ratio
     (weighted sum of side 1) / (weighted sum of side 0). A sample during which this process's threads waited
     for a CPU (:func:`waited`) is disturbed: it and its round are left out. Measuring stops after ``rounds``
-    undisturbed rounds, after twice as many in all, after three rounds none of which was undisturbed, or,
-    with ``clear``, after three undisturbed rounds whose ratios all lie below ``clear[0]`` or above
-    ``clear[1]`` (clear-cut: say 30x slower kernels)."""
+    undisturbed rounds, after twice as many in all, after three rounds none of which was undisturbed, after
+    three undisturbed rounds once ``budget_s`` seconds are spent, or, with ``clear``, after three undisturbed
+    rounds whose ratios all lie below ``clear[0]`` or above ``clear[1]`` (clear-cut: say 30x slower kernels)."""
     weights = weights or [1] * len(calls)
 
     def once(call: Callable[[], Any], repeat: int) -> tuple[float, bool]:
@@ -85,7 +85,7 @@ def interleaved(calls: list[Callable[[], Any]], sides: list[int | None], rounds:
         clean: list[list[float]] = [[] for _ in calls]
         every: list[list[float]] = [[] for _ in calls]
         ratios: list[float] = []
-        index = 0
+        index, began = 0, time.perf_counter()
         while len(ratios) < rounds and index < 2 * rounds and (index < 3 or ratios):
             first, second, rest = groups if index % 2 == 0 else (groups[1], groups[0], groups[2])
             disturbed = False
@@ -100,7 +100,8 @@ def interleaved(calls: list[Callable[[], Any]], sides: list[int | None], rounds:
             if not disturbed:
                 base, other = (sum(weights[i] * every[i][-1] for i in group) for group in groups[:2])
                 ratios.append(other / base if base > 0 else 1.0)
-            if len(ratios) >= 3 and clear is not None and (max(ratios) < clear[0] or min(ratios) > clear[1]):
+            if len(ratios) >= 3 and (time.perf_counter() - began > budget_s or clear is not None and (
+                    max(ratios) < clear[0] or min(ratios) > clear[1])):
                 break
     return Timings([statistics.median(c or e) for c, e in zip(clean, every)], ratios, index)
 

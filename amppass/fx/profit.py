@@ -21,15 +21,18 @@ painting, the plan is checked against the target device:
    - ``cached``: the device's timing cache (:mod:`amppass.fx.timing_cache`, kept across processes) or an
      earlier conversion in this process;
    - ``measured``: the region's kernels timed now, fp32 and low variants in interleaved rounds
-     (:func:`amppass.fx.measure.interleaved`), so that load on the machine hits both sides alike. Each
-     kernel's time is its median over the rounds, the low side scaled so that the region's ratio is the
-     median of the rounds' ratios. The measurement counts only if those ratios agree (their spread at most
-     :data:`SPREAD_LIMIT`) or all lie far on one side; trusted times are stored in the timing cache;
-   - ``prior``: the spread says the machine is too busy to tell: the times are estimated from the device's
-     roofline (:mod:`amppass.fx.prior`), the region decided on them, and nothing is cached.
+     (:func:`amppass.fx.measure.interleaved`) that leave out every round during which a thread of this
+     process waited for a CPU. Each kernel's time is its median over the undisturbed samples, the low side
+     scaled so that the region's ratio is the median of the undisturbed rounds' ratios. The measurement
+     counts only with at least three such rounds whose ratios agree (spread at most :data:`SPREAD_LIMIT`);
+     then its times are stored in the timing cache;
+   - ``prior``: the machine is too busy to tell: the times are estimated from the device's roofline
+     (:mod:`amppass.fx.prior`), the region is decided on them, and nothing is cached.
 
-   Where some of a region's keys are known and others are not, the new times are scaled so that the
-   known ones agree with them (a busy machine's times are slower, not different in ratio).
+   A region is labelled with the most doubtful source among its times. Where some of its times are known
+   and others are measured now, the new ones are scaled so that the known (not estimated) ones agree with
+   them: a busy machine's times are slower, not different in ratio. Estimates are never scaled, so a
+   prior's times depend on the op and the device alone.
 3. Decision: a region stays low when its low kernels plus its casts take at most ``1 - MARGIN`` of its fp32
    time; otherwise every LOW-category node in it gets an fp32 decision whose reason gives both times and
    their source, and painting then runs the region's element-wise ops fp32 too. The margin keeps timing
@@ -38,7 +41,7 @@ painting, the plan is checked against the target device:
 
 4. Whole model (:func:`whole_model`, used by :func:`amppass.convert`): the converted graph against the original
    module in fp32; where the original is faster, it is kept (:mod:`amppass.fx.kept`). That throws the whole
-   plan away, so it is done only on a quiet machine (:func:`busy`) or from a saved table.
+   plan away, so it is done only from a saved table or from rounds that other load left undisturbed.
 
 The table of every time used is stored in the converted model's metadata (``info["costs"]``); passing it
 back as ``costs=`` makes a conversion reuse those times instead of measuring, so a plan is reproducible
@@ -48,9 +51,9 @@ across processes and machines.
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 import math
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -65,7 +68,7 @@ from ..analysis.view import GraphView
 from ..dtypes import LowType
 from ..report.flops import node_macs
 from . import device as device_facts
-from .measure import interleaved, probe, spread
+from .measure import Timings, interleaved, probe, spread
 from .ops import display_name
 from .prior import Prior
 from .timing_cache import TimingCache
@@ -141,6 +144,8 @@ class DeviceFacts:
     low dtype natively, and (on demand) its cost prior. The probe is taken at most once per device and dtype,
     and kept in the cache."""
 
+    _probes: dict[tuple[str, str], dict[str, float]] = {}  # per process: (fingerprint digest, dtype) -> probe
+
     def __init__(self, device: torch.device, low: LowType, found: dict[str, Any] | None = None,
                  cache: TimingCache | None = None):
         self.device, self.low = device, low
@@ -160,15 +165,19 @@ class DeviceFacts:
         return self._prior
 
     def _probed(self, measure: bool) -> dict[str, float] | None:
+        """The probe's numbers from the cache or this process; with ``measure``, taken now where missing
+        (and kept only if undisturbed by other load)."""
         prefix = f"probe|{self.low.name}|"
-        stored = {k[len(prefix):]: v for k, v in self.cache.entries.items() if k.startswith(prefix)}
+        stored = {**{k[len(prefix):]: v for k, v in self.cache.entries.items() if k.startswith(prefix)},
+                  **DeviceFacts._probes.get((device_facts.digest(self.fingerprint), self.low.name), {})}
         if len(stored) == 4 or not measure:
             return stored if len(stored) == 4 else None
         found, ratio_spread = probe(self.device, self.low)
         if ratio_spread > SPREAD_LIMIT:
-            log.info("profitability: the device probe spread %.0f%% (the machine is busy); not kept",
+            log.info("profitability: the device probe was disturbed by other load (spread %.0f%%); not kept",
                      ratio_spread * 100)
             return None
+        DeviceFacts._probes[(device_facts.digest(self.fingerprint), self.low.name)] = found
         self.cache.add({prefix + k: v for k, v in found.items()})
         return found
 
@@ -176,6 +185,13 @@ class DeviceFacts:
         """What the report says about the device: native support and why, the fingerprint, the cache."""
         return {"native_low": self.native.native, "why": self.native.reason,
                 "fingerprint": device_facts.digest(self.fingerprint), "timing_cache": self.cache.describe()}
+
+
+def forget() -> None:
+    """Forget the times and probes measured in this process (the timing cache on disk is kept): the next
+    conversion starts from the cache alone, as a new process would."""
+    CostModel._memory.clear()
+    DeviceFacts._probes.clear()
 
 
 def regions(view: GraphView, plan: PrecisionPlan, keep_io_types: bool) -> list[Region]:
@@ -308,7 +324,7 @@ def _settle(items: list[_Item], costs: CostModel, facts: DeviceFacts) -> str:
         weights[item.key] = weights.get(item.key, 0) + 1
     known = {key: costs.lookup(key) for key in unique}
     if all(value is not None for value in known.values()):
-        return max((costs.sources[key] for key in unique), key=SOURCES.index, default="table")
+        return max((costs.sources[key] for key in unique), key=SOURCES.index)
     if not facts.native.native:
         return "device"
     keys = list(unique)
@@ -318,24 +334,30 @@ def _settle(items: list[_Item], costs: CostModel, facts: DeviceFacts) -> str:
     except Exception as error:  # noqa: BLE001 - an op that fails on synthetic values: the region stays as painted
         raise _Unmeasurable(f"{type(error).__name__}: {error}") from None
     if len(found.ratios) >= 3 and spread(found.ratios) <= SPREAD_LIMIT:
-        source = "measured"
-        sides = [sum(weights[k] * m for k, m in zip(keys, found.medians) if unique[k].side == side) for side in (0, 1)]
-        scale = statistics.median(found.ratios) * sides[0] / sides[1] if sides[1] > 0 else 1.0
-        estimates = {k: m * (scale if unique[k].side == 1 else 1.0) for k, m in zip(keys, found.medians)}
+        source, estimates = "measured", _measured(keys, unique, weights, found, known, costs)
     else:
-        source = "prior"
-        prior = facts.prior()
-        log.info("profitability: region of %s: %d of %d timing rounds undisturbed, their ratios spread %.0f%% "
-                 "(limit %.0f%%); decided on %s", items[0].key.split("|")[0], len(found.ratios), found.rounds,
-                 spread(found.ratios) * 100, SPREAD_LIMIT * 100, prior.source)
+        source, prior = "prior", facts.prior()
+        log.debug("profitability: region of %s: %d of %d timing rounds undisturbed, their ratios spread %.0f%% "
+                  "(limit %.0f%%); decided on %s", items[0].key.split("|")[0], len(found.ratios), found.rounds,
+                  spread(found.ratios) * 100, SPREAD_LIMIT * 100, prior.source)
         estimates = {k: unique[k].prior(prior) for k in keys}
-    agreed = [k for k in keys if known[k] is not None]
-    basis = sum(estimates[k] for k in agreed)
-    load = sum(known[k] for k in agreed) / basis if agreed and basis > 0 else 1.0
     for key in keys:
         if known[key] is None:
-            costs.record(key, estimates[key] * load, source)
-    return source
+            costs.record(key, estimates[key], source)
+    return max((costs.sources[key] for key in unique), key=SOURCES.index)
+
+
+def _measured(keys: list[str], unique: Mapping[str, _Item], weights: Mapping[str, int], found: Timings,
+              known: Mapping[str, float | None], costs: CostModel) -> dict[str, float]:
+    """Rule 2's measured times: each kernel's median, the low side scaled to the median round ratio, all
+    scaled so that the times already known (not estimated) agree with them."""
+    sides = [sum(weights[k] * m for k, m in zip(keys, found.medians) if unique[k].side == side) for side in (0, 1)]
+    low_scale = statistics.median(found.ratios) * sides[0] / sides[1] if sides[1] > 0 else 1.0
+    times = {k: m * (low_scale if unique[k].side == 1 else 1.0) for k, m in zip(keys, found.medians)}
+    agreed = [k for k in keys if known[k] is not None and costs.sources[k] != "prior"]
+    basis = sum(times[k] for k in agreed)
+    load = sum(known[k] for k in agreed) / basis if agreed and basis > 0 else 1.0
+    return {k: value * load for k, value in times.items()}
 
 
 class _Unmeasurable(Exception):
@@ -456,40 +478,42 @@ def _us(seconds: float) -> str:
 
 
 def whole_model(converted: torch.nn.Module, original: torch.nn.Module, args: tuple, kwargs: dict,
-                costs: CostModel, budget: float = 1.0) -> tuple[float, float]:
-    """Seconds per call of ``converted`` and of ``original`` (fp32): the fastest of interleaved rounds (as in
-    rule 2), within ``budget`` seconds of measuring (at least 3 rounds, at most 15). Both times go into
-    ``costs`` (keyed by the model and its input shapes), which answers instead when it already holds them."""
+                costs: CostModel, budget: float = 1.0) -> tuple[float, float] | None:
+    """Seconds per call of ``converted`` and of ``original`` (fp32), the medians of interleaved rounds left
+    undisturbed by other load (rule 2), within about ``budget`` seconds of measuring (3 to 15 rounds); None
+    where too few rounds were undisturbed to tell. Both times go into ``costs`` (keyed by the model and its
+    input shapes), which answers instead when it already holds them; its timing cache keeps them under a
+    key that also names the converted graph's code and tensor shapes, so another model of the same class
+    never reads them."""
     key = whole_model_key(original, args, kwargs)
-    if f"{key}|converted" in costs.known and f"{key}|original" in costs.known:
-        return costs.lookup(f"{key}|converted"), costs.lookup(f"{key}|original")
-    calls = (lambda: converted(*args, **kwargs), lambda: original(*args, **kwargs))
-    samples: tuple[list[float], list[float]] = ([], [])
-    with torch.inference_mode():
-        for call in calls:  # warm-up
-            call()
-        spent = 0.0
-        while len(samples[0]) < 15 and (len(samples[0]) < 3 or spent < budget):
-            for call, found in zip(calls, samples):
-                start = time.perf_counter()
-                call()
-                found.append(time.perf_counter() - start)
-                spent += found[-1]
-    for name, found in zip(("converted", "original"), samples):
-        costs.used[f"{key}|{name}"] = round(min(found), 9)  # this model's own: never cached for others
-    return min(samples[0]), min(samples[1])
+    names = [f"{key}|converted", f"{key}|original"]
+    if all(name in costs.known for name in names):
+        return costs.lookup(names[0]), costs.lookup(names[1])
+    stored = [f"{key}|{_graph_digest(converted)}|{name.rsplit('|', 1)[1]}" for name in names]
+    cache = costs.cache.entries if costs.cache is not None else {}
+    if all(name in cache for name in stored):
+        found = [cache[name] for name in stored]
+    else:
+        calls = [lambda: converted(*args, **kwargs), lambda: original(*args, **kwargs)]
+        with torch.inference_mode():
+            timings = interleaved(calls, [1, 0], 15, budget_s=budget)
+        if len(timings.ratios) < 3 or spread(timings.ratios) > SPREAD_LIMIT:
+            return None
+        found = [round(seconds, 9) for seconds in timings.medians]
+        if costs.cache is not None:
+            costs.cache.add(dict(zip(stored, found)))
+    for name, seconds in zip(names, found):
+        costs.used[name] = seconds  # recorded, not saved: the cache holds them under the graph's own key
+    return found[0], found[1]
+
+
+def _graph_digest(gm: torch.nn.Module) -> str:
+    """A short digest of a converted graph's code and of its tensors' shapes and dtypes."""
+    parts = [getattr(gm, "code", type(gm).__name__)]
+    parts += [f"{name}{tuple(t.shape)}{t.dtype}" for name, t in (*gm.named_parameters(), *gm.named_buffers())]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
 def whole_model_key(original: torch.nn.Module, args: tuple, kwargs: dict) -> str:
     """The cost-table key of the whole-model times (``<key>|converted``, ``<key>|original``)."""
     return f"whole model|{type(original).__name__}|{_describe((args, kwargs))}"
-
-
-def busy() -> str:
-    """Why whole-model timings here cannot be trusted now ("" when they can): a 1-minute load average at or
-    above the number of cores means other processes take the cores the model's threads wait for."""
-    try:
-        load, cores = os.getloadavg()[0], os.cpu_count() or 1
-    except OSError:
-        return ""
-    return f"the machine is busy (load {load:.1f} on {cores} cores)" if load >= cores else ""
