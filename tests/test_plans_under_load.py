@@ -120,6 +120,7 @@ def test_a_cpu_without_native_bf16_keeps_fp32_without_timing_a_kernel(cache, mon
     report = amppass.report(first)
     assert report.info["profitability"]["device"]["native_low"] is False
     assert set(_timing(first)) == {"device"} and all(runs == "fp32" for _, runs in _outcome(first))
+    assert "not timed: this CPU has none of amx_bf16" in report.summary()
     linears = [r for r in report.rows if r.op == "aten.linear"]
     assert linears and all(r.precision == "fp32" and "none of amx_bf16" in r.reason and "not timed" in r.reason
                            for r in linears)

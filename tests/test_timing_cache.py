@@ -150,7 +150,7 @@ def test_without_flags_the_probe_decides_and_on_a_gpu_the_compute_capability(mon
 
 def test_disturbed_rounds_are_left_out_of_the_comparison(monkeypatch):
     """A sample during which the process waited for a CPU is dropped with its round; with no round
-    undisturbed in the first three, measuring gives up."""
+    undisturbed, measuring gives up (at once where the first timing of every call waited)."""
     reads = {"count": 0, "total": 0.0}
 
     def fake_waited() -> float:
@@ -167,13 +167,22 @@ def test_disturbed_rounds_are_left_out_of_the_comparison(monkeypatch):
     assert found.rounds == 7 and len(found.ratios) == 5  # rounds 1 and 2 left out, two more taken
     monkeypatch.setattr(measure, "waited", lambda: time.perf_counter())  # every sample waits all along
     given_up = measure.interleaved([lambda: sum(range(100))] * 2, [0, 1], rounds=9)
-    assert given_up.rounds == 3 and given_up.ratios == [] and measure.spread(given_up.ratios) == float("inf")
+    assert given_up.rounds == 0 and given_up.ratios == [] and measure.spread(given_up.ratios) == float("inf")
 
 
 def test_spread_is_the_interquartile_range_over_the_median():
     assert measure.spread([1.0] * 9) == 0
     assert measure.spread([0.5, 0.5, 0.5, 0.5, 2.0, 2.0, 2.0, 2.0]) > 1
     assert measure.spread([0.9, 1.0, 1.1]) == pytest.approx(0.2)
+
+
+def test_rounds_tell_a_comparison_when_narrow_or_wholly_on_one_side_of_the_threshold():
+    wide_but_fast = [0.3, 0.5, 0.6, 0.7, 0.4, 0.8, 0.35, 0.55, 0.65]  # spread about 0.5, every round < 0.95
+    assert measure.spread(wide_but_fast) > 0.25 and measure.agree(wide_but_fast, 0.95, 0.25)
+    straddling = [0.6, 1.3, 0.7, 1.2, 0.8, 1.1, 0.9, 1.4, 0.65]
+    assert not measure.agree(straddling, 0.95, 0.25)
+    assert measure.agree([0.94, 0.96, 0.95, 0.95], 0.95, 0.25)  # narrow: the median decides a near-even region
+    assert not measure.agree([0.5, 0.5], 0.95, 0.25)  # too few undisturbed rounds
 
 
 def test_the_prior_favours_low_precision_only_where_the_device_computes_faster_in_it():

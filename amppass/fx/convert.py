@@ -197,7 +197,8 @@ def _faster_of(gm: fx.GraphModule, model: nn.Module, example: tuple[Any, dict],
     info = gm.meta[META_KEY]
     device = next((t.device for t in gm.parameters()), torch.device("cpu"))
     table = CostModel({**info.get("costs", {}), **(costs or {})}, TimingCache(fingerprint(device)))
-    measured = profit.whole_model(gm, model, args, kwargs, table)
+    busy = info.get("profitability", {}).get("too_busy", False)
+    measured = profit.whole_model(gm, model, args, kwargs, table, measure=not busy)
     if measured is None:
         # keeping the original throws the whole plan away: only on measurements load left undisturbed
         log.warning("%s: not compared with the original module: the machine was too busy for its timings to "
@@ -315,7 +316,7 @@ def _profitability(gm: fx.GraphModule, view: GraphView, target: Target, given: d
              ", ".join(f"{n} {s}" for s, n in timing.items()) or "none", len(model.used), seconds)
     return decided, {"costs": model.table(), "profitability": {
         "regions_fp32": fp32, "nodes_fp32": len(decided), "seconds": round(seconds, 3), "timing": timing,
-        "device": facts.describe(), "regions": regions}}
+        "too_busy": facts.misses > 0, "device": facts.describe(), "regions": regions}}
 
 
 _SAID: set[str] = set()

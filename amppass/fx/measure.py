@@ -7,7 +7,7 @@ parallel region waits for the descheduled worker): a thousandfold ratio that is 
 compares fp32 and low-precision kernels in interleaved rounds (:func:`interleaved`): each sample notes how
 long this process's threads waited for a CPU meanwhile (Linux schedstat, :func:`waited`), a round with a
 disturbed sample is left out, and the comparison counts only when enough undisturbed rounds agree
-(:func:`spread`). On a machine too busy for that, the caller falls back to cached times or a prior.
+(:func:`agree`). On a machine too busy for that, the caller falls back to cached times or a prior.
 """
 
 from __future__ import annotations
@@ -61,9 +61,12 @@ def interleaved(calls: list[Callable[[], Any]], sides: list[int | None], rounds:
     ``sample_s``), side 0 before side 1 in even rounds and after it in odd ones, and yields the ratio
     (weighted sum of side 1) / (weighted sum of side 0). A sample during which this process's threads waited
     for a CPU (:func:`waited`) is disturbed: it and its round are left out. Measuring stops after ``rounds``
-    undisturbed rounds, after twice as many in all, after three rounds none of which was undisturbed, after
+    undisturbed rounds, after twice as many in all, after a first round in which every sample was disturbed,
+    after three rounds none of which was undisturbed, after
     three undisturbed rounds once ``budget_s`` seconds are spent, or, with ``clear``, after three undisturbed
-    rounds whose ratios all lie below ``clear[0]`` or above ``clear[1]`` (clear-cut: say 30x slower kernels)."""
+    rounds whose ratios all lie below ``clear[0]`` or above ``clear[1]`` (clear-cut: say 30x slower kernels).
+    Where the first timing of every call was disturbed, or of most of them (of eight or more), no round is
+    run at all."""
     weights = weights or [1] * len(calls)
 
     def once(call: Callable[[], Any], repeat: int) -> tuple[float, bool]:
@@ -77,25 +80,29 @@ def interleaved(calls: list[Callable[[], Any]], sides: list[int | None], rounds:
         return seconds / repeat, waited() - before > WAIT_SHARE * seconds
 
     with torch.no_grad():
-        repeats = []
-        for call in calls:
+        repeats, hits = [], 0
+        for count, call in enumerate(calls, 1):
             call()  # warm-up: kernel selection, allocator
-            repeats.append(max(1, min(1000, int(sample_s / max(once(call, 1)[0], 1e-7)))))
+            seconds, hit = once(call, 1)
+            repeats.append(max(1, min(1000, int(sample_s / max(seconds, 1e-7)))))
+            hits += hit
+            if hits == len(calls) or count >= 8 and hits > count / 2:  # a machine this busy gives no rounds
+                return Timings([0.0] * len(calls), [], 0)
         groups = [[i for i, side in enumerate(sides) if side == wanted] for wanted in (0, 1, None)]
         clean: list[list[float]] = [[] for _ in calls]
         every: list[list[float]] = [[] for _ in calls]
         ratios: list[float] = []
-        index, began = 0, time.perf_counter()
-        while len(ratios) < rounds and index < 2 * rounds and (index < 3 or ratios):
+        index, began, calm = 0, time.perf_counter(), False
+        while len(ratios) < rounds and index < 2 * rounds and (index < 3 or ratios) and (index != 1 or calm):
             first, second, rest = groups if index % 2 == 0 else (groups[1], groups[0], groups[2])
-            disturbed = False
+            hits = 0
             for i in first + second + rest:
                 seconds, hit = once(calls[i], repeats[i])
                 every[i].append(seconds)
-                if hit:
-                    disturbed = True
-                else:
+                hits += hit
+                if not hit:
                     clean[i].append(seconds)
+            disturbed, calm = hits > 0, calm or hits < len(calls)
             index += 1
             if not disturbed:
                 base, other = (sum(weights[i] * every[i][-1] for i in group) for group in groups[:2])
@@ -125,13 +132,26 @@ def waited() -> float:
 
 def spread(ratios: list[float]) -> float:
     """How far apart a comparison's round ratios lie: their interquartile range over their median (0 for a
-    perfectly steady measurement; with fewer than four rounds, the whole range; infinite with none)."""
+    perfectly steady measurement; infinite with no ratio)."""
     if not ratios:
         return float("inf")
-    if len(ratios) < 4:
-        low, high = min(ratios), max(ratios)
-    else:
-        quartiles = statistics.quantiles(ratios, n=4)
-        low, high = quartiles[0], quartiles[2]
-    middle = statistics.median(ratios)
+    low, middle, high = _quartiles(ratios)
     return (high - low) / middle if middle > 0 else float("inf")
+
+
+def agree(ratios: list[float], threshold: float, limit: float) -> bool:
+    """Whether undisturbed rounds tell a comparison against ``threshold``: at least three of them, whose
+    interquartile range is narrow (:func:`spread` at most ``limit``) or lies wholly on one side of
+    ``threshold`` (a wide spread that cannot change the answer)."""
+    if len(ratios) < 3:
+        return False
+    low, _, high = _quartiles(ratios)
+    return spread(ratios) <= limit or high < threshold or low > threshold
+
+
+def _quartiles(ratios: list[float]) -> tuple[float, float, float]:
+    """Lower quartile, median and upper quartile (with fewer than four values: smallest, median, largest)."""
+    if len(ratios) < 4:
+        return min(ratios), statistics.median(ratios), max(ratios)
+    low, middle, high = statistics.quantiles(ratios, n=4)
+    return low, middle, high

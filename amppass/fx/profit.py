@@ -24,8 +24,9 @@ painting, the plan is checked against the target device:
      (:func:`amppass.fx.measure.interleaved`) that leave out every round during which a thread of this
      process waited for a CPU. Each kernel's time is its median over the undisturbed samples, the low side
      scaled so that the region's ratio is the median of the undisturbed rounds' ratios. The measurement
-     counts only with at least three such rounds whose ratios agree (spread at most :data:`SPREAD_LIMIT`);
-     then its times are stored in the timing cache;
+     counts only with at least three such rounds whose ratios tell (:func:`amppass.fx.measure.agree`: their
+     interquartile range at most :data:`SPREAD_LIMIT` of their median, or wholly on one side of the
+     decision's ``1 - MARGIN``); then its times are stored in the timing cache;
    - ``prior``: the machine is too busy to tell: the times are estimated from the device's roofline
      (:mod:`amppass.fx.prior`), the region is decided on them, and nothing is cached.
 
@@ -68,7 +69,7 @@ from ..analysis.view import GraphView
 from ..dtypes import LowType
 from ..report.flops import node_macs
 from . import device as device_facts
-from .measure import Timings, interleaved, probe, spread
+from .measure import Timings, agree, interleaved, probe, spread
 from .ops import display_name
 from .prior import Prior
 from .timing_cache import TimingCache
@@ -78,8 +79,10 @@ log = logging.getLogger(__name__)
 
 MARGIN = 0.05  # a low region must save at least this share of its fp32 time
 ROUNDS = 9  # interleaved rounds per region measurement
-SPREAD_LIMIT = 0.25  # the interquartile range of a region's round ratios, over their median, it may have
+SPREAD_LIMIT = 0.25  # a region's round ratios agree when their interquartile range is at most this share of
+# their median (or lies wholly on one side of the decision)
 CLEAR = (0.3, 3.0)  # round ratios all below / all above these: clear-cut after three rounds
+GIVE_UP = 3  # regions in a row without one undisturbed round, after which a conversion stops measuring
 SOURCES = ("table", "cached", "measured", "prior")  # rule 2, in increasing order of doubt
 
 
@@ -156,6 +159,7 @@ class DeviceFacts:
         if not self.native.known:
             self.native = device_facts.native_low(self.fingerprint, low, self._probed(measure=True))
         self._prior: Prior | None = None
+        self.misses = 0  # regions in a row whose timing had no undisturbed round
 
     def prior(self) -> Prior:
         """The device's prior (:mod:`amppass.fx.prior`): from the probe where it can be trusted."""
@@ -328,23 +332,35 @@ def _settle(items: list[_Item], costs: CostModel, facts: DeviceFacts) -> str:
     if not facts.native.native:
         return "device"
     keys = list(unique)
+    if facts.misses >= GIVE_UP:  # this machine is too busy now: estimate the rest of the regions
+        return _estimated(keys, unique, costs, facts)
     try:
         found = interleaved([unique[k].call for k in keys], [unique[k].side for k in keys], ROUNDS,
                             weights=[weights[k] for k in keys], sync=facts.sync, clear=CLEAR)
     except Exception as error:  # noqa: BLE001 - an op that fails on synthetic values: the region stays as painted
         raise _Unmeasurable(f"{type(error).__name__}: {error}") from None
-    if len(found.ratios) >= 3 and spread(found.ratios) <= SPREAD_LIMIT:
-        source, estimates = "measured", _measured(keys, unique, weights, found, known, costs)
-    else:
-        source, prior = "prior", facts.prior()
+    facts.misses = 0 if found.ratios else facts.misses + 1
+    if not agree(found.ratios, 1 - MARGIN, SPREAD_LIMIT):
         log.debug("profitability: region of %s: %d of %d timing rounds undisturbed, their ratios spread %.0f%% "
-                  "(limit %.0f%%); decided on %s", items[0].key.split("|")[0], len(found.ratios), found.rounds,
-                  spread(found.ratios) * 100, SPREAD_LIMIT * 100, prior.source)
-        estimates = {k: unique[k].prior(prior) for k in keys}
-    for key in keys:
+                  "across %.2f; estimated", items[0].key.split("|")[0], len(found.ratios), found.rounds,
+                  spread(found.ratios) * 100, 1 - MARGIN)
+        if facts.misses == GIVE_UP:
+            log.info("profitability: %d regions in a row without an undisturbed timing round; the machine is too "
+                     "busy, the remaining regions are estimated from %s", GIVE_UP, facts.prior().source)
+        return _estimated(keys, unique, costs, facts)
+    for key, seconds in _measured(keys, unique, weights, found, known, costs).items():
         if known[key] is None:
-            costs.record(key, estimates[key], source)
+            costs.record(key, seconds, "measured")
     return max((costs.sources[key] for key in unique), key=SOURCES.index)
+
+
+def _estimated(keys: list[str], unique: Mapping[str, _Item], costs: CostModel, facts: DeviceFacts) -> str:
+    """Rule 2's prior: estimates for the keys without a time (never scaled: they depend on op and device alone)."""
+    prior = facts.prior()
+    for key in keys:
+        if key not in costs.used:
+            costs.record(key, unique[key].prior(prior), "prior")
+    return max((costs.sources[key] for key in keys), key=SOURCES.index)
 
 
 def _measured(keys: list[str], unique: Mapping[str, _Item], weights: Mapping[str, int], found: Timings,
@@ -478,10 +494,11 @@ def _us(seconds: float) -> str:
 
 
 def whole_model(converted: torch.nn.Module, original: torch.nn.Module, args: tuple, kwargs: dict,
-                costs: CostModel, budget: float = 1.0) -> tuple[float, float] | None:
+                costs: CostModel, budget: float = 1.0, measure: bool = True) -> tuple[float, float] | None:
     """Seconds per call of ``converted`` and of ``original`` (fp32), the medians of interleaved rounds left
     undisturbed by other load (rule 2), within about ``budget`` seconds of measuring (3 to 15 rounds); None
-    where too few rounds were undisturbed to tell. Both times go into ``costs`` (keyed by the model and its
+    where too few rounds were undisturbed to tell, or where they are not known and ``measure`` is False (the
+    regions' timings already found the machine too busy). Both times go into ``costs`` (keyed by the model and its
     input shapes), which answers instead when it already holds them; its timing cache keeps them under a
     key that also names the converted graph's code and tensor shapes, so another model of the same class
     never reads them."""
@@ -493,11 +510,13 @@ def whole_model(converted: torch.nn.Module, original: torch.nn.Module, args: tup
     cache = costs.cache.entries if costs.cache is not None else {}
     if all(name in cache for name in stored):
         found = [cache[name] for name in stored]
+    elif not measure:
+        return None
     else:
         calls = [lambda: converted(*args, **kwargs), lambda: original(*args, **kwargs)]
         with torch.inference_mode():
             timings = interleaved(calls, [1, 0], 15, budget_s=budget)
-        if len(timings.ratios) < 3 or spread(timings.ratios) > SPREAD_LIMIT:
+        if not agree(timings.ratios, 1 + MARGIN, SPREAD_LIMIT):
             return None
         found = [round(seconds, 9) for seconds in timings.medians]
         if costs.cache is not None:

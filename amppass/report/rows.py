@@ -125,6 +125,9 @@ def summary_lines(report: Summarised) -> list[str]:
                    if isinstance(timing, dict) and timing else "")
         lines.append(f"profitability: {profit.get('nodes_fp32')} node(s) in {profit.get('regions_fp32')} region(s) "
                      f"kept fp32, slower in low precision on this machine{decided}")
+        device = profit.get("device")
+        if isinstance(device, dict) and device.get("native_low") is False:
+            lines.append(f"not timed: {device.get('why')}")
     if stats["unknown_ops"]:
         lines.append("ops not in the policy table (followed their inputs): " + ", ".join(stats["unknown_ops"]))
     if not stats["calibrated"]:
