@@ -110,7 +110,7 @@ def test_a_cpu_without_native_bf16_keeps_fp32_without_timing_a_kernel(cache, mon
 
     monkeypatch.setattr(profit, "interleaved", never)
     monkeypatch.setattr(profit, "probe", never)
-    monkeypatch.setattr(profit, "whole_model", lambda *args: None)  # the graph against eager: not a kernel timing
+    monkeypatch.setattr(profit, "whole_model", lambda *args, **kwargs: None)  # the graph against eager: not a kernel timing
     model = net()
     with caplog.at_level(logging.WARNING, logger="amppass"):
         first = amppass.convert(model, X, "bf16")
