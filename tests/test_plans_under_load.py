@@ -85,7 +85,7 @@ def test_the_report_names_where_every_region_s_times_came_from(cache):
 
 
 def test_timings_disturbed_by_load_fall_back_to_the_prior_and_are_never_cached(cache, monkeypatch):
-    def disturbed(calls, sides, rounds, **options):  # every round had a sample that waited for a CPU
+    def disturbed(calls, sides, settled, max_rounds, **options):  # every round had a sample that waited
         return Timings([1e-3] * len(calls), [], 3)
 
     monkeypatch.setattr(profit, "interleaved", disturbed)

@@ -12,6 +12,7 @@ disturbed sample is left out, and the comparison counts only when enough undistu
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -37,7 +38,7 @@ def probe(device: torch.device, low: LowType, rounds: int = 7) -> tuple[dict[str
     big, tiny = torch.randn(PROBE_COPY, device=device), torch.ones(1, device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else None
     calls = [lambda: a @ b, lambda: a_low @ b_low, big.clone, lambda: tiny + tiny]
-    found = interleaved(calls, [0, 1, None, None], rounds, sync=sync)
+    found = interleaved(calls, [0, 1, None, None], lambda ratios: len(ratios) >= rounds, 2 * rounds, sync=sync)
     return dict(zip(("gemm_fp32", "gemm_low", "copy_fp32", "call"), found.medians)), spread(found.ratios)
 
 
@@ -51,22 +52,20 @@ class Timings:
     rounds: int
 
 
-def interleaved(calls: list[Callable[[], Any]], sides: list[int | None], rounds: int,
-                weights: list[int] | None = None, sync: Callable[[], None] | None = None, sample_s: float = 2e-4,
-                clear: tuple[float, float] | None = None, budget_s: float = float("inf")) -> Timings:
+def interleaved(calls: list[Callable[[], Any]], sides: list[int | None], settled: Callable[[list[float]], bool],
+                max_rounds: int, weights: list[int] | None = None, sync: Callable[[], None] | None = None,
+                sample_s: float = 1e-3) -> Timings:
     """Time ``calls`` in interleaved rounds, so that both sides of a comparison meet the same machine.
 
     ``sides[i]`` puts call ``i`` on side 0 or 1 of the comparison (None: timed, not compared), counted
     ``weights[i]`` times. Each round times every call once (a sample batches enough calls to take about
     ``sample_s``), side 0 before side 1 in even rounds and after it in odd ones, and yields the ratio
     (weighted sum of side 1) / (weighted sum of side 0). A sample during which this process's threads waited
-    for a CPU (:func:`waited`) is disturbed: it and its round are left out. Measuring stops after ``rounds``
-    undisturbed rounds, after twice as many in all, after a first round in which every sample was disturbed,
-    after three rounds none of which was undisturbed, after
-    three undisturbed rounds once ``budget_s`` seconds are spent, or, with ``clear``, after three undisturbed
-    rounds whose ratios all lie below ``clear[0]`` or above ``clear[1]`` (clear-cut: say 30x slower kernels).
-    Where the first timing of every call was disturbed, or of most of them (of eight or more), no round is
-    run at all."""
+    for a CPU (:func:`waited`) is disturbed: it and its round are left out.
+
+    Measuring stops once three or more undisturbed rounds are ``settled`` (given their ratios), and after
+    ``max_rounds`` rounds in all. It gives up after three rounds none of which was undisturbed, and before
+    the first round where the first timing of every call, or of most of eight or more, was disturbed."""
     weights = weights or [1] * len(calls)
 
     def once(call: Callable[[], Any], repeat: int) -> tuple[float, bool]:
@@ -92,24 +91,22 @@ def interleaved(calls: list[Callable[[], Any]], sides: list[int | None], rounds:
         clean: list[list[float]] = [[] for _ in calls]
         every: list[list[float]] = [[] for _ in calls]
         ratios: list[float] = []
-        index, began, calm = 0, time.perf_counter(), False
-        while len(ratios) < rounds and index < 2 * rounds and (index < 3 or ratios) and (index != 1 or calm):
+        index = 0
+        while index < max_rounds and (index < 3 or ratios):
             first, second, rest = groups if index % 2 == 0 else (groups[1], groups[0], groups[2])
-            hits = 0
+            disturbed = False
             for i in first + second + rest:
                 seconds, hit = once(calls[i], repeats[i])
                 every[i].append(seconds)
-                hits += hit
+                disturbed |= hit
                 if not hit:
                     clean[i].append(seconds)
-            disturbed, calm = hits > 0, calm or hits < len(calls)
             index += 1
             if not disturbed:
                 base, other = (sum(weights[i] * every[i][-1] for i in group) for group in groups[:2])
                 ratios.append(other / base if base > 0 else 1.0)
-            if len(ratios) >= 3 and (time.perf_counter() - began > budget_s or clear is not None and (
-                    max(ratios) < clear[0] or min(ratios) > clear[1])):
-                break
+                if len(ratios) >= 3 and settled(ratios):
+                    break
     return Timings([statistics.median(c or e) for c, e in zip(clean, every)], ratios, index)
 
 
@@ -140,13 +137,16 @@ def spread(ratios: list[float]) -> float:
 
 
 def agree(ratios: list[float], threshold: float, limit: float) -> bool:
-    """Whether undisturbed rounds tell a comparison against ``threshold``: at least three of them, whose
-    interquartile range is narrow (:func:`spread` at most ``limit``) or lies wholly on one side of
-    ``threshold`` (a wide spread that cannot change the answer)."""
+    """Whether undisturbed rounds tell a comparison against ``threshold``: at least three of them, and either
+    narrow (:func:`spread` at most ``limit``: the median decides even a near-even comparison) or with
+    ``threshold`` outside the median's notch, ``median ± 1.57 IQR / sqrt(n)`` (the approximate 95% interval
+    of a median that box plots draw, McGill, Tukey and Larsen 1978): a wide spread that cannot change the
+    answer."""
     if len(ratios) < 3:
         return False
-    low, _, high = _quartiles(ratios)
-    return spread(ratios) <= limit or high < threshold or low > threshold
+    low, middle, high = _quartiles(ratios)
+    notch = 1.57 * (high - low) / math.sqrt(len(ratios))
+    return spread(ratios) <= limit or middle + notch < threshold or middle - notch > threshold
 
 
 def _quartiles(ratios: list[float]) -> tuple[float, float, float]:

@@ -25,8 +25,8 @@ painting, the plan is checked against the target device:
      process waited for a CPU. Each kernel's time is its median over the undisturbed samples, the low side
      scaled so that the region's ratio is the median of the undisturbed rounds' ratios. The measurement
      counts only with at least three such rounds whose ratios tell (:func:`amppass.fx.measure.agree`: their
-     interquartile range at most :data:`SPREAD_LIMIT` of their median, or wholly on one side of the
-     decision's ``1 - MARGIN``); then its times are stored in the timing cache;
+     interquartile range at most :data:`SPREAD_LIMIT` of their median, or the decision's ``1 - MARGIN``
+     outside the 95% interval of their median); then its times are stored in the timing cache;
    - ``prior``: the machine is too busy to tell: the times are estimated from the device's roofline
      (:mod:`amppass.fx.prior`), the region is decided on them, and nothing is cached.
 
@@ -78,11 +78,11 @@ from .view import fetch_attr
 log = logging.getLogger(__name__)
 
 MARGIN = 0.05  # a low region must save at least this share of its fp32 time
-ROUNDS = 9  # interleaved rounds per region measurement
+ROUNDS = 9  # undisturbed interleaved rounds per region measurement (up to three times as many where they disagree)
 SPREAD_LIMIT = 0.25  # a region's round ratios agree when their interquartile range is at most this share of
-# their median (or lies wholly on one side of the decision)
-CLEAR = (0.3, 3.0)  # round ratios all below / all above these: clear-cut after three rounds
-GIVE_UP = 3  # regions in a row without one undisturbed round, after which a conversion stops measuring
+# their median (or the decision lies outside their median's 95% interval)
+CLEAR = (0.3, 3.0)  # round ratios all below / all above these: clear-cut after three undisturbed rounds
+GIVE_UP = (3, 1.0)  # regions in a row, and seconds, without one undisturbed round: then a conversion stops timing
 SOURCES = ("table", "cached", "measured", "prior")  # rule 2, in increasing order of doubt
 
 
@@ -159,7 +159,27 @@ class DeviceFacts:
         if not self.native.known:
             self.native = device_facts.native_low(self.fingerprint, low, self._probed(measure=True))
         self._prior: Prior | None = None
-        self.misses = 0  # regions in a row whose timing had no undisturbed round
+        self.misses, self._missing_since = 0, 0.0  # regions in a row whose timing had no undisturbed round
+        self._said = False
+
+    def note(self, undisturbed: bool) -> None:
+        """Record whether a region's timing had an undisturbed round; say so when the machine turns out too
+        busy to time any (:data:`GIVE_UP`), after which the conversion estimates the remaining regions."""
+        if undisturbed:
+            self.misses = 0
+            return
+        self.misses += 1
+        if self.misses == 1:
+            self._missing_since = time.perf_counter()
+        if self.too_busy and not self._said:
+            self._said = True
+            log.info("profitability: %d regions in a row without an undisturbed timing round; the machine is too "
+                     "busy, the remaining regions are estimated from %s", self.misses, self.prior().source)
+
+    @property
+    def too_busy(self) -> bool:
+        """Whether the machine was too busy to time a region for :data:`GIVE_UP` regions and seconds."""
+        return self.misses >= GIVE_UP[0] and time.perf_counter() - self._missing_since >= GIVE_UP[1]
 
     def prior(self) -> Prior:
         """The device's prior (:mod:`amppass.fx.prior`): from the probe where it can be trusted."""
@@ -332,21 +352,18 @@ def _settle(items: list[_Item], costs: CostModel, facts: DeviceFacts) -> str:
     if not facts.native.native:
         return "device"
     keys = list(unique)
-    if facts.misses >= GIVE_UP:  # this machine is too busy now: estimate the rest of the regions
+    if facts.too_busy:  # this machine is too busy now: estimate the rest of the regions
         return _estimated(keys, unique, costs, facts)
     try:
-        found = interleaved([unique[k].call for k in keys], [unique[k].side for k in keys], ROUNDS,
-                            weights=[weights[k] for k in keys], sync=facts.sync, clear=CLEAR)
+        found = interleaved([unique[k].call for k in keys], [unique[k].side for k in keys], _settled, 3 * ROUNDS,
+                            weights=[weights[k] for k in keys], sync=facts.sync)
     except Exception as error:  # noqa: BLE001 - an op that fails on synthetic values: the region stays as painted
         raise _Unmeasurable(f"{type(error).__name__}: {error}") from None
-    facts.misses = 0 if found.ratios else facts.misses + 1
+    facts.note(bool(found.ratios))
     if not agree(found.ratios, 1 - MARGIN, SPREAD_LIMIT):
         log.debug("profitability: region of %s: %d of %d timing rounds undisturbed, their ratios spread %.0f%% "
                   "across %.2f; estimated", items[0].key.split("|")[0], len(found.ratios), found.rounds,
                   spread(found.ratios) * 100, 1 - MARGIN)
-        if facts.misses == GIVE_UP:
-            log.info("profitability: %d regions in a row without an undisturbed timing round; the machine is too "
-                     "busy, the remaining regions are estimated from %s", GIVE_UP, facts.prior().source)
         return _estimated(keys, unique, costs, facts)
     for key, seconds in _measured(keys, unique, weights, found, known, costs).items():
         if known[key] is None:
@@ -361,6 +378,14 @@ def _estimated(keys: list[str], unique: Mapping[str, _Item], costs: CostModel, f
         if key not in costs.used:
             costs.record(key, unique[key].prior(prior), "prior")
     return max((costs.sources[key] for key in keys), key=SOURCES.index)
+
+
+def _settled(ratios: list[float]) -> bool:
+    """Whether a region's undisturbed rounds are enough: :data:`ROUNDS` that tell the decision, or three that
+    are clear-cut (all beyond :data:`CLEAR`)."""
+    if max(ratios) < CLEAR[0] or min(ratios) > CLEAR[1]:
+        return True
+    return len(ratios) >= ROUNDS and agree(ratios, 1 - MARGIN, SPREAD_LIMIT)
 
 
 def _measured(keys: list[str], unique: Mapping[str, _Item], weights: Mapping[str, int], found: Timings,
@@ -514,8 +539,9 @@ def whole_model(converted: torch.nn.Module, original: torch.nn.Module, args: tup
         return None
     else:
         calls = [lambda: converted(*args, **kwargs), lambda: original(*args, **kwargs)]
+        began = time.perf_counter()
         with torch.inference_mode():
-            timings = interleaved(calls, [1, 0], 15, budget_s=budget)
+            timings = interleaved(calls, [1, 0], lambda ratios: time.perf_counter() - began > budget, 15)
         if not agree(timings.ratios, 1 + MARGIN, SPREAD_LIMIT):
             return None
         found = [round(seconds, 9) for seconds in timings.medians]
