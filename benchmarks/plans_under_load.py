@@ -9,7 +9,7 @@ process measured before (:func:`amppass.fx.profit.forget`):
   with an empty cache: the regions whose timings load disturbed are decided on the device prior;
 - ``busy, quiet cache``: under the same load, with the cache the quiet plan filled.
 
-Columns: ``heavy`` the matmul/conv/attention nodes of the quiet plan's graph; ``low_*`` how many of them run
+Columns: ``heavy`` the matmul/conv/attention nodes of the converted graph; ``low_*`` how many of them run
 bf16 in each plan ("kept fp32" where the whole original module was kept, measured faster);
 ``same_as_quiet`` whether that plan gives every node the quiet plan's precision; ``timing_*`` how many
 regions each source decided (measured, cached, prior, device); ``convert_s_*`` the conversion time.
@@ -123,7 +123,7 @@ def measure(name: str, size: str, repeats: int) -> dict[str, Any]:
     ms = {key: statistics.median(values) * 1e3 for key, values in samples.items()}
     reference = quiet_plan["precisions"]
     return {
-        "model": f"{name}-{size}", "heavy": quiet_plan["heavy"],
+        "model": f"{name}-{size}", "heavy": max(p["heavy"] for p in (quiet_plan, busy_plan, cached_plan)),
         "low_quiet": _low(quiet_plan), "low_busy_empty": _low(busy_plan), "low_busy_cached": _low(cached_plan),
         "same_as_quiet_empty": busy_plan["precisions"] == reference,
         "same_as_quiet_cached": cached_plan["precisions"] == reference,

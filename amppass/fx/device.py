@@ -4,9 +4,10 @@ Profitability (:mod:`amppass.fx.profit`) times kernels on the device a plan is m
 that device come first:
 
 1. **Fingerprint** (:func:`fingerprint`): what a timing depends on besides the kernel itself. For a CPU:
-   its model name, the ISA flags that decide which low-precision instructions exist, torch's CPU
-   capability (the kernel set torch dispatches to), the torch and oneDNN versions and torch's thread
-   count; for a GPU: its name and compute capability, the torch and CUDA versions. Timings are cached
+   its model name, the ISA flags that decide which low-precision instructions exist (None where the
+   operating system does not list them), torch's CPU capability (the kernel set torch dispatches to), the
+   torch and oneDNN versions and torch's thread count; for a GPU: its name and compute capability, the
+   torch and CUDA versions. Timings are cached
    under it (:mod:`amppass.fx.timing_cache`): a change of any field (a new CPU, a torch upgrade,
    ``torch.set_num_threads``) starts a new table.
 2. **Native low precision** (:func:`native_low`): whether the device has instructions for the low dtype.
@@ -15,7 +16,7 @@ that device come first:
    without them oneDNN and torch convert to fp32 and back around every operation, so low-precision
    kernels run several to 30 times slower than fp32 and no region can win: the plan keeps fp32 without
    timing any kernel. Where the flags cannot be read, a one-time probe (a matrix product in both
-   precisions, :func:`probe`) answers instead, stored with the device's timings. NVIDIA GPUs run fp16
+   precisions, :func:`amppass.fx.measure.probe`) answers instead, stored with the device's timings. NVIDIA GPUs run fp16
    natively from compute capability 5.3 and bf16 from 8.0.
 
 Tests inject the CPU facts by patching :func:`cpu_facts`; nothing here depends on the CPU that runs them.

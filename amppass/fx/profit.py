@@ -27,8 +27,10 @@ painting, the plan is checked against the target device:
      counts only with at least three such rounds whose ratios tell (:func:`amppass.fx.measure.agree`: their
      interquartile range at most :data:`SPREAD_LIMIT` of their median, or the decision's ``1 - MARGIN``
      outside the 95% interval of their median); then its times are stored in the timing cache;
-   - ``prior``: the machine is too busy to tell: the times are estimated from the device's roofline
-     (:mod:`amppass.fx.prior`), the region is decided on them, and nothing is cached.
+   - ``prior``: the rounds did not tell (the machine is too busy): the times are estimated from the
+     device's roofline (:mod:`amppass.fx.prior`), the region is decided on them, and nothing is cached.
+     Once :data:`GIVE_UP` regions in a row, over a second or more, had no undisturbed round at all, the
+     conversion stops timing and estimates the rest (timing them would only cost time).
 
    A region is labelled with the most doubtful source among its times. Where some of its times are known
    and others are measured now, the new ones are scaled so that the known (not estimated) ones agree with
@@ -42,7 +44,9 @@ painting, the plan is checked against the target device:
 
 4. Whole model (:func:`whole_model`, used by :func:`amppass.convert`): the converted graph against the original
    module in fp32; where the original is faster, it is kept (:mod:`amppass.fx.kept`). That throws the whole
-   plan away, so it is done only from a saved table or from rounds that other load left undisturbed.
+   plan away, so it is done only from a saved table, the timing cache (under a digest of the converted
+   graph, so another model of the same class never reads it), or rounds that other load left undisturbed;
+   it is not timed at all where the last region's timing had no undisturbed round.
 
 The table of every time used is stored in the converted model's metadata (``info["costs"]``); passing it
 back as ``costs=`` makes a conversion reuse those times instead of measuring, so a plan is reproducible
