@@ -32,7 +32,8 @@ painting, the plan is checked against the target device:
      Once :data:`GIVE_UP` regions in a row, over a second or more, had no undisturbed round at all, the
      conversion stops timing and estimates the rest (timing them would only cost time).
 
-   A region is labelled with the most doubtful source among its times. Where some of its times are known
+   A region whose ops cannot run alone on synthetic inputs is kept as painted (``unmeasured``). A region
+   is labelled with the most doubtful source among its times. Where some of its times are known
    and others are measured now, the new ones are scaled so that the known (not estimated) ones agree with
    them: a busy machine's times are slower, not different in ratio. Estimates are never scaled, so a
    prior's times depend on the op and the device alone.

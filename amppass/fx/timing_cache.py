@@ -11,7 +11,9 @@ answer. amppass keeps the times profitability (:mod:`amppass.fx.profit`) measure
 2. **Keyed by the device**: the file is ``<digest>.json``, the digest of the fingerprint
    (:func:`amppass.fx.device.fingerprint`: CPU model and ISA flags, torch capability, torch and oneDNN
    versions, thread count). The file also holds the fingerprint itself and is used only if it equals the
-   current one, so a changed device, library or thread count never reads another's times.
+   current one, so a changed device, library or thread count never reads another's times. What the
+   fingerprint cannot see (a BIOS setting, a new power limit) is forgotten by deleting the file or the
+   folder: the next conversion measures again.
 3. **Safe to share**: an update takes an exclusive lock (``fcntl.flock`` on ``<digest>.lock``), reads the
    file again, merges its new entries in and replaces the file atomically (:func:`amppass.files.write_atomic`):
    a reader sees the old table or the new one, never half a file, and processes converting at once keep
