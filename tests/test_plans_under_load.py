@@ -160,3 +160,30 @@ def test_AMPPASS_CACHE_off_reads_and_writes_no_cache(tmp_path, monkeypatch):
         converted = amppass.convert(net(), X, "bf16")
     assert amppass.report(converted).info["profitability"]["device"]["timing_cache"] == "off (AMPPASS_CACHE=off)"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_whole_model_times_are_cached_under_the_converted_graph_s_own_digest(cache, monkeypatch):
+    """A later conversion of the same model reads the comparison with the original from the cache; a model
+    of the same class and input shapes but other layer sizes does not."""
+    def steady(calls, sides, settled, max_rounds, **options):  # converted 1 ms, original 2 ms: agreed
+        return Timings([1e-3, 2e-3] if sides == [1, 0] else [1e-3] * len(calls), [0.5] * 9, 9)
+
+    monkeypatch.setattr(profit, "interleaved", steady)
+    first = amppass.convert(net(), X, "bf16")
+    assert amppass.report(first).info["whole_model"] == {"converted_ms": 1.0, "original_ms": 2.0}
+
+    def never(*args, **kwargs):
+        raise AssertionError("timed again")
+
+    monkeypatch.setattr(profit, "interleaved", never)
+    profit.forget()
+    again = amppass.convert(net(), X, "bf16")
+    assert amppass.report(again).info["whole_model"] == {"converted_ms": 1.0, "original_ms": 2.0}
+
+    torch.manual_seed(0)
+    wider = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256), nn.LayerNorm(256),
+                          nn.Linear(256, 64)).eval()
+    sides = []
+    monkeypatch.setattr(profit, "interleaved", lambda *a, **k: sides.append(a[1]) or steady(*a, **k))
+    amppass.convert(wider, X, "bf16")
+    assert [1, 0] in sides  # its whole-model comparison (converted, original) was timed, not read
