@@ -197,6 +197,18 @@ def _conformance(quick: bool, out: Path) -> Section:
     return section
 
 
+def _plans_under_load(quick: bool, out: Path) -> Section:
+    from . import plans_under_load
+
+    section = Section("Plans under load: made quiet and made beside 4 busy processes (bf16, this CPU)", "",
+                      notes=[plans_under_load.NOTES])
+    rows = plans_under_load.run(quick)
+    same = sum(r["same_as_quiet_cached"] for r in rows)
+    section.tables.append((f"Heavy nodes low per plan; {same} of {len(rows)} busy plans with the quiet cache equal "
+                           "the quiet plan", rows))
+    return section
+
+
 SECTIONS: dict[str, Callable[[bool, Path], Section]] = {
     "latency": _latency,
     "never_slower": _never_slower,
@@ -211,6 +223,7 @@ SECTIONS: dict[str, Callable[[bool, Path], Section]] = {
     "compile": _compile,
     "lean_onnx": _lean_onnx,
     "conformance": _conformance,
+    "plans_under_load": _plans_under_load,
     "tolerance_ref": _external("tolerance_reference", "Tolerance search against a reference ranking (ONNX fp16, "
                                "onnxruntime CPU)", lambda m, quick: m.run(quick)),
 }

@@ -25,9 +25,11 @@ from .calibrate import calibrated_plan, flatten_inputs, split_batch
 from .capture import capture, capture_program
 from .gelu import FUSED_KEY, fuse_tanh_gelu
 from .kept import KeptFp32
+from .device import fingerprint
 from .profit import CostModel
 from .rewrite import META_KEY, rewrite
 from .shapes import GUARDS_KEY, ServingGraph, carried_decisions, matching
+from .timing_cache import TimingCache
 from .view import build_view
 
 log = logging.getLogger(__name__)
@@ -194,15 +196,18 @@ def _faster_of(gm: fx.GraphModule, model: nn.Module, example: tuple[Any, dict],
     args, kwargs = example
     args = split_batch(args)[0] if args is not None else ()
     info = gm.meta[META_KEY]
-    table = CostModel({**info.get("costs", {}), **(costs or {})})
-    busy = profit.busy()
-    if busy and not any(k.startswith("whole model") for k in table.known):
-        # keeping the original throws the whole plan away: only on measurements a quiet machine gives
-        log.warning("%s: not compared with the original module: %s; the converted graph is kept (convert on a "
-                    "quiet machine, or pass costs= from one)", type(model).__name__, busy)
-        info["whole_model"] = {"skipped": busy}
+    device = next((t.device for t in gm.parameters()), torch.device("cpu"))
+    table = CostModel({**info.get("costs", {}), **(costs or {})}, TimingCache(fingerprint(device)))
+    busy = info.get("profitability", {}).get("too_busy", False)
+    measured = profit.whole_model(gm, model, args, kwargs, table, measure=not busy)
+    if measured is None:
+        # keeping the original throws the whole plan away: only on measurements load left undisturbed
+        log.warning("%s: not compared with the original module: the machine was too busy for its timings to "
+                    "agree; the converted graph is kept (convert on a quiet machine, or pass costs= from one)",
+                    type(model).__name__)
+        info["whole_model"] = {"skipped": "the machine was too busy for the timings to agree"}
         return gm
-    converted_s, original_s = profit.whole_model(gm, model, args, kwargs, table)
+    converted_s, original_s = measured
     info["costs"] = table.table() if not info.get("costs") else {**info["costs"], **table.table()}
     info["whole_model"] = {"converted_ms": round(converted_s * 1e3, 4), "original_ms": round(original_s * 1e3, 4)}
     if converted_s <= (1 + profit.MARGIN) * original_s:
@@ -300,15 +305,32 @@ def _profitability(gm: fx.GraphModule, view: GraphView, target: Target, given: d
     start = time.perf_counter()
     args, kwargs = example
     flat = flatten_inputs(gm, split_batch(args)[0] if args is not None else (), kwargs, index=0)
-    model = CostModel(costs)
-    plan = paint(view, target.low, given, low_weight_tables=low_weight_tables)
     device = next((t.device for t in gm.parameters()), torch.device(target.name))
-    decided = profit.decide(gm, view, plan, target.low, flat, given, model, keep_io_types, device)
-    regions = len({d.evidence.get("fp32_us") for d in decided.values()})
+    facts = profit.DeviceFacts(device, target.low)
+    model = CostModel(costs, facts.cache)
+    plan = paint(view, target.low, given, low_weight_tables=low_weight_tables)
+    decided, regions = profit.decide(gm, view, plan, target.low, flat, given, model, keep_io_types, facts)
+    timing = {source: sum(r["timing"] == source for r in regions) for source in (*profit.SOURCES, "device")}
+    timing = {source: count for source, count in timing.items() if count}
+    if timing.get("device"):
+        _say_once(f"profitability: {facts.native.reason}; every region runs fp32 without timing "
+                  "(plan_for='coverage' converts it anyway)")
     seconds = time.perf_counter() - start
-    log.info("profitability: %d region(s) kept fp32, %d timings, %.2f s", regions, len(model.used), seconds)
-    return decided, {"costs": model.table(), "profitability": {"regions_fp32": regions, "nodes_fp32": len(decided),
-                                                             "seconds": round(seconds, 3)}}
+    fp32 = sum(r["runs"] == "fp32" for r in regions)
+    log.info("profitability: %d of %d region(s) kept fp32 (%s), %d timings, %.2f s", fp32, len(regions),
+             ", ".join(f"{n} {s}" for s, n in timing.items()) or "none", len(model.used), seconds)
+    return decided, {"costs": model.table(), "profitability": {
+        "regions_fp32": fp32, "nodes_fp32": len(decided), "seconds": round(seconds, 3), "timing": timing,
+        "too_busy": facts.misses > 0, "device": facts.describe(), "regions": regions}}
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    """Log ``message`` as a warning the first time in this process, at debug level after that."""
+    log.log(logging.DEBUG if message in _SAID else logging.WARNING, message)
+    _SAID.add(message)
 
 
 def _unchanged(model: nn.Module, info: dict, dtype: Any, mode: str) -> nn.Module:

@@ -122,8 +122,14 @@ def summary_lines(report: Summarised) -> list[str]:
                      + ("" if info.get("tolerance_met", True) else " (not met)"))
     profit = info.get("profitability")
     if isinstance(profit, dict) and finite(profit.get("nodes_fp32")) is not None:
+        timing = profit.get("timing")
+        decided = (", regions timed: " + ", ".join(f"{n} {s}" for s, n in timing.items())
+                   if isinstance(timing, dict) and timing else "")
         lines.append(f"profitability: {profit.get('nodes_fp32')} node(s) in {profit.get('regions_fp32')} region(s) "
-                     "kept fp32, measured slower in low precision on this machine")
+                     f"kept fp32, slower in low precision on this machine{decided}")
+        device = profit.get("device")
+        if isinstance(device, dict) and device.get("native_low") is False:
+            lines.append(f"not timed: {device.get('why')}")
     if stats["unknown_ops"]:
         lines.append("ops not in the policy table (followed their inputs): " + ", ".join(stats["unknown_ops"]))
     if not stats["calibrated"]:

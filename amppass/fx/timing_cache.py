@@ -1,0 +1,119 @@
+"""A persistent timing cache per device, so that a plan measured once is not measured again.
+
+TensorRT keeps a timing cache and inductor an autotune cache on disk for the same reason: a kernel's time
+on a device does not change between builds, and measuring it again on a busy machine gives another
+answer. amppass keeps the times profitability (:mod:`amppass.fx.profit`) measured, and the device probe
+(:func:`amppass.fx.measure.probe`), in one JSON file per device fingerprint:
+
+1. **Where**: ``$AMPPASS_CACHE`` if set, else ``$XDG_CACHE_HOME/amppass/timings``, else
+   ``~/.cache/amppass/timings``. ``AMPPASS_CACHE=off`` (or ``0``, ``false``, ``no``, ``none``) disables
+   it: nothing is read or written, and only the times measured in this process are reused.
+2. **Keyed by the device**: the file is ``<digest>.json``, the digest of the fingerprint
+   (:func:`amppass.fx.device.fingerprint`: CPU model and ISA flags, torch capability, torch and oneDNN
+   versions, thread count). The file also holds the fingerprint itself and is used only if it equals the
+   current one, so a changed device, library or thread count never reads another's times. What the
+   fingerprint cannot see (a BIOS setting, a new power limit) is forgotten by deleting the file or the
+   folder: the next conversion measures again.
+3. **Safe to share**: an update takes an exclusive lock (``fcntl.flock`` on ``<digest>.lock``), reads the
+   file again, merges its new entries in and replaces the file atomically (:func:`amppass.files.write_atomic`):
+   a reader sees the old table or the new one, never half a file, and processes converting at once keep
+   each other's entries. A file that cannot be read or parsed is treated as empty (and replaced by the
+   next update); a folder that cannot be written is logged once and the conversion goes on without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+from ..files import write_atomic
+from .device import digest
+
+log = logging.getLogger(__name__)
+
+ENV = "AMPPASS_CACHE"
+OFF = ("off", "0", "false", "no", "none")
+
+
+def folder() -> Path | None:
+    """The cache folder (rule 1), or None where ``AMPPASS_CACHE`` disables the cache."""
+    chosen = os.environ.get(ENV, "").strip()
+    if chosen.lower() in OFF:
+        return None
+    if chosen:
+        return Path(chosen).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME", "").strip() or Path.home() / ".cache"
+    return Path(base) / "amppass" / "timings"
+
+
+class TimingCache:
+    """The timing table of one device fingerprint (module docstring). ``entries`` maps a cost key to
+    seconds; :meth:`add` stores new ones."""
+
+    def __init__(self, found: dict[str, Any], where: Path | None = None):
+        self.fingerprint = found
+        self.folder = where if where is not None else folder()
+        self.path = None if self.folder is None else self.folder / f"{digest(found)}.json"
+        self.entries: dict[str, float] = self._read()
+
+    @property
+    def enabled(self) -> bool:
+        return self.path is not None
+
+    def describe(self) -> str:
+        """Where the cache is, for the report: its file, or why there is none."""
+        return str(self.path) if self.path is not None else f"off ({ENV}={os.environ.get(ENV)})"
+
+    def add(self, entries: Mapping[str, float]) -> None:
+        """Merge ``entries`` into the cache file (rule 3); a cache that cannot be written is skipped."""
+        if self.path is None or not entries:
+            return
+        self.entries.update(entries)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with _locked(self.path.with_suffix(".lock")):
+                merged = {**self._read(), **entries}
+                write_atomic(self.path, json.dumps({"fingerprint": self.fingerprint, "entries": merged},
+                                                   sort_keys=True, indent=0))
+            self.entries = merged
+        except OSError as error:
+            log.warning("timing cache %s not written (%s); set %s to a writable folder, or to 'off'",
+                        self.path, error, ENV)
+            self.path = None
+
+    def _read(self) -> dict[str, float]:
+        if self.path is None:
+            return {}
+        try:
+            stored = json.loads(self.path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as error:
+            log.debug("timing cache %s unreadable (%s); treated as empty", self.path, error)
+            return {}
+        if not isinstance(stored, dict) or stored.get("fingerprint") != self.fingerprint:
+            return {}  # another device (a digest collision) or an older format: not this device's times
+        entries = stored.get("entries")
+        if not isinstance(entries, dict):
+            return {}
+        return {str(k): float(v) for k, v in entries.items() if isinstance(v, (int, float)) and v >= 0}
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path`` for the block (advisory; no lock where the platform has no flock)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: os.replace alone keeps the file whole; concurrent merges may lose entries
+        yield
+        return
+    with open(path, "a+b") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
