@@ -180,6 +180,12 @@ def decide(gm: fx.GraphModule, view: GraphView, plan: PrecisionPlan, low: LowTyp
         except _Unmeasurable as why:
             log.debug("profitability: region of %s not measured (%s); kept as painted", region.nodes[0], why)
             continue
+        except _LowFailed as failed:  # a missing low kernel the kernel facts did not know of: never a crash
+            if failed.node not in given:
+                decisions[failed.node] = Decision(
+                    Precision.FP32, f"its {low} kernel raised when timed on this {device.type.upper()} "
+                    f"({failed.error}); runs fp32", Source.PROFITABILITY, {"rule": "profitability"})
+            continue
         if lowered + casts <= (1 - MARGIN) * fp32:
             continue
         count = len(region.cast_in) + len(region.cast_out)
@@ -198,6 +204,15 @@ class _Unmeasurable(Exception):
     """A node that cannot be timed alone (no recorded inputs, an op that fails on synthetic values)."""
 
 
+class _LowFailed(Exception):
+    """A node whose low-precision call raised where its fp32 call ran: no low kernel for it here."""
+
+    def __init__(self, node: str, error: BaseException):
+        super().__init__(node)
+        self.node = node
+        self.error = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+
+
 class _Timer:
     """Times one node's op, or one cast, on synthetic inputs of the recorded shapes."""
 
@@ -213,7 +228,12 @@ class _Timer:
         args, kwargs = pytree.tree_map(lambda a: self._value(a, dtype), (node.args, node.kwargs))
         target = self._callable(node, low)
         key = f"{display_name(node, self.gm)}|{_describe((args, kwargs))}|{self.device.type}"
-        return self.costs.time(key, lambda: target(*args, **kwargs))
+        try:
+            return self.costs.time(key, lambda: target(*args, **kwargs))
+        except Exception as err:  # noqa: BLE001 - a kernel that fails here must not fail the conversion
+            if low:
+                raise _LowFailed(node.name, err) from err
+            raise _Unmeasurable(f"{node.name} fails on synthetic inputs: {err}") from err
 
     def cast(self, node: fx.Node, down: bool) -> float:
         spec = self.specs.get(node)

@@ -175,6 +175,14 @@ def _category(node: fx.Node, gm: fx.GraphModule, typed: bool, wide_range: bool =
     row = policy.lookup(name, training)
     if row is None:
         return Category.FOLLOW, policy.UNKNOWN_REASON, True
+    if name == "einsum" and node.args and isinstance(node.args[0], str):
+        form = policy.einsum_form(node.args[0])
+        if form == "sum":
+            return Category.FP32, policy.EINSUM_SUM_REASON, False
+        if form == "elementwise":
+            return Category.FOLLOW, policy.EINSUM_FOLLOW_REASON, False
+    if name == "linalg_matrix_power" and len(node.args) > 1 and type(node.args[1]) is int and node.args[1] < 0:
+        return Category.FP32, policy.INVERSE_POWER_REASON, False
     exponent = node.args[1] if name == "pow" and len(node.args) > 1 else None
     if wide_range and type(exponent) in (int, float) and exponent in SMALL_POWERS:
         return Category.FOLLOW, (
