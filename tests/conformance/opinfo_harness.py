@@ -31,6 +31,7 @@ from amppass.dtypes import low_type
 
 FEEDS = ("fp32", "low")
 SAMPLES = 2  # the first samples of each OpInfo entry
+SEED = 0  # set before each run of a case, so random ops draw the same numbers in each
 
 
 @dataclass
@@ -52,6 +53,7 @@ class Outcome:
     error: float = 0.0  # largest relative L2 error over the float outputs
     autocast_error: float | None = None
     detail: str = ""
+    same_structure: bool = False  # outputs of the reference's types, shapes and dtypes (values aside)
 
 
 def opinfo_cases(names: set[str] | None = None, samples: int = SAMPLES) -> Iterator[Case]:
@@ -149,8 +151,8 @@ def rounded(inputs: tuple, dtype: torch.dtype) -> tuple:
 def relative_error(out: Any, ref: Any) -> float:
     """The largest ``||out - ref|| / ||ref||`` over the float tensors of two outputs (finite entries; a
     non-finite entry or an exact value that differs counts as infinite error)."""
-    outs, ref_spec = pytree.tree_flatten(out)
-    refs, spec = pytree.tree_flatten(ref)
+    outs, ref_spec = pytree.tree_flatten(_sizes_as_tuples(out))
+    refs, spec = pytree.tree_flatten(_sizes_as_tuples(ref))
     if ref_spec != spec or len(outs) != len(refs):
         return math.inf
     worst = 0.0
@@ -196,6 +198,7 @@ def run_case(case: Case, dtype: str, feed: str, bound: float, with_autocast: boo
         warnings.simplefilter("ignore")
         try:
             with torch.no_grad():
+                torch.manual_seed(SEED)
                 reference = module(*reference_inputs)
         except Exception as err:  # noqa: BLE001 - a sample the wrapped op itself rejects
             return Outcome("skipped", detail=_line(err))
@@ -207,18 +210,35 @@ def run_case(case: Case, dtype: str, feed: str, bound: float, with_autocast: boo
             return Outcome("convert-crash", detail=f"{type(err).__name__}: {_line(err)}")
         try:
             with torch.no_grad():
+                torch.manual_seed(SEED)
                 out = converted(*inputs)
         except Exception as err:  # noqa: BLE001 - what the suite is here to find
             return Outcome("crash", detail=f"{type(err).__name__}: {_line(err)}")
         error = relative_error(out, reference)
         autocast = _autocast_error(module, inputs, reference, low) if with_autocast or error > bound else None
-    return Outcome("correct" if error <= bound else "wrong", error, autocast)
+    return Outcome("correct" if error <= bound else "wrong", error, autocast,
+                   same_structure=_structure(out) == _structure(reference))
+
+
+def _structure(value: Any) -> Any:
+    """Types, shapes and dtypes of an output, values aside (a torch.Size reads as the tuple export returns)."""
+    leaves, spec = pytree.tree_flatten(_sizes_as_tuples(value))
+    return str(spec), [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__ for t in leaves]
+
+
+def _sizes_as_tuples(value: Any) -> Any:
+    if isinstance(value, torch.Size):
+        return tuple(value)
+    if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
+        return type(value)(_sizes_as_tuples(v) for v in value)
+    return value
 
 
 def _autocast_error(module: nn.Module, inputs: tuple, reference: Any, low: torch.dtype) -> float | None:
     """torch.autocast's error on the same module and inputs (None where autocast fails)."""
     try:
         with torch.no_grad(), torch.autocast("cpu", dtype=low):
+            torch.manual_seed(SEED)
             out = module(*inputs)
     except Exception:  # noqa: BLE001 - autocast crashing on an op is a fact, not a harness failure
         return None
