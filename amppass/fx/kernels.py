@@ -106,9 +106,10 @@ def probe(node: fx.Node, gm: fx.GraphModule, low: LowType, device: torch.device)
 def _described(val: Any, lowered: bool) -> Any:
     """A node's example value as the probe rebuilds it: a :class:`_Tensor`, a number, or None (unknown)."""
     if isinstance(val, torch.Tensor):
-        if val.is_quantized or val.layout != torch.strided:
+        shape = tuple(_hint(d) for d in val.shape)
+        if val.is_quantized or val.layout != torch.strided or None in shape:
             return None
-        return _Tensor(tuple(_hint(d) for d in val.shape), val.dtype, lowered and val.dtype == torch.float32)
+        return _Tensor(shape, val.dtype, lowered and val.dtype == torch.float32)
     if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return _hint(val)
     if isinstance(val, (int, float, bool)):
@@ -117,9 +118,9 @@ def _described(val: Any, lowered: bool) -> Any:
 
 
 def _hint(value: Any) -> Any:
-    """A concrete number for a possibly symbolic one (its example value)."""
+    """A concrete number for a possibly symbolic one (its example value); None for a data-dependent one."""
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return value.node.hint if value.node.hint is not None else torch.fx.experimental.symbolic_shapes.hint_int(value)
+        return value.node.hint
     return value
 
 

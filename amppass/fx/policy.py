@@ -102,7 +102,7 @@ POLICY: tuple[PolicyRow, ...] = (
     PolicyRow(
         Category.FP32,
         "exponential: overflows fp16 quickly (exp(11.1) > 65504); computed in fp32",
-        ("exp", "exp2", "expm1", "logsumexp", "logaddexp", "logaddexp2"),
+        ("exp", "exp2", "expm1", "logsumexp", "logaddexp", "logaddexp2", "matrix_exp"),
     ),
     PolicyRow(
         Category.FP32,
@@ -131,7 +131,7 @@ POLICY: tuple[PolicyRow, ...] = (
         Category.FP32,
         "transcendental with a narrow fp16 domain or range",
         ("erfinv", "acos", "asin", "tan", "cosh", "sinh", "atanh", "acosh", "asinh", "polar", "lgamma",
-         "digamma", "polygamma", "mvlgamma"),
+         "digamma", "polygamma", "special_polygamma", "mvlgamma"),
     ),
     PolicyRow(
         Category.FP32,

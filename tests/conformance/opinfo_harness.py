@@ -77,7 +77,8 @@ def opinfo_cases(names: set[str] | None = None, samples: int = SAMPLES) -> Itera
 
 
 def autocast_cases(names: set[str] | None = None) -> Iterator[Case]:
-    """Every entry of ``torch.testing._internal.autocast_test_lists.AutocastCPUTestLists``."""
+    """Every entry of ``torch.testing._internal.autocast_test_lists.AutocastCPUTestLists``; the low-precision
+    tensors of its fp32 lists (there to check that autocast casts them up) as the fp32 ones a model has."""
     from torch.testing._internal.autocast_test_lists import AutocastCPUTestLists
 
     torch.manual_seed(0)
@@ -93,7 +94,14 @@ def autocast_cases(names: set[str] | None = None) -> Iterator[Case]:
                 "methods") else torch)
             fn = getattr(module, op)
             kwargs = entry[2] if len(entry) > 2 and isinstance(entry[2], dict) else {}  # else: the dtype expected
+            if list_name.endswith("fp32"):  # bf16 tensors, to see autocast cast them up: an fp32 model has fp32
+                args, kwargs = pytree.tree_map(_as_fp32, (tuple(args), kwargs))
             yield Case(f"autocast:{list_name}:{op}", op, fn, tuple(args), dict(kwargs))
+
+
+def _as_fp32(value: Any) -> Any:
+    return value.float() if isinstance(value, torch.Tensor) and value.dtype in (torch.bfloat16, torch.float16) \
+        else value
 
 
 def _first(iterable: Any, count: int) -> Iterator[Any]:
@@ -251,6 +259,16 @@ def _autocast_error(module: nn.Module, inputs: tuple, reference: Any, low: torch
 def _line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return text[0][:300] if text else type(err).__name__
+
+
+def case_names() -> set[str]:
+    """The op names cases are matched on, without building any sample."""
+    from torch.testing._internal.autocast_test_lists import AutocastCPUTestLists
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    lists = AutocastCPUTestLists(torch.device("cpu"))
+    return {info.name + (f".{info.variant_test_name}" if info.variant_test_name else "") for info in op_db} | {
+        entry[0] for entries in vars(lists).values() if isinstance(entries, list) for entry in entries}
 
 
 def all_cases(names: set[str] | None = None) -> list[Case]:
