@@ -95,6 +95,11 @@ def _representative() -> tuple[harness.Case, ...]:
     return tuple(c for c in harness.all_cases(set(FAST)) if c.key.endswith("#0") or c.key.startswith("autocast:"))
 
 
+@functools.lru_cache(maxsize=None)
+def _every() -> tuple[harness.Case, ...]:
+    return tuple(harness.all_cases())
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("feed", harness.FEEDS)
 def test_representative_ops(dtype, feed):
@@ -108,5 +113,5 @@ def test_representative_ops(dtype, feed):
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("feed", harness.FEEDS)
 def test_every_opinfo_sample(dtype, feed):
-    failures = _run(harness.all_cases(), dtype, feed)
+    failures = _run(list(_every()), dtype, feed)
     assert not failures, f"{len(failures)} unexpected outcomes:\n" + "\n".join(failures)
