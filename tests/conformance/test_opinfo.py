@@ -6,7 +6,7 @@ Each outcome is asserted: correct within the dtype's bound (``opinfo_expected.js
 entry in ``expected`` says with its reason (a clean refusal naming the op, an fp32 op that fails on its own sample,
 random values, a sample no bound holds for). A converted model that crashes is always a failure.
 
-The whole suite is slow (``python -m pytest tests/conformance/test_opinfo.py -m slow``, about 10 minutes on
+The whole suite is slow (``python -m pytest tests/conformance/test_opinfo.py -m slow``, 3 minutes of CPU time on
 2 cores); the default run converts a representative subset: the ops whose defects this suite found, one op of
 each expected outcome, and a few plain ones.
 """
