@@ -12,15 +12,16 @@ call. :func:`low_blocked` says why a node cannot run low, from three sources, th
    raises where the fp32 call runs is a missing kernel; the reason quotes torch's error.
 3. The packaged table: per device and low dtype, the ops PyTorch's op database lists without a low kernel.
 
-Probe inputs: every dimension cut to at most 2 (the same size always cuts to the same size, so shapes that
-must agree still agree), and, where the fp32 call rejects those (a reshape to the real sizes, a kernel
-larger than the cut image), the real sizes up to :data:`REAL_ELEMENTS` elements. Float values are 0.5 plus
-an identity on square trailing dimensions: inside every elementwise function's domain, symmetric positive
+Probe inputs have the sizes of the node's example values (up to :data:`REAL_ELEMENTS` elements in all):
+sizes a kernel relates implicitly (an RNN's weights and its hidden size) must stay consistent, or a kernel
+that trusts them reads out of bounds; cut-down sizes crashed torch's GRU. Float values are 0.5 plus an
+identity on square trailing dimensions: inside every elementwise function's domain, symmetric positive
 definite and well conditioned for the factorizations. Integer tensors are zeros (a valid index), booleans
 False. A call on an empty tensor proves nothing (kernels return before dispatching on dtype), nor does one
-the fp32 call fails too: then the probe has no verdict and the table answers. Verdicts are cached per
-process by overload, device, low dtype, the dtypes and ranks of the tensor arguments and the values of the
-other non-numeric arguments (a ``reduce="prod"`` can lack a kernel where ``"sum"`` has one).
+the fp32 call fails too, nor a call too large: then the probe has no verdict and the table answers.
+Verdicts are cached per process by overload, device, low dtype, the dtypes and ranks of the tensor arguments
+and the values of the other non-numeric arguments (a ``reduce="prod"`` can lack a kernel where ``"sum"`` has
+one).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from . import ops, policy
 
 log = logging.getLogger(__name__)
 
-REAL_ELEMENTS = 1 << 20  # the most tensor elements a probe at the real sizes allocates
+REAL_ELEMENTS = 1 << 22  # the most tensor elements (of all its arguments) a probe allocates
 _verdicts: dict[tuple, str | None] = {}  # per process: cache key -> reason ("" has a kernel) or None
 
 
@@ -98,6 +99,8 @@ def probe(node: fx.Node, gm: fx.GraphModule, low: LowType, device: torch.device)
         return ""  # nothing the plan converts: the op runs as it did
     key = (target, device.type, low.torch, str(spec), tuple(_key(v) for v in values))
     if key not in _verdicts:
+        if sum(_numel(v.shape) for v in values if isinstance(v, _Tensor)) > REAL_ELEMENTS:
+            return None  # too large to call here; a smaller node of the same form may decide it later
         _verdicts[key] = _ask(target, spec, values, low, device, ops.display_name(node, gm))
         log.debug("kernel probe %s in %s on %s: %r", target, low, device.type, _verdicts[key])
     return _verdicts[key]
@@ -138,30 +141,20 @@ def _key(value: Any) -> Any:
 
 def _ask(target: torch._ops.OpOverload, spec: Any, values: list, low: LowType, device: torch.device,
          name: str) -> str | None:
-    for tiny in (True, False):
-        fp32 = _arguments(spec, values, tiny, None, device)
-        if fp32 is None:
-            return None
-        if not _runs(target, fp32):
-            continue
-        lowered = _arguments(spec, values, tiny, low.torch, device)
-        try:
-            _call(target, lowered)
-        except Exception as err:  # noqa: BLE001 - any failure of the low call where fp32 runs is the verdict
-            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-            return (f"torch {torch.__version__.split('+')[0]} on {device.type} has no {low} kernel for {name} "
-                    f"(a test call raised: {first}); kept fp32")
-        if not _empty(lowered):
-            return ""
-    return None
-
-
-def _runs(target: torch._ops.OpOverload, arguments: tuple) -> bool:
+    fp32 = _arguments(spec, values, None, device)
+    if _empty(fp32):
+        return None
     try:
-        _call(target, arguments)
-    except Exception:  # noqa: BLE001 - inputs this op rejects: try the real sizes, or no verdict
-        return False
-    return True
+        _call(target, fp32)
+    except Exception:  # noqa: BLE001 - values this op rejects (its real ones are not known here): no verdict
+        return None
+    try:
+        _call(target, _arguments(spec, values, low.torch, device))
+    except Exception as err:  # noqa: BLE001 - any failure of the low call where fp32 runs is the verdict
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        return (f"torch {torch.__version__.split('+')[0]} on {device.type} has no {low} kernel for {name} "
+                f"(a test call raised: {first}); kept fp32")
+    return ""
 
 
 def _call(target: torch._ops.OpOverload, arguments: tuple) -> None:
@@ -171,16 +164,14 @@ def _call(target: torch._ops.OpOverload, arguments: tuple) -> None:
         target(*args, **kwargs)
 
 
-def _arguments(spec: Any, values: list, tiny: bool, low: torch.dtype | None, device: torch.device) -> tuple | None:
-    """(args, kwargs) of a probe call; None when the real sizes are too large to allocate for it."""
-    if not tiny and sum(_numel(v.shape) for v in values if isinstance(v, _Tensor)) > REAL_ELEMENTS:
-        return None
-    leaves = [_make(v, tiny, low, device) if isinstance(v, _Tensor) else v for v in values]
+def _arguments(spec: Any, values: list, low: torch.dtype | None, device: torch.device) -> tuple:
+    """(args, kwargs) of a probe call: tensors of the real sizes, lowered ones in ``low`` (if given)."""
+    leaves = [_make(v, low, device) if isinstance(v, _Tensor) else v for v in values]
     return pytree.tree_unflatten(leaves, spec)
 
 
-def _make(value: _Tensor, tiny: bool, low: torch.dtype | None, device: torch.device) -> torch.Tensor:
-    shape = [min(d, 2) for d in value.shape] if tiny else list(value.shape)
+def _make(value: _Tensor, low: torch.dtype | None, device: torch.device) -> torch.Tensor:
+    shape = list(value.shape)
     dtype = low if low is not None and value.lowered else value.dtype
     if value.dtype == torch.bool:
         return torch.zeros(shape, dtype=torch.bool, device=device)
