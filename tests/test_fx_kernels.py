@@ -189,3 +189,20 @@ def test_fnet_converts_and_runs_within_a_bound_of_fp32(dtype, plan_for, bound):
     out, ref = converted(ids).last_hidden_state, model(ids).last_hidden_state
     assert out.dtype == torch.float32 and _rel(out, ref) < bound
     assert all(r.precision == "fp32" for r in amppass.report(converted).rows if r.op.startswith("aten.fft"))
+
+
+class EmptyBessel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.special.bessel_j0(self.a(x)[:0])  # empty: the kernel still refuses bf16
+
+
+def test_a_kernel_refusing_an_empty_tensor_is_a_verdict():
+    torch.manual_seed(0)
+    converted, rows = _rows(EmptyBessel().eval(), "bf16", plan_for="coverage")
+    bessel = next(r for r in rows.values() if r.op == "aten.special_bessel_j0")
+    assert bessel.precision == "fp32" and "no bf16 kernel" in bessel.reason
+    assert converted(X).shape == (0, 16)

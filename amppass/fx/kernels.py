@@ -17,8 +17,9 @@ sizes a kernel relates implicitly (an RNN's weights and its hidden size) must st
 that trusts them reads out of bounds; cut-down sizes crashed torch's GRU. Float values are 0.5 plus an
 identity on square trailing dimensions: inside every elementwise function's domain, symmetric positive
 definite and well conditioned for the factorizations. Integer tensors are zeros (a valid index), booleans
-False. A call on an empty tensor proves nothing (kernels return before dispatching on dtype), nor does one
-the fp32 call fails too, nor a call too large: then the probe has no verdict and the table answers.
+False. A low call that runs on an empty tensor proves nothing (kernels may return before dispatching on
+dtype), nor does one the fp32 call fails too, nor a call too large: then the probe has no verdict and the
+table answers.
 Verdicts are cached per process by overload, device, low dtype, the dtypes and ranks of the tensor arguments
 and the values of the other non-numeric arguments (a ``reduce="prod"`` can lack a kernel where ``"sum"`` has
 one).
@@ -142,8 +143,6 @@ def _key(value: Any) -> Any:
 def _ask(target: torch._ops.OpOverload, spec: Any, values: list, low: LowType, device: torch.device,
          name: str) -> str | None:
     fp32 = _arguments(spec, values, None, device)
-    if _empty(fp32):
-        return None
     try:
         _call(target, fp32)
     except Exception:  # noqa: BLE001 - values this op rejects (its real ones are not known here): no verdict
@@ -154,7 +153,7 @@ def _ask(target: torch._ops.OpOverload, spec: Any, values: list, low: LowType, d
         first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
         return (f"torch {torch.__version__.split('+')[0]} on {device.type} has no {low} kernel for {name} "
                 f"(a test call raised: {first}); kept fp32")
-    return ""
+    return None if _empty(fp32) else ""
 
 
 def _call(target: torch._ops.OpOverload, arguments: tuple) -> None:
