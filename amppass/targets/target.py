@@ -75,7 +75,7 @@ class Target:
             info["kernels"] = self.kernels.describe()
         if self.front_end == "fx":
             info["profitability"] = "measured on this machine" if self.profitable else "off"
-            asked = "asked of torch on this machine (one tiny call per op), else " if self.judge == "runtime" else ""
+            asked = "asked of torch on this machine (one test call per op form), else " if self.judge == "runtime" else ""
             info["kernels"] = {"source": asked + torch_facts().describe()}
         return info
 
