@@ -204,3 +204,14 @@ def test_train_mode_serves_another_length_and_trains_its_own_parameters(lstm):
     assert all(p.grad is None for p in model.parameters()), "the caller's model is not trained"
     with pytest.raises(amppass.InputError, match="state_dict"):
         pickle.dumps(train)
+
+
+def test_a_model_returning_a_python_number_from_item_converts():
+    # Tensor.item() gives export an unbacked symbol bounded by sympy's oo (not int_oo): the guards take it
+    class Scalar(nn.Module):
+        def forward(self, x):
+            return (x @ x.T).sum().item()
+
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    converted = amppass.convert(Scalar(), (x,), dtype="bf16", plan_for="coverage")
+    assert abs(converted(x) - Scalar()(x)) <= 2e-2 * abs(Scalar()(x))

@@ -31,8 +31,20 @@ POLICY: tuple[PolicyRow, ...] = (
     PolicyRow(
         Category.LOW,
         "matrix multiply: Tensor Core work, accumulates in fp32 inside the kernel",
-        ("mm", "bmm", "matmul", "addmm", "baddbmm", "addbmm", "linear", "einsum", "mv", "addmv", "bilinear",
-         "_addmm_activation", "tensordot"),
+        ("mm", "bmm", "matmul", "addmm", "baddbmm", "addbmm", "linear", "einsum", "bilinear", "_addmm_activation",
+         "linalg_multi_dot", "chain_matmul", "linalg_matrix_power"),
+    ),
+    PolicyRow(
+        Category.LOW,
+        "matrix-vector product or tensor contraction: the products of a matrix multiply, accumulated in fp32 inside "
+        "the kernel, so its error is the rounding of its inputs and output (torch.autocast runs mv/addmv low on "
+        "CUDA; its CPU list leaves them to follow their inputs, and whether low pays there is measured)",
+        ("mv", "addmv", "tensordot"),
+    ),
+    PolicyRow(
+        Category.LOW,
+        "dot product along a dimension: low-precision products summed in fp32 (torch.autocast runs it low)",
+        ("linalg_vecdot",),
     ),
     PolicyRow(
         Category.LOW,
@@ -45,9 +57,9 @@ POLICY: tuple[PolicyRow, ...] = (
         "attention: fused kernel, softmax statistics kept in fp32 inside it",
         ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
          "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-         "_scaled_dot_product_flash_attention_for_cpu"),
+         "_scaled_dot_product_flash_attention_for_cpu", "_native_multi_head_attention"),
         # an additive mask of -3.4e38 would become -inf in fp16; saturate it to the low dtype's range
-        slots={"attn_mask": "saturate"},
+        slots={"attn_mask": "saturate", "mask": "saturate"},
     ),
     PolicyRow(
         Category.LOW,
@@ -90,7 +102,7 @@ POLICY: tuple[PolicyRow, ...] = (
     PolicyRow(
         Category.FP32,
         "exponential: overflows fp16 quickly (exp(11.1) > 65504); computed in fp32",
-        ("exp", "exp2", "expm1", "logsumexp", "logaddexp", "logaddexp2"),
+        ("exp", "exp2", "expm1", "logsumexp", "logaddexp", "logaddexp2", "matrix_exp"),
     ),
     PolicyRow(
         Category.FP32,
@@ -119,7 +131,7 @@ POLICY: tuple[PolicyRow, ...] = (
         Category.FP32,
         "transcendental with a narrow fp16 domain or range",
         ("erfinv", "acos", "asin", "tan", "cosh", "sinh", "atanh", "acosh", "asinh", "polar", "lgamma",
-         "digamma", "polygamma", "mvlgamma"),
+         "digamma", "polygamma", "special_polygamma", "mvlgamma"),
     ),
     PolicyRow(
         Category.FP32,
@@ -140,7 +152,16 @@ POLICY: tuple[PolicyRow, ...] = (
         "resampling: interpolation weights and coordinates need fp32",
         ("upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "upsample_linear1d",
          "upsample_bilinear2d", "upsample_bicubic2d", "upsample_trilinear3d", "_upsample_bilinear2d_aa",
-         "_upsample_nearest_exact2d", "grid_sampler", "grid_sampler_2d", "affine_grid_generator"),
+         "_upsample_bicubic2d_aa", "_upsample_nearest_exact1d", "_upsample_nearest_exact2d",
+         "_upsample_nearest_exact3d", "grid_sampler", "grid_sampler_2d", "grid_sampler_3d",
+         "affine_grid_generator"),
+    ),
+    PolicyRow(
+        Category.FP32,
+        "3-D adaptive average pooling: torch's CPU kernel sums each window in the low dtype (20x the output's "
+        "rounding error on 6x6x6 windows in bf16), and torch.autocast keeps it fp32; computed in fp32",
+        ("adaptive_avg_pool3d",),
+        facts=frozenset({REDUCTION}),
     ),
     PolicyRow(
         Category.FOLLOW,
@@ -152,8 +173,7 @@ POLICY: tuple[PolicyRow, ...] = (
     PolicyRow(
         Category.FOLLOW,
         "average pooling: runs in the precision of its inputs (long windows are kept fp32 by calibration)",
-        ("avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
-         "adaptive_avg_pool3d"),
+        ("avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d"),
         facts=frozenset({REDUCTION}),
     ),
     PolicyRow(
@@ -210,6 +230,29 @@ TRAINING: tuple[PolicyRow, ...] = (
 )
 
 UNKNOWN_REASON = "not in the policy table: follows its inputs (override it if it needs fp32)"
+
+EINSUM_SUM_REASON = ("einsum whose equation only sums (no index is shared by two operands and summed): a reduction, "
+                     "not a matrix multiply; a sum over many terms loses bits in the low dtype; computed in fp32")
+EINSUM_FOLLOW_REASON = ("einsum whose equation sums nothing (an outer or elementwise product, a transpose, a "
+                        "diagonal): elementwise work that runs in the precision of its inputs")
+INVERSE_POWER_REASON = ("matrix power with a negative exponent: inverts the matrix, which has no low-precision "
+                        "kernel and magnifies rounding by its condition number; computed in fp32")
+
+
+def einsum_form(equation: str) -> str:
+    """What an einsum equation computes: "contraction" when an index shared by two operands is summed (a
+    matrix multiply), "sum" when it only sums indices of single operands, "elementwise" when it sums nothing.
+    """
+    equation = equation.replace(" ", "").replace("...", "")
+    inputs, arrow, output = equation.partition("->")
+    operands = [set(term) for term in inputs.split(",")]
+    if not arrow:  # implicit output: the indices that appear once
+        letters = [c for term in inputs.split(",") for c in term]
+        output = "".join(c for c in letters if letters.count(c) == 1)
+    summed = set().union(*operands) - set(output)
+    if any(sum(c in term for term in operands) >= 2 for c in summed):
+        return "contraction"
+    return "sum" if summed else "elementwise"
 
 _BY_NAME: dict[str, PolicyRow] = {op: row for row in POLICY for op in row.ops}
 _TRAINING_BY_NAME: dict[str, PolicyRow] = {op: row for row in TRAINING for op in row.ops}

@@ -32,6 +32,9 @@ painting, the plan is checked against the target device:
      Once :data:`GIVE_UP` regions in a row, over a second or more, had no undisturbed round at all, the
      conversion stops timing and estimates the rest (timing them would only cost time).
 
+   Every kernel of a region is called once before any timing or estimate: a low-precision kernel that
+   raises where its fp32 twin runs (a missing kernel the kernel facts of :mod:`amppass.fx.kernels` did not
+   know of) makes its node fp32 with that reason, never a crash at run time.
    A region whose ops cannot run alone on synthetic inputs is kept as painted (``unmeasured``). A region
    is labelled with the most doubtful source among its times. Where some of its times are known
    and others are measured now, the new ones are scaled so that the known (not estimated) ones agree with
@@ -63,7 +66,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch import fx
@@ -315,6 +318,13 @@ def decide(gm: fx.GraphModule, view: GraphView, plan: PrecisionPlan, low: LowTyp
             log.debug("profitability: region of %s not measured (%s); kept as painted", region.nodes[0], why)
             records.append({**record, "runs": low.name, "timing": "unmeasured"})
             continue
+        except _LowFailed as failed:  # a missing low kernel the kernel facts did not know of: never a crash
+            if failed.node not in given:
+                decisions[failed.node] = Decision(
+                    Precision.FP32, f"its {low} kernel raised when timed on this {kind} "
+                    f"({failed.error}); runs fp32", Source.PROFITABILITY, {"rule": "profitability"})
+            records.append({**record, "runs": "fp32", "timing": "low kernel failed"})
+            continue
         if record["timing"] == "device":
             reason = f"profitability: {facts.native.reason}; runs fp32 (not timed)"
             evidence: dict[str, Any] = {"rule": "profitability", "timing": "device", "region": len(region.nodes)}
@@ -357,6 +367,7 @@ def _settle(items: list[_Item], costs: CostModel, facts: DeviceFacts) -> str:
     if not facts.native.native:
         return "device"
     keys = list(unique)
+    _try_once(unique.values())
     if facts.too_busy:  # this machine is too busy now: estimate the rest of the regions
         return _estimated(keys, unique, costs, facts)
     try:
@@ -374,6 +385,19 @@ def _settle(items: list[_Item], costs: CostModel, facts: DeviceFacts) -> str:
         if known[key] is None:
             costs.record(key, seconds, "measured")
     return max((costs.sources[key] for key in unique), key=SOURCES.index)
+
+
+def _try_once(items: Iterable[_Item]) -> None:
+    """Call each item once, fp32 kernels first: a low kernel that raises where its fp32 twin ran is a missing
+    kernel (:class:`_LowFailed`), decided fp32 even when the region's times come from a prior; any other
+    failure leaves the region unmeasured."""
+    for item in sorted(items, key=lambda i: i.kind == "low"):
+        try:
+            item.call()
+        except Exception as error:  # noqa: BLE001 - a kernel that fails here must not fail the conversion
+            if item.kind == "low":
+                raise _LowFailed(item.node, error) from error
+            raise _Unmeasurable(f"{type(error).__name__}: {error}") from None
 
 
 def _estimated(keys: list[str], unique: Mapping[str, _Item], costs: CostModel, facts: DeviceFacts) -> str:
@@ -410,6 +434,15 @@ class _Unmeasurable(Exception):
     """A node that cannot be timed alone (no recorded inputs, an op that fails on synthetic values)."""
 
 
+class _LowFailed(Exception):
+    """A node whose low-precision call raised where its fp32 call ran: no low kernel for it here."""
+
+    def __init__(self, node: str, error: BaseException):
+        super().__init__(node)
+        self.node = node
+        self.error = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+
+
 @dataclass(frozen=True)
 class _Item:
     """One thing a region's decision adds up: a node's kernel in fp32 or low precision, or a cast."""
@@ -418,6 +451,7 @@ class _Item:
     kind: str  # "fp32", "low" or "cast"
     call: Callable[[], Any]
     prior: Callable[[Prior], float]  # its estimated seconds under a device prior
+    node: str = ""  # the node whose kernel it times ("" for a cast)
 
     @property
     def side(self) -> int:
@@ -450,7 +484,7 @@ class _Timer:
         macs, values = node_macs(node) or 0, self._float_values(node)
         size = self.low.torch.itemsize
         return _Item(key, "low" if low else "fp32", lambda: target(*args, **kwargs),
-                     lambda prior: prior.op(macs, values, low, size))
+                     lambda prior: prior.op(macs, values, low, size), node.name)
 
     def cast(self, node: fx.Node, down: bool) -> _Item | None:
         spec = self.specs.get(node)

@@ -23,6 +23,10 @@ Rules:
 8. A constant the graph creates at run time in fp32 (``zeros``, ``full``, ... : an RNN's initial state, a
    mask) that only low-precision readers read is created in the low dtype directly, instead of created in
    fp32 and cast on every call, when its fill value fits the low dtype.
+9. Complex values follow the real ones they are made from: fp16 parts make complex32 where the original
+   made complex64 (``torch.complex``, ``view_as_complex``), and reading real values out of complex32 gives
+   fp16. Torch tracks neither as an fp32 value, so the rewrite does: with ``keep_io_types`` a complex32
+   output is cast back to complex64, and an fp16 one read out of complex32 to fp32.
 """
 
 from __future__ import annotations
@@ -206,6 +210,9 @@ class _Rewriter:
         return node.target, args, kwargs
 
     def _out_dtype(self, node: fx.Node, decision: Any) -> torch.dtype | None:
+        complex_half = self._complex_half(node, decision)
+        if complex_half is not None:
+            return complex_half
         if not self.fp32[node]:
             return None
         if node.target is operator.getitem and _is_container(node.args[0]):
@@ -214,12 +221,30 @@ class _Rewriter:
             return torch.float32
         return self.low if decision.precision is Precision.LOW else torch.float32
 
+    def _complex_half(self, node: fx.Node, decision: Any) -> torch.dtype | None:
+        """Rule 9: complex32 for a complex64 value made from fp16 values (fp16 has a complex twin, bf16 none),
+        fp16 for an fp32 value read out of complex32 ones (``view_as_real``, ``abs``); None otherwise."""
+        val = node.meta.get("val")
+        if (self.low != torch.float16 or not isinstance(val, torch.Tensor)
+                or val.dtype not in (torch.complex64, torch.float32)
+                or (decision is not None and decision.precision in (Precision.FP32, Precision.FP32_ACCUM))):
+            return None
+        complex_inputs = [a for a in node.all_input_nodes
+                          if isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].is_complex()]
+        halves = [a for a in complex_inputs if self.dtype.get(self.env[a]) == torch.complex32]
+        if val.dtype == torch.float32:
+            return self.low if halves else None
+        made_low = decision is not None and decision.precision is Precision.LOW
+        return torch.complex32 if (halves or made_low) and len(halves) == len(complex_inputs) else None
+
     def _output(self, node: fx.Node) -> None:
         def back(arg: Any) -> Any:
             if not isinstance(arg, fx.Node):
                 return arg
             if self.keep_io and self.fp32[arg]:
                 return self._value_as(arg, torch.float32)
+            if self.keep_io and self.dtype.get(self.env[arg]) == torch.complex32:
+                return self._value_as(arg, torch.complex64)
             return self.env[arg]
 
         args = torch.utils._pytree.tree_map(back, node.args)

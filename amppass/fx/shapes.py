@@ -273,12 +273,14 @@ def _input_names(in_spec: Any, values: list[Any], signature: inspect.Signature |
 
 
 def _bound(value: Any) -> Any:
-    """A range bound as an int, or +-inf for sympy's integer infinities."""
+    """A range bound as an int, or +-inf for sympy's infinities (``int_oo``; ``oo`` bounds the unbacked
+    symbol of a ``Tensor.item()``)."""
+    import sympy
     from torch.utils._sympy.numbers import int_oo
 
-    if value == int_oo:
+    if value in (int_oo, sympy.oo):
         return math.inf
-    return -math.inf if value == -int_oo else int(value)
+    return -math.inf if value in (-int_oo, -sympy.oo) else int(value)
 
 
 def _spec(name: str, value: Any) -> InputSpec:

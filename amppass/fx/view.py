@@ -16,7 +16,7 @@ from torch import fx
 from ..analysis.plan import Category
 from ..analysis.view import GraphView, OpView
 from ..targets.target import Target
-from . import ops, policy
+from . import kernels, ops, policy
 
 # whole exponents that a wide-range low dtype (bf16) computes as safely as a product: x**2, x**3 (GELU's tanh form)
 SMALL_POWERS = frozenset({2, 3})
@@ -104,10 +104,13 @@ def build_view(gm: fx.GraphModule, target: Target) -> tuple[GraphView, dict[str,
                 view.weights[state_name] = _absmax(tensor) if measure_weights else 0.0
                 held[state_name] = tensor
                 inputs.append(state_name)
+            blocked = ""
             if category is not Category.KEEP and not inputs:
                 category, unknown, reason = Category.KEEP, False, (
                     "creates fp32 values at run time; kept as they are" if fp32[node] else "no fp32 tensors in or out"
                 )
+            elif category is not Category.KEEP:
+                category, reason, blocked = _kernel_facts(node, gm, target, category, reason, unknown)
             view.nodes.append(OpView(
                 name=node.name,
                 op=ops.display_name(node, gm),
@@ -116,10 +119,25 @@ def build_view(gm: fx.GraphModule, target: Target) -> tuple[GraphView, dict[str,
                 inputs=inputs,
                 outputs=[node.name] if fp32[node] else [],
                 unknown=unknown,
+                low_blocked=blocked,
                 scalars=[float(a) for a in _flat_args(node) if type(a) is float],
                 facts=_facts(node, gm) if category is not Category.KEEP else frozenset(),
             ))
     return view, nodes
+
+
+def _kernel_facts(node: fx.Node, gm: fx.GraphModule, target: Target, category: Category, reason: str,
+                  unknown: bool) -> tuple[Category, str, str]:
+    """(category, reason, why the node cannot run low) once the target's kernels are known
+    (:mod:`amppass.fx.kernels`): an op that would run low without a low kernel there runs fp32, and so
+    does an op the policy table does not list but torch.autocast keeps fp32 on that device."""
+    blocked = kernels.low_blocked(node, gm, target)
+    if blocked and category in (Category.LOW, Category.FOLLOW):
+        return Category.FP32, blocked, blocked
+    autocast = kernels.autocast_reason(ops.op_name(node, gm), target) if unknown else ""
+    if autocast:
+        return Category.FP32, autocast, blocked
+    return category, reason, blocked
 
 
 def _category(node: fx.Node, gm: fx.GraphModule, typed: bool, wide_range: bool = False) -> tuple[Category, str, bool]:
@@ -157,6 +175,14 @@ def _category(node: fx.Node, gm: fx.GraphModule, typed: bool, wide_range: bool =
     row = policy.lookup(name, training)
     if row is None:
         return Category.FOLLOW, policy.UNKNOWN_REASON, True
+    if name == "einsum" and node.args and isinstance(node.args[0], str):
+        form = policy.einsum_form(node.args[0])
+        if form == "sum":
+            return Category.FP32, policy.EINSUM_SUM_REASON, False
+        if form == "elementwise":
+            return Category.FOLLOW, policy.EINSUM_FOLLOW_REASON, False
+    if name == "linalg_matrix_power" and len(node.args) > 1 and type(node.args[1]) is int and node.args[1] < 0:
+        return Category.FP32, policy.INVERSE_POWER_REASON, False
     exponent = node.args[1] if name == "pow" and len(node.args) > 1 else None
     if wide_range and type(exponent) in (int, float) and exponent in SMALL_POWERS:
         return Category.FOLLOW, (

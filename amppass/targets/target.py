@@ -17,6 +17,9 @@ A :class:`Target` carries everything about the deployment that changes a plan:
 - ``profitable`` (torch, on this machine's device): whether profitability is measured, i.e. a region of
   the plan runs low only where its low-precision kernels and casts beat fp32 here
   (:mod:`amppass.fx.profit`).
+- kernels (torch): which ops have a low-precision kernel on the device is asked of torch itself where this
+  machine has the device, and read from a packaged table otherwise (:mod:`amppass.fx.kernels`,
+  :mod:`amppass.targets.torch_kernels`).
 - ``slow_low`` (torch): ATen ops the device runs in low precision only through a slow reference path, kept
   fp32 by the plan whatever is measured. On CPUs torch has oneDNN's fused low-precision LSTM, but GRU and
   plain RNN layers and cells run bf16 through unfused code, several times slower than fp32 and less
@@ -37,6 +40,7 @@ import torch
 from ..dtypes import LowType, low_type
 from ..errors import InputError
 from .kernels import NO_CONDITIONS, KernelConditions, KernelTable, load, load_conditions
+from .torch_kernels import torch_facts
 
 ONNX_TARGETS = ("cpu", "cuda", "tensorrt")
 TORCH_TARGETS = ("cpu", "cuda")
@@ -75,6 +79,8 @@ class Target:
             info["kernels"] = self.kernels.describe()
         if self.front_end == "fx":
             info["profitability"] = "measured on this machine" if self.profitable else "off"
+            asked = "asked of torch on this machine (one test call per op form), else " if self.judge == "runtime" else ""
+            info["kernels"] = {"source": asked + torch_facts().describe()}
         return info
 
     def __str__(self) -> str:
