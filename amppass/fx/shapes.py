@@ -39,6 +39,7 @@ from torch.utils import _pytree as pytree
 
 from ..analysis.plan import Decision, Precision, Source
 from ..errors import CaptureError, InputError
+from .face import Fp32Face, stored_parameters
 from .modes import module_mode
 from .rewrite import META_KEY
 
@@ -408,11 +409,12 @@ class _Plans:
     made: int = 0
 
 
-class ServingGraph(fx.GraphModule):
+class ServingGraph(Fp32Face, fx.GraphModule):
     """A converted graph that serves every input shape its original model takes (see the module docstring).
 
     It is the converted graph of the example's shapes (``graph``, ``meta``, parameters and buffers are
-    that plan's); calls its guards reject go to a later plan, captured and converted on first use.
+    that plan's); calls its guards reject go to a later plan, captured and converted on first use. Its
+    ``parameters()`` and ``dtype`` face its caller in fp32 (:mod:`amppass.fx.face`).
 
     Args:
         gm: the converted graph module; its graph and state become this module's.
@@ -615,7 +617,7 @@ def _without_guard_node(gm: fx.GraphModule) -> None:
 
 
 def _state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
+    return stored_parameters(module, remove_duplicate=False) + list(module.named_buffers(remove_duplicate=False))
 
 
 def _set(root: nn.Module, name: str, tensor: torch.Tensor) -> None:
