@@ -16,7 +16,8 @@ Rules:
 3. A later plan reads the first plan's tensors wherever it has a state entry of the same name, so the
    converted module stays one snapshot of the model (and its low-precision weights are stored once).
 4. Decisions calibration or the tolerance search made (fp32 for a node) carry over to later plans by
-   node name and op: the calibration batches have the example's shapes, so they are not run again.
+   node name and op: calibration already ran every batch (those of other shapes on captures of their own,
+   :mod:`amppass.fx.calibrate`), so they are not run again.
 5. A call that cannot be captured is run on the original model: if the original rejects it too, its own
    error is raised; otherwise a :class:`~amppass.errors.CaptureError` names the input, the dimension and
    what the model was converted for. Without the original model (a loaded program) a rejected call raises

@@ -39,13 +39,13 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import onnx
 from onnx import external_data_helper, helper
 
-from ..analysis.calibration import Progress, check_tolerance, first_line, plan_from_stats, relative_error
+from ..analysis.calibration import Progress, Trials, check_tolerance, first_line, plan_from_stats, relative_error
 from ..analysis.plan import Category, Decision, PrecisionPlan
 from ..analysis.stats import CalibrationStats
 from ..analysis.view import GraphView
@@ -120,18 +120,11 @@ def calibrated_plan(
     data = calibrate(fp32, calibration, replay=low.onnx if tolerance is not None else None,
                      keep=tolerance is not None, progress=progress, casts_around=target.judge == "runtime")
 
-    def run_plan(plan: PrecisionPlan) -> float:
-        trial = onnx.ModelProto()
-        trial.CopyFrom(fp32.model)
-        apply(trial, plan)
-        if target.judge == "runtime":
-            return output_error(trial, fp32.store, data, optimized=True)
-        return output_error(simulate(trial, fp32.store), fp32.store, data)
-
+    trials = OnnxTrials(fp32, data, target, apply)
     plan, info = plan_from_stats(fp32.view, data.stats, low, given, batches=data.batches,
                                  seconds=data.seconds, low_weight_tables=low_weight_tables, tolerance=tolerance,
                                  local_error=data.local_error, added_error=data.added_error, norms=data.norms,
-                                 run_plan=run_plan, progress=progress)
+                                 trials=trials, progress=progress)
     if data.unobserved:
         info["calibration_unobserved"] = len(data.unobserved)
     if tolerance is not None:
@@ -205,15 +198,60 @@ def calibrate(
     return result
 
 
-def output_error(model: onnx.ModelProto, store: WeightStore, data: Calibration, optimized: bool = False) -> float:
+class OnnxTrials(Trials):
+    """The tolerance search's runs: a copy of the fp32 model rewritten by the trial plan, run as ``target``
+    computes it (module docstring) on the kept feeds."""
+
+    def __init__(self, fp32: Fp32Model, data: Calibration, target: Target, apply: Apply):
+        self.fp32, self.data, self.target, self.apply = fp32, data, target, apply
+        self.calibrated = len(data.kept)
+
+    def count(self) -> int:
+        return self.calibrated
+
+    def error(self, plan: PrecisionPlan, decisions: Mapping[str, Decision], batches: Sequence[int]) -> float:
+        trial = onnx.ModelProto()
+        trial.CopyFrom(self.fp32.model)
+        self.apply(trial, plan)
+        if self.target.judge == "runtime":
+            return output_error(trial, self.fp32.store, self.data, batches, optimized=True)
+        return output_error(simulate(trial, self.fp32.store), self.fp32.store, self.data, batches)
+
+    def perturbed(self, copies: int, noise: float) -> list[int]:
+        data = self.data
+        feed = data.kept[0]
+        if not any(_noisy(v) for v in feed.values()):
+            return []
+        rng = np.random.default_rng(1)
+        batches = [{name: (v + rng.standard_normal(v.shape).astype(v.dtype) * (noise * v.std())) if _noisy(v) else v
+                    for name, v in feed.items()} for _ in range(copies)]
+        try:
+            session = _session(self.fp32.model, self.fp32.store)
+            references = [session.run(data.output_names, batch) for batch in batches]
+        except Exception as err:  # noqa: BLE001 - then the single feed gets no held-out check
+            log.info("tolerance search: the fp32 model rejects a perturbed copy of the calibration feed (%s)",
+                     first_line(err))
+            return []
+        data.kept += batches
+        data.references += references
+        return list(range(len(data.kept) - copies, len(data.kept)))
+
+
+def _noisy(value: np.ndarray) -> bool:
+    """Whether a perturbed copy adds noise to ``value``: a floating array of more than one element."""
+    return value.dtype.kind == "f" and value.size > 1
+
+
+def output_error(model: onnx.ModelProto, store: WeightStore, data: Calibration, batches: Sequence[int],
+                 optimized: bool = False) -> float:
     """Largest relative error of ``model``'s floating outputs against the fp32 ones over the kept feeds
-    (inf when onnxruntime cannot run it); ``optimized`` runs it with onnxruntime's default graph
+    ``batches`` (inf when onnxruntime cannot run it); ``optimized`` runs it with onnxruntime's default graph
     optimisations, as a user's session would."""
     try:
         session = _session(model, store, optimized=optimized)
         worst = 0.0
-        for feed, references in zip(data.kept, data.references):
-            for out, ref in zip(session.run(data.output_names, feed), references):
+        for batch in batches:
+            for out, ref in zip(session.run(data.output_names, data.kept[batch]), data.references[batch]):
                 worst = max(worst, relative_error(out, ref))
     except Exception as err:  # noqa: BLE001 - a trial onnxruntime rejects is a failed trial, not a crash
         log.warning("tolerance search: a trial model did not run in onnxruntime (%s)", first_line(err))
