@@ -41,6 +41,7 @@ from ..analysis.view import GraphView
 from ..dtypes import LowType
 from ..errors import CalibrationError, CaptureError
 from .copies import shared_copy
+from .prefix import Checkpoints
 from .rewrite import rewrite
 from .shapes import GUARDS_KEY, MAX_PLANS, matching
 
@@ -60,6 +61,7 @@ class Graph:
     gm: fx.GraphModule
     view: GraphView
     stats: CalibrationStats = field(default_factory=CalibrationStats)
+    checkpoints: Checkpoints | None = None  # fp32 values kept for the tolerance search's runs
 
     def takes(self, args: tuple, kwargs: dict) -> str | None:
         """None if this graph's guards take the batch, else why not (a symbolic trace takes everything)."""
@@ -117,7 +119,10 @@ def calibrate(
             graph = graphs[which]
             if which not in recorders:
                 recorders[which] = _Recorder(graph.gm, graph.stats, _tracked(graph.view))
+                if keep:
+                    graph.checkpoints = recorders[which].checkpoints = Checkpoints(graph.gm, _candidates(graph.view))
             recorder = recorders[which]
+            recorder.batch = len(result.kept)
             flat = flatten_inputs(graph.gm, args, kwargs, index)
             if replay is not None and index == 0:
                 recorder.replay = (replay, _candidates(graph.view), result.local_error)
@@ -171,9 +176,12 @@ def calibrated_plan(
     data = calibrate(gm, calibration, view, replay=low.torch if tolerance is not None else None,
                      keep=tolerance is not None, progress=progress, recapture=recapture)
     trials = FxTrials(data, low, dict(rewrite_options or {}), low_weight_tables)
-    return plan_from_stats(view, data.stats, low, given, batches=data.batches,
-                           seconds=data.seconds, low_weight_tables=low_weight_tables, tolerance=tolerance,
-                           local_error=data.local_error, norms=data.norms, trials=trials, progress=progress)
+    plan, info = plan_from_stats(view, data.stats, low, given, batches=data.batches,
+                                 seconds=data.seconds, low_weight_tables=low_weight_tables, tolerance=tolerance,
+                                 local_error=data.local_error, norms=data.norms, trials=trials, progress=progress)
+    if tolerance is not None:
+        info["tolerance_reused"] = round(trials.reused(), 3)
+    return plan, info
 
 
 class FxTrials(Trials):
@@ -188,6 +196,13 @@ class FxTrials(Trials):
     def count(self) -> int:
         return self.calibrated
 
+    def reused(self) -> float:
+        """The share of the search's node runs that read fp32 values calibration kept instead
+        (:mod:`amppass.fx.prefix`)."""
+        kept = [g.checkpoints for g in self.data.graphs if g.checkpoints is not None]
+        total = sum(c.nodes_skipped + c.nodes_run for c in kept)
+        return sum(c.nodes_skipped for c in kept) / total if total else 0.0
+
     def error(self, plan: PrecisionPlan, decisions: Mapping[str, Decision], batches: Sequence[int]) -> float:
         data, worst = self.data, 0.0
         for which in sorted({data.graph_of[b] for b in batches}):
@@ -198,8 +213,14 @@ class FxTrials(Trials):
                              low_weight_tables=self.low_weight_tables)
             trial = shared_copy(graph.gm)
             rewrite(trial, plan, self.low, **self.options)
-            mine = [b for b in batches if data.graph_of[b] == which]
-            worst = max(worst, output_error(trial, [data.kept[b] for b in mine], [data.references[b] for b in mine]))
+            mine = [(b, *data.kept[b], flatten_inputs(graph.gm, *data.kept[b], b)) for b in batches
+                    if data.graph_of[b] == which]
+            with torch.no_grad():
+                outputs = graph.checkpoints.run(trial, mine) if graph.checkpoints is not None else [
+                    trial(*args, **kwargs) for _, args, kwargs, _ in mine]
+            for (b, *_), out in zip(mine, outputs):
+                for got, ref in zip(_floating(out), data.references[b]):
+                    worst = max(worst, relative_error(got, ref))
         return worst
 
     def perturbed(self, copies: int, noise: float) -> list[int]:
@@ -230,17 +251,6 @@ class FxTrials(Trials):
             data.graph_of.append(data.graph_of[0])
             added.append(len(data.kept) - 1)
         return added
-
-
-def output_error(module: torch.nn.Module, batches: list[tuple[tuple, dict]],
-                 references: list[list[torch.Tensor]]) -> float:
-    """Largest ``||out - ref|| / ||ref||`` over the floating outputs of every batch (inf if not finite)."""
-    worst = 0.0
-    with torch.no_grad():
-        for (args, kwargs), refs in zip(batches, references):
-            for out, ref in zip(_floating(module(*args, **kwargs)), refs):
-                worst = max(worst, relative_error(out, ref))
-    return worst
 
 
 def shared_names(gm: fx.GraphModule, other: fx.GraphModule) -> set[str]:
@@ -301,9 +311,13 @@ class _Recorder(fx.Interpreter):
         super().__init__(gm)
         self.stats, self.tracked = stats, tracked
         self.replay: tuple[torch.dtype, set[str], dict[str, float]] | None = None
+        self.checkpoints: Checkpoints | None = None  # with the kept batch's number: where fp32 values are kept
+        self.batch = 0
         self.norms: dict[str, float] | None = None  # filled on the replayed batch, for the search's gains
 
     def run_node(self, n: fx.Node) -> Any:
+        if self.checkpoints is not None and n.name in self.checkpoints.order:
+            self.checkpoints.record(self.batch, n.name, self.env)
         result = super().run_node(n)
         if n.name in self.tracked:
             source = self._view_of(n, result)
