@@ -179,9 +179,10 @@ def search_held_out(view: GraphView, low: LowType, plan: PrecisionPlan, given: M
     with Progress(progress, label="tolerance search") as advance:
         runs = itertools.count(1)
 
-        def show(moved: int, error: float) -> None:
-            verdict = "<=" if error <= target else ">"
-            advance(f"run {next(runs)}, {moved} nodes fp32, error {error:.2g} {verdict} {target:.2g}")
+        def show(moved: int, error: float, on: str = "") -> None:
+            limit = tolerance if on else target
+            verdict = "<=" if error <= limit else ">"
+            advance(f"run {next(runs)}, {moved} nodes fp32, error{on} {error:.2g} {verdict} {limit:.2g}")
 
         target = tolerance
         found = search_tolerance.search(plan, given, sensitivity, target, measure(fit), low, on_run=show)
@@ -191,7 +192,7 @@ def search_held_out(view: GraphView, low: LowType, plan: PrecisionPlan, given: M
                 break
             held_error = measure(held)(found.given)
             spent += 1
-            show(len(moved), held_error)
+            show(len(moved), held_error, " held out")
             if held_error <= tolerance or round_ == MARGIN_ROUNDS or not found.met or found.achieved_error <= 0:
                 break
             target = target * found.achieved_error / held_error  # the margin the held-out error asks for
