@@ -182,7 +182,7 @@ def search_held_out(view: GraphView, low: LowType, plan: PrecisionPlan, given: M
         def show(moved: int, error: float, on: str = "") -> None:
             limit = tolerance if on else target
             verdict = "<=" if error <= limit else ">"
-            advance(f"run {next(runs)}, {moved} nodes fp32, error{on} {error:.2g} {verdict} {limit:.2g}")
+            advance(f"run {next(runs)}, {moved} nodes fp32, error {error:.2g} {verdict} {limit:.2g}{on}")
 
         target = tolerance
         found = search_tolerance.search(plan, given, sensitivity, target, measure(fit), low, on_run=show)
@@ -192,7 +192,7 @@ def search_held_out(view: GraphView, low: LowType, plan: PrecisionPlan, given: M
                 break
             held_error = measure(held)(found.given)
             spent += 1
-            show(len(moved), held_error, " held out")
+            show(len(moved), held_error, " on the held-out batches")
             if held_error <= tolerance or round_ == MARGIN_ROUNDS or not found.met or found.achieved_error <= 0:
                 break
             target = target * found.achieved_error / held_error  # the margin the held-out error asks for

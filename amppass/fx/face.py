@@ -16,7 +16,9 @@ fp32 out), and pipelines ask the module which dtype to feed it: ``x.to(next(net.
    access (``net.conv1.weight``), ``named_buffers()``, ``state_dict()`` (the low copies under the weights'
    names, so a state dict loads back into a module converted the same way), ``.to()``.
 4. Models converted with ``keep_io_types=False`` (low-precision outputs) and train-mode models (fp32
-   master parameters already) show their storage as it is.
+   master parameters already) show their storage as it is, and so does a module traced symbolically
+   (converted without example inputs): the face belongs to :class:`~amppass.fx.shapes.ServingGraph`,
+   what ``amppass.convert`` returns for a model captured with example inputs, and ``amppass.load``.
 """
 
 from __future__ import annotations
