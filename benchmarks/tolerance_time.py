@@ -6,7 +6,7 @@ timings, so the time is calibration and search alone) without calibration, then 
 
 - ``candidates``: nodes the plain plan runs in fp16 (what the search ranks);
 - ``plain_s``: the conversion without calibration (the second of two: the first warms torch.export up);
-  ``tolerance_s``: with calibration and the search;
+  ``tolerance_s``: with calibration and the search; ``calibration_s``: the calibration pass (the report's);
   ``search_s``: ``tolerance_s - plain_s - calibration_s``, the search's own time, computed the same way for
   every checkout;
 - ``runs``: runs of the model over the batches the search made; ``max_runs``: the bound the checkout
@@ -96,6 +96,7 @@ def measure(name: str) -> dict[str, Any]:
     held = info.get("held_out_error")
     return {
         "model": name, "candidates": candidates, "plain_s": round(plain_s, 2), "tolerance_s": round(tolerance_s, 2),
+        "calibration_s": info["calibration_seconds"],
         "search_s": round(tolerance_s - plain_s - info["calibration_seconds"], 2),
         "runs": info["tolerance_runs"], "max_runs": bound, "moved": info["moved_by_tolerance"],
         "achieved_error": f"{info['achieved_error']:.2e}", "held_out_error": "-" if held is None else f"{held:.2e}",

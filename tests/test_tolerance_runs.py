@@ -17,6 +17,7 @@ from amppass.fx.capture import capture
 from amppass.fx.view import build_view
 from amppass.targets.target import torch_target
 from models import build
+from models.onnx_export import export
 
 
 def _trials(case, batches, dtype="fp16"):
@@ -55,3 +56,36 @@ def test_search_stays_within_its_documented_runs_and_reuses_the_prefix():
     info = amppass.report(fast).info
     assert info["moved_by_tolerance"] > 0 and info["tolerance_runs"] <= max_runs(candidates)
     assert info["tolerance_reused"] > 0.1 and info["tolerance_seconds"] > 0
+
+
+def test_onnx_runs_from_the_kept_fp32_prefix_give_the_whole_trials_errors():
+    from amppass.onnx.calibrate import OnnxTrials
+
+    case = build("resnet")
+    model = export(case.model, case.example_inputs, ["x"], ["y"])
+    feeds = [{"x": case.make_inputs(s)[0].numpy()} for s in (1, 2)]
+    seen = []
+    original = OnnxTrials.__init__
+
+    def keep(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        seen.append(self)
+
+    OnnxTrials.__init__ = keep
+    try:
+        converted = amppass.convert_onnx(model, "fp16", target="cpu", calibration=feeds, tolerance=1.5e-4)
+    finally:
+        OnnxTrials.__init__ = original
+    trials = seen[0]
+    assert amppass.report(converted).info["tolerance_reused"] == round(trials.reused(), 3) > 0.1
+    view = trials.fp32.view
+    low = trials.target.low
+    names = [n.name for n in view.nodes if paint(view, low, {})[n.name].precision is Precision.LOW]
+    for moved_names in (names[: len(names) // 2], names[len(names) // 3:], []):
+        moved = {n: Decision(Precision.FP32, "trial", Source.TOLERANCE) for n in moved_names}
+        plan = paint(view, low, moved)
+        reused = trials.error(plan, moved, [0, 1])
+        checkpoints, trials.data.checkpoints = trials.data.checkpoints, None
+        whole = trials.error(plan, moved, [0, 1])
+        trials.data.checkpoints = checkpoints
+        assert reused == whole, (len(moved_names), reused, whole)
