@@ -21,11 +21,7 @@ process (default: this one), so before/after tables come from one run.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import subprocess
-import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -33,9 +29,13 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+
+try:
+    from . import checkouts
+except ImportError:  # run as a script in another checkout's process (--measure): this folder is on sys.path
+    import checkouts
 from torch import nn
 
-HERE = Path(__file__).resolve().parent
 
 
 class ConvBN(nn.Module):
@@ -151,38 +151,14 @@ def measure(name: str) -> dict[str, Any]:
     }
 
 
-def run_in(root: Path, name: str) -> dict[str, Any]:
-    """:func:`measure` in a fresh process importing amppass from checkout ``root``."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(HERE.parent)])}
-    done = subprocess.run([sys.executable, str(Path(__file__)), "--measure", name], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=1800)
-    if done.returncode:
-        return {"model": name, "failed": done.stderr.strip().splitlines()[-1:]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def run(full: bool, roots: list[Path] | None = None) -> list[dict[str, Any]]:
     """One row per model and checkout (default: this checkout, in this process)."""
     names = [n for n, (_, _, heavy) in MODELS.items() if full or not heavy]
-    if not roots:
-        return [measure(n) for n in names]
-    return [{"checkout": str(root), **run_in(root, n)} for n in names for root in roots]
+    return checkouts.run(str(Path(__file__)), measure, names, roots)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--full", action="store_true", help="add BERT-base")
-    parser.add_argument("--root", action="append", type=Path, help="a checkout to measure (repeat to compare)")
-    parser.add_argument("--measure", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.measure:
-        print(json.dumps(measure(args.measure)))
-        return
-    rows = run(args.full, args.root)
-    keys = list(dict.fromkeys(k for row in rows for k in row))
-    print("| " + " | ".join(keys) + " |\n" + "|---" * len(keys) + "|")
-    for row in rows:
-        print("| " + " | ".join(str(row.get(k, "")) for k in keys) + " |")
+    checkouts.main(__doc__.splitlines()[0], measure, run, "add BERT-base")
 
 
 if __name__ == "__main__":

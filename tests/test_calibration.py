@@ -107,7 +107,7 @@ def test_calibrated_plan_records_batches_and_overrides_win():
     ([(torch.full((2, 64), math.nan),)], "batch 0, input 'x': holds NaN"),
     ([(torch.randn(2, 64),), (torch.randn(2, 64).double(),)], "batch 1, input 'x': dtype torch.float64"),
     ([(torch.randn(2, 64), torch.randn(2, 64))], "batch 0"),
-    ([(torch.randn(2, 32),)], "batch 0: the fp32 model failed on it (Guard failed: x.size()[1] == 64)"),
+    ([(torch.randn(2, 32),)], "batch 0: the fp32 model failed on it (mat1 and mat2 shapes cannot be multiplied"),
     (torch.randn(2, 64), "iterable of input tuples"),
 ])
 def test_bad_calibration_data_is_named(bad, message):

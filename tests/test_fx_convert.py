@@ -11,6 +11,7 @@ from torch import fx, nn
 
 import amppass
 from amppass.fx.rewrite import META_KEY
+from amppass.fx.face import stored_parameters
 from models import ZOO, build
 
 DTYPES = [torch.float16, torch.bfloat16]
@@ -83,7 +84,7 @@ def test_weight_bytes_about_half():
     tables = amppass.convert(bert.model, bert.example_inputs, torch.bfloat16, low_weight_tables=True, plan_for="coverage")
     info = amppass.report(tables).info
     assert info["weight_bytes_after"] <= 0.55 * info["weight_bytes_before"]
-    weights = [t for t in tables.parameters()] + [b for b in tables.buffers() if b.is_floating_point()]
+    weights = [t for _, t in stored_parameters(tables)] + [b for b in tables.buffers() if b.is_floating_point()]
     assert all(t.dtype == torch.bfloat16 for t in weights if t.dim() == 2 and t.shape[0] > 500)
 
 

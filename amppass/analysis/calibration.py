@@ -10,9 +10,12 @@ measure and the progress bar the front ends share (calibration batches, then the
 
 from __future__ import annotations
 
+import abc
 import itertools
+import logging
 import math
-from typing import Any, Callable, Mapping
+import time
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -26,6 +29,8 @@ from .plan import Decision, PrecisionPlan
 from .rules import range_decisions
 from .stats import CalibrationStats
 from .view import GraphView
+
+log = logging.getLogger(__name__)
 
 
 def check_tolerance(tolerance: Any, calibration: Any = ..., example: str = "[inputs, ...]") -> None:
@@ -52,6 +57,54 @@ def relative_error(out: Any, ref: Any) -> float:
     return diff / scale if scale > 0 else diff
 
 
+HELD_OUT_SHARE = 4  # of two or more calibration batches, the last quarter (at least one) is held out of the search
+PERTURBED_COPIES = 2  # a single batch is checked on this many copies of it with noise added
+NOISE = 0.5  # that noise's standard deviation, relative to each floating input's own
+MARGIN_ROUNDS = 2  # at most this many more searches, with a margin, while the held-out error misses
+
+
+class Trials(abc.ABC):
+    """A front end's runs of its model, rewritten by a trial plan, on the calibration batches it kept.
+
+    Batches are numbered in the order they were kept; :meth:`perturbed` may add more after them.
+    """
+
+    @abc.abstractmethod
+    def count(self) -> int:
+        """Batches kept."""
+
+    @abc.abstractmethod
+    def error(self, plan: PrecisionPlan, decisions: Mapping[str, Decision], batches: Sequence[int]) -> float:
+        """Largest relative error of any floating output of the model rewritten by ``plan`` (painted from
+        ``decisions``, by node name) against fp32, over ``batches``."""
+
+    @abc.abstractmethod
+    def perturbed(self, copies: int, noise: float) -> list[int]:
+        """Keep ``copies`` copies of batch 0 with Gaussian noise of ``noise`` times each floating input's
+        standard deviation added (other inputs as they are), with their fp32 outputs; their numbers, or []
+        where the batch has no floating input or the fp32 model rejects a copy."""
+
+
+def held_out(trials: Trials) -> tuple[list[int], list[int], str, bool]:
+    """(batches the search fits, batches that judge it, how the second were chosen, whether they are
+    calibration batches rather than perturbed copies).
+
+    Of two or more batches the last quarter, at least one, is held out. A single batch is checked on
+    perturbed copies of it: a stand-in for inputs the search did not see, weaker than real ones.
+    """
+    count = trials.count()
+    if count >= 2:
+        held = max(1, count // HELD_OUT_SHARE)
+        return list(range(count - held)), list(range(count - held, count)), \
+            f"the last {held} of {count} calibration batches", True
+    copies = trials.perturbed(PERTURBED_COPIES, NOISE)
+    if copies:
+        return [0], copies, (f"{len(copies)} copies of the single calibration batch with noise of {NOISE:g}x each "
+                             "floating input's standard deviation (pass more batches for a real held-out check)"), False
+    return [0], [], "none: a single calibration batch with no floating input to perturb; pass two or more batches", \
+        False
+
+
 def plan_from_stats(
     view: GraphView,
     stats: CalibrationStats,
@@ -65,18 +118,18 @@ def plan_from_stats(
     local_error: Mapping[str, float] | None = None,
     added_error: Mapping[str, float] | None = None,
     norms: Mapping[str, float] | None = None,
-    run_plan: Callable[[PrecisionPlan], float] | None = None,
+    trials: Trials | None = None,
     progress: bool = False,
 ) -> tuple[PrecisionPlan, dict[str, Any]]:
     """The calibrated plan and the metadata to store with the converted model.
 
-    ``given`` (user overrides) wins over the range rules. With ``tolerance``, ``run_plan(plan)`` returns the
-    largest relative output error of the model rewritten by ``plan`` over the calibration data, and
-    ``local_error`` (and ``added_error``, the part of it each node adds itself) with ``norms`` (values' L2
-    norms on one batch, for :mod:`amppass.analysis.propagation`) ranks the nodes the search of
-    :mod:`amppass.analysis.tolerance` moves back to fp32;
-    ``progress`` shows each of its runs (nodes moved, error) on a progress bar on stderr.
-    Every node's observed output range lands in its evidence, for the report's range plot.
+    ``given`` (user overrides) wins over the range rules. With ``tolerance``, ``trials`` runs the model
+    rewritten by trial plans on the calibration data, and ``local_error`` (and ``added_error``, the part of it
+    each node adds itself) with ``norms`` (values' L2 norms on one batch, for
+    :mod:`amppass.analysis.propagation`) ranks the nodes the search of :mod:`amppass.analysis.tolerance`
+    moves back to fp32 (:func:`search_held_out`); ``progress`` shows each of its runs (nodes moved, error) on
+    a progress bar on stderr. Every node's observed output range lands in its evidence, for the report's
+    range plot.
     """
     ranges = range_decisions(view, stats, low)
     merged = {**ranges, **given}  # user overrides win over calibration
@@ -85,27 +138,79 @@ def plan_from_stats(
         "calibrated": True, "calibration_batches": batches,
         "calibration_seconds": round(seconds, 3), "calibration_decisions": len(ranges),
     }
-    if tolerance is not None and run_plan is not None:
-
-        def measure(decisions: Mapping[str, Decision]) -> float:
-            return run_plan(paint(view, low, decisions, low_weight_tables=low_weight_tables))
-
-        with Progress(progress, label="tolerance search") as advance:
-            runs = itertools.count(1)
-
-            def show(moved: int, error: float) -> None:
-                verdict = "<=" if error <= tolerance else ">"
-                advance(f"run {next(runs)}, {moved} nodes fp32, error {error:.2g} {verdict} {tolerance:.2g}")
-
-            sensitivity = search_tolerance.Sensitivity(local_error or {}, added_error or {},
-                                                       propagation.gains(view, norms or {}))
-            found = search_tolerance.search(plan, merged, sensitivity, tolerance, measure, low, on_run=show)
-        info.update({
-            "tolerance": tolerance, "achieved_error": found.achieved_error, "initial_error": found.initial_error,
-            "tolerance_met": found.met, "moved_by_tolerance": len(found.moved), "tolerance_runs": found.runs,
-        })
-        plan = paint(view, low, found.given, low_weight_tables=low_weight_tables)
+    if tolerance is not None and trials is not None:
+        sensitivity = search_tolerance.Sensitivity(local_error or {}, added_error or {},
+                                                   propagation.gains(view, norms or {}))
+        decided, found = search_held_out(view, low, plan, merged, sensitivity, tolerance, trials,
+                                         low_weight_tables=low_weight_tables, progress=progress)
+        info.update(found)
+        plan = paint(view, low, decided, low_weight_tables=low_weight_tables)
     return with_ranges(plan, view, stats), info
+
+
+def max_runs(candidates: int) -> int:
+    """The most runs :func:`search_held_out` spends on ``candidates`` nodes: one search, then each margin round
+    one run on the held-out batches and a search that ranks nothing again."""
+    return (search_tolerance.search_runs(candidates) + 1
+            + MARGIN_ROUNDS * (search_tolerance.search_runs(candidates, ranked=True) + 1))
+
+
+def search_held_out(view: GraphView, low: LowType, plan: PrecisionPlan, given: Mapping[str, Decision],
+                    sensitivity: search_tolerance.Sensitivity, tolerance: float, trials: Trials, *,
+                    low_weight_tables: bool = False, progress: bool = False) -> tuple[dict[str, Decision], dict]:
+    """The tolerance search on the batches :func:`held_out` leaves it, judged on the ones it holds out.
+
+    Where the held-out error misses the tolerance, the fit batches underestimate the error on new inputs by
+    the ratio of the two: the search goes on from where it stopped (with the ranking it measured) towards
+    the tolerance divided by that ratio, at most :data:`MARGIN_ROUNDS` times. Returns the decisions to paint
+    with and the metadata: ``achieved_error`` over every calibration batch (perturbed copies left out),
+    ``tolerance_met`` when that is within the tolerance, ``held_out_error`` beside it (None without a
+    held-out check), ``held_out`` saying which batches, ``tolerance_margin`` (tolerance / the target the
+    last search met), ``tolerance_runs``, at most :func:`max_runs` of the candidates, and
+    ``tolerance_seconds``.
+    """
+    start = time.perf_counter()
+    fit, held, how, real = held_out(trials)
+
+    def measure(batches: Sequence[int]) -> search_tolerance.Measure:
+        return lambda decisions: trials.error(paint(view, low, decisions, low_weight_tables=low_weight_tables),
+                                              decisions, batches)
+
+    with Progress(progress, label="tolerance search") as advance:
+        runs = itertools.count(1)
+
+        def show(moved: int, error: float, on: str = "") -> None:
+            limit = tolerance if on else target
+            verdict = "<=" if error <= limit else ">"
+            advance(f"run {next(runs)}, {moved} nodes fp32, error {error:.2g} {verdict} {limit:.2g}{on}")
+
+        target = tolerance
+        found = search_tolerance.search(plan, given, sensitivity, target, measure(fit), low, on_run=show)
+        initial, spent, moved, held_error = found.initial_error, found.runs, list(found.moved), None
+        for round_ in range(MARGIN_ROUNDS + 1):
+            if not held:
+                break
+            held_error = measure(held)(found.given)
+            spent += 1
+            show(len(moved), held_error, " on the held-out batches")
+            if held_error <= tolerance or round_ == MARGIN_ROUNDS or not found.met or found.achieved_error <= 0:
+                break
+            target = target * found.achieved_error / held_error  # the margin the held-out error asks for
+            log.info("tolerance search: %.3g on held-out batches, %.3g on the fit ones: searching again for %.3g",
+                     held_error, found.achieved_error, target)
+            rank = search_tolerance.ranked_before(found.ranked) if found.ranked is not None else None
+            found = search_tolerance.search(paint(view, low, found.given, low_weight_tables=low_weight_tables),
+                                            found.given, sensitivity, target, measure(fit), low, on_run=show,
+                                            rank_with=rank)
+            spent += found.runs
+            moved += found.moved
+    achieved = max(found.achieved_error, held_error) if real and held_error is not None else found.achieved_error
+    return found.given, {
+        "tolerance": tolerance, "achieved_error": achieved, "initial_error": initial,
+        "tolerance_met": achieved <= tolerance, "moved_by_tolerance": len(moved), "tolerance_runs": spent,
+        "held_out_error": held_error, "held_out": how, "tolerance_margin": tolerance / target,
+        "tolerance_seconds": round(time.perf_counter() - start, 3),
+    }
 
 
 def with_ranges(plan: PrecisionPlan, view: GraphView, stats: CalibrationStats) -> PrecisionPlan:

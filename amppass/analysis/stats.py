@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -109,6 +109,18 @@ class ValueStats:
         if nonzero.size:
             self.min_nonzero = min(self.min_nonzero, float(nonzero.min()))
 
+    def merge(self, other: "ValueStats") -> None:
+        """Fold in what ``other`` saw of the same value (batches another capture of the graph ran)."""
+        if not self.tensors:
+            self.numel = other.numel
+        for name in ("tensors", "count", "sampled", "zeros", "below_normal", "flush", "above_headroom", "above_max",
+                     "sentinels"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.absmax = max(self.absmax, other.absmax)
+        self.min_nonzero = min(self.min_nonzero, other.min_nonzero)
+        self.nan |= other.nan
+        self.inf |= other.inf
+
     def to_dict(self) -> dict[str, Any]:
         """Plain numbers for evidence and reports."""
         result = asdict(self)
@@ -133,6 +145,20 @@ class CalibrationStats:
     def alias(self, name: str, source: str) -> None:
         """Record that ``name`` holds ``source``'s elements (a reshape or permutation): they share one aggregate."""
         self._values[name] = self._values[source]
+
+    def absorb(self, other: "CalibrationStats", names: Iterable[str]) -> None:
+        """Fold ``other``'s stats of ``names`` into the stats of the same names here (the values two captures
+        of one model share), and count its batches. Aliases stay shared: an aggregate is folded in once."""
+        folded: set[tuple[int, int]] = set()
+        for name in names:
+            theirs = other.get(name)
+            if theirs is None:
+                continue
+            mine = self._values.setdefault(name, ValueStats())
+            if (id(theirs), id(mine)) not in folded:
+                mine.merge(theirs)
+                folded.add((id(theirs), id(mine)))
+        self.batches += other.batches
 
     def get(self, name: str) -> ValueStats | None:
         """The stats of ``name``, or None if it was never seen (a weight, or a value of no float type)."""

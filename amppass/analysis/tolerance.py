@@ -21,8 +21,9 @@ the share of a relative error at its output that reaches the outputs (:mod:`ampp
 additions and concatenations scale it by norm ratios), and corrects that estimate with runs: regions of
 the graph are measured (alone in low precision, and moved to fp32), best first, in at most ``rank_runs(n) = 4 * ceil(log2(n))`` runs for ``n``
 candidates. Each step is one full run over the calibration data, so a search costs at most
-``rank_runs(n) + 2 * ceil(log2(n)) + 1 + trim_runs(k)`` runs: never one run per node or per segment. A
-trial is run once per set of nodes moved; a step that asks for one already run reads its error back.
+``search_runs(n) = 1 + rank_runs(n) + 2 * ceil(log2(n)) + 1 + trim_runs(n)`` runs, about ``8 log2(n)``:
+never one run per node or per segment. A trial is run once per set of nodes moved; a step that asks for
+one already run reads its error back.
 
 Other rankings are strategies of the same type (:data:`Ranking`): :func:`by_local_error`, which spends no
 run, and :func:`by_error_alone`, which moves each candidate alone to fp32 and ranks by the output error that
@@ -64,6 +65,7 @@ class SearchResult:
     met: bool
     runs: int
     errors: list[tuple[int, float]] = field(default_factory=list)  # (nodes moved, error) per run
+    ranked: "Ranked | None" = None  # the ranking the search moved nodes by (None: nothing needed moving)
 
 
 @dataclass(frozen=True)
@@ -275,7 +277,7 @@ def search(
         log.warning("tolerance %.3g not met even with all %d candidate nodes in fp32 (error %.3g)",
                     tolerance, len(order), errors[-1][1])
         return SearchResult(_with_moves(given, order, sensitivity, ranked), order, errors[-1][1], initial,
-                            False, len(errors), errors)
+                            False, len(errors), errors, ranked)
     while met_at - missed > 1:  # bisect: the smallest prefix that meets the tolerance
         k = (missed + met_at) // 2
         error = run(k)
@@ -285,7 +287,28 @@ def search(
             missed = k
     moved, met_error = _trim(order[:met_at], met_error, tolerance, run_with)
     return SearchResult(_with_moves(given, moved, sensitivity, ranked), moved, met_error, initial, True,
-                        len(errors), errors)
+                        len(errors), errors, ranked)
+
+
+def search_runs(candidates: int, ranked: bool = False) -> int:
+    """The most runs one :func:`search` spends on ``candidates`` nodes with the default ranking: the initial run,
+    the ranking's (none when ``ranked``: a ranking from before, :func:`ranked_before`), the growing prefixes,
+    the bisection and the trim (for at most every candidate moved)."""
+    levels = math.ceil(math.log2(candidates)) if candidates > 1 else 0
+    return 1 + (0 if ranked else rank_runs(candidates)) + (levels + 1) + levels + trim_runs(candidates)
+
+
+def ranked_before(previous: Ranked) -> Ranking:
+    """A ranking that spends no run: ``previous``'s order, of the candidates still low. A search that goes
+    on from an earlier one (with a tighter tolerance) moves nodes in the order that one measured."""
+
+    def rank(candidates: list[str], sensitivity: Sensitivity, run_with: RunWith, initial: float,
+             low: LowType) -> Ranked:
+        left = set(candidates)
+        order = [n for n in previous.order if n in left] + [n for n in candidates if n not in previous.scores]
+        return Ranked(order, previous.scores, previous.measure)
+
+    return rank
 
 
 def rank_runs(candidates: int) -> int:

@@ -14,18 +14,19 @@ from ..analysis import overrides
 from ..analysis.calibration import check_tolerance
 from ..analysis.painting import paint
 from ..dtypes import low_type
-from ..errors import InputError
+from ..errors import CaptureError, InputError
 from ..targets.target import Target, torch_target
 from ..report.flops import node_macs
 from ..training.backward import annotate_backward
 from ..training.module import TrainEvalGraphs
 from ..analysis.view import GraphView
 from . import profit
-from .calibrate import calibrated_plan, flatten_inputs, split_batch
+from .calibrate import Recapture, calibrated_plan, flatten_inputs, split_batch
 from .capture import capture, capture_program
 from .gelu import FUSED_KEY, fuse_tanh_gelu
 from .kept import KeptFp32
 from .device import fingerprint
+from .modes import module_mode
 from .profit import CostModel
 from .rewrite import META_KEY, rewrite
 from .shapes import GUARDS_KEY, ServingGraph, carried_decisions, matching
@@ -147,7 +148,7 @@ def convert(
 def _served(model: nn.Module, gm: fx.GraphModule, target: Target, mode: str, train: bool,
             options: dict[str, Any]) -> fx.GraphModule:
     """Convert a captured graph; one captured by torch.export comes back serving every input shape."""
-    gm = _convert_captured(gm, model, target, mode, **options)
+    gm = _convert_captured(gm, model, target, mode, recapture=_fp32_capture(model, target, train), **options)
     if GUARDS_KEY not in gm.meta:  # symbolically traced: no shapes in the graph to guard
         return gm
     carried = carried_decisions(gm)
@@ -159,6 +160,22 @@ def _served(model: nn.Module, gm: fx.GraphModule, target: Target, mode: str, tra
                                  **{**later, "example": (args, kwargs)})
 
     return ServingGraph(gm, gm.meta[GUARDS_KEY], recapture, original=model, name=type(model).__name__)
+
+
+def _fp32_capture(model: nn.Module, target: Target, train: bool) -> Recapture:
+    """Calibration's capture of ``model`` for a batch of shapes the first capture does not take: the fp32
+    graph and its view; for a batch the model itself rejects, the model's own error."""
+
+    def recapture(args: tuple, kwargs: dict) -> tuple[fx.GraphModule, GraphView]:
+        try:
+            gm = capture(model, args, kwargs, train=train, note_fixed_dims=False)
+        except CaptureError:
+            with torch.no_grad(), module_mode(model, train):
+                model(*args, **kwargs)
+            raise
+        return gm, build_view(gm, target)[0]
+
+    return recapture
 
 
 def _convert_program(program: torch.export.ExportedProgram, dtype: Any, target: str | None, mode: str,
@@ -236,11 +253,13 @@ def _convert_captured(
     costs: Mapping[str, float] | None = None,
     example: tuple[Any, dict] | None = None,
     decided: dict[str, Any] | None = None,
+    recapture: Recapture | None = None,
 ) -> fx.GraphModule:
     """Analyse, paint and rewrite a captured graph of ``model`` in place; record the decisions in it.
 
     ``example`` (example inputs and keyword inputs) feeds the profitability measurements; ``decided`` holds
     decisions made before (a later plan's carried calibration results); the user's overrides win over them.
+    ``recapture`` lets calibration take batches of shapes ``gm`` does not take.
     """
     low = target.low
     bytes_before = weight_bytes(model) if isinstance(model, nn.Module) else 0
@@ -261,7 +280,7 @@ def _convert_captured(
     else:
         plan, calibration_info = calibrated_plan(
             gm, view, calibration, low, given, tolerance=tolerance, progress=progress,
-            low_weight_tables=low_weight_tables, rewrite_options=rewrite_options,
+            low_weight_tables=low_weight_tables, rewrite_options=rewrite_options, recapture=recapture,
         )
     macs = {n.name: node_macs(n) for n in gm.graph.nodes}  # before the rewrite puts casts between shapes
     stats = rewrite(gm, plan, low, **rewrite_options)

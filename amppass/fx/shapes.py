@@ -16,7 +16,8 @@ Rules:
 3. A later plan reads the first plan's tensors wherever it has a state entry of the same name, so the
    converted module stays one snapshot of the model (and its low-precision weights are stored once).
 4. Decisions calibration or the tolerance search made (fp32 for a node) carry over to later plans by
-   node name and op: the calibration batches have the example's shapes, so they are not run again.
+   node name and op: calibration already ran every batch (those of other shapes on captures of their own,
+   :mod:`amppass.fx.calibrate`), so they are not run again.
 5. A call that cannot be captured is run on the original model: if the original rejects it too, its own
    error is raised; otherwise a :class:`~amppass.errors.CaptureError` names the input, the dimension and
    what the model was converted for. Without the original model (a loaded program) a rejected call raises
@@ -39,6 +40,7 @@ from torch.utils import _pytree as pytree
 
 from ..analysis.plan import Decision, Precision, Source
 from ..errors import CaptureError, InputError
+from .face import Fp32Face, stored_parameters
 from .modes import module_mode
 from .rewrite import META_KEY
 
@@ -410,11 +412,12 @@ class _Plans:
     made: int = 0
 
 
-class ServingGraph(fx.GraphModule):
+class ServingGraph(Fp32Face, fx.GraphModule):
     """A converted graph that serves every input shape its original model takes (see the module docstring).
 
     It is the converted graph of the example's shapes (``graph``, ``meta``, parameters and buffers are
-    that plan's); calls its guards reject go to a later plan, captured and converted on first use.
+    that plan's); calls its guards reject go to a later plan, captured and converted on first use. Its
+    ``parameters()`` and ``dtype`` face its caller in fp32 (:mod:`amppass.fx.face`).
 
     Args:
         gm: the converted graph module; its graph and state become this module's.
@@ -617,7 +620,7 @@ def _without_guard_node(gm: fx.GraphModule) -> None:
 
 
 def _state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
+    return stored_parameters(module, remove_duplicate=False) + list(module.named_buffers(remove_duplicate=False))
 
 
 def _set(root: nn.Module, name: str, tensor: torch.Tensor) -> None:

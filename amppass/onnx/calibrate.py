@@ -25,8 +25,9 @@ the report shows. A node whose inputs were not recorded (an untyped value) is no
 The same run records the L2 norm of every observed value, from which the search estimates
 how far each node's error travels (:mod:`amppass.analysis.propagation`).
 
-Tolerance: ``measure`` rewrites a copy of the fp32 model by the trial plan (the conversion's own rewrite)
-and runs it on the kept feeds as the target computes it; the error is the largest relative error of any
+Tolerance: each trial (:class:`OnnxTrials`) rewrites a copy of the fp32 model by the trial plan (the
+conversion's own rewrite) and runs it on the kept feeds as the target computes it, from the fp32 values the
+data pass kept where its first nodes are the fp32 model's (:mod:`amppass.onnx.prefix`); the error is the largest relative error of any
 floating output against the fp32 outputs of the data pass. For the CPU target the trial runs as it is in
 onnxruntime's CPU provider, with its default graph optimisations: what the user will run. For targets
 this machine cannot run (CUDA, TensorRT) the trial is first turned into its fp32 simulation
@@ -39,13 +40,13 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import onnx
 from onnx import external_data_helper, helper
 
-from ..analysis.calibration import Progress, check_tolerance, first_line, plan_from_stats, relative_error
+from ..analysis.calibration import Progress, Trials, check_tolerance, first_line, plan_from_stats, relative_error
 from ..analysis.plan import Category, Decision, PrecisionPlan
 from ..analysis.stats import CalibrationStats
 from ..analysis.view import GraphView
@@ -53,6 +54,7 @@ from ..errors import CalibrationError
 from ..targets.target import Target
 from . import runtime
 from .rewrite import all_names, unique_name
+from .prefix import Checkpoints
 from .simulate import rounding, simulate
 from .view import FLOAT, NodeRef, all_nodes, subgraphs
 from .view import dims as value_dims
@@ -92,6 +94,7 @@ class Calibration:
     kept: list[dict[str, np.ndarray]] = field(default_factory=list)  # the feeds, for the tolerance search
     references: list[list[np.ndarray]] = field(default_factory=list)  # their fp32 floating outputs
     output_names: list[str] = field(default_factory=list)  # the floating graph outputs compared
+    checkpoints: Checkpoints | None = None  # fp32 values kept for the tolerance search's runs
 
     @property
     def batches(self) -> int:
@@ -120,18 +123,13 @@ def calibrated_plan(
     data = calibrate(fp32, calibration, replay=low.onnx if tolerance is not None else None,
                      keep=tolerance is not None, progress=progress, casts_around=target.judge == "runtime")
 
-    def run_plan(plan: PrecisionPlan) -> float:
-        trial = onnx.ModelProto()
-        trial.CopyFrom(fp32.model)
-        apply(trial, plan)
-        if target.judge == "runtime":
-            return output_error(trial, fp32.store, data, optimized=True)
-        return output_error(simulate(trial, fp32.store), fp32.store, data)
-
+    trials = OnnxTrials(fp32, data, target, apply)
     plan, info = plan_from_stats(fp32.view, data.stats, low, given, batches=data.batches,
                                  seconds=data.seconds, low_weight_tables=low_weight_tables, tolerance=tolerance,
                                  local_error=data.local_error, added_error=data.added_error, norms=data.norms,
-                                 run_plan=run_plan, progress=progress)
+                                 trials=trials, progress=progress)
+    if tolerance is not None:
+        info["tolerance_reused"] = round(trials.reused(), 3)
     if data.unobserved:
         info["calibration_unobserved"] = len(data.unobserved)
     if tolerance is not None:
@@ -166,7 +164,11 @@ def calibrate(
                  len(result.unobserved), result.unobserved[:3])
     observed = [v for v in tracked if v not in result.unobserved]
     candidates = _candidates(model, view, types) if replay is not None else {}
-    recorded = list(dict.fromkeys(v for v in observed + [v for vs in candidates.values() for v in vs]
+    if keep:
+        result.checkpoints = Checkpoints(model, (n.name for n in view.nodes if n.category in (
+            Category.LOW, Category.FOLLOW)), types)
+    kept_values = result.checkpoints.wanted() if result.checkpoints is not None else []
+    recorded = list(dict.fromkeys(v for v in observed + [v for vs in candidates.values() for v in vs] + kept_values
                                   if v not in inputs))
     outputs = [o.name for o in graph.output]
     extra = [helper.make_tensor_value_info(v, types[v], None) for v in recorded if v not in outputs]
@@ -176,7 +178,7 @@ def calibrate(
         raise CalibrationError(f"{store.where}: onnxruntime cannot load the float32 model to calibrate it "
                                f"({first_line(err)}); check that the model runs in onnxruntime") from err
     first_names = list(dict.fromkeys(outputs + recorded))
-    names = list(dict.fromkeys(outputs + [v for v in observed if v not in inputs]))
+    names = list(dict.fromkeys(outputs + [v for v in observed + kept_values if v not in inputs]))
 
     start = time.perf_counter()
     first: dict[str, np.ndarray] = {}
@@ -196,6 +198,7 @@ def calibrate(
                 result.output_names = floating
                 result.kept.append(feed)
                 result.references.append([values[o] for o in floating])
+                result.checkpoints.record(len(result.kept) - 1, values)
             if index == 0 and replay is not None:
                 first = values
                 result.norms = {v: _norm(values[v]) for v in observed if np.issubdtype(values[v].dtype, np.floating)}
@@ -209,15 +212,84 @@ def calibrate(
     return result
 
 
-def output_error(model: onnx.ModelProto, store: WeightStore, data: Calibration, optimized: bool = False) -> float:
-    """Largest relative error of ``model``'s floating outputs against the fp32 ones over the kept feeds
-    (inf when onnxruntime cannot run it); ``optimized`` runs it with onnxruntime's default graph
+class OnnxTrials(Trials):
+    """The tolerance search's runs: a copy of the fp32 model rewritten by the trial plan, run as ``target``
+    computes it (module docstring) on the kept feeds."""
+
+    def __init__(self, fp32: Fp32Model, data: Calibration, target: Target, apply: Apply):
+        self.fp32, self.data, self.target, self.apply = fp32, data, target, apply
+        self.calibrated = len(data.kept)
+        self.nodes_skipped = self.nodes_run = 0
+
+    def count(self) -> int:
+        return self.calibrated
+
+    def error(self, plan: PrecisionPlan, decisions: Mapping[str, Decision], batches: Sequence[int]) -> float:
+        trial = onnx.ModelProto()
+        trial.CopyFrom(self.fp32.model)
+        self.apply(trial, plan)
+        data, kept = self.data, self.data.checkpoints
+        cut = kept.cut(trial) if kept is not None else None
+        starts: dict[int | None, list[int]] = {}  # checkpoint position (None: the whole trial) -> feeds
+        for batch in batches:
+            have = kept.values.get(batch, {}) if kept is not None else {}
+            starts.setdefault(max((p for p in have if cut is not None and p <= cut), default=None), []).append(batch)
+        worst, total = 0.0, len(trial.graph.node)
+        for start, group in starts.items():
+            model = trial if start is None else kept.suffix(trial, start)
+            feeds = [{**data.kept[b], **(kept.values[b][start] if start is not None else {})} for b in group]
+            self.nodes_run += len(group) * (total - (start or 0))
+            self.nodes_skipped += len(group) * (start or 0)
+            references = [data.references[b] for b in group]
+            if self.target.judge == "runtime":
+                error = output_error(model, self.fp32.store, data.output_names, feeds, references, optimized=True)
+            else:
+                error = output_error(simulate(model, self.fp32.store), self.fp32.store, data.output_names, feeds,
+                                     references)
+            worst = max(worst, error)
+        return worst
+
+    def reused(self) -> float:
+        """The share of the search's node runs that read fp32 values calibration kept instead
+        (:mod:`amppass.onnx.prefix`)."""
+        total = self.nodes_skipped + self.nodes_run
+        return self.nodes_skipped / total if total else 0.0
+
+    def perturbed(self, copies: int, noise: float) -> list[int]:
+        data = self.data
+        feed = data.kept[0]
+        if not any(_noisy(v) for v in feed.values()):
+            return []
+        rng = np.random.default_rng(1)
+        batches = [{name: (v + rng.standard_normal(v.shape).astype(v.dtype) * (noise * v.std())) if _noisy(v) else v
+                    for name, v in feed.items()} for _ in range(copies)]
+        try:
+            session = _session(self.fp32.model, self.fp32.store)
+            references = [session.run(data.output_names, batch) for batch in batches]
+        except Exception as err:  # noqa: BLE001 - then the single feed gets no held-out check
+            log.info("tolerance search: the fp32 model rejects a perturbed copy of the calibration feed (%s)",
+                     first_line(err))
+            return []
+        data.kept += batches
+        data.references += references
+        return list(range(len(data.kept) - copies, len(data.kept)))
+
+
+def _noisy(value: np.ndarray) -> bool:
+    """Whether a perturbed copy adds noise to ``value``: a floating array of more than one element."""
+    return value.dtype.kind == "f" and value.size > 1
+
+
+def output_error(model: onnx.ModelProto, store: WeightStore, names: list[str], feeds: list[dict[str, np.ndarray]],
+                 references: list[list[np.ndarray]], optimized: bool = False) -> float:
+    """Largest relative error of ``model``'s floating outputs ``names`` against their fp32 ``references`` on
+    ``feeds`` (inf when onnxruntime cannot run it); ``optimized`` runs it with onnxruntime's default graph
     optimisations, as a user's session would."""
     try:
         session = _session(model, store, optimized=optimized)
         worst = 0.0
-        for feed, references in zip(data.kept, data.references):
-            for out, ref in zip(session.run(data.output_names, feed), references):
+        for feed, expected in zip(feeds, references):
+            for out, ref in zip(session.run(names, feed), expected):
                 worst = max(worst, relative_error(out, ref))
     except Exception as err:  # noqa: BLE001 - a trial onnxruntime rejects is a failed trial, not a crash
         log.warning("tolerance search: a trial model did not run in onnxruntime (%s)", first_line(err))

@@ -118,8 +118,10 @@ def summary_lines(report: Summarised) -> list[str]:
         lines.append(f"moved to fp32 by the tolerance search: {moved} node{'' if moved == 1 else 's'}")
     achieved, limit = finite(info.get("achieved_error")), finite(info.get("tolerance"))
     if achieved is not None and limit is not None:
+        held = finite(info.get("held_out_error"))
         lines.append(f"output error {achieved:.3g} against a tolerance of {limit:.3g}"
-                     + ("" if info.get("tolerance_met", True) else " (not met)"))
+                     + ("" if info.get("tolerance_met", True) else " (not met)")
+                     + (f"; {held:.3g} on inputs the search held out" if held is not None else ""))
     profit = info.get("profitability")
     if isinstance(profit, dict) and finite(profit.get("nodes_fp32")) is not None:
         timing = profit.get("timing")

@@ -1,0 +1,51 @@
+"""Before/after tables from one run: a benchmark script measures each checkout of amppass in a fresh process
+that imports it (``--root CHECKOUT``, repeated), or this checkout in its own process by default."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+try:
+    from .results import markdown_table
+except ImportError:  # imported as a script's neighbour in another checkout's process (--measure)
+    from results import markdown_table
+
+HERE = Path(__file__).resolve().parent
+
+
+def run(script: str, measure: Callable[[str], dict[str, Any]], names: list[str],
+        roots: list[Path] | None = None) -> list[dict[str, Any]]:
+    """One row per name and checkout: ``measure(name)`` here, or ``script --measure name`` in each root."""
+    if not roots:
+        return [measure(n) for n in names]
+    return [{"checkout": str(root), **_measure_in(script, root, n)} for n in names for root in roots]
+
+
+def _measure_in(script: str, root: Path, name: str) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(HERE.parent)])}
+    done = subprocess.run([sys.executable, script, "--measure", name], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=3600)
+    if done.returncode:
+        return {"model": name, "failed": done.stderr.strip().splitlines()[-1:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(description: str, measure: Callable[[str], dict[str, Any]],
+         rows: Callable[[bool, list[Path] | None], list[dict[str, Any]]], full_help: str) -> None:
+    """The command line of such a script: ``[--full] [--root CHECKOUT ...]`` prints the markdown table;
+    ``--measure NAME`` (what :func:`run` calls in each checkout) prints one row as JSON."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--full", action="store_true", help=full_help)
+    parser.add_argument("--root", action="append", type=Path, help="a checkout to measure (repeat to compare)")
+    parser.add_argument("--measure", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.measure:
+        print(json.dumps(measure(args.measure)))
+        return
+    print(markdown_table(rows(args.full, args.root)))
