@@ -203,8 +203,9 @@ class DeviceFacts:
             return stored if len(stored) == 4 else None
         found, ratio_spread = probe(self.device, self.low)
         if ratio_spread > SPREAD_LIMIT:
-            log.info("profitability: the device probe was disturbed by other load (spread %.0f%%); not kept",
-                     ratio_spread * 100)
+            how = (f"its rounds spread {ratio_spread:.0%}" if math.isfinite(ratio_spread)
+                   else "no round of it was undisturbed")
+            log.info("profitability: the device probe was disturbed by other load (%s); not kept", how)
             return None
         DeviceFacts._probes[(device_facts.digest(self.fingerprint), self.low.name)] = found
         self.cache.add({prefix + k: v for k, v in found.items()})
