@@ -199,6 +199,18 @@ def test_gpt2_tanh_gelu_runs_low_as_one_op_with_the_reason_and_saved_bytes_in_th
     assert backward["saved_bytes"] == sum(backward["saved_bytes_by_dtype"].values()) > 0
 
 
+def test_what_users_read_names_the_fusion_and_the_bytes_saved_for_backward(converted):
+    """The terminal table and the HTML page show reasons and the summary, not evidence: the fused GELU's
+    reason says it replaced the model's own ops, and the summary gives the bytes saved for backward."""
+    report = amppass.report(converted)
+    gelus = [r for r in report.rows if r.op == "aten.gelu"]
+    assert gelus and all("tanh approximation written out as" in r.reason for r in gelus)
+    saved = report.info["backward"]["saved_bytes"]
+    assert f"saved for backward by one forward on the example: {saved:,} bytes (" in report.summary()
+    page = report.to_html()
+    assert "tanh approximation written out as" in page and "saved for backward" in page
+
+
 def test_fused_gelu_computes_what_the_written_out_chain_computes(original, converted):
     x = _batch(3)[:, :-1]
     converted.eval(), original.eval()

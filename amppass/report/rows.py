@@ -111,6 +111,14 @@ def summary_lines(report: Summarised) -> list[str]:
     before, after = stats["weight_bytes"]["before"], stats["weight_bytes"]["after"]
     if before:
         lines.append(f"weight bytes: {before:,} -> {after:,} ({after / before:.2f} of fp32)")
+    backward = info.get("backward")
+    saved = finite(backward.get("saved_bytes")) if isinstance(backward, dict) else None
+    if saved is not None:
+        split = backward.get("saved_bytes_by_dtype")
+        split = ", ".join(f"{d} {n:,}" for d, n in split.items() if finite(n) is not None) \
+            if isinstance(split, dict) else ""
+        lines.append(f"saved for backward by one forward on the example: {int(saved):,} bytes"
+                     + (f" ({split})" if split else ""))
     if stats["sources"]:
         lines.append("decided by: " + ", ".join(f"{n} {s}" for s, n in stats["sources"].items()))
     if stats["moved_by_tolerance"] is not None:
