@@ -246,3 +246,32 @@ def test_every_converted_module_has_drop_original(kind):
     gc.collect()
     assert ref() is None
     assert converted(x).shape == (2, 8)
+
+
+class _SelfNamed(nn.Module):
+    """transformers' BertAttention: a submodule called ``self``, then one that reads its output."""
+
+    def __init__(self):
+        super().__init__()
+        self.self = nn.Linear(16, 16)
+        self.output = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16))
+
+    def forward(self, x):
+        return self.output(self.self(x))
+
+
+def test_a_submodule_called_self_runs_in_the_outlined_tree():
+    """The unflattened parent's code named the submodule's result ``self``, rebinding its own ``self``: every
+    call of a converted BERT in train mode raised AttributeError ('Tensor' object has no attribute 'output')."""
+    torch.manual_seed(0)
+    original = nn.Sequential(nn.Linear(8, 16), _SelfNamed(), nn.Linear(16, 4)).train()
+    x = torch.randn(4, 8)
+    converted = amppass.convert(original, (x,), dtype=torch.bfloat16, mode="train")
+    assert converted.outlined
+    for mode in (True, False):
+        original.train(mode), converted.train(mode)
+        ours, theirs = converted(x), original(x)
+        assert torch.allclose(ours, theirs, rtol=0.05, atol=0.05), (mode, (ours - theirs).abs().max())
+    converted.train()
+    converted(x).sum().backward()
+    assert converted[1].self.weight.grad is not None
