@@ -275,3 +275,32 @@ def test_a_submodule_called_self_runs_in_the_outlined_tree():
     converted.train()
     converted(x).sum().backward()
     assert converted[1].self.weight.grad is not None
+
+
+class _WithFlag(nn.Module):
+    """A model taking a non-tensor keyword, as decoders take ``use_cache=False``."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 16)) for _ in range(2)])
+
+    def forward(self, x, use_cache: bool = True):
+        for block in self.blocks:
+            x = x + block(x)
+        return x * 2 if use_cache else x
+
+
+def test_a_non_tensor_keyword_input_does_not_cost_the_module_tree():
+    """Export bakes ``use_cache=False`` in as a constant, so the re-export has one input fewer than the
+    capture's guards: that was taken for "a dimension became fixed", and a Llama ran as one graph, so
+    FSDP2 could not wrap its blocks."""
+    torch.manual_seed(0)
+    original = _WithFlag().train()
+    x = torch.randn(4, 16)
+    converted = amppass.convert(original, (x,), example_kwargs={"use_cache": False}, dtype=torch.bfloat16,
+                                mode="train")
+    assert converted.outlined
+    calls = []
+    converted.blocks[1].register_forward_pre_hook(lambda module, args: calls.append(1))
+    out = converted(x, use_cache=False)
+    assert calls == [1] and torch.allclose(out, original(x, use_cache=False), rtol=0.05, atol=0.05)

@@ -218,15 +218,17 @@ def _export_like(gm: fx.GraphModule, args: tuple, kwargs: dict, guards: Any) -> 
 
 
 def _same_dynamism(program: torch.export.ExportedProgram, guards: Any) -> bool:
-    """Whether every dimension the capture kept dynamic is dynamic in ``program`` too."""
+    """Whether every dimension the capture kept dynamic is dynamic in ``program`` too.
+
+    Tensor inputs are compared in order; other inputs (``use_cache=False``) export may bake in as constants."""
     names = set(program.graph_signature.user_inputs)
-    values = [n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder" and n.name in names]
-    if len(values) != len(guards.inputs):
+    values = [v for n in program.graph.nodes if n.op == "placeholder" and n.name in names
+              if isinstance(v := n.meta.get("val"), torch.Tensor)]
+    specs = [spec for spec in guards.inputs if spec.dtype is not None]
+    if len(values) != len(specs):
         return False
-    for spec, value in zip(guards.inputs, values):
-        if spec.dtype is None:
-            continue
-        if not isinstance(value, torch.Tensor) or value.dim() != len(spec.dims):
+    for spec, value in zip(specs, values):
+        if value.dim() != len(spec.dims):
             return False
         for wanted, size in zip(spec.dims, value.shape):
             if isinstance(wanted, str) and not isinstance(size, torch.SymInt):
