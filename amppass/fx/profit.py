@@ -149,8 +149,9 @@ class CostModel:
 
 class DeviceFacts:
     """The target device as profitability needs it: its fingerprint and timing cache, whether it runs the
-    low dtype natively, and (on demand) its cost prior. The probe is taken at most once per device and dtype,
-    and kept in the cache."""
+    low dtype natively, and (on demand) its cost prior. The probe is kept (in this process and the timing
+    cache) the first time other load leaves it undisturbed; until then each conversion that needs it takes
+    it again."""
 
     _probes: dict[tuple[str, str], dict[str, float]] = {}  # per process: (fingerprint digest, dtype) -> probe
 
