@@ -138,6 +138,12 @@ def summary_lines(report: Summarised) -> list[str]:
         device = profit.get("device")
         if isinstance(device, dict) and device.get("native_low") is False:
             lines.append(f"not timed: {device.get('why')}")
+    whole = info.get("whole_model")
+    if isinstance(whole, dict) and isinstance(whole.get("skipped"), str):
+        lines.append(f"not compared with the original module as a whole: {whole['skipped']}")
+    elif isinstance(whole, dict) and None not in (finite(whole.get("converted_ms")), finite(whole.get("original_ms"))):
+        lines.append(f"whole model per call: {whole['converted_ms']:.3g} ms converted, {whole['original_ms']:.3g} ms "
+                     "for the original module in fp32")
     if stats["unknown_ops"]:
         lines.append("ops not in the policy table (followed their inputs): " + ", ".join(stats["unknown_ops"]))
     if not stats["calibrated"]:
