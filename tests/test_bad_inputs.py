@@ -21,6 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 import amppass
 from amppass import AmpPassError, CalibrationError, CaptureError, InputError
 from amppass.errors import ScaleCollapseError, ScalerUsageError, ScalerValueError
+from amppass.fx.kept import KeptFp32
 from amppass.onnx import runtime
 
 F32 = TensorProto.FLOAT
@@ -261,6 +262,10 @@ CASES = [
     Case("save-train-module", "amppass.save of a train-mode module",
          lambda tmp: amppass.save(amppass.convert(mlp(), X, "bf16", mode="train"), tmp / "m.pt2"),
          InputError, ("train", "state_dict")),
+    Case("save-kept-fp32", "amppass.save of a module that convert kept in fp32 (measured faster)",
+         lambda tmp: amppass.save(KeptFp32(mlp(), {"whole_model": {"converted_ms": 0.2, "original_ms": 0.1}}),
+                                  tmp / "m.pt2"),
+         InputError, ("kept the original", "0.2 ms", "plan_for='coverage'")),
     Case("export-not-a-module", "export_onnx of a function",
          lambda tmp: amppass.export_onnx(lambda x: x, X, tmp / "o.onnx"),
          InputError, ("export_onnx", "got function", "amppass.convert_onnx")),

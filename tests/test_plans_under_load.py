@@ -153,6 +153,15 @@ def test_where_the_flags_cannot_be_read_the_device_is_probed_once_and_the_probe_
     assert probes == ["bf16"] and not again.native.native  # read back from the cache, not probed again
 
 
+def test_a_probe_with_no_undisturbed_round_says_so_in_words(cache, monkeypatch, caplog):
+    """The log line a busy machine gives names what happened, never a spread of "inf%"."""
+    monkeypatch.setattr(device, "cpu_facts", lambda: device.CpuFacts("unknown", frozenset()))
+    monkeypatch.setattr(profit, "probe", lambda dev, low, rounds=7: (dict(PROBE), float("inf")))
+    with caplog.at_level(logging.INFO, logger="amppass"):
+        profit.DeviceFacts(torch.device("cpu"), low_type("fp16"))
+    assert "no round of it was undisturbed" in caplog.text and "inf%" not in caplog.text
+
+
 def test_AMPPASS_CACHE_off_reads_and_writes_no_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))

@@ -98,6 +98,27 @@ def test_an_unwritable_cache_folder_is_logged_and_the_conversion_goes_on(monkeyp
     assert "not written" in caplog.text and "AMPPASS_CACHE" in caplog.text and not cache.enabled
 
 
+def test_an_unwritable_cache_folder_is_warned_about_once_per_process(monkeypatch, tmp_path, caplog):
+    """A conversion opens the cache twice (regions, then the whole model) and a script converts many models:
+    the user is told once, not once per cache opened."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    found = fingerprint_of(monkeypatch, SAPPHIRE)
+    with caplog.at_level(logging.WARNING, logger="amppass"):
+        for _ in range(3):
+            TimingCache(found, blocker / "timings").add({"k": 1.0})
+    assert caplog.text.count("not written") == 1
+
+
+def test_entries_that_are_not_finite_times_read_as_absent(monkeypatch, tmp_path):
+    """A hand-edited file: JSON's Infinity/NaN, booleans, negative or non-numeric values are not times."""
+    found = fingerprint_of(monkeypatch, SAPPHIRE)
+    path = TimingCache(found, tmp_path).path
+    path.write_text('{"fingerprint": %s, "entries": {"ok": 2e-06, "inf": Infinity, "nan": NaN, "yes": true, '
+                    '"neg": -1.0, "text": "1e-6", "zero": 0}}' % json.dumps(found))
+    assert TimingCache(found, tmp_path).entries == {"ok": 2e-6, "zero": 0.0}
+
+
 _WRITER = """
 import pathlib, sys
 from amppass.fx.timing_cache import TimingCache

@@ -199,6 +199,18 @@ def test_gpt2_tanh_gelu_runs_low_as_one_op_with_the_reason_and_saved_bytes_in_th
     assert backward["saved_bytes"] == sum(backward["saved_bytes_by_dtype"].values()) > 0
 
 
+def test_what_users_read_names_the_fusion_and_the_bytes_saved_for_backward(converted):
+    """The terminal table and the HTML page show reasons and the summary, not evidence: the fused GELU's
+    reason says it replaced the model's own ops, and the summary gives the bytes saved for backward."""
+    report = amppass.report(converted)
+    gelus = [r for r in report.rows if r.op == "aten.gelu"]
+    assert gelus and all("tanh approximation written out as" in r.reason for r in gelus)
+    saved = report.info["backward"]["saved_bytes"]
+    assert f"saved for backward by one forward on the example: {saved:,} bytes (" in report.summary()
+    page = report.to_html()
+    assert "tanh approximation written out as" in page and "saved for backward" in page
+
+
 def test_fused_gelu_computes_what_the_written_out_chain_computes(original, converted):
     x = _batch(3)[:, :-1]
     converted.eval(), original.eval()
@@ -234,3 +246,61 @@ def test_every_converted_module_has_drop_original(kind):
     gc.collect()
     assert ref() is None
     assert converted(x).shape == (2, 8)
+
+
+class _SelfNamed(nn.Module):
+    """transformers' BertAttention: a submodule called ``self``, then one that reads its output."""
+
+    def __init__(self):
+        super().__init__()
+        self.self = nn.Linear(16, 16)
+        self.output = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16))
+
+    def forward(self, x):
+        return self.output(self.self(x))
+
+
+def test_a_submodule_called_self_runs_in_the_outlined_tree():
+    """The unflattened parent's code named the submodule's result ``self``, rebinding its own ``self``: every
+    call of a converted BERT in train mode raised AttributeError ('Tensor' object has no attribute 'output')."""
+    torch.manual_seed(0)
+    original = nn.Sequential(nn.Linear(8, 16), _SelfNamed(), nn.Linear(16, 4)).train()
+    x = torch.randn(4, 8)
+    converted = amppass.convert(original, (x,), dtype=torch.bfloat16, mode="train")
+    assert converted.outlined
+    for mode in (True, False):
+        original.train(mode), converted.train(mode)
+        ours, theirs = converted(x), original(x)
+        assert torch.allclose(ours, theirs, rtol=0.05, atol=0.05), (mode, (ours - theirs).abs().max())
+    converted.train()
+    converted(x).sum().backward()
+    assert converted[1].self.weight.grad is not None
+
+
+class _WithFlag(nn.Module):
+    """A model taking a non-tensor keyword, as decoders take ``use_cache=False``."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 16)) for _ in range(2)])
+
+    def forward(self, x, use_cache: bool = True):
+        for block in self.blocks:
+            x = x + block(x)
+        return x * 2 if use_cache else x
+
+
+def test_a_non_tensor_keyword_input_does_not_cost_the_module_tree():
+    """Export bakes ``use_cache=False`` in as a constant, so the re-export has one input fewer than the
+    capture's guards: that was taken for "a dimension became fixed", and a Llama ran as one graph, so
+    FSDP2 could not wrap its blocks."""
+    torch.manual_seed(0)
+    original = _WithFlag().train()
+    x = torch.randn(4, 16)
+    converted = amppass.convert(original, (x,), example_kwargs={"use_cache": False}, dtype=torch.bfloat16,
+                                mode="train")
+    assert converted.outlined
+    calls = []
+    converted.blocks[1].register_forward_pre_hook(lambda module, args: calls.append(1))
+    out = converted(x, use_cache=False)
+    assert calls == [1] and torch.allclose(out, original(x, use_cache=False), rtol=0.05, atol=0.05)

@@ -292,8 +292,9 @@ def _convert_captured(
             meta["evidence"]["unknown"] = True
         if meta and not meta.get("cast") and macs.get(node.name) is not None:
             meta["evidence"]["macs"] = macs[node.name]
-        if meta and FUSED_KEY in node.meta:
+        if meta and FUSED_KEY in node.meta:  # the reason says so: the model never wrote this op
             meta["evidence"]["fused"] = node.meta[FUSED_KEY]
+            meta["reason"] = f"{meta['reason']}; {node.meta[FUSED_KEY]}"
     gm.meta[META_KEY] = {
         "amppass_version": __version__,
         "front_end": "fx",

@@ -152,8 +152,9 @@ class CostModel:
 
 class DeviceFacts:
     """The target device as profitability needs it: its fingerprint and timing cache, whether it runs the
-    low dtype natively, and (on demand) its cost prior. The probe is taken at most once per device and dtype,
-    and kept in the cache."""
+    low dtype natively, and (on demand) its cost prior. The probe is kept (in this process and the timing
+    cache) the first time other load leaves it undisturbed; until then each conversion that needs it takes
+    it again."""
 
     _probes: dict[tuple[str, str], dict[str, float]] = {}  # per process: (fingerprint digest, dtype) -> probe
 
@@ -206,8 +207,9 @@ class DeviceFacts:
             return stored if len(stored) == 4 else None
         found, ratio_spread = probe(self.device, self.low)
         if ratio_spread > SPREAD_LIMIT:
-            log.info("profitability: the device probe was disturbed by other load (spread %.0f%%); not kept",
-                     ratio_spread * 100)
+            how = (f"its rounds spread {ratio_spread:.0%}" if math.isfinite(ratio_spread)
+                   else "no round of it was undisturbed")
+            log.info("profitability: the device probe was disturbed by other load (%s); not kept", how)
             return None
         DeviceFacts._probes[(device_facts.digest(self.fingerprint), self.low.name)] = found
         self.cache.add({prefix + k: v for k, v in found.items()})

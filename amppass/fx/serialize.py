@@ -36,6 +36,7 @@ from ..errors import InputError
 from ..files import Staged, check_writable
 from ..training.module import TrainEvalGraphs
 from .capture import capture_program, capturing, size_one_dynamic
+from .kept import KeptFp32
 from .rewrite import META_KEY
 from .shapes import GUARDS_KEY, ServingGraph, ShapeGuards
 
@@ -182,6 +183,13 @@ def _served(converted: Any) -> ServingGraph:
                          "checkpoint, and convert the trained model with mode='inference' to ship it")
     if isinstance(converted, ServingGraph):
         return converted
+    if isinstance(converted, KeptFp32):
+        whole = converted.meta[META_KEY].get("whole_model", {})
+        raise InputError(f"amppass.convert kept the original {type(converted.original).__name__} in fp32 (the "
+                         f"converted graph took {whole.get('converted_ms', '?')} ms per call against "
+                         f"{whole.get('original_ms', '?')} ms for the original here), so there is no converted "
+                         "graph to save: ship the original model as it is, or convert with plan_for='coverage' "
+                         "(or costs= from the machine you deploy on) to save a converted one")
     if isinstance(converted, fx.GraphModule) and META_KEY in converted.meta:
         raise InputError(f"{type(converted).__name__} was converted without example inputs (symbolically traced), so "
                          "it has no input shapes to export; convert it with example_inputs to save it")

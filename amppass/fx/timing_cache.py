@@ -18,7 +18,9 @@ answer. amppass keeps the times profitability (:mod:`amppass.fx.profit`) measure
    file again, merges its new entries in and replaces the file atomically (:func:`amppass.files.write_atomic`):
    a reader sees the old table or the new one, never half a file, and processes converting at once keep
    each other's entries. A file that cannot be read or parsed is treated as empty (and replaced by the
-   next update); a folder that cannot be written is logged once and the conversion goes on without it.
+   next update), and so is an entry that is not a finite time in seconds (a hand edit: ``Infinity``,
+   ``true``, a negative number); a folder that cannot be written is logged once per process, and the
+   conversions go on without it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -37,6 +40,7 @@ log = logging.getLogger(__name__)
 
 ENV = "AMPPASS_CACHE"
 OFF = ("off", "0", "false", "no", "none")
+_UNWRITABLE: set[Path] = set()  # cache files this process failed to write: a warning the first time, then debug
 
 
 def folder() -> Path | None:
@@ -81,8 +85,10 @@ class TimingCache:
                                                    sort_keys=True, indent=0))
             self.entries = merged
         except OSError as error:
-            log.warning("timing cache %s not written (%s); set %s to a writable folder, or to 'off'",
-                        self.path, error, ENV)
+            said = self.path in _UNWRITABLE
+            _UNWRITABLE.add(self.path)
+            log.log(logging.DEBUG if said else logging.WARNING,
+                    "timing cache %s not written (%s); set %s to a writable folder, or to 'off'", self.path, error, ENV)
             self.path = None
 
     def _read(self) -> dict[str, float]:
@@ -100,7 +106,8 @@ class TimingCache:
         entries = stored.get("entries")
         if not isinstance(entries, dict):
             return {}
-        return {str(k): float(v) for k, v in entries.items() if isinstance(v, (int, float)) and v >= 0}
+        return {str(k): float(v) for k, v in entries.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0}
 
 
 @contextlib.contextmanager

@@ -111,6 +111,14 @@ def summary_lines(report: Summarised) -> list[str]:
     before, after = stats["weight_bytes"]["before"], stats["weight_bytes"]["after"]
     if before:
         lines.append(f"weight bytes: {before:,} -> {after:,} ({after / before:.2f} of fp32)")
+    backward = info.get("backward")
+    saved = finite(backward.get("saved_bytes")) if isinstance(backward, dict) else None
+    if saved is not None:
+        split = backward.get("saved_bytes_by_dtype")
+        split = ", ".join(f"{d} {n:,}" for d, n in split.items() if finite(n) is not None) \
+            if isinstance(split, dict) else ""
+        lines.append(f"saved for backward by one forward on the example: {int(saved):,} bytes"
+                     + (f" ({split})" if split else ""))
     if stats["sources"]:
         lines.append("decided by: " + ", ".join(f"{n} {s}" for s, n in stats["sources"].items()))
     if stats["moved_by_tolerance"] is not None:
@@ -132,6 +140,12 @@ def summary_lines(report: Summarised) -> list[str]:
         device = profit.get("device")
         if isinstance(device, dict) and device.get("native_low") is False:
             lines.append(f"not timed: {device.get('why')}")
+    whole = info.get("whole_model")
+    if isinstance(whole, dict) and isinstance(whole.get("skipped"), str):
+        lines.append(f"not compared with the original module as a whole: {whole['skipped']}")
+    elif isinstance(whole, dict) and None not in (finite(whole.get("converted_ms")), finite(whole.get("original_ms"))):
+        lines.append(f"whole model per call: {whole['converted_ms']:.3g} ms converted, {whole['original_ms']:.3g} ms "
+                     "for the original module in fp32")
     if stats["unknown_ops"]:
         lines.append("ops not in the policy table (followed their inputs): " + ", ".join(stats["unknown_ops"]))
     if not stats["calibrated"]:

@@ -97,7 +97,9 @@ class LossScaler:
     count reaches ``growth_interval``, where GradScaler needs it to equal it (so lowering the interval below
     the count with ``set_growth_interval`` stops GradScaler's growth until the next overflow); ``scale()`` takes
     tensors and nested lists/tuples of them, not other iterables; misuse raises amppass's errors, which are
-    also the ``RuntimeError``/``ValueError`` GradScaler raises (``AssertionError`` where GradScaler asserts).
+    also the ``RuntimeError``/``ValueError`` GradScaler raises; where GradScaler asserts (a step or update
+    before ``scale()``, an update before any step) they are a ``RuntimeError``, not an ``AssertionError``,
+    since assertions vanish under ``python -O``.
 
     Args:
         init_scale: first scale factor.

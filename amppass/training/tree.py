@@ -142,6 +142,7 @@ def outline(gm: fx.GraphModule, example: tuple[tuple, dict] | None) -> Outline |
                 return None
             continue
         if any(n.op != "placeholder" and n.op != "output" for n in module.graph.nodes):
+            _unshadow_self(module.graph_module)
             parts[name] = type(module.graph_module).forward
         for attr, value in vars(module).items():
             if isinstance(value, torch.Tensor) and attr not in module._parameters and attr not in module._buffers:
@@ -150,7 +151,23 @@ def outline(gm: fx.GraphModule, example: tuple[tuple, dict] | None) -> Outline |
         if isinstance(value, torch.Tensor):
             constants[attr] = value
     signature = tree.module_call_graph[0].signature
+    _unshadow_self(tree.graph_module)
     return Outline(type(tree.graph_module).forward, signature.in_spec, signature.out_spec, parts, constants)
+
+
+def _unshadow_self(gm: fx.GraphModule) -> None:
+    """Rename the values named ``self`` in ``gm``'s code. A submodule called ``self`` (transformers'
+    ``BertAttention.self``, in every BERT-like model) names its call's result ``self`` in the unflattened
+    parent, whose generated ``forward(self, ...)`` then rebinds ``self`` to that tensor and fails on its next
+    submodule call. The code is called positionally, so a renamed placeholder changes no call."""
+    clashing = [node for node in gm.graph.nodes if node.name == "self" or (node.op == "placeholder"
+                                                                            and node.target == "self")]
+    for node in clashing:
+        node._rename("self_value")
+        if node.op == "placeholder":
+            node.target = node.name
+    if clashing:
+        gm.recompile()
 
 
 def example_call(example: tuple[Any, dict]) -> tuple[tuple, dict]:
@@ -201,15 +218,17 @@ def _export_like(gm: fx.GraphModule, args: tuple, kwargs: dict, guards: Any) -> 
 
 
 def _same_dynamism(program: torch.export.ExportedProgram, guards: Any) -> bool:
-    """Whether every dimension the capture kept dynamic is dynamic in ``program`` too."""
+    """Whether every dimension the capture kept dynamic is dynamic in ``program`` too.
+
+    Tensor inputs are compared in order; other inputs (``use_cache=False``) export may bake in as constants."""
     names = set(program.graph_signature.user_inputs)
-    values = [n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder" and n.name in names]
-    if len(values) != len(guards.inputs):
+    values = [v for n in program.graph.nodes if n.op == "placeholder" and n.name in names
+              if isinstance(v := n.meta.get("val"), torch.Tensor)]
+    specs = [spec for spec in guards.inputs if spec.dtype is not None]
+    if len(values) != len(specs):
         return False
-    for spec, value in zip(guards.inputs, values):
-        if spec.dtype is None:
-            continue
-        if not isinstance(value, torch.Tensor) or value.dim() != len(spec.dims):
+    for spec, value in zip(specs, values):
+        if value.dim() != len(spec.dims):
             return False
         for wanted, size in zip(spec.dims, value.shape):
             if isinstance(wanted, str) and not isinstance(size, torch.SymInt):
