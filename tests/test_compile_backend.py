@@ -203,19 +203,19 @@ def test_bert_base_against_autocast_with_inductor_freezing():
     assert our_latency <= auto_latency * 1.1 and our_compile <= auto_compile * 1.2
 
 
-def test_a_graph_export_cannot_take_runs_unconverted_with_a_warning(monkeypatch, caplog):
+def test_a_graph_that_cannot_be_traced_runs_unconverted_with_a_warning(monkeypatch, caplog):
     from amppass.fx import backend
 
     def refuse(*args, **kwargs):
-        raise amppass.CaptureError("torch.export could not capture it (this test)")
+        raise amppass.CaptureError("graph 1 could not be traced to ATen ops (this test)")
 
     torch.manual_seed(0)
     model = Split().eval()
     compiled = torch.compile(model, backend=amppass_backend, options={"compiler": "eager"})
     x = torch.randn(4, 16)
-    real = backend.capture
+    real = backend._trace
     calls = iter([real, refuse])
-    monkeypatch.setattr(backend, "capture", lambda *a, **k: next(calls)(*a, **k))
+    monkeypatch.setattr(backend, "_trace", lambda *a, **k: next(calls)(*a, **k))
     with torch.no_grad():
         out = compiled(x)
         assert rel(out, model(x)) < 2e-2 and torch.equal(compiled(x), out)

@@ -23,6 +23,7 @@ from ..analysis.view import GraphView
 from . import profit
 from .calibrate import calibrated_plan, flatten_inputs, split_batch
 from .capture import capture, capture_program
+from .generation import as_generator
 from .kept import KeptFp32
 from .profit import CostModel
 from .rewrite import META_KEY, rewrite
@@ -137,8 +138,8 @@ def convert(
     gm = capture(model, example_inputs, example_kwargs, train=False, dynamic_shapes=dynamic_shapes)
     served = _served(model, gm, plan_target, mode, False, options)
     if plan_for == "speed" and plan_target.profitable and options["example"] is not None and not calibration:
-        return _faster_of(served, model, options["example"], costs)
-    return served
+        served = _faster_of(served, model, options["example"], costs)
+    return as_generator(model, served)  # a transformers decoder keeps generate() (amppass.fx.generation)
 
 
 def _served(model: nn.Module, gm: fx.GraphModule, target: Target, mode: str, train: bool,

@@ -8,6 +8,7 @@ from typing import Any
 from torch import fx
 
 from ..errors import InputError
+from ..fx.generation import Generator
 from ..fx.kept import KeptFp32
 from ..training.module import TrainEvalGraphs
 from .fx_reader import read_graph_module
@@ -32,6 +33,8 @@ def report(converted: Any) -> Report:
             raise InputError(f"{type(converted).__name__} was not compiled with torch.compile(backend='amppass'); "
                              "compile it with that backend, call it once, then ask for the report")
         return session.report()
+    if isinstance(converted, Generator):
+        converted = converted.converted
     if isinstance(converted, TrainEvalGraphs):
         converted = converted.train_graph
     if isinstance(converted, KeptFp32):
