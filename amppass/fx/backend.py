@@ -138,7 +138,8 @@ class CompiledGraph:
     def inputs(self) -> str:
         """The inputs the converted graph takes, as dynamo traced them: ``x: [s0, 3, s1, s1] float32``."""
         ranges = _ranges(self.fakes)
-        return "; ".join(_spec(self.placeholders[i].name, self.fakes[i]).describe(ranges) for i in self.users)
+        return "; ".join(_spec(self.placeholders[i].name, self.fakes[i]).describe(ranges) for i in self.users
+                         if isinstance(self.fakes[i], torch.Tensor))
 
     def _frozen(self) -> bool:
         """Inductor's freezing folds the weights (and their casts) into the compiled code: inference only."""
@@ -147,10 +148,10 @@ class CompiledGraph:
     def _convert(self, example_inputs: list[Any]) -> None:
         traced = _trace(self.gm, self.fakes, self.index)
         lifted, self.users = _lift(traced, self.placeholders, example_inputs, self.state)
-        tensors = tuple(example_inputs[i] for i in self.users)
         mode = self.settings["mode"]
-        options, self.calibrated = _plan_options(self.settings, self.placeholders, self.users, tensors, self.index)
-        target = torch_target(_device(tensors, example_inputs).type, self.settings["dtype"])
+        options, self.calibrated = _plan_options(self.settings, self.placeholders, self.users, example_inputs,
+                                                 self.index)
+        target = torch_target(_device(example_inputs).type, self.settings["dtype"])
         # planned without measuring: profitability times eager kernels, not the fused code inductor makes
         self.converted = _convert_captured(lifted, lifted, target, mode, **options, plan_for="coverage")
         self.frozen = self._frozen()
@@ -357,37 +358,27 @@ def _attributes_as_inputs(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[tupl
 
 def _lift(traced: fx.GraphModule, placeholders: list[fx.Node], example_inputs: list[Any],
           state: dict[int, str]) -> tuple[fx.GraphModule, list[int]]:
-    """Rules 1 and 3: state inputs become attributes of a module, sizes are read from tensors.
+    """Rule 1: state inputs become attributes of a module.
 
     ``traced`` takes dynamo's inputs, then the attributes of dynamo's graph. Returns the module and the
-    positions of dynamo's inputs it takes: tensors other than state, and sizes no tensor input measures.
+    positions of dynamo's inputs it takes: every input but state, sizes included (inductor reads a size
+    from dynamo's own input; read from a tensor instead, its backward can hold sizes it cannot evaluate).
     """
     root = nn.Module()
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     inputs = [n for n in traced.graph.nodes if n.op == "placeholder"]
-    attributes = traced.meta["attributes"]
-    tensors = [i for i in range(len(placeholders)) if i not in state and isinstance(example_inputs[i], torch.Tensor)]
-    measured = {}
-    for i in range(len(placeholders)):
-        if i not in state and i not in tensors:
-            measured[i] = _measured_by(inputs[i], [inputs[t] for t in tensors])
-    users = [i for i in range(len(placeholders)) if i in tensors or (i in measured and measured[i] is None)]
+    users = [i for i in range(len(placeholders)) if i not in state]
     for i in users:
         env[inputs[i]] = graph.placeholder(placeholders[i].name)
         env[inputs[i]].meta = dict(inputs[i].meta)
     named = [(i, name, example_inputs[i]) for i, name in state.items()]
-    named += [(len(placeholders) + k, name, tensor) for k, (name, tensor) in enumerate(attributes)]
+    named += [(len(placeholders) + k, name, tensor) for k, (name, tensor) in enumerate(traced.meta["attributes"])]
     for i, name, tensor in named:
         if not _has(root, name):
             _register(root, name, tensor)
         env[inputs[i]] = graph.get_attr(name)
         env[inputs[i]].meta = dict(inputs[i].meta)
-    for i, found in measured.items():
-        if found is not None:
-            tensor, dim = found
-            env[inputs[i]] = graph.call_function(torch.ops.aten.sym_size.int, (env[tensor], dim))
-            env[inputs[i]].meta = dict(inputs[i].meta)
     for node in traced.graph.nodes:
         if node.op == "get_attr":  # constants the trace made
             _register(root, str(node.target), _fetch(traced, str(node.target)))
@@ -410,16 +401,16 @@ def _has(module: nn.Module, name: str) -> bool:
     return True
 
 
-def _measured_by(node: fx.Node, tensors: list[fx.Node]) -> tuple[fx.Node, int] | None:
-    """The tensor input and dimension whose size a SymInt input is."""
-    value = node.meta.get("val")
+def _measured_by(node: fx.Node, tensors: list[fx.Node]) -> tuple[int, int] | None:
+    """The position among ``tensors`` and the dimension whose size a SymInt input is."""
+    value = node.meta.get("example_value")
     if not isinstance(value, torch.SymInt):
         return None
-    for tensor in tensors:
-        fake = tensor.meta.get("val")
+    for position, tensor in enumerate(tensors):
+        fake = tensor.meta.get("example_value")
         for dim, size in enumerate(getattr(fake, "shape", ())):
             if isinstance(size, torch.SymInt) and size.node.expr == value.node.expr:
-                return tensor, dim
+                return position, dim
     return None
 
 
@@ -438,11 +429,11 @@ def _register(root: nn.Module, name: str, tensor: torch.Tensor) -> None:
         setattr(owner, leaf, tensor)
 
 
-def _plan_options(settings: dict[str, Any], placeholders: list[fx.Node], users: list[int], tensors: tuple,
+def _plan_options(settings: dict[str, Any], placeholders: list[fx.Node], users: list[int], example_inputs: list[Any],
                   index: int) -> tuple[dict[str, Any], bool]:
     """The options of :func:`amppass.convert` for this graph; calibration only where its batches fit."""
     options = {key: settings[key] for key in ("keep_io_types", "keep_fp32", "force_low", "low_weight_tables")}
-    batches = _aligned(settings["calibration"], [placeholders[i] for i in users], tensors)
+    batches = _aligned(settings["calibration"], [placeholders[i] for i in users], [example_inputs[i] for i in users])
     if settings["calibration"] is not None and batches is None:
         log.info("amppass backend: graph %d takes other tensors than the calibration batches; planned without them",
                  index)
@@ -451,11 +442,20 @@ def _plan_options(settings: dict[str, Any], placeholders: list[fx.Node], users: 
     return options, batches is not None
 
 
-def _aligned(batches: list[Any] | None, inputs: list[fx.Node], tensors: tuple) -> list[tuple] | None:
-    """The calibration batches as this graph's input tuples, or None if they do not fit it."""
+def _aligned(batches: list[Any] | None, inputs: list[fx.Node], examples: list[Any]) -> list[tuple] | None:
+    """The calibration batches as this graph's input tuples, or None if they do not fit it.
+
+    A batch holds the graph's tensor inputs; a size dynamo passes as its own input is read from the batch
+    tensor it measures.
+    """
     if not batches:
         return None
-    names = [str(getattr(getattr(n.meta.get("grapharg"), "source", None), "local_name", n.name)) for n in inputs]
+    tensors = [n for n, e in zip(inputs, examples) if isinstance(e, torch.Tensor)]
+    examples = [e for e in examples if isinstance(e, torch.Tensor)]
+    sizes = {n: _measured_by(n, tensors) for n in inputs if n not in tensors}
+    if any(where is None for where in sizes.values()):
+        return None
+    names = [str(getattr(getattr(n.meta.get("grapharg"), "source", None), "local_name", n.name)) for n in tensors]
     aligned = []
     for batch in batches:
         if isinstance(batch, dict):
@@ -463,9 +463,10 @@ def _aligned(batches: list[Any] | None, inputs: list[fx.Node], tensors: tuple) -
                 return None
             batch = tuple(batch[name] for name in names)
         batch = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
-        if len(batch) != len(tensors) or not all(_fits(b, t, n) for b, t, n in zip(batch, tensors, inputs)):
+        if len(batch) != len(examples) or not all(_fits(b, t, n) for b, t, n in zip(batch, examples, tensors)):
             return None
-        aligned.append(batch)
+        given = dict(zip(tensors, batch))
+        aligned.append(tuple(given[n] if n in given else batch[sizes[n][0]].shape[sizes[n][1]] for n in inputs))
     return aligned
 
 
@@ -525,8 +526,8 @@ def _ranges(fakes: list[Any]) -> dict[str, tuple[int, float]]:
     return {str(symbol): (max(_bound(r.lower), 0), _bound(r.upper)) for symbol, r in env.var_to_range.items()}
 
 
-def _device(tensors: tuple, example_inputs: list[Any]) -> torch.device:
-    for value in list(tensors) + list(example_inputs):
+def _device(values: list[Any]) -> torch.device:
+    for value in values:
         if isinstance(value, torch.Tensor):
             return value.device
     return torch.device("cpu")
