@@ -303,7 +303,9 @@ def test_inductor_trains_at_every_shape_and_updates_batch_statistics():
             assert p.grad.dtype == torch.float32 and rel(p.grad, q.grad) < 5e-2, (shape, name)
         assert rel(model[1].running_mean, reference[1].running_mean) < 1e-2, shape
     assert int(model[1].num_batches_tracked) == 2
-    assert all("[s" in p["inputs"] for p in amppass.report(compiled).info["graph_plans"])
+    report = amppass.report(compiled)
+    assert report.info["unconverted"] == [] and all("[s" in p["inputs"] for p in report.info["graph_plans"])
+    assert {r.precision for r in report.rows if r.op == "aten.conv2d"} == {"bf16"}
 
 
 def test_graph_breaks_serve_every_batch_with_inductor_and_calibrate_dynamic_graphs():

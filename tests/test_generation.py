@@ -40,7 +40,8 @@ def test_converted_decoder_serves_forward_calls_as_the_model_does():
         as_tuple = fast(ids, return_dict=False)
         assert isinstance(as_tuple, tuple) and torch.equal(as_tuple[0], fast(ids).logits)
         step = out.logits[:, -1:].argmax(-1)
-        later, ref_later = fast(step, past_key_values=out.past_key_values), model(step, past_key_values=ref.past_key_values)
+        later = fast(step, past_key_values=out.past_key_values)
+        ref_later = model(step, past_key_values=ref.past_key_values)
     assert torch.allclose(later.logits, ref_later.logits, atol=5e-2)
     fast.generation_config.max_new_tokens = 3  # its own copy
     assert model.generation_config.max_new_tokens != 3
