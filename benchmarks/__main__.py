@@ -171,6 +171,15 @@ def _compile(quick: bool, out: Path) -> Section:
     return section
 
 
+def _generate(quick: bool, out: Path) -> Section:
+    from . import generate
+
+    section = Section("Decoding with generate(): amppass against autocast and torch.compile(autocast) (bf16, CPU)",
+                      "", notes=[generate.NOTES])
+    section.tables.append((generate.title(quick), generate.run(quick)))
+    return section
+
+
 SECTIONS: dict[str, Callable[[bool, Path], Section]] = {
     "latency": _latency,
     "never_slower": _never_slower,
@@ -184,6 +193,7 @@ SECTIONS: dict[str, Callable[[bool, Path], Section]] = {
     "hostile": _external("hostile", "Hostile models", lambda m, quick: m.run()),
     "shapes": _shapes,
     "compile": _compile,
+    "generate": _generate,
     "lean_onnx": _lean_onnx,
     "tolerance_ref": _external("tolerance_reference", "Tolerance search against a reference ranking (ONNX fp16, "
                                "onnxruntime CPU)", lambda m, quick: m.run(quick)),

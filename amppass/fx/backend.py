@@ -155,8 +155,8 @@ class CompiledGraph:
         # planned without measuring: profitability times eager kernels, not the fused code inductor makes
         self.converted = _convert_captured(lifted, lifted, target, mode, **options, plan_for="coverage")
         self.frozen = self._frozen()
-        self.bound = {i: (example_inputs[i], example_inputs[i]._version) for i in self.state}
-        self.attributes = {name: (t, t._version) for name, t in _state(lifted) if name not in self.state.values()}
+        self.bound = {i: (example_inputs[i], _version(example_inputs[i])) for i in self.state}
+        self.attributes = {name: (t, _version(t)) for name, t in _state(lifted) if name not in self.state.values()}
         log.info("amppass backend: graph %d converted (%s, %s, %d state tensors)", self.index, mode, self.compiler,
                  len(self.state))
 
@@ -187,17 +187,17 @@ class CompiledGraph:
         for position, name in self.state.items():
             tensor = args[position]
             seen, version = self.bound[position]
-            if tensor is seen and (training or tensor._version == version):
+            if tensor is seen and (training or _version(tensor) == version):
                 continue
             self._copy_into_graph(name, tensor)
             replaced |= tensor is not seen
             refreshed = True
-            self.bound[position] = (tensor, tensor._version)
+            self.bound[position] = (tensor, _version(tensor))
         for name, (tensor, version) in self.attributes.items():  # state dynamo kept as the graph's attributes
-            if not training and tensor._version != version:
+            if not training and _version(tensor) != version:
                 self._copy_into_graph(name, tensor)
                 refreshed = True
-                self.attributes[name] = (tensor, tensor._version)
+                self.attributes[name] = (tensor, _version(tensor))
         if self.compiler != "eager" and (replaced or (refreshed and self.frozen)):
             # compiled code holds the tensors it was compiled with, and frozen code their values: compile again
             self.run = self._compile([], inside_dynamo=False)
@@ -508,6 +508,11 @@ def _inductor(plan: fx.GraphModule, inputs: tuple, freeze: bool) -> Callable[...
     plain = fx.GraphModule(plan, plan.graph)
     with config.patch(freezing=freeze):
         return compile_fx(plain, list(inputs))
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """The tensor's version counter; None for a tensor made under ``torch.inference_mode()``, which has none."""
+    return None if tensor.is_inference() else tensor._version
 
 
 def _fake_mode(fakes: list[Any]) -> Any:
