@@ -54,3 +54,11 @@ def test_a_model_that_does_not_generate_comes_back_as_a_graph_module():
                                    num_attention_heads=2, num_key_value_heads=2)).eval()
     fast = amppass.convert(model, (prompt(vocab=100),), "bf16", plan_for="coverage")
     assert isinstance(fast, torch.fx.GraphModule)
+
+
+def test_saving_a_converted_decoder_says_what_is_saved(tmp_path):
+    model = decoder("gpt2")
+    fast = amppass.convert(model, (prompt(),), "bf16", plan_for="coverage")
+    with pytest.raises(amppass.InputError, match=r"amppass.save\(model.converted, path\)"):
+        amppass.save(fast, tmp_path / "model.pt2")
+    assert not (tmp_path / "model.pt2").exists()

@@ -99,7 +99,8 @@ def convert(
     The returned module records its decisions in ``node.meta["amppass"]``; ``amppass.report`` reads them.
     Captured with example inputs, it is a :class:`~amppass.fx.shapes.ServingGraph`: it takes every input
     shape the original model takes, converting again (a few plans at most, cached) where torch.export had
-    to fix a dimension.
+    to fix a dimension. A transformers model that generates (a ``*ForCausalLM``) comes back in its own class,
+    ``generate()`` included, its ``forward`` running the converted graphs (:mod:`amppass.fx.generation`).
     """
     if mode not in MODES:
         raise InputError(f"mode={mode!r} is not one of {MODES}: use mode='inference' to serve or evaluate "

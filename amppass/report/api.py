@@ -20,7 +20,8 @@ def report(converted: Any) -> Report:
 
     Accepts the ``torch.fx.GraphModule`` that :func:`amppass.convert` returned, the module it returned for
     ``mode="train"`` (its train graph is reported; rows say which ops' gradients run in low precision), the
-    original module it kept in fp32 where that measured faster (:mod:`amppass.fx.kept`), a module
+    original module it kept in fp32 where that measured faster (:mod:`amppass.fx.kept`), the decoder it
+    returned in its transformers class (:mod:`amppass.fx.generation`: its converted graphs), a module
     :func:`amppass.load` returned, a module or function ``torch.compile(..., backend="amppass")`` returned
     (every graph dynamo captured, rows named ``g<i>.<node>``), or an ``onnx.ModelProto`` (or .onnx path)
     that :func:`amppass.convert_onnx` returned.
