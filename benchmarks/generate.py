@@ -41,7 +41,6 @@ NOTES = (
     "`setup_s` = the conversion (amppass) plus the first `generate` call (dynamo and inductor compiles). "
     "All under `torch.inference_mode()`."
 )
-VARIANTS = ("fp32", "autocast", "compile(autocast)", "amppass", "amppass compiled")
 
 
 @dataclass(frozen=True)

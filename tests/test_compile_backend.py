@@ -95,6 +95,7 @@ def test_inductor_matches_fp32_and_a_changed_weight_is_refreshed():
         assert rel(out, model(x)) < 2e-2
         model[0].weight.mul_(-0.5)  # in place: its version counter moves
         after = compiled(x)
+        assert torch.equal(compiled(x), after)  # refreshed once: the copies it wrote are not a change again
     assert rel(after, model(x)) < 2e-2 and rel(after, out) > 0.1
     info = amppass.report(compiled).info
     assert info["graph_plans"][0]["refreshes"] == 1 and info["compiler"] == "inductor"
@@ -339,3 +340,50 @@ def test_generate_through_the_backend_picks_fp32s_greedy_tokens(family, compiler
     plans = amppass.report(model.forward).info["graph_plans"]
     # the prompt, the first decode step, then every later step on one graph whose cache length is a symbol
     assert len(plans) == 3 and "cache" in plans[2]["inputs"] and ", s" in plans[2]["inputs"]
+
+
+def _pyramid_heads() -> tuple[nn.Module, list[tuple]]:
+    """models/detection.py's backbone, FPN and RPN heads: the convolutional part of its detector."""
+    from models.detection import DetectorBackbone, RPNHead, TinyFPN
+
+    class Heads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.backbone, self.fpn, self.rpn = DetectorBackbone(), TinyFPN((32, 64, 128), 32), RPNHead(32, 3)
+
+        def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+            return [t for pair in self.rpn(self.fpn(self.backbone(x))) for t in pair]
+
+    shapes = [(1, 3, 64, 64), (1, 3, 56, 72), (1, 3, 72, 48), (2, 3, 48, 40), (3, 3, 68, 60)]
+    return seeded(Heads), [(torch.randn(*s, generator=torch.Generator().manual_seed(i)),) for i, s in enumerate(shapes)]
+
+
+def _bert_small() -> tuple[nn.Module, list[tuple]]:
+    from models import build
+
+    calls = [(2, 16), (2, 11), (3, 7), (1, 20), (4, 33)]
+    return build("bert", "small").model, [build("bert", "small", batch=b, seq=s).make_inputs(i)
+                                          for i, (b, s) in enumerate(calls)]
+
+
+def _detector_nms() -> tuple[nn.Module, list[tuple]]:
+    case = detector()
+    return case.model, [case.example, *case.calls.values()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("build", [_pyramid_heads, _bert_small, _detector_nms], ids=lambda b: b.__name__[1:])
+def test_inductor_at_every_shape_of_real_sized_architectures(build):
+    """Every call of each model through inductor: within 1.5x autocast's error of fp32 (NMS-kept boxes included)."""
+    from benchmarks.latency import rel_error
+
+    model, calls = build()
+    compiled = torch.compile(model, backend=amppass_backend, options={"dtype": "bf16"})
+    with torch.no_grad():
+        for args in calls:
+            out, ref = compiled(*args), model(*args)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                auto = model(*args)
+            assert rel_error(out, ref) <= 1.5 * rel_error(auto, ref) + 1e-3, [a.shape for a in args]
+    report = amppass.report(compiled)
+    assert report.info["unconverted"] == [] and any("[s" in p["inputs"] for p in report.info["graph_plans"])

@@ -50,7 +50,7 @@ from ..report.fx_reader import read_graph_module
 from ..report.report import Report
 from .convert import MODES, _convert_captured
 from .quiet import quiet_torch
-from .shapes import _bound, _set, _spec, _state
+from .shapes import _bound, _set, _spec
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,9 @@ class CompiledGraph:
         self.converted = _convert_captured(lifted, lifted, target, mode, **options, plan_for="coverage")
         self.frozen = self._frozen()
         self.bound = {i: (example_inputs[i], _version(example_inputs[i])) for i in self.state}
-        self.attributes = {name: (t, _version(t)) for name, t in _state(lifted) if name not in self.state.values()}
+        # state dynamo kept as attributes of its graph (constants the trace made never change)
+        self.attributes = {name: (t, _version(t)) for name, t in traced.meta["attributes"]
+                           if name not in self.state.values()}
         log.info("amppass backend: graph %d converted (%s, %s, %d state tensors)", self.index, mode, self.compiler,
                  len(self.state))
 
