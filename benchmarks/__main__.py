@@ -209,6 +209,15 @@ def _plans_under_load(quick: bool, out: Path) -> Section:
     return section
 
 
+def _generate(quick: bool, out: Path) -> Section:
+    from . import generate
+
+    section = Section("Decoding with generate(): amppass against autocast and torch.compile(autocast) (bf16, CPU)",
+                      "", notes=[generate.NOTES])
+    section.tables.append((generate.title(quick), generate.run(quick)))
+    return section
+
+
 SECTIONS: dict[str, Callable[[bool, Path], Section]] = {
     "latency": _latency,
     "never_slower": _never_slower,
@@ -221,6 +230,7 @@ SECTIONS: dict[str, Callable[[bool, Path], Section]] = {
     "hostile": _external("hostile", "Hostile models", lambda m, quick: m.run()),
     "shapes": _shapes,
     "compile": _compile,
+    "generate": _generate,
     "lean_onnx": _lean_onnx,
     "conformance": _conformance,
     "plans_under_load": _plans_under_load,

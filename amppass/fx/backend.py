@@ -1,9 +1,10 @@
 """``torch.compile(model, backend="amppass", options={...})``: the amppass plan on every graph dynamo captures.
 
 Dynamo hands the backend one graph per region it traces (graph breaks, guards and recompiles are its own).
-Each graph goes through the pipeline :func:`amppass.convert` uses, and the result goes to inductor (or runs
-as it is with ``compiler="eager"``). Models torch.export cannot capture whole (data-dependent Python in a
-detector's post-processing, a generate loop) still get mixed precision on every traced region.
+Each graph is traced to ATen ops over dynamo's own fake inputs, goes through the pipeline
+:func:`amppass.convert` uses, and the rewritten graph goes to inductor with the example inputs dynamo passed
+(or runs as it is with ``compiler="eager"``). Models torch.export cannot capture whole (data-dependent
+Python in a detector's post-processing, a generate loop) still get mixed precision on every traced region.
 
 Rules:
 
@@ -13,12 +14,15 @@ Rules:
    on and a parameter that requires grad, when the graph is compiled).
 2. Before each call, a parameter whose version counter moved (an optimizer step, ``load_state_dict``) or
    that is another tensor now has its low-precision copies refreshed in place, so compiled code that holds
-   them sees the new values.
-3. A size dynamo passes as its own input is read from the tensor it measures, so the exported graph takes
-   tensors only. Dimensions dynamo made dynamic stay dynamic; a call the converted graph's guards reject is
-   converted again, as :class:`~amppass.fx.shapes.ServingGraph` does.
+   them sees the new values; code that folded them (inductor's freezing) or holds the old tensor is
+   compiled again, for the same symbolic inputs.
+3. The graph is rewritten as dynamo traced it: sizes dynamo made dynamic stay symbols of its shape
+   environment, and a size dynamo passes as its own input is read from the tensor it measures. Inductor
+   compiles it inside dynamo's compile, for dynamo's example inputs, so its code serves every shape dynamo's
+   guards admit, and a guard the trace or inductor adds on a size is one more guard dynamo checks. A new
+   shape dynamo's guards reject is dynamo's recompile: a new graph, converted on its own.
 4. Every graph's plan is kept with the ``torch.compile`` call that made it: ``amppass.report(compiled)``
-   shows every graph's rows (named ``g<i>.<node>``).
+   shows every graph's rows (named ``g<i>.<node>``) and the inputs each takes.
 
 Options (all optional): ``dtype`` ("auto", "fp16", "bf16", torch dtypes), ``compiler`` ("inductor" or
 "eager"), ``keep_io_types``, ``keep_fp32``, ``force_low``, ``low_weight_tables`` as for
@@ -44,9 +48,9 @@ from ..targets.target import torch_target
 from ..errors import CaptureError, InputError
 from ..report.fx_reader import read_graph_module
 from ..report.report import Report
-from .capture import capture
-from .convert import MODES, _served
-from .shapes import ServingGraph, _set, _state
+from .convert import MODES, _convert_captured
+from .quiet import quiet_torch
+from .shapes import _bound, _set, _spec
 
 log = logging.getLogger(__name__)
 
@@ -66,13 +70,13 @@ class Session:
 
     def report(self) -> Report:
         """One report over every graph: rows named ``g<i>.<node>``, the summary summed over graphs."""
-        if not any(g.served is not None for g in self.graphs):
+        if not any(g.converted is not None for g in self.graphs):
             raise InputError("this compiled model has not run yet, so dynamo has given amppass no graph to "
                              "convert; call it once, then ask for the report")
         rows, info = [], {}
-        converted = [g for g in self.graphs if g.served is not None]
+        converted = [g for g in self.graphs if g.converted is not None]
         for graph in converted:
-            part = read_graph_module(graph.served)
+            part = read_graph_module(graph.converted)
             for row in part.rows:
                 row.name = f"g{graph.index}.{row.name}"
                 row.casts = [f"g{graph.index}.{c}" for c in row.casts]
@@ -84,7 +88,7 @@ class Session:
         info.update({"front_end": "fx", "compiler": self.options.get("compiler", "inductor"),
                      "graphs": len(converted), "calibrated": any(g.calibrated for g in converted),
                      "unconverted": [{"graph": g.index, "reason": g.failed} for g in self.graphs if g.failed],
-                     "graph_plans": [{"graph": g.index, "calibrated": g.calibrated, "inputs": g.served.guards.describe(),
+                     "graph_plans": [{"graph": g.index, "calibrated": g.calibrated, "inputs": g.inputs(),
                                       "refreshes": g.refreshes} for g in converted]})
         return Report(rows, info)
 
@@ -100,10 +104,11 @@ def amppass_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict
 
 
 class CompiledGraph:
-    """One dynamo graph, converted on its first call: called with dynamo's flat inputs, it runs the plan.
+    """One dynamo graph, converted when dynamo hands it over: called with dynamo's flat inputs, it runs the plan.
 
-    The conversion waits for the first call because torch.export cannot run while dynamo is still building
-    the guards of the frame it compiles (export records dynamic dimensions that dynamo then finds changed).
+    The graph is rewritten as dynamo traced it, with its symbolic sizes (rule 3), and inductor compiles the
+    rewritten graph for the example inputs dynamo passed, inside dynamo's compile: the code it makes serves
+    every shape dynamo's guards let through, and any guard inductor adds on the sizes is dynamo's to check.
     """
 
     def __init__(self, gm: fx.GraphModule, example_inputs: list[Any], settings: dict[str, Any], index: int):
@@ -111,84 +116,97 @@ class CompiledGraph:
         self.compiler, self.refreshes, self.calibrated = settings["compiler"], 0, False
         self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.state = _state_inputs(self.placeholders, example_inputs)  # position -> attribute name (rule 1)
-        self.served: ServingGraph | None = None
+        self.converted: fx.GraphModule | None = None
         self.failed: str | None = None  # why the graph could not be converted (it then runs unconverted)
-        # compiled code per plan, dropped with the plan when the served module lets it go
-        self.compiled: weakref.WeakKeyDictionary[fx.GraphModule, Callable[..., Any]] = weakref.WeakKeyDictionary()
-        self.last: tuple[tuple, fx.GraphModule] | None = None  # (input shapes and dtypes, the plan that ran)
+        self.users: list[int] = []
+        self.fakes = [n.meta.get("example_value") for n in self.placeholders]
+        try:
+            self._convert(example_inputs)
+        except CaptureError as err:  # one region stays fp32 rather than the whole model failing
+            self.failed = str(err)
+            log.warning("amppass backend: graph %d runs as dynamo traced it, in fp32: %s", self.index, err)
+            self.run = gm.forward if self.compiler == "eager" else _inductor(gm, example_inputs, freeze=False)
+            return
+        self.run = self._compile([example_inputs[i] for i in self.users], inside_dynamo=True)
 
     def __call__(self, *args: Any) -> Any:
-        if self.served is None:
-            if self.failed is not None:
-                return self.gm(*args)
-            try:
-                self._convert(list(args))
-            except CaptureError as err:  # one region stays fp32 rather than the whole model failing
-                self.failed = str(err)
-                log.warning("amppass backend: graph %d runs as dynamo traced it, in fp32: %s", self.index, err)
-                return self.gm(*args)
+        if self.converted is None:
+            return self.run(*args)
         self._refresh(args)
-        inputs = tuple(args[i] for i in self.users)
-        # the plan of the last call serves this one when the shapes are the same: its guards hold again
-        key = tuple((t.shape, t.dtype) for t in inputs)
-        plan = self.last[1] if self.last is not None and self.last[0] == key else self.served.select(inputs, {})
-        self.last = (key, plan)
-        if self.compiler == "eager":
-            return nn.Module.__call__(plan, *inputs)  # the plan's own forward: its guards were checked
-        run = self.compiled.get(plan)
-        if run is None:
-            run = self.compiled[plan] = _inductor(plan, inputs, freeze=self._frozen())
-        return run(*inputs)
+        return self.run(*(args[i] for i in self.users))
+
+    def inputs(self) -> str:
+        """The inputs the converted graph takes, as dynamo traced them: ``x: [s0, 3, s1, s1] float32``."""
+        ranges = _ranges(self.fakes)
+        return "; ".join(_spec(self.placeholders[i].name, self.fakes[i]).describe(ranges) for i in self.users
+                         if isinstance(self.fakes[i], torch.Tensor))
 
     def _frozen(self) -> bool:
         """Inductor's freezing folds the weights (and their casts) into the compiled code: inference only."""
         return self.settings["freezing"] and self.settings["mode"] == "inference" and not torch.is_grad_enabled()
 
-    def _convert(self, args: list[Any]) -> None:
-        lifted, self.users = _lift(self.gm, self.placeholders, args, self.state)
-        tensors = tuple(args[i] for i in self.users)
+    def _convert(self, example_inputs: list[Any]) -> None:
+        traced = _trace(self.gm, self.fakes, self.index)
+        lifted, self.users = _lift(traced, self.placeholders, example_inputs, self.state)
         mode = self.settings["mode"]
-        options, self.calibrated = _plan_options(self.settings, self.placeholders, self.users, tensors, self.index)
-        target = torch_target(_device(tensors, args).type, self.settings["dtype"])
-        captured = _capture(lifted, tensors, self.placeholders, self.users)
+        options, self.calibrated = _plan_options(self.settings, self.placeholders, self.users, example_inputs,
+                                                 self.index)
+        target = torch_target(_device(example_inputs).type, self.settings["dtype"])
         # planned without measuring: profitability times eager kernels, not the fused code inductor makes
-        self.served = _served(lifted, captured, target, mode, False, {**options, "plan_for": "coverage"})
-        self.served._plans.name = f"graph {self.index}"
-        self.bound = {i: (args[i], args[i]._version) for i in self.state}
-        self.attributes = {name: (t, t._version) for name, t in _state(lifted) if name not in self.state.values()}
+        self.converted = _convert_captured(lifted, lifted, target, mode, **options, plan_for="coverage")
+        self.frozen = self._frozen()
+        self.bound = {i: (example_inputs[i], _version(example_inputs[i])) for i in self.state}
+        # state dynamo kept as attributes of its graph (constants the trace made never change)
+        self.attributes = {name: (t, _version(t)) for name, t in traced.meta["attributes"]
+                           if name not in self.state.values()}
         log.info("amppass backend: graph %d converted (%s, %s, %d state tensors)", self.index, mode, self.compiler,
                  len(self.state))
 
-    def _refresh(self, args: tuple) -> None:
-        """Rule 2: new values in a parameter reach its low-precision copies in every plan, in place.
+    def _compile(self, inputs: list[Any], inside_dynamo: bool) -> Callable[..., Any]:
+        """The converted graph as it runs: itself (eager) or inductor's code for it.
 
-        In training the graphs cast the parameters themselves (an optimizer step changes nothing to
-        refresh); only a parameter that is another tensor now is pointed at.
+        Inside dynamo's compile inductor reads the symbolic sizes of dynamo's example inputs from its tracing
+        context; a compile after that (rule 2) gives it the fake inputs dynamo traced, in their own context.
+        """
+        if self.compiler == "eager":
+            return self.converted
+        if inside_dynamo:
+            return _inductor(self.converted, inputs, freeze=self.frozen)
+        from torch._guards import TracingContext, tracing
+
+        fakes = [self.fakes[i] for i in self.users]
+        with tracing(TracingContext(_fake_mode(fakes))):
+            return _inductor(self.converted, fakes, freeze=self.frozen)
+
+    def _refresh(self, args: tuple) -> None:
+        """Rule 2: new values in a parameter reach its low-precision copies, in place.
+
+        In training the graph casts the parameters itself (an optimizer step changes nothing to refresh);
+        only a parameter that is another tensor now is pointed at.
         """
         training = self.settings["mode"] == "train"
         refreshed = replaced = False
         for position, name in self.state.items():
             tensor = args[position]
             seen, version = self.bound[position]
-            if tensor is seen and (training or tensor._version == version):
+            if tensor is seen and (training or _version(tensor) == version):
                 continue
-            self._copy_into_plans(name, tensor)
+            self._copy_into_graph(name, tensor)
             replaced |= tensor is not seen
             refreshed = True
-            self.bound[position] = (tensor, tensor._version)
+            self.bound[position] = (tensor, _version(tensor))
         for name, (tensor, version) in self.attributes.items():  # state dynamo kept as the graph's attributes
-            if not training and tensor._version != version:
-                self._copy_into_plans(name, tensor)
+            if not training and _version(tensor) != version:
+                self._copy_into_graph(name, tensor)
                 refreshed = True
-                self.attributes[name] = (tensor, tensor._version)
-        if replaced or (refreshed and self._frozen()):
+                self.attributes[name] = (tensor, _version(tensor))
+        if self.compiler != "eager" and (replaced or (refreshed and self.frozen)):
             # compiled code holds the tensors it was compiled with, and frozen code their values: compile again
-            self.compiled.clear()
+            self.run = self._compile([], inside_dynamo=False)
 
-    def _copy_into_plans(self, name: str, tensor: torch.Tensor) -> None:
+    def _copy_into_graph(self, name: str, tensor: torch.Tensor) -> None:
         with torch.no_grad():
-            for plan in self.served.plans:
-                _refresh_copies(plan, name, tensor)
+            _refresh_copies(self.converted, name, tensor)
         self.refreshes += 1
 
 
@@ -297,34 +315,75 @@ def _state_inputs(placeholders: list[fx.Node], example_inputs: list[Any]) -> dic
     return state
 
 
-def _lift(gm: fx.GraphModule, placeholders: list[fx.Node], example_inputs: list[Any],
-          state: dict[int, str]) -> tuple[fx.GraphModule, list[int]]:
-    """Rules 1 and 3: state inputs become attributes of a module, sizes are read from tensors.
+def _trace(gm: fx.GraphModule, fakes: list[Any], index: int) -> fx.GraphModule:
+    """Dynamo's graph as ATen ops (the operator set torch.export gives), traced over dynamo's own fake inputs.
 
-    Returns the module and the positions of dynamo's inputs it takes (tensors other than state).
+    The trace runs in dynamo's fake mode, so the sizes dynamo made dynamic stay the same symbols (rule 3)
+    and any guard the trace needs joins dynamo's. Tensors dynamo kept as attributes of its graph are inputs
+    of the trace, so the graph becomes one function of tensors; :func:`_lift` makes them attributes again.
+    """
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    mode = _fake_mode(fakes)
+    if mode is None:
+        raise CaptureError(f"graph {index} has no fake inputs from dynamo to trace it with")
+    function, attributes = _attributes_as_inputs(gm)
+    with mode:
+        fake_attributes = [mode.from_tensor(t, static_shapes=True) for _, t in attributes]
+    try:
+        with mode, quiet_torch():
+            traced = make_fx(function, pre_dispatch=True)(*fakes, *fake_attributes)
+    except Exception as err:  # noqa: BLE001 - any tracing failure leaves this graph unconverted
+        raise CaptureError(f"graph {index} could not be traced to ATen ops: {str(err).strip().splitlines()[0]}"
+                           ) from err
+    traced.meta["attributes"] = attributes  # name, tensor of each input after dynamo's own
+    return traced
+
+
+def _attributes_as_inputs(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[tuple[str, torch.Tensor]]]:
+    """A copy of ``gm`` whose tensor attributes are extra inputs, after dynamo's, and those attributes."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    attributes: list[tuple[str, torch.Tensor]] = []
+    reads = [n for n in gm.graph.nodes if n.op == "get_attr" and isinstance(_fetch(gm, str(n.target)), torch.Tensor)]
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    for node in reads:
+        env[node] = graph.placeholder(f"attribute_{len(attributes)}")
+        attributes.append((str(node.target), _fetch(gm, str(node.target))))
+    for node in gm.graph.nodes:
+        if node not in env:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    return fx.GraphModule(gm, graph), attributes
+
+
+def _lift(traced: fx.GraphModule, placeholders: list[fx.Node], example_inputs: list[Any],
+          state: dict[int, str]) -> tuple[fx.GraphModule, list[int]]:
+    """Rule 1: state inputs become attributes of a module.
+
+    ``traced`` takes dynamo's inputs, then the attributes of dynamo's graph. Returns the module and the
+    positions of dynamo's inputs it takes: every input but state, sizes included (inductor reads a size
+    from dynamo's own input; read from a tensor instead, its backward can hold sizes it cannot evaluate).
     """
     root = nn.Module()
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    users = [i for i in range(len(placeholders)) if i not in state and isinstance(example_inputs[i], torch.Tensor)]
+    inputs = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    users = [i for i in range(len(placeholders)) if i not in state]
     for i in users:
-        env[placeholders[i]] = graph.placeholder(placeholders[i].name)
-        env[placeholders[i]].meta = dict(placeholders[i].meta)
-    for i, name in state.items():
-        _register(root, name, example_inputs[i])
-        env[placeholders[i]] = graph.get_attr(name)
-    for i, node in enumerate(placeholders):
-        if node in env:
-            continue
-        measured = _measured_by(node, [placeholders[u] for u in users])
-        if measured is None:
-            raise CaptureError(f"graph input {node.name} ({type(example_inputs[i]).__name__}) is neither a tensor nor "
-                               "a size of one; amppass cannot take it apart")
-        tensor, dim = measured
-        env[node] = graph.call_function(torch.ops.aten.sym_size.int, (env[tensor], dim))
-    for node in gm.graph.nodes:
-        if node.op == "get_attr" and not _has(root, str(node.target)):  # state dynamo kept as attributes
-            _register(root, str(node.target), _fetch(gm, str(node.target)))
+        env[inputs[i]] = graph.placeholder(placeholders[i].name)
+        env[inputs[i]].meta = dict(inputs[i].meta)
+    named = [(i, name, example_inputs[i]) for i, name in state.items()]
+    named += [(len(placeholders) + k, name, tensor) for k, (name, tensor) in enumerate(traced.meta["attributes"])]
+    for i, name, tensor in named:
+        if not _has(root, name):
+            _register(root, name, tensor)
+        env[inputs[i]] = graph.get_attr(name)
+        env[inputs[i]].meta = dict(inputs[i].meta)
+    for node in traced.graph.nodes:
+        if node.op == "get_attr":  # constants the trace made
+            _register(root, str(node.target), _fetch(traced, str(node.target)))
         if node.op != "placeholder":
             env[node] = graph.node_copy(node, lambda n: env[n])
     return fx.GraphModule(root, graph), users
@@ -344,16 +403,16 @@ def _has(module: nn.Module, name: str) -> bool:
     return True
 
 
-def _measured_by(node: fx.Node, tensors: list[fx.Node]) -> tuple[fx.Node, int] | None:
-    """The tensor input and dimension whose size a SymInt input is."""
+def _measured_by(node: fx.Node, tensors: list[fx.Node]) -> tuple[int, int] | None:
+    """The position among ``tensors`` and the dimension whose size a SymInt input is."""
     value = node.meta.get("example_value")
     if not isinstance(value, torch.SymInt):
         return None
-    for tensor in tensors:
+    for position, tensor in enumerate(tensors):
         fake = tensor.meta.get("example_value")
         for dim, size in enumerate(getattr(fake, "shape", ())):
             if isinstance(size, torch.SymInt) and size.node.expr == value.node.expr:
-                return tensor, dim
+                return position, dim
     return None
 
 
@@ -372,27 +431,11 @@ def _register(root: nn.Module, name: str, tensor: torch.Tensor) -> None:
         setattr(owner, leaf, tensor)
 
 
-def _capture(lifted: fx.GraphModule, tensors: tuple, placeholders: list[fx.Node], users: list[int]) -> fx.GraphModule:
-    """Capture with the dimensions dynamo made dynamic (rule 3); with fixed shapes if export refuses that."""
-    dynamic = tuple(
-        {d: torch.export.Dim.AUTO for d, s in enumerate(getattr(placeholders[i].meta.get("example_value"), "shape", ()))
-         if isinstance(s, torch.SymInt)} or None
-        for i in users
-    )
-    try:
-        return capture(lifted, tensors, dynamic_shapes=dynamic if any(dynamic) else None, note_fixed_dims=False)
-    except CaptureError:
-        if not any(dynamic):
-            raise
-        log.info("amppass backend: export refused dynamo's dynamic dims; capturing with fixed shapes")
-        return capture(lifted, tensors, dynamic_shapes=None, note_fixed_dims=False)
-
-
-def _plan_options(settings: dict[str, Any], placeholders: list[fx.Node], users: list[int], tensors: tuple,
+def _plan_options(settings: dict[str, Any], placeholders: list[fx.Node], users: list[int], example_inputs: list[Any],
                   index: int) -> tuple[dict[str, Any], bool]:
     """The options of :func:`amppass.convert` for this graph; calibration only where its batches fit."""
     options = {key: settings[key] for key in ("keep_io_types", "keep_fp32", "force_low", "low_weight_tables")}
-    batches = _aligned(settings["calibration"], [placeholders[i] for i in users], tensors)
+    batches = _aligned(settings["calibration"], [placeholders[i] for i in users], [example_inputs[i] for i in users])
     if settings["calibration"] is not None and batches is None:
         log.info("amppass backend: graph %d takes other tensors than the calibration batches; planned without them",
                  index)
@@ -401,11 +444,20 @@ def _plan_options(settings: dict[str, Any], placeholders: list[fx.Node], users: 
     return options, batches is not None
 
 
-def _aligned(batches: list[Any] | None, inputs: list[fx.Node], tensors: tuple) -> list[tuple] | None:
-    """The calibration batches as this graph's input tuples, or None if they do not fit it."""
+def _aligned(batches: list[Any] | None, inputs: list[fx.Node], examples: list[Any]) -> list[tuple] | None:
+    """The calibration batches as this graph's input tuples, or None if they do not fit it.
+
+    A batch holds the graph's tensor inputs; a size dynamo passes as its own input is read from the batch
+    tensor it measures.
+    """
     if not batches:
         return None
-    names = [str(getattr(getattr(n.meta.get("grapharg"), "source", None), "local_name", n.name)) for n in inputs]
+    tensors = [n for n, e in zip(inputs, examples) if isinstance(e, torch.Tensor)]
+    examples = [e for e in examples if isinstance(e, torch.Tensor)]
+    sizes = {n: _measured_by(n, tensors) for n in inputs if n not in tensors}
+    if any(where is None for where in sizes.values()):
+        return None
+    names = [str(getattr(getattr(n.meta.get("grapharg"), "source", None), "local_name", n.name)) for n in tensors]
     aligned = []
     for batch in batches:
         if isinstance(batch, dict):
@@ -413,9 +465,10 @@ def _aligned(batches: list[Any] | None, inputs: list[fx.Node], tensors: tuple) -
                 return None
             batch = tuple(batch[name] for name in names)
         batch = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
-        if len(batch) != len(tensors) or not all(_fits(b, t, n) for b, t, n in zip(batch, tensors, inputs)):
+        if len(batch) != len(examples) or not all(_fits(b, t, n) for b, t, n in zip(batch, examples, tensors)):
             return None
-        aligned.append(batch)
+        given = dict(zip(tensors, batch))
+        aligned.append(tuple(given[n] if n in given else batch[sizes[n][0]].shape[sizes[n][1]] for n in inputs))
     return aligned
 
 
@@ -459,8 +512,29 @@ def _inductor(plan: fx.GraphModule, inputs: tuple, freeze: bool) -> Callable[...
         return compile_fx(plain, list(inputs))
 
 
-def _device(tensors: tuple, example_inputs: list[Any]) -> torch.device:
-    for value in list(tensors) + list(example_inputs):
+def _version(tensor: torch.Tensor) -> int | None:
+    """The tensor's version counter; None for a tensor made under ``torch.inference_mode()``, which has none."""
+    return None if tensor.is_inference() else tensor._version
+
+
+def _fake_mode(fakes: list[Any]) -> Any:
+    """The fake mode of dynamo's example values (its shape environment holds the symbols of their sizes)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return next((f.fake_mode for f in fakes if isinstance(f, FakeTensor)), None)
+
+
+def _ranges(fakes: list[Any]) -> dict[str, tuple[int, float]]:
+    """The value ranges dynamo's shape environment knows for the symbols of these sizes."""
+    mode = _fake_mode(fakes)
+    env = getattr(mode, "shape_env", None)
+    if env is None:
+        return {}
+    return {str(symbol): (max(_bound(r.lower), 0), _bound(r.upper)) for symbol, r in env.var_to_range.items()}
+
+
+def _device(values: list[Any]) -> torch.device:
+    for value in values:
         if isinstance(value, torch.Tensor):
             return value.device
     return torch.device("cpu")

@@ -24,6 +24,7 @@ from . import profit
 from .calibrate import Recapture, calibrated_plan, flatten_inputs, split_batch
 from .capture import capture, capture_program
 from .gelu import FUSED_KEY, fuse_tanh_gelu
+from .generation import as_generator
 from .kept import KeptFp32
 from .device import fingerprint
 from .modes import module_mode
@@ -102,7 +103,8 @@ def convert(
     The returned module records its decisions in ``node.meta["amppass"]``; ``amppass.report`` reads them.
     Captured with example inputs, it is a :class:`~amppass.fx.shapes.ServingGraph`: it takes every input
     shape the original model takes, converting again (a few plans at most, cached) where torch.export had
-    to fix a dimension.
+    to fix a dimension. A transformers model that generates (a ``*ForCausalLM``) comes back in its own class,
+    ``generate()`` included, its ``forward`` running the converted graphs (:mod:`amppass.fx.generation`).
     """
     if mode not in MODES:
         raise InputError(f"mode={mode!r} is not one of {MODES}: use mode='inference' to serve or evaluate "
@@ -141,8 +143,8 @@ def convert(
     gm = capture(model, example_inputs, example_kwargs, train=False, dynamic_shapes=dynamic_shapes)
     served = _served(model, gm, plan_target, mode, False, options)
     if plan_for == "speed" and plan_target.profitable and options["example"] is not None and not calibration:
-        return _faster_of(served, model, options["example"], costs)
-    return served
+        served = _faster_of(served, model, options["example"], costs)
+    return as_generator(model, served)  # a transformers decoder keeps generate() (amppass.fx.generation)
 
 
 def _served(model: nn.Module, gm: fx.GraphModule, target: Target, mode: str, train: bool,

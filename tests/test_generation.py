@@ -1,0 +1,64 @@
+"""amppass.convert on a transformers decoder keeps generate() (issue 24): amppass.fx.generation."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import amppass
+from tests.decoders import agreeing_steps, decoder, greedy, prompt
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2"])
+def test_converted_decoder_generates_fp32s_greedy_tokens_with_its_cache(family):
+    model = decoder(family)
+    before = copy.deepcopy(model.state_dict())
+    fast = amppass.convert(model, (prompt(),), "bf16", plan_for="coverage")
+    assert isinstance(fast, type(model)) and fast.config.to_dict() == model.config.to_dict()
+    assert fast.config is not model.config and fast.dtype == torch.float32
+    ids = prompt(seed=4)  # fp32's top-2 logits are apart at every step of this prompt (tests/decoders.py)
+    assert agreeing_steps(greedy(model, ids, 12), greedy(fast, ids, 12)) >= 8
+    # the prompt and every decode step ran on the converted graphs: a plan for the prompt with generate()'s
+    # empty cache, one for the decode steps with the cache length dynamic
+    report = amppass.report(fast)
+    plans = report.info["plans"]
+    assert len(plans) == 3 and ">=" in plans[2]["inputs"].split("cache")[1]
+    assert report.info["dtype"] == "bf16" and any(r.precision == "bf16" for r in report.rows if "linear" in r.op)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items()), "the caller's model is unchanged"
+    assert not set(map(id, model.modules())) & set(map(id, fast.modules())), "it holds none of the original's modules"
+
+
+def test_converted_decoder_serves_forward_calls_as_the_model_does():
+    model = decoder("llama")
+    ids = prompt(length=6, batch=2, seed=2)
+    fast = amppass.convert(model, (ids,), "bf16", plan_for="coverage")
+    with torch.no_grad():
+        out, ref = fast(ids), model(ids)
+        assert type(out) is type(ref) and torch.allclose(out.logits, ref.logits, atol=5e-2)
+        as_tuple = fast(ids, return_dict=False)
+        assert isinstance(as_tuple, tuple) and torch.equal(as_tuple[0], fast(ids).logits)
+        step = out.logits[:, -1:].argmax(-1)
+        later = fast(step, past_key_values=out.past_key_values)
+        ref_later = model(step, past_key_values=ref.past_key_values)
+    assert torch.allclose(later.logits, ref_later.logits, atol=5e-2)
+    fast.generation_config.max_new_tokens = 3  # its own copy
+    assert model.generation_config.max_new_tokens != 3
+
+
+def test_a_model_that_does_not_generate_comes_back_as_a_graph_module():
+    from transformers import LlamaConfig, LlamaModel
+
+    model = LlamaModel(LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2)).eval()
+    fast = amppass.convert(model, (prompt(vocab=100),), "bf16", plan_for="coverage")
+    assert isinstance(fast, torch.fx.GraphModule)
+
+
+def test_saving_a_converted_decoder_says_what_is_saved(tmp_path):
+    model = decoder("gpt2")
+    fast = amppass.convert(model, (prompt(),), "bf16", plan_for="coverage")
+    with pytest.raises(amppass.InputError, match=r"amppass.save\(model.converted, path\)"):
+        amppass.save(fast, tmp_path / "model.pt2")
+    assert not (tmp_path / "model.pt2").exists()
