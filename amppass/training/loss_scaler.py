@@ -359,7 +359,12 @@ class LossScaler:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`, also one from ``torch.amp.GradScaler`` or an older amppass; no-op for
-        a passthrough. Keys a dict lacks keep this scaler's settings (``skipped_steps`` restarts at 0)."""
+        a passthrough. Keys a dict lacks keep this scaler's settings (``skipped_steps`` restarts at 0).
+
+        A scale outside ``[min_scale, max_scale]`` (GradScaler's has no bounds: after a long clean run it sits
+        above the default 2**24) is loaded clamped into them, with a warning in the log; an inf, NaN or
+        non-positive scale raises ScalerValueError.
+        """
         if not self._enabled:
             return
         if not state_dict:
@@ -378,7 +383,7 @@ class LossScaler:
         min_scale = state_dict.get("min_scale", self._min_scale)
         max_scale = state_dict.get("max_scale", self._max_scale)
         _check_bounds(min_scale, max_scale)
-        _check_scale("the state dict's scale", state_dict["scale"], min_scale, max_scale)
+        scale = _clamp_loaded_scale(state_dict["scale"], float(min_scale), float(max_scale))
         _check_growth_factor(state_dict["growth_factor"])
         _check_backoff_factor(state_dict["backoff_factor"])
         _check_count("growth_interval", state_dict["growth_interval"], "e.g. 2000")
@@ -388,7 +393,7 @@ class LossScaler:
         self._growth_interval = state_dict["growth_interval"]
         self._hysteresis = hysteresis
         self._min_scale, self._max_scale = float(min_scale), float(max_scale)
-        self._scale.fill_(float(state_dict["scale"]))
+        self._scale.fill_(scale)
         self._growth_tracker.fill_(int(state_dict["_growth_tracker"]))
         self._hysteresis_tracker.fill_(int(state_dict.get("_hysteresis_tracker", hysteresis)))
         self._skipped.fill_(int(state_dict.get("skipped_steps", 0)))
@@ -529,12 +534,33 @@ def _check_bounds(min_scale: Any, max_scale: Any) -> None:
         )
 
 
-def _check_scale(name: str, value: Any, min_scale: float, max_scale: float) -> None:
+def _check_positive_scale(name: str, value: Any) -> None:
     if not (_is_number(value) and value > 0):
         raise ScalerValueError(
             f"{name}={value!r} must be a positive finite number such as 2.**16 (LossScaler takes its device "
             "from the loss, so drop the device argument a torch.amp.GradScaler call may have)"
         )
+
+
+def _clamp_loaded_scale(value: Any, min_scale: float, max_scale: float) -> float:
+    """A checkpoint's scale, clamped into the bounds (GradScaler's own scale is unbounded), saying so."""
+    _check_positive_scale("the state dict's scale", value)
+    clamped = min(max(float(value), min_scale), max_scale)
+    if clamped != value:
+        logger.warning(
+            "LossScaler.load_state_dict: the state dict's scale %.10g lies outside [min_scale, max_scale] = "
+            "[%.10g, %.10g] (a torch.amp.GradScaler scale is unbounded); loaded as %.10g. Widen the bounds with "
+            "LossScaler(min_scale=..., max_scale=...) to keep it",
+            value,
+            min_scale,
+            max_scale,
+            clamped,
+        )
+    return clamped
+
+
+def _check_scale(name: str, value: Any, min_scale: float, max_scale: float) -> None:
+    _check_positive_scale(name, value)
     if not min_scale <= value <= max_scale:
         raise ScalerValueError(
             f"{name}={value!r} lies outside [min_scale, max_scale] = [{min_scale:.10g}, {max_scale:.10g}]; pass a "
