@@ -155,6 +155,14 @@ def _scaler_at_floor_overflows(tmp: Path) -> None:
         scaler.update()
 
 
+def _world_scaler_steps_without_init(tmp: Path) -> None:
+    """A scaler asked to agree over the default group steps in a process with no process group."""
+    param = torch.nn.Parameter(torch.ones(3))
+    scaler = amppass.LossScaler(process_group="world")
+    scaler.scale(param.sum()).backward()
+    scaler.step(torch.optim.SGD([param], lr=0.1))
+
+
 CASES = [
     Case("onnx-unreadable", "a file that cannot be read", lambda tmp: amppass.convert_onnx(_unreadable(tmp)),
          InputError, ("cannot be read", "check the file's permissions")),
@@ -284,9 +292,11 @@ CASES = [
          ScalerValueError, ("min_scale=0.0", "2**-126", "finite")),
     Case("scaler-init-below-min", "LossScaler(init_scale=0.5) below the default min_scale=1",
          lambda tmp: amppass.LossScaler(init_scale=0.5), ScalerValueError, ("init_scale=0.5", "min_scale=...")),
-    Case("scaler-bad-process-group", "LossScaler(process_group='world')",
-         lambda tmp: amppass.LossScaler(process_group="world"), ScalerValueError,
-         ("process_group='world'", "torch.distributed.group.WORLD")),
+    Case("scaler-bad-process-group", "LossScaler(process_group='mesh')",
+         lambda tmp: amppass.LossScaler(process_group="mesh"), ScalerValueError,
+         ("process_group='mesh'", "'world'", "leave it out")),
+    Case("scaler-world-without-init", "LossScaler(process_group='world') stepping without init_process_group",
+         _world_scaler_steps_without_init, ScalerUsageError, ("process_group='world'", "init_process_group")),
     Case("scaler-step-before-scale", "scaler.step(optimizer) before scaler.scale(loss)",
          lambda tmp: amppass.LossScaler().step(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))])),
          ScalerUsageError, ("before scaler.scale()", "scaler.scale(loss).backward()")),
