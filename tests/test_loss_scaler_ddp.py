@@ -7,6 +7,7 @@ sharded DTensor gradients agree over their mesh once per step; DDP's gradients a
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from amppass.training.loss_scaler import LossScaler
-from tests.ddp_harness import params, run_ranks, same, train_steps
+from tests.ddp_harness import one_rank_group, params, run_ranks, same, train_steps
 
 INIT_SCALE = 2.0**10
 TIMEOUT_S = 60  # each run takes a few seconds; this only stops a hang
@@ -187,13 +188,8 @@ def test_process_group_must_be_a_group():
 @pytest.fixture
 def init_later():
     """Call the returned function to start a one-rank gloo group in this process; destroyed after the test."""
-
-    def init() -> None:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-
-    yield init
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    with contextlib.ExitStack() as stack:
+        yield lambda: stack.enter_context(one_rank_group())
 
 
 def _one_step_all_reduces(scaler: LossScaler, monkeypatch) -> list:
