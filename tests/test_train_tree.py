@@ -234,12 +234,15 @@ def test_drop_original_releases_the_callers_model_and_its_weights():
     assert model() is None and all(p() is None for p in params)
 
 
-@pytest.mark.parametrize("kind", ["inference", "kept"])
+@pytest.mark.parametrize("kind", ["inference", "kept", "traced"])
 def test_every_converted_module_has_drop_original(kind):
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
     x = torch.randn(2, 8)
     if kind == "kept":
         converted = KeptFp32(model, {"whole_model": {}})
+    elif kind == "traced":  # no example inputs: symbolically traced
+        converted = amppass.convert(model, dtype=torch.bfloat16)
+        assert isinstance(converted, torch.fx.GraphModule) and amppass.report(converted).rows
     else:
         converted = amppass.convert(model, (x,), dtype=torch.bfloat16, plan_for="coverage")
     ref = weakref.ref(model)
