@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -56,6 +57,16 @@ def train_steps(model: nn.Module, opt: torch.optim.Optimizer, scaler, rank: int,
         record["scales"].append(scaler.get_scale())
     record["after"] = params(model)
     return record
+
+
+@contextlib.contextmanager
+def one_rank_group():
+    """A one-process gloo group in this process (an in-memory store, no port), destroyed on the way out."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def _free_port() -> int:

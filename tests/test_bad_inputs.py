@@ -23,6 +23,7 @@ from amppass import AmpPassError, CalibrationError, CaptureError, InputError
 from amppass.errors import ScaleCollapseError, ScalerUsageError, ScalerValueError
 from amppass.fx.kept import KeptFp32
 from amppass.onnx import runtime
+from tests.ddp_harness import one_rank_group
 
 F32 = TensorProto.FLOAT
 
@@ -155,6 +156,26 @@ def _scaler_at_floor_overflows(tmp: Path) -> None:
         scaler.update()
 
 
+def _world_scaler_steps_without_init(tmp: Path) -> None:
+    """A scaler asked to agree over the default group steps in a process with no process group."""
+    param = torch.nn.Parameter(torch.ones(3))
+    scaler = amppass.LossScaler(process_group="world")
+    scaler.scale(param.sum()).backward()
+    scaler.step(torch.optim.SGD([param], lr=0.1))
+
+
+def _fsdp2_casting_parameters_itself(tmp: Path) -> None:
+    """A train-mode converted model under fully_shard with MixedPrecisionPolicy(param_dtype=...), one rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    converted = amppass.convert(mlp(), X, "bf16", mode="train")
+    with one_rank_group():
+        fully_shard(converted, mesh=init_device_mesh("cpu", (1,)),
+                    mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        converted(*X)
+
+
 CASES = [
     Case("onnx-unreadable", "a file that cannot be read", lambda tmp: amppass.convert_onnx(_unreadable(tmp)),
          InputError, ("cannot be read", "check the file's permissions")),
@@ -280,13 +301,18 @@ CASES = [
     Case("fx-reconvert-other-dtype", "bf16 of a module amppass converted to fp16",
          lambda tmp: amppass.convert(amppass.convert(mlp(), X, "fp16"), X, "bf16"),
          InputError, ("already converted", "to fp16", "to bf16", "original float32 module")),
+    Case("fsdp2-param-dtype", "FSDP2 MixedPrecisionPolicy(param_dtype=torch.bfloat16) on a train-mode model",
+         _fsdp2_casting_parameters_itself, InputError,
+         ("fully_shard(model)", "param_dtype=torch.bfloat16", "leave param_dtype unset")),
     Case("scaler-min-scale-zero", "LossScaler(min_scale=0)", lambda tmp: amppass.LossScaler(min_scale=0.0),
          ScalerValueError, ("min_scale=0.0", "2**-126", "finite")),
     Case("scaler-init-below-min", "LossScaler(init_scale=0.5) below the default min_scale=1",
          lambda tmp: amppass.LossScaler(init_scale=0.5), ScalerValueError, ("init_scale=0.5", "min_scale=...")),
-    Case("scaler-bad-process-group", "LossScaler(process_group='world')",
-         lambda tmp: amppass.LossScaler(process_group="world"), ScalerValueError,
-         ("process_group='world'", "torch.distributed.group.WORLD")),
+    Case("scaler-bad-process-group", "LossScaler(process_group='mesh')",
+         lambda tmp: amppass.LossScaler(process_group="mesh"), ScalerValueError,
+         ("process_group='mesh'", "'world'", "leave it out")),
+    Case("scaler-world-without-init", "LossScaler(process_group='world') stepping without init_process_group",
+         _world_scaler_steps_without_init, ScalerUsageError, ("process_group='world'", "init_process_group")),
     Case("scaler-step-before-scale", "scaler.step(optimizer) before scaler.scale(loss)",
          lambda tmp: amppass.LossScaler().step(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))])),
          ScalerUsageError, ("before scaler.scale()", "scaler.scale(loss).backward()")),
@@ -308,6 +334,14 @@ def test_bad_input(case: Case, tmp_path: Path):
     assert type(caught.value) is case.error, f"{type(caught.value).__name__}: {caught.value}"
     for word in case.words:
         assert word in str(caught.value), f"{word!r} not in: {caught.value}"
+
+
+def test_docs_errors_md_has_a_row_for_every_case():
+    """docs/errors.md is generated: a case added without regenerating it is missing there."""
+    rows = (Path(__file__).parent.parent / "docs" / "errors.md").read_text()
+    missing = [case.what for case in CASES if f"| {case.what} |" not in rows
+               and not (case.needs_onnx_calibration and not _onnx_calibration_available())]
+    assert not missing, f"regenerate it with python -m tests.test_bad_inputs docs/errors.md: missing {missing}"
 
 
 def test_custom_op_is_fed_fp32_and_reported():

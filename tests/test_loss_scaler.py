@@ -212,6 +212,29 @@ def test_loads_a_torch_grad_scaler_checkpoint():
     assert scaler.state_dict()["growth_interval"] == 7
 
 
+@pytest.mark.parametrize("saved, loaded", [(2.0**30, 2.0**24), (0.25, 1.0)])
+def test_grad_scaler_scale_outside_the_bounds_loads_clamped(saved, loaded, caplog):
+    ref = torch.amp.GradScaler("cpu", init_scale=saved)  # GradScaler's scale is unbounded
+    scaler = LossScaler()
+    with caplog.at_level(logging.WARNING, logger=loss_scaler.__name__):
+        scaler.load_state_dict(ref.state_dict())
+    assert scaler.get_scale() == loaded
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING
+    assert f"scale {saved:.10g} lies outside [min_scale, max_scale] = [1, 16777216]" in record.getMessage()
+    assert f"loaded as {loaded:.10g}" in record.getMessage()
+    wide = LossScaler(max_scale=2.0**31)  # the fix the message names keeps the scale
+    wide.load_state_dict(ref.state_dict())
+    assert wide.get_scale() == max(saved, 1.0)
+
+
+@pytest.mark.parametrize("bad", [INF, float("nan"), 0.0, -4.0, "65536"])
+def test_load_state_dict_refuses_a_scale_that_is_not_positive_and_finite(bad):
+    state = dict(torch.amp.GradScaler("cpu").state_dict(), scale=bad)
+    with pytest.raises(ScalerValueError, match="the state dict's scale=.* must be a positive finite number"):
+        LossScaler().load_state_dict(state)
+
+
 def test_load_state_dict_rejects_empty_and_partial_dicts():
     with pytest.raises(AmpPassError, match="empty"):
         LossScaler().load_state_dict(LossScaler(dtype="bf16").state_dict())

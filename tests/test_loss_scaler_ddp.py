@@ -7,6 +7,7 @@ sharded DTensor gradients agree over their mesh once per step; DDP's gradients a
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from amppass.training.loss_scaler import LossScaler
-from tests.ddp_harness import params, run_ranks, same, train_steps
+from tests.ddp_harness import one_rank_group, params, run_ranks, same, train_steps
 
 INIT_SCALE = 2.0**10
 TIMEOUT_S = 60  # each run takes a few seconds; this only stops a hang
@@ -91,6 +92,8 @@ def _rank_results(rank: int) -> dict:
         "loss_overflow": _train(rank, LossScaler(init_scale=INIT_SCALE), "loss", steps=3),
         # An inf written after DDP's all-reduce is rank 1's alone: agreeing needs process_group=.
         "grad_overflow_group": _train(rank, LossScaler(init_scale=INIT_SCALE, process_group=world), "grad", steps=3),
+        # The default group spelt "world", looked up at each step.
+        "grad_overflow_world": _train(rank, LossScaler(init_scale=INIT_SCALE, process_group="world"), "grad", steps=3),
         "grad_overflow_default": _train(rank, LossScaler(init_scale=INIT_SCALE), "grad", steps=3),
         "grad_overflow_grad_scaler": _train(rank, torch.amp.GradScaler("cpu", init_scale=INIT_SCALE), "grad", steps=3),
         "fsdp2": _fsdp2(rank, lambda: LossScaler(init_scale=INIT_SCALE), poison_rank1=True),
@@ -112,7 +115,7 @@ def test_clean_training_steps_and_keeps_ranks_identical(ranks):
     assert same(rank0["after"], rank1["after"])
 
 
-@pytest.mark.parametrize("case", ["loss_overflow", "grad_overflow_group"])
+@pytest.mark.parametrize("case", ["loss_overflow", "grad_overflow_group", "grad_overflow_world"])
 def test_overflow_on_rank1_skips_the_step_on_both_ranks(ranks, case):
     rank0, rank1 = ranks[0][case], ranks[1][case]
     for record in (rank0, rank1):
@@ -175,5 +178,57 @@ def test_scaler_on_one_rank_finishes_like_grad_scaler(tmp_path):
 
 
 def test_process_group_must_be_a_group():
-    with pytest.raises(ValueError, match="process_group='world' is not a torch.distributed process group"):
-        LossScaler(process_group="world")
+    with pytest.raises(ValueError, match="process_group='mesh' is not a torch.distributed process group.* 'world'"):
+        LossScaler(process_group="mesh")
+
+
+# ---------------------------------------------------------------- a scaler built before init_process_group
+
+
+@pytest.fixture
+def init_later():
+    """Call the returned function to start a one-rank gloo group in this process; destroyed after the test."""
+    with contextlib.ExitStack() as stack:
+        yield lambda: stack.enter_context(one_rank_group())
+
+
+def _one_step_all_reduces(scaler: LossScaler, monkeypatch) -> list:
+    """One scaled step of a one-parameter model; the groups the scaler all-reduced its overflow flag over."""
+    param = nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([param], lr=0.1)
+    groups = []
+    real = dist.all_reduce
+
+    def recording(tensor, *args, group=None, **kwargs):
+        groups.append(group)
+        return real(tensor, *args, group=group, **kwargs)
+
+    monkeypatch.setattr(dist, "all_reduce", recording)
+    scaler.scale(param.sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    return groups
+
+
+def test_group_world_given_before_init_raises_instead_of_dropping_the_all_reduce(init_later, monkeypatch):
+    assert dist.group.WORLD is None  # what the user passes before init_process_group
+    scaler = LossScaler(process_group=dist.group.WORLD)
+    init_later()
+    with pytest.raises(RuntimeError, match=r"built before torch.distributed.init_process_group.*process_group='world'"):
+        _one_step_all_reduces(scaler, monkeypatch)
+
+
+def test_world_spelling_given_before_init_all_reduces_over_the_default_group(init_later, monkeypatch):
+    scaler = LossScaler(process_group="world")
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
+        _one_step_all_reduces(scaler, monkeypatch)
+    init_later()
+    scaler = LossScaler(process_group="world")
+    assert _one_step_all_reduces(scaler, monkeypatch) == [dist.group.WORLD]
+
+
+def test_default_and_none_after_init_add_no_collective(init_later, monkeypatch):
+    left_out = LossScaler()  # built before init: the default needs no group
+    init_later()
+    assert _one_step_all_reduces(left_out, monkeypatch) == []
+    assert _one_step_all_reduces(LossScaler(process_group=None), monkeypatch) == []  # None after init: unambiguous

@@ -4,6 +4,9 @@ autograd, and warns when it falls back."""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -120,3 +123,83 @@ def test_spatial_sizes_a_linear_head_fixes_stay_fixed(tmp_path):
     x = torch.randn(5, 3, 8, 8)
     with torch.no_grad():
         assert rel(run(tmp_path / "head.onnx", model, x), net(x)) < 1e-2
+
+
+class _MaskedConv(torch.nn.Module):
+    """A fully convolutional net whose first argument is an optional mask, passed as None."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, mask, image):
+        out = self.conv(image)
+        return out if mask is None else out * mask
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+def test_a_none_argument_before_the_image_keeps_its_sizes_dynamic(tmp_path, monkeypatch, exporter):
+    """main fed onnxruntime the Python arguments by position (None for the image), so the size check failed
+    and the image sizes were fixed; the TorchScript exporter was given a name for the None argument and refused."""
+    if exporter == "torchscript":
+        real = torch.onnx.export
+        monkeypatch.setattr(torch.onnx, "export", lambda *a, dynamo=True, **k: real(*a, dynamo=False, **k)
+                            if not dynamo else (_ for _ in ()).throw(RuntimeError("dynamo off in this test")))
+    net = _MaskedConv().eval()
+    model = amppass.export_onnx(net, (None, torch.randn(1, 3, 16, 16)), tmp_path / "masked.onnx")
+    assert [i.name for i in model.graph.input] == ["image"]
+    assert dims(model)[0][1] == 3 and all(isinstance(d, str) for d in dims(model)[0][2:]), dims(model)
+    image = torch.randn(2, 3, 20, 12)
+    with torch.no_grad():
+        assert rel(run(tmp_path / "masked.onnx", model, image), net(None, image)) < 1e-2
+
+
+class _EncoderDecoder(torch.nn.Module):
+    """Five stride-2 stages down and up with skip additions: takes only sizes divisible by 32."""
+
+    def __init__(self):
+        super().__init__()
+        self.down = torch.nn.ModuleList(torch.nn.Conv2d(3 if i == 0 else 4, 4, 3, stride=2, padding=1)
+                                        for i in range(5))
+        self.up = torch.nn.ModuleList(torch.nn.ConvTranspose2d(4, 4, 2, stride=2) for _ in range(5))
+
+    def forward(self, image):
+        skips, x = [], image
+        for conv in self.down:
+            skips.append(x)
+            x = torch.relu(conv(x))
+        for conv, skip in zip(self.up, reversed([None] + skips[1:])):
+            x = conv(x)
+            x = x if skip is None else x + skip
+        return x
+
+
+def test_the_size_check_runs_a_modest_size_change_that_keeps_the_stride(tmp_path, monkeypatch):
+    """main ran the fp32 model at twice the example's height and width (four times the pixels)."""
+    fed = []
+    real_run = ort.InferenceSession.run
+
+    def recording(self, outputs, feeds, *args, **kwargs):
+        fed.append({name: array.shape for name, array in feeds.items()})
+        return real_run(self, outputs, feeds, *args, **kwargs)
+
+    monkeypatch.setattr(ort.InferenceSession, "run", recording)
+    net = _EncoderDecoder().eval()
+    model = amppass.export_onnx(net, (torch.randn(1, 3, 224, 96),), tmp_path / "unet.onnx")
+    assert fed[0] == {"image": (1, 3, 256, 128)}  # +32 each: four times would be (448, 192)
+    assert all(isinstance(d, str) for d in dims(model)[0][2:]), dims(model)
+    image = torch.randn(1, 3, 160, 64)
+    with torch.no_grad():
+        assert rel(run(tmp_path / "unet.onnx", model, image), net(image)) < 1e-2
+    assert [export._grown(n) for n in (7, 16, 224, 256, 512, 1024)] == [39, 48, 256, 320, 576, 1088]
+
+
+def test_export_is_quiet(tmp_path):
+    """main printed torch's exporter lines ('torchvision is not installed. Skipping ...') and a FutureWarning."""
+    code = ("import sys, torch, amppass\n"
+            "net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU()).eval()\n"
+            "amppass.export_onnx(net, (torch.randn(1, 3, 8, 8),), sys.argv[1])\n")
+    done = subprocess.run([sys.executable, "-W", "always", "-c", code, str(tmp_path / "m.onnx")],
+                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent)
+    assert done.returncode == 0, done.stderr
+    assert (done.stdout, done.stderr) == ("", "")

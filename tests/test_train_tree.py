@@ -9,6 +9,7 @@ import collections
 import copy
 import gc
 import io
+import pickle
 import weakref
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 import amppass
+from amppass.errors import InputError
 from amppass.fx.kept import KeptFp32
 from models.char_gpt import char_gpt, next_char_loss, stdlib_corpus
 
@@ -232,12 +234,15 @@ def test_drop_original_releases_the_callers_model_and_its_weights():
     assert model() is None and all(p() is None for p in params)
 
 
-@pytest.mark.parametrize("kind", ["inference", "kept"])
+@pytest.mark.parametrize("kind", ["inference", "kept", "traced"])
 def test_every_converted_module_has_drop_original(kind):
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
     x = torch.randn(2, 8)
     if kind == "kept":
         converted = KeptFp32(model, {"whole_model": {}})
+    elif kind == "traced":  # no example inputs: symbolically traced
+        converted = amppass.convert(model, dtype=torch.bfloat16)
+        assert isinstance(converted, torch.fx.GraphModule) and amppass.report(converted).rows
     else:
         converted = amppass.convert(model, (x,), dtype=torch.bfloat16, plan_for="coverage")
     ref = weakref.ref(model)
@@ -246,6 +251,24 @@ def test_every_converted_module_has_drop_original(kind):
     gc.collect()
     assert ref() is None
     assert converted(x).shape == (2, 8)
+
+
+def test_copy_copy_shares_the_state_and_pickling_names_the_checkpoint_fix(tmp_path):
+    """copy.copy went through __reduce__ and raised the torch.save message."""
+    torch.manual_seed(0)
+    original = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).train()
+    x = torch.randn(4, 8)
+    converted = amppass.convert(original, (x,), dtype=torch.bfloat16, mode="train")
+    shallow = copy.copy(converted)
+    assert shallow is not converted and type(shallow) is type(converted) and shallow.training
+    assert shallow[0].weight is converted[0].weight  # shared, as copy.copy of any nn.Module shares them
+    torch.testing.assert_close(shallow(x), converted(x), rtol=0, atol=0)
+    shallow(x).sum().backward()
+    assert converted[0].weight.grad is not None
+    for save in (pickle.dumps, lambda m: torch.save(m, tmp_path / "m.pt")):
+        with pytest.raises(InputError, match=r"torch.save/pickle cannot pickle") as caught:
+            save(converted)
+        assert "torch.save(model.state_dict(), path)" in str(caught.value) and "copy.deepcopy" in str(caught.value)
 
 
 class _SelfNamed(nn.Module):

@@ -32,6 +32,7 @@ from .profit import CostModel
 from .rewrite import META_KEY, rewrite
 from .shapes import GUARDS_KEY, ServingGraph, carried_decisions, matching
 from .timing_cache import TimingCache
+from .traced import TracedGraph
 from .view import build_view
 
 log = logging.getLogger(__name__)
@@ -152,7 +153,7 @@ def _served(model: nn.Module, gm: fx.GraphModule, target: Target, mode: str, tra
     """Convert a captured graph; one captured by torch.export comes back serving every input shape."""
     gm = _convert_captured(gm, model, target, mode, recapture=_fp32_capture(model, target, train), **options)
     if GUARDS_KEY not in gm.meta:  # symbolically traced: no shapes in the graph to guard
-        return gm
+        return TracedGraph(gm)
     carried = carried_decisions(gm)
     later = {**options, "calibration": None, "tolerance": None, "progress": False}
 

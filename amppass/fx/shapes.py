@@ -434,7 +434,7 @@ class ServingGraph(Fp32Face, fx.GraphModule):
         super().__init__(gm, gm.graph)
         self.meta = gm.meta
         self.meta[GUARDS_KEY] = guards
-        _keep_non_persistent(gm, self)
+        keep_non_persistent(gm, self)
         _without_guard_node(self)
         object.__setattr__(self, "_plans", _Plans(name, recapture, original, origin))
         self._record()
@@ -632,7 +632,7 @@ def _set(root: nn.Module, name: str, tensor: torch.Tensor) -> None:
         owner._buffers[leaf] = tensor
 
 
-def _keep_non_persistent(source: nn.Module, target: nn.Module) -> None:
+def keep_non_persistent(source: nn.Module, target: nn.Module) -> None:
     """GraphModule's copy registers every buffer as persistent; restore the ones that were not."""
     for name, module in source.named_modules():
         hidden = getattr(module, "_non_persistent_buffers_set", set())

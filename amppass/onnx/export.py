@@ -12,10 +12,12 @@ import numpy as np
 import onnx
 import torch
 from torch.export import Dim
+from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError, InputError
 from ..files import check_writable
 from ..fx.capture import capturing, size_one_dynamic
+from ..fx.quiet import quiet_torch
 from .convert import convert_onnx, save
 
 log = logging.getLogger(__name__)
@@ -32,8 +34,9 @@ def export_onnx(
 ) -> onnx.ModelProto:
     """Export ``torch_model`` to ONNX, convert it with :func:`convert_onnx` and save it atomically at ``path``.
 
-    The model is exported in eval mode (its own training flags are restored afterwards) and without
-    autograd. The dynamo exporter (``torch.onnx.export(dynamo=True)``) is tried first; if it fails, the
+    The model is exported in eval mode (its own training flags are restored afterwards), without autograd,
+    and with torch's exporter quiet (its log lines and warnings; ``AMPPASS_DEBUG=1`` shows them, see
+    :mod:`amppass.fx.quiet`). The dynamo exporter (``torch.onnx.export(dynamo=True)``) is tried first; if it fails, the
     TorchScript exporter (``dynamo=False``), with a warning. ``dynamic_shapes`` is what torch.export takes;
     by default (``"auto"``) the batch dimension of every input, the sequence dimension (dim 1 of integer
     rank-2 inputs and of rank-3 inputs) and the spatial dimensions of channels-first images and volumes
@@ -70,13 +73,15 @@ def export_fp32(torch_model: torch.nn.Module, example_inputs: Any, opset: int | 
             """Export with ``shapes``; again without the spatial ones where the model does not take them."""
             for attempt in (shapes, _without_spatial(shapes)):
                 if dynamo:
-                    with size_one_dynamic(size_one):
+                    with size_one_dynamic(size_one), quiet_torch():
                         torch.onnx.export(torch_model, args, target, dynamo=True, verbose=False,
                                           dynamic_shapes=attempt, **kwargs)
                 else:
-                    torch.onnx.export(torch_model, args, target, dynamo=False, verbose=False, input_names=names,
-                                      dynamic_axes=_axes(names, attempt), **kwargs)
-                if dynamic_shapes != "auto" or _runs_at_twice_the_size(target, args, attempt):
+                    with quiet_torch():
+                        torch.onnx.export(torch_model, args, target, dynamo=False, verbose=False,
+                                          input_names=list(_named_leaves(names, args)),
+                                          dynamic_axes=_axes(names, attempt), **kwargs)
+                if dynamic_shapes != "auto" or _runs_at_another_size(target, names, args, attempt):
                     break
             return onnx.load(target)
 
@@ -146,33 +151,68 @@ def _without_spatial(shapes: Any) -> Any:
             for name, spec in shapes.items()}
 
 
-def _runs_at_twice_the_size(path: str, args: tuple, shapes: Any) -> bool:
-    """Whether the exported float32 model runs in onnxruntime with its dynamic spatial dimensions doubled
-    (True when it has none). The dynamo exporter defers the model's own size checks to run time, so a net
-    whose Linear reads a flattened feature map exports with free image sizes it cannot take; doubling keeps
-    the divisibility an encoder-decoder needs."""
+def _runs_at_another_size(path: str, names: list[str], args: tuple, shapes: Any) -> bool:
+    """Whether the exported float32 model runs in onnxruntime with its dynamic spatial dimensions grown by
+    :func:`_grown` (True when it has none). The dynamo exporter defers the model's own size checks to run
+    time, so a net whose Linear reads a flattened feature map exports with free image sizes it cannot take.
+
+    onnxruntime's inputs are fed by name (:func:`_named_leaves`): the exporters drop None arguments and the
+    dynamo exporter bakes Python numbers in, so position in ``args`` is not position in the model's inputs."""
     spatial = _spatial(shapes)
     if not spatial:
         return True
     import onnxruntime as ort
 
+    leaves = _named_leaves(names, args)
     options = ort.SessionOptions()
     options.log_severity_level = 4
     try:
         session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+        unknown = [info.name for info in session.get_inputs() if info.name not in leaves]
+        if unknown:
+            log.info("the exported model's inputs %s are none of the example's arguments %s, so its dynamic "
+                     "spatial dimensions cannot be tried at another size; they are fixed", unknown, list(leaves))
+            return False
         feeds = {}
-        for info, (name, value) in zip(session.get_inputs(), zip(shapes, args)):
-            array = value.detach().cpu().numpy()
-            if name in spatial:
-                size = [n * 2 if d in spatial[name] else n for d, n in enumerate(array.shape)]
-                array = np.resize(array, size)
+        for info in session.get_inputs():
+            array = leaves[info.name].detach().cpu().numpy()
+            if info.name in spatial:
+                array = np.resize(array, [_grown(n) if d in spatial[info.name] else n
+                                          for d, n in enumerate(array.shape)])
             feeds[info.name] = array
         session.run(None, feeds)
     except Exception as err:  # noqa: BLE001 - onnxruntime's own types: the size is not one the model takes
-        log.info("the exported model does not run at twice its example's spatial size (%s); those dimensions "
-                 "are fixed", str(err).splitlines()[0] if str(err) else type(err).__name__)
+        log.info("the exported model does not run at a spatial size other than its example's (%s); those "
+                 "dimensions are fixed", str(err).splitlines()[0] if str(err) else type(err).__name__)
         return False
     return True
+
+
+def _grown(size: int) -> int:
+    """A spatial size other than ``size`` that a strided net takes if it takes sizes other than the example's.
+
+    ``size`` plus its largest power-of-two divisor, kept within [32, 64]: the sum keeps every power-of-two
+    divisor of ``size`` up to 64, so an encoder-decoder that needs sizes divisible by its total stride (32 for
+    five stride-2 stages: ResNet, U-Net, ConvNeXt; 64 for six) runs, and at least 32 more pixels change the
+    final feature map of a net with stride up to 32 even where the stages round down, so a Linear head reading
+    it fails as it should. Doubling does both too, but costs four times the example's pixels (eight for a
+    volume); this costs at most 1.3x an image of 224 or more."""
+    return size + min(max(size & -size, 32), 64)
+
+
+def _named_leaves(names: list[str], args: tuple) -> dict[str, torch.Tensor]:
+    """The example's tensors as the exported model names them: a tensor argument by its forward() name, the
+    tensors of a list/tuple argument as ``<name>_<i>`` (the dynamo exporter's names). Neither exporter makes
+    None an input; the dynamo exporter bakes Python numbers in as constants (the TorchScript exporter may make
+    them inputs, which then match no name here)."""
+    named: dict[str, torch.Tensor] = {}
+    for name, value in zip(names, args):
+        if isinstance(value, torch.Tensor):
+            named[name] = value
+        else:
+            tensors = [leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
+            named.update((f"{name}_{i}", tensor) for i, tensor in enumerate(tensors))
+    return named
 
 
 def _axes(names: list[str], shapes: Any) -> dict[str, dict[int, str]] | None:

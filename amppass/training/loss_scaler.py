@@ -59,8 +59,33 @@ _FP32_MAX = torch.finfo(torch.float32).max
 _FP32_TINY = torch.finfo(torch.float32).tiny  # 2**-126: the smallest scale whose inverse is finite and exact
 
 
+WORLD = "world"  # process_group spelling of the default group, looked up at each step
+
+
+class _LeftOut:
+    """The default of ``process_group``, told apart from an explicit None (what group.WORLD is before init)."""
+
+    def __repr__(self) -> str:
+        return "<left out: sharded DTensors' meshes only>"
+
+
+_PROCESS_GROUP_LEFT_OUT = _LeftOut()
+
+
 def _clock() -> float:
     return time.monotonic()
+
+
+def _distributed_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _is_world(group: Any) -> bool:
+    return isinstance(group, str) and group == WORLD
+
+
+def _is_process_group(group: Any) -> bool:
+    return dist.is_available() and isinstance(group, dist.ProcessGroup)
 
 
 class _Stage(enum.Enum):
@@ -111,11 +136,14 @@ class LossScaler:
         enabled: False makes the scaler a passthrough.
         dtype: the low-precision dtype of the training graph: torch.float16 / "fp16" scales;
             torch.bfloat16 / "bf16" needs no scaling, so the scaler is a passthrough.
-        process_group: None (default) all-reduces the overflow flag only where the gradients are sharded
-            DTensors (FSDP2, tensor parallel), over their mesh; plain and DDP gradients need no collective,
-            so a scaler used on one rank never waits for the others. A group (e.g.
-            ``torch.distributed.group.WORLD``) all-reduces the flag over it every step, for sharding that
-            DTensors do not describe; every rank of the group must then call ``step``.
+        process_group: left out (default), the overflow flag is all-reduced only where the gradients are
+            sharded DTensors (FSDP2, tensor parallel), over their mesh; plain and DDP gradients need no
+            collective, so a scaler used on one rank never waits for the others. A group all-reduces the flag
+            over it every step, for sharding that DTensors do not describe; every rank of the group must then
+            call ``step``. ``"world"`` is the default group, looked up at each step, so it can be given before
+            ``init_process_group``. ``torch.distributed.group.WORLD`` is None until ``init_process_group``
+            runs: a scaler built before then with ``process_group=None`` raises ScalerUsageError at its first
+            step once a process group exists, naming ``"world"`` as the fix, instead of dropping the all-reduce.
         min_scale: the scale never backs off below this (default 1); a back-off due at it raises
             ScaleCollapseError. At least 2**-126, so that the inverse scale stays finite.
         max_scale: the scale never grows above this (default 2**24, Apex amp's); at most float32's largest.
@@ -130,7 +158,7 @@ class LossScaler:
         hysteresis: int = 1,
         enabled: bool = True,
         dtype: torch.dtype | str = torch.float16,
-        process_group: Any = None,
+        process_group: Any = _PROCESS_GROUP_LEFT_OUT,
         min_scale: float = 1.0,
         max_scale: float = 2.0**24,
     ) -> None:
@@ -142,11 +170,15 @@ class LossScaler:
         _check_count("hysteresis", hysteresis, "1 backs off on every overflow")
         if not isinstance(enabled, bool):
             raise ScalerValueError(f"enabled={enabled!r} must be True or False")
-        if process_group is not None and not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
+        # torch.distributed.group.WORLD is None before init_process_group: an explicit None then may mean it.
+        self._none_before_init = process_group is None and not _distributed_initialized()
+        if process_group is _PROCESS_GROUP_LEFT_OUT:
+            process_group = None
+        if not (process_group is None or _is_world(process_group) or _is_process_group(process_group)):
             raise ScalerValueError(
-                f"process_group={process_group!r} is not a torch.distributed process group; pass one such as "
-                "torch.distributed.group.WORLD (after init_process_group), or None to agree only where the "
-                "gradients are sharded DTensors"
+                f"process_group={process_group!r} is not a torch.distributed process group; pass one, or "
+                f"{WORLD!r} for the default group (looked up at each step, so it may be given before "
+                "init_process_group), or leave it out to agree only where the gradients are sharded DTensors"
             )
         if isinstance(dtype, str) and dtype.strip().lower() == "auto":
             raise ScalerValueError(
@@ -229,7 +261,9 @@ class LossScaler:
             )
         # The reciprocal in float64: a float32 one can be off by an ulp under some compiler flags.
         inv_scale = self._scale.double().reciprocal().float()
-        state.found_inf = unscale_and_check(optimizer, inv_scale, allow_fp16=False, process_group=self._process_group)
+        state.found_inf = unscale_and_check(
+            optimizer, inv_scale, allow_fp16=False, process_group=self._agreement_group()
+        )
         state.stage = _Stage.UNSCALED
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -359,7 +393,12 @@ class LossScaler:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`, also one from ``torch.amp.GradScaler`` or an older amppass; no-op for
-        a passthrough. Keys a dict lacks keep this scaler's settings (``skipped_steps`` restarts at 0)."""
+        a passthrough. Keys a dict lacks keep this scaler's settings (``skipped_steps`` restarts at 0).
+
+        A scale outside ``[min_scale, max_scale]`` (GradScaler's has no bounds: after a long clean run it sits
+        above the default 2**24) is loaded clamped into them, with a warning in the log; an inf, NaN or
+        non-positive scale raises ScalerValueError.
+        """
         if not self._enabled:
             return
         if not state_dict:
@@ -378,7 +417,7 @@ class LossScaler:
         min_scale = state_dict.get("min_scale", self._min_scale)
         max_scale = state_dict.get("max_scale", self._max_scale)
         _check_bounds(min_scale, max_scale)
-        _check_scale("the state dict's scale", state_dict["scale"], min_scale, max_scale)
+        scale = _clamp_loaded_scale(state_dict["scale"], float(min_scale), float(max_scale))
         _check_growth_factor(state_dict["growth_factor"])
         _check_backoff_factor(state_dict["backoff_factor"])
         _check_count("growth_interval", state_dict["growth_interval"], "e.g. 2000")
@@ -388,7 +427,7 @@ class LossScaler:
         self._growth_interval = state_dict["growth_interval"]
         self._hysteresis = hysteresis
         self._min_scale, self._max_scale = float(min_scale), float(max_scale)
-        self._scale.fill_(float(state_dict["scale"]))
+        self._scale.fill_(scale)
         self._growth_tracker.fill_(int(state_dict["_growth_tracker"]))
         self._hysteresis_tracker.fill_(int(state_dict.get("_hysteresis_tracker", hysteresis)))
         self._skipped.fill_(int(state_dict.get("skipped_steps", 0)))
@@ -408,6 +447,26 @@ class LossScaler:
                 "first so the gradients carry the scale"
             )
 
+    def _agreement_group(self) -> Any:
+        """The group this step's overflow flag is all-reduced over; None: only sharded DTensors' meshes."""
+        if _is_world(self._process_group):
+            if not _distributed_initialized():
+                raise ScalerUsageError(
+                    f"LossScaler(process_group={WORLD!r}) all-reduces over the default process group, but "
+                    "torch.distributed is not initialized in this process; call "
+                    "torch.distributed.init_process_group before the first scaler.step, or leave process_group out"
+                )
+            return dist.group.WORLD
+        if self._none_before_init and _distributed_initialized():
+            raise ScalerUsageError(
+                "LossScaler(process_group=None) was built before torch.distributed.init_process_group, and a "
+                "process group exists now. torch.distributed.group.WORLD is None until init_process_group, so "
+                "a scaler given it then cannot all-reduce over it; pass process_group='world' (the default "
+                "group, looked up at each step) or build the scaler after init_process_group. Leave "
+                "process_group out to agree only where the gradients are sharded DTensors"
+            )
+        return self._process_group
+
     def _step_in_kernel(
         self, optimizer: torch.optim.Optimizer, state: _OptimizerState, args: tuple, kwargs: dict
     ) -> Any:
@@ -415,7 +474,7 @@ class LossScaler:
         if state.stage is _Stage.READY:
             # Only look for inf/NaN (dividing by 1): the fused kernel divides by grad_scale itself.
             state.found_inf = unscale_and_check(
-                optimizer, torch.ones_like(self._scale), allow_fp16=True, process_group=self._process_group
+                optimizer, torch.ones_like(self._scale), allow_fp16=True, process_group=self._agreement_group()
             )
             grad_scale = self._scale
         else:
@@ -529,12 +588,33 @@ def _check_bounds(min_scale: Any, max_scale: Any) -> None:
         )
 
 
-def _check_scale(name: str, value: Any, min_scale: float, max_scale: float) -> None:
+def _check_positive_scale(name: str, value: Any) -> None:
     if not (_is_number(value) and value > 0):
         raise ScalerValueError(
             f"{name}={value!r} must be a positive finite number such as 2.**16 (LossScaler takes its device "
             "from the loss, so drop the device argument a torch.amp.GradScaler call may have)"
         )
+
+
+def _clamp_loaded_scale(value: Any, min_scale: float, max_scale: float) -> float:
+    """A checkpoint's scale, clamped into the bounds (GradScaler's own scale is unbounded), saying so."""
+    _check_positive_scale("the state dict's scale", value)
+    clamped = min(max(float(value), min_scale), max_scale)
+    if clamped != value:
+        logger.warning(
+            "LossScaler.load_state_dict: the state dict's scale %.10g lies outside [min_scale, max_scale] = "
+            "[%.10g, %.10g] (a torch.amp.GradScaler scale is unbounded); loaded as %.10g. Widen the bounds with "
+            "LossScaler(min_scale=..., max_scale=...) to keep it",
+            value,
+            min_scale,
+            max_scale,
+            clamped,
+        )
+    return clamped
+
+
+def _check_scale(name: str, value: Any, min_scale: float, max_scale: float) -> None:
+    _check_positive_scale(name, value)
     if not min_scale <= value <= max_scale:
         raise ScalerValueError(
             f"{name}={value!r} lies outside [min_scale, max_scale] = [{min_scale:.10g}, {max_scale:.10g}]; pass a "

@@ -132,9 +132,18 @@ class TrainEvalGraphs(Children, nn.Module):
                 drop()
 
     def __reduce__(self) -> Any:
-        raise InputError(f"{type(self).__name__}: torch.save cannot pickle a converted model (its graphs run "
+        """Refuse pickling (``torch.save``, ``pickle``, multiprocessing): the graphs run generated code."""
+        raise InputError(f"{type(self).__name__}: torch.save/pickle cannot pickle a converted model (its graphs run "
                          "generated code); checkpoint a train-mode model with torch.save(model.state_dict(), path) "
-                         "and load it into a model converted the same way")
+                         "and load it into a model converted the same way (copy.deepcopy copies it in memory)")
+
+    def __copy__(self) -> "TrainEvalGraphs":
+        """What ``copy.copy`` makes of any module: a new module object sharing this one's tensors, submodules and
+        graphs (so a step or a mode switch of the shared submodules shows in both); ``copy.deepcopy`` makes an
+        independent copy. Defined because ``__reduce__``, which ``copy.copy`` would call, refuses pickling."""
+        copied = type(self).__new__(type(self))
+        copied.__dict__.update(self.__dict__)
+        return copied
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "TrainEvalGraphs":
         """A copy with its own tensors and modules (what ``copy.deepcopy`` does without ``__reduce__``)."""
