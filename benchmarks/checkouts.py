@@ -4,12 +4,15 @@ that imports it (``--root CHECKOUT``, repeated), or this checkout in its own pro
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import tarfile
+import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 try:
     from .results import markdown_table
@@ -17,6 +20,20 @@ except ImportError:  # imported as a script's neighbour in another checkout's pr
     from results import markdown_table
 
 HERE = Path(__file__).resolve().parent
+
+
+@contextlib.contextmanager
+def at_commit(commit: str) -> Iterator[Path]:
+    """A temporary folder holding the ``amppass`` package as it was at ``commit`` (``git archive`` of this
+    repository), to measure as a root beside this checkout; raises RuntimeError where git cannot give it."""
+    archive = subprocess.run(["git", "archive", commit, "amppass"], cwd=HERE.parent, capture_output=True)
+    if archive.returncode:
+        raise RuntimeError(f"git archive {commit} failed: {archive.stderr.decode(errors='replace').strip()[:200]}")
+    with tempfile.TemporaryDirectory(prefix=f"amppass-{commit}-") as folder, tempfile.TemporaryFile() as tar:
+        tar.write(archive.stdout)
+        tar.seek(0)
+        tarfile.open(fileobj=tar).extractall(folder, filter="data")
+        yield Path(folder)
 
 
 def run(script: str, measure: Callable[[str], dict[str, Any]], names: list[str],

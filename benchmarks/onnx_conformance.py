@@ -445,25 +445,21 @@ def _before(names: Sequence[str]) -> dict[str, dict[str, int]] | str:
     import json
     import subprocess
     import sys
-    import tarfile
-    import tempfile
     from pathlib import Path
 
+    from . import checkouts
+
     repo = Path(__file__).resolve().parent.parent
-    with tempfile.TemporaryDirectory(prefix="amppass-before-") as folder:
-        archive = subprocess.run(["git", "archive", BEFORE, "amppass"], cwd=repo, capture_output=True)
-        if archive.returncode:
-            return f"git archive {BEFORE} failed: {archive.stderr.decode(errors='replace').strip()[:200]}"
-        with tempfile.TemporaryFile() as tar:
-            tar.write(archive.stdout)
-            tar.seek(0)
-            tarfile.open(fileobj=tar).extractall(folder, filter="data")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([folder, str(repo)])}
-        done = subprocess.run([sys.executable, "-m", "benchmarks.onnx_conformance", "--casts", *names], cwd=folder,
-                              env=env, capture_output=True, text=True)
-        if done.returncode:
-            return f"measuring {BEFORE} failed: {done.stderr.strip().splitlines()[-1:]}"
-        return json.loads(done.stdout.strip().splitlines()[-1])
+    try:
+        with checkouts.at_commit(BEFORE) as folder:
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder), str(repo)])}
+            done = subprocess.run([sys.executable, "-m", "benchmarks.onnx_conformance", "--casts", *names],
+                                  cwd=folder, env=env, capture_output=True, text=True)
+    except RuntimeError as error:
+        return str(error)
+    if done.returncode:
+        return f"measuring {BEFORE} failed: {done.stderr.strip().splitlines()[-1:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def casts_table(quick: bool = False) -> list[dict]:

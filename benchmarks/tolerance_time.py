@@ -35,6 +35,7 @@ try:
 except ImportError:  # run as a script in another checkout's process (--measure): this folder is on sys.path
     import checkouts
 
+BEFORE = "d7ec324"  # amppass as issue 24 measured it: no held-out check, no prefix reuse, no run bound
 TOLERANCE = 1e-4  # below fp16's output error on every model here: the search has nodes to move
 SEEDS = (1, 2, 3, 4)
 
@@ -108,6 +109,17 @@ def run(full: bool, roots: list[Path] | None = None) -> list[dict[str, Any]]:
     """One row per model and checkout (default: this checkout, in this process)."""
     names = [n for n, (_, heavy) in MODELS.items() if full == heavy]
     return checkouts.run(str(Path(__file__)), measure, names, roots)
+
+
+def against(commit: str, full: bool) -> list[dict[str, Any]]:
+    """One row per model for amppass at ``commit`` and for this checkout, each measured in a fresh process,
+    the two rows of a model one after the other."""
+    here = Path(__file__).resolve().parent.parent
+    with checkouts.at_commit(commit) as folder:
+        rows = run(full, [folder, here])
+    for row in rows:
+        row["checkout"] = commit if row["checkout"] == str(folder) else "this"
+    return rows
 
 
 def main() -> None:
