@@ -19,9 +19,7 @@ from models.char_gpt import char_gpt, next_char_loss, stdlib_corpus
 from tests.ddp_harness import WORLD_SIZE, run_ranks
 
 STEPS, BATCH, BLOCK = 6, 8, 32
-TIMEOUT_S = 400  # a run takes ~40 s on a quiet machine (a conversion and three trainings per rank)
-
-pytestmark = pytest.mark.slow  # ~1.5 min on a loaded 2-core machine; tests/test_train_tree.py has the quick checks
+TIMEOUT_S = 400  # a run takes ~20 s on a quiet machine (a conversion and three trainings per rank)
 
 
 def _model():
