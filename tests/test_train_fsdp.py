@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
+from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 import amppass
 from models.char_gpt import char_gpt, next_char_loss, stdlib_corpus
@@ -59,7 +60,10 @@ def _train(model, rank: int | None) -> dict:
 
 
 def _per_block(model):
-    for block in model.transformer.h:
+    """FSDP2's usual pattern, blocks picked by class as wrap policies pick them."""
+    blocks = [m for m in model.modules() if type(m).__name__ == "GPT2Block" and isinstance(m, GPT2Block)]
+    assert len(blocks) == 2
+    for block in blocks:
         fully_shard(block)
     fully_shard(model)
     return model

@@ -20,12 +20,21 @@ Rules:
 3. The tree has one :class:`ModulePart` per module of the original model, in the original's order and
    under its names; each holds the code of its part in train mode and in eval mode, and runs the one of
    the mode its root is in.
+4. Each part is also an instance of its original module's class, under that class's name (as ``fully_shard``
+   makes a module an ``FSDPModule`` too), with the original's plain attributes (``in_features``,
+   ``padding_idx``, ``config``; never tensors, modules or anything holding them). So the code users point at
+   a model keeps finding what it looks for: FSDP2 and activation-checkpointing wrap policies
+   (``isinstance(m, Block)``, accelerate's class names), ``model.apply(init_weights)``, containers that
+   iterate as their class does. Its ``forward`` is always the part's; a class that cannot be mixed in
+   (``__slots__``, a failing ``__init_subclass__``) leaves a plain part, logged.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
+import itertools
 import logging
 import warnings
 from typing import Any, Callable, Iterator
@@ -73,8 +82,10 @@ class Children:
         return list(self._modules.values())[key]
 
 
-class ModulePart(Children, nn.Module):
-    """One module of the original model: its parameters, buffers and submodules, and its part of each graph."""
+class ModulePart(nn.Module):
+    """One module of the original model: its parameters, buffers and submodules, and its part of each graph.
+
+    Made an instance of the original module's class too by :func:`as_original` (rule 4)."""
 
     def __init__(self, original_type: str, mode: Mode):
         super().__init__()
@@ -87,7 +98,46 @@ class ModulePart(Children, nn.Module):
         return self._code[self._mode.training](self, *args)
 
     def extra_repr(self) -> str:
-        return f"part of {self.original_type}"
+        return "converted by amppass"
+
+
+class PlainPart(Children, ModulePart):
+    """A part whose original class could not be mixed in: it still iterates and indexes like the container
+    it may stand for."""
+
+
+# What nn.Module itself keeps in an instance's __dict__: a part has its own, never the original's.
+_MODULE_KEYS = frozenset(vars(nn.Module())) | {"forward"}
+
+
+@functools.cache
+def _part_class(original: type) -> type:
+    """``original`` with :class:`ModulePart` first in its order: the part's ``forward``, everything else the class's."""
+    return type(original.__name__, (ModulePart, original), {"__module__": original.__module__,
+                                                            "__qualname__": original.__qualname__})
+
+
+def as_original(module: nn.Module, mode: Mode) -> ModulePart:
+    """A part for original ``module`` (rule 4): an instance of its class holding its plain attributes."""
+    part: ModulePart = PlainPart(type(module).__name__, mode)
+    try:
+        part.__class__ = _part_class(type(module))
+    except Exception as err:  # noqa: BLE001 - the part still runs; only isinstance checks miss it
+        log.info("%s: the converted part is not an instance of the class (%s); wrap it by its path",
+                 type(module).__name__, err)
+        return part
+    for key, value in vars(module).items():
+        if key in _MODULE_KEYS or key in vars(part) or _holds_state(value, module):
+            continue
+        part.__dict__[key] = value
+    return part
+
+
+def _holds_state(value: Any, module: nn.Module) -> bool:
+    """Whether ``value`` holds tensors, modules or ``module`` itself (a bound method): a part never shares those."""
+    if getattr(value, "__self__", None) is module:
+        return True
+    return any(isinstance(leaf, (torch.Tensor, nn.Module)) for leaf in pytree.tree_leaves(value))
 
 
 class Outline:
@@ -144,15 +194,19 @@ def outline(gm: fx.GraphModule, example: tuple[tuple, dict] | None) -> Outline |
         if any(n.op != "placeholder" and n.op != "output" for n in module.graph.nodes):
             _unshadow_self(module.graph_module)
             parts[name] = type(module.graph_module).forward
-        for attr, value in vars(module).items():
-            if isinstance(value, torch.Tensor) and attr not in module._parameters and attr not in module._buffers:
-                constants[f"{name}.{attr}"] = value
-    for attr, value in vars(tree).items():
-        if isinstance(value, torch.Tensor):
-            constants[attr] = value
+        constants.update((f"{name}.{attr}", value) for attr, value in _tensors(module))
+    constants.update(_tensors(tree))
     signature = tree.module_call_graph[0].signature
     _unshadow_self(tree.graph_module)
     return Outline(type(tree.graph_module).forward, signature.in_spec, signature.out_spec, parts, constants)
+
+
+def _tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors an unflattened module holds besides parameters: its buffers (the original's, and constants
+    the rewrite made, which export lifts to buffers) and plain tensor attributes."""
+    for attr, value in itertools.chain(vars(module).items(), module._buffers.items()):
+        if isinstance(value, torch.Tensor) and attr not in module._parameters:
+            yield attr, value
 
 
 def _unshadow_self(gm: fx.GraphModule) -> None:
@@ -254,7 +308,7 @@ def build_tree(root: nn.Module, original: nn.Module, mode: Mode, outlines: dict[
         if not name:
             continue
         parent, _, leaf = name.rpartition(".")
-        part = ModulePart(type(module).__name__, mode)
+        part = as_original(module, mode)
         parts[parent].add_module(leaf, part)
         parts[name] = part
     for name, module in original.named_modules(remove_duplicate=False):
@@ -270,6 +324,8 @@ def build_tree(root: nn.Module, original: nn.Module, mode: Mode, outlines: dict[
         for name, code in found.parts.items():
             parts[name]._code[training] = code
         for name, value in found.constants.items():
+            if name in state:  # the original's buffer: registered above, shared by both modes
+                continue
             owner_name, _, leaf = name.rpartition(".")
             parts[owner_name].__dict__[leaf] = value  # unfit() checked that both modes agree
 
@@ -279,6 +335,7 @@ def unfit(original: nn.Module, outlines: dict[bool, Outline | None]) -> str | No
     if any(found is None for found in outlines.values()):
         return "a graph could not be outlined (logged above)"
     names = {name for name, _ in original.named_modules(remove_duplicate=False)}
+    buffers = {name for name, _ in original.named_buffers(remove_duplicate=False)}
     constants: dict[str, Any] = {}
     for found in outlines.values():
         strangers = sorted({n for n in found.parts if n not in names} |
@@ -286,6 +343,8 @@ def unfit(original: nn.Module, outlines: dict[bool, Outline | None]) -> str | No
         if strangers:
             return f"the graph calls modules the original does not name ({', '.join(strangers[:3])})"
         for name, value in found.constants.items():
+            if name in buffers:
+                continue
             seen = constants.setdefault(name, value)
             if seen is not value and not (seen.shape == value.shape and torch.equal(seen, value)):
                 return f"the train and eval graphs hold different constants named {name}"
