@@ -51,7 +51,8 @@ NOTES = ("Columns: `held@N` held-out loss (nats/char, eval mode, the same held-o
          "compiled variants excluded); `vs_fp32` / `vs_autocast_fp16` step time ratios (below 1: faster); "
          "`peak_MB` high-water mark of torch CPU allocations during one step; `saved_MB` bytes autograd saved for "
          "backward in one forward. FSDP2 table: held-out loss after training in eval mode, each rank against one "
-         "process training on the whole batches.")
+         "process training on the whole batches; `param_MB` parameter storage the process holds after sharding "
+         "(its shards and any whole copy).")
 
 
 @dataclass(frozen=True)
@@ -213,6 +214,7 @@ def _fsdp_recipe(setting: Setting, rank: int | None, world: int) -> dict[str, fl
         for block in model.transformer.h:
             fully_shard(block)
         fully_shard(model)
+    held_bytes = _param_bytes(model)
     opt = torch.optim.AdamW(model.parameters(), lr=setting.lr, foreach=False)
     scaler = amppass.LossScaler()
     start = time.perf_counter()
@@ -228,7 +230,21 @@ def _fsdp_recipe(setting: Setting, rank: int | None, world: int) -> dict[str, fl
     model.eval()
     with torch.no_grad():
         after = next_char_loss(model(held[:, :-1]).logits, held[:, 1:]).item()
-    return {"steps": steps, "held_after": after, "train_s": seconds}
+    return {"steps": steps, "held_after": after, "train_s": seconds, "param_bytes": held_bytes}
+
+
+def _param_bytes(model: nn.Module) -> int:
+    """Bytes of parameter storage the process holds: the tree's parameters (this rank's shards, under FSDP2)
+    and any whole copy the flat graphs keep (each storage once)."""
+    from torch.distributed.tensor import DTensor
+
+    tensors = list(model.parameters()) + [t for g in (model.train_graph, model.eval_graph) for t in g.parameters()]
+    storages = {}
+    for tensor in tensors:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        if not local.is_meta:
+            storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+    return sum(storages.values())
 
 
 def _rank(rank: int, setting: Setting, port: int, out: str, world: int) -> None:
@@ -258,12 +274,13 @@ def fsdp(setting: Setting, world: int = 2, timeout_s: float = 1800) -> list[dict
                 raise TimeoutError(f"the {world}-process FSDP2 run did not finish within {timeout_s:.0f} s")
         ranks = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world)]
     rows = [{"run": "1 process, whole batches", "steps": single["steps"], "held_after": f"{single['held_after']:.5f}",
-             "diff_vs_1_process": 0.0, "train_s": round(single["train_s"], 1)}]
+             "diff_vs_1_process": 0.0, "train_s": round(single["train_s"], 1),
+             "param_MB": round(single["param_bytes"] / 2**20, 2)}]
     for r, found in enumerate(ranks):
         rows.append({"run": f"FSDP2 per block + root, rank {r} of {world}", "steps": found["steps"],
                      "held_after": f"{found['held_after']:.5f}",
                      "diff_vs_1_process": round(found["held_after"] - single["held_after"], 5),
-                     "train_s": round(found["train_s"], 1)})
+                     "train_s": round(found["train_s"], 1), "param_MB": round(found["param_bytes"] / 2**20, 2)})
     return rows
 
 

@@ -2,7 +2,8 @@
 
 ``fully_shard`` on each block and then on the root (FSDP2's usual pattern), ``fully_shard`` on the root
 only, and DistributedDataParallel each train the same converted fp16 GPT on halves of the batches one
-process trains on whole; afterwards the held-out loss in eval mode must equal the single process's.
+process trains on whole, the last a batch of 1 per rank (a later plan, outlined into the module tree);
+afterwards the held-out loss in eval mode must equal the single process's.
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ def _model():
 
 
 def _batches() -> list[torch.Tensor]:
-    """STEPS training batches and one held-out batch of BLOCK + 1 characters of the standard library's source."""
+    """STEPS training batches, a last short one (a row per rank: each rank's batch of 1 is a shape the example's
+    plan does not take), and one held-out batch, of BLOCK + 1 characters of the standard library's source."""
     corpus, generator = stdlib_corpus(200_000), torch.Generator().manual_seed(0)
-    return [corpus.batch(generator, BATCH, BLOCK) for _ in range(STEPS)] + [corpus.batch(generator, 4 * BATCH, BLOCK, True)]
+    return ([corpus.batch(generator, BATCH, BLOCK) for _ in range(STEPS)] + [corpus.batch(generator, WORLD_SIZE, BLOCK)]
+            + [corpus.batch(generator, 4 * BATCH, BLOCK, True)])
 
 
 def _held_out(model) -> float:
@@ -69,6 +72,14 @@ def _per_block(model):
     return model
 
 
+def _unsharded_bytes(model) -> int:
+    """Bytes of parameters held whole besides FSDP2's shards: by the flat graphs or anywhere in the tree."""
+    from torch.distributed.tensor import DTensor
+
+    held = [t for graph in (model.train_graph, model.eval_graph) for t in graph.parameters()] + list(model.parameters())
+    return sum(t.numel() * t.element_size() for t in held if not t.is_meta and not isinstance(t, DTensor))
+
+
 def _low_params(model) -> dict:
     """FSDP2 asked to gather fp16 parameters itself: refused, the plan's fp32 ops need fp32 weights."""
     policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
@@ -86,8 +97,13 @@ def _rank_results(rank: int) -> dict:
     torch.set_num_threads(1)
     converted = _model()
     runs = {"fsdp2 per block": _per_block, "fsdp2 root only": fully_shard, "ddp": DistributedDataParallel}
-    results = {name: _train(wrap(copy.deepcopy(converted)), rank) for name, wrap in runs.items()}
-    return {**results, "fsdp2 fp16 params": _low_params(converted)}
+    results, unsharded = {}, None
+    for name, wrap in runs.items():
+        model = wrap(copy.deepcopy(converted))
+        if name == "fsdp2 per block":
+            unsharded = _unsharded_bytes(model)
+        results[name] = _train(model, rank)
+    return {**results, "fsdp2 fp16 params": _low_params(converted), "unsharded bytes": unsharded}
 
 
 @pytest.fixture(scope="module")
@@ -112,3 +128,9 @@ def test_fsdp2_casting_parameters_itself_is_refused_with_what_to_do(ranks):
     for rank in ranks:
         refused = rank["fsdp2 fp16 params"]["refused"]
         assert refused and "param_dtype=torch.float16" in refused and "leave param_dtype unset" in refused
+
+
+def test_sharding_leaves_no_whole_parameters_alive_on_a_rank(ranks):
+    """The flat graphs pointed at the parameters FSDP2 replaced kept the whole model alive on every rank."""
+    for rank in ranks:
+        assert rank["unsharded bytes"] == 0

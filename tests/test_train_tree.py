@@ -9,6 +9,7 @@ import collections
 import copy
 import gc
 import io
+import itertools
 import pickle
 import weakref
 
@@ -169,6 +170,37 @@ def test_activation_checkpointing_by_class_wraps_the_blocks_keeping_gradients_an
     for name in plain:
         torch.testing.assert_close(grads[name], plain[name], rtol=0, atol=0)
     assert list(wrapped.state_dict()) == list(original.state_dict())
+
+
+def test_a_batch_of_one_runs_its_later_plan_in_the_module_tree(original):
+    """The capture keeps batches of 1 apart (``size()[0] != 1``): such a call gets a later plan, which runs
+    in the same module tree, so hooks (FSDP2's) fire and gradients reach the tree's parameters."""
+    converted, x = _convert(original), _batch(5)
+    calls = []
+    converted.transformer.h[1].register_forward_pre_hook(lambda module, args: calls.append(module.training))
+    reference = copy.deepcopy(original)
+    for rows in (1, 1):  # the second call reuses the plan outlined by the first
+        converted.zero_grad(), reference.zero_grad()
+        next_char_loss(converted(x[:rows, :-1]).logits, x[:rows, 1:]).backward()
+        next_char_loss(reference(x[:rows, :-1]).logits, x[:rows, 1:]).backward()
+        for (name, ours), theirs in zip(converted.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(ours.grad, theirs.grad, rtol=5e-2, atol=5e-3, msg=name)
+    assert calls == [True, True] and converted._made == 1
+
+
+def test_between_calls_only_the_tree_holds_the_state(converted):
+    """The flat graphs hold meta-device stand-ins, so after FSDP2 replaces the tree's parameters by shards
+    nothing else keeps the whole ones alive; a deep copy, ``.to()`` and ``load_state_dict`` keep it so."""
+    model = copy.deepcopy(converted).to(torch.float64).to(torch.float32)
+    model.load_state_dict(converted.state_dict())
+    for graph in (model.train_graph, model.eval_graph):
+        assert all(t.is_meta for t in itertools.chain(graph.parameters(), graph.buffers()))
+    assert not any(t.is_meta for t in model.parameters())
+    x = _batch(6)[:, :-1]
+    model.eval(), converted.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, converted(x).logits)
+    converted.train()
 
 
 # ---------------------------------------------------------------- item 2: checkpoints

@@ -138,7 +138,7 @@ class ShapeGuards:
         """None if the plan takes this call; else the first input (and dimension) it does not take."""
         leaves = self.flatten(args, kwargs)
         if leaves is None:
-            return Mismatch("arguments", _layout(args, kwargs), self._layout())
+            return Mismatch("arguments", call_layout(args, kwargs), self._layout())
         if len(leaves) != len(self.inputs):
             return Mismatch("arguments", f"{len(leaves)} values", f"{len(self.inputs)} values")
         symbols: dict[str, int] = {}
@@ -223,7 +223,7 @@ class ShapeGuards:
 
     def _layout(self) -> str:
         try:
-            return _layout(*pytree.tree_unflatten([_Shown(s) for s in self.inputs], self.in_spec))
+            return call_layout(*pytree.tree_unflatten([_Shown(s) for s in self.inputs], self.in_spec))
         except Exception:  # noqa: BLE001 - a container type that will not hold names (a cache class)
             return self.describe()
 
@@ -238,7 +238,7 @@ class _Shown:
         return self.name
 
 
-def _layout(args: tuple, kwargs: dict) -> str:
+def call_layout(args: tuple, kwargs: dict) -> str:
     """A call's arguments with each tensor shown by its shape: ``([2, 17, 16], mask=[2, 17])``."""
 
     def shown(value: Any) -> str:
@@ -504,7 +504,7 @@ class ServingGraph(Fp32Face, fx.GraphModule):
         if signature in plans.rejected:
             self._raise_original(args, kwargs)
         log.warning("%s: %s; capturing and converting it again for %s (re-capture %d; at most %d plans are kept)",
-                    plans.name, mismatch, _layout(args, kwargs), plans.made + 1, MAX_PLANS)
+                    plans.name, mismatch, call_layout(args, kwargs), plans.made + 1, MAX_PLANS)
         try:
             graph = plans.recapture(args, kwargs)
         except CaptureError as err:
@@ -513,7 +513,7 @@ class ServingGraph(Fp32Face, fx.GraphModule):
                 plans.rejected.popitem(last=False)
             self._raise_original(args, kwargs)
             raise CaptureError(f"{plans.name}: {mismatch}, and torch.export cannot capture the model for "
-                               f"{_layout(args, kwargs)} although the original model runs it ({err}); the "
+                               f"{call_layout(args, kwargs)} although the original model runs it ({err}); the "
                                f"converted model serves {served}") from err
         _without_guard_node(graph)
         plan = _Plan(graph, graph.meta[GUARDS_KEY], calls=1)
@@ -541,6 +541,11 @@ class ServingGraph(Fp32Face, fx.GraphModule):
             if found is not None and found is not tensor and found.shape == tensor.shape and found.dtype == tensor.dtype:
                 _set(plan.graph, name, found)
         plan.bound_to = ids
+
+    def rebind(self) -> None:
+        """Point every later plan at this module's tensors again (after its state attributes were replaced)."""
+        for plan in self._plans.extra.values():
+            self._bind(plan)
 
     def _apply(self, fn: Any, recurse: bool = True) -> "ServingGraph":
         result = super()._apply(fn, recurse)

@@ -16,10 +16,17 @@ Rules:
    write the original's keys, checkpoints go both ways, and any optimizer works on the parameters.
 3. Each module of the tree runs its own part of the graph of the current mode and reads its tensors from
    itself at call time, so FSDP2's ``fully_shard`` per block and on the root, DDP, ``.to()`` and
-   ``load_state_dict(assign=True)`` reach both modes. A call the example's plan does not take runs a later
-   plan (:mod:`amppass.fx.shapes`) as one graph, pointed at the tree's tensors.
+   ``load_state_dict(assign=True)`` reach both modes.
 4. Both modes read the very same tensors: a step taken in train mode is seen in eval mode, and batch norm's
    running statistics, updated in place by the train graph, are what the eval graph normalises with.
+5. A call the example's plan does not take (a batch of 1 where the capture kept batches of 2 and more
+   apart) gets a later plan (:mod:`amppass.fx.shapes`), outlined into the same tree under a key of its own
+   the first time, so FSDP2 and hooks work at that shape too. A plan that cannot be outlined runs as one
+   graph pointed at the tree's tensors (logged; refused under FSDP2, whose sharded parameters one graph
+   cannot read).
+6. Between calls the flat graphs hold no tensors, only stand-ins on the meta device: after FSDP2 shards the
+   tree's parameters nothing else keeps the whole parameters alive on each rank. A call that runs as one
+   graph points them at the tree's tensors for its duration.
 
 FSDP2's ``MixedPrecisionPolicy``: amppass's casts do the low-precision work, so ``param_dtype`` stays unset
 (FSDP2 gathers the fp32 parameters and each op reads them in the precision its plan says); ``reduce_dtype``
@@ -42,10 +49,13 @@ from torch.utils import _pytree as pytree
 from ..errors import InputError
 from ..fx.calibrate import flatten_inputs
 from ..fx.rewrite import META_KEY
+from ..fx.shapes import call_layout
 from .backward import record_saved_bytes
-from .tree import Children, Mode, Outline, build_tree, example_call, outline, unfit
+from .tree import Children, Mode, Outline, build_tree, example_call, outline, sharded, unfit
 
 log = logging.getLogger(__name__)
+
+_TREE_KEY = "amppass_tree_code"  # a later plan's meta: its outline in the tree and key, or (None, None)
 
 
 class TrainEvalGraphs(Children, nn.Module):
@@ -82,17 +92,19 @@ class TrainEvalGraphs(Children, nn.Module):
         read = {name for name, _ in _state(train_graph)}
         # tied names, the one the graphs read first: after load_state_dict(assign=True) all point at its tensor
         self._tied = [sorted(names, key=lambda n: n not in read) for names in _groups(self)]
-        self._share_state()
+        self._made = 0  # later plans outlined into the tree (rule 5)
+        self._settle()
         self.train(training)
 
     @property
     def train_graph(self) -> fx.GraphModule:
-        """The converted graph run in training mode, as one graph (the one :func:`amppass.report` reads)."""
+        """The converted graph of training mode, as one graph (the one :func:`amppass.report` reads); with a
+        module tree its state attributes are meta-device stand-ins between calls (rule 6)."""
         return self._graphs[True]
 
     @property
     def eval_graph(self) -> fx.GraphModule:
-        """The converted graph run in eval mode, as one graph."""
+        """The converted graph of eval mode, as one graph (stand-ins as in :attr:`train_graph`)."""
         return self._graphs[False]
 
     @property
@@ -101,23 +113,63 @@ class TrainEvalGraphs(Children, nn.Module):
         return bool(self._outlines)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the graph of the current mode: through the module tree where the example's plan takes the call."""
+        """Run the plan of the current mode that takes the call: through the module tree (rule 5)."""
         _check_fsdp_policy(self)
-        served = self._graphs[self.training]
-        found = self._outlines.get(self.training)
-        if found is not None and served.guards.mismatch(args, kwargs) is None:
+        found, key = self._outline_for(args, kwargs)
+        if found is not None:
             flat = found.flat_inputs(args, kwargs)
             if flat is not None:
-                self._mode.training = self.training
+                self._mode.key = key
                 return found.outputs(found.root(self, *flat))
         self._check_whole_tensors(args, kwargs)
         self._share_state()
-        return served(*args, **kwargs)
+        try:
+            return self._graphs[self.training](*args, **kwargs)
+        finally:
+            self._settle()
+
+    def _outline_for(self, args: tuple, kwargs: dict) -> tuple[Outline | None, Any]:
+        """The tree code of the plan that takes this call, and its key (rule 5); None if it runs as one graph."""
+        if not self._outlines:
+            return None, None
+        served = self._graphs[self.training]
+        if served.guards.mismatch(args, kwargs) is None:
+            return self._outlines[self.training], self.training
+        plan = served.select(args, kwargs)  # a later plan, made now (and logged) if none takes the call
+        installed = plan.meta.get(_TREE_KEY)
+        if installed is None:
+            installed = plan.meta[_TREE_KEY] = self._install(plan, args, kwargs)
+        return installed
+
+    def _install(self, plan: fx.GraphModule, args: tuple, kwargs: dict) -> tuple[Outline | None, Any]:
+        """Outline a later plan into the tree under a key of its own, or say why its shape runs as one graph."""
+        leaves = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+        found = outline(plan, (args, kwargs), leaves[0].device if leaves else torch.device("cpu"))
+        why = unfit(self, {self.training: found})
+        state = {name for name, _ in _state(self)}
+        for name, value in (found.constants.items() if why is None else ()):
+            owner, _, leaf = name.rpartition(".")
+            held = None if name in state else vars(self.get_submodule(owner)).get(leaf)
+            if held is not None and not (held.shape == value.shape and torch.equal(held, value)):
+                why = f"its constant {name} differs from the example's plan's"
+        if why is not None:
+            log.warning("%s: the plan for %s cannot run in the module tree (%s); calls of these shapes run as one "
+                        "graph, which FSDP2 can only wrap whole", type(self).__name__, plan.guards.describe(), why)
+            return None, None
+        key = (self.training, self._made)
+        self._made += 1
+        for name, code in found.parts.items():
+            self.get_submodule(name)._code[key] = code
+        for name, value in found.constants.items():
+            if name not in state:
+                owner, _, leaf = name.rpartition(".")
+                self.get_submodule(owner).__dict__.setdefault(leaf, value)
+        return found, key
 
     def train(self, mode: bool = True) -> "TrainEvalGraphs":
         """Switch the whole tree (every part follows the root's mode)."""
         super().train(mode)
-        self._mode.training = mode
+        self._mode.key = mode
         return self
 
     def drop_original(self) -> None:
@@ -158,7 +210,7 @@ class TrainEvalGraphs(Children, nn.Module):
             for name, value in list(vars(part).items()):
                 if isinstance(value, torch.Tensor):
                     part.__dict__[name] = fn(value)
-        self._share_state()  # rule 4: buffers (and, on some settings, parameters) are new tensors now
+        self._settle()  # rule 4: buffers (and, on some settings, parameters) are new tensors now
         return result
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
@@ -166,7 +218,7 @@ class TrainEvalGraphs(Children, nn.Module):
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
         if assign:
             self._tie()
-        self._share_state()
+        self._settle()
         return result
 
     def _tie(self) -> None:
@@ -184,22 +236,28 @@ class TrainEvalGraphs(Children, nn.Module):
                 if name in mine:
                     _set(graph, name, mine[name])
 
+    def _settle(self) -> None:
+        """Between calls (rule 6): with a module tree, the flat graphs and their later plans hold stand-ins on
+        the meta device in place of this module's tensors; without one, they hold the tensors themselves."""
+        if not self._outlines:
+            self._share_state()
+            return
+        mine = {name for name, _ in _state(self)}
+        for graph in self._graphs.values():
+            for name, tensor in list(_state(graph)):
+                if name in mine and not tensor.is_meta:
+                    _set(graph, name, _stand_in(tensor))
+            graph.rebind()
+
     def _check_whole_tensors(self, args: tuple, kwargs: dict) -> None:
         """A call the tree cannot run reads every tensor from the root: sharded ones cannot be read there."""
-        if not torch.distributed.is_available():
-            return
-        from torch.distributed.tensor import DTensor
-
-        sharded = [name for name, tensor in _state(self) if isinstance(tensor, DTensor)]
-        if sharded:
-            served = self._graphs[self.training]
-            why = served.guards.mismatch(args, kwargs) if hasattr(served, "guards") else None
+        held = [name for name, tensor in _state(self) if sharded(tensor)]
+        if held:
             raise InputError(
-                f"{type(self).__name__}: this call runs the converted model as one graph "
-                f"({why or 'its modules could not be outlined, see the log'}), which cannot read parameters "
-                f"FSDP2 has sharded ({sharded[0]} ...): call it with inputs of the shapes it was converted for, "
-                "or convert with an example of these shapes")
-
+                f"{type(self).__name__}: this call runs the converted model as one graph (the plan for "
+                f"{call_layout(args, kwargs)} could not be outlined into its modules, see the log), which cannot read "
+                f"parameters FSDP2 has sharded ({held[0]} ...): call it with inputs of the shapes it was converted "
+                "for, or convert with an example of these shapes")
 
 
 def _check_fsdp_policy(root: nn.Module) -> None:
@@ -253,6 +311,12 @@ def _named_state(gm: fx.GraphModule, original: nn.Module) -> tuple[dict[str, tor
         state[name] = found
     persistent = {k for k in original.state_dict(keep_vars=True)}
     return state, persistent
+
+
+def _stand_in(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``tensor``'s (whole) shape and dtype that holds no memory."""
+    empty = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+    return nn.Parameter(empty, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
 
 
 def _clone(tensor: torch.Tensor) -> torch.Tensor:

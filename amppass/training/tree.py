@@ -55,10 +55,11 @@ STACK = "nn_module_stack"
 
 
 class Mode:
-    """The mode shared by every part of one tree: the root's, so a part never runs the other mode's code."""
+    """Which code every part of one tree runs: the key of the root's current plan, so a part never runs
+    another mode's or shape's code. The example's plan of each mode is keyed by the ``training`` flag."""
 
     def __init__(self, training: bool):
-        self.training = training
+        self.key: Any = training
 
 
 class Children:
@@ -95,7 +96,7 @@ class ModulePart(nn.Module):
 
     def forward(self, *args: Any) -> Any:
         """Run this module's part of the graph of the root's mode."""
-        return self._code[self._mode.training](self, *args)
+        return self._code[self._mode.key](self, *args)
 
     def extra_repr(self) -> str:
         return "converted by amppass"
@@ -158,14 +159,19 @@ class Outline:
         return leaves if spec == self.in_spec else None
 
 
-def outline(gm: fx.GraphModule, example: tuple[tuple, dict] | None) -> Outline | None:
-    """The module tree of converted graph ``gm`` (rule 2), or None with the reason logged."""
+def outline(gm: fx.GraphModule, example: tuple[tuple, dict] | None, device: torch.device | None = None) -> Outline | None:
+    """The module tree of converted graph ``gm`` (rule 2), or None with the reason logged.
+
+    With ``device``, state ``gm`` holds only as a stand-in (on the meta device, or sharded by FSDP2) is
+    exported as an uninitialised tensor of its shape on ``device``: export reads shapes, never values."""
     guards = gm.meta.get(GUARDS_KEY)
     if example is None or guards is None:
         return None
     _place_new_nodes(gm)
     args, kwargs = example_call(example)
     plain = fx.GraphModule(gm, gm.graph)  # not the serving wrapper: export calls forward on fake inputs
+    if device is not None:
+        _unshard_shapes(plain, device)
     try:
         program = _export_like(plain, args, kwargs, guards)
     finally:
@@ -199,6 +205,29 @@ def outline(gm: fx.GraphModule, example: tuple[tuple, dict] | None) -> Outline |
     signature = tree.module_call_graph[0].signature
     _unshadow_self(tree.graph_module)
     return Outline(type(tree.graph_module).forward, signature.in_spec, signature.out_spec, parts, constants)
+
+
+def _unshard_shapes(gm: fx.GraphModule, device: torch.device) -> None:
+    """Give ``gm`` an uninitialised tensor of each meta or sharded tensor's whole shape (:func:`outline`)."""
+    for name, tensor in list(itertools.chain(gm.named_parameters(remove_duplicate=False),
+                                             gm.named_buffers(remove_duplicate=False))):
+        if tensor.is_meta or sharded(tensor):
+            *path, leaf = name.split(".")
+            owner = gm.get_submodule(".".join(path))
+            empty = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+            if leaf in owner._parameters:
+                owner._parameters[leaf] = nn.Parameter(empty, requires_grad=tensor.requires_grad)
+            else:
+                owner._buffers[leaf] = empty
+
+
+def sharded(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor (FSDP2's sharded parameters between calls)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
 
 
 def _tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
