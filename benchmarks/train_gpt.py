@@ -263,7 +263,11 @@ def fsdp(setting: Setting, world: int = 2, timeout_s: float = 1800) -> list[dict
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    single = _fsdp_recipe(setting, None, world)
+    threads = torch.get_num_threads()
+    try:
+        single = _fsdp_recipe(setting, None, world)  # one thread, as each rank has
+    finally:
+        torch.set_num_threads(threads)  # later sections of the run keep the machine's threads
     with tempfile.TemporaryDirectory() as out:
         context = mp.spawn(_rank, args=(setting, port, out, world), nprocs=world, join=False)
         deadline = time.monotonic() + timeout_s

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -76,6 +77,25 @@ def test_entries_persist_per_fingerprint_and_a_changed_fingerprint_reads_none(mo
     path = TimingCache(found, tmp_path).path
     path.write_text(json.dumps({"fingerprint": {**found, "cpu": "other"}, "entries": {"k": 1.0}}))
     assert TimingCache(found, tmp_path).entries == {}
+
+
+def test_the_cache_keeps_the_entries_written_last_and_deletes_device_files_long_unwritten(monkeypatch, tmp_path):
+    """A cache that only grows fills the disk over years of conversions: each file keeps MAX_ENTRIES, those
+    written last (one measured again counts as new), and a device file not written for STALE_DAYS days
+    (an older torch's) is deleted by the next write into the folder."""
+    monkeypatch.setattr(timing_cache, "MAX_ENTRIES", 4)
+    found = fingerprint_of(monkeypatch, SAPPHIRE)
+    cache = TimingCache(found, tmp_path)
+    cache.add({f"k{i}": float(i) for i in range(3)})
+    cache.add({"k0": 9.0, "k3": 3.0, "k4": 4.0})  # k0 measured again; k1 and k2 are the oldest
+    assert TimingCache(found, tmp_path).entries == {"k2": 2.0, "k0": 9.0, "k3": 3.0, "k4": 4.0}
+    old, recent = (TimingCache({**found, "torch": version}, tmp_path) for version in ("1.0.0", "2.0.0"))
+    old.add({"k": 1.0}), recent.add({"k": 1.0})
+    long_ago = time.time() - (timing_cache.STALE_DAYS + 1) * 86400
+    os.utime(old.path, (long_ago, long_ago))
+    cache.add({"k5": 5.0})
+    assert not old.path.exists() and not old.path.with_suffix(".lock").exists()
+    assert recent.path.exists() and TimingCache({**found, "torch": "2.0.0"}, tmp_path).entries == {"k": 1.0}
 
 
 def test_a_corrupt_cache_file_reads_as_empty_and_the_next_update_replaces_it(monkeypatch, tmp_path):
@@ -216,6 +236,32 @@ def test_disturbed_rounds_are_left_out_of_the_comparison(monkeypatch):
     monkeypatch.setattr(measure, "waited", lambda: time.perf_counter())  # every sample waits all along
     given_up = measure.interleaved([lambda: sum(range(100))] * 2, [0, 1], lambda ratios: len(ratios) >= 9, 18)
     assert given_up.rounds == 0 and given_up.ratios == [] and measure.spread(given_up.ratios) == float("inf")
+
+
+def test_steal_time_a_hypervisor_took_disturbs_a_sample_its_scheduler_cannot_see(monkeypatch, tmp_path):
+    """On a virtual machine the hypervisor runs other guests on its CPUs; the guest's schedstat does not see it,
+    ``/proc/stat``'s steal column does (clock ticks). A sample during which a tick was stolen is disturbed."""
+    stat = tmp_path / "stat"
+    ticks = {"steal": 0}
+
+    def fake_open(path, mode="r", *args, **kwargs):
+        if path == "/proc/stat":
+            stat.write_text(f"cpu  10 0 10 100 0 0 0 {ticks['steal']} 0 0\ncpu0 5 0 5 50 0 0 0 0 0 0\n")
+            return real_open(stat, mode, *args, **kwargs)
+        return real_open(path, mode, *args, **kwargs)
+
+    real_open = open
+    monkeypatch.setattr("builtins.open", fake_open)
+    monkeypatch.setattr(measure, "_run_delay", lambda: 0.0)
+    ticks["steal"] = 7
+    assert measure.stolen() == pytest.approx(7 / os.sysconf("SC_CLK_TCK"))
+
+    def stealing():
+        ticks["steal"] += 1  # every call loses a tick to another guest
+    found = measure.interleaved([stealing, stealing], [0, 1], lambda ratios: len(ratios) >= 3, 6)
+    assert found.rounds == 0 and found.ratios == []
+    calm = measure.interleaved([lambda: None, lambda: None], [0, 1], lambda ratios: len(ratios) >= 3, 6)
+    assert len(calm.ratios) == 3
 
 
 def test_spread_is_the_interquartile_range_over_the_median():

@@ -5,8 +5,9 @@ two sides of a comparison alike: on this project's 2-core machine at a load of 4
 12 µs in fp32 (MKL runs it on one thread) and 13.5 ms in bf16 (oneDNN runs it on both threads, and every
 parallel region waits for the descheduled worker): a thousandfold ratio that is all load. So profitability
 compares fp32 and low-precision kernels in interleaved rounds (:func:`interleaved`): each sample notes how
-long this process's threads waited for a CPU meanwhile (Linux schedstat, :func:`waited`), a round with a
-disturbed sample is left out, and the comparison counts only when enough undisturbed rounds agree
+long this process's threads waited for a CPU meanwhile (Linux schedstat, :func:`waited`), and on a virtual
+machine how long the hypervisor took its CPUs (steal time, :func:`stolen`); a round with a disturbed sample
+is left out, and the comparison counts only when enough undisturbed rounds agree
 (:func:`agree`). On a machine too busy for that, the caller falls back to cached times or a prior.
 """
 
@@ -111,8 +112,24 @@ def interleaved(calls: list[Callable[[], Any]], sides: list[int | None], settled
 
 
 def waited() -> float:
-    """Seconds this process's threads have spent runnable but waiting for a CPU (Linux schedstat; 0 where
-    the system does not say)."""
+    """Seconds this process's threads have spent runnable but waiting for a CPU (Linux schedstat), plus the
+    seconds a hypervisor took from this machine's CPUs (:func:`stolen`); 0 where the system does not say."""
+    return _run_delay() + stolen()
+
+
+def stolen() -> float:
+    """Seconds of steal time on all CPUs of this (virtual) machine: time the hypervisor ran other guests,
+    which the guest's own scheduler, and so schedstat, cannot see (``/proc/stat``, counted in clock ticks of
+    10 ms, so a sample is flagged once a whole tick was stolen during it). 0 where the system does not say."""
+    try:
+        with open("/proc/stat", "rb") as stat:
+            fields = stat.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError, AttributeError):
+        return 0.0
+
+
+def _run_delay() -> float:
     total = 0
     try:
         tasks = os.listdir("/proc/self/task")

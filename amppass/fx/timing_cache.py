@@ -21,6 +21,9 @@ answer. amppass keeps the times profitability (:mod:`amppass.fx.profit`) measure
    next update), and so is an entry that is not a finite time in seconds (a hand edit: ``Infinity``,
    ``true``, a negative number); a folder that cannot be written is logged once per process, and the
    conversions go on without it.
+4. **Bounded**: a file keeps the :data:`MAX_ENTRIES` entries written last (an entry measured again counts
+   as new; a BERT-base plan writes about 200), and every write deletes the folder's other device files not
+   written for :data:`STALE_DAYS` days (an older torch's, a retired machine's).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import json
 import logging
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -41,6 +45,8 @@ log = logging.getLogger(__name__)
 ENV = "AMPPASS_CACHE"
 OFF = ("off", "0", "false", "no", "none")
 _UNWRITABLE: set[Path] = set()  # cache files this process failed to write: a warning the first time, then debug
+MAX_ENTRIES = 20_000  # per device file, about 1.4 MB of JSON (rule 4)
+STALE_DAYS = 90  # a device file not written for this long is deleted by the next write into its folder
 
 
 def folder() -> Path | None:
@@ -80,10 +86,12 @@ class TimingCache:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with _locked(self.path.with_suffix(".lock")):
-                merged = {**self._read(), **entries}
-                write_atomic(self.path, json.dumps({"fingerprint": self.fingerprint, "entries": merged},
-                                                   sort_keys=True, indent=0))
+                merged = {k: v for k, v in self._read().items() if k not in entries}
+                merged.update(entries)  # written last, kept longest (rule 4)
+                merged = dict(list(merged.items())[-MAX_ENTRIES:])
+                write_atomic(self.path, json.dumps({"fingerprint": self.fingerprint, "entries": merged}, indent=0))
             self.entries = merged
+            _delete_stale(self.path)
         except OSError as error:
             said = self.path in _UNWRITABLE
             _UNWRITABLE.add(self.path)
@@ -108,6 +116,19 @@ class TimingCache:
             return {}
         return {str(k): float(v) for k, v in entries.items()
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0}
+
+
+def _delete_stale(kept: Path) -> None:
+    """Rule 4: delete the device files beside ``kept`` (and their locks) not written for STALE_DAYS days."""
+    oldest = time.time() - STALE_DAYS * 86400
+    for other in kept.parent.glob("*.json"):
+        try:
+            if other != kept and other.stat().st_mtime < oldest:
+                other.unlink()
+                other.with_suffix(".lock").unlink(missing_ok=True)
+                log.info("timing cache %s deleted: not written for %d days", other, STALE_DAYS)
+        except OSError as error:  # another process deleted it first, or it is not ours to delete
+            log.debug("timing cache %s not deleted (%s)", other, error)
 
 
 @contextlib.contextmanager
