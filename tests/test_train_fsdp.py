@@ -97,13 +97,29 @@ def _rank_results(rank: int) -> dict:
     torch.set_num_threads(1)
     converted = _model()
     runs = {"fsdp2 per block": _per_block, "fsdp2 root only": fully_shard, "ddp": DistributedDataParallel}
-    results, unsharded = {}, None
+    results, unsharded, checkpoint = {}, None, None
     for name, wrap in runs.items():
         model = wrap(copy.deepcopy(converted))
         if name == "fsdp2 per block":
             unsharded = _unsharded_bytes(model)
         results[name] = _train(model, rank)
-    return {**results, "fsdp2 fp16 params": _low_params(converted), "unsharded bytes": unsharded}
+        if name == "fsdp2 per block":
+            checkpoint = _into_the_original(model, rank)
+    return {**results, "fsdp2 fp16 params": _low_params(converted), "unsharded bytes": unsharded,
+            "checkpoint": checkpoint}
+
+
+def _into_the_original(model, rank: int) -> dict | None:
+    """FSDP2's checkpoint path (torch.distributed.checkpoint's full state dict, gathered to rank 0) loaded
+    strictly into a plain, unconverted model of the original's class: its keys and its fp32 held-out loss."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank != 0:
+        return None
+    plain = char_gpt(layers=2, width=64, heads=4, block=BLOCK, dropout=0.0)
+    plain.load_state_dict(full, strict=True)
+    return {"keys": list(full), "expected keys": list(plain.state_dict()), "held out": _held_out(plain)}
 
 
 @pytest.fixture(scope="module")
@@ -134,3 +150,11 @@ def test_sharding_leaves_no_whole_parameters_alive_on_a_rank(ranks):
     """The flat graphs pointed at the parameters FSDP2 replaced kept the whole model alive on every rank."""
     for rank in ranks:
         assert rank["unsharded bytes"] == 0
+
+
+def test_fsdp2_s_full_checkpoint_loads_into_the_original_class(ranks):
+    """``get_model_state_dict(full_state_dict=True)``, FSDP2's usual checkpoint, has the original's keys and
+    loads strictly into an unconverted model, which then computes in fp32 what the converted one learned."""
+    found = ranks[0]["checkpoint"]
+    assert sorted(found["keys"]) == sorted(found["expected keys"])
+    assert found["held out"] == pytest.approx(ranks[0]["fsdp2 per block"]["after"], rel=5e-3)

@@ -113,6 +113,8 @@ def test_parts_are_instances_of_the_original_classes_with_their_plain_attributes
     assert converted.lm_head.in_features == original.lm_head.in_features
     assert isinstance(converted.transformer.h, nn.ModuleList) and len(converted.transformer.h) == 2
     assert [type(b) for b in converted.transformer.h] == [type(converted.transformer.h[0])] * 2
+    first = converted.transformer.h[:1]  # a slice: the same parts in a plain container
+    assert type(first) is nn.ModuleList and first[0] is converted.transformer.h[0] and converted.transformer.h[-1]
 
 
 def test_init_by_class_reaches_the_tensors_the_graphs_read(original, converted):

@@ -31,6 +31,7 @@ Rules:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import io
@@ -113,9 +114,23 @@ _MODULE_KEYS = frozenset(vars(nn.Module())) | {"forward"}
 
 @functools.cache
 def _part_class(original: type) -> type:
-    """``original`` with :class:`ModulePart` first in its order: the part's ``forward``, everything else the class's."""
-    return type(original.__name__, (ModulePart, original), {"__module__": original.__module__,
-                                                            "__qualname__": original.__qualname__})
+    """``original`` with :class:`ModulePart` first in its order: the part's ``forward``, everything else the class's
+    (but slicing, for the containers: theirs builds a new instance of the part's class, which only the tree can)."""
+    namespace = {"__module__": original.__module__, "__qualname__": original.__qualname__}
+    if issubclass(original, (nn.ModuleList, nn.Sequential)):
+        namespace["__getitem__"] = _container_item
+    return type(original.__name__, (ModulePart, original), namespace)
+
+
+def _container_item(self: nn.Module, index: Any) -> Any:
+    """A converted ``nn.ModuleList``/``nn.Sequential`` indexed as the original; a slice holds the same parts
+    in a plain container of that kind (``for block in model.layers[:2]``)."""
+    if isinstance(index, slice):
+        items = list(self._modules.items())[index]
+        if isinstance(self, nn.Sequential):
+            return nn.Sequential(collections.OrderedDict(items))
+        return nn.ModuleList([module for _, module in items])
+    return super(ModulePart, self).__getitem__(index)  # type: ignore[misc]
 
 
 def as_original(module: nn.Module, mode: Mode) -> ModulePart:
