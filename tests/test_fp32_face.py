@@ -94,3 +94,35 @@ def test_a_loaded_model_faces_fp32_too(tmp_path):
     loaded = amppass.load(tmp_path / "pnet.pt2")
     scores, _ = _detect(loaded, image)
     assert torch.allclose(scores, _detect(fast, image)[0])
+
+
+@pytest.mark.parametrize("given", [torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("keep_io_types", [True, False])
+def test_an_input_of_another_float_dtype_is_cast_at_the_boundary_without_a_recapture(given, keep_io_types, caplog):
+    """A pipeline that already holds bf16/fp16 images (or fp64 ones) feeds them as they are. Before, a bf16
+    input re-captured and re-converted the model, and fp16 or fp64 ones then failed inside the graph with
+    ``mat1 and mat2 must have the same dtype, but got Half and BFloat16``, a dtype the user never chose;
+    torch.autocast runs all three. Now the input is cast to the example's dtype, logged once."""
+    net, image = _pnet(), torch.rand(2, 3, 24, 24)
+    fast = amppass.convert(net, (image,), dtype="bf16", plan_for="coverage", keep_io_types=keep_io_types)
+    expected = net(image)
+    with caplog.at_level("INFO", logger="amppass"):
+        for _ in range(2):
+            got = fast(image.to(given))
+    for ours, theirs in zip(got, expected):
+        assert ours.dtype == torch.float32 or not keep_io_types
+        assert (ours.float() - theirs).norm() <= 2e-2 * theirs.norm()
+    assert len(fast.plans) == 1 and "capturing and converting it again" not in caplog.text
+    told = [r.getMessage() for r in caplog.records if "cast to the dtype the model was converted with" in r.getMessage()]
+    assert len(told) == 1 and str(given).replace("torch.", "") in told[0]
+
+
+def test_a_train_mode_model_casts_a_low_precision_input_and_gradients_reach_it():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4)).train()
+    x = torch.randn(8, 16)
+    fast = amppass.convert(net, (x,), dtype="fp16", mode="train")
+    low = x.to(torch.bfloat16).requires_grad_()
+    fast(low).float().sum().backward()
+    assert low.grad is not None and low.grad.dtype == torch.bfloat16 and torch.isfinite(low.grad).all()
+    assert all(p.grad is not None for p in fast.parameters())

@@ -22,6 +22,11 @@ Rules:
    error is raised; otherwise a :class:`~amppass.errors.CaptureError` names the input, the dimension and
    what the model was converted for. Without the original model (a loaded program) a rejected call raises
    :class:`~amppass.errors.InputError` saying the same.
+6. A floating-point input of another floating dtype than the example's (a bf16 or fp16 tensor from a
+   pipeline that casts to the model's dtype, an fp64 one) is cast to the example's dtype first, as
+   torch.autocast casts what an op reads, and logged once per input and dtype: it neither costs a re-capture
+   nor reaches a kernel beside weights of another dtype (the model's own error would name a dtype the user
+   never chose).
 """
 
 from __future__ import annotations
@@ -152,6 +157,23 @@ class ShapeGuards:
             except AssertionError as err:
                 return self._from_guard(str(err), leaves)
         return None
+
+    def conform(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, list[str]]:
+        """Rule 6: the call with each floating input of another floating dtype cast to the one this plan
+        takes, and what was cast (``"x: float16"``); the call itself where its layout is not the capture's."""
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        if self.in_spec is not None and spec != self.in_spec or len(leaves) != len(self.inputs):
+            return args, kwargs, []
+        cast = []
+        for index, (wanted, value) in enumerate(zip(self.inputs, leaves)):
+            if (isinstance(value, torch.Tensor) and wanted.dtype is not None and value.dtype != wanted.dtype
+                    and value.dtype.is_floating_point and wanted.dtype.is_floating_point):
+                cast.append(f"{wanted.name}: {str(value.dtype).replace('torch.', '')}")
+                leaves[index] = value.to(wanted.dtype)
+        if not cast:
+            return args, kwargs, []
+        args, kwargs = pytree.tree_unflatten(leaves, spec)
+        return args, kwargs, cast
 
     def flatten(self, args: tuple, kwargs: dict) -> list[Any] | None:
         """The call's leaves in the graph's placeholder order, or None if its layout is not the capture's.
@@ -410,6 +432,7 @@ class _Plans:
     extra: "collections.OrderedDict[int, _Plan]" = field(default_factory=collections.OrderedDict)
     rejected: "collections.OrderedDict[tuple, None]" = field(default_factory=collections.OrderedDict)
     made: int = 0
+    told: set[str] = field(default_factory=set)  # inputs cast at the boundary and logged (rule 6)
 
 
 class ServingGraph(Fp32Face, fx.GraphModule):
@@ -460,9 +483,21 @@ class ServingGraph(Fp32Face, fx.GraphModule):
         return [self] + [p.graph for p in reversed(self._plans.extra.values())]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = self.conform(args, kwargs)
         if self.guards.mismatch(args, kwargs) is None:
             return super().__call__(*args, **kwargs)
         return self._later_plan(args, kwargs)(*args, **kwargs)
+
+    def conform(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Rule 6: floating inputs cast to the example's floating dtypes (logged once per input and dtype)."""
+        args, kwargs, cast = self.guards.conform(args, kwargs)
+        told = self._plans.told
+        for what in cast:
+            if what not in told:
+                told.add(what)
+                log.info("%s: input %s cast to the dtype the model was converted with (%s), as torch.autocast "
+                         "casts what an op reads", self._plans.name, what, self.guards.describe())
+        return args, kwargs
 
     def select(self, args: tuple, kwargs: dict) -> fx.GraphModule:
         """The plan that serves this call (this module, or a later plan, made now if none takes it)."""

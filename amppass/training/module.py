@@ -115,6 +115,7 @@ class TrainEvalGraphs(Children, nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the plan of the current mode that takes the call: through the module tree (rule 5)."""
         _check_fsdp_policy(self)
+        args, kwargs = self._graphs[self.training].conform(args, kwargs)
         found, key = self._outline_for(args, kwargs)
         if found is not None:
             flat = found.flat_inputs(args, kwargs)
