@@ -133,6 +133,12 @@ def convert(
                    progress=progress, plan_for=plan_for, costs=costs,
                    example=None if example_inputs is None and example_kwargs is None else
                    (example_inputs, example_kwargs or {}))
+    if mode == "train" and options["example"] is None:
+        raise InputError(
+            f"amppass.convert({type(model).__name__}, mode='train') needs example_inputs: a train-mode model keeps "
+            "fp32 master weights and casts them inside the graph, which takes a graph captured by torch.export "
+            "(a symbolically traced graph calls the model's own modules, which read their fp32 weights); pass "
+            "one batch, e.g. amppass.convert(model, (x,), mode='train')")
     if mode == "train":
         # torch.export bakes the training flag into the graph: one graph per mode over one set of fp32 tensors
         train_gm, eval_gm = (

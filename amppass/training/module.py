@@ -49,7 +49,7 @@ from torch.utils import _pytree as pytree
 from ..errors import InputError
 from ..fx.calibrate import flatten_inputs
 from ..fx.rewrite import META_KEY
-from ..fx.shapes import call_layout
+from ..fx.shapes import ServingGraph, call_layout
 from .backward import record_saved_bytes
 from .tree import Children, Mode, Outline, build_tree, example_call, outline, sharded, unfit
 
@@ -115,7 +115,9 @@ class TrainEvalGraphs(Children, nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the plan of the current mode that takes the call: through the module tree (rule 5)."""
         _check_fsdp_policy(self)
-        args, kwargs = self._graphs[self.training].conform(args, kwargs)
+        served = self._graphs[self.training]
+        if isinstance(served, ServingGraph):  # a symbolically traced graph guards no dtypes
+            args, kwargs = served.conform(args, kwargs)
         found, key = self._outline_for(args, kwargs)
         if found is not None:
             flat = found.flat_inputs(args, kwargs)
