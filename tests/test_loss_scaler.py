@@ -434,6 +434,20 @@ def test_skipped_steps_are_logged_at_a_rate_limit(clock, caplog, capsys):
     assert capsys.readouterr() == ("", "")
 
 
+def test_a_skip_line_names_its_rank_in_a_group_of_several(clock, caplog, monkeypatch):
+    """Every rank logs its own skips; in a group of several the lines say which rank wrote them."""
+    param, opt, scaler = _one_param_setup(init_scale=2.0**10)
+    monkeypatch.setattr(loss_scaler, "_distributed_initialized", lambda: True)
+    monkeypatch.setattr(loss_scaler.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(loss_scaler.dist, "get_rank", lambda group=None: 1)
+    with caplog.at_level(logging.INFO, logger=loss_scaler.__name__):
+        _iteration(scaler, opt, param, overflow=True)
+    assert _skip_lines(caplog) == [
+        "LossScaler on rank 1 of 2 skipped 1 optimizer step(s) because gradients held inf/NaN (1 in all); loss "
+        "scale after the last: 512"
+    ]
+
+
 def test_reaching_min_scale_warns(clock, caplog):
     param, opt, scaler = _one_param_setup(init_scale=2.0)
     with caplog.at_level(logging.INFO, logger=loss_scaler.__name__):

@@ -555,8 +555,9 @@ class _SkipReport:
             return
         since = "" if self.last_line is None else f" in the last {now - self.last_line:.0f} s"
         logger.info(
-            "LossScaler skipped %d optimizer step(s)%s because gradients held inf/NaN (%d in all); loss scale "
+            "LossScaler%s skipped %d optimizer step(s)%s because gradients held inf/NaN (%d in all); loss scale "
             "after the last: %g",
+            _on_rank(),
             self.known - self.reported,
             since,
             self.known,
@@ -569,6 +570,13 @@ class _SkipReport:
                 min_scale,
             )
         self.reported, self.last_line = self.known, now
+
+
+def _on_rank() -> str:
+    """`` on rank 1 of 2`` in a process group of several ranks, so their log lines can be told apart."""
+    if not _distributed_initialized() or dist.get_world_size() < 2:
+        return ""
+    return f" on rank {dist.get_rank()} of {dist.get_world_size()}"
 
 
 def _is_number(value: Any) -> bool:
