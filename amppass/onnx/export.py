@@ -46,12 +46,31 @@ def export_onnx(
     if not isinstance(torch_model, torch.nn.Module):
         raise InputError(f"export_onnx takes a torch.nn.Module, got {type(torch_model).__name__}; for an ONNX "
                          "model already on disk use amppass.convert_onnx")
+    _refuse_converted(torch_model)
     check_writable(path)
     with capturing(torch_model, train=False):  # an inference export: dropout off, BN running stats
         fp32 = export_fp32(torch_model, example_inputs, dynamic_shapes=dynamic_shapes)
     converted = convert_onnx(fp32, dtype, **convert_kwargs)
     save(converted, path)
     return converted
+
+
+def _refuse_converted(model: torch.nn.Module) -> None:
+    """export_onnx exports a float32 model and converts the ONNX graph: a module amppass already converted
+    would be exported with its casts and low weights, which shape inference then rejects."""
+    from ..fx.generation import Generator
+    from ..fx.kept import KeptFp32
+    from ..fx.rewrite import META_KEY
+    from ..training.module import TrainEvalGraphs
+
+    name = type(model).__name__
+    if isinstance(model, TrainEvalGraphs):
+        raise InputError(f"export_onnx exports a float32 model and converts it; this {name} was converted by amppass "
+                         "in train mode: load what it learned into the original model (original.load_state_dict("
+                         "model.state_dict()): the keys are the original's) and pass the original")
+    if isinstance(model, (Generator, KeptFp32)) or META_KEY in getattr(model, "meta", {}):
+        raise InputError(f"export_onnx exports a float32 model and converts it; this {name} was already converted by "
+                         "amppass: pass the original float32 model (amppass.export_onnx(model, example_inputs, path))")
 
 
 def export_fp32(torch_model: torch.nn.Module, example_inputs: Any, opset: int | None = None,
