@@ -126,3 +126,34 @@ def test_a_train_mode_model_casts_a_low_precision_input_and_gradients_reach_it()
     fast(low).float().sum().backward()
     assert low.grad is not None and low.grad.dtype == torch.bfloat16 and torch.isfinite(low.grad).all()
     assert all(p.grad is not None for p in fast.parameters())
+
+
+@pytest.mark.parametrize("change", ["to_own_dtype", "float", "half", "double", "to_device_and_dtype"])
+def test_dtype_changes_leave_the_plan_s_dtypes_and_the_model_working(change, caplog):
+    """``fast.to(fast.dtype)`` (a no-op by what the module says), ``.float()``, ``.half()``, ``.to(device, dtype)``:
+    pipelines call them. They widened or narrowed the stored weights under the graph's casts, and the next call
+    raised ``mat1 and mat2 must have the same dtype, but got BFloat16 and Float``. The device follows; the
+    dtypes stay the plan's, logged once."""
+    net, image = _pnet(), torch.rand(2, 3, 24, 24)
+    fast = amppass.convert(net, (image,), dtype="bf16", plan_for="coverage")
+    before = {k: v.dtype for k, v in fast.state_dict().items()}
+    expected = fast(image)
+    calls = {"to_own_dtype": lambda m: m.to(m.dtype), "float": lambda m: m.float(), "half": lambda m: m.half(),
+             "double": lambda m: m.double(), "to_device_and_dtype": lambda m: m.to("cpu", torch.float16)}
+    with caplog.at_level("INFO", logger="amppass"):
+        moved = calls[change](fast)
+    assert moved is fast and {k: v.dtype for k, v in fast.state_dict().items()} == before
+    for ours, theirs in zip(fast(image), expected):
+        torch.testing.assert_close(ours, theirs)
+    told = [r for r in caplog.records if "keeps the dtypes its plan chose" in r.getMessage()]
+    assert len(told) == 1 and (told[0].levelname == "INFO") == (change in ("to_own_dtype", "float"))
+
+
+def test_a_train_mode_model_keeps_fp32_master_weights_under_half():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4)).train()
+    x = torch.randn(8, 16)
+    fast = amppass.convert(net, (x,), dtype="fp16", mode="train").half()
+    assert all(p.dtype == torch.float32 for p in fast.parameters())
+    fast(x).float().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in fast.parameters())

@@ -47,6 +47,7 @@ from ..analysis.plan import Decision, Precision, Source
 from ..errors import CaptureError, InputError
 from .face import Fp32Face, stored_parameters
 from .modes import module_mode
+from .plan_dtypes import PlanDtypes
 from .rewrite import META_KEY
 
 log = logging.getLogger(__name__)
@@ -583,10 +584,13 @@ class ServingGraph(Fp32Face, fx.GraphModule):
             self._bind(plan)
 
     def _apply(self, fn: Any, recurse: bool = True) -> "ServingGraph":
-        result = super()._apply(fn, recurse)
+        kept = fn if isinstance(fn, PlanDtypes) else PlanDtypes(fn)  # the plan's dtypes stay (plan_dtypes)
+        result = super()._apply(kept, recurse)
         for plan in self._plans.extra.values():  # tensors a later plan holds alone move with this module
-            plan.graph._apply(fn, recurse)
+            plan.graph._apply(kept, recurse)
             plan.bound_to = ()
+        if kept is not fn:
+            kept.tell(self._plans.name)
         return result
 
     def _record(self) -> None:

@@ -8,8 +8,11 @@ with them, as every converted module does).
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import fx
 
+from .plan_dtypes import PlanDtypes
 from .shapes import keep_non_persistent
 
 __all__ = ["TracedGraph"]
@@ -31,3 +34,10 @@ class TracedGraph(fx.GraphModule):
         """Nothing to release: this module never holds the caller's model (a symbolic trace serves every
         shape, so no later conversion needs it), only the caller's fp32 tensors its fp32 ops run with
         (module docstring). Here so that every module ``amppass.convert`` returns has it."""
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "TracedGraph":
+        """``.to()`` and its relatives move the device; the dtypes stay the plan's (:mod:`amppass.fx.plan_dtypes`)."""
+        kept = PlanDtypes(fn)
+        result = super()._apply(kept, recurse)
+        kept.tell(type(self).__name__)
+        return result

@@ -48,6 +48,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import InputError
 from ..fx.calibrate import flatten_inputs
+from ..fx.plan_dtypes import PlanDtypes
 from ..fx.rewrite import META_KEY
 from ..fx.shapes import ServingGraph, call_layout
 from .backward import record_saved_bytes
@@ -208,11 +209,15 @@ class TrainEvalGraphs(Children, nn.Module):
         return copied
 
     def _apply(self, fn: Any, recurse: bool = True) -> "TrainEvalGraphs":
-        result = super()._apply(fn, recurse)
+        """``.to()`` and its relatives move the device; the fp32 master weights and the graphs' constants keep
+        their dtypes (:mod:`amppass.fx.plan_dtypes`)."""
+        kept = PlanDtypes(fn)
+        result = super()._apply(kept, recurse)
         for part in self.modules():  # the graphs' constants move with the tree
             for name, value in list(vars(part).items()):
                 if isinstance(value, torch.Tensor):
-                    part.__dict__[name] = fn(value)
+                    part.__dict__[name] = kept(value)
+        kept.tell(type(self).__name__)
         self._settle()  # rule 4: buffers (and, on some settings, parameters) are new tensors now
         return result
 
