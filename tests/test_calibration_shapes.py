@@ -85,3 +85,29 @@ def test_a_batch_the_original_model_rejects_names_its_error():
                        match=re.escape("calibration batch 1: the fp32 model failed on it (mat1 and mat2 shapes cannot be multiplied")):
         amppass.convert(model, _mels(1, 20, 0), torch.float16, plan_for="coverage",
                         calibration=[_mels(2, 20, 1), (torch.randn(2, 20, 41),)])
+
+
+class _Masked(torch.nn.Module):
+    """Two keyword-able inputs, as a tokenizer's dict feeds a transformer."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, x, mask):
+        return self.proj(x) * mask.unsqueeze(-1)
+
+
+def test_dict_batches_in_another_key_order_or_naming_a_positional_input_calibrate():
+    """A dict batch whose keys come in another order than the example's, or that names an input the example
+    passed by position, is a call the converted module takes; calibration refused it ('captured with 2 input
+    values in another structure')."""
+    torch.manual_seed(0)
+    model = _Masked().eval()
+    x, mask = torch.randn(2, 5, 16), torch.ones(2, 5)
+    batches = [{"mask": torch.ones(b, 5), "x": torch.randn(b, 5, 16)} for b in (2, 3, 4)]
+    for example, kwargs in (((), {"x": x, "mask": mask}), ((x,), {"mask": mask})):
+        fast = amppass.convert(model, example, example_kwargs=kwargs, dtype="bf16", calibration=batches,
+                               tolerance=1e-2, plan_for="coverage")
+        got, expected = fast(**batches[1]), model(**batches[1])
+        assert (got - expected).norm() <= 1e-2 * expected.norm()

@@ -47,7 +47,8 @@ from .shapes import GUARDS_KEY, MAX_PLANS, matching
 
 log = logging.getLogger(__name__)
 
-_FIX = "pass batches the model takes, e.g. calibration=[case.make_inputs(seed) for seed in range(8)]"
+_FIX = ("pass batches the model takes, laid out like its calls: a tuple of positional inputs, or a dict of keyword inputs, "
+        "e.g. calibration=[(x,) for x in batches] or calibration=[tokenizer(text, return_tensors=\"pt\") ...]")
 
 # captures the fp32 model for a batch's (args, kwargs): its graph and view; raises CaptureError, or the
 # original model's own error for inputs it rejects
@@ -401,6 +402,10 @@ def flatten_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict, index: int) ->
     spec = getattr(getattr(codegen, "pytree_info", None), "in_spec", None)
     if spec is not None:
         flat, got = pytree.tree_flatten((args, kwargs))
+        guards = gm.meta.get(GUARDS_KEY)
+        if got != spec and guards is not None:  # keywords in another order, a positional input by name
+            flat = guards.flatten(args, kwargs)
+            got = spec if flat is not None else got
         if got != spec:
             raise CalibrationError(
                 f"calibration batch {index}: it holds {len(args)} positional and {sorted(kwargs)} keyword inputs "
