@@ -124,7 +124,11 @@ class TrainEvalGraphs(Children, nn.Module):
             flat = found.flat_inputs(args, kwargs)
             if flat is not None:
                 self._mode.key = key
-                return found.outputs(found.root(self, *flat))
+                self._mode.calls += 1
+                try:
+                    return found.outputs(found.root(self, *flat))
+                finally:
+                    self._mode.calls -= 1
         self._check_whole_tensors(args, kwargs)
         self._share_state()
         try:

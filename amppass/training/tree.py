@@ -45,6 +45,7 @@ from torch import fx, nn
 from torch.export.unflatten import InterpreterModule
 from torch.utils import _pytree as pytree
 
+from ..errors import InputError
 from ..fx.capture import _auto_dims, _without_dtype_asserts, size_one_dynamic
 from ..fx.calibrate import split_batch
 from ..fx.quiet import quiet_torch
@@ -61,6 +62,7 @@ class Mode:
 
     def __init__(self, training: bool):
         self.key: Any = training
+        self.calls = 0  # root calls under way: a part runs only inside one (or in backward, recomputing)
 
 
 class Children:
@@ -89,14 +91,21 @@ class ModulePart(nn.Module):
 
     Made an instance of the original module's class too by :func:`as_original` (rule 4)."""
 
-    def __init__(self, original_type: str, mode: Mode):
+    def __init__(self, original_type: str, mode: Mode, path: str = ""):
         super().__init__()
         self.original_type = original_type
         self._code: dict[bool, Callable[..., Any]] = {}
         self._mode = mode
+        self._path = path
 
-    def forward(self, *args: Any) -> Any:
-        """Run this module's part of the graph of the root's mode."""
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run this module's part of the graph of the root's mode (only inside a call of the root)."""
+        if kwargs or not self._mode.calls and torch._C._current_graph_task_id() < 0:
+            raise InputError(
+                f"{self._path or self.original_type} ({self.original_type}) is a part of a model amppass converted in "
+                "train mode: it runs its piece of the converted graph, which takes the graph's own values, inside "
+                "a call of the whole model only. Call the whole model, or convert this submodule of the original "
+                f"on its own (amppass.convert(original.{self._path or '<submodule>'}, example_inputs, mode=...))")
         return self._code[self._mode.key](self, *args)
 
     def extra_repr(self) -> str:
@@ -133,9 +142,9 @@ def _container_item(self: nn.Module, index: Any) -> Any:
     return super(ModulePart, self).__getitem__(index)  # type: ignore[misc]
 
 
-def as_original(module: nn.Module, mode: Mode) -> ModulePart:
-    """A part for original ``module`` (rule 4): an instance of its class holding its plain attributes."""
-    part: ModulePart = PlainPart(type(module).__name__, mode)
+def as_original(module: nn.Module, mode: Mode, path: str) -> ModulePart:
+    """A part for original ``module`` at ``path`` (rule 4): an instance of its class holding its plain attributes."""
+    part: ModulePart = PlainPart(type(module).__name__, mode, path)
     try:
         part.__class__ = _part_class(type(module))
     except Exception as err:  # noqa: BLE001 - the part still runs; only isinstance checks miss it
@@ -352,7 +361,7 @@ def build_tree(root: nn.Module, original: nn.Module, mode: Mode, outlines: dict[
         if not name:
             continue
         parent, _, leaf = name.rpartition(".")
-        part = as_original(module, mode)
+        part = as_original(module, mode, name)
         parts[parent].add_module(leaf, part)
         parts[name] = part
     for name, module in original.named_modules(remove_duplicate=False):
