@@ -206,3 +206,36 @@ def test_digits_accuracy_matches_fp32(digits, precision):
 def test_digits_fp16_run_used_the_scaler(digits):
     assert digits["fp16"][-1]["scale"] >= 2.0**15  # dynamic scaling was on (and did not collapse)
     assert digits["bf16"][-1]["scale"] == 1.0  # bf16: passthrough
+
+
+def _frozen_net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+                         nn.Dropout(0.5), nn.Linear(512, 10)).train()
+
+
+def test_submodules_set_to_eval_before_converting_stay_so_in_the_train_graph():
+    """Fine-tuning freezes batch norm's statistics (``model.train(); model.bn.eval()``): the train graph was
+    captured with every submodule in train mode, so running statistics kept moving and dropout kept dropping."""
+    original = _frozen_net()
+    original[1].eval(), original[4].eval()
+    x = torch.randn(4, 3, 8, 8)
+    model = amppass.convert(copy.deepcopy(original), (x,), dtype=torch.float16, mode="train")
+    assert model.training and not model[1].training and not model[4].training
+    before = model[1].running_mean.clone()
+    first, second = model(x), model(x)
+    assert torch.equal(model[1].running_mean, before) and torch.equal(first, second)
+    torch.testing.assert_close(first, original(x), rtol=2e-2, atol=2e-2)
+    model.eval(), model.train()  # train() restores the flags the train graph was captured with
+    assert not model[1].training and model[0].training
+    model(x).sum().backward()
+
+
+def test_a_submodule_switched_after_converting_is_refused_with_the_way_to_convert_it():
+    x = torch.randn(4, 3, 8, 8)
+    model = amppass.convert(_frozen_net(), (x,), dtype=torch.float16, mode="train")
+    model[1].eval()
+    with pytest.raises(amppass.InputError, match=r"1 \(BatchNorm2d\) is in eval mode.*get_submodule\('1'\)\.eval\(\)"):
+        model(x)
+    model.train()
+    model(x)

@@ -27,6 +27,11 @@ Rules:
 6. Between calls the flat graphs hold no tensors, only stand-ins on the meta device: after FSDP2 shards the
    tree's parameters nothing else keeps the whole parameters alive on each rank. A call that runs as one
    graph points them at the tree's tensors for its duration.
+7. Each graph runs every submodule in the mode it had when that graph was captured: the root's mode, or
+   the submodule's own where the model was already in that mode (``model.train(); model.bn.eval()`` before
+   converting freezes batch norm's statistics in the train graph). ``train()``/``eval()`` restore those
+   flags, and a call with a submodule switched since raises :class:`~amppass.errors.InputError` (a graph
+   cannot follow a flag set later).
 
 FSDP2's ``MixedPrecisionPolicy``: amppass's casts do the low-precision work, so ``param_dtype`` stays unset
 (FSDP2 gathers the fp32 parameters and each op reads them in the precision its plan says); ``reduce_dtype``
@@ -48,6 +53,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import InputError
 from ..fx.calibrate import flatten_inputs
+from ..fx.modes import captured_flags
 from ..fx.plan_dtypes import PlanDtypes
 from ..fx.rewrite import META_KEY
 from ..fx.shapes import ServingGraph, call_layout
@@ -94,6 +100,10 @@ class TrainEvalGraphs(Children, nn.Module):
         # tied names, the one the graphs read first: after load_state_dict(assign=True) all point at its tensor
         self._tied = [sorted(names, key=lambda n: n not in read) for names in _groups(self)]
         self._made = 0  # later plans outlined into the tree (rule 5)
+        # rule 7: the submodules each graph was captured with in the other mode (bn.eval() in a training model)
+        self._flags = {flag: captured_flags(original, flag) if original is not train_graph else {}
+                       for flag in (True, False)}
+        self._parts = [(name, module) for name, module in self.named_modules() if name]
         self._settle()
         self.train(training)
 
@@ -116,6 +126,7 @@ class TrainEvalGraphs(Children, nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the plan of the current mode that takes the call: through the module tree (rule 5)."""
         _check_fsdp_policy(self)
+        self._check_modes()
         served = self._graphs[self.training]
         if isinstance(served, ServingGraph):  # a symbolically traced graph guards no dtypes
             args, kwargs = served.conform(args, kwargs)
@@ -175,10 +186,30 @@ class TrainEvalGraphs(Children, nn.Module):
         return found, key
 
     def train(self, mode: bool = True) -> "TrainEvalGraphs":
-        """Switch the whole tree (every part follows the root's mode)."""
+        """Switch the whole tree; a submodule the graph of ``mode`` was captured with in the other mode keeps
+        that mode (rule 7)."""
         super().train(mode)
+        parts = dict(self._parts)
+        for name, flag in self._flags[mode].items():
+            parts[name].training = flag
         self._mode.key = mode
         return self
+
+    def _check_modes(self) -> None:
+        """Rule 7: every submodule in the mode the graph of the root's mode was captured with it in."""
+        expected = self._flags[self.training]
+        for name, part in self._parts:
+            wanted = expected.get(name, self.training)
+            if part.training != wanted:
+                mode = "train" if self.training else "eval"
+                now, then = ("train", "eval") if part.training else ("eval", "train")
+                path = f".{name}" if all(p.isidentifier() for p in name.split(".")) else f".get_submodule({name!r})"
+                raise InputError(
+                    f"{name} ({type(part).__name__}) is in {now} mode, but the converted {mode}-mode graph runs it "
+                    f"in {then} mode, as the model was when converted: a graph cannot follow a flag set later. "
+                    f"Set the modes on the original before converting (original.{mode}(); "
+                    f"original{path}.{now}(); amppass.convert(original, ..., mode='train')): the converted model "
+                    "keeps them")
 
     def drop_original(self) -> None:
         """Stop holding the original model (its fp32 weights) for conversions of new shapes.
