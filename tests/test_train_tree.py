@@ -455,3 +455,28 @@ def test_a_decoder_whose_rewrite_holds_constants_trains_and_evaluates_in_the_out
         ours, theirs = converted(ids).logits, original(ids).logits
     original.train()
     assert (ours - theirs).norm() <= 2e-2 * theirs.norm(), (ours - theirs).norm() / theirs.norm()
+
+
+def test_transformers_gradient_checkpointing_set_before_converting_still_recomputes():
+    """``gradient_checkpointing_enable()`` on the original: the parts are instances of its decoder-layer class
+    and hold its flag, so transformers' own checkpointing wraps them: less is saved, gradients are the same."""
+    from tests.decoders import decoder, prompt
+
+    ids = prompt(length=8, batch=2)
+    results = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        original = decoder("llama").train()
+        if checkpointing:
+            original.gradient_checkpointing_enable()
+        model = amppass.convert(original, (ids,), dtype=torch.bfloat16, mode="train")
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t,
+                                                      lambda t: t):
+            logits = model(ids).logits
+        logits.float().sum().backward()
+        results.append((sum(saved), {n: p.grad for n, p in model.named_parameters()}))
+    (plain, grads), (checkpointed, again) = results
+    assert checkpointed < 0.6 * plain, (checkpointed, plain)
+    for name, grad in grads.items():
+        torch.testing.assert_close(again[name], grad, rtol=0, atol=0)
