@@ -62,3 +62,20 @@ def test_saving_a_converted_decoder_says_what_is_saved(tmp_path):
     with pytest.raises(amppass.InputError, match=r"amppass.save\(model.converted, path\)"):
         amppass.save(fast, tmp_path / "model.pt2")
     assert not (tmp_path / "model.pt2").exists()
+
+
+def test_an_encoder_decoder_converts_without_a_generate_that_cannot_run_and_says_what_does(caplog):
+    """T5 came back in its class with generate(), whose encoder step then failed ('You must specify exactly one
+    of input_ids or inputs_embeds'): the converted graph is the whole model's forward."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(T5Config(vocab_size=300, d_model=64, d_kv=16, d_ff=128, num_layers=2,
+                                                num_heads=4, decoder_start_token_id=0)).eval()
+    ids, decoder_ids = torch.randint(0, 300, (2, 12)), torch.randint(0, 300, (2, 5))
+    with caplog.at_level("WARNING", logger="amppass"):
+        fast = amppass.convert(model, (ids,), example_kwargs={"decoder_input_ids": decoder_ids}, dtype="bf16",
+                               plan_for="coverage")
+    assert not hasattr(fast, "generate") and "encoder-decoder" in caplog.text and "backend='amppass'" in caplog.text
+    got, expected = fast(ids, decoder_input_ids=decoder_ids).logits, model(ids, decoder_input_ids=decoder_ids).logits
+    assert (got - expected).norm() <= 3e-2 * expected.norm()

@@ -6,7 +6,8 @@ converted graph that class back.
 
 Rules:
 
-1. The module returned is an instance of a subclass of the model's own class (``isinstance`` holds;
+1. The module returned for a decoder-only model (an encoder-decoder is left as converted, with a warning:
+   :func:`as_generator`) is an instance of a subclass of the model's own class (``isinstance`` holds;
    ``generate()``, ``prepare_inputs_for_generation`` and the cache handling are the class's own), made
    without running its ``__init__``: it holds copies of the model's ``config`` and ``generation_config``, the
    model's other plain attributes, and the converted module as its only submodule, ``converted``. It holds
@@ -48,8 +49,18 @@ def is_generator(model: Any) -> bool:
 
 
 def as_generator(model: nn.Module, converted: nn.Module) -> nn.Module:
-    """``converted`` in the class of ``model`` (rule 1) where ``model`` generates; otherwise ``converted``."""
+    """``converted`` in the class of ``model`` (rule 1) where ``model`` generates; otherwise ``converted``.
+
+    An encoder-decoder (T5, BART, Whisper) comes back as ``converted``, with a warning: its ``generate()``
+    runs the encoder on its own (``get_encoder()``), a call the converted graph of the whole model does not
+    make."""
     if not is_generator(model):
+        return converted
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        log.warning("%s is an encoder-decoder: the converted module computes its forward, without generate(), whose "
+                    "encoder step the graph of the whole model cannot run; to generate in mixed precision, compile the "
+                    "model's forward with the amppass backend: model.forward = torch.compile(model.forward, "
+                    "backend='amppass'), then model.generate(...)", type(model).__name__)
         return converted
     cls = type(model)
     generator_cls = _classes.get(cls)
