@@ -39,7 +39,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import amppass
-from models.char_gpt import char_gpt, next_char_loss, stdlib_corpus
+from models.char_gpt import char_gpt, next_char_loss, stdlib_corpus, train_steps
 
 from .latency import peak_alloc_bytes
 
@@ -218,14 +218,7 @@ def _fsdp_recipe(setting: Setting, rank: int | None, world: int) -> dict[str, fl
     opt = torch.optim.AdamW(model.parameters(), lr=setting.lr, foreach=False)
     scaler = amppass.LossScaler()
     start = time.perf_counter()
-    for batch in batches:
-        if rank is not None:
-            batch = batch.chunk(world)[rank]
-        opt.zero_grad()
-        loss = next_char_loss(model(batch[:, :-1]).logits, batch[:, 1:])
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
+    train_steps(model, batches, opt, scaler, None if rank is None else (rank, world))
     seconds = time.perf_counter() - start
     model.eval()
     with torch.no_grad():

@@ -12,6 +12,7 @@ import functools
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Iterable
 
 import torch
 from torch import nn
@@ -68,3 +69,20 @@ def char_gpt(layers: int = 4, width: int = 256, heads: int = 8, block: int = 256
 def next_char_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy (nats per character) of the next-character predictions, in fp32."""
     return nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def train_steps(model: nn.Module, batches: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer, scaler: Any,
+                part: tuple[int, int] | None = None) -> list[float]:
+    """One loss-scaled optimizer step per batch of character ids (inputs all but the last, targets all but the
+    first), on chunk ``rank`` of ``world`` of each batch when ``part=(rank, world)``; the training losses."""
+    losses = []
+    for batch in batches:
+        if part is not None:
+            batch = batch.chunk(part[1])[part[0]]
+        optimizer.zero_grad()
+        loss = next_char_loss(model(batch[:, :-1]).logits, batch[:, 1:])
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        losses.append(loss.item())
+    return losses

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 import amppass
-from models.char_gpt import char_gpt, next_char_loss, stdlib_corpus
+from models.char_gpt import char_gpt, next_char_loss, stdlib_corpus, train_steps
 from tests.ddp_harness import WORLD_SIZE, run_ranks
 
 STEPS, BATCH, BLOCK = 6, 8, 32
@@ -51,14 +51,7 @@ def _train(model, rank: int | None) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     scaler = amppass.LossScaler(init_scale=2.0**10)
     before = _held_out(model)
-    for batch in _batches()[:-1]:
-        if rank is not None:
-            batch = batch.chunk(WORLD_SIZE)[rank]
-        opt.zero_grad()
-        loss = next_char_loss(model(batch[:, :-1]).logits, batch[:, 1:])
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
+    train_steps(model, _batches()[:-1], opt, scaler, None if rank is None else (rank, WORLD_SIZE))
     return {"before": before, "after": _held_out(model)}
 
 

@@ -20,7 +20,7 @@ from torch import nn
 import amppass
 from amppass.errors import InputError
 from amppass.fx.kept import KeptFp32
-from models.char_gpt import char_gpt, next_char_loss, stdlib_corpus
+from models.char_gpt import char_gpt, next_char_loss, stdlib_corpus, train_steps
 
 BATCH, BLOCK = 4, 16
 
@@ -226,16 +226,7 @@ def test_loading_with_assign_keeps_tied_weights_tied(original, converted):
 
 
 def _steps(model, opt, scaler, seeds) -> list[float]:
-    losses = []
-    for seed in seeds:
-        batch = _batch(seed)
-        opt.zero_grad()
-        loss = next_char_loss(model(batch[:, :-1]).logits, batch[:, 1:])
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        losses.append(loss.item())
-    return losses
+    return train_steps(model, [_batch(seed) for seed in seeds], opt, scaler)
 
 
 def test_a_training_checkpoint_resumes_bit_identically():
