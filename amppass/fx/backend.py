@@ -50,7 +50,7 @@ from ..report.fx_reader import read_graph_module
 from ..report.report import Report
 from .convert import MODES, _convert_captured
 from .quiet import quiet_torch
-from .shapes import _bound, _set, _spec
+from .shapes import _bound, _spec, set_state
 
 log = logging.getLogger(__name__)
 
@@ -489,7 +489,7 @@ def _refresh_copies(plan: fx.GraphModule, name: str, tensor: torch.Tensor) -> No
             continue
         if held.dtype == tensor.dtype:
             if held is not tensor:
-                _set(plan, attr, tensor)
+                set_state(plan, attr, tensor)
         else:
             held.copy_(tensor)
 

@@ -161,9 +161,10 @@ class ShapeGuards:
 
     def conform(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, list[str]]:
         """Rule 6: the call with each floating input of another floating dtype cast to the one this plan
-        takes, and what was cast (``"x: float16"``); the call itself where its layout is not the capture's."""
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        if self.in_spec is not None and spec != self.in_spec or len(leaves) != len(self.inputs):
+        takes (arranged as :meth:`flatten` arranges it), and what was cast (``"x: float16"``); the call itself
+        where its layout is not the capture's."""
+        leaves = self.flatten(args, kwargs)
+        if leaves is None or len(leaves) != len(self.inputs):
             return args, kwargs, []
         cast = []
         for index, (wanted, value) in enumerate(zip(self.inputs, leaves)):
@@ -173,7 +174,7 @@ class ShapeGuards:
                 leaves[index] = value.to(wanted.dtype)
         if not cast:
             return args, kwargs, []
-        args, kwargs = pytree.tree_unflatten(leaves, spec)
+        args, kwargs = pytree.tree_unflatten(leaves, self.in_spec or pytree.tree_flatten((args, kwargs))[1])
         return args, kwargs, cast
 
     def flatten(self, args: tuple, kwargs: dict) -> list[Any] | None:
@@ -484,10 +485,10 @@ class ServingGraph(Fp32Face, fx.GraphModule):
         return [self] + [p.graph for p in reversed(self._plans.extra.values())]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = self.conform(args, kwargs)
-        if self.guards.mismatch(args, kwargs) is None:
+        plan, args, kwargs = self.select(args, kwargs)
+        if plan is self:
             return super().__call__(*args, **kwargs)
-        return self._later_plan(args, kwargs)(*args, **kwargs)
+        return plan(*args, **kwargs)
 
     def conform(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Rule 6: floating inputs cast to the example's floating dtypes (logged once per input and dtype)."""
@@ -500,11 +501,15 @@ class ServingGraph(Fp32Face, fx.GraphModule):
                          "casts what an op reads", self._plans.name, what, self.guards.describe())
         return args, kwargs
 
-    def select(self, args: tuple, kwargs: dict) -> fx.GraphModule:
-        """The plan that serves this call (this module, or a later plan, made now if none takes it)."""
+    def select(self, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, tuple, dict]:
+        """The plan that serves this call (this module, or a later plan, made now if none takes it), and the
+        call as that plan runs it: floating inputs cast (rule 6) where this module's plan does not take them."""
         if self.guards.mismatch(args, kwargs) is None:
-            return self
-        return self._later_plan(args, kwargs)
+            return self, args, kwargs
+        args, kwargs = self.conform(args, kwargs)
+        if self.guards.mismatch(args, kwargs) is None:
+            return self, args, kwargs
+        return self._later_plan(args, kwargs), args, kwargs
 
     def _later_plan(self, args: tuple, kwargs: dict) -> fx.GraphModule:
         plans = self._plans
@@ -575,7 +580,7 @@ class ServingGraph(Fp32Face, fx.GraphModule):
         for name, tensor in _state(plan.graph):
             found = own.get(name)
             if found is not None and found is not tensor and found.shape == tensor.shape and found.dtype == tensor.dtype:
-                _set(plan.graph, name, found)
+                set_state(plan.graph, name, found)
         plan.bound_to = ids
 
     def rebind(self) -> None:
@@ -667,13 +672,19 @@ def _state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return stored_parameters(module, remove_duplicate=False) + list(module.named_buffers(remove_duplicate=False))
 
 
-def _set(root: nn.Module, name: str, tensor: torch.Tensor) -> None:
+def set_state(root: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Store ``tensor`` at dotted ``name`` under ``root`` as a parameter or a buffer, as it was there (a
+    parameter where there was none and ``tensor`` is one, else a buffer)."""
     *path, leaf = name.split(".")
     owner = root.get_submodule(".".join(path))
     if leaf in owner._parameters:
         owner._parameters[leaf] = tensor
-    else:
+    elif leaf in owner._buffers:
         owner._buffers[leaf] = tensor
+    elif isinstance(tensor, nn.Parameter):
+        owner.register_parameter(leaf, tensor)
+    else:
+        owner.register_buffer(leaf, tensor)
 
 
 def keep_non_persistent(source: nn.Module, target: nn.Module) -> None:

@@ -43,9 +43,8 @@ embeddings feeding fp32 work) low-precision weights: a call under such a policy 
 from __future__ import annotations
 
 import copy
-import itertools
 import logging
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 import torch
 from torch import fx, nn
@@ -56,9 +55,9 @@ from ..fx.calibrate import flatten_inputs
 from ..fx.modes import captured_flags
 from ..fx.plan_dtypes import PlanDtypes
 from ..fx.rewrite import META_KEY
-from ..fx.shapes import ServingGraph, call_layout
+from ..fx.shapes import call_layout, set_state
 from .backward import record_saved_bytes
-from .tree import Children, Mode, Outline, build_tree, example_call, outline, sharded, unfit
+from .tree import Children, Mode, Outline, build_tree, example_call, install, named_state, outline, sharded, stand_in, unfit
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +95,7 @@ class TrainEvalGraphs(Children, nn.Module):
                         type(original).__name__, why)
         build_tree(self, original, self._mode, outlines if runnable else {}, *_named_state(train_graph, original))
         self._outlines: dict[bool, Outline] = outlines if runnable else {}
-        read = {name for name, _ in _state(train_graph)}
+        read = {name for name, _ in named_state(train_graph)}
         # tied names, the one the graphs read first: after load_state_dict(assign=True) all point at its tensor
         self._tied = [sorted(names, key=lambda n: n not in read) for names in _groups(self)]
         self._made = 0  # later plans outlined into the tree (rule 5)
@@ -128,11 +127,10 @@ class TrainEvalGraphs(Children, nn.Module):
         _check_fsdp_policy(self)
         self._check_modes()
         served = self._graphs[self.training]
-        if isinstance(served, ServingGraph):  # a symbolically traced graph guards no dtypes
-            args, kwargs = served.conform(args, kwargs)
-        found, key = self._outline_for(args, kwargs)
-        if found is not None:
-            flat = found.flat_inputs(args, kwargs)
+        if self._outlines:  # a module tree: its graphs serve shapes (ServingGraph)
+            plan, args, kwargs = served.select(args, kwargs)  # a later plan is made now (and logged)
+            found, key = self._outline_for(plan, args, kwargs)
+            flat = found.flat_inputs(args, kwargs) if found is not None else None
             if flat is not None:
                 self._mode.key = key
                 self._mode.calls += 1
@@ -143,18 +141,15 @@ class TrainEvalGraphs(Children, nn.Module):
         self._check_whole_tensors(args, kwargs)
         self._share_state()
         try:
-            return self._graphs[self.training](*args, **kwargs)
+            return served(*args, **kwargs)
         finally:
             self._settle()
 
-    def _outline_for(self, args: tuple, kwargs: dict) -> tuple[Outline | None, Any]:
-        """The tree code of the plan that takes this call, and its key (rule 5); None if it runs as one graph."""
-        if not self._outlines:
-            return None, None
-        served = self._graphs[self.training]
-        if served.guards.mismatch(args, kwargs) is None:
+    def _outline_for(self, plan: fx.GraphModule, args: tuple, kwargs: dict) -> tuple[Outline | None, Any]:
+        """The tree code of ``plan``, the one that takes this call, and its key (rule 5); None if it runs as one
+        graph."""
+        if plan is self._graphs[self.training]:
             return self._outlines[self.training], self.training
-        plan = served.select(args, kwargs)  # a later plan, made now (and logged) if none takes the call
         installed = plan.meta.get(_TREE_KEY)
         if installed is None:
             installed = plan.meta[_TREE_KEY] = self._install(plan, args, kwargs)
@@ -164,25 +159,13 @@ class TrainEvalGraphs(Children, nn.Module):
         """Outline a later plan into the tree under a key of its own, or say why its shape runs as one graph."""
         leaves = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
         found = outline(plan, (args, kwargs), leaves[0].device if leaves else torch.device("cpu"))
-        why = unfit(self, {self.training: found})
-        state = {name for name, _ in _state(self)}
-        for name, value in (found.constants.items() if why is None else ()):
-            owner, _, leaf = name.rpartition(".")
-            held = None if name in state else vars(self.get_submodule(owner)).get(leaf)
-            if held is not None and not (held.shape == value.shape and torch.equal(held, value)):
-                why = f"its constant {name} differs from the example's plan's"
+        key = (self.training, self._made)
+        why = unfit(self, {self.training: found}) or install(self, key, found)
         if why is not None:
             log.warning("%s: the plan for %s cannot run in the module tree (%s); calls of these shapes run as one "
                         "graph, which FSDP2 can only wrap whole", type(self).__name__, plan.guards.describe(), why)
             return None, None
-        key = (self.training, self._made)
         self._made += 1
-        for name, code in found.parts.items():
-            self.get_submodule(name)._code[key] = code
-        for name, value in found.constants.items():
-            if name not in state:
-                owner, _, leaf = name.rpartition(".")
-                self.get_submodule(owner).__dict__.setdefault(leaf, value)
         return found, key
 
     def train(self, mode: bool = True) -> "TrainEvalGraphs":
@@ -269,15 +252,15 @@ class TrainEvalGraphs(Children, nn.Module):
         for names in self._tied:
             first = self.get_parameter(names[0]) if _is_param(self, names[0]) else self.get_buffer(names[0])
             for name in names[1:]:
-                _set(self, name, first)
+                set_state(self, name, first)
 
     def _share_state(self) -> None:
         """Rule 4: point every state attribute of both flat graphs at this module's tensor of the same name."""
-        mine = dict(_state(self))
+        mine = dict(named_state(self))
         for graph in self._graphs.values():
-            for name, _ in list(_state(graph)):
+            for name, _ in list(named_state(graph)):
                 if name in mine:
-                    _set(graph, name, mine[name])
+                    set_state(graph, name, mine[name])
 
     def _settle(self) -> None:
         """Between calls (rule 6): with a module tree, the flat graphs and their later plans hold stand-ins on
@@ -285,16 +268,16 @@ class TrainEvalGraphs(Children, nn.Module):
         if not self._outlines:
             self._share_state()
             return
-        mine = {name for name, _ in _state(self)}
+        mine = {name for name, _ in named_state(self)}
         for graph in self._graphs.values():
-            for name, tensor in list(_state(graph)):
+            for name, tensor in list(named_state(graph)):
                 if name in mine and not tensor.is_meta:
-                    _set(graph, name, _stand_in(tensor))
+                    set_state(graph, name, stand_in(tensor, torch.device("meta")))
             graph.rebind()
 
     def _check_whole_tensors(self, args: tuple, kwargs: dict) -> None:
         """A call the tree cannot run reads every tensor from the root: sharded ones cannot be read there."""
-        held = [name for name, tensor in _state(self) if sharded(tensor)]
+        held = [name for name, tensor in named_state(self) if sharded(tensor)]
         if held:
             raise InputError(
                 f"{type(self).__name__}: this call runs the converted model as one graph (the plan for "
@@ -324,15 +307,9 @@ def _check_fsdp_policy(root: nn.Module) -> None:
 def _groups(module: nn.Module) -> list[list[str]]:
     """The names of every tensor the module holds under more than one name."""
     groups: dict[int, list[str]] = {}
-    for name, tensor in _state(module):
+    for name, tensor in named_state(module):
         groups.setdefault(id(tensor), []).append(name)
     return [names for names in groups.values() if len(names) > 1]
-
-
-def _state(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    return itertools.chain(
-        module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)
-    )
 
 
 def _named_state(gm: fx.GraphModule, original: nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
@@ -340,9 +317,9 @@ def _named_state(gm: fx.GraphModule, original: nn.Module) -> tuple[dict[str, tor
 
     torch.export keeps one name of tied tensors; the original's other names map to the same clone.
     """
-    own = dict(_state(gm))
+    own = dict(named_state(gm))
     by_id: dict[int, torch.Tensor] = {}
-    named = list(_state(original))
+    named = list(named_state(original))
     for name, tensor in named:
         if name in own:
             by_id.setdefault(id(tensor), own[name])
@@ -356,12 +333,6 @@ def _named_state(gm: fx.GraphModule, original: nn.Module) -> tuple[dict[str, tor
     return state, persistent
 
 
-def _stand_in(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor of ``tensor``'s (whole) shape and dtype that holds no memory."""
-    empty = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
-    return nn.Parameter(empty, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
-
-
 def _clone(tensor: torch.Tensor) -> torch.Tensor:
     data = tensor.detach().clone()
     return nn.Parameter(data, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else data
@@ -370,27 +341,13 @@ def _clone(tensor: torch.Tensor) -> torch.Tensor:
 def _own_state(gm: fx.GraphModule) -> None:
     """Rule 1: replace every parameter and buffer of ``gm`` by a clone, keeping tied tensors tied."""
     clones: dict[int, torch.Tensor] = {}
-    for name, tensor in list(_state(gm)):
+    for name, tensor in list(named_state(gm)):
         if id(tensor) not in clones:
             clones[id(tensor)] = _clone(tensor)
-        _set(gm, name, clones[id(tensor)])
+        set_state(gm, name, clones[id(tensor)])
     log.debug("train-mode module owns %d cloned tensors", len(clones))
 
 
 def _is_param(root: nn.Module, name: str) -> bool:
     *path, leaf = name.split(".")
     return leaf in root.get_submodule(".".join(path))._parameters
-
-
-def _set(root: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    """Store ``tensor`` at dotted ``name`` under ``root`` as a parameter or a buffer, as it was there."""
-    *path, leaf = name.split(".")
-    owner = root.get_submodule(".".join(path))
-    if leaf in owner._parameters:
-        owner._parameters[leaf] = tensor
-    elif leaf in owner._buffers:
-        owner._buffers[leaf] = tensor
-    elif isinstance(tensor, nn.Parameter):
-        owner.register_parameter(leaf, tensor)
-    else:
-        owner.register_buffer(leaf, tensor)

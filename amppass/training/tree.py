@@ -49,7 +49,7 @@ from ..errors import InputError
 from ..fx.capture import _auto_dims, _without_dtype_asserts, size_one_dynamic
 from ..fx.calibrate import split_batch
 from ..fx.quiet import quiet_torch
-from ..fx.shapes import GUARDS_KEY
+from ..fx.shapes import GUARDS_KEY, set_state
 
 log = logging.getLogger(__name__)
 
@@ -233,16 +233,21 @@ def outline(gm: fx.GraphModule, example: tuple[tuple, dict] | None, device: torc
 
 def _unshard_shapes(gm: fx.GraphModule, device: torch.device) -> None:
     """Give ``gm`` an uninitialised tensor of each meta or sharded tensor's whole shape (:func:`outline`)."""
-    for name, tensor in list(itertools.chain(gm.named_parameters(remove_duplicate=False),
-                                             gm.named_buffers(remove_duplicate=False))):
+    for name, tensor in list(named_state(gm)):
         if tensor.is_meta or sharded(tensor):
-            *path, leaf = name.split(".")
-            owner = gm.get_submodule(".".join(path))
-            empty = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
-            if leaf in owner._parameters:
-                owner._parameters[leaf] = nn.Parameter(empty, requires_grad=tensor.requires_grad)
-            else:
-                owner._buffers[leaf] = empty
+            set_state(gm, name, stand_in(tensor, device))
+
+
+def stand_in(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An uninitialised tensor of ``tensor``'s whole shape and dtype on ``device`` (on the meta device it holds
+    no memory), a parameter where ``tensor`` is one."""
+    empty = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+    return nn.Parameter(empty, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
+
+
+def named_state(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer of ``module`` under each of its names (tied ones under every name)."""
+    return itertools.chain(module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False))
 
 
 def sharded(tensor: torch.Tensor) -> bool:
@@ -374,13 +379,28 @@ def build_tree(root: nn.Module, original: nn.Module, mode: Mode, outlines: dict[
                 full = _join(name, leaf)
                 owner.register_buffer(leaf, state[full], persistent=full in persistent)
     for training, found in outlines.items():
-        for name, code in found.parts.items():
-            parts[name]._code[training] = code
-        for name, value in found.constants.items():
-            if name in state:  # the original's buffer: registered above, shared by both modes
-                continue
-            owner_name, _, leaf = name.rpartition(".")
-            parts[owner_name].__dict__[leaf] = value  # unfit() checked that both modes agree
+        install(root, training, found)  # unfit() checked that both modes' constants agree
+
+
+def install(root: nn.Module, key: Any, found: Outline) -> str | None:
+    """Give every part of ``root``'s tree its code of ``found`` under ``key``, and the constants that code reads
+    (the original's buffers are the tree's already); or say why not, installing nothing, where a constant
+    differs from the one the tree holds under its name."""
+    state = {name for name, _ in named_state(root)}
+    constants = [(name.rpartition("."), value) for name, value in found.constants.items() if name not in state]
+    for (owner, _, leaf), value in constants:
+        held = vars(root.get_submodule(owner)).get(leaf)
+        if held is not None and not _same(held, value):
+            return f"its constant {owner}.{leaf} differs from the one the tree holds"
+    for name, code in found.parts.items():
+        root.get_submodule(name)._code[key] = code
+    for (owner, _, leaf), value in constants:
+        root.get_submodule(owner).__dict__.setdefault(leaf, value)
+    return None
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a is b or (a.shape == b.shape and torch.equal(a, b))
 
 
 def unfit(original: nn.Module, outlines: dict[bool, Outline | None]) -> str | None:
@@ -398,8 +418,7 @@ def unfit(original: nn.Module, outlines: dict[bool, Outline | None]) -> str | No
         for name, value in found.constants.items():
             if name in buffers:
                 continue
-            seen = constants.setdefault(name, value)
-            if seen is not value and not (seen.shape == value.shape and torch.equal(seen, value)):
+            if not _same(constants.setdefault(name, value), value):
                 return f"the train and eval graphs hold different constants named {name}"
     return None
 
