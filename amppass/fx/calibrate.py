@@ -33,7 +33,8 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from ..analysis.calibration import Progress, Trials, check_tolerance, first_line, plan_from_stats, relative_error
+from ..analysis.calibration import (Perturbation, Progress, Trials, check_tolerance, first_line, plan_from_stats,
+                                    relative_error)
 from ..analysis.painting import paint
 from ..analysis.plan import Category, Decision, PrecisionPlan
 from ..analysis.stats import CalibrationStats
@@ -224,20 +225,18 @@ class FxTrials(Trials):
                     worst = max(worst, relative_error(got, ref))
         return worst
 
-    def perturbed(self, copies: int, noise: float) -> list[int]:
+    def perturbed(self, how: Sequence[Perturbation]) -> list[int]:
         data = self.data
         args, kwargs = data.kept[0]
         if not any(_noisy(t) for t in pytree.tree_leaves((args, kwargs))):
             return []
         graph = data.graphs[data.graph_of[0]]
         added = []
-        for copy in range(copies):
-            generator = torch.Generator().manual_seed(copy + 1)
-
+        for perturbation in how:
             def perturb(t: Any) -> Any:
                 if not _noisy(t):
                     return t
-                return t + torch.randn(t.shape, generator=generator).to(t) * (noise * float(t.std()))
+                return torch.from_numpy(perturbation.apply(t.detach().float().cpu().numpy())).to(t)
 
             batch = pytree.tree_map(perturb, (args, kwargs))
             try:

@@ -46,7 +46,8 @@ import numpy as np
 import onnx
 from onnx import external_data_helper, helper
 
-from ..analysis.calibration import Progress, Trials, check_tolerance, first_line, plan_from_stats, relative_error
+from ..analysis.calibration import (Perturbation, Progress, Trials, check_tolerance, first_line, plan_from_stats,
+                                    relative_error)
 from ..analysis.plan import Category, Decision, PrecisionPlan
 from ..analysis.stats import CalibrationStats
 from ..analysis.view import GraphView
@@ -255,14 +256,12 @@ class OnnxTrials(Trials):
         total = self.nodes_skipped + self.nodes_run
         return self.nodes_skipped / total if total else 0.0
 
-    def perturbed(self, copies: int, noise: float) -> list[int]:
+    def perturbed(self, how: Sequence[Perturbation]) -> list[int]:
         data = self.data
         feed = data.kept[0]
         if not any(_noisy(v) for v in feed.values()):
             return []
-        rng = np.random.default_rng(1)
-        batches = [{name: (v + rng.standard_normal(v.shape).astype(v.dtype) * (noise * v.std())) if _noisy(v) else v
-                    for name, v in feed.items()} for _ in range(copies)]
+        batches = [{name: p.apply(v) if _noisy(v) else v for name, v in feed.items()} for p in how]
         try:
             session = _session(self.fp32.model, self.fp32.store)
             references = [session.run(data.output_names, batch) for batch in batches]
@@ -272,7 +271,7 @@ class OnnxTrials(Trials):
             return []
         data.kept += batches
         data.references += references
-        return list(range(len(data.kept) - copies, len(data.kept)))
+        return list(range(len(data.kept) - len(batches), len(data.kept)))
 
 
 def _noisy(value: np.ndarray) -> bool:
