@@ -218,6 +218,16 @@ def _generate(quick: bool, out: Path) -> Section:
     return section
 
 
+def _gpu(quick: bool, out: Path) -> Section:
+    from . import gpu
+
+    described, tables = gpu.run(quick)
+    section = Section(f"GPU: amppass against fp32, autocast, the all-low model and torch.compile on {described}", "",
+                      notes=[gpu.NOTES])
+    section.tables += tables
+    return section
+
+
 SECTIONS: dict[str, Callable[[bool, Path], Section]] = {
     "latency": _latency,
     "never_slower": _never_slower,
@@ -239,6 +249,7 @@ SECTIONS: dict[str, Callable[[bool, Path], Section]] = {
     "tolerance_time": _external("tolerance_time", "Tolerance-search time (FX fp16, tolerance 1e-4, 4 calibration "
                                 "batches; the small zoo in --quick, real-sized models in --full): amppass before "
                                 "issue 24 (d7ec324) and now", lambda m, quick: m.against(m.BEFORE, not quick)),
+    "gpu": _gpu,
 }
 
 

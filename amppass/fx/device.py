@@ -6,8 +6,8 @@ that device come first:
 1. **Fingerprint** (:func:`fingerprint`): what a timing depends on besides the kernel itself. For a CPU:
    its model name, the ISA flags that decide which low-precision instructions exist (None where the
    operating system does not list them), torch's CPU capability (the kernel set torch dispatches to), the
-   torch and oneDNN versions and torch's thread count; for a GPU: its name and compute capability, the
-   torch and CUDA versions. Timings are cached
+   torch and oneDNN versions and torch's thread count; for a GPU: its name, compute capability and number
+   of streaming multiprocessors, the torch, CUDA, driver, cuBLAS and cuDNN versions (None where unreadable). Timings are cached
    under it (:mod:`amppass.fx.timing_cache`): a change of any field (a new CPU, a torch upgrade,
    ``torch.set_num_threads``) starts a new table.
 2. **Native low precision** (:func:`native_low`): whether the device has instructions for the low dtype.
@@ -24,6 +24,7 @@ Tests inject the CPU facts by patching :func:`cpu_facts`; nothing here depends o
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import json
@@ -83,15 +84,43 @@ def fingerprint(device: torch.device) -> dict[str, Any]:
     found: dict[str, Any] = {"format": FORMAT, "device": device.type, "torch": torch.__version__}
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        found.update(name=torch.cuda.get_device_name(index),
-                     capability=".".join(map(str, torch.cuda.get_device_capability(index))),
-                     cuda=torch.version.cuda)
+        properties = torch.cuda.get_device_properties(index)
+        torch.ones(1, 1, device=device) @ torch.ones(1, 1, device=device)  # loads cuBLAS, whose version is asked
+        found.update(name=properties.name, capability=f"{properties.major}.{properties.minor}",
+                     sm_count=properties.multi_processor_count, cuda=torch.version.cuda,
+                     driver=nvidia_driver(), cublas=cublas_version(), cudnn=torch.backends.cudnn.version())
         return found
     facts = cpu_facts()
     found.update(cpu=facts.model, isa=sorted(facts.flags & set(ISA_FLAGS)) if facts.flags else None,
                  capability=torch.backends.cpu.get_cpu_capability(), onednn=onednn_version(),
                  threads=torch.get_num_threads())
     return found
+
+
+def nvidia_driver(path: Path = Path("/proc/driver/nvidia/version")) -> str | None:
+    """The NVIDIA kernel driver's version, from ``path`` (None where unreadable)."""
+    try:
+        text = path.read_text(errors="replace")[:4096]
+    except OSError:
+        return None
+    found = re.search(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)", text)
+    return found.group(1) if found else None
+
+
+def cublas_version() -> int | None:
+    """The version of the cuBLASLt library this process loaded (``cublasLtGetVersion``), read through the
+    library's own path in ``/proc/self/maps``; None where it is not loaded or cannot be asked."""
+    try:
+        maps = Path("/proc/self/maps").read_text(errors="replace")
+    except OSError:
+        return None
+    paths = sorted({line.split()[-1] for line in maps.splitlines() if "libcublasLt" in line and "/" in line})
+    for path in paths:
+        try:
+            return int(ctypes.CDLL(path).cublasLtGetVersion())
+        except (OSError, AttributeError):
+            continue
+    return None
 
 
 def digest(found: dict[str, Any]) -> str:
