@@ -93,7 +93,7 @@ def device() -> torch.device:
 
 def describe(where: torch.device) -> str:
     """The device in words, with what the timing cache's fingerprint records for it."""
-    from amppass.fx.device import fingerprint
+    from amppass.targets.device import fingerprint
 
     found = fingerprint(where)
     if where.type != "cuda":

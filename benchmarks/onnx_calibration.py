@@ -27,7 +27,7 @@ import onnx
 from onnxconverter_common import float16
 
 import amppass
-from amppass.onnx import runtime
+from amppass.targets import onnxruntime_facts
 from amppass.onnx.export import export_fp32
 from amppass.onnx.simulate import simulated
 from models import build
@@ -145,7 +145,7 @@ def onnx_runtime_model(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` at an IR version the installed onnxruntime loads (torch's exporter may write a newer one)."""
     loadable = onnx.ModelProto()
     loadable.CopyFrom(model)
-    loadable.ir_version = min(loadable.ir_version, runtime.max_ir_version())
+    loadable.ir_version = min(loadable.ir_version, onnxruntime_facts.max_ir_version())
     return loadable
 
 
@@ -156,7 +156,7 @@ def run(quick: bool) -> tuple[list[dict], list[dict], list[dict]]:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.ERROR)
-    runtime.max_ir_version()  # probe once before timing
+    onnxruntime_facts.max_ir_version()  # probe once before timing
     for table in run(quick="--full" not in sys.argv):
         for row in table:
             print(row)

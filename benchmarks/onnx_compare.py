@@ -34,7 +34,7 @@ import onnx
 import onnxruntime as ort
 
 import amppass
-from amppass.onnx import runtime
+from amppass.targets import onnxruntime_facts
 from amppass.onnx.export import export_fp32
 from amppass.onnx.simulate import simulated
 from models import ZOO, build
@@ -81,7 +81,7 @@ def _one(model_name: str, size: str, fp32: onnx.ModelProto, feeds: dict, convert
            "rel_error": None, "sim_error": None,
            "accurate": False, "error": ""}
     reference = copy.deepcopy(fp32)
-    reference.ir_version = min(reference.ir_version, runtime.max_ir_version())
+    reference.ir_version = min(reference.ir_version, onnxruntime_facts.max_ir_version())
     want = session(reference).run(None, feeds)
     try:
         times = []

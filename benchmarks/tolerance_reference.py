@@ -35,7 +35,7 @@ import torch
 
 import amppass
 from amppass.analysis import tolerance
-from amppass.onnx import runtime
+from amppass.targets import onnxruntime_facts
 from amppass.onnx.macs import is_heavy, node_macs, operands
 from amppass.onnx.view import name_nodes, value_types
 
@@ -211,7 +211,7 @@ def _session(model: onnx.ModelProto):
 
     loadable = onnx.ModelProto()
     loadable.CopyFrom(model)
-    loadable.ir_version = min(loadable.ir_version, runtime.max_ir_version())
+    loadable.ir_version = min(loadable.ir_version, onnxruntime_facts.max_ir_version())
     options = ort.SessionOptions()
     options.log_severity_level = 3
     return ort.InferenceSession(loadable.SerializeToString(), options, providers=["CPUExecutionProvider"])

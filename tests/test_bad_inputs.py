@@ -22,7 +22,7 @@ import amppass
 from amppass import AmpPassError, CalibrationError, CaptureError, InputError
 from amppass.errors import ScaleCollapseError, ScalerUsageError, ScalerValueError
 from amppass.fx.kept import KeptFp32
-from amppass.onnx import runtime
+from amppass.targets import onnxruntime_facts
 from tests.ddp_harness import one_rank_group
 
 F32 = TensorProto.FLOAT
@@ -241,8 +241,8 @@ CASES = [
     Case("onnx-bf16-old-opset", "bf16 for an opset-11 model", _onnx(lambda tmp: matmul_model(11), dtype="bf16"),
          InputError, ("opset 11", "opset 13", "dtype='fp16'")),
     Case("onnx-opset-too-new", "an opset newer than onnxruntime loads",
-         _onnx(lambda tmp: matmul_model(runtime.max_opset() + 1)),
-         InputError, (f"opset {runtime.max_opset() + 1}", f"re-export with opset <= {runtime.max_opset()}")),
+         _onnx(lambda tmp: matmul_model(onnxruntime_facts.max_opset() + 1)),
+         InputError, (f"opset {onnxruntime_facts.max_opset() + 1}", f"re-export with opset <= {onnxruntime_facts.max_opset()}")),
     Case("fx-example-inputs-dict", "example_inputs as a dict", lambda tmp: amppass.convert(mlp(), {"x": X[0]}),
          InputError, ("example_inputs is a dict", "example_kwargs=")),
     Case("fx-example-kwargs-tuple", "example_kwargs as a tuple",
@@ -378,7 +378,7 @@ def test_custom_op_is_fed_fp32_and_reported():
 
     def as_relu(model: onnx.ModelProto) -> bytes:
         model = onnx.ModelProto.FromString(model.SerializeToString())
-        model.ir_version = min(model.ir_version, runtime.max_ir_version())
+        model.ir_version = min(model.ir_version, onnxruntime_facts.max_ir_version())
         node = next(n for n in model.graph.node if n.op_type == "Foo")
         node.op_type, node.domain = "Relu", ""
         return model.SerializeToString()

@@ -26,7 +26,7 @@ from onnx import TensorProto, helper
 
 import amppass
 from amppass import AmpPassError
-from amppass.onnx import runtime
+from amppass.targets import onnxruntime_facts
 from amppass.report.terminal import render_text
 from test_security import SECRET, _model, _tensors
 
@@ -119,7 +119,7 @@ def _check_valid(converted: onnx.ModelProto) -> None:
     if any(i.name == "c" for i in session.get_inputs()):
         feeds["c"] = np.array(False)
     session.run(None, feeds)
-    assert converted.ir_version <= runtime.max_ir_version()
+    assert converted.ir_version <= onnxruntime_facts.max_ir_version()
 
 
 @SETTINGS

@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 from test_onnx_convert import meta, session
 
 import amppass
-from amppass.onnx import runtime
+from amppass.targets import onnxruntime_facts
 
 RTOL = {"fp16": 3e-2, "bf16": 6e-2}
 
@@ -51,7 +51,7 @@ def check_onnx(program: Program, dtype: str, **options) -> onnx.ModelProto:
     onnx.checker.check_model(model, full_check=True)
     converted = amppass.convert_onnx(model, dtype=dtype, **options)
     onnx.checker.check_model(converted, full_check=True)
-    assert converted.ir_version <= runtime.max_ir_version()
+    assert converted.ir_version <= onnxruntime_facts.max_ir_version()
     casts = collections.Counter(
         (n.input[0], next(a.i for a in n.attribute if a.name == "to")) for n in converted.graph.node
         if n.op_type == "Cast")

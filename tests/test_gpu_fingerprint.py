@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from amppass.fx import device as device_facts
+from amppass.targets import device as device_facts
 
 
 def test_the_driver_version_is_read_from_the_kernel_modules_file(tmp_path):

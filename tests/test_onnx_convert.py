@@ -12,7 +12,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 import amppass
 from amppass.analysis.plan import Category
-from amppass.onnx import policy, runtime
+from amppass.onnx import policy
+from amppass.targets import onnxruntime_facts
 from amppass.onnx.convert import save
 from amppass.onnx.simulate import simulated
 from amppass.onnx.view import all_nodes
@@ -27,9 +28,9 @@ RNG = np.random.default_rng(0)
 def session(model: onnx.ModelProto | str) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    if isinstance(model, onnx.ModelProto) and model.ir_version > runtime.max_ir_version():
+    if isinstance(model, onnx.ModelProto) and model.ir_version > onnxruntime_facts.max_ir_version():
         model = onnx.ModelProto.FromString(model.SerializeToString())  # fp32 reference: onnx writes IR 14
-        model.ir_version = runtime.max_ir_version()
+        model.ir_version = onnxruntime_facts.max_ir_version()
     source = model if isinstance(model, str) else model.SerializeToString()
     return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
 
@@ -51,7 +52,7 @@ def check_converted(original: onnx.ModelProto, converted: onnx.ModelProto, feeds
     and within ``sim_rtol`` as fp16 hardware computes them (the :func:`simulated` model stores every low
     value in fp16, which the CPU provider mostly does not; None skips it), and the share of heavy nodes low."""
     onnx.checker.check_model(converted, full_check=True)
-    assert converted.ir_version <= runtime.max_ir_version()
+    assert converted.ir_version <= onnxruntime_facts.max_ir_version()
     want = session(original).run(None, feeds)
     got = session(converted).run(None, feeds)
     for w, g in zip(want, got):
@@ -279,7 +280,7 @@ def test_policy_table_checked_against_schema_and_runtime():
     assert unknown.unknown and unknown.category is Category.FP32 and "custom op" in unknown.reason
     for row in policy.POLICY:
         assert row.reason and row.ops
-    assert 10 <= runtime.max_ir_version() < onnx.IR_VERSION + 1 and runtime.max_opset() >= 17
+    assert 10 <= onnxruntime_facts.max_ir_version() < onnx.IR_VERSION + 1 and onnxruntime_facts.max_opset() >= 17
 
 
 def test_force_low_clamps_out_of_range_weight_with_report_entry():

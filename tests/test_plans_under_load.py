@@ -17,9 +17,10 @@ from torch import nn
 
 import amppass
 from amppass.dtypes import low_type
-from amppass.fx import device, profit
-from amppass.fx.measure import Timings
-from amppass.fx.timing_cache import TimingCache
+from amppass.targets import device
+from amppass.fx import profit
+from amppass.targets.measure import Timings
+from amppass.targets.timing_cache import TimingCache
 from benchmarks.plans_under_load import busy_processes, timing_cache
 
 X = (torch.randn(16, 256, generator=torch.Generator().manual_seed(0)),)

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from amppass.dtypes import low_type
-from amppass.fx import device, measure, timing_cache
-from amppass.fx.prior import Prior
-from amppass.fx.timing_cache import TimingCache
+from amppass.targets import device, measure, timing_cache
+from amppass.targets.prior import Prior
+from amppass.targets.timing_cache import TimingCache
 
 BF16, FP16 = low_type("bf16"), low_type("fp16")
 SAPPHIRE = device.CpuFacts("Intel(R) Xeon(R) Platinum 8481C", frozenset(
@@ -141,7 +141,7 @@ def test_entries_that_are_not_finite_times_read_as_absent(monkeypatch, tmp_path)
 
 _WRITER = """
 import pathlib, sys
-from amppass.fx.timing_cache import TimingCache
+from amppass.targets.timing_cache import TimingCache
 for i in range(40):
     TimingCache({"device": "cpu", "format": 1}, pathlib.Path(sys.argv[1])).add({f"{sys.argv[2]}|{i}": i * 1e-6})
 """

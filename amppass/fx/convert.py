@@ -26,12 +26,12 @@ from .capture import capture, capture_program
 from .gelu import FUSED_KEY, fuse_tanh_gelu
 from .generation import as_generator
 from .kept import KeptFp32
-from .device import fingerprint
+from ..targets.device import fingerprint
 from .modes import module_mode
 from .profit import CostModel
 from .rewrite import META_KEY, rewrite
 from .shapes import GUARDS_KEY, ServingGraph, carried_decisions, matching
-from .timing_cache import TimingCache
+from ..targets.timing_cache import TimingCache
 from .traced import TracedGraph
 from .view import build_view
 

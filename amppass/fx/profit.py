@@ -16,19 +16,19 @@ painting, the plan is checked against the target device:
    names it for every region (``info["profitability"]["regions"]``, and the reason of each fp32 decision):
 
    - ``table``: the cost table passed as ``costs=`` (a converted model's ``info["costs"]``);
-   - ``device``: the device has no native arithmetic for the low dtype (:func:`amppass.fx.device.native_low`):
+   - ``device``: the device has no native arithmetic for the low dtype (:func:`amppass.targets.device.native_low`):
      nothing can win there, so the region runs fp32 without timing a kernel;
-   - ``cached``: the device's timing cache (:mod:`amppass.fx.timing_cache`, kept across processes) or an
+   - ``cached``: the device's timing cache (:mod:`amppass.targets.timing_cache`, kept across processes) or an
      earlier conversion in this process;
    - ``measured``: the region's kernels timed now, fp32 and low variants in interleaved rounds
-     (:func:`amppass.fx.measure.interleaved`) that leave out every round during which a thread of this
+     (:func:`amppass.targets.measure.interleaved`) that leave out every round during which a thread of this
      process waited for a CPU. Each kernel's time is its median over the undisturbed samples, the low side
      scaled so that the region's ratio is the median of the undisturbed rounds' ratios. The measurement
-     counts only with at least three such rounds whose ratios tell (:func:`amppass.fx.measure.agree`: their
+     counts only with at least three such rounds whose ratios tell (:func:`amppass.targets.measure.agree`: their
      interquartile range at most :data:`SPREAD_LIMIT` of their median, or the decision's ``1 - MARGIN``
      outside the 95% interval of their median); then its times are stored in the timing cache;
    - ``prior``: the rounds did not tell (the machine is too busy): the times are estimated from the
-     device's roofline (:mod:`amppass.fx.prior`), the region is decided on them, and nothing is cached.
+     device's roofline (:mod:`amppass.targets.prior`), the region is decided on them, and nothing is cached.
      Once :data:`GIVE_UP` regions in a row, over a second or more, had no undisturbed round at all, the
      conversion stops timing and estimates the rest (timing them would only cost time).
 
@@ -76,11 +76,11 @@ from ..analysis.plan import Category, Decision, Precision, PrecisionPlan, Source
 from ..analysis.view import GraphView
 from ..dtypes import LowType
 from ..report.flops import node_macs
-from . import device as device_facts
-from .measure import Timings, agree, interleaved, probe, spread
+from ..targets import device as device_facts
+from ..targets.measure import Timings, agree, interleaved, probe, spread
 from .ops import display_name
-from .prior import Prior
-from .timing_cache import TimingCache
+from ..targets.prior import Prior
+from ..targets.timing_cache import TimingCache
 from .view import fetch_attr
 
 log = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ class CostModel:
     """Times of ops on one device, each with where it came from (module docstring, rule 2).
 
     ``known`` (a table from a converted model's metadata) is consulted first, then ``cache`` (the device's
-    :class:`~amppass.fx.timing_cache.TimingCache`) and the times measured earlier in this process."""
+    :class:`~amppass.targets.timing_cache.TimingCache`) and the times measured earlier in this process."""
 
     _memory: dict[str, dict[str, float]] = {}  # per process, per device fingerprint: times measured here
 
@@ -191,7 +191,7 @@ class DeviceFacts:
         return self.misses >= GIVE_UP[0] and time.perf_counter() - self._missing_since >= GIVE_UP[1]
 
     def prior(self) -> Prior:
-        """The device's prior (:mod:`amppass.fx.prior`): from the probe where it can be trusted."""
+        """The device's prior (:mod:`amppass.targets.prior`): from the probe where it can be trusted."""
         if self._prior is None:
             probed = self._probed(measure=True)
             self._prior = Prior.from_probe(probed) if probed else Prior.default(self.native.native)

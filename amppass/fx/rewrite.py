@@ -41,7 +41,7 @@ from torch import fx
 
 from ..analysis.plan import Precision, PrecisionPlan
 from ..dtypes import LowType, short_name
-from . import ops, policy, runtime
+from . import graph_calls, ops, policy
 from .view import carries_fp32, cast_target, fetch_attr, has_dtypes, module_state
 
 aten = torch.ops.aten
@@ -270,7 +270,7 @@ class _Rewriter:
             if self.typed:
                 cast = self.graph.call_function(aten._to_copy.default, (value,), {"dtype": dtype})
             else:
-                cast = self.graph.call_function(runtime.cast_floating, (value, dtype))
+                cast = self.graph.call_function(graph_calls.cast_floating, (value, dtype))
             cast.name = self.graph._graph_namespace.create_name(f"{arg.name}_to_{short_name(dtype)}", None)
             cast.meta[META_KEY] = {"cast": True, "of": arg.name, "to": short_name(dtype)}
             self.stats.casts += 1

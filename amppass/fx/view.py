@@ -2,7 +2,7 @@
 
 With torch.export, every node carries ``meta["val"]`` and the dtypes are known. A symbolically traced
 graph has no dtypes: its values are taken to be floating unless the op says otherwise, and the rewrite
-casts them with a run-time check (:func:`amppass.fx.runtime.cast_floating`).
+casts them with a run-time check (:func:`amppass.fx.graph_calls.cast_floating`).
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ from ..analysis.stats import CalibrationStats
 from ..analysis.view import GraphView
 from ..errors import CalibrationError
 from ..targets.target import Target
-from . import runtime
+from ..targets import onnxruntime_facts
 from .rewrite import all_names, unique_name
 from .prefix import Checkpoints
 from .simulate import rounding, simulate
@@ -469,7 +469,7 @@ def _replay_model(model: onnx.ModelProto, refs: Mapping[str, NodeRef], candidate
         list(used.values()),
     )
     replay = helper.make_model(replay_graph, opset_imports=list(model.opset_import), functions=list(model.functions))
-    replay.ir_version = min(model.ir_version, runtime.max_ir_version())
+    replay.ir_version = min(model.ir_version, onnxruntime_facts.max_ir_version())
     return replay, {k: v for k, v in pairs.items() if v}
 
 
@@ -507,7 +507,7 @@ def _session(model: onnx.ModelProto, store: WeightStore, extra_outputs: Iterable
                and not (t.name in main and t.data_type in _INJECT and t.name in read)]
     saved = [list(t.external_data) for t in inlined]
     ir_version, outputs = model.ir_version, len(graph.output)
-    model.ir_version = min(ir_version, runtime.max_ir_version())
+    model.ir_version = min(ir_version, onnxruntime_facts.max_ir_version())
     graph.output.extend(extra_outputs)
     try:
         for tensor in inlined:
@@ -517,7 +517,7 @@ def _session(model: onnx.ModelProto, store: WeightStore, extra_outputs: Iterable
             tensor.raw_data = payload.tobytes()
         # MatmulTransposeFusion (a numerically exact fusion) segfaults onnxruntime 1.31 on a low Transpose
         # read through a Cast by an fp32 MatMul, which a trial plan may hold
-        session = ort.InferenceSession(model.SerializeToString(), options, providers=[runtime.PROVIDER],
+        session = ort.InferenceSession(model.SerializeToString(), options, providers=[onnxruntime_facts.PROVIDER],
                                        disabled_optimizers=["MatmulTransposeFusion"] if optimized else None)
     finally:
         for tensor, entries in zip(inlined, saved):

@@ -27,7 +27,8 @@ from ..analysis.plan import Precision, PrecisionPlan
 from ..errors import InputError
 from ..files import Staged
 from ..targets.target import Target, onnx_target
-from . import policy, runtime, scan, validate
+from . import policy, scan, validate
+from ..targets import onnxruntime_facts
 from . import save as saving
 from .calibrate import Fp32Model, calibrated_plan
 from .macs import is_heavy, node_macs, operands, value_shapes
@@ -163,15 +164,15 @@ def convert_skeleton(
     versions = opsets(work)
     upgraded_from = None
     if low.onnx == TensorProto.BFLOAT16 and plan_target.name != "cpu" and \
-            13 <= versions.get("", 1) < BF16_OPSET <= runtime.max_opset():
+            13 <= versions.get("", 1) < BF16_OPSET <= onnxruntime_facts.max_opset():
         work, upgraded_from = _upgraded(work, BF16_OPSET), versions.get("", 1)
         versions = opsets(work)
     if low.onnx == TensorProto.BFLOAT16 and versions.get("", 1) < 13:
         raise InputError(f"bf16 needs opset 13 or later for Cast; this model imports opset {versions.get('', 1)}. "
                          "Re-export it with a newer opset or use dtype='fp16'")
-    if versions.get("", 1) > runtime.max_opset():
+    if versions.get("", 1) > onnxruntime_facts.max_opset():
         raise InputError(f"the model imports opset {versions[''] } but the installed onnxruntime loads at most "
-                         f"{runtime.max_opset()}; re-export with opset <= {runtime.max_opset()}")
+                         f"{onnxruntime_facts.max_opset()}; re-export with opset <= {onnxruntime_facts.max_opset()}")
     name_nodes(work)
     initializers_out_of_inputs(work)
     bypass_weight_identities(work)
@@ -185,7 +186,7 @@ def convert_skeleton(
         """Rewrite ``target`` (``typed``, or a copy for a tolerance trial) by ``chosen``, loadable as it is."""
         done = rewrite(target, chosen, refs, types, set(view.weights), store, low, keep_io_types)
         clear_value_info(target.graph)
-        target.ir_version = min(max(target.ir_version, IR_WITH_NODE_METADATA), runtime.max_ir_version())
+        target.ir_version = min(max(target.ir_version, IR_WITH_NODE_METADATA), onnxruntime_facts.max_ir_version())
         return done
 
     calibration_info: dict[str, Any] = {"calibrated": False}

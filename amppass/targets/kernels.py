@@ -1,6 +1,6 @@
 """Static per-provider kernel tables: which float types each op's kernels take, by opset.
 
-:func:`amppass.onnx.runtime.kernel_status` asks the installed onnxruntime's CPU provider at run time.
+:func:`amppass.targets.onnxruntime_facts.kernel_status` asks the installed onnxruntime's CPU provider at run time.
 Models are deployed on onnxruntime's CUDA provider and on TensorRT too, which this machine often
 cannot load, so their kernel facts travel as data: ``data/*.json``, made by ``scripts/kernel_tables.py``
 from the support matrices each project publishes (onnxruntime's ``docs/OperatorKernels.md``,
@@ -59,7 +59,7 @@ class KernelTable:
     def status(self, domain: str, op: str, opset: int, elem_type: int) -> str:
         """How the provider runs ``op`` at ``opset`` on ``elem_type`` tensors: "native", "none" or "unknown".
 
-        The same meaning as :func:`amppass.onnx.runtime.kernel_status`: "native" when a kernel covering
+        The same meaning as :func:`amppass.targets.onnxruntime_facts.kernel_status`: "native" when a kernel covering
         ``opset`` takes the type; "none" when the op has kernels but none of them, at that opset, takes it;
         "unknown" when the table does not list the op at all (a custom op).
         """

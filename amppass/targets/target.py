@@ -88,12 +88,12 @@ class Target:
 
 
 class _LiveCpu:
-    """The installed onnxruntime's CPU kernel registry (:mod:`amppass.onnx.runtime`)."""
+    """The installed onnxruntime's CPU kernel registry (:mod:`amppass.targets.onnxruntime_facts`)."""
 
     def status(self, domain: str, op: str, opset: int, elem_type: int) -> str:
-        from ..onnx import runtime
+        from . import onnxruntime_facts
 
-        return runtime.kernel_status(domain, op, opset, elem_type)
+        return onnxruntime_facts.kernel_status(domain, op, opset, elem_type)
 
     def describe(self) -> dict[str, Any]:
         try:

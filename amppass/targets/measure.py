@@ -32,7 +32,7 @@ WAIT_SHARE = 0.05  # a sample is disturbed when this process's threads waited fo
 def probe(device: torch.device, low: LowType, rounds: int = 7) -> tuple[dict[str, float], float]:
     """Once per device and dtype: seconds of a square matrix product in fp32 and in ``low``, of copying a
     large fp32 tensor, and of a tiny op (call overhead), with the spread of the interleaved product
-    ratios (:func:`interleaved`). :mod:`amppass.fx.prior` derives a device's cost prior from these."""
+    ratios (:func:`interleaved`). :mod:`amppass.targets.prior` derives a device's cost prior from these."""
     n = PROBE_SIZE
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     a_low, b_low = a.to(low.torch), b.to(low.torch)

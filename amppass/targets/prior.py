@@ -7,7 +7,7 @@ at the device's matrix-product rate for the dtype, plus the bytes its float oper
 the device's copy rate: the roofline of the op, added rather than maxed, which never makes low precision
 look better than it is. A cast costs the overhead plus the bytes it reads and writes.
 
-The four numbers come from the device probe (:func:`amppass.fx.measure.probe`, taken once per device and
+The four numbers come from the device probe (:func:`amppass.targets.measure.probe`, taken once per device and
 stored in the timing cache) where it could be trusted, else from defaults by what the device's flags say
 (:data:`DEFAULTS`): a CPU with native low-precision arithmetic multiplies twice as fast in it as in fp32
 (AMX is faster still; the prior stays on the side of fp32), one without it thirty times slower.

@@ -3,13 +3,13 @@
 TensorRT keeps a timing cache and inductor an autotune cache on disk for the same reason: a kernel's time
 on a device does not change between builds, and measuring it again on a busy machine gives another
 answer. amppass keeps the times profitability (:mod:`amppass.fx.profit`) measured, and the device probe
-(:func:`amppass.fx.measure.probe`), in one JSON file per device fingerprint:
+(:func:`amppass.targets.measure.probe`), in one JSON file per device fingerprint:
 
 1. **Where**: ``$AMPPASS_CACHE`` if set, else ``$XDG_CACHE_HOME/amppass/timings``, else
    ``~/.cache/amppass/timings``. ``AMPPASS_CACHE=off`` (or ``0``, ``false``, ``no``, ``none``) disables
    it: nothing is read or written, and only the times measured in this process are reused.
 2. **Keyed by the device**: the file is ``<digest>.json``, the digest of the fingerprint
-   (:func:`amppass.fx.device.fingerprint`: CPU model and ISA flags, torch capability, torch and oneDNN
+   (:func:`amppass.targets.device.fingerprint`: CPU model and ISA flags, torch capability, torch and oneDNN
    versions, thread count). The file also holds the fingerprint itself and is used only if it equals the
    current one, so a changed device, library or thread count never reads another's times. What the
    fingerprint cannot see (a BIOS setting, a new power limit) is forgotten by deleting the file or the

@@ -8,7 +8,7 @@ that device come first:
    operating system does not list them), torch's CPU capability (the kernel set torch dispatches to), the
    torch and oneDNN versions and torch's thread count; for a GPU: its name, compute capability and number
    of streaming multiprocessors, the torch, CUDA, driver, cuBLAS and cuDNN versions (None where unreadable). Timings are cached
-   under it (:mod:`amppass.fx.timing_cache`): a change of any field (a new CPU, a torch upgrade,
+   under it (:mod:`amppass.targets.timing_cache`): a change of any field (a new CPU, a torch upgrade,
    ``torch.set_num_threads``) starts a new table.
 2. **Native low precision** (:func:`native_low`): whether the device has instructions for the low dtype.
    An x86 CPU multiplies bf16 natively with ``avx512_bf16`` or AMX (``amx_bf16``), fp16 with
@@ -16,7 +16,7 @@ that device come first:
    without them oneDNN and torch convert to fp32 and back around every operation, so low-precision
    kernels run several to 30 times slower than fp32 and no region can win: the plan keeps fp32 without
    timing any kernel. Where the flags cannot be read, a one-time probe (a matrix product in both
-   precisions, :func:`amppass.fx.measure.probe`) answers instead, stored with the device's timings. NVIDIA GPUs run fp16
+   precisions, :func:`amppass.targets.measure.probe`) answers instead, stored with the device's timings. NVIDIA GPUs run fp16
    natively from compute capability 5.3 and bf16 from 8.0.
 
 Tests inject the CPU facts by patching :func:`cpu_facts`; nothing here depends on the CPU that runs them.
@@ -141,7 +141,7 @@ class Native:
 def native_low(found: dict[str, Any], low: LowType, probed: dict[str, float] | None = None) -> Native:
     """Whether the device of fingerprint ``found`` has instructions for ``low`` (module docstring, 2).
 
-    ``probed`` (from :func:`amppass.fx.measure.probe`) decides where the fingerprint's flags cannot."""
+    ``probed`` (from :func:`amppass.targets.measure.probe`) decides where the fingerprint's flags cannot."""
     if found["device"] == "cuda":
         major, minor = (int(p) for p in found["capability"].split("."))
         needed = (8, 0) if low.name == "bf16" else (5, 3)
