@@ -16,8 +16,8 @@ from ..analysis.painting import paint
 from ..dtypes import low_type
 from ..errors import CaptureError, InputError
 from ..targets.target import Target, torch_target
-from ..report.flops import node_macs
-from ..training.backward import annotate_backward
+from .macs import node_macs
+from .backward import annotate_backward
 from ..training.module import TrainEvalGraphs
 from ..analysis.view import GraphView
 from . import profit

@@ -75,7 +75,7 @@ from torch.utils import _pytree as pytree
 from ..analysis.plan import Category, Decision, Precision, PrecisionPlan, Source
 from ..analysis.view import GraphView
 from ..dtypes import LowType
-from ..report.flops import node_macs
+from .macs import node_macs
 from ..targets import device as device_facts
 from ..targets.measure import Timings, agree, interleaved, probe, spread
 from .ops import display_name

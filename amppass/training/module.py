@@ -56,7 +56,7 @@ from ..fx.modes import captured_flags
 from ..fx.plan_dtypes import PlanDtypes
 from ..fx.rewrite import META_KEY
 from ..fx.shapes import call_layout, set_state
-from .backward import record_saved_bytes
+from ..fx.backward import record_saved_bytes
 from .tree import Children, Mode, Outline, build_tree, example_call, install, named_state, outline, sharded, stand_in, unfit
 
 log = logging.getLogger(__name__)

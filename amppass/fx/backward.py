@@ -19,7 +19,7 @@ import torch
 from torch import fx
 
 from ..dtypes import short_name
-from ..fx.rewrite import META_KEY
+from .rewrite import META_KEY
 
 _BACKWARD = {"low": None, "fp32": "fp32", "fp32-accumulate": "fp32"}
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from ..fx.ops import op_name
+from .ops import op_name
 
 # ops whose MACs are (output elements) x (length of the reduced dimension of the first matrix operand),
 # with the index of that operand in node.args
