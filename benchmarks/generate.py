@@ -8,7 +8,7 @@ model of the same weights:
 - ``autocast``: ``generate`` under ``torch.autocast("cpu", dtype=torch.bfloat16)``.
 - ``compile(autocast)``: the same, with ``model.forward = torch.compile(model.forward)`` (inductor).
 - ``amppass``: ``amppass.convert(model, (prompt,), "bf16")`` (the default plan), whose ``generate`` runs the
-  converted graphs (:mod:`amppass.fx.generation`).
+  converted graphs (:mod:`amppass.serving.generation`).
 - ``amppass compiled``: ``model.forward = torch.compile(model.forward, backend="amppass", options={"dtype":
   "bf16"})`` (inductor, freezing).
 

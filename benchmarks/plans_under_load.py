@@ -34,7 +34,7 @@ import torch
 
 import amppass
 from amppass.fx import profit
-from amppass.fx.kept import KeptFp32
+from amppass.serving.kept import KeptFp32
 from models import ZOO, build
 
 from .latency import time_interleaved

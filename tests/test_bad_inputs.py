@@ -21,7 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 import amppass
 from amppass import AmpPassError, CalibrationError, CaptureError, InputError
 from amppass.errors import ScaleCollapseError, ScalerUsageError, ScalerValueError
-from amppass.fx.kept import KeptFp32
+from amppass.serving.kept import KeptFp32
 from amppass.targets import onnxruntime_facts
 from tests.ddp_harness import one_rank_group
 

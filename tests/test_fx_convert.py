@@ -11,7 +11,7 @@ from torch import fx, nn
 
 import amppass
 from amppass.fx.rewrite import META_KEY
-from amppass.fx.face import stored_parameters
+from amppass.serving.face import stored_parameters
 from models import ZOO, build
 
 DTYPES = [torch.float16, torch.bfloat16]

@@ -1,4 +1,4 @@
-"""amppass.convert on a transformers decoder keeps generate() (issue 24): amppass.fx.generation."""
+"""amppass.convert on a transformers decoder keeps generate() (issue 24): amppass.serving.generation."""
 
 from __future__ import annotations
 

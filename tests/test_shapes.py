@@ -13,9 +13,10 @@ from torch import nn
 
 import amppass
 from amppass.fx.rewrite import META_KEY
-from amppass.fx.face import stored_parameters
-from amppass.fx import shapes
-from amppass.fx.shapes import ServingGraph
+from amppass.serving.face import stored_parameters
+from amppass.fx import guards
+from amppass.serving import serving_graph
+from amppass.serving.serving_graph import ServingGraph
 from models import build
 from tests.shape_models import Encoder, Recurrent, _decoder
 from tests.shape_models import _floats as floats
@@ -152,13 +153,13 @@ def test_without_the_original_a_rejected_call_names_input_dim_and_plan(lstm):
 
 
 def test_plans_are_bounded_and_share_the_first_plans_weights(lstm, monkeypatch):
-    monkeypatch.setattr(shapes, "MAX_PLANS", 3)
+    monkeypatch.setattr(serving_graph, "MAX_PLANS", 3)
     model, example = lstm
     fast = amppass.convert(model, (example,), torch.bfloat16, plan_for="coverage")
     lengths = (3, 4, 5, 3)  # the plan for length 3 is dropped (least recently used), then made again
     for length in lengths:
         fast(floats(2, length, 16))
-    assert [p.meta[shapes.GUARDS_KEY].inputs[0].dims[1] for p in fast.plans] == [10, 3, 5]
+    assert [p.meta[guards.GUARDS_KEY].inputs[0].dims[1] for p in fast.plans] == [10, 3, 5]
     info = amppass.report(fast).info
     assert info["recaptures"] == 4 and len(info["plans"]) == 3
     mine = dict(stored_parameters(fast))  # what the graph stores (named_parameters() shows the fp32 face)

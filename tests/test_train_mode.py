@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import amppass
-from amppass.training.module import TrainEvalGraphs
+from amppass.serving.train_eval import TrainEvalGraphs
 from benchmarks.train_step import train_digits
 
 

@@ -50,7 +50,8 @@ from ..report.fx_reader import read_graph_module
 from ..report.report import Report
 from .convert import MODES, _convert_captured
 from .quiet import quiet_torch
-from .shapes import _bound, _spec, set_state
+from .guards import input_spec, range_bound
+from ..serving.serving_graph import set_state
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +139,7 @@ class CompiledGraph:
     def inputs(self) -> str:
         """The inputs the converted graph takes, as dynamo traced them: ``x: [s0, 3, s1, s1] float32``."""
         ranges = _ranges(self.fakes)
-        return "; ".join(_spec(self.placeholders[i].name, self.fakes[i]).describe(ranges) for i in self.users
+        return "; ".join(input_spec(self.placeholders[i].name, self.fakes[i]).describe(ranges) for i in self.users
                          if isinstance(self.fakes[i], torch.Tensor))
 
     def _frozen(self) -> bool:
@@ -530,7 +531,7 @@ def _ranges(fakes: list[Any]) -> dict[str, tuple[int, float]]:
     env = getattr(mode, "shape_env", None)
     if env is None:
         return {}
-    return {str(symbol): (max(_bound(r.lower), 0), _bound(r.upper)) for symbol, r in env.var_to_range.items()}
+    return {str(symbol): (max(range_bound(r.lower), 0), range_bound(r.upper)) for symbol, r in env.var_to_range.items()}
 
 
 def _device(values: list[Any]) -> torch.device:

@@ -9,9 +9,9 @@ batch (how errors propagate, :mod:`amppass.analysis.propagation`) and keeps the 
 outputs, which the search re-runs.
 
 Batches may have any shape the original model takes, as calls of the converted module may
-(:mod:`amppass.fx.shapes`). A batch the capture's guards reject (an LSTM unrolled over the example's length,
+(:mod:`amppass.serving.serving_graph`). A batch the capture's guards reject (an LSTM unrolled over the example's length,
 a batch of 1 where export fixed it) runs on a capture of the model for its own shapes, made once per
-shape the guards tell apart (at most :data:`~amppass.fx.shapes.MAX_PLANS`). What it records is mapped onto
+shape the guards tell apart (at most :data:`~amppass.fx.guards.MAX_PLANS`). What it records is mapped onto
 the example's graph by node name and op, as later plans take decisions over: the statistics of the values
 both graphs have are folded together, and each trial plan of the tolerance search is painted on that
 capture from the same decisions (:class:`FxTrials`).
@@ -44,7 +44,7 @@ from ..errors import CalibrationError, CaptureError
 from .copies import shared_copy
 from .prefix import Checkpoints
 from .rewrite import rewrite
-from .shapes import GUARDS_KEY, MAX_PLANS, matching
+from .guards import GUARDS_KEY, MAX_PLANS, matching
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from ..errors import CaptureError, InputError
 from .copies import shared_copy
 from .modes import module_mode
 from .quiet import quiet_torch
-from .shapes import GUARDS_KEY, ShapeGuards, specialised_dims
+from .guards import GUARDS_KEY, ShapeGuards, specialised_dims
 
 log = logging.getLogger(__name__)
 

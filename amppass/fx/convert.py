@@ -18,21 +18,22 @@ from ..errors import CaptureError, InputError
 from ..targets.target import Target, torch_target
 from .macs import node_macs
 from .backward import annotate_backward
-from ..training.module import TrainEvalGraphs
+from ..serving.train_eval import TrainEvalGraphs
 from ..analysis.view import GraphView
 from . import profit
 from .calibrate import Recapture, calibrated_plan, flatten_inputs, split_batch
 from .capture import capture, capture_program
 from .gelu import FUSED_KEY, fuse_tanh_gelu
-from .generation import as_generator
-from .kept import KeptFp32
+from ..serving.generation import as_generator
+from ..serving.kept import KeptFp32
 from ..targets.device import fingerprint
 from .modes import module_mode
 from .profit import CostModel
 from .rewrite import META_KEY, rewrite
-from .shapes import GUARDS_KEY, ServingGraph, carried_decisions, matching
+from .guards import GUARDS_KEY, carried_decisions, matching
+from ..serving.serving_graph import ServingGraph
 from ..targets.timing_cache import TimingCache
-from .traced import TracedGraph
+from ..serving.traced import TracedGraph
 from .view import build_view
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ def convert(
         plan_for: ``"speed"`` (default): where this machine has the target device and example inputs are
             given, a region of the plan runs low only if measuring shows its low kernels and casts are
             faster than fp32 there, and the original module is kept in fp32 if the converted graph
-            measures slower than it (profitability: :mod:`amppass.fx.profit`, :mod:`amppass.fx.kept`).
+            measures slower than it (profitability: :mod:`amppass.fx.profit`, :mod:`amppass.serving.kept`).
             ``"coverage"``: every op that numerics allow runs low, nothing is measured (the plan is the
             same on every machine). ``"memory"``: as "coverage", and every weight is stored in the low dtype
             (where its values fit), cast up at use by the ops that run fp32: the smallest model.
@@ -83,14 +84,14 @@ def convert(
             times are used instead of measuring again, so the plan is the same on any machine.
         mode: ``"inference"`` stores low-precision copies of the weights once; ``"train"`` keeps fp32
             master parameters and casts them inside the graph so gradients come back fp32, and returns a
-            :class:`~amppass.training.module.TrainEvalGraphs`: a train graph and an eval graph that switch
+            :class:`~amppass.serving.train_eval.TrainEvalGraphs`: a train graph and an eval graph that switch
             on ``.train()``/``.eval()`` and own a copy of the model's parameters and buffers.
         keep_io_types: cast floating outputs back to fp32 (inputs are never changed).
         keep_fp32: op names or node-name regexes to keep in fp32.
         force_low: op names or node-name regexes to run in low precision regardless of the policy.
         dynamic_shapes: passed to ``torch.export``; by default every input dimension is dynamic where
             the model allows it, and a call with a shape the captured graph does not take is captured and
-            converted again for it (see :mod:`amppass.fx.shapes`).
+            converted again for it (see :mod:`amppass.serving.serving_graph`).
         low_weight_tables: store tables read by weight-only ops (embeddings) in low precision even when
             they feed fp32 work: half the bytes of those tables, at the cost of rounding them.
         calibration: an iterable of input tuples like ``example_inputs``; the fp32 model runs on each and
@@ -102,10 +103,10 @@ def convert(
         progress: show a progress bar on stderr while calibrating.
 
     The returned module records its decisions in ``node.meta["amppass"]``; ``amppass.report`` reads them.
-    Captured with example inputs, it is a :class:`~amppass.fx.shapes.ServingGraph`: it takes every input
+    Captured with example inputs, it is a :class:`~amppass.serving.serving_graph.ServingGraph`: it takes every input
     shape the original model takes, converting again (a few plans at most, cached) where torch.export had
     to fix a dimension. A transformers model that generates (a ``*ForCausalLM``) comes back in its own class,
-    ``generate()`` included, its ``forward`` running the converted graphs (:mod:`amppass.fx.generation`).
+    ``generate()`` included, its ``forward`` running the converted graphs (:mod:`amppass.serving.generation`).
     """
     if mode not in MODES:
         raise InputError(f"mode={mode!r} is not one of {MODES}: use mode='inference' to serve or evaluate "
@@ -151,7 +152,7 @@ def convert(
     served = _served(model, gm, plan_target, mode, False, options)
     if plan_for == "speed" and plan_target.profitable and options["example"] is not None and not calibration:
         served = _faster_of(served, model, options["example"], costs)
-    return as_generator(model, served)  # a transformers decoder keeps generate() (amppass.fx.generation)
+    return as_generator(model, served)  # a transformers decoder keeps generate() (amppass.serving.generation)
 
 
 def _served(model: nn.Module, gm: fx.GraphModule, target: Target, mode: str, train: bool,
@@ -218,7 +219,7 @@ def _converted_dtype(program: torch.export.ExportedProgram) -> str:
 
 def _faster_of(gm: fx.GraphModule, model: nn.Module, example: tuple[Any, dict],
                costs: Mapping[str, float] | None) -> nn.Module:
-    """``gm``, or the original module kept in fp32 where that measured faster here (:mod:`amppass.fx.kept`)."""
+    """``gm``, or the original module kept in fp32 where that measured faster here (:mod:`amppass.serving.kept`)."""
     args, kwargs = example
     args = split_batch(args)[0] if args is not None else ()
     info = gm.meta[META_KEY]

@@ -34,11 +34,12 @@ from torch.utils import _pytree as pytree
 
 from ..errors import InputError
 from ..files import Staged, check_writable
-from ..training.module import TrainEvalGraphs
+from ..serving.train_eval import TrainEvalGraphs
 from .capture import capture_program, capturing, size_one_dynamic
-from .kept import KeptFp32
+from ..serving.kept import KeptFp32
 from .rewrite import META_KEY
-from .shapes import GUARDS_KEY, ServingGraph, ShapeGuards
+from .guards import GUARDS_KEY, ShapeGuards
+from ..serving.serving_graph import ServingGraph
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +179,7 @@ def is_converted(program: torch.export.ExportedProgram) -> bool:
 
 
 def _served(converted: Any) -> ServingGraph:
-    from .generation import Generator
+    from ..serving.generation import Generator
 
     if isinstance(converted, Generator):
         raise InputError(f"{type(converted).__name__} is a converted decoder in its transformers class; amppass.save "

@@ -58,10 +58,10 @@ def export_onnx(
 def _refuse_converted(model: torch.nn.Module) -> None:
     """export_onnx exports a float32 model and converts the ONNX graph: a module amppass already converted
     would be exported with its casts and low weights, which shape inference then rejects."""
-    from ..fx.generation import Generator
-    from ..fx.kept import KeptFp32
+    from ..serving.generation import Generator
+    from ..serving.kept import KeptFp32
     from ..fx.rewrite import META_KEY
-    from ..training.module import TrainEvalGraphs
+    from ..serving.train_eval import TrainEvalGraphs
 
     name = type(model).__name__
     if isinstance(model, TrainEvalGraphs):

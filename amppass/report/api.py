@@ -8,9 +8,9 @@ from typing import Any
 from torch import fx
 
 from ..errors import InputError
-from ..fx.generation import Generator
-from ..fx.kept import KeptFp32
-from ..training.module import TrainEvalGraphs
+from ..serving.generation import Generator
+from ..serving.kept import KeptFp32
+from ..serving.train_eval import TrainEvalGraphs
 from .fx_reader import read_graph_module
 from .report import Report
 
@@ -20,8 +20,8 @@ def report(converted: Any) -> Report:
 
     Accepts the ``torch.fx.GraphModule`` that :func:`amppass.convert` returned, the module it returned for
     ``mode="train"`` (its train graph is reported; rows say which ops' gradients run in low precision), the
-    original module it kept in fp32 where that measured faster (:mod:`amppass.fx.kept`), the decoder it
-    returned in its transformers class (:mod:`amppass.fx.generation`: its converted graphs), a module
+    original module it kept in fp32 where that measured faster (:mod:`amppass.serving.kept`), the decoder it
+    returned in its transformers class (:mod:`amppass.serving.generation`: its converted graphs), a module
     :func:`amppass.load` returned, a module or function ``torch.compile(..., backend="amppass")`` returned
     (every graph dynamo captured, rows named ``g<i>.<node>``), or an ``onnx.ModelProto`` (or .onnx path)
     that :func:`amppass.convert_onnx` returned.

@@ -17,7 +17,7 @@ fp32 out), and pipelines ask the module which dtype to feed it: ``x.to(next(net.
    names, so a state dict loads back into a module converted the same way), ``.to()``.
 4. Models converted with ``keep_io_types=False`` (low-precision outputs) and train-mode models (fp32
    master parameters already) show their storage as it is, and so does a module traced symbolically
-   (converted without example inputs): the face belongs to :class:`~amppass.fx.shapes.ServingGraph`,
+   (converted without example inputs): the face belongs to :class:`~amppass.serving.serving_graph.ServingGraph`,
    what ``amppass.convert`` returns for a model captured with example inputs, and ``amppass.load``.
 """
 
@@ -28,7 +28,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from .rewrite import META_KEY
+from ..fx.rewrite import META_KEY
 
 LOW_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 

@@ -15,8 +15,8 @@ from typing import Any
 from torch import nn
 
 from ..report.report import Report, Row
-from .copies import shared_copy
-from .rewrite import META_KEY
+from ..fx.copies import shared_copy
+from ..fx.rewrite import META_KEY
 
 
 class KeptFp32(nn.Module):

@@ -10,7 +10,7 @@ Rules:
 
 1. The module owns its state: parameters and buffers are cloned from the captured (caller's) tensors, so
    training the converted module never touches the caller's model. Tied weights stay tied.
-2. Its module tree is the original model's (:mod:`amppass.training.tree`): the same submodules under the
+2. Its module tree is the original model's (:mod:`amppass.serving.tree`): the same submodules under the
    same names, each holding the parameters and buffers it holds in the original, tied names included, in
    the original's order. So ``named_parameters()``, ``state_dict()`` and ``load_state_dict()`` read and
    write the original's keys, checkpoints go both ways, and any optimizer works on the parameters.
@@ -20,7 +20,7 @@ Rules:
 4. Both modes read the very same tensors: a step taken in train mode is seen in eval mode, and batch norm's
    running statistics, updated in place by the train graph, are what the eval graph normalises with.
 5. A call the example's plan does not take (a batch of 1 where the capture kept batches of 2 and more
-   apart) gets a later plan (:mod:`amppass.fx.shapes`), outlined into the same tree under a key of its own
+   apart) gets a later plan (:mod:`amppass.serving.serving_graph`), outlined into the same tree under a key of its own
    the first time, so FSDP2 and hooks work at that shape too. A plan that cannot be outlined runs as one
    graph pointed at the tree's tensors (logged; refused under FSDP2, whose sharded parameters one graph
    cannot read).
@@ -53,9 +53,10 @@ from torch.utils import _pytree as pytree
 from ..errors import InputError
 from ..fx.calibrate import flatten_inputs
 from ..fx.modes import captured_flags
-from ..fx.plan_dtypes import PlanDtypes
+from .plan_dtypes import PlanDtypes
 from ..fx.rewrite import META_KEY
-from ..fx.shapes import call_layout, set_state
+from ..fx.guards import call_layout
+from .serving_graph import set_state
 from ..fx.backward import record_saved_bytes
 from .tree import Children, Mode, Outline, build_tree, example_call, install, named_state, outline, sharded, stand_in, unfit
 
@@ -228,7 +229,7 @@ class TrainEvalGraphs(Children, nn.Module):
 
     def _apply(self, fn: Any, recurse: bool = True) -> "TrainEvalGraphs":
         """``.to()`` and its relatives move the device; the fp32 master weights and the graphs' constants keep
-        their dtypes (:mod:`amppass.fx.plan_dtypes`)."""
+        their dtypes (:mod:`amppass.serving.plan_dtypes`)."""
         kept = PlanDtypes(fn)
         result = super()._apply(kept, recurse)
         for part in self.modules():  # the graphs' constants move with the tree

@@ -12,7 +12,7 @@ Rules:
    without running its ``__init__``: it holds copies of the model's ``config`` and ``generation_config``, the
    model's other plain attributes, and the converted module as its only submodule, ``converted``. It holds
    none of the original's modules (the converted module keeps the original model for re-captures, as
-   :class:`~amppass.fx.shapes.ServingGraph` says).
+   :class:`~amppass.serving.serving_graph.ServingGraph` says).
 2. ``forward`` has the model's own signature (``generate`` reads it) and calls the converted module with the
    call's arguments, less those that are ``None`` and ``return_dict``: the graph returns the model's output
    class (``return_dict=False`` gives its tuple). So ``generate`` makes few layouts of call: the prefill (an
@@ -68,7 +68,7 @@ def as_generator(model: nn.Module, converted: nn.Module) -> nn.Module:
         generator_cls = _classes[cls] = type(cls.__name__, (Generator, cls), {
             "forward": functools.wraps(cls.forward)(Generator._forward),
             "__module__": __name__,
-            "__doc__": f"{cls.__name__} whose forward runs an amppass-converted graph (amppass.fx.generation).",
+            "__doc__": f"{cls.__name__} whose forward runs an amppass-converted graph (amppass.serving.generation).",
         })
     generator = generator_cls.__new__(generator_cls)
     nn.Module.__init__(generator)

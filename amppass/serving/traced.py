@@ -13,7 +13,7 @@ from typing import Any
 from torch import fx
 
 from .plan_dtypes import PlanDtypes
-from .shapes import keep_non_persistent
+from .serving_graph import keep_non_persistent
 
 __all__ = ["TracedGraph"]
 
@@ -36,7 +36,7 @@ class TracedGraph(fx.GraphModule):
         (module docstring). Here so that every module ``amppass.convert`` returns has it."""
 
     def _apply(self, fn: Any, recurse: bool = True) -> "TracedGraph":
-        """``.to()`` and its relatives move the device; the dtypes stay the plan's (:mod:`amppass.fx.plan_dtypes`)."""
+        """``.to()`` and its relatives move the device; the dtypes stay the plan's (:mod:`amppass.serving.plan_dtypes`)."""
         kept = PlanDtypes(fn)
         result = super()._apply(kept, recurse)
         kept.tell(type(self).__name__)

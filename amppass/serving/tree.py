@@ -49,7 +49,8 @@ from ..errors import InputError
 from ..fx.capture import _auto_dims, _without_dtype_asserts, size_one_dynamic
 from ..fx.calibrate import split_batch
 from ..fx.quiet import quiet_torch
-from ..fx.shapes import GUARDS_KEY, set_state
+from ..fx.guards import GUARDS_KEY
+from .serving_graph import set_state
 
 log = logging.getLogger(__name__)
 
