@@ -8,11 +8,11 @@ per-node report that is stored in the converted model itself.
 __version__ = "0.1.0"
 
 from .errors import AmpPassError, CalibrationError, CaptureError, InputError  # noqa: E402
-from .fx.convert import convert  # noqa: E402
-from .fx.serialize import load, save  # noqa: E402
-from .onnx.convert import convert_onnx  # noqa: E402
-from .onnx.export import export_onnx  # noqa: E402
-from .report.api import report  # noqa: E402
+from .pipelines.convert import convert  # noqa: E402
+from .pipelines.serialize import load, save  # noqa: E402
+from .pipelines.convert_onnx import convert_onnx  # noqa: E402
+from .pipelines.export_onnx import export_onnx  # noqa: E402
+from .pipelines.report import report  # noqa: E402
 from .training import LossScaler  # noqa: E402
 
 __all__ = [

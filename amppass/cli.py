@@ -148,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from .onnx.convert import convert_skeleton, converted_dtype
+    from .pipelines.convert_onnx import convert_skeleton, converted_dtype
 
     if _is_program(args.model):
         return _convert_program(args)
@@ -218,7 +218,7 @@ def _convert_program(args: argparse.Namespace) -> int:
     for path in (args.output, *args.report):
         _check_writable(path)
     program = _load_program(args.model)
-    from .fx.serialize import stage
+    from .pipelines.serialize import stage
 
     try:
         converted = amppass.convert(program, dtype=args.dtype, target=args.target, keep_fp32=args.keep_fp32,
@@ -246,7 +246,7 @@ def _load_program(path: str) -> Any:
     """A .pt2 file: the converted module if amppass wrote it, else the program torch.export.load reads."""
     import amppass
     import torch
-    from amppass.fx.serialize import has_plan
+    from amppass.pipelines.serialize import has_plan
 
     if not os.path.isfile(path):
         raise FileProblem(f"{path}: no such file")
@@ -289,8 +289,8 @@ def _check_writable(path: str | None) -> None:
 
 def _load_onnx(path: str) -> Any:
     """The model at ``path`` (external data not loaded), checked to be a valid ONNX model by onnx.checker on a
-    stand-in that holds no weights (:func:`amppass.onnx.convert.load`)."""
-    from .onnx.convert import load
+    stand-in that holds no weights (:func:`amppass.pipelines.convert_onnx.load`)."""
+    from .pipelines.convert_onnx import load
 
     if not os.path.exists(path):
         raise FileProblem(f"{path}: no such file")

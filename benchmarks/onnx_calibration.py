@@ -28,7 +28,7 @@ from onnxconverter_common import float16
 
 import amppass
 from amppass.targets import onnxruntime_facts
-from amppass.onnx.export import export_fp32
+from amppass.pipelines.export_onnx import export_fp32
 from amppass.onnx.simulate import simulated
 from models import build
 from models.sensor import sensor_feed, sensor_net

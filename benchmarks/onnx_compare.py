@@ -35,7 +35,7 @@ import onnxruntime as ort
 
 import amppass
 from amppass.targets import onnxruntime_facts
-from amppass.onnx.export import export_fp32
+from amppass.pipelines.export_onnx import export_fp32
 from amppass.onnx.simulate import simulated
 from models import ZOO, build
 

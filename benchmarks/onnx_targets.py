@@ -25,7 +25,7 @@ import onnx
 import onnxruntime as ort
 
 import amppass
-from amppass.onnx.export import export_fp32
+from amppass.pipelines.export_onnx import export_fp32
 from amppass.onnx.simulate import simulated
 from models import build
 from models.arch import build_arch

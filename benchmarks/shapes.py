@@ -80,7 +80,7 @@ def measure(name: str, case: Any, dtype: torch.dtype = torch.bfloat16) -> list[d
     """Convert ``case.model`` at its example and call it at every shape; a row per call."""
     start = time.perf_counter()
     if case.compile_only:
-        from amppass.fx.backend import amppass_backend  # the function itself: the name needs amppass installed
+        from amppass.pipelines.backend import amppass_backend  # the function itself: the name needs amppass installed
 
         torch._dynamo.reset()
         fast = torch.compile(case.model, backend=amppass_backend, options={"dtype": dtype, "compiler": "eager"})
@@ -119,7 +119,7 @@ def compile_rows(quick: bool) -> list[dict[str, Any]]:
     import torch._inductor.config as inductor
     from models import build
 
-    from amppass.fx.backend import amppass_backend
+    from amppass.pipelines.backend import amppass_backend
 
     case = build("bert", "small" if quick else "base", batch=1, seq=128)
     x, repeats = case.example_inputs[0], 10 if quick else 30

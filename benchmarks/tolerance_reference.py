@@ -13,7 +13,7 @@ The models: the sensor net of :mod:`models.sensor` (fp16 error in its first two 
 detector (its head sigmoid(50 (P - T)) amplifies rounding about 50x) and the constant-Q audio classifier,
 exported by :mod:`models.detection` and :mod:`models.audio`, and real-shaped conv nets and transformers of
 :mod:`models`: ResNet-50, EfficientNet-B0, a 4-layer BERT and a 4-layer ViT-Base, exported by the dynamo
-exporter (``amppass.onnx.export.export_fp32``). Batch axes are fixed so that every heavy op's
+exporter (``amppass.pipelines.export_onnx.export_fp32``). Batch axes are fixed so that every heavy op's
 multiply-accumulates are known. Images are smaller than the architectures' own (fewer MACs per run, the
 same graphs).
 
@@ -69,7 +69,7 @@ def _torch_case(name: str, make: Callable[[], tuple[torch.nn.Module, Callable[[i
 
     def model_and_inputs() -> tuple[onnx.ModelProto, Callable[[int], tuple]]:
         if not built:
-            from amppass.onnx.export import export_fp32
+            from amppass.pipelines.export_onnx import export_fp32
 
             module, inputs = make()
             with warnings.catch_warnings():

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import amppass
-from amppass.fx.backend import amppass_backend
+from amppass.pipelines.backend import amppass_backend
 from tests.shape_models import detector
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -205,7 +205,7 @@ def test_bert_base_against_autocast_with_inductor_freezing():
 
 
 def test_a_graph_that_cannot_be_traced_runs_unconverted_with_a_warning(monkeypatch, caplog):
-    from amppass.fx import backend
+    from amppass.pipelines import backend
 
     def refuse(*args, **kwargs):
         raise amppass.CaptureError("graph 1 could not be traced to ATen ops (this test)")

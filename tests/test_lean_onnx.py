@@ -175,7 +175,7 @@ def test_dynamo_bert_needs_no_more_casts_than_the_fx_plan():
     float work low, and the error against fp32 (onnxruntime CPU and fp16-storage simulation) small."""
     from transformers import BertConfig, BertModel
 
-    from amppass.onnx.export import export_fp32
+    from amppass.pipelines.export_onnx import export_fp32
 
     config = BertConfig(vocab_size=1000, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
                         intermediate_size=256, attn_implementation="sdpa")

@@ -12,7 +12,7 @@ import torch
 import amppass
 from amppass.cli import main
 from amppass.onnx import wire
-from amppass.onnx.convert import save
+from amppass.pipelines.convert_onnx import save
 from amppass.onnx.weights import WeightStore
 from tests.test_bad_inputs import X, matmul_model
 

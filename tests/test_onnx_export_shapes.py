@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import amppass
-from amppass.onnx import export
+from amppass.pipelines import export_onnx as export
 from models import build
 
 

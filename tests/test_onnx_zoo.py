@@ -12,7 +12,7 @@ import torch
 from test_onnx_convert import check_converted, heavy_low_share, session
 
 import amppass
-from amppass.onnx.export import export_fp32
+from amppass.pipelines.export_onnx import export_fp32
 from models import build
 
 # TorchScript exporter: fast, but fails on transformers' text models (forward() kwargs) in this torch.

@@ -12,7 +12,7 @@ import torch
 
 import amppass
 from amppass.cli import main
-from amppass.fx import serialize
+from amppass.pipelines import serialize
 from models import build
 from tests.shape_models import Recurrent
 

@@ -25,7 +25,7 @@ from onnx import TensorProto, helper, numpy_helper
 import amppass
 from amppass import CalibrationError, InputError
 from amppass.cli import main
-from amppass.onnx.convert import save
+from amppass.pipelines.convert_onnx import save
 from amppass.onnx.validate import MAX_NESTING
 
 F32 = TensorProto.FLOAT

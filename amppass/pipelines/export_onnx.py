@@ -18,7 +18,7 @@ from ..errors import CaptureError, InputError
 from ..files import check_writable
 from ..fx.capture import capturing, size_one_dynamic
 from ..fx.quiet import quiet_torch
-from .convert import convert_onnx, save
+from .convert_onnx import convert_onnx, save
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from ..errors import InputError
 from ..serving.generation import Generator
 from ..serving.kept import KeptFp32
 from ..serving.train_eval import TrainEvalGraphs
-from .fx_reader import read_graph_module
-from .report import Report
+from ..report.fx_reader import read_graph_module
+from ..report.report import Report
 
 
 def report(converted: Any) -> Report:
@@ -27,7 +27,7 @@ def report(converted: Any) -> Report:
     that :func:`amppass.convert_onnx` returned.
     """
     if _compiled(converted):
-        from ..fx.backend import session_of
+        from .backend import session_of
 
         session = session_of(converted)
         if session is None:
@@ -43,7 +43,7 @@ def report(converted: Any) -> Report:
     if isinstance(converted, fx.GraphModule):
         return read_graph_module(converted)
     if isinstance(converted, (str, os.PathLike)) or type(converted).__name__ == "ModelProto":
-        from .onnx_reader import read_onnx  # onnx is imported only when an ONNX model is reported
+        from ..report.onnx_reader import read_onnx  # onnx is imported only when an ONNX model is reported
 
         return read_onnx(converted)
     raise InputError(

@@ -16,25 +16,25 @@ from ..analysis.painting import paint
 from ..dtypes import low_type
 from ..errors import CaptureError, InputError
 from ..targets.target import Target, torch_target
-from .macs import node_macs
-from .backward import annotate_backward
+from ..fx.macs import node_macs
+from ..fx.backward import annotate_backward
 from ..serving.train_eval import TrainEvalGraphs
 from ..analysis.view import GraphView
-from . import profit
-from .calibrate import Recapture, calibrated_plan, flatten_inputs, split_batch
-from .capture import capture, capture_program
-from .gelu import FUSED_KEY, fuse_tanh_gelu
+from ..fx import profit
+from ..fx.calibrate import Recapture, calibrated_plan, flatten_inputs, split_batch
+from ..fx.capture import capture, capture_program
+from ..fx.gelu import FUSED_KEY, fuse_tanh_gelu
 from ..serving.generation import as_generator
 from ..serving.kept import KeptFp32
 from ..targets.device import fingerprint
-from .modes import module_mode
-from .profit import CostModel
-from .rewrite import META_KEY, rewrite
-from .guards import GUARDS_KEY, carried_decisions, matching
+from ..fx.modes import module_mode
+from ..fx.profit import CostModel
+from ..fx.rewrite import META_KEY, rewrite
+from ..fx.guards import GUARDS_KEY, carried_decisions, matching
 from ..serving.serving_graph import ServingGraph
 from ..targets.timing_cache import TimingCache
 from ..serving.traced import TracedGraph
-from .view import build_view
+from ..fx.view import build_view
 
 log = logging.getLogger(__name__)
 

@@ -35,10 +35,10 @@ from torch.utils import _pytree as pytree
 from ..errors import InputError
 from ..files import Staged, check_writable
 from ..serving.train_eval import TrainEvalGraphs
-from .capture import capture_program, capturing, size_one_dynamic
+from ..fx.capture import capture_program, capturing, size_one_dynamic
 from ..serving.kept import KeptFp32
-from .rewrite import META_KEY
-from .guards import GUARDS_KEY, ShapeGuards
+from ..fx.rewrite import META_KEY
+from ..fx.guards import GUARDS_KEY, ShapeGuards
 from ..serving.serving_graph import ServingGraph
 
 log = logging.getLogger(__name__)

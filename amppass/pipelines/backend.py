@@ -1,0 +1,542 @@
+"""``torch.compile(model, backend="amppass", options={...})``: the amppass plan on every graph dynamo captures.
+
+Dynamo hands the backend one graph per region it traces (graph breaks, guards and recompiles are its own).
+Each graph is traced to ATen ops over dynamo's own fake inputs, goes through the pipeline
+:func:`amppass.convert` uses, and the rewritten graph goes to inductor with the example inputs dynamo passed
+(or runs as it is with ``compiler="eager"``). Models torch.export cannot capture whole (data-dependent
+Python in a detector's post-processing, a generate loop) still get mixed precision on every traced region.
+
+Rules:
+
+1. A dynamo graph takes the model's parameters and buffers as inputs. They become attributes of the graph
+   (the very tensors, shared), so the rewrite stores low-precision copies of the weights once per graph
+   (inference) or casts the fp32 parameters inside the graph, so gradients reach them (training: grad mode
+   on and a parameter that requires grad, when the graph is compiled).
+2. Before each call, a parameter whose version counter moved (an optimizer step, ``load_state_dict``) or
+   that is another tensor now has its low-precision copies refreshed in place, so compiled code that holds
+   them sees the new values; code that folded them (inductor's freezing) or holds the old tensor is
+   compiled again, for the same symbolic inputs.
+3. The graph is rewritten as dynamo traced it: sizes dynamo made dynamic stay symbols of its shape
+   environment, and a size dynamo passes as its own input is read from the tensor it measures. Inductor
+   compiles it inside dynamo's compile, for dynamo's example inputs, so its code serves every shape dynamo's
+   guards admit, and a guard the trace or inductor adds on a size is one more guard dynamo checks. A new
+   shape dynamo's guards reject is dynamo's recompile: a new graph, converted on its own.
+4. Every graph's plan is kept with the ``torch.compile`` call that made it: ``amppass.report(compiled)``
+   shows every graph's rows (named ``g<i>.<node>``) and the inputs each takes.
+
+Options (all optional): ``dtype`` ("auto", "fp16", "bf16", torch dtypes), ``compiler`` ("inductor" or
+"eager"), ``keep_io_types``, ``keep_fp32``, ``force_low``, ``low_weight_tables`` as for
+:func:`amppass.convert`, and ``calibration`` / ``tolerance``: batches of inputs for the graphs whose inputs
+they match (the model's first graph: a tuple in the graph's input order or a dict by argument name); other
+graphs are planned without them, and their report info says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import fx, nn
+
+from ..dtypes import low_type
+from ..targets.target import torch_target
+from ..errors import CaptureError, InputError
+from ..report.fx_reader import read_graph_module
+from ..report.report import Report
+from .convert import MODES, _convert_captured
+from ..fx.quiet import quiet_torch
+from ..fx.guards import input_spec, range_bound
+from ..serving.serving_graph import set_state
+
+log = logging.getLogger(__name__)
+
+COMPILERS = ("inductor", "eager")
+_OPTIONS = ("dtype", "mode", "compiler", "freezing", "keep_io_types", "keep_fp32", "force_low", "low_weight_tables",
+            "calibration", "tolerance")
+_STATE_SOURCE = re.compile(r"\._(parameters|buffers)\['([^']+)'\]$")
+_MODULE_STEP = re.compile(r"\._modules\['([^']+)'\]")
+
+
+@dataclass
+class Session:
+    """What one ``torch.compile(..., backend="amppass")`` call converted: its graphs, in compile order."""
+
+    options: dict[str, Any]
+    graphs: list["CompiledGraph"] = field(default_factory=list)
+
+    def report(self) -> Report:
+        """One report over every graph: rows named ``g<i>.<node>``, the summary summed over graphs."""
+        if not any(g.converted is not None for g in self.graphs):
+            raise InputError("this compiled model has not run yet, so dynamo has given amppass no graph to "
+                             "convert; call it once, then ask for the report")
+        rows, info = [], {}
+        converted = [g for g in self.graphs if g.converted is not None]
+        for graph in converted:
+            part = read_graph_module(graph.converted)
+            for row in part.rows:
+                row.name = f"g{graph.index}.{row.name}"
+                row.casts = [f"g{graph.index}.{c}" for c in row.casts]
+                rows.append(row)
+            for key in ("casts", "weights_converted", "weight_copies", "weight_bytes_before", "weight_bytes_after"):
+                info[key] = info.get(key, 0) + int(part.info.get(key, 0))
+            info.setdefault("dtype", part.info["dtype"])
+            info.setdefault("mode", part.info.get("mode"))
+        info.update({"front_end": "fx", "compiler": self.options.get("compiler", "inductor"),
+                     "graphs": len(converted), "calibrated": any(g.calibrated for g in converted),
+                     "unconverted": [{"graph": g.index, "reason": g.failed} for g in self.graphs if g.failed],
+                     "graph_plans": [{"graph": g.index, "calibrated": g.calibrated, "inputs": g.inputs(),
+                                      "refreshes": g.refreshes} for g in converted]})
+        return Report(rows, info)
+
+
+def amppass_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None,
+                    **unused: Any) -> Callable[..., Any]:
+    """The torch.compile backend registered as ``"amppass"`` (module docstring for the options)."""
+    settings = _settings(options)
+    session = _session(options, settings)
+    graph = CompiledGraph(gm, example_inputs, settings, len(session.graphs))
+    session.graphs.append(graph)
+    return graph
+
+
+class CompiledGraph:
+    """One dynamo graph, converted when dynamo hands it over: called with dynamo's flat inputs, it runs the plan.
+
+    The graph is rewritten as dynamo traced it, with its symbolic sizes (rule 3), and inductor compiles the
+    rewritten graph for the example inputs dynamo passed, inside dynamo's compile: the code it makes serves
+    every shape dynamo's guards let through, and any guard inductor adds on the sizes is dynamo's to check.
+    """
+
+    def __init__(self, gm: fx.GraphModule, example_inputs: list[Any], settings: dict[str, Any], index: int):
+        self.gm, self.settings, self.index = gm, settings, index
+        self.compiler, self.refreshes, self.calibrated = settings["compiler"], 0, False
+        self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.state = _state_inputs(self.placeholders, example_inputs)  # position -> attribute name (rule 1)
+        self.converted: fx.GraphModule | None = None
+        self.failed: str | None = None  # why the graph could not be converted (it then runs unconverted)
+        self.users: list[int] = []
+        self.fakes = [n.meta.get("example_value") for n in self.placeholders]
+        try:
+            self._convert(example_inputs)
+        except CaptureError as err:  # one region stays fp32 rather than the whole model failing
+            self.failed = str(err)
+            log.warning("amppass backend: graph %d runs as dynamo traced it, in fp32: %s", self.index, err)
+            self.run = gm.forward if self.compiler == "eager" else _inductor(gm, example_inputs, freeze=False)
+            return
+        self.run = self._compile([example_inputs[i] for i in self.users], inside_dynamo=True)
+
+    def __call__(self, *args: Any) -> Any:
+        if self.converted is None:
+            return self.run(*args)
+        self._refresh(args)
+        return self.run(*(args[i] for i in self.users))
+
+    def inputs(self) -> str:
+        """The inputs the converted graph takes, as dynamo traced them: ``x: [s0, 3, s1, s1] float32``."""
+        ranges = _ranges(self.fakes)
+        return "; ".join(input_spec(self.placeholders[i].name, self.fakes[i]).describe(ranges) for i in self.users
+                         if isinstance(self.fakes[i], torch.Tensor))
+
+    def _frozen(self) -> bool:
+        """Inductor's freezing folds the weights (and their casts) into the compiled code: inference only."""
+        return self.settings["freezing"] and self.settings["mode"] == "inference" and not torch.is_grad_enabled()
+
+    def _convert(self, example_inputs: list[Any]) -> None:
+        traced = _trace(self.gm, self.fakes, self.index)
+        lifted, self.users = _lift(traced, self.placeholders, example_inputs, self.state)
+        mode = self.settings["mode"]
+        options, self.calibrated = _plan_options(self.settings, self.placeholders, self.users, example_inputs,
+                                                 self.index)
+        target = torch_target(_device(example_inputs).type, self.settings["dtype"])
+        # planned without measuring: profitability times eager kernels, not the fused code inductor makes
+        self.converted = _convert_captured(lifted, lifted, target, mode, **options, plan_for="coverage")
+        self.frozen = self._frozen()
+        self.bound = {i: (example_inputs[i], _version(example_inputs[i])) for i in self.state}
+        # state dynamo kept as attributes of its graph (constants the trace made never change)
+        self.attributes = {name: (t, _version(t)) for name, t in traced.meta["attributes"]
+                           if name not in self.state.values()}
+        log.info("amppass backend: graph %d converted (%s, %s, %d state tensors)", self.index, mode, self.compiler,
+                 len(self.state))
+
+    def _compile(self, inputs: list[Any], inside_dynamo: bool) -> Callable[..., Any]:
+        """The converted graph as it runs: itself (eager) or inductor's code for it.
+
+        Inside dynamo's compile inductor reads the symbolic sizes of dynamo's example inputs from its tracing
+        context; a compile after that (rule 2) gives it the fake inputs dynamo traced, in their own context.
+        """
+        if self.compiler == "eager":
+            return self.converted
+        if inside_dynamo:
+            return _inductor(self.converted, inputs, freeze=self.frozen)
+        from torch._guards import TracingContext, tracing
+
+        fakes = [self.fakes[i] for i in self.users]
+        with tracing(TracingContext(_fake_mode(fakes))):
+            return _inductor(self.converted, fakes, freeze=self.frozen)
+
+    def _refresh(self, args: tuple) -> None:
+        """Rule 2: new values in a parameter reach its low-precision copies, in place.
+
+        In training the graph casts the parameters itself (an optimizer step changes nothing to refresh);
+        only a parameter that is another tensor now is pointed at.
+        """
+        training = self.settings["mode"] == "train"
+        refreshed = replaced = False
+        for position, name in self.state.items():
+            tensor = args[position]
+            seen, version = self.bound[position]
+            if tensor is seen and (training or _version(tensor) == version):
+                continue
+            self._copy_into_graph(name, tensor)
+            replaced |= tensor is not seen
+            refreshed = True
+            self.bound[position] = (tensor, _version(tensor))
+        for name, (tensor, version) in self.attributes.items():  # state dynamo kept as the graph's attributes
+            if not training and _version(tensor) != version:
+                self._copy_into_graph(name, tensor)
+                refreshed = True
+                self.attributes[name] = (tensor, _version(tensor))
+        if self.compiler != "eager" and (replaced or (refreshed and self.frozen)):
+            # compiled code holds the tensors it was compiled with, and frozen code their values: compile again
+            self.run = self._compile([], inside_dynamo=False)
+
+    def _copy_into_graph(self, name: str, tensor: torch.Tensor) -> None:
+        with torch.no_grad():
+            _refresh_copies(self.converted, name, tensor)
+        self.refreshes += 1
+
+
+def session_of(compiled: Any) -> Session | None:
+    """The session of a module or function ``torch.compile(backend="amppass")`` returned, if it has run.
+
+    A compiled module keeps dynamo's context as ``dynamo_ctx``, a compiled function in its closure; from its
+    callback, the chain of wrappers leads to the ``torch.compile`` wrapper the session belongs to.
+    """
+    starts = []
+    context = getattr(compiled, "dynamo_ctx", None)
+    if context is not None:
+        starts.append(getattr(context, "callback", None))
+    for cell in getattr(compiled, "__closure__", None) or ():
+        value = cell.cell_contents
+        starts.append(getattr(value, "callback", None) if hasattr(value, "callback") else value)
+    for callback in starts:
+        for _ in range(16):
+            if callback is None:
+                break
+            found = _SESSIONS.get(id(callback))
+            if found is not None and found[0]() is callback:
+                return found[1]
+            callback = getattr(callback, "_torchdynamo_orig_backend", None) or getattr(callback, "compiler_fn", None)
+    return None
+
+
+# -- sessions: which torch.compile call a graph belongs to (rule 4) ------------------------------------------
+
+_SESSIONS: dict[int, tuple[weakref.ref, Session]] = {}
+
+
+def _session(options: dict[str, Any] | None, settings: dict[str, Any]) -> Session:
+    """The session of the ``torch.compile`` wrapper calling this backend (the one holding ``options``)."""
+    frame, owner = sys._getframe(2), None
+    for _ in range(12):
+        if frame is None:
+            break
+        candidate = frame.f_locals.get("self")
+        if type(candidate).__name__ == "_TorchCompileWrapper" and getattr(candidate, "kwargs", {}).get(
+                "options") is options:
+            owner = candidate
+            break
+        frame = frame.f_back
+    if owner is None:  # called some other way (torch._dynamo.optimize, directly): one session per options
+        owner = _Anonymous.for_options(options)
+    found = _SESSIONS.get(id(owner))
+    if found is not None and found[0]() is owner:
+        return found[1]
+    session = Session({k: v for k, v in settings.items() if k != "calibration"})  # not the batches themselves
+    _SESSIONS[id(owner)] = (weakref.ref(owner, lambda _, key=id(owner): _SESSIONS.pop(key, None)), session)
+    return session
+
+
+class _Anonymous:
+    """A session owner for calls without a torch.compile wrapper, kept for the options object's lifetime."""
+
+    _by_options: dict[int, "_Anonymous"] = {}
+
+    @classmethod
+    def for_options(cls, options: Any) -> "_Anonymous":
+        key = id(options)
+        if key not in cls._by_options:
+            cls._by_options[key] = cls()
+        return cls._by_options[key]
+
+
+# -- building the graph to convert ----------------------------------------------------------------------------
+
+def _settings(options: dict[str, Any] | None) -> dict[str, Any]:
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise InputError(f"torch.compile(backend='amppass'): unknown option(s) {unknown}; the options are "
+                         f"{list(_OPTIONS)}, e.g. options={{'dtype': 'bf16', 'compiler': 'inductor'}}")
+    settings = {"dtype": "auto", "mode": "inference", "compiler": "inductor", "freezing": True, "keep_io_types": True,
+                "keep_fp32": (), "force_low": (), "low_weight_tables": False, "calibration": None, "tolerance": None,
+                **options}
+    if settings["mode"] not in MODES:
+        raise InputError(f"torch.compile(backend='amppass'): mode={settings['mode']!r} is not one of {MODES}; "
+                         "'train' casts the fp32 parameters inside each graph so gradients reach them")
+    if settings["compiler"] not in COMPILERS:
+        raise InputError(f"torch.compile(backend='amppass'): compiler={settings['compiler']!r} is not one of "
+                         f"{COMPILERS}; 'inductor' compiles the converted graphs, 'eager' runs them as they are")
+    if settings["calibration"] is not None:
+        settings["calibration"] = list(settings["calibration"])  # every graph it matches reads it
+    low_type(settings["dtype"])  # a bad dtype is reported now, not at the first graph
+    return settings
+
+
+def _state_inputs(placeholders: list[fx.Node], example_inputs: list[Any]) -> dict[int, str]:
+    """Positions of the inputs that are the model's parameters and buffers, with their qualified names."""
+    state = {}
+    for position, node in enumerate(placeholders):
+        grapharg = node.meta.get("grapharg")
+        source = getattr(getattr(grapharg, "source", None), "name", "") or ""
+        found = _STATE_SOURCE.search(source)
+        if found is None and not isinstance(example_inputs[position], nn.Parameter):
+            continue
+        if found is not None:
+            path = _MODULE_STEP.findall(source) + [found.group(2)]
+            name = ".".join(path)
+        else:
+            name = node.name
+        state[position] = re.sub(r"[^\w.]", "_", name)
+    return state
+
+
+def _trace(gm: fx.GraphModule, fakes: list[Any], index: int) -> fx.GraphModule:
+    """Dynamo's graph as ATen ops (the operator set torch.export gives), traced over dynamo's own fake inputs.
+
+    The trace runs in dynamo's fake mode, so the sizes dynamo made dynamic stay the same symbols (rule 3)
+    and any guard the trace needs joins dynamo's. Tensors dynamo kept as attributes of its graph are inputs
+    of the trace, so the graph becomes one function of tensors; :func:`_lift` makes them attributes again.
+    """
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    mode = _fake_mode(fakes)
+    if mode is None:
+        raise CaptureError(f"graph {index} has no fake inputs from dynamo to trace it with")
+    function, attributes = _attributes_as_inputs(gm)
+    with mode:
+        fake_attributes = [mode.from_tensor(t, static_shapes=True) for _, t in attributes]
+    try:
+        with mode, quiet_torch():
+            traced = make_fx(function, pre_dispatch=True)(*fakes, *fake_attributes)
+    except Exception as err:  # noqa: BLE001 - any tracing failure leaves this graph unconverted
+        raise CaptureError(f"graph {index} could not be traced to ATen ops: {str(err).strip().splitlines()[0]}"
+                           ) from err
+    traced.meta["attributes"] = attributes  # name, tensor of each input after dynamo's own
+    return traced
+
+
+def _attributes_as_inputs(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[tuple[str, torch.Tensor]]]:
+    """A copy of ``gm`` whose tensor attributes are extra inputs, after dynamo's, and those attributes."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    attributes: list[tuple[str, torch.Tensor]] = []
+    reads = [n for n in gm.graph.nodes if n.op == "get_attr" and isinstance(_fetch(gm, str(n.target)), torch.Tensor)]
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    for node in reads:
+        env[node] = graph.placeholder(f"attribute_{len(attributes)}")
+        attributes.append((str(node.target), _fetch(gm, str(node.target))))
+    for node in gm.graph.nodes:
+        if node not in env:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    return fx.GraphModule(gm, graph), attributes
+
+
+def _lift(traced: fx.GraphModule, placeholders: list[fx.Node], example_inputs: list[Any],
+          state: dict[int, str]) -> tuple[fx.GraphModule, list[int]]:
+    """Rule 1: state inputs become attributes of a module.
+
+    ``traced`` takes dynamo's inputs, then the attributes of dynamo's graph. Returns the module and the
+    positions of dynamo's inputs it takes: every input but state, sizes included (inductor reads a size
+    from dynamo's own input; read from a tensor instead, its backward can hold sizes it cannot evaluate).
+    """
+    root = nn.Module()
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    inputs = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    users = [i for i in range(len(placeholders)) if i not in state]
+    for i in users:
+        env[inputs[i]] = graph.placeholder(placeholders[i].name)
+        env[inputs[i]].meta = dict(inputs[i].meta)
+    named = [(i, name, example_inputs[i]) for i, name in state.items()]
+    named += [(len(placeholders) + k, name, tensor) for k, (name, tensor) in enumerate(traced.meta["attributes"])]
+    for i, name, tensor in named:
+        if not _has(root, name):
+            _register(root, name, tensor)
+        env[inputs[i]] = graph.get_attr(name)
+        env[inputs[i]].meta = dict(inputs[i].meta)
+    for node in traced.graph.nodes:
+        if node.op == "get_attr":  # constants the trace made
+            _register(root, str(node.target), _fetch(traced, str(node.target)))
+        if node.op != "placeholder":
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    return fx.GraphModule(root, graph), users
+
+
+def _fetch(module: nn.Module, name: str) -> Any:
+    for step in name.split("."):
+        module = getattr(module, step)
+    return module
+
+
+def _has(module: nn.Module, name: str) -> bool:
+    try:
+        _fetch(module, name)
+    except AttributeError:
+        return False
+    return True
+
+
+def _measured_by(node: fx.Node, tensors: list[fx.Node]) -> tuple[int, int] | None:
+    """The position among ``tensors`` and the dimension whose size a SymInt input is."""
+    value = node.meta.get("example_value")
+    if not isinstance(value, torch.SymInt):
+        return None
+    for position, tensor in enumerate(tensors):
+        fake = tensor.meta.get("example_value")
+        for dim, size in enumerate(getattr(fake, "shape", ())):
+            if isinstance(size, torch.SymInt) and size.node.expr == value.node.expr:
+                return position, dim
+    return None
+
+
+def _register(root: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    *path, leaf = name.split(".")
+    owner = root
+    for step in path:
+        if not hasattr(owner, step):
+            owner.add_module(step, nn.Module())
+        owner = getattr(owner, step)
+    if isinstance(tensor, nn.Parameter):
+        owner.register_parameter(leaf, tensor)
+    elif isinstance(tensor, torch.Tensor):
+        owner.register_buffer(leaf, tensor)
+    else:
+        setattr(owner, leaf, tensor)
+
+
+def _plan_options(settings: dict[str, Any], placeholders: list[fx.Node], users: list[int], example_inputs: list[Any],
+                  index: int) -> tuple[dict[str, Any], bool]:
+    """The options of :func:`amppass.convert` for this graph; calibration only where its batches fit."""
+    options = {key: settings[key] for key in ("keep_io_types", "keep_fp32", "force_low", "low_weight_tables")}
+    batches = _aligned(settings["calibration"], [placeholders[i] for i in users], [example_inputs[i] for i in users])
+    if settings["calibration"] is not None and batches is None:
+        log.info("amppass backend: graph %d takes other tensors than the calibration batches; planned without them",
+                 index)
+    options.update(calibration=batches, tolerance=settings["tolerance"] if batches is not None else None,
+                   progress=False)
+    return options, batches is not None
+
+
+def _aligned(batches: list[Any] | None, inputs: list[fx.Node], examples: list[Any]) -> list[tuple] | None:
+    """The calibration batches as this graph's input tuples, or None if they do not fit it.
+
+    A batch holds the graph's tensor inputs; a size dynamo passes as its own input is read from the batch
+    tensor it measures.
+    """
+    if not batches:
+        return None
+    tensors = [n for n, e in zip(inputs, examples) if isinstance(e, torch.Tensor)]
+    examples = [e for e in examples if isinstance(e, torch.Tensor)]
+    sizes = {n: _measured_by(n, tensors) for n in inputs if n not in tensors}
+    if any(where is None for where in sizes.values()):
+        return None
+    names = [str(getattr(getattr(n.meta.get("grapharg"), "source", None), "local_name", n.name)) for n in tensors]
+    aligned = []
+    for batch in batches:
+        if isinstance(batch, dict):
+            if not all(name in batch for name in names):
+                return None
+            batch = tuple(batch[name] for name in names)
+        batch = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+        if len(batch) != len(examples) or not all(_fits(b, t, n) for b, t, n in zip(batch, examples, tensors)):
+            return None
+        given = dict(zip(tensors, batch))
+        aligned.append(tuple(given[n] if n in given else batch[sizes[n][0]].shape[sizes[n][1]] for n in inputs))
+    return aligned
+
+
+def _fits(batch: Any, tensor: torch.Tensor, node: fx.Node) -> bool:
+    """A calibration tensor fits a graph input: same dtype and rank, same size wherever dynamo fixed it."""
+    if not isinstance(batch, torch.Tensor) or batch.dtype != tensor.dtype or batch.dim() != tensor.dim():
+        return False
+    traced = getattr(node.meta.get("example_value"), "shape", tensor.shape)
+    return all(isinstance(s, torch.SymInt) or int(s) == b for s, b in zip(traced, batch.shape))
+
+
+def _refresh_copies(plan: fx.GraphModule, name: str, tensor: torch.Tensor) -> None:
+    """Point ``name`` at ``tensor`` where the plan reads it in fp32; copy it into its low-precision copies."""
+    for attr in (name, *(f"{name}__{low}" for low in ("fp16", "bf16"))):
+        try:
+            held = plan.get_parameter(attr) if _is_parameter(plan, attr) else plan.get_buffer(attr)
+        except AttributeError:
+            continue
+        if held.dtype == tensor.dtype:
+            if held is not tensor:
+                set_state(plan, attr, tensor)
+        else:
+            held.copy_(tensor)
+
+
+def _is_parameter(module: nn.Module, name: str) -> bool:
+    *path, leaf = name.split(".")
+    try:
+        return leaf in module.get_submodule(".".join(path))._parameters
+    except AttributeError:
+        return False
+
+
+def _inductor(plan: fx.GraphModule, inputs: tuple, freeze: bool) -> Callable[..., Any]:
+    """Compile one plan with inductor (a plain GraphModule over its tensors: inductor traces forward())."""
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx
+
+    plain = fx.GraphModule(plan, plan.graph)
+    with config.patch(freezing=freeze):
+        return compile_fx(plain, list(inputs))
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """The tensor's version counter; None for a tensor made under ``torch.inference_mode()``, which has none."""
+    return None if tensor.is_inference() else tensor._version
+
+
+def _fake_mode(fakes: list[Any]) -> Any:
+    """The fake mode of dynamo's example values (its shape environment holds the symbols of their sizes)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return next((f.fake_mode for f in fakes if isinstance(f, FakeTensor)), None)
+
+
+def _ranges(fakes: list[Any]) -> dict[str, tuple[int, float]]:
+    """The value ranges dynamo's shape environment knows for the symbols of these sizes."""
+    mode = _fake_mode(fakes)
+    env = getattr(mode, "shape_env", None)
+    if env is None:
+        return {}
+    return {str(symbol): (max(range_bound(r.lower), 0), range_bound(r.upper)) for symbol, r in env.var_to_range.items()}
+
+
+def _device(values: list[Any]) -> torch.device:
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return torch.device("cpu")
+
