@@ -102,7 +102,7 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any, no
     if dynamic_shapes != "auto":
         attempts = [(dynamic_shapes, False)]
     else:
-        auto = _auto_dims(model, args, kwargs)
+        auto = auto_dims(model, args, kwargs)
         attempts = [(auto, True), (auto, False), (None, False)] if auto is not None else [(None, False)]
     last: Exception | None = None
     for shapes, oblivious in attempts:
@@ -113,7 +113,7 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any, no
             log.debug("torch.export with dynamic_shapes=%s (size-1 dims dynamic: %s) failed: %s", shapes, oblivious, err)
             last = err
             continue
-        gm = _without_dtype_asserts(_with_guards_kept(program.module()))
+        gm = without_dtype_asserts(_with_guards_kept(program.module()))
         if dynamic_shapes == "auto" and notes:
             _note_fixed_dims(gm, model, dynamic=shapes is not None, failure=last)
         return gm
@@ -125,7 +125,7 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any, no
 def capture_program(program: torch.export.ExportedProgram) -> fx.GraphModule:
     """The module of a program exported elsewhere (``torch.export.load``), prepared as :func:`capture` prepares
     its own captures."""
-    return _without_dtype_asserts(_with_guards_kept(program.module()))
+    return without_dtype_asserts(_with_guards_kept(program.module()))
 
 
 def _with_guards_kept(gm: fx.GraphModule) -> fx.GraphModule:
@@ -172,7 +172,7 @@ def _register_cache_types(model: nn.Module) -> None:
             return
 
 
-def _without_dtype_asserts(gm: fx.GraphModule) -> fx.GraphModule:
+def without_dtype_asserts(gm: fx.GraphModule) -> fx.GraphModule:
     """Drop export's ``_assert_tensor_metadata`` checks: they pin fp32 dtypes the plan is about to change."""
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
@@ -181,7 +181,7 @@ def _without_dtype_asserts(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def _auto_dims(model: nn.Module, args: tuple, kwargs: dict) -> Any:
+def auto_dims(model: nn.Module, args: tuple, kwargs: dict) -> Any:
     """Dim.AUTO for every dimension of every tensor input, keyed by forward()'s argument names."""
     signature = inspect.signature(model.forward)
     try:

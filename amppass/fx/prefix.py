@@ -5,11 +5,12 @@ calibration batches. Up to the first node the trial changes (the first node run 
 cast or low-precision weight it reads) the trial computes exactly what the fp32 graph computed on the same
 batch during calibration: that fp32 prefix need not run again. Rules:
 
-1. Checkpoints: at most :data:`CHECKPOINTS` nodes of the graph, spread evenly over the search's candidates in
-   graph order. While calibration runs a batch, the values live at each checkpoint (computed before it and
-   read by it or after it; the interpreter has freed every other one) are kept for that batch, the same
-   tensor once for all the checkpoints it crosses, within :data:`CACHE_BYTES` over all batches (later
-   checkpoints of a batch that would pass it are not kept).
+1. Checkpoints: at most :data:`~amppass.analysis.calibration.CHECKPOINTS` nodes of the graph, spread evenly
+   over the search's candidates in graph order. While calibration runs a batch, the values live at each
+   checkpoint (computed before it and read by it or after it; the interpreter has freed every other one) are
+   kept for that batch, the same tensor once for all the checkpoints it crosses, within
+   :data:`~amppass.analysis.calibration.CACHE_BYTES` over all batches (later checkpoints of a batch that
+   would pass it are not kept).
 2. A trial's cut is the last checkpoint before which every node of the trial graph is the fp32 graph's own
    node (same name, op, arguments, and weights of the same dtype). The trial then runs from the cut: a
    graph of the nodes from there on, fed the batch's inputs and the kept values; a batch without that
@@ -26,12 +27,11 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
+from ..analysis.calibration import CACHE_BYTES, CHECKPOINTS
 from .view import fetch_attr
 
 log = logging.getLogger(__name__)
 
-CHECKPOINTS = 16
-CACHE_BYTES = 256 * 2**20
 _FREE = ("placeholder", "get_attr", "output")  # nodes that compute nothing
 
 

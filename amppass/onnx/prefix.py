@@ -4,11 +4,11 @@ The ONNX counterpart of :mod:`amppass.fx.prefix`. The rewrite keeps the main gra
 each Cast right before its first reader, so a trial's nodes up to the first one it changes (a node run
 low, a Cast, a weight stored low) are the fp32 model's, in the same places. Rules:
 
-1. Checkpoints: at most :data:`~amppass.fx.prefix.CHECKPOINTS` positions in the main graph, spread evenly
-   over the search's candidates. At each, the values live there (made by earlier nodes, read by later ones
-   or their bodies) are returned by the calibration pass as extra outputs and kept per feed, within
-   :data:`~amppass.fx.prefix.CACHE_BYTES`; a position whose live values are untyped or graph outputs is not
-   used.
+1. Checkpoints: at most :data:`~amppass.analysis.calibration.CHECKPOINTS` positions in the main graph,
+   spread evenly over the search's candidates. At each, the values live there (made by earlier nodes, read
+   by later ones or their bodies) are returned by the calibration pass as extra outputs and kept per feed,
+   within :data:`~amppass.analysis.calibration.CACHE_BYTES`; a position whose live values are untyped or
+   graph outputs is not used.
 2. A trial's cut is the last checkpoint before which its nodes equal the fp32 model's (op, inputs, outputs,
    attributes, and the element type of each initializer read). The trial then runs as a model of the nodes
    from the cut on, fed the feed's inputs and the kept values (initializers only the cut-off nodes read are
@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from ..fx.prefix import CACHE_BYTES, CHECKPOINTS
+from ..analysis.calibration import CACHE_BYTES, CHECKPOINTS
 from .view import subgraphs
 
 log = logging.getLogger(__name__)

@@ -46,7 +46,7 @@ from torch.export.unflatten import InterpreterModule
 from torch.utils import _pytree as pytree
 
 from ..errors import InputError
-from ..fx.capture import _auto_dims, _without_dtype_asserts, size_one_dynamic
+from ..fx.capture import auto_dims, size_one_dynamic, without_dtype_asserts
 from ..fx.calibrate import split_batch
 from ..fx.quiet import quiet_torch
 from ..fx.guards import GUARDS_KEY
@@ -313,7 +313,7 @@ def _common(stacks: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _export_like(gm: fx.GraphModule, args: tuple, kwargs: dict, guards: Any) -> torch.export.ExportedProgram | None:
     """Export ``gm`` with every dimension dynamic that the capture left dynamic (rule 2)."""
-    dims = _auto_dims(gm, args, kwargs)
+    dims = auto_dims(gm, args, kwargs)
     last: Exception | None = None
     for oblivious in (True, False):
         try:
@@ -323,7 +323,7 @@ def _export_like(gm: fx.GraphModule, args: tuple, kwargs: dict, guards: Any) -> 
             last = err
             continue
         if _same_dynamism(program, guards):
-            _without_dtype_asserts(program.graph_module)
+            without_dtype_asserts(program.graph_module)
             return program
     log.warning("the converted graph could not be exported again with the capture's dynamic dimensions (%s); "
                 "it runs as one graph, so FSDP2 can wrap only the whole model", last or "a dimension became fixed")
