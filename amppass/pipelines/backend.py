@@ -44,14 +44,14 @@ import torch
 from torch import fx, nn
 
 from ..dtypes import low_type
-from ..targets.target import torch_target
 from ..errors import CaptureError, InputError
+from ..fx.guards import input_spec, range_bound
+from ..fx.quiet import quiet_torch
 from ..report.fx_reader import read_graph_module
 from ..report.report import Report
-from .convert import MODES, _convert_captured
-from ..fx.quiet import quiet_torch
-from ..fx.guards import input_spec, range_bound
 from ..serving.serving_graph import set_state
+from ..targets.target import torch_target
+from .convert import MODES, _convert_captured
 
 log = logging.getLogger(__name__)
 

@@ -13,28 +13,28 @@ from .. import __version__
 from ..analysis import overrides
 from ..analysis.calibration import check_tolerance
 from ..analysis.painting import paint
+from ..analysis.view import GraphView
 from ..dtypes import low_type
 from ..errors import CaptureError, InputError
-from ..targets.target import Target, torch_target
-from ..fx.macs import node_macs
-from ..fx.backward import annotate_backward
-from ..serving.train_eval import TrainEvalGraphs
-from ..analysis.view import GraphView
 from ..fx import profit
+from ..fx.backward import annotate_backward
 from ..fx.calibrate import Recapture, calibrated_plan, flatten_inputs, split_batch
 from ..fx.capture import capture, capture_program
 from ..fx.gelu import FUSED_KEY, fuse_tanh_gelu
-from ..serving.generation import as_generator
-from ..serving.kept import KeptFp32
-from ..targets.device import fingerprint
+from ..fx.guards import GUARDS_KEY, carried_decisions, matching
+from ..fx.macs import node_macs
 from ..fx.modes import module_mode
 from ..fx.profit import CostModel
 from ..fx.rewrite import META_KEY, rewrite
-from ..fx.guards import GUARDS_KEY, carried_decisions, matching
-from ..serving.serving_graph import ServingGraph
-from ..targets.timing_cache import TimingCache
-from ..serving.traced import TracedGraph
 from ..fx.view import build_view
+from ..serving.generation import as_generator
+from ..serving.kept import KeptFp32
+from ..serving.serving_graph import ServingGraph
+from ..serving.traced import TracedGraph
+from ..serving.train_eval import TrainEvalGraphs
+from ..targets.device import fingerprint
+from ..targets.target import Target, torch_target
+from ..targets.timing_cache import TimingCache
 
 log = logging.getLogger(__name__)
 

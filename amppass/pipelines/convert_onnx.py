@@ -26,9 +26,7 @@ from ..analysis.painting import paint
 from ..analysis.plan import Precision, PrecisionPlan
 from ..errors import InputError
 from ..files import Staged
-from ..targets.target import Target, onnx_target
 from ..onnx import policy, scan, validate
-from ..targets import onnxruntime_facts
 from ..onnx import save as saving
 from ..onnx.calibrate import Fp32Model, calibrated_plan
 from ..onnx.macs import is_heavy, node_macs, operands, value_shapes
@@ -36,6 +34,8 @@ from ..onnx.rewrite import META_KEY, RewriteStats, rewrite
 from ..onnx.simplify import bypass_weight_identities, initializers_out_of_inputs
 from ..onnx.view import build_view, clear_value_info, name_nodes, opsets
 from ..onnx.weights import WeightStore, tensors
+from ..targets import onnxruntime_facts
+from ..targets.target import Target, onnx_target
 
 save = saving.save
 log = logging.getLogger(__name__)

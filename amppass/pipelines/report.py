@@ -8,11 +8,11 @@ from typing import Any
 from torch import fx
 
 from ..errors import InputError
+from ..report.fx_reader import read_graph_module
+from ..report.report import Report
 from ..serving.generation import Generator
 from ..serving.kept import KeptFp32
 from ..serving.train_eval import TrainEvalGraphs
-from ..report.fx_reader import read_graph_module
-from ..report.report import Report
 
 
 def report(converted: Any) -> Report:

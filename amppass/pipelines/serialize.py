@@ -34,12 +34,12 @@ from torch.utils import _pytree as pytree
 
 from ..errors import InputError
 from ..files import Staged, check_writable
-from ..serving.train_eval import TrainEvalGraphs
 from ..fx.capture import capture_program, capturing, size_one_dynamic
-from ..serving.kept import KeptFp32
-from ..fx.rewrite import META_KEY
 from ..fx.guards import GUARDS_KEY, ShapeGuards
+from ..fx.rewrite import META_KEY
+from ..serving.kept import KeptFp32
 from ..serving.serving_graph import ServingGraph
+from ..serving.train_eval import TrainEvalGraphs
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ from typing import Any
 
 from torch import nn
 
-from ..report.report import Report, Row
 from ..fx.copies import shared_copy
 from ..fx.rewrite import META_KEY
+from ..report.report import Report, Row
 
 
 class KeptFp32(nn.Module):

@@ -46,10 +46,10 @@ from torch.export.unflatten import InterpreterModule
 from torch.utils import _pytree as pytree
 
 from ..errors import InputError
-from ..fx.capture import auto_dims, size_one_dynamic, without_dtype_asserts
 from ..fx.calibrate import split_batch
-from ..fx.quiet import quiet_torch
+from ..fx.capture import auto_dims, size_one_dynamic, without_dtype_asserts
 from ..fx.guards import GUARDS_KEY
+from ..fx.quiet import quiet_torch
 from .serving_graph import set_state
 
 log = logging.getLogger(__name__)
