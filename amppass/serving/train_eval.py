@@ -32,6 +32,10 @@ Rules:
    converting freezes batch norm's statistics in the train graph). ``train()``/``eval()`` restore those
    flags, and a call with a submodule switched since raises :class:`~amppass.errors.InputError` (a graph
    cannot follow a flag set later).
+8. The tree is used only where it is faithful, decided at conversion: each part is one module called once
+   with the values its code takes (:mod:`amppass.training.tree`, rule 5), and the tree computes on the
+   example what the flat graph computes, in both modes. Where it does not, the model runs as one graph
+   (logged), never the tree's error on a first call.
 
 FSDP2's ``MixedPrecisionPolicy``: amppass's casts do the low-precision work, so ``param_dtype`` stays unset
 (FSDP2 gathers the fp32 parameters and each op reads them in the precision its plan says); ``reduce_dtype``
@@ -96,6 +100,14 @@ class TrainEvalGraphs(Children, nn.Module):
                         type(original).__name__, why)
         build_tree(self, original, self._mode, outlines if runnable else {}, *_named_state(train_graph, original))
         self._outlines: dict[bool, Outline] = outlines if runnable else {}
+        if self._outlines and example is not None:
+            why = self._unfaithful(example)
+            if why is not None:
+                log.warning("%s: %s; the converted model runs as one graph, so FSDP2 can wrap only the whole model",
+                            type(original).__name__, why)
+                self._outlines = {}
+                for part in self.modules():
+                    getattr(part, "_code", {}).clear()
         read = {name for name, _ in named_state(train_graph)}
         # tied names, the one the graphs read first: after load_state_dict(assign=True) all point at its tensor
         self._tied = [sorted(names, key=lambda n: n not in read) for names in _groups(self)]
@@ -145,6 +157,54 @@ class TrainEvalGraphs(Children, nn.Module):
             return served(*args, **kwargs)
         finally:
             self._settle()
+
+    def _unfaithful(self, example: tuple[Any, dict]) -> str | None:
+        """Rule 8: why the module tree does not compute what the flat graphs compute on the example, or None.
+
+        Each mode runs both ways on the example, without gradients, from one random seed (dropout draws the
+        same masks), and the state the train graph updates in place (batch norm's statistics) is put back."""
+        if any(tensor.is_meta for _, tensor in named_state(self)):
+            return None  # no values to run on: the shapes were checked by export
+        args, kwargs = example_call(example)
+        saved = {name: tensor.detach().clone() for name, tensor in self.named_buffers(remove_duplicate=False)}
+        leaves = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+        device = leaves[0].device if leaves else torch.device("cpu")
+        rng = {"devices": []} if device.type == "cpu" else {"devices": [device], "device_type": device.type}
+        try:
+            for training, found in self._outlines.items():
+                mode = "train" if training else "eval"
+                with torch.no_grad(), torch.random.fork_rng(**rng):
+                    torch.manual_seed(0)
+                    self._share_state()
+                    try:
+                        expected = self._graphs[training](*args, **kwargs)
+                    finally:
+                        self._settle()
+                    self._restore(saved)
+                    torch.manual_seed(0)
+                    self._mode.key = training
+                    self._mode.calls += 1
+                    try:
+                        got = found.outputs(found.root(self, *found.flat_inputs(args, kwargs)))
+                    except Exception as err:  # noqa: BLE001 - the flat graph runs instead; the reason is logged
+                        return f"its module tree fails on the example in {mode} mode ({type(err).__name__}: {err})"
+                    finally:
+                        self._mode.calls -= 1
+                        self._mode.key = self.training
+                    self._restore(saved)
+                differs = _differs(expected, got)
+                if differs is not None:
+                    return f"its module tree computes other values than its graph on the example in {mode} mode " \
+                           f"({differs})"
+            return None
+        finally:
+            self._restore(saved)
+
+    def _restore(self, saved: dict[str, torch.Tensor]) -> None:
+        """Put back the buffers a run on the example updated in place."""
+        with torch.no_grad():
+            for name, value in saved.items():
+                self.get_buffer(name).copy_(value)
 
     def _outline_for(self, plan: fx.GraphModule, args: tuple, kwargs: dict) -> tuple[Outline | None, Any]:
         """The tree code of ``plan``, the one that takes this call, and its key (rule 5); None if it runs as one
@@ -224,6 +284,7 @@ class TrainEvalGraphs(Children, nn.Module):
         """A copy with its own tensors and modules (what ``copy.deepcopy`` does without ``__reduce__``)."""
         copied = type(self).__new__(type(self))
         memo[id(self)] = copied
+        memo[id(self._mode)] = copy.copy(self._mode)  # the copy's parts share its mode, not this one's
         copied.__dict__.update({key: copy.deepcopy(value, memo) for key, value in self.__dict__.items()})
         return copied
 
@@ -285,6 +346,29 @@ class TrainEvalGraphs(Children, nn.Module):
                 f"{call_layout(args, kwargs)} could not be outlined into its modules, see the log), which cannot read "
                 f"parameters FSDP2 has sharded ({held[0]} ...): call it with inputs of the shapes it was converted "
                 "for, or convert with an example of these shapes")
+
+
+def _differs(expected: Any, got: Any) -> str | None:
+    """Where two runs of one plan on one input part ways, or None: the same layout, and each tensor equal to a
+    thousandth of its largest value (the same kernels on the same values; only their grouping may differ)."""
+    want, want_spec = pytree.tree_flatten(expected)
+    have, have_spec = pytree.tree_flatten(got)
+    if want_spec != have_spec:
+        return "its outputs are laid out differently"
+    for index, (a, b) in enumerate(zip(want, have)):
+        if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+            if a != b:
+                return f"output {index} is {b!r}, not {a!r}"
+            continue
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return f"output {index} is {b.dtype}{list(b.shape)}, not {a.dtype}{list(a.shape)}"
+        if a.is_floating_point() or a.is_complex():
+            scale = float(a.detach().abs().nan_to_num(0, 0, 0).max()) if a.numel() else 0.0
+            if not torch.allclose(a, b, rtol=1e-3, atol=1e-3 * max(scale, 1e-6), equal_nan=True):
+                return f"output {index} differs by up to {float((a - b).abs().nan_to_num(0).max()):.3g}"
+        elif not torch.equal(a, b):
+            return f"output {index} differs"
+    return None
 
 
 def _check_fsdp_policy(root: nn.Module) -> None:

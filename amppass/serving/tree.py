@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import functools
 import io
 import itertools
@@ -112,6 +113,16 @@ class ModulePart(nn.Module):
     def extra_repr(self) -> str:
         return "converted by amppass"
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> "ModulePart":
+        """A copy with its own tensors that runs in the same tree (peft's ``modules_to_save`` copies a part to
+        train it beside the original): it shares the tree's mode unless the whole tree is being copied, which
+        puts its own copy of the mode in ``memo`` first."""
+        memo.setdefault(id(self._mode), self._mode)
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__dict__.update({key: copy.deepcopy(value, memo) for key, value in self.__dict__.items()})
+        return copied
+
 
 class PlainPart(Children, ModulePart):
     """A part whose original class could not be mixed in: it still iterates and indexes like the container
@@ -170,9 +181,10 @@ class Outline:
     """What one mode's tree needs: the root's code and pytree specs, and each called module's code."""
 
     def __init__(self, root: Callable[..., Any], in_spec: Any, out_spec: Any, parts: dict[str, Callable[..., Any]],
-                 constants: dict[str, Any]):
+                 constants: dict[str, Any], inlined: dict[str, str]):
         self.root, self.in_spec, self.out_spec = root, in_spec, out_spec
         self.parts, self.constants = parts, constants
+        self.inlined = inlined  # the modules whose nodes run in their parent's part, each with why (rule 5)
 
     def outputs(self, leaves: Any) -> Any:
         """The root code's flat outputs arranged as the model returns them (a single leaf may come bare)."""
@@ -203,33 +215,154 @@ def outline(gm: fx.GraphModule, example: tuple[tuple, dict] | None, device: torc
         gm.graph.owning_module = gm  # the copy took the graph over; it must not keep the copy (and its tensors)
     if program is None:
         return None
+    _absorb_gaps(program)
+    inlined: dict[str, str] = {}
+    for _ in range(_MAX_UNFLATTENS):
+        tree = _unflatten(program)
+        if tree is None:
+            return None
+        misfits = _misfits(tree)
+        if not misfits:
+            break
+        if "" in misfits:
+            log.warning("the converted graph cannot run in the model's module tree (%s); it runs as one graph, so "
+                        "FSDP2 can wrap only the whole model", misfits[""])
+            return None
+        for name, why in misfits.items():
+            log.info("%s: %s; its part of the graph runs inside its parent's instead (FSDP2 cannot wrap it alone)",
+                     name, why)
+        inlined.update(misfits)
+        _inline(program, set(misfits))
+    else:
+        log.warning("the converted graph could not be outlined into its modules (%s ...); it runs as one graph, so "
+                    "FSDP2 can wrap only the whole model", next(iter(misfits.values())))
+        return None
+    parts, constants = {}, {}
+    for name, module in tree.named_modules(remove_duplicate=False):
+        if not name or isinstance(module, fx.GraphModule):  # the root, or a subgraph of a higher-order op
+            continue
+        held = []
+        if isinstance(module, InterpreterModule):
+            held = _hold_subgraphs(module)
+            if any(n.op != "placeholder" and n.op != "output" for n in module.graph.nodes):
+                _unshadow_self(module.graph_module)
+                parts[name] = type(module.graph_module).forward
+        # a module not called (its nodes run in a parent's part) still holds the constants its nodes read
+        constants.update((f"{name}.{attr}", value) for attr, value in itertools.chain(_tensors(module), held))
+    constants.update(itertools.chain(_tensors(tree), _hold_subgraphs(tree)))
+    signature = tree.module_call_graph[0].signature
+    _unshadow_self(tree.graph_module)
+    return Outline(type(tree.graph_module).forward, signature.in_spec, signature.out_spec, parts, constants,
+                   inlined)
+
+
+# Each round inlines at least one module into its parent; a model this deep is not outlined.
+_MAX_UNFLATTENS = 16
+_SUBGRAPHS = itertools.count()  # unique names for the subgraphs of higher-order ops, across all outlines
+
+
+def _unflatten(program: torch.export.ExportedProgram) -> nn.Module | None:
+    """``torch.export.unflatten(program)``, or None with the reason logged."""
     try:
         with quiet_torch(), contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
             # torch 2.13's unflatten prints a debug line, and copying its pytree specs trips a deprecation notice
             warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
-            tree = torch.export.unflatten(program)
+            return torch.export.unflatten(program)
     except Exception as err:  # noqa: BLE001 - the flat graph still runs; only module hooks are lost
         log.warning("the converted graph could not be split into its modules (%s); it runs as one graph, so "
                     "FSDP2 can wrap only the whole model", err)
         return None
-    parts, constants = {}, {}
+
+
+def _misfits(tree: nn.Module) -> dict[str, str]:
+    """Rule 5: the modules of ``tree`` (by path) whose part cannot run as unflatten outlined it, each with why.
+
+    A part must be one module called at one place (unflatten splits a module called twice into ``name@1``
+    copies or a dispatcher, which the original's tree does not have), and each call must hand it exactly the
+    values its code takes (unflatten's deduplication of equivalent-looking parts can break that). The
+    generated code of every part is rebuilt from its graph first: unflatten edits call targets after
+    generating it.
+    """
+    misfits: dict[str, str] = {}
     for name, module in tree.named_modules(remove_duplicate=False):
-        if not name:
+        if "@" in name:
+            base = name[:name.index("@")]
+            misfits.setdefault(base, "it is called more than once")
             continue
-        if not isinstance(module, InterpreterModule):
-            if hasattr(module, "_call_modules"):
-                log.warning("%s is called more than once; the converted graph runs as one graph, so FSDP2 can wrap "
-                            "only the whole model", name)
-                return None
+        if hasattr(module, "_call_modules"):
+            misfits.setdefault(name, "it is called more than once")
             continue
-        if any(n.op != "placeholder" and n.op != "output" for n in module.graph.nodes):
-            _unshadow_self(module.graph_module)
-            parts[name] = type(module.graph_module).forward
-        constants.update((f"{name}.{attr}", value) for attr, value in _tensors(module))
-    constants.update(_tensors(tree))
-    signature = tree.module_call_graph[0].signature
-    _unshadow_self(tree.graph_module)
-    return Outline(type(tree.graph_module).forward, signature.in_spec, signature.out_spec, parts, constants)
+        if not hasattr(module, "graph_module"):
+            continue
+        module.graph_module.recompile()
+        called: collections.Counter[str] = collections.Counter()
+        for node in module.graph.nodes:
+            if node.op != "call_module":
+                continue
+            child = _join(name, node.target.split("@")[0])
+            called[child] += 1
+            try:
+                target = module.get_submodule(node.target)
+            except AttributeError:
+                misfits.setdefault(child, "its parent's part calls a module it does not hold")
+                continue
+            takes = sum(n.op == "placeholder" for n in getattr(target, "graph", fx.Graph()).nodes)
+            if node.kwargs or len(node.args) != takes:
+                misfits.setdefault(child, f"its call hands it {len(node.args) + len(node.kwargs)} values where "
+                                          f"its part takes {takes}")
+        misfits.update((child, "it is called more than once") for child, n in called.items() if n > 1)
+    return misfits
+
+
+def _absorb_gaps(program: torch.export.ExportedProgram) -> None:
+    """Rule 1 again, on the order of the nodes: a node of a parent that runs between two nodes of one module (a
+    cast placed in the layer that holds all its readers, between two ops of the layer's attention) would make
+    unflatten call that module twice; it runs inside the module instead, whose part hands it to the parent.
+    A gap holding another module's nodes is left: that module really is called twice."""
+    nodes = [n for n in program.graph.nodes if n.op not in ("placeholder", "output")]
+    paths = [[value[0].split("@")[0] for value in (n.meta.get(STACK) or {}).values()] for n in nodes]
+    spans: dict[str, list[int]] = {}
+    for index, stack in enumerate(paths):
+        for path in stack:
+            spans.setdefault(path, []).append(index)
+    for path, inside in sorted(spans.items(), key=lambda item: -len(item[0].split("."))):
+        depth = paths[inside[0]].index(path) + 1
+        gaps = sorted(set(range(inside[0], inside[-1] + 1)) - set(inside))
+        if not gaps or any(paths[i] != paths[inside[0]][:len(paths[i])] or len(paths[i]) >= depth for i in gaps):
+            continue
+        stack = dict(itertools.islice(nodes[inside[0]].meta[STACK].items(), depth))
+        for i in gaps:
+            nodes[i].meta[STACK] = dict(stack)
+            paths[i] = paths[inside[0]][:depth]
+
+
+def _inline(program: torch.export.ExportedProgram, paths: set[str]) -> None:
+    """Take the modules at ``paths`` (and their submodules) out of the module stacks of ``program``'s nodes, so
+    the next unflatten runs their nodes in their parents' parts."""
+    def kept(path: str) -> bool:
+        path = ".".join(part.split("@")[0] for part in path.split("."))
+        return not any(path == p or path.startswith(p + ".") for p in paths)
+
+    for node in program.graph.nodes:
+        stack = node.meta.get(STACK)
+        if stack:
+            node.meta[STACK] = {key: value for key, value in stack.items() if kept(value[0])}
+
+
+def _hold_subgraphs(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The subgraphs of higher-order ops (``wrap_with_set_grad_enabled``, ``cond``) that ``module``'s part
+    reads, renamed uniquely: the tree's part holds them as constants, as it holds the graph's tensors."""
+    held = []
+    for node in module.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        value = getattr(module, node.target, None)
+        if isinstance(value, fx.GraphModule) and "." not in node.target:
+            node.target = f"{node.target}_amppass{next(_SUBGRAPHS)}"
+            held.append((node.target, value))
+    if held:
+        module.graph_module.recompile()
+    return held
 
 
 def _unshard_shapes(gm: fx.GraphModule, device: torch.device) -> None:
@@ -368,7 +501,9 @@ def build_tree(root: nn.Module, original: nn.Module, mode: Mode, outlines: dict[
             continue
         parent, _, leaf = name.rpartition(".")
         part = as_original(module, mode, name)
-        parts[parent].add_module(leaf, part)
+        # not add_module: its hasattr check meets a class's own __getattr__ (peft's wrappers) on a part that
+        # never ran that class's __init__
+        parts[parent]._modules[leaf] = part
         parts[name] = part
     for name, module in original.named_modules(remove_duplicate=False):
         owner = parts[name]
@@ -400,8 +535,11 @@ def install(root: nn.Module, key: Any, found: Outline) -> str | None:
     return None
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a is b or (a.shape == b.shape and torch.equal(a, b))
+def _same(a: Any, b: Any) -> bool:
+    """Whether two constants of the graphs are the same (subgraphs only when they are one object)."""
+    if a is b:
+        return True
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
 
 
 def unfit(original: nn.Module, outlines: dict[bool, Outline | None]) -> str | None:
