@@ -15,8 +15,7 @@ Rules:
    so the cast of a block's weight runs inside the block, after its hooks have gathered the weight.
 2. The converted graph is exported again (torch.export keeps each node's module stack) with the same
    dynamic dimensions as the capture, then unflattened; if export fixes a dimension the capture left
-   dynamic, or the model calls one module twice (unflatten's dispatcher), there is no tree and the flat
-   graph runs (logged).
+   dynamic, there is no tree and the flat graph runs (logged).
 3. The tree has one :class:`ModulePart` per module of the original model, in the original's order and
    under its names; each holds the code of its part in train mode and in eval mode, and runs the one of
    the mode its root is in.
@@ -27,6 +26,12 @@ Rules:
    (``isinstance(m, Block)``, accelerate's class names), ``model.apply(init_weights)``, containers that
    iterate as their class does. Its ``forward`` is always the part's; a class that cannot be mixed in
    (``__slots__``, a failing ``__init_subclass__``) leaves a plain part, logged.
+5. A part is one module called at one place with exactly the values its code takes. A node of a parent
+   that runs between two nodes of one module (a cast rule 1 placed there) runs inside that module. A module
+   still called twice (a dropout applied twice in one layer), or handed other values than its code takes,
+   runs inside its parent's part instead (logged; FSDP2 cannot wrap that module alone); the whole model
+   runs as one graph only where the root itself is such a module. Subgraphs of higher-order ops
+   (``torch.no_grad()`` regions) are held by the part that runs them.
 """
 
 from __future__ import annotations
