@@ -107,7 +107,7 @@ def _step_against_fp32(model: nn.Module, loss_of, inputs: dict, *, loss_rtol: fl
 def test_a_block_calling_its_dropout_twice_stays_a_part_and_runs_the_dropout_inline(caplog):
     torch.manual_seed(0)
     x = torch.randn(8, 16)
-    with caplog.at_level(logging.INFO, logger="amppass.training.tree"):
+    with caplog.at_level(logging.INFO, logger="amppass.serving.tree"):
         converted = _step_against_fp32(TwiceNet(), lambda y: y.square().mean(), {"x": x})
     assert "blocks.0.dropout: it is called more than once" in caplog.text
     assert isinstance(converted.blocks[0], Block)

@@ -33,7 +33,7 @@ Rules:
    flags, and a call with a submodule switched since raises :class:`~amppass.errors.InputError` (a graph
    cannot follow a flag set later).
 8. The tree is used only where it is faithful, decided at conversion: each part is one module called once
-   with the values its code takes (:mod:`amppass.training.tree`, rule 5), and the tree computes on the
+   with the values its code takes (:mod:`amppass.serving.tree`, rule 5), and the tree computes on the
    example what the flat graph computes, in both modes. Where it does not, the model runs as one graph
    (logged), never the tree's error on a first call.
 
