@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 
 from .errors import AmpPassError, CalibrationError, CaptureError, InputError  # noqa: E402
 from .pipelines.convert import convert  # noqa: E402
-from .pipelines.serialize import load, save  # noqa: E402
+from .pipelines.serialize import load, load_program, save  # noqa: E402
 from .pipelines.convert_onnx import convert_onnx  # noqa: E402
 from .pipelines.export_onnx import export_onnx  # noqa: E402
 from .pipelines.report import report  # noqa: E402
@@ -26,6 +26,7 @@ __all__ = [
     "convert_onnx",
     "export_onnx",
     "load",
+    "load_program",
     "report",
     "save",
 ]

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import sys
+import traceback
 import zipfile
 from typing import Any, Iterator, NoReturn, Sequence
 
@@ -78,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"amppass {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the conversion does")
-    parser.add_argument("--debug", action="store_true", help="show the traceback of an unexpected error")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback behind an error (also AMPPASS_DEBUG=1)")
     commands = parser.add_subparsers(dest="command", metavar="{convert,report}")
 
     convert = commands.add_parser("convert", help="convert an ONNX model to fp16 or bf16",
@@ -114,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="list only nodes running these ops (case-insensitive: Add, MatMul)")
     report.add_argument("--by-op", action="store_true", help="one line per op: nodes in each precision, MACs")
     report.add_argument("--rows", type=int, default=None, metavar="N", help="show only the first N rows")
+    for command in (convert, report):
+        command.add_argument("--trust-pickle", action="store_true",
+                             help="read a .pt2 file whose author you trust as torch.export.load does: pickles, "
+                             "compiled code and expressions in it run (without it such files are refused)")
     return parser
 
 
@@ -137,14 +143,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as error:
         return _fail(2, str(error))
     except FileProblem as error:
+        if _debugging(args):  # the chain down to the library's or torch's own error
+            traceback.print_exception(error, file=sys.stderr)
         return _fail(1, str(error))
     except KeyboardInterrupt:
         return _fail(130, "interrupted")
     except Exception as error:  # the CLI's promise: one line, no traceback, unless asked for it
-        if args is not None and args.debug:
+        if _debugging(args):
             raise
         where = f"{args.model}: " if args is not None and getattr(args, "model", None) else ""
         return _fail(1, f"{where}unexpected {type(error).__name__}: {_one_line(error)} (rerun with --debug for details)")
+
+
+def _debugging(args: argparse.Namespace | None) -> bool:
+    """``--debug`` or ``AMPPASS_DEBUG=1``: show the full traceback behind an error."""
+    return (args is not None and args.debug) or os.environ.get("AMPPASS_DEBUG", "").strip() not in ("", "0")
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -189,7 +202,7 @@ def _report(args: argparse.Namespace) -> int:
     _check_report_formats(args.report)
     for path in args.report:
         _check_writable(path)
-    model = _load_program(args.model) if _is_program(args.model) else _load_onnx(args.model).model
+    model = _load_program(args.model, args.trust_pickle) if _is_program(args.model) else _load_onnx(args.model).model
     report = _read_report(model, args.model)
     with _writing() as staged:
         for path, text in _report_files(report, args.report, args.model).items():
@@ -217,7 +230,7 @@ def _convert_program(args: argparse.Namespace) -> int:
     _check_report_formats(args.report)
     for path in (args.output, *args.report):
         _check_writable(path)
-    program = _load_program(args.model)
+    program = _load_program(args.model, args.trust_pickle)
     from .pipelines.serialize import stage
 
     try:
@@ -242,22 +255,17 @@ def _is_program(path: str) -> bool:
     return path.endswith(".pt2")
 
 
-def _load_program(path: str) -> Any:
-    """A .pt2 file: the converted module if amppass wrote it, else the program torch.export.load reads."""
-    import amppass
-    import torch
-    from amppass.pipelines.serialize import has_plan
+def _load_program(path: str, trusted: bool) -> Any:
+    """A .pt2 file, checked as untrusted input unless ``trusted``: the converted module if amppass wrote it,
+    else the program it holds."""
+    from amppass.pipelines.serialize import read_file
 
     if not os.path.isfile(path):
         raise FileProblem(f"{path}: no such file")
     try:
-        if has_plan(path):
-            return amppass.load(path)
-        return torch.export.load(path)
+        return read_file(path, trusted=trusted)
     except AmpPassError as error:
         raise FileProblem(_one_line(error)) from error
-    except Exception as error:  # a zip that is not a program, a truncated file, types not registered
-        raise FileProblem(f"{path}: not a torch.export program torch.export.load can read ({_one_line(error)})") from error
 
 
 # -- checks ---------------------------------------------------------------------------------------------
@@ -417,7 +425,9 @@ def _console():
 
 
 def _fail(code: int, message: str) -> int:
-    print(f"amppass: error: {message}", file=sys.stderr)
+    from .text import printable  # messages quote names and text from the model file
+
+    print(f"amppass: error: {printable(message)}", file=sys.stderr)
     return code
 
 

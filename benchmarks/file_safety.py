@@ -321,6 +321,110 @@ _MEMORY = textwrap.dedent('''
 ''')
 
 
+# .pt2 archives and the timing cache: a converted MLP saved by amppass.save, edited as an attacker would; the
+# payload is a pickle whose __reduce__ writes a marker file (then returns the weight, so the model loads)
+_PT2 = textwrap.dedent('''
+    import io, zipfile, torch
+    MARK = tmp / "marker"
+
+    class Payload:
+        def __reduce__(self):
+            return eval, (f"(__import__('pathlib').Path({str(MARK)!r}).write_text('ran'), "
+                          "__import__('torch').nn.Parameter(__import__('torch').zeros(8, 8, dtype="
+                          "__import__('torch').bfloat16), requires_grad=False))[1]",)
+
+    def saved():
+        mlp = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)).eval()
+        amppass.save(amppass.convert(mlp, (torch.ones(2, 8),), "bf16", plan_for="coverage"), tmp / "m.pt2")
+        return tmp / "m.pt2"
+
+    def edited(edit):
+        with zipfile.ZipFile(saved()) as z:
+            root = z.namelist()[0].partition("/")[0]
+            entries = {i.filename.partition("/")[2]: z.read(i) for i in z.infolist()}
+        edit(entries)
+        with zipfile.ZipFile(tmp / "evil.pt2", "w") as z:
+            for name, data in entries.items():
+                z.writestr(f"{root}/{name}", data)
+        return tmp / "evil.pt2"
+
+    def pickled_weight(entries):
+        config = json.loads(entries["data/weights/model_weights_config.json"])
+        meta = config["config"]["0.weight"]
+        meta["use_pickle"] = True
+        buffer = io.BytesIO(); torch.save(Payload(), buffer)
+        entries["data/weights/" + meta["path_name"]] = buffer.getvalue()
+        entries["data/weights/model_weights_config.json"] = json.dumps(config).encode()
+
+    def sympy_size(entries):
+        text = entries["models/model.json"].decode()
+        start = text.index('"expr_str": "') + 12
+        end = text.index('"', start + 1) + 1
+        code = f"open({str(MARK)!r}, 'w').write('ran')"
+        entries["models/model.json"] = (text[:start] + json.dumps(code) + text[end:]).encode()
+
+    def ran(call):
+        result = outcome(call)
+        return ("CODE FROM THE FILE RAN; " if MARK.exists() else "") + result
+
+    def within(seconds, call):
+        done = []
+        worker = threading.Thread(target=lambda: done.append(outcome(call)), daemon=True)
+        worker.start(); worker.join(seconds)
+        return done[0] if done else f"hangs (no answer in {seconds} s)"
+
+    def cache(folder):
+        from amppass.targets.timing_cache import TimingCache
+        return TimingCache({"device": "cpu", "probe": 1}, folder)
+''')
+
+def _pt2(body: str) -> str:
+    """A probe's code: the .pt2 and cache helpers, then ``body``."""
+    return _PT2 + textwrap.dedent(body)
+
+
+PROBES.update({
+    ".pt2: weight stored as a pickle (amppass.load)": _pt2('''
+        evil = edited(pickled_weight)
+        print(ran(lambda: type(amppass.load(evil)).__name__ + " loaded"))'''),
+    ".pt2: weight stored as a pickle (amppass report)": _pt2('''
+        import subprocess
+        evil = edited(pickled_weight)
+        def go():
+            done = subprocess.run([sys.executable, "-m", "amppass", "report", str(evil)], capture_output=True,
+                                  text=True)
+            return f"exit {done.returncode}, stderr {len(done.stderr.strip().splitlines())} lines"
+        print(ran(go))'''),
+    ".pt2: symbolic size that is Python code": _pt2('''
+        evil = edited(sympy_size)
+        print(ran(lambda: type(amppass.load(evil)).__name__ + " loaded"))'''),
+    ".pt2: plan entry nested 100000 deep": _pt2('''
+        evil = edited(lambda e: e.update({"extra/amppass.json": b"[" * 100000 + b"]" * 100000}))
+        print(ran(lambda: type(amppass.load(evil)).__name__ + " loaded"))'''),
+    "timing cache: nested 200000 deep": _pt2('''
+        path = cache(tmp).path
+        path.write_text("[" * 200000 + "]" * 200000)
+        print(within(30, lambda: f"{len(cache(tmp).entries)} entries"))'''),
+    "timing cache: the table is a FIFO": _pt2('''
+        os.mkfifo(cache(tmp).path)
+        print(within(20, lambda: f"{len(cache(tmp).entries)} entries"))
+        sys.stdout.flush(); os._exit(0)'''),
+    "timing cache: the lock links outside the folder": _pt2('''
+        (tmp.parent / "outside").mkdir()
+        c = cache(tmp)
+        c.path.with_suffix(".lock").symlink_to(tmp.parent / "outside" / "made")
+        result = outcome(lambda: (c.add({"k": 1e-6}), "table written" if c.enabled else "cache skipped")[1])
+        made = (tmp.parent / "outside" / "made").exists()
+        print(("A FILE WAS CREATED OUTSIDE; " if made else "nothing outside; ") + result)'''),
+    "timing cache: the user's notes.json, 100 days old": _pt2('''
+        import time
+        notes = tmp / "notes.json"; notes.write_text("{}")
+        old = time.time() - 100 * 86400; os.utime(notes, (old, old))
+        cache(tmp).add({"k": 1e-6})
+        print("notes.json kept" if notes.exists() else "NOTES.JSON DELETED")'''),
+})
+
+
 def run_probe(root: Path, name: str) -> str:
     """One probe in a fresh process importing amppass from ``root``; its one-line outcome."""
     with tempfile.TemporaryDirectory() as folder:

@@ -4,6 +4,7 @@ and the fix. ``python -m tests.test_bad_inputs docs/errors.md`` writes the table
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import sys
@@ -22,7 +23,7 @@ import amppass
 from amppass import AmpPassError, CalibrationError, CaptureError, InputError
 from amppass.errors import ScaleCollapseError, ScalerUsageError, ScalerValueError
 from amppass.serving.kept import KeptFp32
-from amppass.targets import onnxruntime_facts
+from amppass.targets import onnxruntime_facts, timing_cache
 from tests.ddp_harness import one_rank_group
 
 F32 = TensorProto.FLOAT
@@ -130,6 +131,31 @@ def _bad_calibration(value: float) -> list[tuple[torch.Tensor]]:
 
 def _onnx_calibration(feeds: list[dict]) -> Callable[[Path], object]:
     return _onnx(lambda tmp: matmul_model(), calibration=feeds)
+
+
+@functools.lru_cache(maxsize=None)
+def _saved_pt2() -> Path:
+    """A small converted model saved once per process (amppass.save), for the .pt2 cases to edit."""
+    from tests.test_pt2_security import X as x8, mlp as mlp8
+
+    path = Path(tempfile.mkdtemp(prefix="amppass-bad-inputs-")) / "model.pt2"
+    amppass.save(amppass.convert(mlp8(), x8, "bf16", plan_for="coverage"), path)
+    return path
+
+
+def _hostile_pt2(attack: str) -> Callable[[Path], object]:
+    """amppass.load of the saved model edited by one of tests/test_pt2_security.py's attacks."""
+    def load(tmp: Path) -> object:
+        from tests import test_pt2_security as attacks
+
+        plan = {"plan-not-json": b"{not json", "plan-bomb": b" " * (attacks.MAX_EXTRA + 1)}.get(attack)
+        if plan is None:
+            edit = {"pickle": attacks.pickled_weight, "sympy": attacks.sympy_code, "aoti": attacks.aoti,
+                    "samples": attacks.sample_inputs}[attack](tmp / "marker")
+        else:
+            edit = lambda entries: entries.update({"extra/amppass.json": plan})  # noqa: E731
+        return amppass.load(attacks.rewrite(_saved_pt2(), tmp / "model.pt2", edit, compress=("extra/amppass.json",)))
+    return load
 
 
 @dataclass(frozen=True)
@@ -287,6 +313,18 @@ CASES = [
          lambda tmp: amppass.save(KeptFp32(mlp(), {"whole_model": {"converted_ms": 0.2, "original_ms": 0.1}}),
                                   tmp / "m.pt2"),
          InputError, ("kept the original", "0.2 ms", "plan_for='coverage'")),
+    Case("pt2-pickle", "a .pt2 whose weight is a pickle (use_pickle in its config)", _hostile_pt2("pickle"),
+         InputError, ("model_weights_config.json", "weights_only=False", "trusted=True", "--trust-pickle")),
+    Case("pt2-sample-inputs", "a .pt2 whose sample inputs are not tensors only", _hostile_pt2("samples"),
+         InputError, ("data/sample_inputs/model.pt", "weights_only=False", "trusted=True")),
+    Case("pt2-sympy", "a .pt2 whose symbolic size is Python code", _hostile_pt2("sympy"),
+         InputError, ("models/model.json", "sympy.sympify", "trusted=True")),
+    Case("pt2-aoti", "a .pt2 holding an AOTInductor library", _hostile_pt2("aoti"),
+         InputError, ("data/aotinductor/", "AOTInductor", "trusted=True")),
+    Case("pt2-plan-not-json", "a .pt2 whose amppass plan entry is not JSON", _hostile_pt2("plan-not-json"),
+         InputError, ("extra/amppass.json", "not UTF-8 JSON", "save the model again")),
+    Case("pt2-plan-bomb", "a .pt2 whose plan entry would inflate past its bound", _hostile_pt2("plan-bomb"),
+         InputError, ("extra/amppass.json", "would inflate to", "save the model again")),
     Case("export-not-a-module", "export_onnx of a function",
          lambda tmp: amppass.export_onnx(lambda x: x, X, tmp / "o.onnx"),
          InputError, ("export_onnx", "got function", "amppass.convert_onnx")),
@@ -395,6 +433,32 @@ def custom_op_row() -> str:
     return next(r for r in amppass.report(converted).rows if r.name == "foo").reason
 
 
+def cache_warning() -> str:
+    """The warning a timing-cache file amppass cannot use gives (the cache reads as empty; <tmp> for its folder)."""
+    import logging
+
+    with tempfile.TemporaryDirectory() as folder:
+        cache = timing_cache.TimingCache({"device": "cpu"}, Path(folder))
+        cache.path.write_text("[" * 100_000)
+        timing_cache._WARNED.discard(cache.path)
+        said: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda record: said.append(record.getMessage())
+        logger, disabled = logging.getLogger(timing_cache.__name__), logging.root.manager.disable
+        logger.addHandler(handler)
+        logging.disable(logging.NOTSET)  # the table's generator silences warnings
+        try:
+            timing_cache.TimingCache({"device": "cpu"}, Path(folder))
+        finally:
+            logger.removeHandler(handler)
+            logging.disable(disabled)
+        return said[0].replace(folder, "<tmp>")
+
+
+def test_a_cache_file_amppass_cannot_use_is_one_warning():
+    assert "treated as empty" in cache_warning()
+
+
 def table() -> str:
     """The markdown table of every case: the input, the error class and the message (paths as <tmp>)."""
     lines = ["# What users see when an input is wrong", "",
@@ -412,6 +476,9 @@ def table() -> str:
                 message, name = str(err).replace(folder, "<tmp>"), type(err).__name__
         lines.append(f"| {case.what} | {name} | {_cell(message)} |")
     lines.append(f"| custom op (unknown domain) in ONNX | converts; op kept fp32 | {_cell(custom_op_row())} |")
+    lines.append(f"| a timing-cache file that cannot be used (nested, not UTF-8, a FIFO, a link, over "
+                 f"{timing_cache.MAX_BYTES >> 20} MiB) | converts; one warning, cache treated as empty | "
+                 f"{_cell(cache_warning())} |")
     return "\n".join(lines) + "\n"
 
 

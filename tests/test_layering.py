@@ -24,7 +24,7 @@ PACKAGE = ROOT / "amppass"
 
 LAYERS = (
     ("errors",),
-    ("dtypes", "files"),
+    ("archive", "dtypes", "files", "text"),
     ("targets",),
     ("analysis",),
     ("fx", "onnx", "training"),

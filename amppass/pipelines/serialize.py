@@ -24,7 +24,6 @@ import copy
 import json
 import logging
 import os
-import zipfile
 from typing import Any
 
 import torch
@@ -32,6 +31,7 @@ from torch import fx, nn
 from torch.export import Dim
 from torch.utils import _pytree as pytree
 
+from ..archive import Pt2Archive, parse_json
 from ..errors import InputError
 from ..files import Staged, check_writable
 from ..fx.capture import capture_program, capturing, size_one_dynamic
@@ -44,6 +44,8 @@ from ..serving.train_eval import TrainEvalGraphs
 log = logging.getLogger(__name__)
 
 PLAN_FILE = "amppass.json"  # the archive's extra file holding the conversion's summary (gm.meta["amppass"])
+_PLAN_ENTRY = f"extra/{PLAN_FILE}"
+MAX_PLAN = 16 << 20  # bytes of the plan entry amppass reads (a BERT's is about 2 KB)
 _NODE_KEY = "amppass"  # node.meta["custom"] entry holding a node's decision, as JSON
 _NAME_KEY = "amppass_name"  # node.meta["custom"] entry holding the node's name in the converted graph
 
@@ -82,23 +84,42 @@ def stage(staged: Staged, converted: nn.Module, path: str | os.PathLike) -> None
         torch.export.save(program, out, extra_files={PLAN_FILE: info})
 
 
-def load(path: str | os.PathLike) -> ServingGraph:
-    """Read a model :func:`save` wrote: a module that runs it and that ``amppass.report`` reads."""
+def load(path: str | os.PathLike, *, trusted: bool = False) -> ServingGraph:
+    """Read a model :func:`save` wrote: a module that runs it and that ``amppass.report`` reads.
+
+    The file is read as untrusted input (:mod:`amppass.archive`): an archive holding pickles, compiled code or
+    anything else torch would run is refused with an :class:`~amppass.errors.InputError`, unless ``trusted``.
+    """
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise InputError(f"{path}: no such file; give the .pt2 file amppass.save wrote")
-    _register_types(_plan_file(path).get("pytree_types", []))
-    extra = {PLAN_FILE: ""}
-    try:
-        program = torch.export.load(path, extra_files=extra)
-    except Exception as err:  # noqa: BLE001 - a zip that is not a program, a truncated file, another format
-        raise InputError(f"{path}: torch.export.load cannot read it ({type(err).__name__}: "
-                         f"{str(err).splitlines()[0] if str(err) else ''}); give a .pt2 file amppass.save wrote, "
-                         "read with the torch version that wrote it") from err
-    if not extra[PLAN_FILE]:
-        raise InputError(f"{path}: a torch.export program amppass did not convert; convert it with "
-                         f"amppass.convert(torch.export.load({path!r}), dtype=...) or `amppass convert {path} -o OUT.pt2`")
-    return from_program(program, json.loads(extra[PLAN_FILE]), name=os.path.basename(path))
+    with Pt2Archive(path, trusted) as archive:
+        if not archive.has(_PLAN_ENTRY):
+            raise InputError(f"{path}: a torch.export program amppass did not convert; convert it with "
+                             f"amppass.convert(amppass.load_program({path!r}), dtype=...) or "
+                             f"`amppass convert {path} -o OUT.pt2`")
+        return _converted(archive, path)
+
+
+def load_program(path: str | os.PathLike, *, trusted: bool = False) -> torch.export.ExportedProgram:
+    """``torch.export.load(path)`` for an untrusted file: refused (InputError) where torch would run code
+    from it (:mod:`amppass.archive`), unless ``trusted``. Pass the program to :func:`amppass.convert`."""
+    with Pt2Archive(path, trusted) as archive:
+        return archive.load()
+
+
+def read_file(path: str | os.PathLike, *, trusted: bool = False) -> ServingGraph | torch.export.ExportedProgram:
+    """A .pt2 file, checked once: the converted module if amppass wrote it (:func:`load`), else its program
+    (:func:`load_program`)."""
+    path = os.fspath(path)
+    with Pt2Archive(path, trusted) as archive:
+        return _converted(archive, path) if archive.has(_PLAN_ENTRY) else archive.load()
+
+
+def _converted(archive: Pt2Archive, path: str) -> ServingGraph:
+    """The served module of a checked archive holding a plan: the plan read once, its types registered, then
+    the program."""
+    info = _plan(archive, path)
+    _register_types(info.get("pytree_types", []))
+    return from_program(archive.load(), info, name=os.path.basename(path))
 
 
 def from_program(program: torch.export.ExportedProgram, info: dict[str, Any], name: str) -> ServingGraph:
@@ -107,7 +128,10 @@ def from_program(program: torch.export.ExportedProgram, info: dict[str, Any], na
     for node in gm.graph.nodes:
         decision = node.meta.get("custom", {}).get(_NODE_KEY)
         if decision is not None:
-            node.meta[META_KEY] = json.loads(decision)
+            where = f"{name}: node {node.name!r}: its amppass decision"
+            if not isinstance(decision, str):
+                raise InputError(f"{where} is a {type(decision).__name__}, not JSON text; convert the original again")
+            node.meta[META_KEY] = parse_json(decision.encode("utf-8", "surrogatepass"), where)
     _restore_names(gm)
     gm.meta[META_KEY] = info
     return ServingGraph(gm, gm.meta[GUARDS_KEY], name=name)
@@ -128,26 +152,15 @@ def _custom_types(program: torch.export.ExportedProgram) -> list[str]:
     return sorted(names)
 
 
-def has_plan(path: str) -> bool:
-    """Whether ``path`` is a .pt2 archive holding an amppass plan (one :func:`save` wrote)."""
-    if not zipfile.is_zipfile(path):
-        return False
-    with zipfile.ZipFile(path) as archive:
-        return _plan_entry(archive) is not None
-
-
-def _plan_file(path: str) -> dict[str, Any]:
-    """The plan file of a .pt2 archive read on its own (it names the types the program needs registered)."""
-    if not zipfile.is_zipfile(path):
-        raise InputError(f"{path}: not a torch.export program file (not a zip archive); give a .pt2 file "
-                         "amppass.save wrote")
-    with zipfile.ZipFile(path) as archive:
-        entry = _plan_entry(archive)
-        return json.loads(archive.read(entry)) if entry is not None else {}
-
-
-def _plan_entry(archive: zipfile.ZipFile) -> str | None:
-    return next((n for n in archive.namelist() if n.endswith(f"/extra/{PLAN_FILE}")), None)
+def _plan(archive: Pt2Archive, path: str) -> dict[str, Any]:
+    """The plan entry, read once and bounded (:data:`MAX_PLAN` bytes), checked to be an object whose
+    ``pytree_types`` are names."""
+    info = archive.read_json(_PLAN_ENTRY, MAX_PLAN)
+    types = info.get("pytree_types", []) if isinstance(info, dict) else None
+    if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+        raise InputError(f"{path}: entry {_PLAN_ENTRY!r} is not the object amppass.save writes (a summary with a "
+                         "list of type names); the file is damaged or was edited: save the model again")
+    return info
 
 
 def _register_types(names: list[str]) -> None:
@@ -164,9 +177,12 @@ def _register_types(names: list[str]) -> None:
             continue
         try:
             cls = getattr(importlib.import_module(module_name), class_name)
-        except (ImportError, AttributeError) as err:
-            raise InputError(f"the saved program returns or takes {name}, which this environment cannot import "
-                             f"({err}); install the transformers version the model was saved with") from err
+        except (ImportError, AttributeError, ValueError) as err:
+            raise InputError(f"the saved program returns or takes {name[:200]!r}, which this environment cannot "
+                             f"import ({err}); install the transformers version the model was saved with") from err
+        if not isinstance(cls, type):
+            raise InputError(f"the saved program names {name[:200]!r} as a type of its inputs or outputs, but it "
+                             "is not a class; the file is damaged or was edited: save the model again")
         if cls not in pytree.SUPPORTED_NODES:
             from transformers.exporters.exporter_dynamo import register_pytree_node
 

@@ -19,6 +19,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from ..text import ELLIPSIS, cut, elide, printable
 from .report import PRECISIONS, Report, Row, summary_lines
 
 STYLES = {"fp16": "bold green", "bf16": "bold blue", "fp32": "bold dark_orange", "-": "dim"}
@@ -26,29 +27,14 @@ GAP = 3  # columns between two table columns: padding, separator, padding
 SOURCE_FROM, MACS_FROM = 100, 120  # console widths from which those columns are shown
 # node and op columns at most (or a third and a sixth of a wider console); the reason column at least
 NAME_MAX, OP_MAX, REASON_MIN = 28, 20, 28
-ELLIPSIS = "…"
 
 
 def summary_panel(report: Report) -> Panel:
-    """The summary lines in a titled panel."""
+    """The summary lines in a titled panel (text from the model file escaped, :mod:`amppass.text`)."""
     info = report.info
-    title = f"amppass {info.get('front_end', '')} → {info.get('dtype')}"
-    return Panel(Text("\n".join(summary_lines(report))), title=title, title_align="left", expand=False)
-
-
-def elide(text: str, width: int) -> str:
-    """``text`` in at most ``width`` characters, its middle replaced by an ellipsis when it is longer."""
-    if len(text) <= width:
-        return text
-    if width < 2:
-        return ELLIPSIS[:width]
-    head = (width - 1) // 2
-    return text[:head] + ELLIPSIS + text[len(text) - (width - 1 - head):]
-
-
-def cut(text: str, width: int) -> str:
-    """``text`` in at most ``width`` characters, its end replaced by an ellipsis when it is longer."""
-    return text if len(text) <= width else text[:max(width - 1, 0)] + ELLIPSIS[:width]
+    title = Text(printable(f"amppass {info.get('front_end', '')} → {info.get('dtype')}"))
+    return Panel(Text("\n".join(printable(line) for line in summary_lines(report))), title=title,
+                 title_align="left", expand=False)
 
 
 class DecisionsTable:
@@ -64,15 +50,17 @@ class DecisionsTable:
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> Iterator[RenderableType]:
         width = options.max_width
         with_macs = width >= MACS_FROM and any(row.macs is not None for row in self.shown)
-        cells = [
-            {"node": row.name, "op": row.op, "prec": row.precision, "source": row.source,
-             "MACs": "" if row.macs is None else f"{row.macs:,}", "reason": row.reason}
+        cells = [  # escaped before anything is measured or shortened
+            {"node": printable(row.name), "op": printable(row.op), "prec": printable(row.precision),
+             "source": printable(row.source), "MACs": "" if row.macs is None else f"{row.macs:,}",
+             "reason": printable(row.reason)}
             for row in self.shown
         ]
         names = ["node", "op", "prec"] + ["source"] * (width >= SOURCE_FROM) + ["MACs"] * with_macs + ["reason"]
         widths = _widths(names, cells, width)
         table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="bold",
-                      title=self.title or None, title_justify="left", caption_justify="left")
+                      title=Text(self.title) if self.title else None, title_justify="left",
+                      caption_justify="left")
         for name in names:
             table.add_column(name, width=widths[name], no_wrap=True, justify="right" if name == "MACs" else "left")
         shortened = False
@@ -103,7 +91,7 @@ class OpsTable:
         present = [p for p in PRECISIONS if any(p in g.by_precision for g in self.groups)]
         with_macs = any(g.macs is not None for g in self.groups)
         cells = [
-            {"op": g.op, "nodes": str(g.nodes), **{p: str(g.by_precision.get(p, "")) for p in present},
+            {"op": printable(g.op), "nodes": str(g.nodes), **{p: str(g.by_precision.get(p, "")) for p in present},
              "MACs": "" if g.macs is None else f"{g.macs:,}"}
             for g in self.groups
         ]
@@ -111,13 +99,13 @@ class OpsTable:
         fixed = {n: max([len(n)] + [len(c[n]) for c in cells]) for n in names[1:]}
         op_width = max(options.max_width - sum(fixed.values()) - GAP * (len(names) - 1), 8)
         table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="bold",
-                      title=self.title or None, title_justify="left")
+                      title=Text(self.title) if self.title else None, title_justify="left")
         table.add_column("op", no_wrap=True, width=min(op_width, max([2] + [len(c["op"]) for c in cells])))
         for name in names[1:]:
             style = STYLES.get(name, "") if name in PRECISIONS else ""
             table.add_column(name, width=fixed[name], justify="right", no_wrap=True, header_style=f"bold {style}")
         for cell in cells:
-            table.add_row(elide(cell["op"], op_width), *(cell[n] for n in names[1:]))
+            table.add_row(Text(elide(cell["op"], op_width)), *(Text(cell[n]) for n in names[1:]))
         yield table
 
 
@@ -132,8 +120,9 @@ def render(report: Report, *, precision: Iterable[str] = (), op: Iterable[str] =
     filters = [f"precision {', '.join(precision)}"] * bool(precision) + [f"op {', '.join(op)}"] * bool(op)
     if filters and not rows:
         ops = ", ".join(sorted({row.op for row in report.rows}))
-        return Group(summary_panel(report), Text(f"no node matches {'; '.join(filters)}; the model's ops: {ops}"))
-    title = f"{len(rows)} of {len(report.rows)} nodes: {'; '.join(filters)}" if filters else ""
+        return Group(summary_panel(report),
+                     Text(printable(f"no node matches {'; '.join(filters)}; the model's ops: {ops}")))
+    title = printable(f"{len(rows)} of {len(report.rows)} nodes: {'; '.join(filters)}") if filters else ""
     table = OpsTable(report, rows, title) if by_op else DecisionsTable(rows, max_rows, title)
     return Group(summary_panel(report), table)
 

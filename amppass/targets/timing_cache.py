@@ -8,22 +8,28 @@ answer. amppass keeps the times profitability (:mod:`amppass.fx.profit`) measure
 1. **Where**: ``$AMPPASS_CACHE`` if set, else ``$XDG_CACHE_HOME/amppass/timings``, else
    ``~/.cache/amppass/timings``. ``AMPPASS_CACHE=off`` (or ``0``, ``false``, ``no``, ``none``) disables
    it: nothing is read or written, and only the times measured in this process are reused.
-2. **Keyed by the device**: the file is ``<digest>.json``, the digest of the fingerprint
+2. **Keyed by the device**: the file is ``amppass-timings-<digest>.json``, the digest of the fingerprint
    (:func:`amppass.targets.device.fingerprint`: CPU model and ISA flags, torch capability, torch and oneDNN
    versions, thread count). The file also holds the fingerprint itself and is used only if it equals the
    current one, so a changed device, library or thread count never reads another's times. What the
    fingerprint cannot see (a BIOS setting, a new power limit) is forgotten by deleting the file or the
    folder: the next conversion measures again.
-3. **Safe to share**: an update takes an exclusive lock (``fcntl.flock`` on ``<digest>.lock``), reads the
-   file again, merges its new entries in and replaces the file atomically (:func:`amppass.files.write_atomic`):
-   a reader sees the old table or the new one, never half a file, and processes converting at once keep
-   each other's entries. A file that cannot be read or parsed is treated as empty (and replaced by the
-   next update), and so is an entry that is not a finite time in seconds (a hand edit: ``Infinity``,
-   ``true``, a negative number); a folder that cannot be written is logged once per process, and the
-   conversions go on without it.
+3. **Safe to share**: an update takes an exclusive lock (``fcntl.flock`` on ``amppass-timings-<digest>.lock``),
+   reads the file again, merges its new entries in and replaces the file atomically
+   (:func:`amppass.files.write_atomic`): a reader sees the old table or the new one, never half a file, and
+   processes converting at once keep each other's entries. A file that cannot be read or parsed is treated
+   as empty (and replaced by the next update), and so is an entry that is not a finite time in seconds (a
+   hand edit: ``Infinity``, ``true``, a negative number); a folder that cannot be written is logged once per
+   process, and the conversions go on without it.
 4. **Bounded**: a file keeps the :data:`MAX_ENTRIES` entries written last (an entry measured again counts
    as new; a BERT-base plan writes about 200), and every write deletes the folder's other device files not
    written for :data:`STALE_DAYS` days (an older torch's, a retired machine's).
+5. **Read as untrusted**: the folder may be shared or the user's own. The table and the lock are opened
+   without following a symbolic link and without blocking (a FIFO or device never hangs a conversion), used
+   only if they are regular files, and the table is read only up to :data:`MAX_BYTES`; anything else, and
+   any parse failure (deep nesting included), is an empty table with one warning per file and process.
+   Clean-up deletes only files named as amppass names its own (:data:`PREFIX`) that are regular files
+   holding an amppass table (:data:`FORMAT`): never another file in the folder.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ import json
 import logging
 import math
 import os
+import re
+import stat
 import time
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -47,6 +55,11 @@ OFF = ("off", "0", "false", "no", "none")
 _UNWRITABLE: set[Path] = set()  # cache files this process failed to write: a warning the first time, then debug
 MAX_ENTRIES = 20_000  # per device file, about 1.4 MB of JSON (rule 4)
 STALE_DAYS = 90  # a device file not written for this long is deleted by the next write into its folder
+MAX_BYTES = 16 << 20  # a table file read at most (MAX_ENTRIES entries take about 1.4 MB)
+PREFIX = "amppass-timings-"  # the name of every file amppass writes in the folder (rule 5)
+FORMAT = "amppass-timings-1"  # the "format" field of every table amppass writes (rule 5)
+_OWN = re.compile(re.escape(PREFIX) + r"[0-9a-f]{16}\.json")
+_WARNED: set[Path] = set()  # table files this process warned were unreadable (rule 5)
 
 
 def folder() -> Path | None:
@@ -67,7 +80,7 @@ class TimingCache:
     def __init__(self, found: dict[str, Any], where: Path | None = None):
         self.fingerprint = found
         self.folder = where if where is not None else folder()
-        self.path = None if self.folder is None else self.folder / f"{digest(found)}.json"
+        self.path = None if self.folder is None else self.folder / f"{PREFIX}{digest(found)}.json"
         self.entries: dict[str, float] = self._read()
 
     @property
@@ -89,7 +102,8 @@ class TimingCache:
                 merged = {k: v for k, v in self._read().items() if k not in entries}
                 merged.update(entries)  # written last, kept longest (rule 4)
                 merged = dict(list(merged.items())[-MAX_ENTRIES:])
-                write_atomic(self.path, json.dumps({"fingerprint": self.fingerprint, "entries": merged}, indent=0))
+                write_atomic(self.path, json.dumps({"format": FORMAT, "fingerprint": self.fingerprint,
+                                                    "entries": merged}, indent=0))
             self.entries = merged
             _delete_stale(self.path)
         except OSError as error:
@@ -102,13 +116,7 @@ class TimingCache:
     def _read(self) -> dict[str, float]:
         if self.path is None:
             return {}
-        try:
-            stored = json.loads(self.path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError) as error:
-            log.debug("timing cache %s unreadable (%s); treated as empty", self.path, error)
-            return {}
+        stored = _load(self.path)
         if not isinstance(stored, dict) or stored.get("fingerprint") != self.fingerprint:
             return {}  # another device (a digest collision) or an older format: not this device's times
         entries = stored.get("entries")
@@ -118,28 +126,72 @@ class TimingCache:
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0}
 
 
+def _load(path: Path) -> Any:
+    """The JSON of a table file (rule 5), or None when there is none or it cannot be used (warned once)."""
+    try:
+        with _open(path, os.O_RDONLY) as handle:
+            data = handle.read(MAX_BYTES + 1)
+        if len(data) > MAX_BYTES:
+            raise ValueError(f"larger than {MAX_BYTES:,} bytes")
+        return json.loads(data.decode("utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, RecursionError) as error:  # UnicodeDecodeError is a ValueError
+        said = path in _WARNED
+        _WARNED.add(path)
+        log.log(logging.DEBUG if said else logging.WARNING, "timing cache %s unreadable (%s); treated as empty, "
+                "and replaced by the next update", path, str(error)[:200] or type(error).__name__)
+        return None
+
+
 def _delete_stale(kept: Path) -> None:
-    """Rule 4: delete the device files beside ``kept`` (and their locks) not written for STALE_DAYS days."""
+    """Rule 4: delete amppass's device files beside ``kept`` (and their locks) not written for STALE_DAYS days;
+    rule 5: only regular files named and marked as amppass's."""
     oldest = time.time() - STALE_DAYS * 86400
-    for other in kept.parent.glob("*.json"):
+    for other in kept.parent.glob(f"{PREFIX}*.json"):
         try:
-            if other != kept and other.stat().st_mtime < oldest:
-                other.unlink()
-                other.with_suffix(".lock").unlink(missing_ok=True)
-                log.info("timing cache %s deleted: not written for %d days", other, STALE_DAYS)
+            info = other.lstat()
+            if other == kept or not _OWN.fullmatch(other.name) or not stat.S_ISREG(info.st_mode) or \
+                    info.st_mtime >= oldest:
+                continue
+            stored = _load(other)
+            if not isinstance(stored, dict) or stored.get("format") != FORMAT:
+                continue  # named like ours but not a table amppass wrote: not ours to delete
+            other.unlink()
+            lock = other.with_suffix(".lock")
+            if lock.is_symlink() or lock.is_file():
+                lock.unlink()
+            log.info("timing cache %s deleted: not written for %d days", other, STALE_DAYS)
         except OSError as error:  # another process deleted it first, or it is not ours to delete
             log.debug("timing cache %s not deleted (%s)", other, error)
 
 
 @contextlib.contextmanager
+def _open(path: Path, flags: int) -> Iterator[Any]:
+    """``path`` opened without following a link or blocking, if it is a regular file (rule 5)."""
+    flags |= getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags, 0o666)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        handle = os.fdopen(fd, "rb" if flags & os.O_ACCMODE == os.O_RDONLY else "r+b")
+    except BaseException:
+        os.close(fd)
+        raise
+    with handle:
+        yield handle
+
+
+@contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
-    """An exclusive lock on ``path`` for the block (advisory; no lock where the platform has no flock)."""
+    """An exclusive lock on ``path`` for the block (advisory; no lock where the platform has no flock). The
+    lock file is opened as a table is (rule 5): a link or a FIFO there is an OSError, never followed."""
     try:
         import fcntl
     except ImportError:  # Windows: os.replace alone keeps the file whole; concurrent merges may lose entries
         yield
         return
-    with open(path, "a+b") as handle:
+    with _open(path, os.O_RDWR | os.O_CREAT) as handle:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
         try:
             yield

@@ -1,0 +1,110 @@
+"""The timing cache ($AMPPASS_CACHE) read as untrusted: nothing hangs or crashes, nothing outside is touched.
+
+The folder may be shared, or a folder of the user's own that they pointed AMPPASS_CACHE at: a table that is
+deeply nested, huge, a FIFO or a link, a lock that is a link out of the folder, and the user's own files
+older than the clean-up age must each leave the conversion running and everything else as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import tracemalloc
+from pathlib import Path
+
+import pytest
+
+from amppass.targets import timing_cache
+from amppass.targets.timing_cache import TimingCache
+
+FOUND = {"device": "cpu", "cpu": "test", "torch": "2.13.0"}
+
+
+def table(folder: Path) -> Path:
+    return TimingCache(FOUND, folder).path
+
+
+def read_within(folder: Path, seconds: float = 20.0) -> TimingCache:
+    """TimingCache(FOUND, folder), failing if reading the table takes longer than ``seconds``."""
+    done: list[TimingCache] = []
+    reader = threading.Thread(target=lambda: done.append(TimingCache(FOUND, folder)), daemon=True)
+    reader.start()
+    reader.join(seconds)
+    assert done, f"reading the cache did not finish in {seconds} s"
+    return done[0]
+
+
+def test_a_deeply_nested_table_reads_as_empty_with_one_warning(tmp_path, caplog):
+    table(tmp_path).write_text("[" * 200_000 + "]" * 200_000)
+    with caplog.at_level(logging.WARNING, logger="amppass"):
+        for _ in range(3):
+            assert TimingCache(FOUND, tmp_path).entries == {}
+    assert caplog.text.count("unreadable") == 1 and "treated as empty" in caplog.text
+    TimingCache(FOUND, tmp_path).add({"k": 1e-6})
+    assert TimingCache(FOUND, tmp_path).entries == {"k": 1e-6}
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe\x00", b'{"fingerprint": ' * 5000, b"null", b"[]", b'"text"'],
+                         ids=["not-utf8", "cut-deep", "null", "list", "text"])
+def test_a_table_that_is_not_ours_reads_as_empty(tmp_path, content):
+    table(tmp_path).write_bytes(content)
+    assert TimingCache(FOUND, tmp_path).entries == {}
+
+
+def test_a_fifo_in_place_of_the_table_does_not_hang(tmp_path):
+    os.mkfifo(table(tmp_path))
+    assert read_within(tmp_path).entries == {}
+    cache = TimingCache(FOUND, tmp_path)
+    cache.add({"k": 1e-6})  # the FIFO is replaced by a table (renamed over it), never opened for writing
+    assert TimingCache(FOUND, tmp_path).entries == {"k": 1e-6}
+
+
+def test_a_huge_table_is_read_only_up_to_its_bound(tmp_path):
+    with open(table(tmp_path), "wb") as handle:  # sparse: 600 MB of zeros on almost no disk
+        handle.truncate(600 << 20)
+    tracemalloc.start()
+    try:
+        cache = read_within(tmp_path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert cache.entries == {} and peak < 3 * timing_cache.MAX_BYTES, f"{peak:,} bytes read"
+
+
+def test_links_are_never_followed_for_the_table_or_the_lock(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    secret = outside / "secret.json"
+    secret.write_text(json.dumps({"fingerprint": FOUND, "entries": {"stolen": 1.0}}))
+    table(folder).symlink_to(secret)
+    assert TimingCache(FOUND, folder).entries == {}  # not read through the link
+    lock = table(folder).with_suffix(".lock")
+    lock.symlink_to(outside / "created-by-the-lock")
+    TimingCache(FOUND, folder).add({"k": 1e-6})
+    assert not (outside / "created-by-the-lock").exists()
+    assert json.loads(secret.read_text())["entries"] == {"stolen": 1.0}
+
+
+def test_clean_up_deletes_only_old_tables_amppass_wrote(tmp_path):
+    """A folder of the user's own: their files, even old and named like ours, stay; an old table of
+    another device that amppass wrote goes."""
+    long_ago = time.time() - (timing_cache.STALE_DAYS + 1) * 86400
+    old = TimingCache({**FOUND, "torch": "1.0.0"}, tmp_path)
+    old.add({"k": 1.0})
+    notes, lookalike, linked = (tmp_path / "notes.json", tmp_path / f"{timing_cache.PREFIX}0123456789abcdef.json",
+                                tmp_path / f"{timing_cache.PREFIX}fedcba9876543210.json")
+    notes.write_text('{"my": "notes"}')
+    lookalike.write_text('{"fingerprint": {}, "entries": {}}')
+    linked.symlink_to(old.path)
+    (tmp_path / "notes.lock").write_text("")
+    for path in (old.path, notes, lookalike, tmp_path / "notes.lock"):
+        os.utime(path, (long_ago, long_ago))
+    TimingCache(FOUND, tmp_path).add({"k": 2.0})
+    assert not old.path.exists() and not old.path.with_suffix(".lock").exists()
+    assert notes.read_text() == '{"my": "notes"}' and lookalike.exists() and (tmp_path / "notes.lock").exists()
+    assert linked.is_symlink()
