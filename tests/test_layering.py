@@ -1,7 +1,7 @@
 """The package's import rules (docs/architecture.md), read from the source with ``ast``.
 
-1. Layers, lowest first: errors; dtypes, files; targets; analysis; the front ends fx, onnx and the training
-   support; report; serving; pipelines; cli and the package itself. A module imports only from its own
+1. Layers, lowest first: errors; archive, dtypes, files, text; targets; analysis; the front ends fx, onnx and
+   the training support; report; serving; pipelines; cli and the package itself. A module imports only from its own
    folder or from a lower layer: never upward, and never across folders of one layer (the front ends do
    not import each other). Only the top layer's modules import each other.
 2. ``__version__`` is read from the package anywhere: ``amppass/__init__.py`` sets it before it imports a
