@@ -9,7 +9,8 @@ Rules:
    with this checkout on ``PYTHONPATH``.
 3. A block whose fence is right after a line ``<!-- not run: REASON -->`` does not run; the reason must say why
    (a GPU, several processes, minutes of CPU). ```text blocks (printed output) never run.
-4. Every script in examples/ runs as ``python -m examples.<name>`` and must exit with 0.
+4. Every script in examples/ runs as ``python -m examples.<name>`` and must exit with 0 (those that start
+   several processes with the slow tests).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benc
 EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.py") if p.name != "__init__.py")
 # Arguments that keep an example fast in the test run (its defaults show the real sizes).
 EXAMPLE_ARGS = {"quickstart": ["--size", "small", "--rows", "5"]}
+# Examples that start several processes run with the slow tests (``-m slow``).
+SLOW_EXAMPLES = {"fsdp2"}
 _FENCE = re.compile(r"^```(\w*)\s*$")
 _NOT_RUN = re.compile(r"^<!-- not run: (.+) -->$")
 
@@ -105,7 +108,8 @@ def test_every_block_that_does_not_run_says_why():
                 f"{page.name}:{block.line}: give the reason a block does not run in a few words")
 
 
-@pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("script", [pytest.param(p, marks=pytest.mark.slow) if p.stem in SLOW_EXAMPLES else p
+                                    for p in EXAMPLES], ids=lambda p: p.stem)
 def test_example_runs(script, tmp_path):
     done = subprocess.run([sys.executable, "-m", f"examples.{script.stem}", *EXAMPLE_ARGS.get(script.stem, [])],
                           cwd=tmp_path, capture_output=True, text=True, env=_environment(), timeout=600)
