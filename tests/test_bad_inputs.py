@@ -287,6 +287,9 @@ CASES = [
          lambda tmp: amppass.save(KeptFp32(mlp(), {"whole_model": {"converted_ms": 0.2, "original_ms": 0.1}}),
                                   tmp / "m.pt2"),
          InputError, ("kept the original", "0.2 ms", "plan_for='coverage'")),
+    Case("report-compiled-before-call", "amppass.report of a torch.compile(backend='amppass') module before its "
+         "first call", lambda tmp: amppass.report(torch.compile(mlp(), backend="amppass")),
+         InputError, ("has not been called yet", "call it once")),
     Case("export-not-a-module", "export_onnx of a function",
          lambda tmp: amppass.export_onnx(lambda x: x, X, tmp / "o.onnx"),
          InputError, ("export_onnx", "got function", "amppass.convert_onnx")),

@@ -114,3 +114,21 @@ def test_example_runs(script, tmp_path):
     done = subprocess.run([sys.executable, "-m", f"examples.{script.stem}", *EXAMPLE_ARGS.get(script.stem, [])],
                           cwd=tmp_path, capture_output=True, text=True, env=_environment(), timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a page's headings (lower case, punctuation dropped, spaces as dashes)."""
+    headings = [line.lstrip("#").strip() for line in page.read_text().splitlines() if line.startswith("#")]
+    return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
+
+
+def test_every_relative_link_leads_to_a_file_and_heading():
+    for page in PAGES:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"\w+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            assert linked.exists(), f"{page.relative_to(ROOT)}: link {target} leads nowhere"
+            assert not anchor or anchor in _anchors(linked), f"{page.relative_to(ROOT)}: no heading for {target}"
