@@ -5,8 +5,8 @@ Rules:
 1. A file's ```python blocks run in order in one namespace (a block may use what an earlier block of the same
    file made), in a fresh temporary folder as the working directory, so files a block writes go there.
 2. A ```bash block runs after the blocks above it, one command per line (``# ...`` comments dropped): each
-   command must be ``amppass ...`` or ``python -m amppass ...`` and exit with 0, run as ``python -m amppass``
-   with this checkout on ``PYTHONPATH``.
+   command must be ``amppass ...`` or ``python -m amppass ...`` and exit with 0. It runs in this process
+   (``amppass.cli.main``, what both spellings call), which saves starting Python and torch per command.
 3. A block whose fence is right after a line ``<!-- not run: REASON -->`` does not run; the reason must say why
    (a GPU, several processes, minutes of CPU). ```text blocks (printed output) never run.
 4. Every script in examples/ runs as ``python -m examples.<name>`` and must exit with 0 (those that start
@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from amppass.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
@@ -81,9 +83,11 @@ def _run_shell(block: Block, page: Path) -> None:
         else:
             raise AssertionError(f"{page.name}:{block.line}: {command!r} is not an amppass command; mark the block "
                                  "<!-- not run: REASON --> or make it one")
-        done = subprocess.run([sys.executable, "-m", "amppass", *words], capture_output=True, text=True,
-                              env=_environment(), timeout=300)
-        assert done.returncode == 0, f"{page.name}:{block.line}: {command} exited {done.returncode}: {done.stderr}"
+        try:
+            code = main(words)
+        except SystemExit as exit_:  # --help
+            code = exit_.code
+        assert code in (0, None), f"{page.name}:{block.line}: {command} exited {code}"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
