@@ -264,9 +264,10 @@ def _load_program(path: str) -> Any:
         if unregistered:
             kind = unregistered.group(1)
             raise FileProblem(
-                f"{path}: the program's inputs or outputs hold the class {kind}, which torch.export.load rebuilds only once "
-                f"its module is imported, and the command line imports no module a file names; convert it in Python: "
-                f"import {kind.rpartition('.')[0]}, then amppass.convert(torch.export.load({path!r}), dtype=...)"
+                f"{path}: the program's inputs or outputs hold the class {kind}, which torch.export.load rebuilds "
+                "only once its module is imported, and the command line imports no module a file names; convert it "
+                f"in Python: import {kind.rpartition('.')[0]}, then amppass.convert(torch.export.load({path!r}), "
+                "dtype=...)"
             ) from error
         raise FileProblem(f"{path}: not a torch.export program torch.export.load can read ({_one_line(error)})") from error
 
