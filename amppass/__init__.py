@@ -21,6 +21,7 @@ __all__ = [
     "CaptureError",
     "InputError",
     "LossScaler",
+    "ScaleCollapseError",
     "__version__",
     "convert",
     "convert_onnx",

@@ -27,7 +27,8 @@ SHOWN_PATHS = {
 
 def test_all_is_pinned():
     assert sorted(amppass.__all__) == [
-        "AmpPassError", "CalibrationError", "CaptureError", "InputError", "LossScaler", "__version__",
+        "AmpPassError", "CalibrationError", "CaptureError", "InputError", "LossScaler", "ScaleCollapseError",
+        "__version__",
         "convert", "convert_onnx", "export_onnx", "load", "report", "save",
     ]
     for name in amppass.__all__:
