@@ -7,7 +7,7 @@ per-node report that is stored in the converted model itself.
 
 __version__ = "0.1.0"
 
-from .errors import AmpPassError, CalibrationError, CaptureError, InputError  # noqa: E402
+from .errors import AmpPassError, CalibrationError, CaptureError, InputError, ScaleCollapseError  # noqa: E402
 from .pipelines.convert import convert  # noqa: E402
 from .pipelines.serialize import load, load_program, save  # noqa: E402
 from .pipelines.convert_onnx import convert_onnx  # noqa: E402
@@ -21,6 +21,7 @@ __all__ = [
     "CaptureError",
     "InputError",
     "LossScaler",
+    "ScaleCollapseError",
     "__version__",
     "convert",
     "convert_onnx",

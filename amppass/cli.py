@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import logging
 import os
+import re
 import sys
 import traceback
 import zipfile
@@ -262,10 +263,46 @@ def _load_program(path: str, trusted: bool) -> Any:
 
     if not os.path.isfile(path):
         raise FileProblem(f"{path}: no such file")
+    torch_log = _Recorded()
     try:
-        return read_file(path, trusted=trusted)
+        with torch_log.of("torch.export"):
+            return read_file(path, trusted=trusted)
     except AmpPassError as error:
+        unregistered = re.search(r"Deserializing (\S+) in pytree is not registered", f"{torch_log.text()}\n{error}")
+        if unregistered:
+            kind = unregistered.group(1)
+            raise FileProblem(
+                f"{path}: the program's inputs or outputs hold the class {kind}, which torch.export.load rebuilds "
+                "only once its module is imported, and the command line imports no module a file names; convert it "
+                f"in Python: import {kind.rpartition('.')[0]}, then amppass.convert(amppass.load_program({path!r}), "
+                "dtype=...)"
+            ) from error
         raise FileProblem(_one_line(error)) from error
+
+
+class _Recorded(logging.Handler):
+    """The records of a logger while :meth:`of` holds it, kept here instead of printed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    @contextlib.contextmanager
+    def of(self, name: str) -> Iterator[None]:
+        logger = logging.getLogger(name)
+        handlers, propagate = logger.handlers, logger.propagate  # torch sets handlers of its own on its loggers
+        logger.handlers, logger.propagate = [self], False
+        try:
+            yield
+        finally:
+            logger.handlers, logger.propagate = handlers, propagate
+
+    def text(self) -> str:
+        """Every record's message and exception text."""
+        return "\n".join(self.format(record) for record in self.records)
 
 
 # -- checks ---------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import os
 import warnings
@@ -21,7 +22,7 @@ def export(model: nn.Module, inputs: tuple, input_names: list[str], output_names
     axes = {name: {0: "batch"} for name in input_names + output_names}
     with warnings.catch_warnings():  # the TorchScript exporter warns that it is deprecated in favour of dynamo
         warnings.simplefilter("ignore")
-        torch.onnx.export(model, inputs, buffer, dynamo=False, opset_version=17, input_names=input_names,
+        torch.onnx.export(_positional(model), inputs, buffer, dynamo=False, opset_version=17, input_names=input_names,
                           output_names=output_names, dynamic_axes=axes)
     proto = onnx.load_from_string(buffer.getvalue())
     if path is not None:
@@ -33,3 +34,16 @@ def export(model: nn.Module, inputs: tuple, input_names: list[str], output_names
             if os.path.exists(tmp):
                 os.remove(tmp)
     return proto
+
+
+def _positional(model: nn.Module) -> nn.Module:
+    """A shallow copy of ``model`` (same submodules and weights) whose ``forward`` takes positional inputs alone.
+
+    The TorchScript exporter passes every parameter of ``forward`` after the given inputs as well, filled with
+    its default, positionally; transformers 5 models also set some of them (``use_cache``) as keywords, and
+    the call fails with "got multiple values for argument". Seeing ``forward(*inputs)`` the exporter passes
+    the inputs as they are. The copy is the traced root, so node and weight names are the model's own.
+    """
+    proxy = copy.copy(model)
+    proxy.forward = lambda *inputs: type(model).forward(proxy, *inputs)
+    return proxy

@@ -325,6 +325,9 @@ CASES = [
          InputError, ("extra/amppass.json", "not UTF-8 JSON", "save the model again")),
     Case("pt2-plan-bomb", "a .pt2 whose plan entry would inflate past its bound", _hostile_pt2("plan-bomb"),
          InputError, ("extra/amppass.json", "would inflate to", "save the model again")),
+    Case("report-compiled-before-call", "amppass.report of a torch.compile(backend='amppass') module before its "
+         "first call", lambda tmp: amppass.report(torch.compile(mlp(), backend="amppass")),
+         InputError, ("has not been called yet", "call it once")),
     Case("export-not-a-module", "export_onnx of a function",
          lambda tmp: amppass.export_onnx(lambda x: x, X, tmp / "o.onnx"),
          InputError, ("export_onnx", "got function", "amppass.convert_onnx")),

@@ -164,6 +164,16 @@ def test_a_compiled_function_reports_and_bad_options_name_the_fix():
         amppass.report(torch.compile(nn.Linear(8, 8), backend="eager"))
 
 
+def test_report_before_the_first_call_says_it_has_not_been_called():
+    """Dynamo converts on the first call: a report asked before it says so, and works after it."""
+    compiled = torch.compile(nn.Linear(8, 8), backend="amppass", options={"compiler": "eager"})
+    with pytest.raises(amppass.InputError, match="has not been called yet"):
+        amppass.report(compiled)
+    with torch.no_grad():
+        compiled(torch.randn(2, 8))
+    assert [r.op for r in amppass.report(compiled).rows] == ["aten.linear"]
+
+
 @pytest.mark.slow
 def test_bert_base_against_autocast_with_inductor_freezing():
     """Issue 15's figure: latency and compile time of the backend against autocast + inductor freezing."""

@@ -85,3 +85,21 @@ def test_export_onnx_exports_in_eval_mode_and_restores_the_flags(tmp_path):
     with torch.no_grad():
         want = model.eval()(x).numpy()
     np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)
+
+
+def test_models_onnx_export_takes_the_zoos_bert():
+    """models.onnx_export.export (the TorchScript exporter) on the zoo's BERT (transformers 5): the exporter's filled-in
+    defaults used to collide with the keywords transformers sets (``use_cache``); the file runs as the model does,
+    with the model's own node names, and the model is left as it was."""
+    from models.onnx_export import export
+
+    case = build("bert", "small")
+    before = dict(vars(case.model))
+    model = export(case.model, case.example_inputs, ["input_ids"], ["last_hidden_state"])
+    assert vars(case.model) == before
+    assert any(node.name.startswith("/encoder/layer.0/") for node in model.graph.node)
+    ids = case.make_inputs(1)[0]
+    got = session(model).run(["last_hidden_state"], {"input_ids": ids.numpy()})[0]
+    with torch.no_grad():
+        want = case.model(ids).last_hidden_state.numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)

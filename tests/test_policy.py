@@ -32,6 +32,6 @@ def test_lookup_spellings():
 
 
 def test_public_api():
-    assert set(amppass.__all__) >= {"convert", "report", "LossScaler", "AmpPassError", "save", "load"}
+    assert set(amppass.__all__) >= {"convert", "report", "LossScaler", "AmpPassError", "ScaleCollapseError", "save", "load"}
     for name in amppass.__all__:
         assert hasattr(amppass, name)

@@ -27,8 +27,8 @@ SHOWN_PATHS = {
 
 def test_all_is_pinned():
     assert sorted(amppass.__all__) == [
-        "AmpPassError", "CalibrationError", "CaptureError", "InputError", "LossScaler", "__version__",
-        "convert", "convert_onnx", "export_onnx", "load", "load_program", "report", "save",
+        "AmpPassError", "CalibrationError", "CaptureError", "InputError", "LossScaler", "ScaleCollapseError",
+        "__version__", "convert", "convert_onnx", "export_onnx", "load", "load_program", "report", "save",
     ]
     for name in amppass.__all__:
         assert getattr(amppass, name) is not None

@@ -122,6 +122,50 @@ def test_convert_takes_an_exported_program_and_the_cli_converts_pt2_files(tmp_pa
     assert sorted(os.listdir(tmp_path)) == ["mlp.bf16.pt2", "mlp.pt2", "r.json"]
 
 
+_OUTPUT_CLASS = """
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Out:
+    y: torch.Tensor
+
+
+torch.export.register_dataclass(Out, serialized_type_name="outtypes.Out")
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return Out(self.fc(x))
+"""
+
+
+def test_the_cli_names_the_module_to_import_for_a_program_whose_outputs_hold_a_class(tmp_path):
+    """A program saved with torch.export.save whose outputs hold a registered class (a transformers ModelOutput)
+    loads only where that class's module is imported; the command line imports none and says what to do."""
+    (tmp_path / "outtypes.py").write_text(_OUTPUT_CLASS)
+    save = ("import sys, torch; sys.path.insert(0, sys.argv[1]); import outtypes; "
+            "torch.export.save(torch.export.export(outtypes.Net(), (torch.randn(2, 4),)), sys.argv[2])")
+    source = tmp_path / "net.pt2"
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    subprocess.run([sys.executable, "-c", save, str(tmp_path), str(source)], check=True, env=env, timeout=300)
+    done = subprocess.run([sys.executable, "-m", "amppass", "convert", str(source), "-o", str(tmp_path / "o.pt2")],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [
+        f"amppass: error: {source}: the program's inputs or outputs hold the class outtypes.Out, which "
+        "torch.export.load rebuilds only once its module is imported, and the command line imports no module a file "
+        f"names; convert it in Python: import outtypes, then amppass.convert(torch.export.load({str(source)!r}), "
+        "dtype=...)"]
+    assert not (tmp_path / "o.pt2").exists()
+
+
 def test_what_cannot_be_saved_says_why_and_leaves_no_file(tmp_path, monkeypatch):
     case = build("mlp")
     train = amppass.convert(case.model, case.example_inputs, torch.bfloat16, mode="train", plan_for="coverage")

@@ -38,7 +38,7 @@ import re
 import sys
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import fx, nn
@@ -212,10 +212,25 @@ class CompiledGraph:
 
 
 def session_of(compiled: Any) -> Session | None:
-    """The session of a module or function ``torch.compile(backend="amppass")`` returned, if it has run.
+    """The session of a module or function ``torch.compile(backend="amppass")`` returned, if it has run."""
+    for callback in _backend_chain(compiled):
+        found = _SESSIONS.get(id(callback))
+        if found is not None and found[0]() is callback:
+            return found[1]
+    return None
+
+
+def compiled_with_amppass(compiled: Any) -> bool:
+    """Whether ``compiled`` is what ``torch.compile(..., backend="amppass")`` returned, called or not."""
+    return any(callback is amppass_backend for callback in _backend_chain(compiled))
+
+
+def _backend_chain(compiled: Any) -> Iterator[Any]:
+    """Every wrapper from a ``torch.compile`` result down to the backend function it calls.
 
     A compiled module keeps dynamo's context as ``dynamo_ctx``, a compiled function in its closure; from its
-    callback, the chain of wrappers leads to the ``torch.compile`` wrapper the session belongs to.
+    callback, the chain of wrappers leads to the ``torch.compile`` wrapper (a session belongs to it) and then
+    to the backend function.
     """
     starts = []
     context = getattr(compiled, "dynamo_ctx", None)
@@ -228,11 +243,8 @@ def session_of(compiled: Any) -> Session | None:
         for _ in range(16):
             if callback is None:
                 break
-            found = _SESSIONS.get(id(callback))
-            if found is not None and found[0]() is callback:
-                return found[1]
+            yield callback
             callback = getattr(callback, "_torchdynamo_orig_backend", None) or getattr(callback, "compiler_fn", None)
-    return None
 
 
 # -- sessions: which torch.compile call a graph belongs to (rule 4) ------------------------------------------

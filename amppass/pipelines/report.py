@@ -27,9 +27,13 @@ def report(converted: Any) -> Report:
     that :func:`amppass.convert_onnx` returned.
     """
     if _compiled(converted):
-        from .backend import session_of
+        from .backend import compiled_with_amppass, session_of
 
         session = session_of(converted)
+        if session is None and compiled_with_amppass(converted):
+            raise InputError(f"{type(converted).__name__} was compiled with torch.compile(backend='amppass') but "
+                             "has not been called yet: dynamo captures and converts its graphs on the first call; "
+                             "call it once on an input, then ask for the report")
         if session is None:
             raise InputError(f"{type(converted).__name__} was not compiled with torch.compile(backend='amppass'); "
                              "compile it with that backend, call it once, then ask for the report")
