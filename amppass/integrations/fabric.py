@@ -6,7 +6,7 @@
     fabric = Fabric(accelerator="cpu", plugins=[plugin])     # no precision= flag
     model, optimizer = fabric.setup(model, optimizer)
     fabric.backward(loss)                                   # scaled
-    fabric.clip_gradients(model, optimizer, max_norm=1.0)   # unscaled first
+    fabric.clip_gradients(model, optimizer, max_norm=1.0, error_if_nonfinite=False)   # unscaled first
     optimizer.step()                                        # skipped on inf/NaN gradients; the scale updated
     fabric.save(path, {"model": model, "optimizer": optimizer, "scaler": plugin.scaler})
 
@@ -14,7 +14,9 @@ The module given to ``fabric.setup`` is converted at its first call and trains i
 (:mod:`amppass.integrations.routing`): the optimizer built over it before ``setup`` is the right one, and
 ``fabric.save`` (which reads the module you passed) saves the trained state. No autocast runs around it. Fabric
 does not checkpoint its precision plugin: save ``plugin.scaler`` (a LossScaler has ``state_dict`` and
-``load_state_dict``, so ``fabric.save``/``fabric.load`` take it as they take an optimizer).
+``load_state_dict``, so ``fabric.save``/``fabric.load`` take it as they take an optimizer). Under fp16 pass
+``error_if_nonfinite=False`` to ``fabric.clip_gradients``: a step whose gradients overflow is the scaler's to skip
+(as with Fabric's own ``precision="16-mixed"``).
 """
 
 from __future__ import annotations
