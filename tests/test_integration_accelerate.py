@@ -114,3 +114,16 @@ def test_refusals():
         route(routed, "bf16")
     with pytest.raises(InputError, match="set by the integration"):
         route(_net(), "fp16", mode="inference")
+
+
+def test_import_amppass_imports_no_training_tool():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, amppass, amppass.integrations, amppass.integrations.routing; "
+            "print(sorted(m for m in ('accelerate', 'pytorch_lightning', 'lightning_fabric') if m in sys.modules))")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
+    assert out.strip() == "[]"
