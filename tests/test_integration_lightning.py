@@ -67,15 +67,15 @@ class Regression(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
-def _fit(lit, plugin=None, steps=STEPS, ckpt_path=None, **trainer_kwargs):
+def _fit(lit, plugin=None, steps=STEPS, ckpt_path=None, val_dataloaders=None, **trainer_kwargs):
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_data()), batch_size=8)
     clip = {"gradient_clip_val": CLIP} if lit.automatic_optimization else {}
-    trainer = pl.Trainer(max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, accelerator="cpu", plugins=[plugin] if plugin else None,
-                         **clip, **trainer_kwargs)
+    settings = dict(max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                    enable_model_summary=False, accelerator="cpu", plugins=[plugin] if plugin else None, **clip)
+    trainer = pl.Trainer(**{**settings, **trainer_kwargs})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's notes about workers and log intervals
-        trainer.fit(lit, loader, ckpt_path=ckpt_path)
+        trainer.fit(lit, loader, val_dataloaders, ckpt_path=ckpt_path)
     return trainer
 
 
@@ -116,11 +116,29 @@ def test_fp16_plugin_trains_like_fp32_and_clips_unscaled_gradients(fp32_run, man
     assert any(row.precision == "fp16" for row in rows)
 
 
+class Validated(Regression):
+    """With a forward for the model summary's example_input_array and a validation loop, which call the model in
+    eval mode (under torch.inference_mode) before the first training step: the conversion happens there."""
+
+    def __init__(self):
+        super().__init__()
+        self.example_input_array = torch.randn(8, 16)
+
+    def forward(self, x):
+        return self.model(x)
+
+    def validation_step(self, batch, index):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.model(x), y))
+
+
 def test_bf16_plugin_has_no_scaler_and_trains_like_fp32(fp32_run):
-    lit = Regression()
-    trainer = _fit(lit, AmpPassPrecision("bf16"), steps=4)
+    lit = Validated()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_data()), batch_size=8)
+    trainer = _fit(lit, AmpPassPrecision("bf16"), steps=4, val_dataloaders=loader, enable_model_summary=True)
     assert trainer.precision_plugin.scaler is None and trainer.precision == "bf16-mixed"
     torch.testing.assert_close(torch.tensor(lit.losses), torch.tensor(fp32_run.losses[:4]), rtol=3e-2, atol=1e-2)
+    assert torch.isfinite(trainer.callback_metrics["val_loss"])
 
 
 def test_checkpoint_holds_the_scaler_and_resumes_where_it_left(tmp_path):

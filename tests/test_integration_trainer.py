@@ -13,7 +13,7 @@ pytest.importorskip("accelerate")
 from accelerate.state import AcceleratorState  # noqa: E402
 from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments  # noqa: E402
 
-from amppass.integrations.routing import converted  # noqa: E402
+from amppass.integrations.routing import converted, unroute  # noqa: E402
 from amppass.integrations.transformers import AmpPassTrainer  # noqa: E402
 
 CONFIG = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
@@ -73,7 +73,6 @@ def fp16_run(tmp_path_factory):
     trainer = AmpPassTrainer(model=model, args=_args(out, save_strategy="steps", save_steps=2),
                              train_dataset=_data(), amppass_dtype="fp16", amppass_scaler=_scaler())
     losses, norms = _train(trainer)
-    AcceleratorState._reset_state(reset_partial_state=True)
     return out, model, trainer, losses, norms
 
 
@@ -91,6 +90,13 @@ def test_fp16_trains_like_fp32_with_gradients_unscaled_before_clipping(fp32, fp1
     rows = amppass.report(converted(model).train_graph).rows
     assert any(row.precision == "fp16" and row.op == "aten.linear" for row in rows)
     assert model.bert.embeddings.word_embeddings.weight.dtype == torch.float32  # the model itself was trained
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        evaluated = trainer.evaluate(eval_dataset=_data()[:8])  # eval mode: the converted eval graph
+    reference = Trainer(model=model, args=_args(out), eval_dataset=_data()[:8])
+    unroute(model)  # the same trained weights through the model's own fp32 forward
+    plain = reference.evaluate()
+    assert abs(evaluated["eval_loss"] - plain["eval_loss"]) < 2e-2 * abs(plain["eval_loss"])
 
 
 def test_scaler_state_is_checkpointed_and_resumed(fp16_run, tmp_path):
