@@ -127,3 +127,16 @@ def test_import_amppass_imports_no_training_tool():
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
     assert out.strip() == "[]"
+
+
+def test_a_deep_copy_of_a_routed_model_trains_its_own_tensors():
+    import copy
+
+    model = _net()
+    route(model, "bf16")
+    twin = copy.deepcopy(model)  # what EMA and SWA callbacks do
+    x = torch.randn(4, 16)
+    twin(x).sum().backward()
+    assert twin[0].weight.grad is not None and model[0].weight.grad is None
+    assert converted(model) is None and converted(twin) is not None
+    assert all(a is b for a, b in zip(converted(twin).parameters(), twin.parameters()))

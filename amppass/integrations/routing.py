@@ -60,6 +60,13 @@ class Route:
         self._name = type(module).__name__
         self.__signature__ = inspect.signature(module.forward)  # rule 3: what Trainer and others inspect
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> "Route":
+        """``copy.deepcopy`` of a routed module (an EMA or SWA copy) routes the copy: a route of its own, converted
+        at the copy's first call over the copy's tensors."""
+        module = self._module()
+        copied = memo.get(id(module), module)
+        return Route(copied, self.dtype, self._options)
+
     @property
     def converted(self) -> nn.Module | None:
         """The train-mode conversion (for :func:`amppass.report`), or None before the first call."""
