@@ -32,6 +32,7 @@ from torch.utils import _pytree as pytree
 
 from ..dtypes import low_type
 from ..errors import InputError
+from ..pipelines.convert import convert
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +88,6 @@ class Route:
 
     def _convert(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """Rules 1 and 2."""
-        from ..fx.convert import convert
-
         with torch.inference_mode(False), torch.enable_grad(), _own_forward(module):
             args, kwargs = pytree.tree_map_only(torch.Tensor, _outside_inference, (args, kwargs))
             fast = convert(module, args, self.dtype, example_kwargs=kwargs or None, mode="train", **self._options)
