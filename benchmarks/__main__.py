@@ -246,6 +246,8 @@ SECTIONS: dict[str, Callable[[bool, Path], Section]] = {
     "plans_under_load": _plans_under_load,
     "tolerance_ref": _external("tolerance_reference", "Tolerance search against a reference ranking (ONNX fp16, "
                                "onnxruntime CPU)", lambda m, quick: m.run(quick)),
+    "integrations": _external("integrations", "amppass in the tools' own training loops against their precision "
+                              "flags (Lightning, transformers Trainer, accelerate; CPU)", lambda m, quick: m.run(quick)),
     "tolerance_time": _external("tolerance_time", "Tolerance-search time (FX fp16, tolerance 1e-4, 4 calibration "
                                 "batches; the small zoo in --quick, real-sized models in --full): amppass before "
                                 "issue 24 (d7ec324) and now", lambda m, quick: m.against(m.BEFORE, not quick)),

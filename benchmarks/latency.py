@@ -110,6 +110,11 @@ def peak_alloc_bytes(call: Callable[[], Any]) -> int:
     """High-water mark of torch CPU allocations during one ``call()`` (profiler memory events)."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         call()
+    return peak_of(prof)
+
+
+def peak_of(prof: profile) -> int:
+    """High-water mark of the torch CPU allocations a finished ``profile(profile_memory=True)`` recorded."""
     # The raw kineto events hold every allocation (+) and free (-); FunctionEvent totals hide their order.
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
     live = peak = 0

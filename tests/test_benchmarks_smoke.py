@@ -46,3 +46,22 @@ def test_only_replaces_its_section_and_keeps_the_others(tmp_path):
     assert text.count("## Machine") == 1 and "run --quick" in text
     assert text.index("## A") < text.index("## B") < text.index("## C")
     assert "note 1" in text and "note 3" in text and "note 4" in text and "note 2" not in text
+
+
+def test_integrations_section_rows(monkeypatch):
+    from benchmarks import integrations
+
+    monkeypatch.setattr(integrations, "settings", lambda quick: integrations.Setting(16, 1, 8, 4, 3))
+    monkeypatch.setattr(integrations, "TOOLS", {"accelerate": integrations.accelerate_loop})
+    monkeypatch.setattr(integrations, "VARIANTS", ("fp32", "tool fp16", "amppass fp16"))
+    rows = {r["variant"]: r for r in integrations.run(quick=True)}
+    assert rows["fp32"]["steps"] == rows["amppass fp16"]["steps"] == 3
+    assert rows["amppass fp16"]["curve_dev"] is not None and rows["amppass fp16"]["peak_MB"] > 0
+    assert "trains fp32" in rows["tool fp16"]["note"]  # accelerate's fp16 does nothing on a CPU: the row says so
+
+
+@pytest.mark.slow  # every tool, five variants each: minutes on the shared machine
+def test_integrations_section_quick(tmp_path):
+    assert main(["run", "--quick", "--out", str(tmp_path), "--only", "integrations"]) == 0
+    text = (tmp_path / "RESULTS.md").read_text()
+    assert "amppass fp16" in text and "FAILED" not in text

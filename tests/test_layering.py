@@ -31,6 +31,7 @@ LAYERS = (
     ("report",),
     ("serving",),
     ("pipelines",),
+    ("integrations",),
     ("cli", "__init__", "__main__"),
 )
 RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}

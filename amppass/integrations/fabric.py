@@ -1,0 +1,93 @@
+"""amppass as a Lightning Fabric precision plugin: ``Fabric(plugins=[AmpPassPrecision("fp16")])``.
+
+::
+
+    plugin = AmpPassPrecision("fp16")
+    fabric = Fabric(accelerator="cpu", plugins=[plugin])     # no precision= flag
+    model, optimizer = fabric.setup(model, optimizer)
+    fabric.backward(loss)                                   # scaled
+    fabric.clip_gradients(model, optimizer, max_norm=1.0, error_if_nonfinite=False)   # unscaled first
+    optimizer.step()                                        # skipped on inf/NaN gradients; the scale updated
+    fabric.save(path, {"model": model, "optimizer": optimizer, "scaler": plugin.scaler})
+
+The module given to ``fabric.setup`` is converted at its first call and trains its own parameters
+(:mod:`amppass.integrations.routing`): the optimizer built over it before ``setup`` is the right one, and
+``fabric.save`` (which reads the module you passed) saves the trained state. No autocast runs around it. Fabric
+does not checkpoint its precision plugin: save ``plugin.scaler`` (a LossScaler has ``state_dict`` and
+``load_state_dict``, so ``fabric.save``/``fabric.load`` take it as they take an optimizer). Under fp16 pass
+``error_if_nonfinite=False`` to ``fabric.clip_gradients``: a step whose gradients overflow is the scaler's to skip
+(as with Fabric's own ``precision="16-mixed"``).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from ..dtypes import low_type
+from ..training import LossScaler
+from .routing import route
+from .scaling import PluginScaler
+
+try:
+    from lightning_fabric.plugins.precision import Precision
+except ImportError as error:  # pragma: no cover - the extra is missing
+    raise ImportError("amppass.integrations.fabric needs lightning-fabric (installed with pytorch-lightning): "
+                      "pip install 'pytorch-lightning>=2.4'") from error
+
+__all__ = ["AmpPassPrecision"]
+
+
+class AmpPassPrecision(Precision):
+    """Fabric precision plugin training the module given to ``fabric.setup`` through amppass (module docstring).
+
+    Args:
+        dtype: "fp16" (loss-scaled) or "bf16".
+        scaler: the LossScaler for fp16 (default ``amppass.LossScaler()``).
+        convert_options: keyword arguments of :func:`amppass.convert` (``keep_fp32=...``).
+    """
+
+    def __init__(self, dtype: Literal["fp16", "bf16"] | torch.dtype = "fp16", *, scaler: LossScaler | None = None,
+                 **convert_options: Any) -> None:
+        low = low_type(dtype)
+        self.dtype = low.torch
+        self.precision = "16-mixed" if low.name == "fp16" else "bf16-mixed"
+        self._scaling = PluginScaler(low, scaler)
+        self._options = convert_options
+
+    @property
+    def scaler(self) -> LossScaler | None:
+        """The LossScaler (None for bf16)."""
+        return self._scaling.scaler
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Route the module through amppass (in place; returned)."""
+        route(module, self.dtype, **self._options)
+        return module
+
+    def forward_context(self) -> AbstractContextManager:
+        """No autocast: the converted graph casts where amppass planned."""
+        return nullcontext()
+
+    def backward(self, tensor: torch.Tensor, model: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        """Backward of the scaled loss (fp16)."""
+        super().backward(self._scaling.scale(tensor), model, *args, **kwargs)
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """Step through the scaler: unscaled unless clipping did it, skipped on inf/NaN gradients."""
+        return self._scaling.step(optimizer, **kwargs)
+
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Unscale before ``fabric.clip_gradients`` clips."""
+        self._scaling.unscale(optimizer)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The LossScaler's state."""
+        return self._scaling.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the LossScaler."""
+        self._scaling.load_state_dict(state_dict)
