@@ -228,6 +228,19 @@ def _gpu(quick: bool, out: Path) -> Section:
     return section
 
 
+def _zoo(quick: bool, out: Path) -> Section:
+    from . import zoo
+
+    rows = zoo.outcomes(quick, None if quick else out / "zoo_outcomes.json")
+    which = "the default suite's representative classes" if quick else "every class of the auto-model mappings"
+    section = Section("transformers model zoo: outcomes per step (convert, generate, compile, train, export_onnx)", "",
+                      notes=[zoo.NOTES])
+    section.tables.append((f"Classes per outcome, {which} ({len(rows)} classes)", zoo.harness.counts(rows)))
+    section.tables.append(("Classes with a failing step", zoo.failures(rows)))
+    section.tables.append(("Why classes were not built", zoo.unbuilt(rows)))
+    return section
+
+
 SECTIONS: dict[str, Callable[[bool, Path], Section]] = {
     "latency": _latency,
     "never_slower": _never_slower,
@@ -244,6 +257,7 @@ SECTIONS: dict[str, Callable[[bool, Path], Section]] = {
     "lean_onnx": _lean_onnx,
     "conformance": _conformance,
     "plans_under_load": _plans_under_load,
+    "zoo": _zoo,
     "tolerance_ref": _external("tolerance_reference", "Tolerance search against a reference ranking (ONNX fp16, "
                                "onnxruntime CPU)", lambda m, quick: m.run(quick)),
     "tolerance_time": _external("tolerance_time", "Tolerance-search time (FX fp16, tolerance 1e-4, 4 calibration "
