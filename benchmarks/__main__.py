@@ -232,13 +232,8 @@ def _zoo(quick: bool, out: Path) -> Section:
     from . import zoo
 
     rows = zoo.outcomes(quick, None if quick else out / "zoo_outcomes.json")
-    which = "the default suite's representative classes" if quick else "every class of the auto-model mappings"
-    section = Section("transformers model zoo: outcomes per step (convert, generate, compile, train, export_onnx)", "",
-                      notes=[zoo.NOTES])
-    section.tables.append((f"Classes per outcome, {which} ({len(rows)} classes)", zoo.harness.counts(rows)))
-    section.tables.append(("Classes with a failing step", zoo.failures(rows)))
-    section.tables.append(("Why classes were not built", zoo.unbuilt(rows)))
-    return section
+    return zoo.section(rows, "the default suite's representative classes" if quick else
+                       "every class of the auto-model mappings")
 
 
 SECTIONS: dict[str, Callable[[bool, Path], Section]] = {

@@ -13,9 +13,13 @@ import json
 import sys
 from pathlib import Path
 
+from .results import Section, markdown_table
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests" / "conformance"))
 import zoo_harness as harness  # noqa: E402 - the harness lives beside the other conformance harnesses
+
+TITLE = "transformers model zoo: outcomes per step (convert, generate, compile, train, export_onnx)"
 
 NOTES = (
     "Steps: `convert-speed`/`convert-coverage` (bf16; every float output within max(2^-5, 4x torch.autocast's error) "
@@ -67,3 +71,29 @@ def unbuilt(results: list[dict]) -> list[dict]:
             reasons[result["reason"][:90]].append(result["name"])
     return [{"classes": len(names), "reason": reason, "e.g.": names[0]}
             for reason, names in sorted(reasons.items(), key=lambda item: -len(item[1]))]
+
+
+def section(results: list[dict], which: str) -> Section:
+    """The RESULTS.md section of ``results``: counts per step, the failing classes, the reasons for unbuilt ones."""
+    found = Section(TITLE, "", notes=[NOTES])
+    found.tables.append((f"Classes per outcome, {which} ({len(results)} classes)", harness.counts(results)))
+    found.tables.append(("Classes with a failing step", failures(results)))
+    found.tables.append(("Why classes were not built", unbuilt(results)))
+    return found
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print the tables of an outcomes file the harness wrote (``zoo_harness.py --json``), as RESULTS.md shows
+    them."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.zoo", description=main.__doc__.split("\n")[0])
+    parser.add_argument("outcomes", type=Path, help="the JSON file zoo_harness.py --json wrote")
+    stored = json.loads(parser.parse_args(argv).outcomes.read_text(encoding="utf-8"))
+    for caption, rows in section(stored["results"], f"torch {stored['versions']['torch']}, transformers "
+                                 f"{stored['versions']['transformers']}").tables:
+        print(f"**{caption}**\n\n{markdown_table(rows)}\n")
+
+
+if __name__ == "__main__":
+    main()
