@@ -206,7 +206,7 @@ def build(name: str, kind: str, model_type: str) -> Built:
             batch["decoder_input_ids"] = _ids(batch[main].shape[0], 4, seed=3)
     with torch.no_grad():
         model(**inputs)  # the fp32 model must run on its tiny inputs
-    encoder_decoder = getattr(model.config, "is_encoder_decoder", False) and kind not in ("seq-cls", "base")
+    encoder_decoder = getattr(model.config, "is_encoder_decoder", False) and kind in ("causal-lm", "masked-lm")
     labels = _labels("seq2seq" if encoder_decoder else kind, inputs, main) if "labels" in signature else {}
     if labels:
         with torch.no_grad():
