@@ -228,6 +228,14 @@ def _gpu(quick: bool, out: Path) -> Section:
     return section
 
 
+def _zoo(quick: bool, out: Path) -> Section:
+    from . import zoo
+
+    rows = zoo.outcomes(quick, None if quick else out / "zoo_outcomes.json")
+    return zoo.section(rows, "the default suite's representative classes" if quick else
+                       "every class of the auto-model mappings")
+
+
 SECTIONS: dict[str, Callable[[bool, Path], Section]] = {
     "latency": _latency,
     "never_slower": _never_slower,
@@ -244,6 +252,7 @@ SECTIONS: dict[str, Callable[[bool, Path], Section]] = {
     "lean_onnx": _lean_onnx,
     "conformance": _conformance,
     "plans_under_load": _plans_under_load,
+    "zoo": _zoo,
     "tolerance_ref": _external("tolerance_reference", "Tolerance search against a reference ranking (ONNX fp16, "
                                "onnxruntime CPU)", lambda m, quick: m.run(quick)),
     "integrations": _external("integrations", "amppass in the tools' own training loops against their precision "

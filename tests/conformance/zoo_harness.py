@@ -1,0 +1,640 @@
+"""Run transformers' model zoo through amppass: build each model class tiny and offline, then convert, generate,
+compile, train and export it, and judge every step against fp32 and torch.autocast.
+
+The classes are those of transformers' auto-model mappings (:data:`MAPPINGS`: causal LM, masked LM, sequence
+classification, seq2seq, image classification, speech seq2seq, audio classification, CTC and the base models),
+each built from its config class's defaults shrunk by :data:`SHRINK` (2 layers, width 32, 4 heads, vocab 128,
+4 experts, 32-pixel images, every dropout 0) with seeded random weights. A class that cannot be built that way
+offline (a config the shrunk sizes break, a tokenizer or hub file, a missing optional package) or that has no input
+recipe here is "unbuilt", with the reason. Each built class goes through :data:`STEPS`:
+
+- ``convert-speed`` / ``convert-coverage``: ``amppass.convert(..., dtype="bf16", plan_for=...)``; every float output
+  within ``max(FLOOR, RATIO * autocast's error)`` of fp32's (relative L2, the worst output), autocast being
+  ``torch.autocast("cpu", torch.bfloat16)`` on the same model and inputs; a non-finite output where fp32's is finite
+  fails. Both errors come from the same CPU's kernels, so the ratio holds on any CPU where a fixed bound would not.
+- ``generate`` (classes of the causal-LM mapping): greedy ``generate()`` of the coverage conversion against fp32's,
+  token by token while fp32's top-2 margin exceeds twice the logit difference (past a near-tie both are correct),
+  each step's logits within convert's bound (autocast's error measured on the prompt).
+- ``compile``: ``torch.compile(backend="amppass", options={"dtype": "bf16"})`` at two input shapes, each judged as
+  convert's outputs.
+- ``train``: ``convert(..., dtype="fp16", mode="train")``, 3 SGD steps with ``amppass.LossScaler``; first-step
+  gradients (unscaled) against fp32's by per-parameter cosine, no worse than autocast + ``GradScaler``'s worst
+  cosine by more than :data:`COSINE_SLACK`; every loss finite.
+- ``export-onnx``: ``amppass.export_onnx(..., dtype="fp16")``, ``onnx.checker`` (full check), onnxruntime's CPU
+  provider; the first output within ``max(FLOOR_FP16, RATIO * fp16 autocast's error)`` of fp32's.
+
+A step is "pass", "fail" (with the first line of the error, or the errors measured) or "n/a" (it does not apply).
+``python tests/conformance/zoo_harness.py --write-expected`` runs the whole zoo and writes ``zoo_expected.json``:
+every unbuilt class and every failing step, with its reason, which ``tests/test_zoo.py`` then holds the code to.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import json
+import logging
+import math
+import os
+import signal
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+import amppass
+
+EXPECTED = Path(__file__).with_name("zoo_expected.json")
+STEPS = ("convert-speed", "convert-coverage", "generate", "compile", "train", "export-onnx")
+MAPPINGS = {  # kind -> transformers.models.auto.modeling_auto mapping of model type -> class name
+    "causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "seq-cls": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+    "seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    "image-cls": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+    "speech-seq2seq": "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES",
+    "audio-cls": "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES",
+    "ctc": "MODEL_FOR_CTC_MAPPING_NAMES",
+    "base": "MODEL_MAPPING_NAMES",
+}
+FLOOR = 2.0**-5  # 8 units of bf16 roundoff: below it no plan is judged, however exact autocast happens to be
+FLOOR_FP16 = 2.0**-8  # the same for fp16
+RATIO = 4.0  # amppass runs more ops low than autocast; 4x autocast's error on the same CPU is still its kind of error
+COSINE_SLACK = 1e-2
+STEP_SECONDS = 240  # a step still running then is a failure ("timed out"), so one class cannot stall the zoo
+VOCAB = 128
+SEQ = 8
+# config attribute -> tiny value; set only where the config class has the attribute
+SHRINK: dict[str, Any] = {
+    "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "head_dim": 8, "rotary_dim": 8, "max_position_embeddings": 128,
+    "n_positions": 128, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_inner": 64, "d_model": 32, "d_ff": 64,
+    "d_kv": 8, "num_layers": 2, "num_decoder_layers": 2, "encoder_layers": 2, "decoder_layers": 2,
+    "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64,
+    "ffn_dim": 64, "embed_dim": 32, "embedding_size": 32, "image_size": 32, "patch_size": 4, "num_channels": 3,
+    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "n_shared_experts": 1,
+    "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
+    "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "num_mel_bins": 16, "max_source_positions": 16,
+    "max_target_positions": 64, "num_conv_pos_embeddings": 16, "num_conv_pos_embedding_groups": 2,
+    "conv_dim": [16, 16], "conv_stride": [5, 2], "conv_kernel": [10, 3], "window_size": 4, "num_labels": 2,
+    "hidden_sizes": [8, 16], "depths": [1, 1], "num_heads": 4, "input_feat_per_channel": 16, "d_state": 8,
+    "state_size": 8, "expand": 2, "time_step_rank": 4, "sliding_window": 64, "max_window_layers": 2,
+}
+TOKENS = {"bos_token_id": 0, "pad_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 0}
+LIST_SHRINK = {"num_heads": [2, 2], "embed_dim": [16, 32], "hidden_sizes": [8, 16], "depths": [1, 1],
+               "conv_dim": [16, 16], "conv_stride": [5, 2], "conv_kernel": [10, 3]}
+# class -> the steps it runs in the default suite: decoders (MoE, MLA, a state-space model among them), encoders,
+# encoder-decoders, vision and audio, each with the steps it stands for; the whole zoo runs every step
+REPRESENTATIVE: dict[str, tuple[str, ...]] = {
+    "LlamaForCausalLM": ("convert-coverage", "generate", "export-onnx"),
+    "GPT2LMHeadModel": ("convert-speed", "compile"),
+    "DeepseekV3ForCausalLM": ("convert-coverage",),
+    "MixtralForCausalLM": ("convert-coverage",),
+    "MambaForCausalLM": ("convert-coverage",),
+    "FalconForCausalLM": ("train",),
+    "BertForSequenceClassification": ("convert-speed", "convert-coverage", "export-onnx"),
+    "DistilBertForMaskedLM": ("convert-coverage",),
+    "T5ForConditionalGeneration": ("convert-coverage",),
+    "BartForConditionalGeneration": ("train",),
+    "ViTForImageClassification": ("convert-coverage", "train"),
+    "ResNetForImageClassification": ("train",),
+    "WhisperForConditionalGeneration": ("convert-coverage",),
+    "Wav2Vec2ForCTC": ("convert-coverage",),
+}
+SUBCONFIGS = ("text_config", "vision_config", "audio_config", "encoder", "decoder", "backbone_config")
+
+
+@dataclass
+class Built:
+    """A tiny model of one class, with its inputs."""
+
+    name: str  # the class name
+    kind: str  # the MAPPINGS key it was found under first
+    model: torch.nn.Module
+    inputs: dict  # keyword inputs of one forward call (no labels)
+    other: dict  # the same inputs at another shape
+    labels: dict  # what makes the model compute its loss ({} where it has none)
+    generates: bool
+
+
+@dataclass
+class Result:
+    """Every step's outcome for one class."""
+
+    name: str
+    kind: str
+    built: bool
+    reason: str = ""  # why it was not built
+    steps: dict[str, dict] = field(default_factory=dict)  # step -> {"outcome", "detail", "seconds"}
+
+
+def classes(kinds: tuple[str, ...] = tuple(MAPPINGS)) -> dict[str, tuple[str, str]]:
+    """Every class of the mappings of ``kinds``: name -> (kind, model type), first mapping wins."""
+    from transformers.models.auto import modeling_auto
+
+    found: dict[str, tuple[str, str]] = {}
+    for kind in kinds:
+        for model_type, names in getattr(modeling_auto, MAPPINGS[kind]).items():
+            for name in (names,) if isinstance(names, str) else names:
+                found.setdefault(name, (kind, model_type))
+    return found
+
+
+def tiny_config(model_type: str) -> Any:
+    """The config class's defaults for ``model_type`` with :data:`SHRINK` applied and every dropout 0."""
+    from transformers import CONFIG_MAPPING
+
+    config_class = CONFIG_MAPPING[model_type]
+    return config_class(**_overrides(config_class().to_dict()))
+
+
+def _overrides(defaults: dict) -> dict:
+    changed: dict = {}
+    for key, value in defaults.items():
+        if key in SUBCONFIGS and isinstance(value, dict):
+            changed[key] = {**value, **_overrides(value)}
+        elif ("dropout" in key or key.endswith(("drop_prob", "drop_path_rate", "_pdrop"))) and \
+                isinstance(value, float):
+            changed[key] = 0.0
+        elif isinstance(value, (list, tuple)) and key in LIST_SHRINK:
+            changed[key] = list(LIST_SHRINK[key])
+        elif key in SHRINK and not isinstance(value, (list, tuple, dict)) and value is not None and \
+                not isinstance(SHRINK[key], list):
+            changed[key] = SHRINK[key]
+    heads, kv_heads = defaults.get("num_attention_heads"), defaults.get("num_key_value_heads")
+    if isinstance(kv_heads, int) and isinstance(heads, int):  # grouped-query attention only where the class has it
+        changed["num_key_value_heads"] = 2 if kv_heads < heads else SHRINK["num_attention_heads"]
+    for key, value in defaults.items():  # special tokens inside the shrunk vocabulary
+        if key.endswith("_token_id") and isinstance(value, int) and not isinstance(value, bool) and value >= VOCAB:
+            changed[key] = TOKENS.get(key, VOCAB - 1)
+    if isinstance(defaults.get("layer_types"), list):  # one per layer: rebuilt for the layers kept
+        changed["layer_types"] = defaults["layer_types"][:2]
+    return changed
+
+
+def build(name: str, kind: str, model_type: str) -> Built:
+    """The tiny model of class ``name`` in eval mode with seeded weights, and its inputs. Raises on anything that
+    stops it (the reason of an unbuilt class)."""
+    import transformers
+
+    cls = getattr(transformers, name, None)
+    if cls is None:
+        raise LookupError(f"transformers has no {name} (an optional dependency is missing)")
+    config = tiny_config(model_type)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = cls(config).eval()
+    if hasattr(model, "set_attn_implementation"):
+        with contextlib.suppress(Exception):
+            model.set_attn_implementation("sdpa")
+    signature = inspect.signature(model.forward).parameters
+    main = getattr(model, "main_input_name", "input_ids")
+    inputs, other = _inputs(model, main, 1, SEQ), _inputs(model, main, 2, SEQ + 4)
+    for batch in (inputs, other):
+        if "use_cache" in signature:
+            batch["use_cache"] = False
+        if isinstance(getattr(model.config, "eos_token_id", None), int) and main == "input_ids":
+            batch[main][:, -1] = model.config.eos_token_id  # classification heads of encoder-decoders read it
+        if "decoder_input_ids" in signature and getattr(model.config, "is_encoder_decoder", False) and \
+                kind not in ("seq-cls",):
+            batch["decoder_input_ids"] = _ids(batch[main].shape[0], 4, seed=3)
+    with torch.no_grad():
+        model(**inputs)  # the fp32 model must run on its tiny inputs
+    encoder_decoder = getattr(model.config, "is_encoder_decoder", False) and kind in ("causal-lm", "masked-lm")
+    labels = _labels("seq2seq" if encoder_decoder else kind, inputs, main) if "labels" in signature else {}
+    if labels:
+        with torch.no_grad():
+            out = model(**inputs, **labels)
+        if _loss(out) is None:
+            labels = {}
+    generates = kind == "causal-lm" and hasattr(model, "generate") and model.can_generate()
+    return Built(name, kind, model, inputs, other, labels, generates)
+
+
+def _ids(batch: int, length: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, VOCAB - 1, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _inputs(model: torch.nn.Module, main: str, batch: int, length: int) -> dict:
+    config = model.config
+    generator = torch.Generator().manual_seed(batch * 100 + length)
+    if main == "input_ids":
+        return {"input_ids": _ids(batch, length, seed=batch * 100 + length)}
+    if main == "pixel_values":
+        size = getattr(config, "image_size", 32)
+        size = size[0] if isinstance(size, (list, tuple)) else size
+        return {"pixel_values": torch.randn(batch, getattr(config, "num_channels", 3), size, size,
+                                            generator=generator)}
+    if main == "input_values":
+        return {"input_values": torch.randn(batch, 1600 + 160 * length, generator=generator)}
+    if main == "input_features":
+        bins = getattr(config, "num_mel_bins", None) or getattr(config, "input_feat_per_channel", 16)
+        if getattr(config, "max_source_positions", None) and config.model_type == "whisper":
+            frames = 2 * config.max_source_positions  # whisper's encoder takes exactly this many frames
+            return {"input_features": torch.randn(batch, bins, frames, generator=generator)}
+        return {"input_features": torch.randn(batch, 4 * length, bins, generator=generator)}
+    raise LookupError(f"no input recipe for main input {main!r}")
+
+
+def _labels(kind: str, inputs: dict, main: str) -> dict:
+    batch = inputs[main].shape[0]
+    if kind in ("causal-lm", "masked-lm"):
+        return {"labels": inputs[main].clone()}
+    if kind in ("seq-cls", "image-cls", "audio-cls"):
+        return {"labels": torch.ones(batch, dtype=torch.long)}
+    if kind in ("seq2seq", "speech-seq2seq"):
+        return {"labels": _ids(batch, 4, seed=5)}
+    if kind == "ctc":
+        return {"labels": _ids(batch, 3, seed=6)}
+    return {}
+
+
+def _loss(out: Any) -> torch.Tensor | None:
+    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+    return loss if isinstance(loss, torch.Tensor) else None
+
+
+def tensors(out: Any) -> list[torch.Tensor]:
+    """Every float tensor of a model output (tensors, tuples, dicts, ModelOutputs, caches' keys and values)."""
+    if isinstance(out, torch.Tensor):
+        return [out] if out.is_floating_point() else []
+    if isinstance(out, dict):
+        return [t for v in out.values() for t in tensors(v)]
+    if isinstance(out, (tuple, list)):
+        return [t for v in out for t in tensors(v)]
+    if hasattr(out, "layers"):
+        return [t for layer in out.layers for t in tensors([getattr(layer, "keys", None),
+                                                             getattr(layer, "values", None)])]
+    return []
+
+
+def error(got: Any, want: Any) -> float:
+    """The worst relative L2 error over the float outputs; inf where the structure differs or a value fp32 has
+    finite is not."""
+    gots, wants = tensors(got), tensors(want)
+    if len(gots) != len(wants) or not wants:
+        return math.inf
+    worst = 0.0
+    for g, w in zip(gots, wants):
+        if g.shape != w.shape:
+            return math.inf
+        g, w = g.detach().double(), w.detach().double()
+        finite = torch.isfinite(w)
+        if not torch.isfinite(g[finite]).all():
+            return math.inf
+        scale = float(w[finite].norm())
+        worst = max(worst, float((g[finite] - w[finite]).norm()) / (scale or 1.0))
+    return worst
+
+
+def autocast_error(model: torch.nn.Module, inputs: dict, reference: Any, dtype: torch.dtype) -> float:
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+        out = model(**inputs)
+    return error(out, reference)
+
+
+def _judge(err: float, autocast: float, floor: float) -> tuple[str, str]:
+    bound = max(floor, RATIO * autocast) if math.isfinite(autocast) else floor
+    detail = f"error {err:.3g}, autocast {autocast:.3g}, bound {bound:.3g}"
+    return ("pass" if err <= bound else "fail"), detail
+
+
+def _split(built: Built, inputs: dict) -> tuple[tuple, dict]:
+    """The main input positionally, the rest by keyword (convert captures with both)."""
+    main = getattr(built.model, "main_input_name", "input_ids")
+    rest = {k: v for k, v in inputs.items() if k != main}
+    return (inputs[main],), rest
+
+
+def step_convert(built: Built, plan: str) -> tuple[str, str]:
+    args, kwargs = _split(built, built.inputs)
+    with torch.no_grad():
+        reference = built.model(**built.inputs)
+    converted = amppass.convert(built.model, args, example_kwargs=kwargs, dtype="bf16", plan_for=plan)
+    with torch.no_grad():
+        out = converted(*args, **kwargs)
+    return _judge(error(out, reference), autocast_error(built.model, built.inputs, reference, torch.bfloat16), FLOOR)
+
+
+def step_generate(built: Built) -> tuple[str, str]:
+    if not built.generates:
+        return "n/a", ""
+    model = built.model
+    model.generation_config.eos_token_id = None  # every sequence runs its full length
+    model.generation_config.pad_token_id = 0
+    ids = _ids(1, SEQ, seed=11)
+    converted = amppass.convert(model, (ids,), example_kwargs={"use_cache": False} if "use_cache" in
+                                built.inputs else None, dtype="bf16", plan_for="coverage")
+    if not hasattr(converted, "generate"):
+        return "fail", f"the converted model ({type(converted).__name__}) has no generate()"
+    settings = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                    pad_token_id=0)
+    with torch.no_grad():
+        reference = model.generate(ids, **settings)
+        out = converted.generate(ids, **settings)
+    forward = {"input_ids": ids, **({"use_cache": False} if "use_cache" in built.inputs else {})}
+    with torch.no_grad():
+        bound = max(FLOOR, RATIO * autocast_error(model, forward, model(**forward), torch.bfloat16))
+    start = reference.sequences.shape[1] - len(reference.logits)
+    for step, (want, got) in enumerate(zip(reference.logits, out.logits)):
+        logits_error = error(got.float(), want.float())
+        if logits_error > bound:  # only logits within convert's bound can disagree at a near-tie
+            return "fail", f"token {step}: logits error {logits_error:.3g} > {bound:.3g}"
+        top = want.float().topk(2, dim=-1).values
+        margin = float((top[..., 0] - top[..., 1]).min())
+        difference = float((got.float() - want.float()).abs().max())
+        if margin <= 2 * difference:
+            return "pass", f"{step} tokens compared, then a near-tie"
+        if not torch.equal(out.sequences[:, start + step], reference.sequences[:, start + step]):
+            return "fail", f"token {step} differs from fp32's (margin {margin:.3g}, logit difference {difference:.3g})"
+    return "pass", f"{len(reference.logits)} tokens compared"
+
+
+def step_compile(built: Built) -> tuple[str, str]:
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(built.model, backend="amppass", options={"dtype": "bf16"})
+        details = []
+        for inputs in (built.inputs, built.other):
+            with torch.no_grad():
+                reference = built.model(**inputs)
+                out = compiled(**inputs)
+            outcome, detail = _judge(error(out, reference),
+                                     autocast_error(built.model, inputs, reference, torch.bfloat16), FLOOR)
+            details.append(detail)
+            if outcome != "pass":
+                shape = "x".join(str(s) for s in next(iter(inputs.values())).shape)
+                return outcome, f"at {shape}: {detail}"
+        return "pass", "; ".join(details)
+    finally:
+        torch._dynamo.reset()
+
+
+def _gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _train_loss(out: Any) -> torch.Tensor:
+    loss = _loss(out)
+    if loss is None:  # a base model: the mean square of its first float output
+        loss = tensors(out)[0].float().pow(2).mean()
+    return loss
+
+
+def _worst_cosine(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    worst = 1.0
+    for name, want in reference.items():
+        if float(want.norm()) == 0.0:
+            continue
+        got = grads.get(name)
+        if got is None or not torch.isfinite(got).all():
+            return 0.0 if got is None else -math.inf
+        worst = min(worst, float(torch.nn.functional.cosine_similarity(got.flatten().double(),
+                                                                       want.flatten().double(), dim=0)))
+    return worst
+
+
+def _autocast_cosine(model: torch.nn.Module, inputs: dict, reference: dict[str, torch.Tensor]) -> float:
+    """The worst first-step gradient cosine of torch.autocast (fp16) + GradScaler; 1.0 where autocast itself fails
+    (the bound is then :data:`COSINE_SLACK` below 0.999)."""
+    model = copy.deepcopy(model).train()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    try:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = _train_loss(model(**inputs))
+        scaler.scale(loss.float()).backward()
+    except Exception:  # noqa: BLE001 - an op autocast cannot run in fp16 on this CPU: no comparison to make
+        return 1.0
+    scaler.unscale_(torch.optim.SGD(model.parameters(), lr=1e-3))
+    return _worst_cosine(_gradients(model), reference)
+
+
+def step_train(built: Built) -> tuple[str, str]:
+    inputs = {**built.inputs, **built.labels}
+    fp32 = copy.deepcopy(built.model).train()
+    _train_loss(fp32(**inputs)).backward()
+    reference = _gradients(fp32)
+
+    autocast_cosine = _autocast_cosine(built.model, inputs, reference)
+
+    args, kwargs = _split(built, inputs)
+    model = amppass.convert(copy.deepcopy(built.model).train(), args, example_kwargs=kwargs, dtype="fp16",
+                            mode="train")
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = amppass.LossScaler(init_scale=2.0**10)
+    cosine, losses = None, []
+    for _ in range(3):
+        optimizer.zero_grad()
+        loss = _train_loss(model(*args, **kwargs))
+        losses.append(float(loss))
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        if cosine is None:
+            cosine = _worst_cosine(_gradients(model), reference)
+        scaler.step(optimizer)
+        scaler.update()
+    bound = min(autocast_cosine, 0.999) - COSINE_SLACK
+    detail = f"worst gradient cosine {cosine:.4f}, autocast's {autocast_cosine:.4f}"
+    if not all(math.isfinite(x) for x in losses):
+        return "fail", f"non-finite loss in 3 steps {losses}"
+    return ("pass" if cosine >= bound else "fail"), detail
+
+
+def step_export(built: Built) -> tuple[str, str]:
+    import onnx
+    import onnxruntime
+
+    model = built.model
+    names = list(inspect.signature(model.forward).parameters)
+    last = max(names.index(k) for k in built.inputs if k != "use_cache")
+    args = tuple(built.inputs.get(n) for n in names[:last + 1])
+    with torch.no_grad():
+        reference = tensors(model(**built.inputs))[0]
+    with tempfile.TemporaryDirectory(prefix="zoo-onnx-") as folder:
+        path = os.path.join(folder, "model.onnx")
+        amppass.export_onnx(model, args, path, dtype="fp16")
+        onnx.checker.check_model(path, full_check=True)
+        session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+        feed = {i.name: built.inputs[i.name].numpy() for i in session.get_inputs()}
+        out = torch.from_numpy(session.run(None, feed)[0])
+    err = error(out.float(), reference)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        autocast = error(tensors(model(**built.inputs))[0].float(), reference)
+    return _judge(err, autocast, FLOOR_FP16)
+
+
+RUNNERS = {
+    "convert-speed": lambda b: step_convert(b, "speed"),
+    "convert-coverage": lambda b: step_convert(b, "coverage"),
+    "generate": step_generate,
+    "compile": step_compile,
+    "train": step_train,
+    "export-onnx": step_export,
+}
+
+
+class _Timeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _deadline(seconds: int) -> Iterator[None]:
+    def expire(signum, frame):  # noqa: ARG001 - signal handler's signature
+        raise _Timeout(f"timed out after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def first_line(err: BaseException) -> str:
+    """The exception's type and the first line of its message."""
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0][:240] if lines else ''}".rstrip(": ")
+
+
+def run_class(name: str, kind: str, model_type: str, steps: tuple[str, ...] = STEPS) -> Result:
+    """Build ``name`` tiny and run ``steps`` on it; never raises."""
+    logging.disable(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                with _deadline(STEP_SECONDS):
+                    built = build(name, kind, model_type)
+            except Exception as err:  # noqa: BLE001 - an unbuilt class is data, with its reason
+                return Result(name, kind, False, first_line(err))
+            result = Result(name, kind, True)
+            for step in steps:
+                start = time.perf_counter()
+                try:
+                    with _deadline(STEP_SECONDS):
+                        outcome, detail = RUNNERS[step](built)
+                except Exception as err:  # noqa: BLE001 - what the zoo is here to find
+                    outcome, detail = "fail", first_line(err)
+                result.steps[step] = {"outcome": outcome, "detail": detail,
+                                      "seconds": round(time.perf_counter() - start, 2)}
+            return result
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def counts(results: list[dict]) -> list[dict]:
+    """One row per step: classes passing, failing, where it does not apply, not run (a subset of the steps), and
+    in the build row the classes not built."""
+    built = [r for r in results if r["built"]]
+    rows = [{"step": "build", "pass": len(built), "fail": "", "n/a": "", "not run": "",
+             "unbuilt": len(results) - len(built)}]
+    for step in STEPS:
+        outcomes = [r["steps"].get(step, {}).get("outcome", "not run") for r in built]
+        rows.append({"step": step, **{o: outcomes.count(o) for o in ("pass", "fail", "n/a", "not run")},
+                     "unbuilt": ""})
+    return rows
+
+
+def expected_from(results: list[dict]) -> dict:
+    """The ``zoo_expected.json`` content that ``results`` satisfy; the entries of classes and steps not in ``results``
+    are kept from the file as it is (so a run of some classes or steps updates theirs only)."""
+    previous = json.loads(EXPECTED.read_text(encoding="utf-8")) if EXPECTED.exists() else {}
+    ran = {r["name"] for r in results}
+    unbuilt = {k: v for k, v in previous.get("unbuilt", {}).items() if k not in ran}
+    expected = dict(previous.get("expected", {}))
+    for result in results:
+        name = result["name"]
+        if not result["built"]:
+            unbuilt[name] = result["reason"]
+            expected.pop(name, None)
+            continue
+        kept = {s: r for s, r in expected.pop(name, {}).items() if s not in result["steps"]}  # steps not run
+        kept.update({s: v["detail"] for s, v in result["steps"].items() if v["outcome"] == "fail"})
+        if kept:
+            expected[name] = dict(sorted(kept.items()))
+    return {"about": ABOUT, "unbuilt": dict(sorted(unbuilt.items())), "expected": dict(sorted(expected.items()))}
+
+
+def interleaved(found: dict[str, tuple[str, str]]) -> list[str]:
+    """The class names: :data:`REPRESENTATIVE` first, then each kind in turn, so a run stopped part way has reached
+    every kind."""
+    by_kind: dict[str, list[str]] = {}
+    for name, (kind, _) in found.items():
+        if name in REPRESENTATIVE:
+            continue
+        by_kind.setdefault(kind, []).append(name)
+    order = [name for name in REPRESENTATIVE if name in found]
+    queues = [list(names) for names in by_kind.values()]
+    while any(queues):
+        order += [queue.pop(0) for queue in queues if queue]
+    return order
+
+
+ABOUT = ("Expected deviations of the transformers zoo (tests/test_zoo.py, tests/conformance/zoo_harness.py): "
+         "'unbuilt' lists the classes a tiny offline config cannot build, with the reason; 'expected' lists per "
+         "class the steps that fail today, with the first line of the error or the errors measured. A listed step "
+         "that passes fails the test, as does an unlisted one that fails. Regenerate: python "
+         "tests/conformance/zoo_harness.py --write-expected")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the zoo (or the classes named), print the counts per step, write the outcomes (and the expected file)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", help="these classes only")
+    parser.add_argument("--steps", nargs="*", default=list(STEPS))
+    parser.add_argument("--representative", action="store_true",
+                        help="the default suite's classes, each with its steps (REPRESENTATIVE)")
+    parser.add_argument("--shard", default="0/1", help="i/n: every n-th class from the i-th (run n at once)")
+    parser.add_argument("--json", default=None, help="write every outcome here (after each class)")
+    parser.add_argument("--resume", action="store_true", help="keep the classes already in --json")
+    parser.add_argument("--write-expected", action="store_true", help=f"write {EXPECTED.name} from the outcomes")
+    options = parser.parse_args(argv)
+    found = classes()
+    index, count = (int(p) for p in options.shard.split("/"))
+    names = (list(REPRESENTATIVE) if options.representative else options.only or interleaved(found))[index::count]
+    results: list[dict] = []
+    if options.resume and options.json and os.path.exists(options.json):
+        results = json.loads(Path(options.json).read_text(encoding="utf-8"))["results"]
+    done = {r["name"] for r in results}
+    for index, name in enumerate(names):
+        if name in done:
+            continue
+        kind, model_type = found[name]
+        steps = REPRESENTATIVE[name] if options.representative else tuple(options.steps)
+        result = run_class(name, kind, model_type, steps)
+        results.append(vars(result))
+        summary = result.reason if not result.built else " ".join(
+            f"{s}={v['outcome']}" for s, v in result.steps.items())
+        print(f"[{index + 1}/{len(names)}] {name}: {summary}", flush=True)
+        if options.json:
+            write_json(Path(options.json), {"versions": versions(), "results": results})
+    for row in counts(results):
+        print(row)
+    if options.write_expected:
+        write_json(EXPECTED, expected_from(results))
+
+
+def versions() -> dict:
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def write_json(path: Path, data: dict) -> None:
+    """``data`` written to ``path`` in full, then renamed into place (a stopped run leaves the last whole file)."""
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    partial.replace(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""transformers' model zoo as amppass's regression suite: every model class of the auto-model mappings that a tiny
+config builds offline, through convert (speed and coverage plans), generate, the compile backend, train mode and
+export_onnx (``tests/conformance/zoo_harness.py`` says how each step is judged).
+
+Every outcome is asserted against ``tests/conformance/zoo_expected.json``: a step that fails must be listed there with
+its reason, and a listed step that passes fails the test too (so is a listed unbuilt class that builds), so the list
+cannot go stale. The default run takes a representative subset (:data:`DEFAULT`: decoders, MoE and MLA, a state-space
+model, encoders, encoder-decoders, vision, audio), each with the steps that class stands for; the whole zoo, every step,
+runs under ``-m slow``. Regenerate the expected file after a fix: ``python tests/conformance/zoo_harness.py
+--write-expected``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+sys.path.insert(0, str(Path(__file__).with_name("conformance")))
+import zoo_harness as harness  # noqa: E402 - beside the other conformance harnesses
+
+DATA = json.loads(harness.EXPECTED.read_text(encoding="utf-8"))
+
+DEFAULT = harness.REPRESENTATIVE
+
+
+@functools.cache
+def _classes() -> dict[str, tuple[str, str]]:
+    return harness.classes()
+
+
+def verdict(result: harness.Result) -> list[str]:
+    """Why ``result`` is not what ``zoo_expected.json`` says (empty when it is)."""
+    name, unbuilt = result.name, DATA["unbuilt"].get(result.name)
+    if not result.built:
+        return [] if unbuilt is not None else [f"{name} no longer builds: {result.reason}"]
+    if unbuilt is not None:
+        return [f"{name} builds now: remove it from 'unbuilt' in zoo_expected.json (it was: {unbuilt})"]
+    found = []
+    listed = DATA["expected"].get(name, {})
+    for step, got in result.steps.items():
+        reason = listed.get(step)
+        if got["outcome"] == "fail" and reason is None:
+            found.append(f"{name} {step}: {got['detail']}")
+        elif got["outcome"] != "fail" and reason is not None:
+            found.append(f"{name} {step} {got['outcome']}s now ({got['detail']}): remove it from zoo_expected.json "
+                         f"(it was: {reason})")
+    return found
+
+
+def _check(name: str, steps: tuple[str, ...]) -> None:
+    kind, model_type = _classes()[name]
+    failures = verdict(harness.run_class(name, kind, model_type, steps))
+    assert not failures, "\n".join(failures)
+
+
+def test_expected_entries_name_real_classes_and_steps_with_reasons():
+    classes = _classes()
+    assert len(classes) > 500, "the auto-model mappings are walked"
+    for name, reason in DATA["unbuilt"].items():
+        assert name in classes and reason, name
+    for name, steps in DATA["expected"].items():
+        assert name in classes and name not in DATA["unbuilt"], name
+        for step, reason in steps.items():
+            assert step in harness.STEPS and reason, (name, step)
+    assert set(DEFAULT) <= set(classes) and not set(DEFAULT) & set(DATA["unbuilt"])
+
+
+def test_tiny_configs_shrink_what_the_class_has():
+    config = harness.tiny_config("mistral")
+    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads) == (2, 32, 4)
+    assert config.num_key_value_heads == 2 and config.vocab_size == harness.VOCAB  # grouped-query kept
+    assert harness.tiny_config("llama").num_key_value_heads == 4  # a class without GQA gets none
+    assert harness.tiny_config("bert").hidden_dropout_prob == 0.0
+
+
+def test_a_step_that_starts_passing_fails_the_suite(monkeypatch):
+    result = harness.Result("LlamaForCausalLM", "causal-lm", True, steps={"train": {"outcome": "pass", "detail": ""}})
+    monkeypatch.setitem(DATA["expected"], "LlamaForCausalLM", {"train": "listed as failing"})
+    assert "remove it from zoo_expected.json" in verdict(result)[0]
+    monkeypatch.setitem(DATA["expected"], "LlamaForCausalLM", {})
+    assert verdict(result) == []
+    result.steps["train"]["outcome"] = "fail"
+    assert verdict(result) == ["LlamaForCausalLM train: "]
+
+
+@pytest.mark.parametrize("name", sorted(DEFAULT))
+def test_representative(name):
+    _check(name, DEFAULT[name])
+
+
+def _all() -> list[str]:
+    try:
+        return sorted(_classes())
+    except Exception:  # noqa: BLE001 - collection must not fail where transformers' mappings cannot be read
+        return []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", _all())
+def test_every_class(name):
+    _check(name, harness.STEPS)
+
+
+def test_benchmark_section_counts_each_step(tmp_path, capsys):
+    from benchmarks import zoo
+    from benchmarks.__main__ import SECTIONS
+
+    results = [vars(harness.Result("A", "causal-lm", True, steps={
+        "generate": {"outcome": "pass", "detail": ""}, "train": {"outcome": "fail", "detail": "ValueError: x"},
+        "compile": {"outcome": "n/a", "detail": ""}})), vars(harness.Result("B", "base", False, "KeyError: y"))]
+    counts, failing, unbuilt = (rows for _, rows in zoo.section(results, "two classes").tables)
+    by_step = {row["step"]: row for row in counts}
+    assert (by_step["build"]["pass"], by_step["build"]["unbuilt"]) == (1, 1)
+    assert (by_step["generate"]["pass"], by_step["train"]["fail"], by_step["compile"]["n/a"]) == (1, 1, 1)
+    assert by_step["export-onnx"]["not run"] == 1
+    assert failing == [{"class": "A", "kind": "causal-lm", "generate": "pass", "train": "fail: ValueError: x",
+                        "compile": "n/a"}]
+    assert unbuilt == [{"classes": 1, "reason": "KeyError: y", "e.g.": "B"}]
+    path = tmp_path / "outcomes.json"
+    harness.write_json(path, {"versions": harness.versions(), "results": results})
+    zoo.main([str(path)])
+    assert "| train | 0 | 1 | 0 | 0 |  |" in capsys.readouterr().out
+    assert "zoo" in SECTIONS
