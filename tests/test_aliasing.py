@@ -15,8 +15,14 @@ import torch
 from torch import fx, nn
 
 import amppass
+from amppass.analysis.stats import CalibrationStats
 from amppass.fx.aliasing import alias_groups
+from amppass.fx.calibrate import _candidates, _Recorder
 from amppass.fx.capture import capture
+from amppass.fx.copies import shared_copy
+from amppass.fx.prefix import Checkpoints
+from amppass.fx.view import build_view
+from amppass.targets.target import torch_target
 
 BF16_TOLERANCE = 2e-2  # relative L2 error of a few bf16 matrix products (8 significand bits)
 
@@ -227,3 +233,36 @@ def test_deepseek_v3_generates_fp32s_tokens():
     fast = amppass.convert(model, (prompt,), dtype="bf16", plan_for="coverage")
     reference, out = greedy(model, prompt, 12), greedy(fast, prompt, 12)
     assert agreeing_steps(reference, out) >= 4
+
+
+# -- the tolerance search's runs from kept fp32 values -----------------------------------------------------------
+
+class DividedInPlace(nn.Module):
+    """A value divided in place (``topk_weights /= denominator``, as DeepSeek-V3's router writes it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        scale = torch.relu(self.b(x)) + 1.0
+        h /= scale
+        return h
+
+
+def test_runs_from_kept_values_never_write_twice():
+    """A tolerance-search run started from a value kept during calibration computes what the whole run does."""
+    model, x = _model(DividedInPlace), _x()
+    gm = capture(model, (x,), None, train=False)
+    view, _ = build_view(gm, torch_target("cpu", "bf16"))
+    checkpoints = Checkpoints(gm, _candidates(view))
+    assert "div_" not in checkpoints.order and "linear" in checkpoints.order  # none between h and its write
+    recorder = _Recorder(gm, CalibrationStats(), set())
+    recorder.checkpoints = checkpoints
+    with torch.no_grad():
+        recorder.run(x, enable_io_processing=False)
+        trial = shared_copy(gm)
+        whole = trial(x)
+        from_kept = checkpoints.run(trial, [(0, (x,), {}, [x])])[0]
+    assert torch.equal(torch.utils._pytree.tree_leaves(whole)[0], torch.utils._pytree.tree_leaves(from_kept)[0])
