@@ -110,7 +110,7 @@ def check(fp32: fx.GraphModule, inputs: list, plan: PrecisionPlan, low: str,
 
 def _outputs(gm: fx.GraphModule, inputs: list) -> list[bool | None]:
     """Whether each output leaf is finite (None: not a floating tensor)."""
-    return [_finite(v) for v in pytree.tree_leaves(gm.forward(*inputs))]
+    return [_finite(v) for v in pytree.tree_leaves(fx.Interpreter(gm).run(*inputs, enable_io_processing=False))]
 
 
 def _output_names(gm: fx.GraphModule) -> list[str]:
@@ -134,7 +134,7 @@ def _finite_by_node(gm: fx.GraphModule, inputs: list) -> dict[str, bool | None]:
     shared = {n for members in alias_groups(gm).members for n in members}
     recorder = _Recorder(gm, shared)
     with torch.no_grad():
-        recorder.run(*inputs)
+        recorder.run(*inputs, enable_io_processing=False)
     for node, value in recorder.later.items():
         recorder.finite[node.name] = _finite(value)
     return recorder.finite
