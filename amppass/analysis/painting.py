@@ -31,6 +31,12 @@ Rules, in the order they apply (after TF grappler's auto mixed precision pass):
    precise for arithmetic (a bias added before a residual sum in fp32). This goes in reverse graph order,
    so a chain of such ops (transpose, reshape) resolves from its far end; it also keeps onnxruntime 1.31
    from crashing on Transpose -> Cast(float) -> MatMul.
+9. Aliasing groups: values that share storage with a value written in place (a buffer filled through
+   slices, ``copy_``, ``index_put_``, ``masked_fill_``) run in one precision, so no cast (a copy) comes
+   between a write and a read: a write through a cast copy never reaches the buffer its readers read. The
+   group runs fp32 when any member does (a value written into it is fp32, as type promotion would keep
+   it; an fp32 op works on it; it is a graph input or weight, which keeps its dtype), else low. The
+   members are fixed with that precision and the graph painted again, so their readers follow the group.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from ..dtypes import LowType
 from .fit import misfit
 from .plan import Category, Decision, Precision, PrecisionPlan, Source
 from .policy import DIVISION, JOIN, LAYOUT
-from .view import GraphView, OpView
+from .view import AliasGroup, GraphView, OpView
 
 _CATEGORY_PRECISION = {
     Category.LOW: Precision.LOW,
@@ -64,6 +70,15 @@ def paint(
     ``low_weight_tables`` paints ops fed by weights alone low whatever their consumers (rule 7).
     """
     given = dict(given or {})
+    plan = _paint(view, low, given, low_weight_tables)
+    grouped = _alias_decisions(view, plan, low)
+    if any(plan[name].precision is not d.precision for name, d in grouped.items()):
+        plan = _paint(view, low, {**given, **grouped}, low_weight_tables)  # rule 9: readers follow the group
+    return plan
+
+
+def _paint(view: GraphView, low: LowType, given: Mapping[str, Decision], low_weight_tables: bool) -> PrecisionPlan:
+    """Rules 1-8."""
     plan = PrecisionPlan()
     denied: dict[str, str] = {}  # value -> name of the range-caused fp32 node it descends from
     too_big = {w: m for w, m in view.weights.items() if m > low.max}
@@ -92,6 +107,45 @@ def paint(
     _cast_early(view, plan, low, given, consumers)
     _resolve_weight_only(view, plan, low, low_weight_tables, consumers)
     return plan
+
+
+def _alias_decisions(view: GraphView, plan: PrecisionPlan, low: LowType) -> dict[str, Decision]:
+    """Rule 9: one decision per member of each aliasing group with floating-point work."""
+    decisions: dict[str, Decision] = {}
+    for index, group in enumerate(view.alias_groups):
+        floating = [m for m in group.members if plan[m].precision is not Precision.KEEP]
+        if not floating:
+            continue
+        why = _group_fp32(group, plan)
+        precision = Precision.FP32 if why else Precision.LOW
+        if not why and not any(plan[m].precision is Precision.LOW for m in floating):
+            continue
+        shown = ", ".join(group.members[:6]) + (", ..." if len(group.members) > 6 else "")
+        writers = ", ".join(group.writers[:3]) + (", ..." if len(group.writers) > 3 else "")
+        runs = "fp32" if precision is Precision.FP32 else str(low)
+        because = f" because {why}" if why else f": every member with floating-point work runs {low}"
+        reason = (f"shares storage with values written in place ({writers}; aliasing group: {shown}): the group "
+                  f"runs in one precision with no cast between a write and a read, {runs}{because}")
+        for member in floating:
+            own = plan[member]
+            # a member's own reason stands where its op decided it; one painted from its neighbours takes the group's
+            keeps = own.precision is precision and own.source is not Source.PAINTING
+            evidence = {k: v for k, v in own.evidence.items() if k != "weights_only"}
+            decisions[member] = Decision(precision, own.reason if keeps else reason,
+                                         own.source if keeps else Source.PAINTING, {**evidence, "alias_group": index})
+    return decisions
+
+
+def _group_fp32(group: AliasGroup, plan: PrecisionPlan) -> str:
+    """Why an aliasing group runs fp32 ("" when it may run low): a member that runs fp32, or stored state."""
+    if group.stored:
+        return f"{group.stored!r}, a graph input or weight, is written in place and keeps its fp32 storage"
+    # a write of an fp32 value says most about why; then any member that runs fp32
+    for member in group.writers + group.members:
+        decision = plan[member]
+        if decision.precision in (Precision.FP32, Precision.FP32_ACCUM):
+            return f"{member} runs fp32 ({decision.reason})"
+    return ""
 
 
 def _cast_early(view: GraphView, plan: PrecisionPlan, low: LowType, given: Mapping[str, Decision],

@@ -34,12 +34,27 @@ class OpView:
 
 
 @dataclass
+class AliasGroup:
+    """Values that share storage with a value the graph writes in place (a buffer filled through views).
+
+    They run in one precision, with no cast between a write and a read (:func:`amppass.analysis.painting.paint`,
+    rule 9).
+    """
+
+    members: list[str]  # the view's nodes in the group, in graph order
+    writers: list[str]  # the members that write in place
+    # a graph input or weight in the group: written in place, it keeps the dtype it is stored in (fp32)
+    stored: str = ""
+
+
+@dataclass
 class GraphView:
     """A whole graph for the analysis: nodes in topological order plus what feeds them."""
 
     nodes: list[OpView]
     weights: dict[str, float] = field(default_factory=dict)  # weight value -> absmax (for the range rule)
     outputs: list[str] = field(default_factory=list)
+    alias_groups: list[AliasGroup] = field(default_factory=list)
     # a weight's values (numpy or torch), read on demand by the painting's fit check; None: not readable,
     # and every weight within the low dtype's largest value is taken to fit
     weight_values: Callable[[str], Any] | None = None

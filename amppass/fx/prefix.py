@@ -16,6 +16,9 @@ batch during calibration: that fp32 prefix need not run again. Rules:
    graph of the nodes from there on, fed the batch's inputs and the kept values; a batch without that
    checkpoint uses its latest one before it, or the whole trial.
 3. The result is the whole trial's, to the bit: the values fed are the ones the fp32 nodes computed.
+4. No checkpoint lies after a value of an aliasing group (:mod:`amppass.fx.aliasing`) and at or before a
+   write into that group: a kept value is the tensor itself, which the rest of the fp32 run goes on writing,
+   so a run from there would apply the writes twice (``h.div_(s)`` divided again).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from ..analysis.calibration import CACHE_BYTES, CHECKPOINTS
+from .aliasing import alias_groups
 from .view import fetch_attr
 
 log = logging.getLogger(__name__)
@@ -39,7 +43,8 @@ class Checkpoints:
     """The fp32 values live at the checkpoints of one graph, per kept batch (module docstring, rule 1)."""
 
     def __init__(self, gm: fx.GraphModule, candidates: set[str]):
-        ordered = [n.name for n in gm.graph.nodes if n.name in candidates]
+        within = _within_writes(gm)
+        ordered = [n.name for n in gm.graph.nodes if n.name in candidates and n.name not in within]
         step = max(1, len(ordered) // CHECKPOINTS)
         self.order = {name: i for i, name in enumerate(ordered[step // 2::step][:CHECKPOINTS])}
         self.signatures = {n.name: _signature(gm, n) for n in gm.graph.nodes if n.op not in _FREE}
@@ -95,6 +100,15 @@ class Checkpoints:
             if self.signatures.get(node.name) != _signature(trial, node):
                 break
         return found
+
+
+def _within_writes(gm: fx.GraphModule) -> set[str]:
+    """Rule 4: the nodes after a member of an aliasing group and up to its last write in place."""
+    position = {node: i for i, node in enumerate(gm.graph.nodes)}
+    groups = alias_groups(gm)
+    spans = [(min(position[n] for n in members), max(position[w] for w in groups.writes if w in members))
+             for members in (set(m) for m in groups.members)]
+    return {node.name for node, i in position.items() if any(first < i <= last for first, last in spans)}
 
 
 def _suffix(trial: fx.GraphModule, start: str, live: list[str]) -> tuple[fx.GraphModule, list[str], int]:

@@ -27,6 +27,10 @@ Rules:
    made complex64 (``torch.complex``, ``view_as_complex``), and reading real values out of complex32 gives
    fp16. Torch tracks neither as an fp32 value, so the rewrite does: with ``keep_io_types`` a complex32
    output is cast back to complex64, and an fp16 one read out of complex32 to fp32.
+10. A value that shares storage with one written in place (:mod:`amppass.fx.aliasing`) is cast only where it
+    is read, never shared with a read before a later write to its group: a write drops the group's casts,
+    so a reader after it casts again. Such a weight is never converted or copied ahead of time (its values
+    change at run time), and such a constant is never created in the low dtype (rule 8).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from torch import fx
 from ..analysis.plan import Precision, PrecisionPlan
 from ..dtypes import LowType, short_name
 from . import graph_calls, ops, policy
+from .aliasing import alias_groups
 from .view import carries_fp32, cast_target, fetch_attr, has_dtypes, module_state
 
 aten = torch.ops.aten
@@ -76,6 +81,7 @@ class _Rewriter:
         self.dtype: dict[fx.Node, torch.dtype | None] = {}
         self.cache: dict[tuple[fx.Node, torch.dtype, bool], fx.Node] = {}
         self.stats = RewriteStats()
+        self.aliases = alias_groups(gm)
         self.low_only_weights = self._low_only_weights() if precast else set()
         if self.weights_low:
             self.low_only_weights |= self._fitting_weights()
@@ -94,7 +100,7 @@ class _Rewriter:
         one in a slot its policy keeps (a batch norm's statistics) wants it as it is."""
         result = set()
         for node in self.gm.graph.nodes:
-            if node.op == "get_attr" and self.fp32[node] and node.users:
+            if node.op == "get_attr" and self.fp32[node] and node.users and not self.aliases.written(node):
                 wants = {None if node in policy.kept_arguments(user, self.gm)[0] else self._wanted(user)
                          for user in node.users}
                 if wants == {self.low}:
@@ -105,7 +111,7 @@ class _Rewriter:
         """Every read fp32 weight whose values the low dtype holds (rule 2, ``weights_low``)."""
         result = set()
         for node in self.gm.graph.nodes:
-            if node.op == "get_attr" and self.fp32[node] and node.users:
+            if node.op == "get_attr" and self.fp32[node] and node.users and not self.aliases.written(node):
                 tensor = fetch_attr(self.gm, str(node.target))
                 if not tensor.numel() or float(tensor.detach().abs().max()) <= self.low_max:
                     result.add(node)
@@ -187,12 +193,15 @@ class _Rewriter:
         if decision is not None:
             new.meta[META_KEY] = {**decision.to_meta(), "op": ops.display_name(node, self.gm), "casts_in": casts}
         self.dtype[new] = self.low if created_low else self._out_dtype(node, decision)
+        if node in self.aliases.writes:  # rule 10: casts of the group made before this write are stale
+            group = set(self.aliases.group(node))
+            self.cache = {key: cast for key, cast in self.cache.items() if key[0] not in group}
         return new
 
     def _created_low(self, node: fx.Node, args: tuple, kwargs: dict) -> bool:
         """Rule 8: whether ``node`` is an fp32 factory call whose every reader wants the low dtype."""
         if (node.op != "call_function" or ops.op_name(node) not in _FACTORIES or kwargs.get("dtype") != torch.float32
-                or not self.fp32[node] or not node.users):
+                or not self.fp32[node] or not node.users or self.aliases.written(node)):
             return False
         fills = [a for a in list(args[1:]) + [kwargs.get("fill_value")] if isinstance(a, (int, float))]
         if any(abs(f) > self.low_max and abs(f) != float("inf") for f in fills):
@@ -259,7 +268,7 @@ class _Rewriter:
         key = (arg, dtype, saturate)
         if key in self.cache:
             return self.cache[key]
-        if arg.op == "get_attr" and self.precast and not self.weights_low:
+        if arg.op == "get_attr" and self.precast and not self.weights_low and not self.aliases.written(arg):
             cast = self._weight_copy(arg, dtype)
         else:
             value = source

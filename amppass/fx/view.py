@@ -14,9 +14,10 @@ import torch
 from torch import fx
 
 from ..analysis.plan import Category
-from ..analysis.view import GraphView, OpView
+from ..analysis.view import AliasGroup, GraphView, OpView
 from ..targets.target import Target
 from . import kernels, ops, policy
+from .aliasing import alias_groups
 
 # whole exponents that a wide-range low dtype (bf16) computes as safely as a product: x**2, x**3 (GELU's tanh form)
 SMALL_POWERS = frozenset({2, 3})
@@ -123,7 +124,21 @@ def build_view(gm: fx.GraphModule, target: Target) -> tuple[GraphView, dict[str,
                 scalars=[float(a) for a in _flat_args(node) if type(a) is float],
                 facts=_facts(node, gm) if category is not Category.KEEP else frozenset(),
             ))
+    view.alias_groups = _alias_groups(gm, fp32)
     return view, nodes
+
+
+def _alias_groups(gm: fx.GraphModule, fp32: dict[fx.Node, bool]) -> list[AliasGroup]:
+    """The view's aliasing groups that hold fp32 values (:mod:`amppass.fx.aliasing`)."""
+    found = alias_groups(gm)
+    result = []
+    for members in found.members:
+        if not any(fp32[n] for n in members):
+            continue
+        stored = next((n.name for n in members if n.op in ("placeholder", "get_attr") and fp32[n]), "")
+        calls = [n for n in members if n.op not in ("placeholder", "get_attr")]
+        result.append(AliasGroup([n.name for n in calls], [n.name for n in calls if n in found.writes], stored))
+    return result
 
 
 def _kernel_facts(node: fx.Node, gm: fx.GraphModule, target: Target, category: Category, reason: str,
@@ -188,7 +203,22 @@ def _category(node: fx.Node, gm: fx.GraphModule, typed: bool, wide_range: bool =
         return Category.FOLLOW, (
             f"x ** {exponent:g} in a low dtype with fp32's range (bf16) overflows no sooner than a product "
             "does: follows its inputs"), False
+    if row.category is Category.LOW and _asks_fp32(node):
+        return Category.FP32, EXPLICIT_FP32_REASON, False
     return row.category, row.reason, False
+
+
+EXPLICIT_FP32_REASON = (
+    "the model casts every operand of this product to fp32 itself (a mixture-of-experts router, as DeepSeek-V3 "
+    "writes it): it asks for fp32 whatever its weights' dtype, and the experts its scores pick flip on near-ties "
+    "when they are rounded; kept fp32")
+
+
+def _asks_fp32(node: fx.Node) -> bool:
+    """Whether every floating tensor operand of ``node`` is the model's own cast to fp32 (``x.float()``)."""
+    operands = [a for a in node.all_input_nodes if not isinstance(a.meta.get("val"), torch.Tensor)
+                or a.meta["val"].is_floating_point()]
+    return len(operands) >= 2 and all(cast_target(a) == torch.float32 for a in operands)
 
 
 def _facts(node: fx.Node, gm: fx.GraphModule) -> frozenset[str]:

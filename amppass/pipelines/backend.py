@@ -332,7 +332,8 @@ def _trace(gm: fx.GraphModule, fakes: list[Any], index: int) -> fx.GraphModule:
     """Dynamo's graph as ATen ops (the operator set torch.export gives), traced over dynamo's own fake inputs.
 
     The trace runs in dynamo's fake mode, so the sizes dynamo made dynamic stay the same symbols (rule 3)
-    and any guard the trace needs joins dynamo's. Tensors dynamo kept as attributes of its graph are inputs
+    and any guard the trace needs joins dynamo's. It records ops before autograd's decompositions, except in
+    a graph that runs a ``vmap`` (:func:`_vmaps`). Tensors dynamo kept as attributes of its graph are inputs
     of the trace, so the graph becomes one function of tensors; :func:`_lift` makes them attributes again.
     """
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -345,12 +346,68 @@ def _trace(gm: fx.GraphModule, fakes: list[Any], index: int) -> fx.GraphModule:
         fake_attributes = [mode.from_tensor(t, static_shapes=True) for _, t in attributes]
     try:
         with mode, quiet_torch():
-            traced = make_fx(function, pre_dispatch=True)(*fakes, *fake_attributes)
+            traced = make_fx(function, pre_dispatch=not _vmaps(gm))(*fakes, *fake_attributes)
     except Exception as err:  # noqa: BLE001 - any tracing failure leaves this graph unconverted
         raise CaptureError(f"graph {index} could not be traced to ATen ops: {str(err).strip().splitlines()[0]}"
                            ) from err
+    _clean_constants(traced, index)
     traced.meta["attributes"] = attributes  # name, tensor of each input after dynamo's own
     return traced
+
+
+def _vmaps(gm: fx.GraphModule) -> bool:
+    """Whether dynamo's graph runs a ``vmap`` as functorch's pre-dispatch calls (``_add_batch_dim``, ...): a trace
+    at the pre-dispatch level runs those calls instead of recording them, and bakes their batched results into
+    the graph as constants; traced below it, the vmap becomes the batched ATen ops it computes."""
+    return any(n.op == "call_function" and getattr(n.target, "__module__", "") == "torch._functorch.predispatch"
+               for n in gm.graph.nodes)
+
+
+def _clean_constants(traced: fx.GraphModule, index: int) -> None:
+    """The tensor constants the trace made, as inductor takes them.
+
+    1. Work nothing reads goes (a trace can leave dead products of constants that are fake or batched tensors,
+       which inductor cannot run); writes in place are kept (their schemas mark them impure).
+    2. A 0-dim constant the model wrote as a Python number (``index[0, 0:] = n - 3``: ``fill_`` or ``copy_`` of
+       ``lift_fresh_copy(tensor(n - 3))``) is made at run time by ``aten.scalar_tensor``: inductor's freezing
+       folds a stored one into a constant its ``select_scatter`` cannot read.
+    3. A constant still read that is not a plain tensor leaves the graph unconverted (a ``CaptureError``).
+    """
+    graph = traced.graph
+    graph.eliminate_dead_code()
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.lift_fresh_copy.default:
+            continue
+        source = node.args[0]
+        value = _fetch(traced, str(source.target)) if source.op == "get_attr" else None
+        if isinstance(value, torch.Tensor) and value.dim() == 0 and _plain(value):
+            with graph.inserting_before(node):
+                made = graph.call_function(torch.ops.aten.scalar_tensor.default, (value.item(),),
+                                           {"dtype": value.dtype, "device": value.device})
+            made.meta = dict(node.meta)
+            node.replace_all_uses_with(made)
+            graph.erase_node(node)
+    for node in list(graph.nodes):
+        if node.op != "get_attr":
+            continue
+        if not node.users:
+            graph.erase_node(node)
+            continue
+        value = _fetch(traced, str(node.target))
+        if isinstance(value, torch.Tensor) and not _plain(value):
+            raise CaptureError(f"graph {index}: the trace made constant {node.target!r}, read by "
+                               f"{next(iter(node.users)).name}, of a vmap or fake tensor inductor cannot run")
+    for name, _ in list(traced.named_buffers()) + list(traced.named_parameters()):
+        if name.startswith("_tensor_constant") and not any(n.op == "get_attr" and n.target == name for n in graph.nodes):
+            delattr(traced, name)
+    traced.recompile()
+
+
+def _plain(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` holds real data: not a fake tensor, not wrapped by functorch (vmap, grad)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return not isinstance(tensor, FakeTensor) and not torch._C._functorch.is_functorch_wrapped_tensor(tensor)
 
 
 def _attributes_as_inputs(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[tuple[str, torch.Tensor]]]:

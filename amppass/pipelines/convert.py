@@ -13,10 +13,13 @@ from .. import __version__
 from ..analysis import overrides
 from ..analysis.calibration import check_tolerance
 from ..analysis.painting import paint
+from ..analysis.plan import PrecisionPlan, Source
 from ..analysis.view import GraphView
 from ..dtypes import low_type
 from ..errors import CaptureError, InputError
-from ..fx import profit
+from ..fx import finite, profit
+from ..fx.aliasing import alias_groups
+from ..fx.copies import shared_copy
 from ..fx.backward import annotate_backward
 from ..fx.calibrate import Recapture, calibrated_plan, flatten_inputs, split_batch
 from ..fx.capture import capture, capture_program
@@ -293,7 +296,21 @@ def _convert_captured(
             low_weight_tables=low_weight_tables, rewrite_options=rewrite_options, recapture=recapture,
         )
     macs = {n.name: node_macs(n) for n in gm.graph.nodes}  # before the rewrite puts casts between shapes
+    checked = _finite_check_inputs(gm, mode, example)
+    pristine = shared_copy(gm) if checked is not None else None
     stats = rewrite(gm, plan, low, **rewrite_options)
+    finite_info: dict[str, Any] = {}
+    if pristine is not None:
+        carried = {n: d for n, d in plan.items() if d.source in (Source.CALIBRATION, Source.TOLERANCE)}
+
+        def again(previous: PrecisionPlan, kept: dict) -> tuple[fx.GraphModule, PrecisionPlan]:
+            nonlocal stats
+            repainted = paint(view, low, {**carried, **given, **kept}, low_weight_tables=low_weight_tables)
+            trial = shared_copy(pristine)
+            stats = rewrite(trial, repainted, low, **rewrite_options)
+            return trial, repainted
+
+        gm, finite_info = finite.check(pristine, checked, plan, low.name, again, gm)
 
     unknown = {n.name for n in view.nodes if n.unknown}
     for node in gm.graph.nodes:
@@ -320,12 +337,26 @@ def _convert_captured(
         "plan_for": plan_for,
         **profit_info,
         **calibration_info,
+        **finite_info,
     }
     if mode == "train":
         gm.meta[META_KEY]["backward"] = annotate_backward(gm, low.name)
     log.info("converted %s to %s for %s: %d nodes planned, %d casts", type(model).__name__, low, target.name,
              len(plan), stats.casts)
     return gm
+
+
+def _finite_check_inputs(gm: fx.GraphModule, mode: str, example: tuple[Any, dict] | None) -> list | None:
+    """The graph's inputs for the conversion's own finiteness check (:mod:`amppass.fx.finite`): the example's,
+    in inference; None where there is none, in training (a train graph updates running statistics), and where
+    the graph writes into an input (the check must not change the caller's tensors)."""
+    if example is None or mode != "inference":
+        return None
+    written = {n for members in alias_groups(gm).members for n in members}
+    if any(n.op == "placeholder" and n in written for n in gm.graph.nodes):
+        return None
+    args, kwargs = example
+    return flatten_inputs(gm, split_batch(args)[0] if args is not None else (), kwargs, index=0)
 
 
 def _profitability(gm: fx.GraphModule, view: GraphView, target: Target, given: dict, example: tuple[Any, dict],

@@ -1,0 +1,154 @@
+"""The conversion's own check on the example call: no output goes inf or NaN in low precision where fp32's is finite.
+
+Rules:
+
+1. The captured fp32 graph and the converted one run the example inputs once each. Where every floating output
+   that is finite in fp32 is finite converted, the check is done (two forward calls).
+2. Otherwise both graphs run again node by node, recording only whether each floating value is finite, and
+   the *culprit* is the first node, in graph order, whose converted value is non-finite where its fp32 value
+   (the same node; for a cast the value it casts) is finite. A cast's culprit is the node that reads it: read
+   in fp32, the value is never cast. A value that shares storage with one written in place is judged once
+   the run is over, when its storage holds what was written (a buffer from ``new_empty`` holds anything
+   before).
+3. The culprit is kept fp32 (with the reason, painted again so its aliasing group and readers follow) and
+   the check repeats, a few rounds at most. What is still non-finite then (or a culprit the user forced low)
+   is a warning naming the output and the node, and the converted model's info says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+from ..analysis.plan import Decision, Precision, PrecisionPlan, Source
+from .aliasing import alias_groups
+
+log = logging.getLogger(__name__)
+
+ROUNDS = 4  # nodes kept fp32 one after another before the check gives up and warns
+
+
+@dataclass
+class Finding:
+    """A converted output that is non-finite where fp32's is finite, and the node where it starts."""
+
+    output: str  # "output 0 (node 'linear_2')"
+    node: str  # the first node whose value goes non-finite in low precision ("" where none was found)
+    culprits: list[str]  # the plan's nodes to keep fp32 for it
+
+
+def non_finite(fp32: fx.GraphModule, converted: fx.GraphModule, inputs: list) -> Finding | None:
+    """Rules 1-2 on one example (``inputs``: the graph's placeholder values); None when the outputs are fine."""
+    with torch.no_grad():
+        reference = _outputs(fp32, inputs)
+        got = _outputs(converted, inputs)
+    bad = [i for i, (r, g) in enumerate(zip(reference, got)) if r is True and g is False]
+    if not bad:
+        return None
+    names = _output_names(fp32)
+    output = f"output {bad[0]} (node {names[bad[0]]!r})" if bad[0] < len(names) else f"output {bad[0]}"
+    finite32 = _finite_by_node(fp32, inputs)
+    finite = _finite_by_node(converted, inputs)
+    for node in converted.graph.nodes:
+        if finite.get(node.name) is not False:
+            continue
+        meta = node.meta.get("amppass", {})
+        source = meta.get("of", node.name) if meta.get("cast") else node.name
+        if finite32.get(source) is not True:
+            continue
+        culprits = [u.name for u in node.users if u.op != "output"] if meta.get("cast") else [node.name]
+        return Finding(output, node.name, culprits)
+    return Finding(output, "", [])
+
+
+def keep_finite(plan: PrecisionPlan, finding: Finding, low: str) -> dict[str, Decision]:
+    """Rule 3: fp32 decisions for the finding's culprits the plan runs low and the user did not force low."""
+    decisions = {}
+    for name in finding.culprits:
+        decision = plan[name] if name in plan else None
+        if decision is None or decision.precision is not Precision.LOW or decision.source is Source.OVERRIDE:
+            continue
+        decisions[name] = Decision(
+            Precision.FP32,
+            f"in {low} its value goes inf or NaN on the example inputs where fp32's is finite ({finding.output} of "
+            f"the converted model was non-finite); kept fp32 ({decision.reason})",
+            Source.CALIBRATION, {"rule": "non-finite", "output": finding.output},
+        )
+    return decisions
+
+
+def check(fp32: fx.GraphModule, inputs: list, plan: PrecisionPlan, low: str,
+          convert: Callable[[PrecisionPlan, dict[str, Decision]], tuple[fx.GraphModule, PrecisionPlan]],
+          converted: fx.GraphModule) -> tuple[fx.GraphModule, dict[str, Any]]:
+    """Rules 1-3: ``converted`` (made from ``plan``), or one made again by ``convert`` with culprits kept fp32;
+    and what to record (empty when the first check passed)."""
+    kept: dict[str, Decision] = {}
+    for _ in range(ROUNDS):
+        finding = non_finite(fp32, converted, inputs)
+        if finding is None:
+            if kept:
+                log.warning("the converted model's output went non-finite on the example inputs in %s where fp32's "
+                            "is finite; kept fp32: %s", low, ", ".join(kept))
+            return converted, ({"non_finite": {"kept_fp32": list(kept)}} if kept else {})
+        added = keep_finite(plan, finding, low)
+        if not added:
+            break
+        kept.update(added)
+        converted, plan = convert(plan, kept)
+    where = f"; it starts at node {finding.node!r}" if finding.node else ""
+    log.warning("the converted model's %s is inf or NaN on the example inputs where fp32's is finite%s (kept fp32 "
+                "so far: %s); keep that node fp32 with keep_fp32=[...] or convert with calibration= and tolerance=",
+                finding.output, where, ", ".join(kept) or "none", )
+    return converted, {"non_finite": {"output": finding.output, "node": finding.node, "kept_fp32": list(kept)}}
+
+
+def _outputs(gm: fx.GraphModule, inputs: list) -> list[bool | None]:
+    """Whether each output leaf is finite (None: not a floating tensor)."""
+    return [_finite(v) for v in pytree.tree_leaves(fx.Interpreter(gm).run(*inputs, enable_io_processing=False))]
+
+
+def _output_names(gm: fx.GraphModule) -> list[str]:
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    return [a.name if isinstance(a, fx.Node) else repr(a) for a in pytree.tree_leaves(output.args[0])]
+
+
+def _finite(value: Any) -> bool | None:
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return bool(torch.isfinite(value).all()) if value.numel() else True
+    if isinstance(value, (tuple, list)):
+        flags = [f for f in (_finite(v) for v in value) if f is not None]
+        return all(flags) if flags else None
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return None
+
+
+def _finite_by_node(gm: fx.GraphModule, inputs: list) -> dict[str, bool | None]:
+    """Rule 2: whether each node's floating value is finite, in one run."""
+    shared = {n for members in alias_groups(gm).members for n in members}
+    recorder = _Recorder(gm, shared)
+    with torch.no_grad():
+        recorder.run(*inputs, enable_io_processing=False)
+    for node, value in recorder.later.items():
+        recorder.finite[node.name] = _finite(value)
+    return recorder.finite
+
+
+class _Recorder(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, shared: set[fx.Node]):
+        super().__init__(gm)
+        self.shared, self.finite, self.later = shared, {}, {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        if n in self.shared:
+            self.later[n] = result
+        else:
+            self.finite[n.name] = _finite(result)
+        return result
