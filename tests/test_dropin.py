@@ -8,6 +8,7 @@ shape and dtype; nothing amppass runs writes into the caller's inputs.
 from __future__ import annotations
 
 import inspect
+import io
 import logging
 
 import pytest
@@ -58,17 +59,30 @@ def test_a_converted_classifier_is_an_instance_of_its_class_with_its_attributes_
     assert amppass.report(fast).info["recaptures"] == 0 and fast.plans[0] is fast.converted
 
 
-def test_a_converted_vision_model_is_an_instance_of_its_class():
+def _vit():
     config = transformers.ViTConfig(image_size=32, patch_size=8, num_channels=3, hidden_size=32, num_hidden_layers=2,
                                     num_attention_heads=2, intermediate_size=64, num_labels=4)
+    return transformers.ViTForImageClassification(config), torch.randn(2, 3, 32, 32), torch.randn(1, 3, 32, 32)
+
+
+def _wav2vec2():
+    config = transformers.Wav2Vec2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                         intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 2),
+                                         conv_kernel=(10, 3), num_feat_extract_layers=2, num_labels=4,
+                                         num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2)
+    return transformers.Wav2Vec2ForSequenceClassification(config), torch.randn(2, 1600), torch.randn(2, 2400)
+
+
+@pytest.mark.parametrize("make", [_vit, _wav2vec2], ids=["vision", "audio"])
+def test_converted_vision_and_audio_classifiers_are_instances_of_their_class(make):
     torch.manual_seed(0)
-    model = transformers.ViTForImageClassification(config).eval()
-    pixels = torch.randn(2, 3, 32, 32)
-    fast = amppass.convert(model, (pixels,), dtype="bf16", plan_for="coverage")
-    assert isinstance(fast, transformers.ViTForImageClassification) and fast.config.num_labels == 4
+    model, example, call = make()
+    model.eval()
+    fast = amppass.convert(model, (example,), dtype="bf16", plan_for="coverage")
+    assert isinstance(fast, type(model)) and fast.config.num_labels == 4
     assert inspect.signature(fast.forward) == inspect.signature(model.forward)
     with torch.no_grad():
-        assert _close(fast.forward(pixel_values=pixels[:1]).logits, model(pixels[:1]).logits)
+        assert _close(fast.forward(call).logits, model(call).logits)
 
 
 def test_forward_takes_the_path_call_takes():
@@ -178,6 +192,8 @@ def test_a_module_with_methods_of_its_own_keeps_its_class_and_a_bare_one_stays_a
     assert isinstance(fast.graph, fx.Graph) and amppass.report(fast).info["dtype"] == "bf16"
     with pytest.raises(amppass.InputError, match=r"amppass.save\(model.converted, path\)"):
         amppass.save(fast, "unused.pt2")
+    with pytest.raises(amppass.InputError, match=r"amppass.save\(model.converted"):
+        torch.save(fast, io.BytesIO())
     assert amppass.convert(fast, (x[:2],), "bf16") is fast
     plain = amppass.convert(nn.Sequential(nn.Linear(8, 4)).eval(), (x[:2],), "bf16", plan_for="coverage")
     assert isinstance(plain, fx.GraphModule)

@@ -157,6 +157,11 @@ class DropIn:
         """The dtype of the model's inputs and outputs as its callers see them (rule 4)."""
         return self._amppass_dtype
 
+    def __reduce__(self) -> Any:
+        raise InputError(f"{type(self).__name__}: torch.save cannot pickle a converted model (its graph runs generated "
+                         "code): save the graph with amppass.save(model.converted, 'model.pt2'), or convert the "
+                         "original where it runs")
+
     def __getattr__(self, name: str) -> Any:
         if name in _CONVERTED_API:  # rule 6
             return getattr(nn.Module.__getattr__(self, "converted"), name)
