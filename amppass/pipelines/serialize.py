@@ -195,8 +195,10 @@ def is_converted(program: torch.export.ExportedProgram) -> bool:
 
 
 def _served(converted: Any) -> ServingGraph:
-    from ..serving.dropin import DropIn
+    from ..serving.dropin import DropIn, TransformersDropIn
 
+    if isinstance(converted, TransformersDropIn) and not converted.can_generate():
+        converted = converted.converted  # a forward and nothing else to lose: the file holds its graph
     if isinstance(converted, DropIn):
         raise InputError(f"{type(converted).__name__} is a converted model in its own class; amppass.save writes a "
                          "graph alone, without the class's methods (generate(), encode()): "
