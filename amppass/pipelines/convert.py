@@ -127,9 +127,7 @@ def convert(
     if isinstance(model, KeptFp32):
         return _unchanged(model, model.meta[META_KEY], dtype, mode)
     if isinstance(model, DropIn):
-        inner = model.converted
-        info = (inner.train_graph if isinstance(inner, TrainEvalGraphs) else inner).meta[META_KEY]
-        return _unchanged(model, info, dtype, mode)
+        return _unchanged(model, model.converted.meta[META_KEY], dtype, mode)
     check_tolerance(tolerance, calibration)
     if isinstance(model, torch.export.ExportedProgram):
         return _convert_program(model, dtype, target, mode, keep_io_types=keep_io_types, keep_fp32=keep_fp32,

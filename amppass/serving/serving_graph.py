@@ -27,6 +27,11 @@ Rules:
    torch.autocast casts what an op reads, and logged once per input and dtype: it neither costs a re-capture
    nor reaches a kernel beside weights of another dtype (the model's own error would name a dtype the user
    never chose).
+7. ``module.forward(...)`` takes the path ``module(...)`` takes. A keyword value the capture fixed in the graph
+   (a flag passed through ``**kwargs``, :func:`amppass.fx.capture.capture`) is part of a plan's guards: a call
+   with another value gets a plan of its own. Mappings torch's pytree does not know (``BatchEncoding``) are
+   taken as dicts, and every container is copied before a plan or the original model runs, so neither
+   writes into the caller's inputs.
 """
 
 from __future__ import annotations
