@@ -61,7 +61,10 @@ def capture(
     which handles real architectures; every input dimension is left for export to decide
     (``Dim.AUTO``) unless ``dynamic_shapes`` says otherwise. Without them it is traced symbolically.
     The model is captured in eval mode unless ``train`` is set. Dimensions export had to fix are logged
-    as a warning unless ``note_fixed_dims`` is off; the graph's guards are kept in ``gm.meta``.
+    as a warning unless ``note_fixed_dims`` is off; the graph's guards are kept in ``gm.meta``. Keyword inputs
+    that reach forward()'s ``**kwargs`` and hold no tensor (``return_dict=True``) are fixed in the graph and
+    recorded in its guards (torch.export takes no dynamic shapes for a call that passes anything through
+    ``**kwargs``). Mappings torch's pytree does not know (``BatchEncoding``) are taken as dicts.
     """
     if not isinstance(model, nn.Module):
         raise InputError(f"model must be a torch.nn.Module, got {type(model).__name__}; pass the module object "
