@@ -183,7 +183,8 @@ def _convert(args: argparse.Namespace) -> int:
     if args.tolerance is not None and feeds is None:
         raise UsageError("--tolerance needs --calib FEEDS.npz: the output error is measured on those feeds")
     dtype = onnx_target(args.target, args.dtype).low.name  # "auto": fp16, what every ONNX target runs fastest
-    _check_target_runs(model, args.target, dtype)
+    if converted_dtype(model) is None:  # a converted model is returned unchanged or refused, saying why
+        _check_target_runs(model, args.target, dtype)
     options: dict[str, Any] = {"dtype": dtype, "target": args.target, "keep_fp32": args.keep_fp32,
                                "force_low": args.force_low, "low_weight_tables": args.low_weight_tables,
                                "keep_io_types": args.keep_io_types}
