@@ -63,14 +63,6 @@ def is_transformers_model(model: Any) -> bool:
     return isinstance(model, PreTrainedModel)
 
 
-def is_generator(model: Any) -> bool:
-    """Whether ``model`` is a transformers model whose class can ``generate()``."""
-    if not is_transformers_model(model):
-        return False
-    can = getattr(type(model), "can_generate", None)
-    return callable(can) and bool(can())
-
-
 def transformers_call(model: nn.Module, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
     """A transformers model's keyword inputs as its converted graph takes them (rule 3): without ``None`` values
     and ``return_dict``. Other models' inputs are returned as they are."""
@@ -135,7 +127,7 @@ def with_signature(module: nn.Module, model: nn.Module) -> nn.Module:
 
 _classes: dict[tuple[type, type], type] = {}
 _signed: dict[tuple[type, type], type] = {}
-_hollow_classes: dict[tuple[type, type], type] = {}
+_hollow_classes: dict[type, type] = {}
 
 
 class DropIn:
