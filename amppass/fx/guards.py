@@ -203,7 +203,7 @@ class ShapeGuards:
     def _check(self, spec: InputSpec, value: Any, symbols: dict[str, int]) -> Mismatch | None:
         if spec.dtype is None:
             if isinstance(value, torch.Tensor) or (spec.value is not None and value != spec.value):
-                return Mismatch(spec.name, repr(value) if not isinstance(value, torch.Tensor) else "a tensor",
+                return Mismatch(spec.name, _short(value) if not isinstance(value, torch.Tensor) else "a tensor",
                                 repr(spec.value))
             return None
         if not isinstance(value, torch.Tensor):
