@@ -134,6 +134,7 @@ def convert(
                                 force_low=force_low, low_weight_tables=low_weight_tables, calibration=calibration,
                                 tolerance=tolerance, progress=progress, plan_for=plan_for, costs=costs)
     plan_target = _target(target, dtype, model)
+    example_inputs, example_kwargs = plain_inputs(example_inputs), plain_inputs(example_kwargs)  # BatchEncoding: a dict
     example_kwargs = transformers_call(model, example_kwargs)  # as the drop-in's forward passes them on
     if mode == "train" and calibration is not None:
         calibration = list(calibration)  # both graphs calibrate on it
