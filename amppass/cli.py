@@ -41,6 +41,7 @@ _EPILOG = (
     "examples:\n"
     "  amppass convert model.onnx -o model.fp16.onnx --dtype fp16 --report report.html\n"
     "  amppass convert model.onnx -o model.fp16.onnx --calib feeds.npz --tolerance 1e-2\n"
+    "  amppass convert model.onnx -o model.bf16.onnx --dtype bf16 --target cuda --low-weight-tables\n"
     "  amppass report model.fp16.onnx --precision fp32 --by-op\n"
     "  amppass report model.fp16.onnx --report report.json\n"
     "  amppass convert model.pt2 -o model.bf16.pt2 --dtype bf16   # a program saved by torch.export.save\n\n"
@@ -104,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
                          help="op types or node-name regexes to keep in fp32")
     convert.add_argument("--force-low", nargs="+", default=[], metavar="PATTERN",
                          help="op types or node-name regexes to run in low precision regardless of the policy")
+    convert.add_argument("--low-weight-tables", action="store_true",
+                         help="store tables read only by lookups (embedding Gathers) in low precision even where "
+                         "they feed fp32 work: half their bytes, at the cost of rounding them")
+    convert.add_argument("--keep-io-types", action=argparse.BooleanOptionalAction, default=True,
+                         help="keep float32 inputs and outputs float32 (default); --no-keep-io-types gives the "
+                         "model low-precision floating outputs")
     convert.add_argument("--force", action="store_true", help="allow the output to overwrite the input model")
 
     report = commands.add_parser("report", help="show the precision report stored in a converted model",
@@ -176,8 +183,11 @@ def _convert(args: argparse.Namespace) -> int:
     if args.tolerance is not None and feeds is None:
         raise UsageError("--tolerance needs --calib FEEDS.npz: the output error is measured on those feeds")
     dtype = onnx_target(args.target, args.dtype).low.name  # "auto": fp16, what every ONNX target runs fastest
+    if converted_dtype(model) is None:  # a converted model is returned unchanged or refused, saying why
+        _check_target_runs(model, args.target, dtype)
     options: dict[str, Any] = {"dtype": dtype, "target": args.target, "keep_fp32": args.keep_fp32,
-                               "force_low": args.force_low}
+                               "force_low": args.force_low, "low_weight_tables": args.low_weight_tables,
+                               "keep_io_types": args.keep_io_types}
     if feeds is not None:
         options.update(calibration=feeds, tolerance=args.tolerance, progress=sys.stderr.isatty())
     if converted_dtype(model) == dtype:  # convert_onnx returns it unchanged, with a log warning
@@ -236,7 +246,8 @@ def _convert_program(args: argparse.Namespace) -> int:
 
     try:
         converted = amppass.convert(program, dtype=args.dtype, target=args.target, keep_fp32=args.keep_fp32,
-                                    force_low=args.force_low)
+                                    force_low=args.force_low, low_weight_tables=args.low_weight_tables,
+                                    keep_io_types=args.keep_io_types)
         report = amppass.report(converted)
         with _writing() as staged:  # the program and its reports land together, or none does
             stage(staged, converted, args.output)
@@ -312,6 +323,34 @@ def _check_report_formats(paths: Sequence[str]) -> None:
         if os.path.splitext(path)[1].lower() not in _FORMATS:
             raise UsageError(f"{path}: --report writes HTML (.html, .htm) or JSON (.json), chosen by the file's "
                              "extension; name the file report.html or report.json")
+
+
+_HEAVY_OPS = ("MatMul", "Gemm", "Conv", "ConvTranspose", "Attention", "LSTM", "GRU", "RNN", "Einsum")
+
+
+def _check_target_runs(model: onnx.ModelProto, target: str, dtype: str) -> None:
+    """Refuse a dtype the target has no kernel for on any of the model's heavy ops (MatMul, Conv, ...): the
+    conversion would keep all of them fp32 and write a model with nothing in that dtype. The message names the
+    targets that run them."""
+    ops = sorted({n.op_type for n in model.graph.node if n.domain in ("", "ai.onnx") and n.op_type in _HEAVY_OPS})
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+    if not ops or opset is None:
+        return
+    elem = {"fp16": onnx.TensorProto.FLOAT16, "bf16": onnx.TensorProto.BFLOAT16}[dtype]
+
+    def runs(name: str) -> bool:
+        kernels = onnx_target(name, dtype).kernels
+        return any(kernels.status("", op, opset, elem) != "none" for op in ops)
+
+    if runs(target):
+        return
+    able = [name for name in ONNX_TARGETS if name != target and runs(name)]
+    where = onnx_target(target, dtype).runtime
+    other = "fp16" if dtype == "bf16" else "bf16"
+    fix = f"pass --target {' or --target '.join(able)} to convert for where it runs" if able else "no target runs it"
+    raise UsageError(f"--dtype {dtype} --target {target}: {where} has no {dtype} kernel for {', '.join(ops)}, so "
+                     f"the converted model would run all of them in fp32, with nothing in {dtype}; {fix}, or "
+                     f"convert with --dtype {other}")
 
 
 def _check_not_input(model: str, output: str, force: bool) -> None:

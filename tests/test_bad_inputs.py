@@ -202,6 +202,28 @@ def _fsdp2_casting_parameters_itself(tmp: Path) -> None:
         converted(*X)
 
 
+class WithMethods(torch.nn.Module):
+    """A module whose class has a method of its own: it converts to an instance of its class (amppass.fx.dropin)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+    def labels(self, x: torch.Tensor) -> list[int]:
+        return self(x).argmax(-1).tolist()
+
+
+def _call_a_part(tmp: Path) -> None:
+    amppass.convert(WithMethods().eval(), X, "bf16", plan_for="coverage").body(*X)
+
+
+def _pickle_in_its_class(tmp: Path) -> None:
+    torch.save(amppass.convert(WithMethods().eval(), X, "bf16", plan_for="coverage"), tmp / "model.pt")
+
+
 CASES = [
     Case("onnx-unreadable", "a file that cannot be read", lambda tmp: amppass.convert_onnx(_unreadable(tmp)),
          InputError, ("cannot be read", "check the file's permissions")),
@@ -372,6 +394,10 @@ CASES = [
          ScalerUsageError, ("before scaler.scale()", "scaler.scale(loss).backward()")),
     Case("scaler-collapse", "fp16 gradients that overflow at the loss scale's minimum", _scaler_at_floor_overflows,
          ScaleCollapseError, ("min_scale=1", "inf/NaN", "bf16")),
+    Case("dropin-part-called", "a submodule of a converted model called on its own", _call_a_part, InputError,
+         ("holds no weights", "call the converted model itself")),
+    Case("dropin-pickled", "torch.save of a converted model returned in its own class", _pickle_in_its_class,
+         InputError, ("torch.save cannot pickle", "amppass.save(model.converted")),
 ]
 
 

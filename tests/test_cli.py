@@ -344,3 +344,66 @@ def test_dtype_auto_picks_a_dtype_the_runtime_runs_matrix_products_in(capsys, fo
     gemms = [row for row in report.rows if row.op == "Gemm"]
     # onnxruntime's CPU provider has no bf16 Gemm: bf16 would have left both in fp32
     assert report.info["dtype"] == "fp16" and [row.precision for row in gemms] == ["fp16", "fp16"]
+
+
+# -- options of convert_onnx on the command line ----------------------------------------------------------
+
+class _Lookup(torch.nn.Module):
+    """An embedding table feeding a layer norm (fp32 work): the table stays fp32 unless asked otherwise."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Embedding(2000, 64)
+        self.norm = torch.nn.LayerNorm(64)
+        self.head = torch.nn.Linear(64, 8)
+
+    def forward(self, ids):
+        return self.head(self.norm(self.table(ids)))
+
+
+@pytest.fixture(scope="module")
+def lookup_onnx(tmp_path_factory) -> str:
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("lookup") / "lookup.onnx"
+    torch.onnx.export(_Lookup().eval(), (torch.randint(0, 2000, (2, 7)),), str(path), dynamo=False,
+                      input_names=["ids"], output_names=["y"], dynamic_axes={"ids": {0: "batch", 1: "length"}})
+    return str(path)
+
+
+def _table_type(path) -> int:
+    model = onnx.load(str(path))
+    return next(t.data_type for t in model.graph.initializer if tuple(t.dims) == (2000, 64))
+
+
+@needs_onnx
+def test_low_weight_tables_halves_the_embedding_table(lookup_onnx, tmp_path, capsys):
+    plain, low = tmp_path / "plain.onnx", tmp_path / "low.onnx"
+    assert main(["convert", lookup_onnx, "-o", str(plain)]) == 0
+    assert main(["convert", lookup_onnx, "-o", str(low), "--low-weight-tables"]) == 0
+    capsys.readouterr()
+    assert _table_type(plain) == onnx.TensorProto.FLOAT and _table_type(low) == onnx.TensorProto.FLOAT16
+    assert os.path.getsize(low) < 0.6 * os.path.getsize(plain)
+
+
+@needs_onnx
+def test_no_keep_io_types_gives_low_precision_outputs(lookup_onnx, tmp_path, capsys):
+    out = tmp_path / "out.onnx"
+    assert main(["convert", lookup_onnx, "-o", str(out), "--no-keep-io-types"]) == 0, capsys.readouterr().err
+    outputs = onnx.load(str(out)).graph.output
+    assert [o.type.tensor_type.elem_type for o in outputs] == [onnx.TensorProto.FLOAT16]
+
+
+def test_bf16_for_a_target_without_bf16_kernels_is_refused_naming_the_targets_that_have_them(capsys, folder):
+    """onnxruntime's CPU provider has no bf16 Gemm: the file written had nothing in bf16."""
+    code, err = _convert(capsys, folder, "--dtype", "bf16")
+    assert code == 2
+    _one_error_line(err, "--dtype bf16", "Gemm", "--target cuda", "--target tensorrt", "--dtype fp16")
+    assert not (folder / "out.onnx").exists()
+
+
+@needs_onnx
+def test_bf16_for_a_target_with_bf16_kernels_converts(capsys, folder):
+    code, err = _convert(capsys, folder, "--dtype", "bf16", "--target", "tensorrt")
+    assert code == 0, err
+    report = amppass.report(str(folder / "out.onnx"))
+    assert report.info["dtype"] == "bf16" and {r.precision for r in report.rows if r.op == "Gemm"} == {"bf16"}

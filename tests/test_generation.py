@@ -1,4 +1,4 @@
-"""amppass.convert on a transformers decoder keeps generate() (issue 24): amppass.serving.generation."""
+"""amppass.convert on a transformers decoder keeps generate(): amppass.serving.dropin."""
 
 from __future__ import annotations
 
@@ -47,13 +47,14 @@ def test_converted_decoder_serves_forward_calls_as_the_model_does():
     assert model.generation_config.max_new_tokens != 3
 
 
-def test_a_model_that_does_not_generate_comes_back_as_a_graph_module():
+def test_a_model_that_does_not_generate_comes_back_in_its_class_without_generate():
     from transformers import LlamaConfig, LlamaModel
 
     model = LlamaModel(LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                    num_attention_heads=2, num_key_value_heads=2)).eval()
     fast = amppass.convert(model, (prompt(vocab=100),), "bf16", plan_for="coverage")
-    assert isinstance(fast, torch.fx.GraphModule)
+    assert isinstance(fast, LlamaModel) and not fast.can_generate() and not hasattr(fast, "generate")
+    assert isinstance(fast.converted, torch.fx.GraphModule) and fast.graph is fast.converted.graph
 
 
 def test_saving_a_converted_decoder_says_what_is_saved(tmp_path):
@@ -76,6 +77,9 @@ def test_an_encoder_decoder_converts_without_a_generate_that_cannot_run_and_says
     with caplog.at_level("WARNING", logger="amppass"):
         fast = amppass.convert(model, (ids,), example_kwargs={"decoder_input_ids": decoder_ids}, dtype="bf16",
                                plan_for="coverage")
-    assert not hasattr(fast, "generate") and "encoder-decoder" in caplog.text and "backend='amppass'" in caplog.text
+    assert isinstance(fast, T5ForConditionalGeneration) and fast.config.d_model == 64
+    assert "encoder-decoder" in caplog.text and "backend='amppass'" in caplog.text
+    with pytest.raises(amppass.InputError, match=r"encoder-decoder.*backend='amppass'"):
+        fast.generate(ids, max_new_tokens=2)
     got, expected = fast(ids, decoder_input_ids=decoder_ids).logits, model(ids, decoder_input_ids=decoder_ids).logits
     assert (got - expected).norm() <= 3e-2 * expected.norm()

@@ -11,6 +11,7 @@ traces. Everything after capture (analysis, rewrite, calibration) runs concurren
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import threading
@@ -24,7 +25,7 @@ from ..errors import CaptureError, InputError
 from .copies import shared_copy
 from .modes import module_mode
 from .quiet import quiet_torch
-from .guards import GUARDS_KEY, ShapeGuards, specialised_dims
+from .guards import GUARDS_KEY, ShapeGuards, plain_inputs, specialised_dims
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +61,15 @@ def capture(
     which handles real architectures; every input dimension is left for export to decide
     (``Dim.AUTO``) unless ``dynamic_shapes`` says otherwise. Without them it is traced symbolically.
     The model is captured in eval mode unless ``train`` is set. Dimensions export had to fix are logged
-    as a warning unless ``note_fixed_dims`` is off; the graph's guards are kept in ``gm.meta``.
+    as a warning unless ``note_fixed_dims`` is off; the graph's guards are kept in ``gm.meta``. Keyword inputs
+    that reach forward()'s ``**kwargs`` and hold no tensor (``return_dict=True``) are fixed in the graph and
+    recorded in its guards (torch.export takes no dynamic shapes for a call that passes anything through
+    ``**kwargs``). Mappings torch's pytree does not know (``BatchEncoding``) are taken as dicts.
     """
     if not isinstance(model, nn.Module):
         raise InputError(f"model must be a torch.nn.Module, got {type(model).__name__}; pass the module object "
                          "itself (torch.load a saved module first; for an .onnx file use amppass.convert_onnx)")
+    example_inputs, example_kwargs = plain_inputs(example_inputs), plain_inputs(example_kwargs)
     if isinstance(example_inputs, dict):
         raise InputError("example_inputs is a dict; pass positional inputs as a tuple, e.g. example_inputs=(x,), "
                          "and keyword inputs as example_kwargs={'name': tensor}")
@@ -98,11 +103,15 @@ def _symbolic(model: nn.Module) -> fx.GraphModule:
 
 
 def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any, notes: bool) -> fx.GraphModule:
+    fixed = _fixed_keywords(model, args, kwargs)
+    if fixed:
+        model, kwargs = _with_fixed(model, fixed), {k: v for k, v in kwargs.items() if k not in fixed}
     # (dynamic_shapes, keep size-1 dimensions dynamic): the most general capture first
+    why_static = None
     if dynamic_shapes != "auto":
         attempts = [(dynamic_shapes, False)]
     else:
-        auto = auto_dims(model, args, kwargs)
+        auto, why_static = _auto_dims_and_why(model, args, kwargs)
         attempts = [(auto, True), (auto, False), (None, False)] if auto is not None else [(None, False)]
     last: Exception | None = None
     for shapes, oblivious in attempts:
@@ -113,9 +122,10 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any, no
             log.debug("torch.export with dynamic_shapes=%s (size-1 dims dynamic: %s) failed: %s", shapes, oblivious, err)
             last = err
             continue
-        gm = without_dtype_asserts(_with_guards_kept(program.module()))
+        gm = without_dtype_asserts(_with_guards_kept(program.module(), fixed))
         if dynamic_shapes == "auto" and notes:
-            _note_fixed_dims(gm, model, dynamic=shapes is not None, failure=last)
+            _note_fixed_dims(gm, model, dynamic=shapes is not None,
+                             why=why_static if last is None else _first_line(last))
         return gm
     raise CaptureError(
         f"torch.export could not capture {type(model).__name__}: {_first_line(last)}. {_HINTS}"
@@ -128,22 +138,22 @@ def capture_program(program: torch.export.ExportedProgram) -> fx.GraphModule:
     return without_dtype_asserts(_with_guards_kept(program.module()))
 
 
-def _with_guards_kept(gm: fx.GraphModule) -> fx.GraphModule:
-    """Keep export's guards as a :class:`ShapeGuards` in ``gm.meta``.
+def _with_guards_kept(gm: fx.GraphModule, fixed: dict[str, Any] | None = None) -> fx.GraphModule:
+    """Keep export's guards as a :class:`ShapeGuards` in ``gm.meta``, with the keyword values the capture fixed.
 
     The module amppass returns checks them before each call, and converts again for a call they reject;
     torch's guard node stays in the graph until then, so calibration runs are checked too.
     """
-    gm.meta[GUARDS_KEY] = ShapeGuards.of(gm)
+    gm.meta[GUARDS_KEY] = ShapeGuards.of(gm, fixed)
     return gm
 
 
-def _note_fixed_dims(gm: fx.GraphModule, model: nn.Module, dynamic: bool, failure: Exception | None) -> None:
+def _note_fixed_dims(gm: fx.GraphModule, model: nn.Module, dynamic: bool, why: str | None) -> None:
     """Say at conversion which input dimensions the graph fixed, and why, since other sizes mean a new plan."""
     name = type(model).__name__
     if not dynamic:
         log.warning("%s: torch.export could not keep any input dimension dynamic (%s); the converted model is "
-                    "captured and converted again for each new input shape", name, _first_line(failure))
+                    "captured and converted again for each new input shape", name, why or "no reason given")
         return
     fixed = specialised_dims(gm, model)
     if fixed:
@@ -182,16 +192,51 @@ def without_dtype_asserts(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def auto_dims(model: nn.Module, args: tuple, kwargs: dict) -> Any:
-    """Dim.AUTO for every dimension of every tensor input, keyed by forward()'s argument names."""
+    """Dim.AUTO for every dimension of every tensor input, keyed by forward()'s argument names; None where
+    forward() does not name them."""
+    return _auto_dims_and_why(model, args, kwargs)[0]
+
+
+def _auto_dims_and_why(model: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, str | None]:
     signature = inspect.signature(model.forward)
     try:
         bound = signature.bind(*args, **kwargs)
-    except TypeError:
-        return None  # let export report the mismatch in its own words
-    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-    if any(signature.parameters[name].kind in variadic for name in bound.arguments):
-        return None
-    return {name: _dims(value) for name, value in bound.arguments.items()}
+    except TypeError as err:  # export reports the mismatch in its own words
+        return None, f"the example does not bind to forward{signature}: {err}"
+    variadic = [name for name in bound.arguments
+                if signature.parameters[name].kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+    if variadic:
+        return None, (f"forward() takes tensor inputs through its variadic parameter {variadic[0]!r}, whose "
+                      "dimensions torch.export cannot name; pass them by the names forward() declares")
+    return {name: _dims(value) for name, value in bound.arguments.items()}, None
+
+
+def _fixed_keywords(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The keyword inputs that reach forward()'s ``**kwargs`` and hold no tensor (``return_dict=True``).
+
+    torch.export cannot take dynamic shapes for a call that passes anything through ``**kwargs``, so such a
+    value would make every tensor dimension static; it is fixed in the captured graph instead (a call with
+    another value is another plan, :mod:`amppass.serving.serving_graph`)."""
+    try:
+        signature = inspect.signature(model.forward)
+        bound = signature.bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return {}
+    extra = next((bound.arguments[name] for name, p in signature.parameters.items()
+                  if p.kind is inspect.Parameter.VAR_KEYWORD and name in bound.arguments), {})
+    return {k: v for k, v in extra.items()
+            if not any(isinstance(leaf, torch.Tensor) for leaf in torch.utils._pytree.tree_leaves(v))}
+
+
+def _with_fixed(model: nn.Module, fixed: dict[str, Any]) -> nn.Module:
+    """A copy of ``model`` (own module objects, the same tensors) whose forward has ``fixed`` bound."""
+    bound = shared_copy(model)
+    forward = functools.partial(type(model).forward.__get__(bound), **fixed)
+    signature = inspect.signature(model.forward)
+    forward.__signature__ = signature.replace(parameters=[p for p in signature.parameters.values()
+                                                          if p.name not in fixed])
+    bound.forward = forward  # an instance attribute: nn.Module.__call__ and torch.export read it
+    return bound
 
 
 def _dims(value: Any) -> Any:
@@ -220,6 +265,9 @@ def size_one_dynamic(enabled: bool) -> Iterator[None]:
         yield
 
 
-def _first_line(err: BaseException | None) -> str:
+def _first_line(err: BaseException | None, limit: int = 300) -> str:
+    """The first line of ``err``'s message, cut at ``limit`` characters (torch's messages can hold the repr of
+    every input tensor)."""
     text = str(err).strip().splitlines()
-    return text[0] if text else type(err).__name__
+    line = text[0] if text else type(err).__name__
+    return line if len(line) <= limit else line[:limit] + " ..."

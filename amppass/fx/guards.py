@@ -11,11 +11,12 @@ shapes. The module that serves every shape with them is :class:`amppass.serving.
 
 from __future__ import annotations
 
+import collections
 import inspect
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import fx, nn
@@ -79,15 +80,18 @@ class ShapeGuards:
     """
 
     def __init__(self, in_spec: Any, inputs: list[InputSpec], ranges: dict[str, tuple[int, float]],
-                 guard_module: nn.Module | None, signature: inspect.Signature | None):
+                 guard_module: nn.Module | None, signature: inspect.Signature | None,
+                 fixed: dict[str, Any] | None = None):
         self.in_spec, self.inputs, self.ranges = in_spec, inputs, ranges
+        self.fixed = dict(fixed or {})  # keyword values the capture bound into the graph (capture._fixed_keywords)
         self.guard_module, self.signature = guard_module, signature  # the module: for export to trace again
         self.guard_fn = _guard_function(guard_module) or guard_module
         self._described: str | None = None  # describe(), formatted once: the report reads it on every call
 
     @classmethod
-    def of(cls, gm: fx.GraphModule) -> "ShapeGuards":
-        """The guards of ``gm``, a module from ``ExportedProgram.module()`` (before its guard node is removed)."""
+    def of(cls, gm: fx.GraphModule, fixed: dict[str, Any] | None = None) -> "ShapeGuards":
+        """The guards of ``gm``, a module from ``ExportedProgram.module()`` (before its guard node is removed);
+        ``fixed``: keyword values the capture bound into the graph (the call passes them, the graph takes none)."""
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         values = [n.meta.get("val") for n in placeholders]
         in_spec = getattr(gm, "_in_spec", None)
@@ -96,23 +100,28 @@ class ShapeGuards:
         inputs = [input_spec(name, value) for name, value in zip(names, values)]
         ranges = {str(symbol): (max(range_bound(bounds.lower), 0), range_bound(bounds.upper))
                   for symbol, bounds in (getattr(gm, "range_constraints", None) or {}).items()}
-        return cls(in_spec, inputs, ranges, getattr(gm, "_guards_fn", None), signature)
+        return cls(in_spec, inputs, ranges, getattr(gm, "_guards_fn", None), signature, fixed)
 
     def describe(self) -> str:
         """The inputs this plan takes, one per flattened input: ``x: [s0>=2, 40, 16] float32``."""
         if self._described is None:
-            self._described = "; ".join(spec.describe(self.ranges) for spec in self.inputs)
+            self._described = "; ".join([spec.describe(self.ranges) for spec in self.inputs] +
+                                        [f"{k} = {v!r}" for k, v in self.fixed.items()])
         return self._described
 
     def key(self) -> str:
         """A short label of the plan's shapes for logs and the report: ``x[s0,40,16]``."""
-        return ", ".join(
+        return ", ".join([
             f"{s.name}[{','.join(str(d) for d in s.dims)}]" if s.dtype is not None else f"{s.name}={s.value!r}"
             for s in self.inputs
-        )
+        ] + [f"{k}={v!r}" for k, v in self.fixed.items()])
 
     def mismatch(self, args: tuple, kwargs: dict) -> Mismatch | None:
         """None if the plan takes this call; else the first input (and dimension) it does not take."""
+        for key, wanted in self.fixed.items():
+            got = kwargs.get(key, _ABSENT)
+            if not _same(got, wanted):
+                return Mismatch(key, "absent" if got is _ABSENT else _short(got), repr(wanted))
         leaves = self.flatten(args, kwargs)
         if leaves is None:
             return Mismatch("arguments", call_layout(args, kwargs), self._layout())
@@ -145,15 +154,25 @@ class ShapeGuards:
                 leaves[index] = value.to(wanted.dtype)
         if not cast:
             return args, kwargs, []
-        args, kwargs = pytree.tree_unflatten(leaves, self.in_spec or pytree.tree_flatten((args, kwargs))[1])
-        return args, kwargs, cast
+        fixed = {k: kwargs[k] for k in self.fixed if k in kwargs}
+        args, kwargs = pytree.tree_unflatten(leaves, self.in_spec or pytree.tree_flatten(self.runnable(args, kwargs))[1])
+        return args, {**kwargs, **fixed}, cast
+
+    def runnable(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The call as the graph takes it: without the keyword values the capture fixed (:attr:`fixed`)."""
+        if not self.fixed:
+            return args, kwargs
+        return args, {k: v for k, v in kwargs.items() if k not in self.fixed}
 
     def flatten(self, args: tuple, kwargs: dict) -> list[Any] | None:
         """The call's leaves in the graph's placeholder order, or None if its layout is not the capture's.
 
         A call that spells an argument by keyword where the example passed it by position is arranged
-        the way the graph's own forward() binds it.
+        the way the graph's own forward() binds it. The keyword values the capture fixed are not leaves.
         """
+        if any(not _same(kwargs.get(k, _ABSENT), v) for k, v in self.fixed.items()):
+            return None
+        args, kwargs = self.runnable(args, kwargs)
         leaves, spec = pytree.tree_flatten((args, kwargs))
         if self.in_spec is None or spec == self.in_spec:
             return leaves
@@ -184,7 +203,7 @@ class ShapeGuards:
     def _check(self, spec: InputSpec, value: Any, symbols: dict[str, int]) -> Mismatch | None:
         if spec.dtype is None:
             if isinstance(value, torch.Tensor) or (spec.value is not None and value != spec.value):
-                return Mismatch(spec.name, repr(value) if not isinstance(value, torch.Tensor) else "a tensor",
+                return Mismatch(spec.name, _short(value) if not isinstance(value, torch.Tensor) else "a tensor",
                                 repr(spec.value))
             return None
         if not isinstance(value, torch.Tensor):
@@ -234,17 +253,58 @@ class _Shown:
 
 
 def call_layout(args: tuple, kwargs: dict) -> str:
-    """A call's arguments with each tensor shown by its shape: ``([2, 17, 16], mask=[2, 17])``."""
+    """A call's arguments with each tensor shown by its shape and dtype, never its values:
+    ``([2, 17, 16] float32, mask=[2, 17] int64, features={'ids': [2, 9] int64})``."""
+    parts = [_shown(a) for a in args] + [f"{k}={_shown(v)}" for k, v in kwargs.items()]
+    return "(" + ", ".join(parts) + ")"
 
-    def shown(value: Any) -> str:
-        if isinstance(value, torch.Tensor):
-            return str(list(value.shape))
-        return repr(value)
 
-    parts = [pytree.tree_map(shown, a) if not isinstance(a, torch.Tensor) else shown(a) for a in args]
-    parts += [f"{k}={pytree.tree_map(shown, v) if not isinstance(v, torch.Tensor) else shown(v)}"
-              for k, v in kwargs.items()]
-    return "(" + ", ".join(str(p) for p in parts) + ")"
+def _shown(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{list(value.shape)} {str(value.dtype).replace('torch.', '')}"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k!r}: {_shown(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(_shown(v) for v in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner}{',' if len(value) == 1 else ''})"
+    node = pytree.SUPPORTED_NODES.get(type(value))
+    if node is not None:  # a registered container (a transformers cache): its children, by shape
+        return f"{type(value).__name__}({', '.join(_shown(c) for c in node.flatten_fn(value)[0])})"
+    return _short(value)
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """``repr(value)``, cut at ``limit`` characters: an object's repr may print every tensor it holds."""
+    text = repr(value)
+    return text if len(text) <= limit else f"<{type(value).__name__}>"
+
+
+_ABSENT = object()
+
+
+def _same(got: Any, wanted: Any) -> bool:
+    """Whether a call's keyword value is the one the capture fixed (plain values compared by equality)."""
+    if got is wanted:
+        return True
+    try:
+        return type(got) is type(wanted) and bool(got == wanted)
+    except Exception:  # noqa: BLE001 - a value whose == raises or is not a bool is not the same value
+        return False
+
+
+def plain_inputs(value: Any) -> Any:
+    """``value`` with every mapping torch's pytree does not know (transformers' ``BatchEncoding``, a dict
+    subclass) made a plain dict, and every list, tuple and dict rebuilt: what amppass passes on is never the
+    caller's own container, so nothing it runs (the original model included) writes into the caller's inputs."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, Mapping) and type(value) not in pytree.SUPPORTED_NODES:
+        return {k: plain_inputs(v) for k, v in value.items()}
+    if type(value) in (dict, collections.OrderedDict):
+        return type(value)((k, plain_inputs(v)) for k, v in value.items())
+    if type(value) in (list, tuple):
+        return type(value)(plain_inputs(v) for v in value)
+    return value
 
 
 def _signature(gm: fx.GraphModule) -> inspect.Signature | None:

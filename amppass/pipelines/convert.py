@@ -24,13 +24,13 @@ from ..fx.backward import annotate_backward
 from ..fx.calibrate import Recapture, calibrated_plan, flatten_inputs, split_batch
 from ..fx.capture import capture, capture_program
 from ..fx.gelu import FUSED_KEY, fuse_tanh_gelu
-from ..fx.guards import GUARDS_KEY, carried_decisions, matching
+from ..fx.guards import GUARDS_KEY, carried_decisions, matching, plain_inputs
 from ..fx.macs import node_macs
 from ..fx.modes import module_mode
 from ..fx.profit import CostModel
 from ..fx.rewrite import META_KEY, rewrite
 from ..fx.view import build_view
-from ..serving.generation import as_generator
+from ..serving.dropin import DropIn, in_own_class, transformers_call, with_signature
 from ..serving.kept import KeptFp32
 from ..serving.serving_graph import ServingGraph
 from ..serving.traced import TracedGraph
@@ -108,8 +108,10 @@ def convert(
     The returned module records its decisions in ``node.meta["amppass"]``; ``amppass.report`` reads them.
     Captured with example inputs, it is a :class:`~amppass.serving.serving_graph.ServingGraph`: it takes every input
     shape the original model takes, converting again (a few plans at most, cached) where torch.export had
-    to fix a dimension. A transformers model that generates (a ``*ForCausalLM``) comes back in its own class,
-    ``generate()`` included, its ``forward`` running the converted graphs (:mod:`amppass.serving.generation`).
+    to fix a dimension. A transformers model (any head), and a module whose class offers more than ``forward``
+    (sentence-transformers' ``encode()``), comes back in its own class with its attributes and ``forward``'s
+    signature, ``generate()`` included, its ``forward`` running the converted graphs
+    (:mod:`amppass.serving.dropin`); a train-mode model's ``forward`` shows the original's signature too.
     """
     if mode not in MODES:
         raise InputError(f"mode={mode!r} is not one of {MODES}: use mode='inference' to serve or evaluate "
@@ -124,12 +126,16 @@ def convert(
         return _unchanged(model, model.train_graph.meta[META_KEY], dtype, mode)
     if isinstance(model, KeptFp32):
         return _unchanged(model, model.meta[META_KEY], dtype, mode)
+    if isinstance(model, DropIn):
+        return _unchanged(model, model.converted.meta[META_KEY], dtype, mode)
     check_tolerance(tolerance, calibration)
     if isinstance(model, torch.export.ExportedProgram):
         return _convert_program(model, dtype, target, mode, keep_io_types=keep_io_types, keep_fp32=keep_fp32,
                                 force_low=force_low, low_weight_tables=low_weight_tables, calibration=calibration,
                                 tolerance=tolerance, progress=progress, plan_for=plan_for, costs=costs)
     plan_target = _target(target, dtype, model)
+    example_inputs, example_kwargs = plain_inputs(example_inputs), plain_inputs(example_kwargs)  # BatchEncoding: a dict
+    example_kwargs = transformers_call(model, example_kwargs)  # as the drop-in's forward passes them on
     if mode == "train" and calibration is not None:
         calibration = list(calibration)  # both graphs calibrate on it
     options = dict(keep_io_types=keep_io_types, keep_fp32=keep_fp32, force_low=force_low,
@@ -150,12 +156,13 @@ def convert(
                     plan_target, mode, flag, options)
             for flag in (True, False)
         )
-        return TrainEvalGraphs(train_gm, eval_gm, training=model.training, original=model, example=options["example"])
+        trained = TrainEvalGraphs(train_gm, eval_gm, training=model.training, original=model, example=options["example"])
+        return with_signature(trained, model)  # Trainer keeps the dataset columns forward() names
     gm = capture(model, example_inputs, example_kwargs, train=False, dynamic_shapes=dynamic_shapes)
     served = _served(model, gm, plan_target, mode, False, options)
     if plan_for == "speed" and plan_target.profitable and options["example"] is not None and not calibration:
         served = _faster_of(served, model, options["example"], costs)
-    return as_generator(model, served)  # a transformers decoder keeps generate() (amppass.serving.generation)
+    return in_own_class(model, served)  # a drop-in: the model's class, attributes and signature (serving.dropin)
 
 
 def _served(model: nn.Module, gm: fx.GraphModule, target: Target, mode: str, train: bool,
@@ -184,7 +191,7 @@ def _fp32_capture(model: nn.Module, target: Target, train: bool) -> Recapture:
             gm = capture(model, args, kwargs, train=train, note_fixed_dims=False)
         except CaptureError:
             with torch.no_grad(), module_mode(model, train):
-                model(*args, **kwargs)
+                model(*plain_inputs(args), **plain_inputs(kwargs))
             raise
         return gm, build_view(gm, target)[0]
 

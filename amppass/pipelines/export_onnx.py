@@ -58,7 +58,7 @@ def export_onnx(
 def _refuse_converted(model: torch.nn.Module) -> None:
     """export_onnx exports a float32 model and converts the ONNX graph: a module amppass already converted
     would be exported with its casts and low weights, which shape inference then rejects."""
-    from ..serving.generation import Generator
+    from ..serving.dropin import DropIn
     from ..serving.kept import KeptFp32
     from ..fx.rewrite import META_KEY
     from ..serving.train_eval import TrainEvalGraphs
@@ -68,7 +68,7 @@ def _refuse_converted(model: torch.nn.Module) -> None:
         raise InputError(f"export_onnx exports a float32 model and converts it; this {name} was converted by amppass "
                          "in train mode: load what it learned into the original model (original.load_state_dict("
                          "model.state_dict()): the keys are the original's) and pass the original")
-    if isinstance(model, (Generator, KeptFp32)) or META_KEY in getattr(model, "meta", {}):
+    if isinstance(model, (DropIn, KeptFp32)) or META_KEY in getattr(model, "meta", {}):
         raise InputError(f"export_onnx exports a float32 model and converts it; this {name} was already converted by "
                          "amppass: pass the original float32 model (amppass.export_onnx(model, example_inputs, path))")
 

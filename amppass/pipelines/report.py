@@ -10,7 +10,7 @@ from torch import fx
 from ..errors import InputError
 from ..report.fx_reader import read_graph_module
 from ..report.report import Report
-from ..serving.generation import Generator
+from ..serving.dropin import DropIn
 from ..serving.kept import KeptFp32
 from ..serving.train_eval import TrainEvalGraphs
 
@@ -20,8 +20,8 @@ def report(converted: Any) -> Report:
 
     Accepts the ``torch.fx.GraphModule`` that :func:`amppass.convert` returned, the module it returned for
     ``mode="train"`` (its train graph is reported; rows say which ops' gradients run in low precision), the
-    original module it kept in fp32 where that measured faster (:mod:`amppass.serving.kept`), the decoder it
-    returned in its transformers class (:mod:`amppass.serving.generation`: its converted graphs), a module
+    original module it kept in fp32 where that measured faster (:mod:`amppass.serving.kept`), the model it
+    returned in its own class (:mod:`amppass.serving.dropin`: its converted graphs), a module
     :func:`amppass.load` returned, a module or function ``torch.compile(..., backend="amppass")`` returned
     (every graph dynamo captured, rows named ``g<i>.<node>``), or an ``onnx.ModelProto`` (or .onnx path)
     that :func:`amppass.convert_onnx` returned.
@@ -38,7 +38,7 @@ def report(converted: Any) -> Report:
             raise InputError(f"{type(converted).__name__} was not compiled with torch.compile(backend='amppass'); "
                              "compile it with that backend, call it once, then ask for the report")
         return session.report()
-    if isinstance(converted, Generator):
+    if isinstance(converted, DropIn):
         converted = converted.converted
     if isinstance(converted, TrainEvalGraphs):
         converted = converted.train_graph

@@ -195,12 +195,14 @@ def is_converted(program: torch.export.ExportedProgram) -> bool:
 
 
 def _served(converted: Any) -> ServingGraph:
-    from ..serving.generation import Generator
+    from ..serving.dropin import DropIn, TransformersDropIn
 
-    if isinstance(converted, Generator):
-        raise InputError(f"{type(converted).__name__} is a converted decoder in its transformers class; amppass.save "
-                         "writes its graph alone, without generate(): amppass.save(model.converted, path), or "
-                         "convert the model where it generates")
+    if isinstance(converted, TransformersDropIn) and not converted.can_generate():
+        converted = converted.converted  # a forward and nothing else to lose: the file holds its graph
+    if isinstance(converted, DropIn):
+        raise InputError(f"{type(converted).__name__} is a converted model in its own class; amppass.save writes a "
+                         "graph alone, without the class's methods (generate(), encode()): "
+                         "amppass.save(model.converted, path), or convert the model where it runs")
     if isinstance(converted, TrainEvalGraphs):
         raise InputError("amppass.save writes inference models; for a train-mode model save its state_dict() as a "
                          "checkpoint, and convert the trained model with mode='inference' to ship it")

@@ -15,6 +15,7 @@ from typing import Any
 from torch import nn
 
 from ..fx.copies import shared_copy
+from ..fx.guards import plain_inputs
 from ..fx.rewrite import META_KEY
 from ..report.report import Report, Row
 
@@ -29,7 +30,7 @@ class KeptFp32(nn.Module):
         self.meta = {META_KEY: info}
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.original(*args, **kwargs)
+        return self.original(*plain_inputs(args), **plain_inputs(kwargs))  # the caller's containers stay unwritten
 
     def drop_original(self) -> None:
         """Nothing to release: this module holds its own copy of the caller's module objects, never the caller's

@@ -27,11 +27,17 @@ Rules:
    torch.autocast casts what an op reads, and logged once per input and dtype: it neither costs a re-capture
    nor reaches a kernel beside weights of another dtype (the model's own error would name a dtype the user
    never chose).
+7. ``module.forward(...)`` takes the path ``module(...)`` takes. A keyword value the capture fixed in the graph
+   (a flag passed through ``**kwargs``, :func:`amppass.fx.capture.capture`) is part of a plan's guards: a call
+   with another value gets a plan of its own. Mappings torch's pytree does not know (``BatchEncoding``) are
+   taken as dicts, and every container is copied before a plan or the original model runs, so neither
+   writes into the caller's inputs.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -41,7 +47,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError, InputError
-from ..fx.guards import GUARDS_KEY, MAX_PLANS, ShapeGuards, call_layout
+from ..fx.guards import GUARDS_KEY, MAX_PLANS, ShapeGuards, call_layout, plain_inputs
 from ..fx.modes import module_mode
 from ..fx.rewrite import META_KEY
 from .face import Fp32Face, stored_parameters
@@ -126,10 +132,26 @@ class ServingGraph(Fp32Face, fx.GraphModule):
         """Every plan's graph: this module first, then later ones from the most recently used."""
         return [self] + [p.graph for p in reversed(self._plans.extra.values())]
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def recompile(self) -> Any:
+        """Generate the graph's code as ``GraphModule`` does, as :meth:`run_graph`; ``forward`` is :meth:`serve`
+        under the graph's own signature, so ``module.forward(...)`` and ``module(...)`` take the same path."""
+        code = super().recompile()
+        cls = type(self)  # GraphModule gives each instance a class of its own and puts forward() there
+        cls.run_graph = cls.forward
+
+        def forward(self: "ServingGraph", *args: Any, **kwargs: Any) -> Any:
+            return self.serve(*args, **kwargs)
+
+        cls.forward = functools.wraps(cls.run_graph)(forward)
+        return code
+
+    def serve(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the plan that takes this call (rules 1 and 2), on the call's inputs cast as rule 6 says."""
+        args, kwargs = plain_inputs(args), plain_inputs(kwargs)
         plan, args, kwargs = self.select(args, kwargs)
+        args, kwargs = plan.meta[GUARDS_KEY].runnable(args, kwargs)
         if plan is self:
-            return super().__call__(*args, **kwargs)
+            return self.run_graph(*args, **kwargs)
         return plan(*args, **kwargs)
 
     def conform(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -210,7 +232,7 @@ class ServingGraph(Fp32Face, fx.GraphModule):
         if original is None:
             return
         with torch.no_grad(), module_mode(original, train=self.training):
-            original(*args, **kwargs)
+            original(*plain_inputs(args), **plain_inputs(kwargs))
 
     def _bind(self, plan: _Plan) -> None:
         """Rule 3: point the plan's state entries at this module's tensors of the same name, shape and dtype."""

@@ -1,0 +1,291 @@
+"""Converted models that stand in for the original: its class, its attributes, its ``forward``'s signature.
+
+Libraries read a model's attributes and signatures, not only its outputs: transformers' pipelines read
+``model.device``, ``model.config`` and ``can_generate()``; ``generate()`` lives in the model's class;
+``Trainer`` keeps the dataset columns that ``inspect.signature(model.forward)`` names; sentence-transformers'
+``encode()`` reads its tokenizer from ``self[0]``. :func:`in_own_class` gives the converted module the
+original's class back.
+
+Rules:
+
+1. The module returned for a transformers ``PreTrainedModel`` (any head), and for another module whose class
+   has methods or properties of its own beyond ``forward`` (not one of torch's own modules), is an instance of a
+   subclass of the model's class (``isinstance`` holds; ``generate()``, ``encode()``, ``can_generate()`` are
+   the class's own), made without running its ``__init__``. It holds the model's plain attributes (its own
+   copies of ``config`` and ``generation_config``, which callers change on the instance) and, as its only
+   tensors, those of the converted module: its submodule ``converted``. Where such a class cannot be made
+   (a class that refuses subclassing or ``__new__`` without arguments) the converted module comes back as it is.
+2. A transformers model holds no other module. Another module holds hollow copies of its submodules, before
+   ``converted``: the same classes and plain attributes (a tokenizer, a config), no parameters or buffers, and a
+   ``forward`` that refuses to run; so methods that read them (``self[0].tokenizer``) keep working.
+3. ``forward`` has the model's own signature and calls ``converted`` with the call; for a transformers model
+   less the keyword values that are ``None`` and ``return_dict``: the graph returns the model's output class,
+   and ``return_dict=False`` gives its ``to_tuple()``. ``forward(...)`` and ``module(...)`` run the same path.
+4. It faces its caller as the original did: ``dtype`` is the model's own (fp32 where ``keep_io_types``),
+   ``parameters()`` widen the low-precision copies to fp32 (:mod:`amppass.serving.face`), ``device`` is where the
+   converted tensors are; ``get_input_embeddings()`` of a transformers model is an ``nn.Embedding`` over the
+   converted model's table (in fp32, a fresh module on each call).
+5. An encoder-decoder's ``generate()`` raises :class:`~amppass.errors.InputError`: it runs the encoder on its
+   own (``get_encoder()``), a call the graph of the whole model cannot make.
+6. The converted module's own API stays at hand: ``graph``, ``meta``, ``plans``, ``guards``,
+   ``drop_original()`` read ``converted``'s; :func:`amppass.report` reads ``converted``.
+7. A train-mode model keeps its own class (:class:`~amppass.training.module.TrainEvalGraphs`, whose module tree
+   is the original's); :func:`with_signature` gives its ``forward`` the model's signature.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+import sys
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from ..errors import InputError
+from .face import fp32_parameters, low_face
+
+log = logging.getLogger(__name__)
+
+_OWN = ("config", "generation_config")  # copied: generate() and pipelines change them on the instance
+_DROPPED = ("return_dict",)  # arguments the converted graph of a transformers model does not take (rule 3)
+_CONVERTED_API = ("graph", "meta", "plans", "guards", "drop_original", "code", "select")  # rule 6
+
+
+def is_transformers_model(model: Any) -> bool:
+    """Whether ``model`` is a transformers ``PreTrainedModel``."""
+    if "transformers" not in sys.modules or not isinstance(model, nn.Module):
+        return False
+    from transformers import PreTrainedModel
+
+    return isinstance(model, PreTrainedModel)
+
+
+def transformers_call(model: nn.Module, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A transformers model's keyword inputs as its converted graph takes them (rule 3): without ``None`` values
+    and ``return_dict``. Other models' inputs are returned as they are."""
+    if kwargs is None or not is_transformers_model(model):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if v is not None and k not in _DROPPED}
+
+
+def in_own_class(model: nn.Module, converted: nn.Module) -> nn.Module:
+    """``converted`` in the class of ``model`` (rules 1 and 2) where that class has more than ``forward`` to
+    offer and can be made; otherwise ``converted``."""
+    transformers = is_transformers_model(model)
+    if not transformers and not _own_api(type(model)):
+        return converted
+    try:
+        cls = _dropin_class(type(model), _mixin(model, transformers))
+        module = cls.__new__(cls)
+    except Exception as err:  # noqa: BLE001 - any class that cannot be remade keeps the converted module
+        log.info("%s: the converted module is returned as it is: its class cannot be subclassed without its "
+                 "__init__ (%s)", type(model).__name__, err)
+        return converted
+    if cls.__mro__[1] is EncoderDecoderDropIn:
+        log.warning("%s is an encoder-decoder: the converted model computes its forward; its generate() runs the "
+                    "encoder on its own, which the graph of the whole model cannot, so it raises; to generate in "
+                    "mixed precision, compile the model's forward with the amppass backend: model.forward = "
+                    "torch.compile(model.forward, backend='amppass'), then model.generate(...)", type(model).__name__)
+    nn.Module.__init__(module)
+    bookkeeping = set(vars(module))
+    for key, value in vars(model).items():
+        if key not in bookkeeping:
+            module.__dict__[key] = copy.deepcopy(value) if key in _OWN else value
+    module.__dict__["_amppass_dtype"] = _io_dtype(model)
+    if transformers:
+        module.__dict__["_amppass_embeddings"] = _embedding_name(model)
+    else:
+        for name, child in model.named_children():
+            module._modules[name] = _hollow(child, converted, module._amppass_dtype)
+    module.converted = converted
+    module.train(model.training)
+    log.info("%s: converted module wrapped in its class", type(model).__name__)
+    return module
+
+
+def with_signature(module: nn.Module, model: nn.Module) -> nn.Module:
+    """``module`` with its ``forward`` showing ``model.forward``'s signature (rule 7): its class becomes a
+    subclass made for that; ``module`` is returned."""
+    cls, wanted = type(module), type(model)
+    signed = _signed.get((cls, wanted))
+    if signed is None:
+        run = cls.forward
+
+        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return run(self, *args, **kwargs)
+
+        signed = _signed[(cls, wanted)] = type(cls.__name__, (cls,), {
+            "forward": functools.wraps(wanted.forward)(forward), "__module__": cls.__module__,
+            "__doc__": cls.__doc__, "__qualname__": cls.__qualname__,
+        })
+    module.__class__ = signed
+    return module
+
+
+_classes: dict[tuple[type, type], type] = {}
+_signed: dict[tuple[type, type], type] = {}
+_hollow_classes: dict[type, type] = {}
+
+
+class DropIn:
+    """The part of a converted model's class that amppass adds (module docstring)."""
+
+    converted: nn.Module
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.converted(*args, **kwargs)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        """The converted module's parameters, low-precision copies widened to fp32 (rule 4)."""
+        named = nn.Module.named_parameters(self, *args, **kwargs)
+        low = low_face(self.converted)
+        return named if low is None else fp32_parameters(named, low)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the model's inputs and outputs as its callers see them (rule 4)."""
+        return self._amppass_dtype
+
+    def __reduce__(self) -> Any:
+        raise InputError(f"{type(self).__name__}: torch.save cannot pickle a converted model (its graph runs generated "
+                         "code): save the graph with amppass.save(model.converted, 'model.pt2'), or convert the "
+                         "original where it runs")
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _CONVERTED_API:  # rule 6
+            return getattr(nn.Module.__getattr__(self, "converted"), name)
+        return super().__getattr__(name)
+
+
+class TransformersDropIn(DropIn):
+    """What a converted transformers model adds to :class:`DropIn` (rules 3 to 5)."""
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        tuple_out = kwargs.get("return_dict") is False
+        out = self.converted(*args, **transformers_call(self, kwargs))
+        return out.to_tuple() if tuple_out and hasattr(out, "to_tuple") else out
+
+    def get_input_embeddings(self) -> nn.Module:
+        """The input embedding table as an ``nn.Embedding`` in fp32 (rule 4): the table the graph reads."""
+        name = self._amppass_embeddings
+        weight = dict(self.converted.named_parameters()).get(f"{name}.weight") if name is not None else None
+        if weight is None:
+            weight = next((b for n, b in self.converted.named_buffers() if n == f"{name}.weight"), None)
+        if weight is None:
+            raise InputError(f"{type(self).__name__}: the converted graph holds no input embedding table (its "
+                             "original has none, or the graph reads it under another name)")
+        return nn.Embedding.from_pretrained(weight.detach().float(), freeze=True)
+
+
+
+class EncoderDecoderDropIn(TransformersDropIn):
+    """A converted encoder-decoder: its ``generate()`` refuses to run (rule 5)."""
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused: see the module docstring's rule 5."""
+        raise InputError(
+                f"{type(self).__name__} is an encoder-decoder: its generate() runs the encoder on its own "
+                "(get_encoder()), which the converted graph of the whole model cannot do; to generate in mixed "
+                "precision, compile the original's forward with the amppass backend: model.forward = "
+                "torch.compile(model.forward, backend='amppass'), then model.generate(...)")
+
+
+class Hollow:
+    """A submodule of a converted module's class that holds no tensors (rule 2)."""
+
+    _amppass_converted: nn.Module
+    _amppass_dtype: torch.dtype
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise InputError(f"{type(self).__name__} is a part of a model amppass converted: it holds no weights (the "
+                         "converted graph runs the whole model's forward); call the converted model itself, or "
+                         "convert this part on its own")
+
+    @property
+    def device(self) -> torch.device:
+        """Where the converted model's tensors are."""
+        converted = self._amppass_converted
+        tensor = next(iter(list(converted.parameters()) + list(converted.buffers())), None)
+        return tensor.device if tensor is not None else torch.device("cpu")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The converted model's input and output dtype."""
+        return self._amppass_dtype
+
+
+def _mixin(model: nn.Module, transformers: bool) -> type:
+    if not transformers:
+        return DropIn
+    return EncoderDecoderDropIn if getattr(model.config, "is_encoder_decoder", False) else TransformersDropIn
+
+
+def _dropin_class(cls: type, mixin: type) -> type:
+    made = _classes.get((cls, mixin))
+    if made is None:
+        made = _classes[(cls, mixin)] = type(cls.__name__, (mixin, cls), {
+            "forward": functools.wraps(cls.forward)(_calling(mixin._forward)), "__module__": __name__,
+            "__doc__": f"{cls.__name__} whose forward runs an amppass-converted module (amppass.serving.dropin)."})
+    return made
+
+
+def _calling(method: Any) -> Any:
+    """A new function that calls ``method`` (``functools.wraps`` then names it after the class's forward)."""
+
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return method(self, *args, **kwargs)
+
+    return forward
+
+
+def _hollow(module: nn.Module, converted: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A copy of ``module`` and its submodules without parameters or buffers (rule 2)."""
+    cls = _hollow_classes.get(type(module))
+    if cls is None:
+        base = type(module)
+        cls = _hollow_classes[base] = type(base.__name__, (Hollow, base), {
+            "forward": functools.wraps(base.forward)(_calling(Hollow._refuse)), "__module__": __name__,
+            "__doc__": f"{base.__name__} without weights, part of a converted model (amppass.serving.dropin)."})
+    hollow = cls.__new__(cls)
+    nn.Module.__init__(hollow)
+    bookkeeping = set(vars(hollow))
+    for key, value in vars(module).items():
+        if key not in bookkeeping:
+            hollow.__dict__[key] = value
+    hollow.__dict__["_amppass_converted"] = converted  # not a submodule: it belongs to the root
+    hollow.__dict__["_amppass_dtype"] = dtype
+    for name, child in module.named_children():
+        hollow._modules[name] = _hollow(child, converted, dtype)
+    hollow.training = module.training
+    return hollow
+
+
+def _own_api(cls: type) -> bool:
+    """Whether ``cls`` offers callers more than ``forward``: a public method or property of its own, defined
+    outside torch (torch's own modules are what their converted graph computes)."""
+    for klass in cls.__mro__:
+        if klass in (nn.Module, object) or klass.__module__.startswith("torch."):
+            continue
+        for name, value in vars(klass).items():
+            if name.startswith("_") or name == "forward":
+                continue
+            if callable(value) or isinstance(value, (property, functools.cached_property)):
+                return True
+    return False
+
+
+def _embedding_name(model: nn.Module) -> str | None:
+    """The module path of ``model``'s input embedding table, if it has one."""
+    try:
+        table = model.get_input_embeddings()
+    except (NotImplementedError, AttributeError):
+        return None
+    return next((name for name, module in model.named_modules() if module is table), None)
+
+
+def _io_dtype(model: nn.Module) -> torch.dtype:
+    dtype = getattr(model, "dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
