@@ -48,6 +48,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 import amppass
+from amppass.errors import first_line
 from amppass.onnx.view import all_nodes
 
 OUTCOMES = ("correct", "refused", "crash", "invalid", "run failure", "wrong")
@@ -315,15 +316,15 @@ def judge(case: Case, converted: onnx.ModelProto, bound: float = FP16_BOUND,
     try:
         onnx.checker.check_model(converted, full_check=True)
     except Exception as err:  # noqa: BLE001 - the checker's own exception types
-        return Outcome("invalid", f"onnx.checker: {_first_line(err)}")
+        return Outcome("invalid", f"onnx.checker: {first_line(err, 300)}")
     try:
         runner = session(converted)
     except Exception as err:  # noqa: BLE001
-        return Outcome("invalid", f"onnxruntime refuses to load it: {_first_line(err)}")
+        return Outcome("invalid", f"onnxruntime refuses to load it: {first_line(err, 300)}")
     try:
         got = runner.run(None, dict(zip(feed_names(converted), case.inputs)))
     except Exception as err:  # noqa: BLE001
-        return Outcome("run failure", _first_line(err))
+        return Outcome("run failure", first_line(err, 300))
     worst = min(worst_error(got, want) for want in (case.expected, *references))
     kind = "correct" if worst <= bound else "wrong"
     return Outcome(kind, f"relative error {worst:.3g} (bound {bound:g})", worst)
@@ -338,16 +339,11 @@ def outcome(case: Case, convert: Callable[[Case], tuple[Case, onnx.ModelProto]],
             warnings.simplefilter("ignore")
             converted_case, converted = convert(case)
     except amppass.AmpPassError as err:
-        return Outcome("refused", f"{type(err).__name__}: {_first_line(err)}")
+        return Outcome("refused", f"{type(err).__name__}: {first_line(err, 300)}")
     except Exception as err:  # noqa: BLE001 - what a converter must never do: counted, not hidden
-        return Outcome("crash", f"{type(err).__name__}: {_first_line(err)}")
+        return Outcome("crash", f"{type(err).__name__}: {first_line(err, 300)}")
     references = [r for r in [rounded_reference(case)] if r is not None] if rounded else []
     return judge(converted_case, converted, bound, references)
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return (text.splitlines()[0] if text else type(err).__name__)[:300]
 
 
 def _onnxconverter_common(case: Case) -> tuple[Case, onnx.ModelProto]:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import amppass
-from amppass.fx.rewrite import META_KEY
+from amppass.analysis.record import META_KEY
 
 
 class Block(nn.Module):

@@ -33,14 +33,14 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from ..analysis.calibration import (Perturbation, Progress, Trials, check_tolerance, first_line, plan_from_stats,
+from ..analysis.calibration import (Perturbation, Progress, Trials, check_tolerance, plan_from_stats,
                                     relative_error)
 from ..analysis.painting import paint
 from ..analysis.plan import Category, Decision, PrecisionPlan
 from ..analysis.stats import CalibrationStats
 from ..analysis.view import GraphView
 from ..dtypes import LowType
-from ..errors import CalibrationError, CaptureError
+from ..errors import CalibrationError, CaptureError, first_line
 from .copies import shared_copy
 from .prefix import Checkpoints
 from .rewrite import rewrite

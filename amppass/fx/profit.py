@@ -75,6 +75,7 @@ from torch.utils import _pytree as pytree
 from ..analysis.plan import Category, Decision, Precision, PrecisionPlan, Source
 from ..analysis.view import GraphView
 from ..dtypes import LowType
+from ..errors import first_line
 from .macs import node_macs
 from ..targets import device as device_facts
 from ..targets.measure import Timings, agree, interleaved, probe, spread
@@ -442,7 +443,7 @@ class _LowFailed(Exception):
     def __init__(self, node: str, error: BaseException):
         super().__init__(node)
         self.node = node
-        self.error = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        self.error = first_line(error, 200)
 
 
 @dataclass(frozen=True)

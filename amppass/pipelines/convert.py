@@ -9,11 +9,11 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import fx, nn
 
-from .. import __version__
 from ..analysis import overrides
 from ..analysis.calibration import check_tolerance
 from ..analysis.painting import paint
 from ..analysis.plan import PrecisionPlan, Source
+from ..analysis.record import META_KEY, check_reconversion, summary
 from ..analysis.view import GraphView
 from ..dtypes import low_type
 from ..errors import CaptureError, InputError
@@ -28,7 +28,7 @@ from ..fx.guards import GUARDS_KEY, carried_decisions, matching, plain_inputs
 from ..fx.macs import node_macs
 from ..fx.modes import module_mode
 from ..fx.profit import CostModel
-from ..fx.rewrite import META_KEY, rewrite
+from ..fx.rewrite import rewrite
 from ..fx.view import build_view
 from ..serving.dropin import DropIn, in_own_class, transformers_call, with_signature
 from ..serving.kept import KeptFp32
@@ -330,17 +330,7 @@ def _convert_captured(
             meta["evidence"]["fused"] = node.meta[FUSED_KEY]
             meta["reason"] = f"{meta['reason']}; {node.meta[FUSED_KEY]}"
     gm.meta[META_KEY] = {
-        "amppass_version": __version__,
-        "front_end": "fx",
-        "dtype": low.name,
-        "target": target.describe(),
-        "mode": mode,
-        "keep_io_types": keep_io_types,
-        "casts": stats.casts,
-        "weights_converted": stats.weights_converted,
-        "weight_copies": stats.weight_copies,
-        "weight_bytes_before": bytes_before,
-        "weight_bytes_after": weight_bytes(gm),
+        **summary("fx", low.name, target.describe(), mode, keep_io_types, stats, bytes_before, weight_bytes(gm)),
         "plan_for": plan_for,
         **profit_info,
         **calibration_info,
@@ -405,12 +395,8 @@ def _unchanged(model: nn.Module, info: dict, dtype: Any, mode: str) -> nn.Module
     """An already converted ``model``, returned as it is when the caller asks for what it already is."""
     done = info.get("dtype", "unknown")
     wanted = done if isinstance(dtype, str) and dtype.strip().lower() == "auto" else low_type(dtype).name
-    if wanted != done or mode != info.get("mode", mode):
-        raise InputError(f"{type(model).__name__} was already converted by amppass to {done} ({info.get('mode')} "
-                         f"mode); it cannot be converted to {wanted} ({mode} mode) on top of that: convert the "
-                         "original float32 module instead")
-    log.warning("%s was already converted by amppass to %s (%s mode); returned unchanged",
-                type(model).__name__, done, info.get("mode"))
+    check_reconversion(type(model).__name__, done, wanted, "convert the original float32 module instead",
+                       done_mode=info.get("mode"), wanted_mode=mode)
     return model
 
 

@@ -14,9 +14,9 @@ from typing import Any
 
 from torch import nn
 
+from ..analysis.record import META_KEY
 from ..fx.copies import shared_copy
 from ..fx.guards import plain_inputs
-from ..fx.rewrite import META_KEY
 from ..report.report import Report, Row
 
 

@@ -46,10 +46,10 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
+from ..analysis.record import META_KEY
 from ..errors import CaptureError, InputError
 from ..fx.guards import GUARDS_KEY, MAX_PLANS, ShapeGuards, call_layout, plain_inputs
 from ..fx.modes import module_mode
-from ..fx.rewrite import META_KEY
 from .face import Fp32Face, stored_parameters
 from .plan_dtypes import PlanDtypes
 
