@@ -316,7 +316,7 @@ def decide(gm: fx.GraphModule, view: GraphView, plan: PrecisionPlan, low: LowTyp
         record: dict[str, Any] = {"first": region.nodes[0], "nodes": len(region.nodes)}
         try:
             items = timer.items(region, nodes)
-            record["timing"] = _settle(items, costs, facts)
+            record["timing"] = _time_region(items, costs, facts)
         except _Unmeasurable as why:
             log.debug("profitability: region of %s not measured (%s); kept as painted", region.nodes[0], why)
             records.append({**record, "runs": low.name, "timing": "unmeasured"})
@@ -356,7 +356,7 @@ _SAID = {"table": "from the given cost table", "cached": "from the timing cache"
          "prior": "estimated from the device prior: the machine was too busy for timings to agree"}
 
 
-def _settle(items: list[_Item], costs: CostModel, facts: DeviceFacts) -> str:
+def _time_region(items: list[_Item], costs: CostModel, facts: DeviceFacts) -> str:
     """Rule 2: give every key of ``items`` a time in ``costs``; return where the region's times came from
     (one of :data:`SOURCES`, or "device" where nothing is timed because nothing can win)."""
     unique: dict[str, _Item] = {}
@@ -374,7 +374,7 @@ def _settle(items: list[_Item], costs: CostModel, facts: DeviceFacts) -> str:
     if facts.too_busy:  # this machine is too busy now: estimate the rest of the regions
         return _estimated(keys, unique, costs, facts)
     try:
-        found = interleaved([unique[k].call for k in keys], [unique[k].side for k in keys], _settled, 3 * ROUNDS,
+        found = interleaved([unique[k].call for k in keys], [unique[k].side for k in keys], _enough_rounds, 3 * ROUNDS,
                             weights=[weights[k] for k in keys], sync=facts.sync)
     except Exception as error:  # noqa: BLE001 - an op that fails on synthetic values: the region stays as painted
         raise _Unmeasurable(f"{type(error).__name__}: {error}") from None
@@ -412,7 +412,7 @@ def _estimated(keys: list[str], unique: Mapping[str, _Item], costs: CostModel, f
     return max((costs.sources[key] for key in keys), key=SOURCES.index)
 
 
-def _settled(ratios: list[float]) -> bool:
+def _enough_rounds(ratios: list[float]) -> bool:
     """Whether a region's undisturbed rounds are enough: :data:`ROUNDS` that tell the decision, or three that
     are clear-cut (all beyond :data:`CLEAR`)."""
     if max(ratios) < CLEAR[0] or min(ratios) > CLEAR[1]:

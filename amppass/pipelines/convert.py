@@ -21,7 +21,7 @@ from ..fx import finite, profit
 from ..fx.aliasing import alias_groups
 from ..fx.copies import shared_copy
 from ..fx.backward import annotate_backward
-from ..fx.calibrate import Recapture, calibrated_plan, flatten_inputs, split_batch
+from ..fx.calibrate import CaptureFp32, calibrated_plan, flatten_inputs, split_batch
 from ..fx.capture import capture, capture_program
 from ..fx.gelu import FUSED_KEY, fuse_tanh_gelu
 from ..fx.guards import GUARDS_KEY, carried_decisions, matching, plain_inputs
@@ -176,13 +176,13 @@ def _served(model: nn.Module, gm: fx.GraphModule, target: Target, mode: str, tra
 
     def recapture(args: tuple, kwargs: dict) -> fx.GraphModule:
         new = capture(model, args, kwargs, train=train, note_fixed_dims=False)
-        return _convert_captured(new, model, target, mode, decided=matching(new, carried),
+        return _convert_captured(new, model, target, mode, carried=matching(new, carried),
                                  **{**later, "example": (args, kwargs)})
 
     return ServingGraph(gm, gm.meta[GUARDS_KEY], recapture, original=model, name=type(model).__name__)
 
 
-def _fp32_capture(model: nn.Module, target: Target, train: bool) -> Recapture:
+def _fp32_capture(model: nn.Module, target: Target, train: bool) -> CaptureFp32:
     """Calibration's capture of ``model`` for a batch of shapes the first capture does not take: the fp32
     graph and its view; for a batch the model itself rejects, the model's own error."""
 
@@ -272,12 +272,12 @@ def _convert_captured(
     plan_for: str = "speed",
     costs: Mapping[str, float] | None = None,
     example: tuple[Any, dict] | None = None,
-    decided: dict[str, Any] | None = None,
-    recapture: Recapture | None = None,
+    carried: dict[str, Any] | None = None,
+    recapture: CaptureFp32 | None = None,
 ) -> fx.GraphModule:
     """Analyse, paint and rewrite a captured graph of ``model`` in place; record the decisions in it.
 
-    ``example`` (example inputs and keyword inputs) feeds the profitability measurements; ``decided`` holds
+    ``example`` (example inputs and keyword inputs) feeds the profitability measurements; ``carried`` holds
     decisions made before (a later plan's carried calibration results); the user's overrides win over them.
     ``recapture`` lets calibration take batches of shapes ``gm`` does not take.
     """
@@ -286,12 +286,12 @@ def _convert_captured(
     if mode == "train":  # a written-out tanh-GELU would run fp32 and save fp32 activations for backward
         fuse_tanh_gelu(gm)
     view, _ = build_view(gm, target)
-    given = {**(decided or {}), **overrides.resolve(view, keep_fp32, force_low, low)}
+    given = {**(carried or {}), **overrides.resolve(view, keep_fp32, force_low, low)}
     profit_info: dict[str, Any] = {}
     if plan_for == "speed" and mode == "inference" and target.profitable and example is not None:
-        decided, profit_info = _profitability(gm, view, target, given, example, costs, keep_io_types,
-                                              low_weight_tables)
-        given = {**decided, **given}  # the user's overrides win
+        unprofitable, profit_info = _profitability(gm, view, target, given, example, costs, keep_io_types,
+                                                   low_weight_tables)
+        given = {**unprofitable, **given}  # the user's overrides win
     rewrite_options = {"precast_weights": mode == "inference", "keep_io_types": keep_io_types,
                        "weights_low": plan_for == "memory" and mode == "inference"}
     calibration_info: dict[str, Any] = {"calibrated": False}

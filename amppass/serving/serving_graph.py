@@ -60,7 +60,8 @@ _REJECTED_MEMORY = 16  # call signatures the original model rejected, answered w
 
 # -- the served module ------------------------------------------------------------------------------------
 
-Recapture = Callable[[tuple, dict], fx.GraphModule]
+# captures and converts the original model for a call's (args, kwargs): the later plan that serves it
+CaptureAndConvert = Callable[[tuple, dict], fx.GraphModule]
 
 
 @dataclass
@@ -76,7 +77,7 @@ class _Plans:
     """The later plans of a :class:`ServingGraph` and what it needs to make more."""
 
     name: str
-    recapture: Recapture | None
+    recapture: CaptureAndConvert | None
     original: nn.Module | None
     origin: str
     extra: "collections.OrderedDict[int, _Plan]" = field(default_factory=collections.OrderedDict)
@@ -102,7 +103,7 @@ class ServingGraph(Fp32Face, fx.GraphModule):
         origin: why there is no original model (when ``recapture`` is None), for the error message.
     """
 
-    def __init__(self, gm: fx.GraphModule, guards: ShapeGuards, recapture: Recapture | None = None,
+    def __init__(self, gm: fx.GraphModule, guards: ShapeGuards, recapture: CaptureAndConvert | None = None,
                  original: nn.Module | None = None, name: str = "model", origin: str = "it was loaded from a file"):
         super().__init__(gm, gm.graph)
         self.meta = gm.meta
