@@ -54,7 +54,7 @@ class Setting:
 
 
 def settings(quick: bool) -> list[Setting]:
-    """Issue-2 points (BERT and GPT-2 at 1x16 and 8x128); full mode adds the rest of the zoo at batch 1."""
+    """The target points (BERT and GPT-2 at 1x16 and 8x128); full mode adds the rest of the zoo at batch 1."""
     size = "small" if quick else "base"
     points = [Setting(m, size, b, s) for m in ("bert", "gpt2") for b, s in ((1, 16), (8, 128))]
     if not quick:
@@ -196,8 +196,8 @@ def run(quick: bool) -> list[dict]:
     return rows
 
 
-def issue2_verdict(rows: list[dict]) -> list[dict]:
-    """The issue-2 targets per BERT/GPT-2 point: amppass against autocast.
+def target_verdict(rows: list[dict]) -> list[dict]:
+    """The latency targets per BERT/GPT-2 point: amppass against autocast.
 
     Targets: >= 1.5x autocast's speed at batch 1, >= 1.0x at batch 8, error against fp32 at most 1.1x
     autocast's (10% slack for rounding noise between two bf16 paths), weight bytes <= 0.55 of fp32.

@@ -397,7 +397,7 @@ def table(cases: Sequence[Case], quick: bool = False) -> list[dict]:
 
 LIGHT_NETS = ("densenet121", "inception_v1", "inception_v2", "resnet50", "shufflenet", "squeezenet", "vgg19",
               "bvlc_alexnet", "zfnet512")
-BEFORE = "d7ec324"  # amppass as issue 23 measured it: DenseNet-121 converted with 364 Casts
+BEFORE = "d7ec324"  # amppass before the conformance fixes: DenseNet-121 converted with 364 Casts
 NOTES = ("Cases: every node case of onnx.backend.test.case.node.collect_testcases with a float32 input that "
          "onnxruntime's CPU provider reproduces in float32, and the models of onnx/backend/test/data/"
          "{pytorch-converted,pytorch-operator,simple,light} it reproduces (first data set). Outcomes: correct = "

@@ -1,4 +1,4 @@
-"""Defects the ONNX conformance suite found (issue 23), each on the smallest model that shows it: an op that
+"""Defects the ONNX conformance suite found, each on the smallest model that shows it: an op that
 reads a value the default plan runs in fp16 (the MatMul in front of it) must still give a valid model that
 runs, and calibration must take every legal model."""
 

@@ -1,4 +1,4 @@
-"""Converted models serve every shape the original serves (issue 15): dynamic capture, later plans, guard errors."""
+"""Converted models serve every shape the original serves: dynamic capture, later plans, guard errors."""
 
 from __future__ import annotations
 

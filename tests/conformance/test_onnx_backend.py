@@ -1,4 +1,4 @@
-"""The ONNX backend test suite as amppass's regression suite (issue 23).
+"""The ONNX backend test suite as amppass's regression suite.
 
 Every usable case of ``benchmarks/onnx_conformance.py`` (node cases with a float32 input that onnxruntime's CPU
 provider reproduces in float32, and the models of onnx's pytorch-converted, pytorch-operator, simple and light
