@@ -34,6 +34,7 @@ from torch.profiler import ProfilerActivity, profile
 import amppass
 from amppass.pipelines.convert import weight_bytes
 from models import build
+from tests.helpers.numerics import rel_error
 
 LOW = torch.bfloat16
 VARIANTS = ("fp32", "autocast", "bf16_model", "amppass", "amppass_lowtables")
@@ -71,20 +72,6 @@ class _Variant:
 
 def _cast_floats(inputs: tuple, dtype: torch.dtype) -> tuple:
     return tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs)
-
-
-def _float_leaves(out: Any) -> torch.Tensor:
-    """All floating tensors of a (possibly nested, ModelOutput) result, flattened into one fp64 vector."""
-    if hasattr(out, "to_tuple"):
-        out = out.to_tuple()
-    leaves = torch.utils._pytree.tree_leaves(out)
-    return torch.cat([t.detach().double().flatten() for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()])
-
-
-def rel_error(out: Any, ref: Any) -> float:
-    """``||out - ref|| / ||ref||`` over every floating output."""
-    a, b = _float_leaves(out), _float_leaves(ref)
-    return float((a - b).norm() / b.norm())
 
 
 def _variants(model: torch.nn.Module, inputs: tuple) -> dict[str, _Variant]:

@@ -385,7 +385,7 @@ def _detector_nms() -> tuple[nn.Module, list[tuple]]:
 @pytest.mark.parametrize("build", [_pyramid_heads, _bert_small, _detector_nms], ids=lambda b: b.__name__[1:])
 def test_inductor_at_every_shape_of_real_sized_architectures(build):
     """Every call of each model through inductor: within 1.5x autocast's error of fp32 (NMS-kept boxes included)."""
-    from benchmarks.latency import rel_error
+    from tests.helpers.numerics import rel_error
 
     model, calls = build()
     compiled = torch.compile(model, backend=amppass_backend, options={"dtype": "bf16"})
