@@ -325,7 +325,8 @@ def decide(gm: fx.GraphModule, view: GraphView, plan: PrecisionPlan, low: LowTyp
             if failed.node not in given:
                 decisions[failed.node] = Decision(
                     Precision.FP32, f"its {low} kernel raised when timed on this {kind} "
-                    f"({failed.error}); runs fp32", Source.PROFITABILITY, {"rule": "profitability"})
+                    f"({failed.error}); runs fp32", Source.PROFITABILITY, {"rule": "profitability"},
+                    rule="low-kernel-failed")
             records.append({**record, "runs": "fp32", "timing": "low kernel failed"})
             continue
         if record["timing"] == "device":
@@ -347,7 +348,8 @@ def decide(gm: fx.GraphModule, view: GraphView, plan: PrecisionPlan, low: LowTyp
         records.append({**record, "runs": "fp32"})
         for name in region.nodes:
             if name not in given and categories.get(name) is Category.LOW:
-                decisions[name] = Decision(Precision.FP32, reason, Source.PROFITABILITY, dict(evidence))
+                decisions[name] = Decision(Precision.FP32, reason, Source.PROFITABILITY, dict(evidence),
+                                           rule="profitability")
     costs.save()
     return decisions, records
 

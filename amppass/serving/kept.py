@@ -44,5 +44,6 @@ class KeptFp32(nn.Module):
                   f"{info['target']['name'].upper()} against {whole['original_ms']:.3g} ms for the original "
                   "module in fp32 (its eager kernels are faster than any captured graph of them here); the "
                   "original runs, in fp32. plan_for='coverage' or 'memory' converts it anyway")
-        row = Row(type(self.original).__name__, "module", "fp32", reason, "profitability", [], dict(whole))
+        row = Row(type(self.original).__name__, "module", "fp32", reason, "profitability", [], dict(whole),
+                  "whole-model")
         return Report([row], info)
