@@ -49,7 +49,7 @@ import stat
 import zipfile
 from typing import Any, Iterator
 
-from .errors import InputError
+from .errors import InputError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ class Pt2Archive:
             except Exception as err:  # noqa: BLE001 - any failure of torch's reader on a damaged archive
                 cause = records[0].exc_info[1] if records and records[0].exc_info else err
                 raise InputError(f"{self.path}: torch.export.load cannot read it ({type(cause).__name__}: "
-                                 f"{_first_line(cause)}); give a .pt2 file torch.export.save or amppass.save "
+                                 f"{first_line(cause, 300)}); give a .pt2 file torch.export.save or amppass.save "
                                  "wrote, read with the torch version that wrote it") from cause
         return program
 
@@ -161,7 +161,7 @@ class Pt2Archive:
         try:
             return zipfile.ZipFile(self.handle)
         except (zipfile.BadZipFile, OSError, ValueError, EOFError) as err:
-            raise InputError(f"{self.path}: not a torch.export program file (not a zip archive: {_first_line(err)}); "
+            raise InputError(f"{self.path}: not a torch.export program file (not a zip archive: {first_line(err, 300)}); "
                              "give a .pt2 file torch.export.save or amppass.save wrote") from None
 
     def _check_headers(self, archive: zipfile.ZipFile, where: str) -> None:
@@ -224,7 +224,7 @@ class Pt2Archive:
             reader = torch._C.PyTorchFileReader(self.handle)
             listed = set(reader.get_all_records())
         except Exception as err:  # noqa: BLE001 - torch's reader refuses the zip
-            raise InputError(f"{self.path}: torch cannot read it as an archive ({_first_line(err)}); give a .pt2 "
+            raise InputError(f"{self.path}: torch cannot read it as an archive ({first_line(err, 300)}); give a .pt2 "
                              "file torch.export.save or amppass.save wrote") from None
         if listed != set(self.entries):
             differ = sorted(listed.symmetric_difference(self.entries))[:3]
@@ -276,7 +276,7 @@ class Pt2Archive:
         try:
             nested = zipfile.ZipFile(io.BytesIO(data))
         except (zipfile.BadZipFile, ValueError, EOFError) as err:
-            raise InputError(f"{where} is not a torch.save archive ({_first_line(err)}); the file is damaged") from None
+            raise InputError(f"{where} is not a torch.save archive ({first_line(err, 300)}); the file is damaged") from None
         self._check_headers(nested, where)
         try:
             torch.load(io.BytesIO(data), weights_only=True)
@@ -292,7 +292,7 @@ def parse_json(data: bytes, where: str) -> Any:
     try:
         value = json.loads(data.decode("utf-8"))
     except (ValueError, RecursionError) as err:  # UnicodeDecodeError is a ValueError
-        raise InputError(f"{where} is not UTF-8 JSON ({type(err).__name__}: {_first_line(err)[:80]}); the file is "
+        raise InputError(f"{where} is not UTF-8 JSON ({type(err).__name__}: {first_line(err, 80)}); the file is "
                          "damaged or was edited: save the model again") from None
     pending = [(value, 1)]
     while pending:
@@ -420,8 +420,3 @@ def _torch_log_as_debug() -> Iterator[list[logging.LogRecord]]:
         yield records
     finally:
         logger.removeFilter(keep)
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0][:300] if text else type(err).__name__

@@ -1,4 +1,4 @@
-"""Errors amppass raises for problems a user can cause and fix."""
+"""Errors amppass raises for problems a user can cause and fix, and how another error is quoted in one line."""
 
 
 class AmpPassError(Exception):
@@ -27,3 +27,12 @@ class ScalerValueError(InputError, ValueError):
 
 class ScaleCollapseError(AmpPassError, RuntimeError):
     """Gradients still overflow with the loss scale at its minimum: training cannot go on in fp16."""
+
+
+def first_line(err: BaseException | None, limit: int | None = None) -> str:
+    """The first line of an exception's message (its type's name when the message is empty), cut at ``limit``
+    characters with " ..." after the cut (torch's messages can hold the repr of every input tensor): how
+    amppass quotes an error it caught inside a one-line message or log."""
+    text = str(err).strip().splitlines()
+    line = text[0] if text else type(err).__name__
+    return line if limit is None or len(line) <= limit else line[:limit] + " ..."

@@ -40,15 +40,15 @@ def _latency(quick: bool, out: Path) -> Section:
     from . import latency
 
     rows = latency.run(quick)
-    issue_points = [r for r in rows if r["model"].startswith(("bert", "gpt2"))]
+    target_points = [r for r in rows if r["model"].startswith(("bert", "gpt2"))]
     zoo = [r for r in rows if not r["model"].startswith(("bert", "gpt2"))]
     section = Section("Inference latency, error and memory (bf16, CPU)", "", notes=list(LATENCY_NOTES))
     section.tables.append((
-        "Issue-2 targets: amppass >= 1.5x autocast's speed at batch 1, >= 1.0x at batch 8, error <= 1.1x "
+        "Latency targets: amppass >= 1.5x autocast's speed at batch 1, >= 1.0x at batch 8, error <= 1.1x "
         "autocast's, weights <= 0.55 of fp32",
-        latency.issue2_verdict(rows),
+        latency.target_verdict(rows),
     ))
-    section.tables.append(("BERT and GPT-2, every variant", issue_points))
+    section.tables.append(("BERT and GPT-2, every variant", target_points))
     if zoo:
         section.tables.append(("Rest of the zoo at batch 1", zoo))
     results.plot_latency(rows, out / "latency.png")
@@ -166,7 +166,7 @@ def _compile(quick: bool, out: Path) -> Section:
 
     section = Section("torch.compile backend against autocast with inductor freezing (bf16, CPU)", "",
                       notes=[shapes.COMPILE_NOTES])
-    section.tables.append(("Issue-15 target: amppass latency <= autocast+freezing's, first call <= its",
+    section.tables.append(("Compile-backend target: amppass latency <= autocast+freezing's, first call <= its",
                            shapes.compile_rows(quick)))
     return section
 
@@ -186,13 +186,14 @@ def _train(quick: bool, out: Path) -> Section:
 def _conformance(quick: bool, out: Path) -> Section:
     from . import onnx_conformance
 
-    section = Section("ONNX conformance: the ONNX backend test suite converted to fp16 (issue 23)", "",
+    section = Section("ONNX conformance: the ONNX backend test suite converted to fp16", "",
                       notes=[onnx_conformance.NOTES])
     cases = onnx_conformance.all_cases()
     section.tables.append((f"Outcomes per converter ({'every tenth of ' if quick else ''}{len(cases)} cases)",
                            onnx_conformance.table(cases, quick)))
-    section.tables.append((f"Casts added to the light nets: amppass at {onnx_conformance.BEFORE} (before issue 23) "
-                           "and now, with the fp16 nodes it plans; the other converters' Casts and outcome",
+    section.tables.append((f"Casts added to the light nets: amppass at {onnx_conformance.BEFORE} (before the "
+                           "conformance fixes) and now, with the fp16 nodes it plans; the other converters' Casts and "
+                           "outcome",
                            onnx_conformance.casts_table(quick)))
     return section
 
@@ -258,8 +259,9 @@ SECTIONS: dict[str, Callable[[bool, Path], Section]] = {
     "integrations": _external("integrations", "amppass in the tools' own training loops against their precision "
                               "flags (Lightning, transformers Trainer, accelerate; CPU)", lambda m, quick: m.run(quick)),
     "tolerance_time": _external("tolerance_time", "Tolerance-search time (FX fp16, tolerance 1e-4, 4 calibration "
-                                "batches; the small zoo in --quick, real-sized models in --full): amppass before "
-                                "issue 24 (d7ec324) and now", lambda m, quick: m.against(m.BEFORE, not quick)),
+                                "batches; the small zoo in --quick, real-sized models in --full): amppass at "
+                                "d7ec324 (no held-out check, prefix reuse or run bound) and now",
+                                lambda m, quick: m.against(m.BEFORE, not quick)),
     "gpu": _gpu,
 }
 

@@ -1,4 +1,4 @@
-"""Benchmark section "generate" (issue 24): per-token decode latency of a Llama decoder under ``generate()``.
+"""Benchmark section "generate": per-token decode latency of a Llama decoder under ``generate()``.
 
 A ~100M-parameter Llama config with random weights (hidden 768, 12 layers, vocabulary 16k with tied
 embeddings: 97M parameters), a 32-token prompt, 64 new tokens, greedy, at batch 1 and 8. Variants, each a

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 import amppass
 from amppass.analysis.calibration import relative_error
+from amppass.errors import first_line
 from models import build
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -150,7 +151,7 @@ def _first_float(out: Any) -> torch.Tensor:
 
 def _failed(base: dict[str, Any], err: BaseException) -> dict[str, Any]:
     traceback.print_exc()
-    return {**base, "failed": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:200]}
+    return {**base, "failed": f"{type(err).__name__}: {first_line(err)}"[:200]}
 
 
 def _matmul_flops(model: torch.nn.Module, inputs: tuple) -> float:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import amppass
+from amppass.errors import first_line
 
 D = 64
 
@@ -133,7 +134,7 @@ def run_case(case: HostileCase, calibration_seeds: tuple[int, ...] = (1, 2, 3, 4
                 out = produce()
             error, finite = relative_error(out, ref), bool(torch.isfinite(out).all())
         except RuntimeError as err:  # e.g. an op without an fp16 CPU kernel
-            error, finite, note = math.nan, False, f"failed: {str(err).splitlines()[0]}"
+            error, finite, note = math.nan, False, f"failed: {first_line(err)}"
         rows.append({"model": case.name, "method": method, "rel_error": error, "finite": finite,
                      "low_matmuls": low_matmuls, "harmless_matmuls": case.harmless_matmuls, "note": note})
 

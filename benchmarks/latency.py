@@ -34,6 +34,7 @@ from torch.profiler import ProfilerActivity, profile
 import amppass
 from amppass.pipelines.convert import weight_bytes
 from models import build
+from tests.helpers.numerics import rel_error
 
 LOW = torch.bfloat16
 VARIANTS = ("fp32", "autocast", "bf16_model", "amppass", "amppass_lowtables")
@@ -54,7 +55,7 @@ class Setting:
 
 
 def settings(quick: bool) -> list[Setting]:
-    """Issue-2 points (BERT and GPT-2 at 1x16 and 8x128); full mode adds the rest of the zoo at batch 1."""
+    """The target points (BERT and GPT-2 at 1x16 and 8x128); full mode adds the rest of the zoo at batch 1."""
     size = "small" if quick else "base"
     points = [Setting(m, size, b, s) for m in ("bert", "gpt2") for b, s in ((1, 16), (8, 128))]
     if not quick:
@@ -71,20 +72,6 @@ class _Variant:
 
 def _cast_floats(inputs: tuple, dtype: torch.dtype) -> tuple:
     return tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs)
-
-
-def _float_leaves(out: Any) -> torch.Tensor:
-    """All floating tensors of a (possibly nested, ModelOutput) result, flattened into one fp64 vector."""
-    if hasattr(out, "to_tuple"):
-        out = out.to_tuple()
-    leaves = torch.utils._pytree.tree_leaves(out)
-    return torch.cat([t.detach().double().flatten() for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()])
-
-
-def rel_error(out: Any, ref: Any) -> float:
-    """``||out - ref|| / ||ref||`` over every floating output."""
-    a, b = _float_leaves(out), _float_leaves(ref)
-    return float((a - b).norm() / b.norm())
 
 
 def _variants(model: torch.nn.Module, inputs: tuple) -> dict[str, _Variant]:
@@ -196,8 +183,8 @@ def run(quick: bool) -> list[dict]:
     return rows
 
 
-def issue2_verdict(rows: list[dict]) -> list[dict]:
-    """The issue-2 targets per BERT/GPT-2 point: amppass against autocast.
+def target_verdict(rows: list[dict]) -> list[dict]:
+    """The latency targets per BERT/GPT-2 point: amppass against autocast.
 
     Targets: >= 1.5x autocast's speed at batch 1, >= 1.0x at batch 8, error against fp32 at most 1.1x
     autocast's (10% slack for rounding noise between two bf16 paths), weight bytes <= 0.55 of fp32.

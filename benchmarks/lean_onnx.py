@@ -1,4 +1,4 @@
-"""How lean the ONNX plans are against the FX plan of the same model (issue 16).
+"""How lean the ONNX plans are against the FX plan of the same model.
 
 For each model, the fp32 ONNX export is converted to fp16 for the default target (onnxruntime CPU) and the
 same torch model is converted by the FX path (``plan_for="coverage"``: the numerics plan, no profitability,

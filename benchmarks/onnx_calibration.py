@@ -1,6 +1,6 @@
 """ONNX calibration and the tolerance search, measured.
 
-1. Time: ``convert_onnx`` on a BERT export (batch 1, sequence 128; BERT-base in full mode, the issue's
+1. Time: ``convert_onnx`` on a BERT export (batch 1, sequence 128; BERT-base in full mode, the
    "under 5 s with one calibration batch" case) without calibration and with one calibration batch, and
    onnxconverter-common on the same export, median of five conversions each.
 2. Search: the sensor conv net of :mod:`models.sensor`, whose fp16 error sits in its first two convs,

@@ -15,7 +15,7 @@ A row is ``accurate`` only when BOTH errors are finite and at most 1e-2. Each co
 ``REPEATS`` times: ``convert_s`` is the median, ``convert_min_s`` the fastest, and ``speedup_vs_occ`` is
 onnxconverter-common's median over this row's.
 amppass runs twice: as it is, and calibrated on one batch (another input again), to time the calibration.
-``quick`` uses the small zoo models; otherwise BERT-base (batch 1, seq 16) is added, the issue's timing case.
+``quick`` uses the small zoo models; otherwise BERT-base (batch 1, seq 16) is added as the timing case.
 
 Run: ``python benchmarks/onnx_compare.py [--full]``.
 """

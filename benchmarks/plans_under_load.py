@@ -21,61 +21,22 @@ load average when the busy plans were made.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 import amppass
-from amppass.fx import profit
 from amppass.serving.kept import KeptFp32
 from models import ZOO, build
+from tests.helpers.load import busy_processes, timing_cache
 
 from .latency import time_interleaved
 
 NOTES = __doc__.split("\n\n", 1)[1]
-BUSY = 4  # busy processes: twice this machine's cores
-_SPIN = "import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end:\n    pass\n"
-
-
-@contextlib.contextmanager
-def busy_processes(count: int = BUSY, seconds: float = 600.0) -> Iterator[list[subprocess.Popen]]:
-    """``count`` processes that each keep one core busy for the block, at most ``seconds`` (each also ends
-    by itself then, should this process die first); every one is killed and reaped when the block ends."""
-    spinners: list[subprocess.Popen] = []
-    try:
-        for _ in range(count):
-            spinners.append(subprocess.Popen([sys.executable, "-c", _SPIN.format(seconds=seconds)],
-                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        time.sleep(0.5)  # interpreters started and spinning
-        yield spinners
-    finally:
-        for spinner in spinners:
-            spinner.kill()
-        for spinner in spinners:
-            spinner.wait()
-
-
-@contextlib.contextmanager
-def timing_cache(folder: str) -> Iterator[None]:
-    """Conversions in the block use the timing cache in ``folder`` and nothing this process measured before."""
-    before = os.environ.get("AMPPASS_CACHE")
-    os.environ["AMPPASS_CACHE"] = folder
-    profit.forget()
-    try:
-        yield
-    finally:
-        profit.forget()
-        if before is None:
-            os.environ.pop("AMPPASS_CACHE", None)
-        else:
-            os.environ["AMPPASS_CACHE"] = before
 
 
 def _plan(model: torch.nn.Module, inputs: tuple, kwargs: dict) -> tuple[torch.nn.Module, dict[str, Any], float]:

@@ -1,4 +1,4 @@
-"""Benchmark sections "shapes" and "compile" (issue 15).
+"""Benchmark sections "shapes" and "compile".
 
 "shapes": each architecture is ``(name, builder)``; the builder returns a :class:`tests.shape_models.ShapeCase`
 (a model, its conversion example and three more calls). A model export can capture is converted with

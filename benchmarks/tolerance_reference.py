@@ -1,4 +1,4 @@
-"""The tolerance search measured against an expensive reference (issue 16).
+"""The tolerance search measured against an expensive reference.
 
 For each model of a set, the ONNX model is converted to fp16 for onnxruntime's CPU provider (the default
 target: every trial of the search runs in onnxruntime) with calibration feeds and a fixed tolerance, twice:
@@ -43,7 +43,7 @@ from .lean_onnx import bert, images, vit
 
 NOTES = ("heavy_low: share of the heavy ops' multiply-accumulates (MatMul, Gemm, Conv, ...) planned fp16, for "
          "each ranking: default (amppass's: estimated effects checked by region runs), local (local error "
-         "alone, the default before issue 16), ref (the reference: each candidate alone moved to fp32, one "
+         "alone, the former default), ref (the reference: each candidate alone moved to fp32, one "
          "run each); gap: ref - default in points; runs: full runs of the model over the calibration feeds; "
          "error: the largest ||out - out_fp32|| / ||out_fp32|| on the calibration feeds (as the search "
          "measured it) and held_out on feeds not calibrated on, onnxruntime CPU.")

@@ -202,7 +202,7 @@ def _decoder(config_class: str, model_class: str) -> Callable[[], ShapeCase]:
 
 
 def gpt2_long_example() -> ShapeCase:
-    """GPT-2 converted with an 8x128 example and called with short sequences (a case from the issue)."""
+    """GPT-2 converted with an 8x128 example and called with short sequences."""
     from transformers import GPT2Config, GPT2Model
 
     config = GPT2Config(vocab_size=500, n_positions=256, n_embd=64, n_layer=2, n_head=4, use_cache=False)

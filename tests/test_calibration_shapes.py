@@ -1,4 +1,4 @@
-"""Calibration and the tolerance search take batches of any shape the original model takes (issue 24, item 4),
+"""Calibration and the tolerance search take batches of any shape the original model takes,
 where the capture of the example fixed a dimension: such batches run on a capture of their own, whose
 statistics and trial plans are matched to the example's graph by node name and op."""
 

@@ -1,4 +1,4 @@
-"""torch.compile(backend="amppass") (issue 15): the plan on every graph dynamo captures, graph breaks included."""
+"""torch.compile(backend="amppass"): the plan on every graph dynamo captures, graph breaks included."""
 
 from __future__ import annotations
 
@@ -176,7 +176,7 @@ def test_report_before_the_first_call_says_it_has_not_been_called():
 
 @pytest.mark.slow
 def test_bert_base_against_autocast_with_inductor_freezing():
-    """Issue 15's figure: latency and compile time of the backend against autocast + inductor freezing."""
+    """The backend's headline figure: latency and compile time of the backend against autocast + inductor freezing."""
     import torch._inductor.config as inductor
 
     from models import build
@@ -235,11 +235,11 @@ def test_a_graph_that_cannot_be_traced_runs_unconverted_with_a_warning(monkeypat
     assert info["graphs"] == 1 and info["unconverted"][0]["graph"] == 1
 
 
-# -- every shape dynamo hands over (issue 24): inductor's code follows dynamo's symbolic sizes ---------------
+# -- every shape dynamo hands over: inductor's code follows dynamo's symbolic sizes ---------------------------
 
 class PNet(nn.Module):
     """MTCNN's proposal net, a face detector's first stage: fully convolutional, run on every scale of an
-    image pyramid (the sizes of issue 24's ``expected size 17==14`` crash)."""
+    image pyramid (the sizes that once crashed inductor with ``expected size 17==14``)."""
 
     def __init__(self):
         super().__init__()
@@ -339,7 +339,7 @@ def test_graph_breaks_serve_every_batch_with_inductor_and_calibrate_dynamic_grap
     pytest.param("gpt2", "inductor", marks=pytest.mark.slow), pytest.param("qwen2", "inductor", marks=pytest.mark.slow),
 ])
 def test_generate_through_the_backend_picks_fp32s_greedy_tokens(family, compiler):
-    """Issue 24: the second decode step of ``generate()`` crashed inductor (the cache length changed)."""
+    """Regression: the second decode step of ``generate()`` once crashed inductor (the cache length changed)."""
     from tests.decoders import agreeing_steps, decoder, greedy, prompt
 
     reference, model = decoder(family), decoder(family)
@@ -385,7 +385,7 @@ def _detector_nms() -> tuple[nn.Module, list[tuple]]:
 @pytest.mark.parametrize("build", [_pyramid_heads, _bert_small, _detector_nms], ids=lambda b: b.__name__[1:])
 def test_inductor_at_every_shape_of_real_sized_architectures(build):
     """Every call of each model through inductor: within 1.5x autocast's error of fp32 (NMS-kept boxes included)."""
-    from benchmarks.latency import rel_error
+    from tests.helpers.numerics import rel_error
 
     model, calls = build()
     compiled = torch.compile(model, backend=amppass_backend, options={"dtype": "bf16"})

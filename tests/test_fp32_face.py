@@ -1,4 +1,4 @@
-"""A converted inference module faces its caller in fp32 (issue 24, item 7): code that casts its input to
+"""A converted inference module faces its caller in fp32: code that casts its input to
 ``next(net.parameters()).dtype`` or reads ``net.dtype`` feeds fp32, the graph keeps its low copies."""
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import amppass
-from amppass.fx.rewrite import META_KEY
+from amppass.analysis.record import META_KEY
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 RTOL = {"fp16": 3e-2, "bf16": 6e-2}

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 import amppass
-from amppass.fx.rewrite import META_KEY
+from amppass.analysis.record import META_KEY
 from amppass.serving.face import stored_parameters
 from models import ZOO, build
 

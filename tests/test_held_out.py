@@ -1,4 +1,4 @@
-"""A tolerance that holds on inputs the search did not see (issue 24, item 6): the search fits part of the
+"""A tolerance that holds on inputs the search did not see: the search fits part of the
 calibration data and the rest judges it (a single batch: perturbed copies of it); where the held-out error
 misses, it searches again with a margin, and the report shows the held-out estimate beside the tolerance."""
 

@@ -1,6 +1,6 @@
 """Kernel conditions (amppass/targets/data/onnxruntime_cpu_conditions.json): attribute values for which
 onnxruntime's CPU provider registers a low-precision kernel and refuses it at run time. Every entry is checked
-against the installed onnxruntime, and the default plan keeps such a node fp32 (issue 23)."""
+against the installed onnxruntime, and the default plan keeps such a node fp32."""
 
 from __future__ import annotations
 

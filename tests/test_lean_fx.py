@@ -1,4 +1,4 @@
-"""Lean FX plans (issue 16): the torch.fx path follows the ONNX rule. A weight or constant beside a low
+"""Lean FX plans: the torch.fx path follows the ONNX rule. A weight or constant beside a low
 activation runs low with it, stored low once, when it fits; an eval batch norm runs low and reads its
 statistics in fp32 (torch's kernels take them beside a low input); what does not fit keeps fp32."""
 
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import amppass
-from amppass.fx.rewrite import META_KEY
+from amppass.analysis.record import META_KEY
 
 
 class Block(nn.Module):

@@ -1,4 +1,4 @@
-"""Lean ONNX plans (issue 16): weights and constants beside low activations run low and are stored low once
+"""Lean ONNX plans: weights and constants beside low activations run low and are stored low once
 when they fit; MatMul+Add and Conv+BatchNorm(+ReLU/Clip/HardSwish) chains stay low; softmax follows its
 input; what does not fit keeps fp32 with its reason. Structure, numerics against fp32, validity."""
 
@@ -171,7 +171,7 @@ def test_softmax_follows_its_input_between_low_matmuls():
 
 @pytest.mark.slow
 def test_dynamo_bert_needs_no_more_casts_than_the_fx_plan():
-    """The issue's measurement: a 4-layer BERT from the dynamo exporter; Casts within the FX plan's + 2, most
+    """The headline measurement: a 4-layer BERT from the dynamo exporter; Casts within the FX plan's + 2, most
     float work low, and the error against fp32 (onnxruntime CPU and fp16-storage simulation) small."""
     from transformers import BertConfig, BertModel
 

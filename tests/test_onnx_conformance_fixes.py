@@ -1,4 +1,4 @@
-"""Defects the ONNX conformance suite found (issue 23), each on the smallest model that shows it: an op that
+"""Defects the ONNX conformance suite found, each on the smallest model that shows it: an op that
 reads a value the default plan runs in fp16 (the MatMul in front of it) must still give a valid model that
 runs, and calibration must take every legal model."""
 
@@ -12,7 +12,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import amppass
-from benchmarks import onnx_conformance as suite
+from tests.conformance import onnx_backend_harness as suite
 from tests.test_onnx_convert import session
 
 F32 = TensorProto.FLOAT
@@ -154,7 +154,7 @@ def test_densenet121_from_the_light_suite_converts_lean_and_right():
     initializers listed as graph inputs (IR version 3), its per-channel scales Unsqueeze(weight): none of them
     counted as weights, so every batch norm mixed 'fp32 values' with its fp16 input and ran fp32."""
     model = onnx.load(LIGHT / "light_densenet121.onnx")
-    feeds = dict(zip(suite.feed_names(model), suite._light_inputs(model)))
+    feeds = dict(zip(suite.feed_names(model), suite.light_inputs(model)))
     expected = numpy_helper.to_array(onnx.load_tensor(str(LIGHT / "light_densenet121_output_0.pb")))
     converted = amppass.convert_onnx(model)
     got = _valid_and_runs(converted, feeds)[0]

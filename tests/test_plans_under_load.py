@@ -21,7 +21,7 @@ from amppass.targets import device
 from amppass.fx import profit
 from amppass.targets.measure import Timings
 from amppass.targets.timing_cache import TimingCache
-from benchmarks.plans_under_load import busy_processes, timing_cache
+from tests.helpers.load import busy_processes, timing_cache
 
 X = (torch.randn(16, 256, generator=torch.Generator().manual_seed(0)),)
 NATIVE = device.CpuFacts("Test CPU with AMX", frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}))

@@ -1,4 +1,4 @@
-"""amppass.save / amppass.load (issue 15): a converted torch model shipped as a torch.export program."""
+"""amppass.save / amppass.load: a converted torch model shipped as a torch.export program."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Converted models serve every shape the original serves (issue 15): dynamic capture, later plans, guard errors."""
+"""Converted models serve every shape the original serves: dynamic capture, later plans, guard errors."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import amppass
-from amppass.fx.rewrite import META_KEY
+from amppass.analysis.record import META_KEY
 from amppass.serving.face import stored_parameters
 from amppass.fx import guards
 from amppass.serving import serving_graph

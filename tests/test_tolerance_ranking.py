@@ -1,4 +1,4 @@
-"""The tolerance search's ranking (issue 16): gains from linearised propagation, regions measured in runs
+"""The tolerance search's ranking: gains from linearised propagation, regions measured in runs
 (logarithmic budget), the reference ranking and the strategy switch, on synthetic models whose output
 error is known."""
 

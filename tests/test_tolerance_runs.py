@@ -1,4 +1,4 @@
-"""Tolerance search time (issue 24, item 5): at most the runs it documents, and each run starts where its
+"""Tolerance search time: at most the runs it documents, and each run starts where its
 trial graph first differs from the fp32 graph, from fp32 values calibration kept (amppass.fx.prefix),
 with the same result as the whole trial."""
 

@@ -11,7 +11,7 @@ from torch import nn
 
 import amppass
 from amppass.serving.train_eval import TrainEvalGraphs
-from benchmarks.train_step import train_digits
+from models.digits import train_digits
 
 
 def _net() -> nn.Module:

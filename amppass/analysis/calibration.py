@@ -280,12 +280,6 @@ def with_ranges(plan: PrecisionPlan, view: GraphView, stats: CalibrationStats) -
     return plan
 
 
-def first_line(err: BaseException) -> str:
-    """The first line of an exception's message (or its type), for one-line errors and logs."""
-    text = str(err).strip().splitlines()
-    return text[0] if text else type(err).__name__
-
-
 class Progress:
     """A rich progress bar on stderr when enabled; a no-op otherwise.
 

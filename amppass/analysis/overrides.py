@@ -116,7 +116,7 @@ def resolve(
                     log.warning("force_low=%r: node %r kept fp32: %s", pattern, node.name, node.low_blocked)
                     decisions[node.name] = Decision(
                         Precision.FP32, f"user asked for {target} ({argument}={pattern!r}), but {node.low_blocked}",
-                        Source.OVERRIDE, {"pattern": pattern, "no_low_kernel": True},
+                        Source.OVERRIDE, {"pattern": pattern, "no_low_kernel": True}, rule="force-low-no-kernel",
                     )
                     continue
                 decisions[node.name] = _forced(node, precision, target, argument, pattern)
@@ -130,4 +130,4 @@ def _forced(node: OpView, precision: Precision, target: str, argument: str, patt
     if precision is Precision.LOW and node.category in (Category.FP32, Category.FP32_ACCUM):
         reason += f" over the policy's fp32, so expect a larger error here: {node.reason}"
         evidence["policy_fp32"] = node.reason
-    return Decision(precision, reason, Source.OVERRIDE, evidence)
+    return Decision(precision, reason, Source.OVERRIDE, evidence, rule=argument.replace("_", "-"))

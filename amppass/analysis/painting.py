@@ -132,7 +132,8 @@ def _alias_decisions(view: GraphView, plan: PrecisionPlan, low: LowType) -> dict
             keeps = own.precision is precision and own.source is not Source.PAINTING
             evidence = {k: v for k, v in own.evidence.items() if k != "weights_only"}
             decisions[member] = Decision(precision, own.reason if keeps else reason,
-                                         own.source if keeps else Source.PAINTING, {**evidence, "alias_group": index})
+                                         own.source if keeps else Source.PAINTING, {**evidence, "alias_group": index},
+                                         rule=own.rule if keeps else "alias-group")
     return decisions
 
 
@@ -166,7 +167,7 @@ def _cast_early(view: GraphView, plan: PrecisionPlan, low: LowType, given: Mappi
             Precision.FP32,
             f"reads one {low} value{beside} and every reader runs fp32: runs fp32 so the cast comes before it "
             f"at no extra cost ({node.reason})",
-            Source.PAINTING,
+            Source.PAINTING, rule="cast-before-follower",
         )
 
 
@@ -181,7 +182,7 @@ def _resolve_weight_only(view: GraphView, plan: PrecisionPlan, low: LowType, alw
         if always_low:
             plan[node.name] = Decision(
                 Precision.LOW, f"reads weights only and low_weight_tables is set: its weights are stored in {low}",
-                Source.PAINTING, {"weights_only": True},
+                Source.PAINTING, {"weights_only": True}, rule="weight-tables-low",
             )
         elif users and all(p is Precision.LOW for p in users):
             unfit = _unfit(node, view, low)
@@ -190,17 +191,17 @@ def _resolve_weight_only(view: GraphView, plan: PrecisionPlan, low: LowType, alw
                 plan[node.name] = Decision(
                     Precision.FP32, f"reads weights only and every consumer runs {low}, but weight {weight!r} "
                     f"does not fit {low} ({why}); its weights stay fp32", Source.STATIC,
-                    {"weights_only": True, "rule": "weight-fit", **evidence},
+                    {"weights_only": True, "rule": "weight-fit", **evidence}, rule="weight-fit",
                 )
                 continue
             plan[node.name] = Decision(
                 Precision.LOW, f"reads weights only and every consumer runs {low}: its weights are stored in {low}",
-                Source.PAINTING, {"weights_only": True},
+                Source.PAINTING, {"weights_only": True}, rule="weights-only-low-readers",
             )
         else:
             plan[node.name] = Decision(
                 Precision.FP32, "reads weights only and feeds fp32 work: its weights stay fp32",
-                Source.PAINTING, {"weights_only": True},
+                Source.PAINTING, {"weights_only": True}, rule="weights-only-fp32-readers",
             )
 
 
@@ -228,7 +229,7 @@ def _fixed(node: OpView, low: LowType, too_big: Mapping[str, float]) -> Decision
             f"weight {big[0]!r} holds values up to {too_big[big[0]]:.3g}, beyond {low}'s largest "
             f"{low.max:.6g}; kept fp32",
             Source.STATIC,
-            {"weight": big[0], "absmax": too_big[big[0]], "limit": low.max},
+            {"weight": big[0], "absmax": too_big[big[0]], "limit": low.max}, rule="weight-range",
         )
     huge = [s for s in node.scalars if abs(s) > low.max and abs(s) != float("inf")]
     if huge and node.category is not Category.KEEP:
@@ -236,7 +237,7 @@ def _fixed(node: OpView, low: LowType, too_big: Mapping[str, float]) -> Decision
             Precision.FP32,
             f"constant {huge[0]:.3g} in the op is beyond {low}'s largest {low.max:.6g}; kept fp32",
             Source.STATIC,
-            {"constant": huge[0], "limit": low.max},
+            {"constant": huge[0], "limit": low.max}, rule="constant-range",
         )
     flushed = [s for s in node.scalars if 0 < abs(s) < low.smallest_subnormal / 2]
     if flushed and node.category in (Category.LOW, Category.FOLLOW):
@@ -245,12 +246,12 @@ def _fixed(node: OpView, low: LowType, too_big: Mapping[str, float]) -> Decision
             f"constant {flushed[0]:.3g} in the op rounds to zero in {low} (its smallest subnormal is "
             f"{low.smallest_subnormal:.3g}); kept fp32",
             Source.STATIC,
-            {"constant": flushed[0], "limit": low.smallest_subnormal},
+            {"constant": flushed[0], "limit": low.smallest_subnormal}, rule="constant-flush",
         )
     if node.category is Category.FOLLOW:
         return None
     reason = node.reason
-    return Decision(_CATEGORY_PRECISION[node.category], reason, Source.POLICY)
+    return Decision(_CATEGORY_PRECISION[node.category], reason, Source.POLICY, rule="policy")
 
 
 def _follow(
@@ -268,24 +269,26 @@ def _follow(
             Precision.FP32,
             f"carries values from {origins[0]!r}, which exceed {low}'s range; kept fp32",
             Source.CALIBRATION,
-            {"origin": origins[0]},
+            {"origin": origins[0]}, rule="range-origin",
         )
     # graph inputs, and values computed from weights alone until rule 7 resolves them, are fp32
     activations = {produced.get(v, Precision.FP32) for v in node.inputs if _weight_of(v, view, reshaped) is None}
     if node.inputs and not activations:
         # provisional: resolved from the consumers once the whole graph is painted (rule 7)
-        return Decision(Precision.FP32, "reads weights only", Source.PAINTING, {"weights_only": True})
+        return Decision(Precision.FP32, "reads weights only", Source.PAINTING, {"weights_only": True},
+                        rule="weights-only")
     if Precision.FP32 in activations:
         why = "mixes fp32 and low-precision inputs" if Precision.LOW in activations else "its inputs are fp32"
-        return Decision(Precision.FP32, f"{why}; runs fp32 ({node.reason})", Source.PAINTING)
+        return Decision(Precision.FP32, f"{why}; runs fp32 ({node.reason})", Source.PAINTING, rule="follow-fp32")
     if not activations:
-        return Decision(Precision.KEEP, "no floating-point input to follow", Source.PAINTING)
+        return Decision(Precision.KEEP, "no floating-point input to follow", Source.PAINTING, rule="follow-nothing")
     weights = [w for w in (_weight_of(v, view, reshaped) for v in node.inputs) if w is not None]
     if weights and JOIN in node.facts:
         return Decision(
             Precision.FP32,
             f"joins weight {weights[0]!r} to {low} inputs: its values become part of the result, which keeps "
             f"them in fp32 as type promotion would; runs fp32 ({node.reason})", Source.PAINTING,
+            rule="join-weight",
         )
     unfit = _unfit(node, view, low, weights)
     if unfit is not None:
@@ -294,9 +297,10 @@ def _follow(
             Precision.FP32,
             f"reads weight {weight!r} beside {low} inputs, but it does not fit {low} ({why}); runs fp32 "
             f"({node.reason})",
-            Source.STATIC, {"rule": "weight-fit", **evidence},
+            Source.STATIC, {"rule": "weight-fit", **evidence}, rule="weight-fit",
         )
     if weights:
         return Decision(Precision.LOW, f"its inputs are {low} and the weights it reads fit {low}, which stores "
-                        f"them; runs {low} ({node.reason})", Source.PAINTING)
-    return Decision(Precision.LOW, f"its inputs are {low}; runs {low} ({node.reason})", Source.PAINTING)
+                        f"them; runs {low} ({node.reason})", Source.PAINTING, rule="follow-low-weights-fit")
+    return Decision(Precision.LOW, f"its inputs are {low}; runs {low} ({node.reason})", Source.PAINTING,
+                    rule="follow-low")

@@ -68,7 +68,7 @@ def _overflow(view: GraphView, stats: CalibrationStats, low: LowType, decisions:
                 Precision.FP32,
                 f"{what} reaches {seen.absmax:.3g} on calibration data, within a factor {HEADROOM:g} of "
                 f"{low}'s largest {low.max:.6g} or beyond; runs fp32 and so do the ops it feeds",
-                Source.CALIBRATION, _evidence(rule, value, seen, limit=limit, propagates=True),
+                Source.CALIBRATION, _evidence(rule, value, seen, limit=limit, propagates=True), rule=rule,
             )
             continue
         big = _largest([v for v in node.inputs if v not in view.weights], stats)
@@ -78,7 +78,7 @@ def _overflow(view: GraphView, stats: CalibrationStats, low: LowType, decisions:
                 Precision.FP32,
                 f"input {value!r} reaches {seen.absmax:.3g} on calibration data, beyond what {low} holds "
                 f"with headroom ({limit:.6g}); runs fp32 rather than read infinities",
-                Source.CALIBRATION, _evidence("overflow-input", value, seen, limit=limit),
+                Source.CALIBRATION, _evidence("overflow-input", value, seen, limit=limit), rule="overflow-input",
             )
 
 
@@ -106,6 +106,7 @@ def _underflow(view: GraphView, stats: CalibrationStats, low: LowType, decisions
                     "normalises them; computed in fp32 so they do not flush to zero",
                     Source.CALIBRATION,
                     _evidence("underflow", current, current_stats, feeds=node.name, feeds_op=node.op),
+                    rule="underflow",
                 )
                 todo.extend(v for v in producer.inputs if v not in view.weights)
 
@@ -128,6 +129,7 @@ def _depth(view: GraphView, stats: CalibrationStats, low: LowType, decisions: di
                 "bits and this op has no fp32-accumulate path; runs fp32",
                 Source.CALIBRATION,
                 {"rule": "reduction-depth", "depth": depth, "limit": 2 ** bits, "value": node.inputs[0]},
+                rule="reduction-depth",
             )
 
 

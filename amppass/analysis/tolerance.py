@@ -347,7 +347,8 @@ def _trim(moved: list[str], error: float, tolerance: float,
 def _trial(given: Mapping[str, Decision], moved: list[str]) -> dict[str, Decision]:
     """The decisions one run paints with: ``given`` plus ``moved`` in fp32 (reasons come with the result)."""
     trial = dict(given)
-    trial.update({name: Decision(Precision.FP32, "tolerance trial", Source.TOLERANCE) for name in moved})
+    trial.update({name: Decision(Precision.FP32, "tolerance trial", Source.TOLERANCE, rule="tolerance")
+                  for name in moved})
     return trial
 
 
@@ -365,7 +366,7 @@ def _with_moves(given: Mapping[str, Decision], moved: list[str], sensitivity: Se
             f"ranks #{rank_index + 1} among the low-precision nodes",
             Source.TOLERANCE,
             {"rule": "tolerance", "local_error": sensitivity.local_error.get(name),
-             "gain": sensitivity.gain.get(name), "rank": rank_index + 1},
+             "gain": sensitivity.gain.get(name), "rank": rank_index + 1}, rule="tolerance",
         )
     return result
 

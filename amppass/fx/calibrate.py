@@ -33,14 +33,14 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from ..analysis.calibration import (Perturbation, Progress, Trials, check_tolerance, first_line, plan_from_stats,
+from ..analysis.calibration import (Perturbation, Progress, Trials, check_tolerance, plan_from_stats,
                                     relative_error)
 from ..analysis.painting import paint
 from ..analysis.plan import Category, Decision, PrecisionPlan
 from ..analysis.stats import CalibrationStats
 from ..analysis.view import GraphView
 from ..dtypes import LowType
-from ..errors import CalibrationError, CaptureError
+from ..errors import CalibrationError, CaptureError, first_line
 from .copies import shared_copy
 from .prefix import Checkpoints
 from .rewrite import rewrite
@@ -53,7 +53,7 @@ _FIX = ("pass batches the model takes, laid out like its calls: a tuple of posit
 
 # captures the fp32 model for a batch's (args, kwargs): its graph and view; raises CaptureError, or the
 # original model's own error for inputs it rejects
-Recapture = Callable[[tuple, dict], tuple[fx.GraphModule, GraphView]]
+CaptureFp32 = Callable[[tuple, dict], tuple[fx.GraphModule, GraphView]]
 
 
 @dataclass
@@ -99,7 +99,7 @@ def calibrate(
     replay: torch.dtype | None = None,
     keep: bool = False,
     progress: bool = False,
-    recapture: Recapture | None = None,
+    recapture: CaptureFp32 | None = None,
 ) -> Calibration:
     """Run ``gm`` (fp32, not yet rewritten) on every batch and record per-value statistics.
 
@@ -165,7 +165,7 @@ def calibrated_plan(
     progress: bool = False,
     low_weight_tables: bool = False,
     rewrite_options: Mapping[str, Any] | None = None,
-    recapture: Recapture | None = None,
+    recapture: CaptureFp32 | None = None,
 ) -> tuple[PrecisionPlan, dict[str, Any]]:
     """The plan from calibration data and what to record about it in ``gm.meta``.
 
@@ -275,7 +275,7 @@ def _noisy(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() > 1
 
 
-def _graph_for(graphs: list[Graph], args: tuple, kwargs: dict, index: int, recapture: Recapture | None) -> int:
+def _graph_for(graphs: list[Graph], args: tuple, kwargs: dict, index: int, recapture: CaptureFp32 | None) -> int:
     """The graph batch ``index`` runs on: the first whose guards take it, else a capture made for it."""
     why = None
     for which, graph in enumerate(graphs):

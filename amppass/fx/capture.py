@@ -21,7 +21,7 @@ import torch
 from torch import fx, nn
 from torch.export import Dim
 
-from ..errors import CaptureError, InputError
+from ..errors import CaptureError, InputError, first_line
 from .copies import shared_copy
 from .modes import module_mode
 from .quiet import quiet_torch
@@ -94,7 +94,7 @@ def _symbolic(model: nn.Module) -> fx.GraphModule:
             traced = fx.symbolic_trace(model)
     except Exception as err:  # noqa: BLE001 - any tracing failure becomes one actionable error
         raise CaptureError(
-            f"torch.fx.symbolic_trace could not trace {type(model).__name__}: {_first_line(err)}. "
+            f"torch.fx.symbolic_trace could not trace {type(model).__name__}: {first_line(err, 300)}. "
             "Pass example_inputs so amppass captures it with torch.export instead, which follows "
             "data-dependent shapes the symbolic tracer cannot; or convert the submodules around the "
             "untraceable part separately."
@@ -125,10 +125,10 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any, no
         gm = without_dtype_asserts(_with_guards_kept(program.module(), fixed))
         if dynamic_shapes == "auto" and notes:
             _note_fixed_dims(gm, model, dynamic=shapes is not None,
-                             why=why_static if last is None else _first_line(last))
+                             why=why_static if last is None else first_line(last, 300))
         return gm
     raise CaptureError(
-        f"torch.export could not capture {type(model).__name__}: {_first_line(last)}. {_HINTS}"
+        f"torch.export could not capture {type(model).__name__}: {first_line(last, 300)}. {_HINTS}"
     ) from last
 
 
@@ -263,11 +263,3 @@ def size_one_dynamic(enabled: bool) -> Iterator[None]:
     config = torch.fx.experimental._config
     with config.patch(backed_size_oblivious=enabled):
         yield
-
-
-def _first_line(err: BaseException | None, limit: int = 300) -> str:
-    """The first line of ``err``'s message, cut at ``limit`` characters (torch's messages can hold the repr of
-    every input tensor)."""
-    text = str(err).strip().splitlines()
-    line = text[0] if text else type(err).__name__
-    return line if len(line) <= limit else line[:limit] + " ..."

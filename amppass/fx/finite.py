@@ -78,7 +78,7 @@ def keep_finite(plan: PrecisionPlan, finding: Finding, low: str) -> dict[str, De
             Precision.FP32,
             f"in {low} its value goes inf or NaN on the example inputs where fp32's is finite ({finding.output} of "
             f"the converted model was non-finite); kept fp32 ({decision.reason})",
-            Source.CALIBRATION, {"rule": "non-finite", "output": finding.output},
+            Source.CALIBRATION, {"rule": "non-finite", "output": finding.output}, rule="non-finite",
         )
     return decisions
 

@@ -23,7 +23,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from ..analysis.plan import Decision, Precision, Source
-from .rewrite import META_KEY
+from ..analysis.record import META_KEY
 
 MAX_PLANS = 8  # plans (captures) one converted model keeps for the shapes it serves
 GUARDS_KEY = "amppass_guards"  # gm.meta entry holding the ShapeGuards of a captured graph

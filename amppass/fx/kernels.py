@@ -37,6 +37,7 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from ..dtypes import LowType
+from ..errors import first_line
 from ..targets.target import Target
 from ..targets.torch_kernels import torch_facts
 from . import ops, policy
@@ -150,7 +151,7 @@ def _ask(target: torch._ops.OpOverload, spec: Any, values: list, low: LowType, d
     try:
         _call(target, _arguments(spec, values, low.torch, device))
     except Exception as err:  # noqa: BLE001 - any failure of the low call where fp32 runs is the verdict
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        first = first_line(err, 200)
         return (f"torch {torch.__version__.split('+')[0]} on {device.type} has no {low} kernel for {name} "
                 f"(a test call raised: {first}); kept fp32")
     return None if _empty(fp32) else ""

@@ -75,6 +75,7 @@ from torch.utils import _pytree as pytree
 from ..analysis.plan import Category, Decision, Precision, PrecisionPlan, Source
 from ..analysis.view import GraphView
 from ..dtypes import LowType
+from ..errors import first_line
 from .macs import node_macs
 from ..targets import device as device_facts
 from ..targets.measure import Timings, agree, interleaved, probe, spread
@@ -315,7 +316,7 @@ def decide(gm: fx.GraphModule, view: GraphView, plan: PrecisionPlan, low: LowTyp
         record: dict[str, Any] = {"first": region.nodes[0], "nodes": len(region.nodes)}
         try:
             items = timer.items(region, nodes)
-            record["timing"] = _settle(items, costs, facts)
+            record["timing"] = _time_region(items, costs, facts)
         except _Unmeasurable as why:
             log.debug("profitability: region of %s not measured (%s); kept as painted", region.nodes[0], why)
             records.append({**record, "runs": low.name, "timing": "unmeasured"})
@@ -324,7 +325,8 @@ def decide(gm: fx.GraphModule, view: GraphView, plan: PrecisionPlan, low: LowTyp
             if failed.node not in given:
                 decisions[failed.node] = Decision(
                     Precision.FP32, f"its {low} kernel raised when timed on this {kind} "
-                    f"({failed.error}); runs fp32", Source.PROFITABILITY, {"rule": "profitability"})
+                    f"({failed.error}); runs fp32", Source.PROFITABILITY, {"rule": "profitability"},
+                    rule="low-kernel-failed")
             records.append({**record, "runs": "fp32", "timing": "low kernel failed"})
             continue
         if record["timing"] == "device":
@@ -346,7 +348,8 @@ def decide(gm: fx.GraphModule, view: GraphView, plan: PrecisionPlan, low: LowTyp
         records.append({**record, "runs": "fp32"})
         for name in region.nodes:
             if name not in given and categories.get(name) is Category.LOW:
-                decisions[name] = Decision(Precision.FP32, reason, Source.PROFITABILITY, dict(evidence))
+                decisions[name] = Decision(Precision.FP32, reason, Source.PROFITABILITY, dict(evidence),
+                                           rule="profitability")
     costs.save()
     return decisions, records
 
@@ -355,7 +358,7 @@ _SAID = {"table": "from the given cost table", "cached": "from the timing cache"
          "prior": "estimated from the device prior: the machine was too busy for timings to agree"}
 
 
-def _settle(items: list[_Item], costs: CostModel, facts: DeviceFacts) -> str:
+def _time_region(items: list[_Item], costs: CostModel, facts: DeviceFacts) -> str:
     """Rule 2: give every key of ``items`` a time in ``costs``; return where the region's times came from
     (one of :data:`SOURCES`, or "device" where nothing is timed because nothing can win)."""
     unique: dict[str, _Item] = {}
@@ -373,7 +376,7 @@ def _settle(items: list[_Item], costs: CostModel, facts: DeviceFacts) -> str:
     if facts.too_busy:  # this machine is too busy now: estimate the rest of the regions
         return _estimated(keys, unique, costs, facts)
     try:
-        found = interleaved([unique[k].call for k in keys], [unique[k].side for k in keys], _settled, 3 * ROUNDS,
+        found = interleaved([unique[k].call for k in keys], [unique[k].side for k in keys], _enough_rounds, 3 * ROUNDS,
                             weights=[weights[k] for k in keys], sync=facts.sync)
     except Exception as error:  # noqa: BLE001 - an op that fails on synthetic values: the region stays as painted
         raise _Unmeasurable(f"{type(error).__name__}: {error}") from None
@@ -411,7 +414,7 @@ def _estimated(keys: list[str], unique: Mapping[str, _Item], costs: CostModel, f
     return max((costs.sources[key] for key in keys), key=SOURCES.index)
 
 
-def _settled(ratios: list[float]) -> bool:
+def _enough_rounds(ratios: list[float]) -> bool:
     """Whether a region's undisturbed rounds are enough: :data:`ROUNDS` that tell the decision, or three that
     are clear-cut (all beyond :data:`CLEAR`)."""
     if max(ratios) < CLEAR[0] or min(ratios) > CLEAR[1]:
@@ -442,7 +445,7 @@ class _LowFailed(Exception):
     def __init__(self, node: str, error: BaseException):
         super().__init__(node)
         self.node = node
-        self.error = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        self.error = first_line(error, 200)
 
 
 @dataclass(frozen=True)

@@ -44,13 +44,13 @@ import torch
 from torch import fx
 
 from ..analysis.plan import Precision, PrecisionPlan
+from ..analysis.record import META_KEY
 from ..dtypes import LowType, short_name
 from . import graph_calls, ops, policy
 from .aliasing import alias_groups
 from .view import carries_fp32, cast_target, fetch_attr, has_dtypes, module_state
 
 aten = torch.ops.aten
-META_KEY = "amppass"
 
 
 @dataclass

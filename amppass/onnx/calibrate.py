@@ -46,12 +46,12 @@ import numpy as np
 import onnx
 from onnx import external_data_helper, helper
 
-from ..analysis.calibration import (Perturbation, Progress, Trials, check_tolerance, first_line, plan_from_stats,
+from ..analysis.calibration import (Perturbation, Progress, Trials, check_tolerance, plan_from_stats,
                                     relative_error)
 from ..analysis.plan import Category, Decision, PrecisionPlan
 from ..analysis.stats import CalibrationStats
 from ..analysis.view import GraphView
-from ..errors import CalibrationError
+from ..errors import CalibrationError, first_line
 from ..targets.target import Target
 from ..targets import onnxruntime_facts
 from .rewrite import all_names, unique_name

@@ -187,7 +187,7 @@ def quantized_nodes(graph: onnx.GraphProto) -> dict[str, Decision]:
         after = [r for v in node.output if v for r in readers.get(v, [])]
         if (fed and all(p is not None and p.op_type == "DequantizeLinear" for p in fed) and after
                 and all(r.op_type == "QuantizeLinear" for r in after) and not graph_outputs & set(node.output)):
-            found[node.name] = Decision(Precision.FP32, QDQ_REASON, Source.POLICY, {"qdq": True})
+            found[node.name] = Decision(Precision.FP32, QDQ_REASON, Source.POLICY, {"qdq": True}, rule="qdq")
     return found
 
 

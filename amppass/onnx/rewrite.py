@@ -30,13 +30,13 @@ import onnx
 from onnx import TensorProto, helper
 
 from ..analysis.plan import Decision, PrecisionPlan, Precision
+from ..analysis.record import META_KEY
 from ..dtypes import FP16_MAX, LowType
 from .view import FLOAT, NodeRef, subgraphs, weight_tensor
 from .weights import WeightStore
 
 log = logging.getLogger(__name__)
 
-META_KEY = "amppass"
 SHORT = {TensorProto.FLOAT16: "fp16", TensorProto.BFLOAT16: "bf16", TensorProto.FLOAT: "fp32"}
 
 

@@ -44,7 +44,7 @@ import torch
 from torch import fx, nn
 
 from ..dtypes import low_type
-from ..errors import CaptureError, InputError
+from ..errors import CaptureError, InputError, first_line
 from ..fx.guards import input_spec, range_bound
 from ..fx.quiet import quiet_torch
 from ..report.fx_reader import read_graph_module
@@ -348,7 +348,7 @@ def _trace(gm: fx.GraphModule, fakes: list[Any], index: int) -> fx.GraphModule:
         with mode, quiet_torch():
             traced = make_fx(function, pre_dispatch=not _vmaps(gm))(*fakes, *fake_attributes)
     except Exception as err:  # noqa: BLE001 - any tracing failure leaves this graph unconverted
-        raise CaptureError(f"graph {index} could not be traced to ATen ops: {str(err).strip().splitlines()[0]}"
+        raise CaptureError(f"graph {index} could not be traced to ATen ops: {first_line(err)}"
                            ) from err
     _clean_constants(traced, index)
     traced.meta["attributes"] = attributes  # name, tensor of each input after dynamo's own

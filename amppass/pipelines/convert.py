@@ -9,11 +9,11 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import fx, nn
 
-from .. import __version__
 from ..analysis import overrides
 from ..analysis.calibration import check_tolerance
 from ..analysis.painting import paint
 from ..analysis.plan import PrecisionPlan, Source
+from ..analysis.record import META_KEY, check_reconversion, summary
 from ..analysis.view import GraphView
 from ..dtypes import low_type
 from ..errors import CaptureError, InputError
@@ -21,14 +21,14 @@ from ..fx import finite, profit
 from ..fx.aliasing import alias_groups
 from ..fx.copies import shared_copy
 from ..fx.backward import annotate_backward
-from ..fx.calibrate import Recapture, calibrated_plan, flatten_inputs, split_batch
+from ..fx.calibrate import CaptureFp32, calibrated_plan, flatten_inputs, split_batch
 from ..fx.capture import capture, capture_program
 from ..fx.gelu import FUSED_KEY, fuse_tanh_gelu
 from ..fx.guards import GUARDS_KEY, carried_decisions, matching, plain_inputs
 from ..fx.macs import node_macs
 from ..fx.modes import module_mode
 from ..fx.profit import CostModel
-from ..fx.rewrite import META_KEY, rewrite
+from ..fx.rewrite import rewrite
 from ..fx.view import build_view
 from ..serving.dropin import DropIn, in_own_class, transformers_call, with_signature
 from ..serving.kept import KeptFp32
@@ -176,13 +176,13 @@ def _served(model: nn.Module, gm: fx.GraphModule, target: Target, mode: str, tra
 
     def recapture(args: tuple, kwargs: dict) -> fx.GraphModule:
         new = capture(model, args, kwargs, train=train, note_fixed_dims=False)
-        return _convert_captured(new, model, target, mode, decided=matching(new, carried),
+        return _convert_captured(new, model, target, mode, carried=matching(new, carried),
                                  **{**later, "example": (args, kwargs)})
 
     return ServingGraph(gm, gm.meta[GUARDS_KEY], recapture, original=model, name=type(model).__name__)
 
 
-def _fp32_capture(model: nn.Module, target: Target, train: bool) -> Recapture:
+def _fp32_capture(model: nn.Module, target: Target, train: bool) -> CaptureFp32:
     """Calibration's capture of ``model`` for a batch of shapes the first capture does not take: the fp32
     graph and its view; for a batch the model itself rejects, the model's own error."""
 
@@ -272,12 +272,12 @@ def _convert_captured(
     plan_for: str = "speed",
     costs: Mapping[str, float] | None = None,
     example: tuple[Any, dict] | None = None,
-    decided: dict[str, Any] | None = None,
-    recapture: Recapture | None = None,
+    carried: dict[str, Any] | None = None,
+    recapture: CaptureFp32 | None = None,
 ) -> fx.GraphModule:
     """Analyse, paint and rewrite a captured graph of ``model`` in place; record the decisions in it.
 
-    ``example`` (example inputs and keyword inputs) feeds the profitability measurements; ``decided`` holds
+    ``example`` (example inputs and keyword inputs) feeds the profitability measurements; ``carried`` holds
     decisions made before (a later plan's carried calibration results); the user's overrides win over them.
     ``recapture`` lets calibration take batches of shapes ``gm`` does not take.
     """
@@ -286,12 +286,12 @@ def _convert_captured(
     if mode == "train":  # a written-out tanh-GELU would run fp32 and save fp32 activations for backward
         fuse_tanh_gelu(gm)
     view, _ = build_view(gm, target)
-    given = {**(decided or {}), **overrides.resolve(view, keep_fp32, force_low, low)}
+    given = {**(carried or {}), **overrides.resolve(view, keep_fp32, force_low, low)}
     profit_info: dict[str, Any] = {}
     if plan_for == "speed" and mode == "inference" and target.profitable and example is not None:
-        decided, profit_info = _profitability(gm, view, target, given, example, costs, keep_io_types,
-                                              low_weight_tables)
-        given = {**decided, **given}  # the user's overrides win
+        unprofitable, profit_info = _profitability(gm, view, target, given, example, costs, keep_io_types,
+                                                   low_weight_tables)
+        given = {**unprofitable, **given}  # the user's overrides win
     rewrite_options = {"precast_weights": mode == "inference", "keep_io_types": keep_io_types,
                        "weights_low": plan_for == "memory" and mode == "inference"}
     calibration_info: dict[str, Any] = {"calibrated": False}
@@ -330,17 +330,7 @@ def _convert_captured(
             meta["evidence"]["fused"] = node.meta[FUSED_KEY]
             meta["reason"] = f"{meta['reason']}; {node.meta[FUSED_KEY]}"
     gm.meta[META_KEY] = {
-        "amppass_version": __version__,
-        "front_end": "fx",
-        "dtype": low.name,
-        "target": target.describe(),
-        "mode": mode,
-        "keep_io_types": keep_io_types,
-        "casts": stats.casts,
-        "weights_converted": stats.weights_converted,
-        "weight_copies": stats.weight_copies,
-        "weight_bytes_before": bytes_before,
-        "weight_bytes_after": weight_bytes(gm),
+        **summary("fx", low.name, target.describe(), mode, keep_io_types, stats, bytes_before, weight_bytes(gm)),
         "plan_for": plan_for,
         **profit_info,
         **calibration_info,
@@ -405,12 +395,8 @@ def _unchanged(model: nn.Module, info: dict, dtype: Any, mode: str) -> nn.Module
     """An already converted ``model``, returned as it is when the caller asks for what it already is."""
     done = info.get("dtype", "unknown")
     wanted = done if isinstance(dtype, str) and dtype.strip().lower() == "auto" else low_type(dtype).name
-    if wanted != done or mode != info.get("mode", mode):
-        raise InputError(f"{type(model).__name__} was already converted by amppass to {done} ({info.get('mode')} "
-                         f"mode); it cannot be converted to {wanted} ({mode} mode) on top of that: convert the "
-                         "original float32 module instead")
-    log.warning("%s was already converted by amppass to %s (%s mode); returned unchanged",
-                type(model).__name__, done, info.get("mode"))
+    check_reconversion(type(model).__name__, done, wanted, "convert the original float32 module instead",
+                       done_mode=info.get("mode"), wanted_mode=mode)
     return model
 
 

@@ -19,18 +19,18 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
-from .. import __version__
 from ..analysis import overrides
 from ..analysis.calibration import check_tolerance
 from ..analysis.painting import paint
 from ..analysis.plan import Precision, PrecisionPlan
-from ..errors import InputError
+from ..analysis.record import META_KEY, check_reconversion, summary
+from ..errors import InputError, first_line
 from ..files import Staged
 from ..onnx import policy, scan, validate
 from ..onnx import save as saving
 from ..onnx.calibrate import Fp32Model, calibrated_plan
 from ..onnx.macs import is_heavy, node_macs, operands, value_shapes
-from ..onnx.rewrite import META_KEY, RewriteStats, rewrite
+from ..onnx.rewrite import RewriteStats, rewrite
 from ..onnx.simplify import bypass_weight_identities, initializers_out_of_inputs
 from ..onnx.view import build_view, clear_value_info, name_nodes, opsets
 from ..onnx.weights import WeightStore, tensors
@@ -210,17 +210,8 @@ def convert_skeleton(
     result = _infer(typed)
     store.release(result)
     info = {
-        "amppass_version": __version__,
-        "front_end": "onnx",
-        "dtype": low.name,
-        "target": plan_target.describe(),
-        "mode": "inference",
-        "keep_io_types": keep_io_types,
-        "casts": stats.casts,
-        "weights_converted": stats.weights_converted,
-        "weight_copies": stats.weight_copies,
-        "weight_bytes_before": bytes_before,
-        "weight_bytes_after": weight_bytes(result),
+        **summary("onnx", low.name, plan_target.describe(), "inference", keep_io_types, stats, bytes_before,
+                  weight_bytes(result)),
         "clamped": stats.clamped,
         **({"opset_upgraded": [upgraded_from, BF16_OPSET]} if upgraded_from is not None else {}),
         **calibration_info,
@@ -257,7 +248,7 @@ def _upgraded(work: onnx.ModelProto, opset: int) -> onnx.ModelProto:
         upgraded = onnx.version_converter.convert_version(work, opset)
     except Exception as err:  # noqa: BLE001 - an op the converter has no adapter for: plan at the model's opset
         log.info("kept opset %s: onnx's version converter could not upgrade the model to %d (%s)",
-                 opsets(work).get("", 1), opset, str(err).splitlines()[0] if str(err) else type(err).__name__)
+                 opsets(work).get("", 1), opset, first_line(err))
         return work
     log.info("upgraded the model from opset %s to %d so bf16 Conv, pooling and RNNs can run low",
              opsets(work).get("", 1), opset)
@@ -339,10 +330,7 @@ def converted_dtype(model: onnx.ModelProto) -> str | None:
 
 def _unchanged(work: onnx.ModelProto, store: WeightStore, previous: str, wanted: str, where: str) -> Converted:
     """``work`` as it is (an already converted model), when the caller asks for the dtype it already has."""
-    if previous != wanted:
-        raise InputError(f"{where} was already converted by amppass to {previous}; it cannot be converted to "
-                         f"{wanted} on top of that: convert the original float32 model with dtype='{wanted}'")
-    log.warning("%s was already converted by amppass to %s; returned unchanged", where, previous)
+    check_reconversion(where, previous, wanted, f"convert the original float32 model with dtype='{wanted}'")
     return Converted(work, store)
 
 

@@ -14,7 +14,7 @@ import torch
 from torch.export import Dim
 from torch.utils import _pytree as pytree
 
-from ..errors import CaptureError, InputError
+from ..errors import CaptureError, InputError, first_line
 from ..files import check_writable
 from ..fx.capture import capturing, size_one_dynamic
 from ..fx.quiet import quiet_torch
@@ -60,7 +60,7 @@ def _refuse_converted(model: torch.nn.Module) -> None:
     would be exported with its casts and low weights, which shape inference then rejects."""
     from ..serving.dropin import DropIn
     from ..serving.kept import KeptFp32
-    from ..fx.rewrite import META_KEY
+    from ..analysis.record import META_KEY
     from ..serving.train_eval import TrainEvalGraphs
 
     name = type(model).__name__
@@ -202,7 +202,7 @@ def _runs_at_another_size(path: str, names: list[str], args: tuple, shapes: Any)
         session.run(None, feeds)
     except Exception as err:  # noqa: BLE001 - onnxruntime's own types: the size is not one the model takes
         log.info("the exported model does not run at a spatial size other than its example's (%s); those "
-                 "dimensions are fixed", str(err).splitlines()[0] if str(err) else type(err).__name__)
+                 "dimensions are fixed", first_line(err))
         return False
     return True
 

@@ -31,12 +31,12 @@ from torch import fx, nn
 from torch.export import Dim
 from torch.utils import _pytree as pytree
 
+from ..analysis.record import META_KEY
 from ..archive import Pt2Archive, parse_json
 from ..errors import InputError
 from ..files import Staged, check_writable
 from ..fx.capture import capture_program, capturing, size_one_dynamic
 from ..fx.guards import GUARDS_KEY, ShapeGuards
-from ..fx.rewrite import META_KEY
 from ..serving.kept import KeptFp32
 from ..serving.serving_graph import ServingGraph
 from ..serving.train_eval import TrainEvalGraphs

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from torch import fx
 
+from ..analysis.record import META_KEY
 from ..errors import InputError
-from ..fx.rewrite import META_KEY
 from . import meta
 from .report import Report
 

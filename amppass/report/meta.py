@@ -65,9 +65,12 @@ def row(name: str, raw: Any, low: str) -> Row | None:
     evidence = raw.get("evidence", {})
     if not isinstance(casts, list) or not all(isinstance(c, str) for c in casts) or not isinstance(evidence, dict):
         raise InputError(f"{where} has a malformed 'casts_in' or 'evidence' field; {_FIX}")
+    rule = raw.get("rule", "")
+    if not isinstance(rule, str):
+        raise InputError(f"{where} has a rule id that is not text; {_FIX}")
     evidence = dict(evidence)
     if precision == "fp32-accumulate":
         evidence.setdefault("accumulate", "fp32 via dtype= on the low-precision input")
     return Row(name, texts["op"], _PRECISIONS[precision] or low, texts["reason"], texts["source"], list(casts),
-               evidence)
+               evidence, rule)
 

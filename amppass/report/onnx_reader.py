@@ -6,9 +6,9 @@ import os
 
 import onnx
 
+from ..analysis.record import META_KEY
 from ..errors import InputError
 from ..onnx import scan, validate
-from ..onnx.rewrite import META_KEY
 from ..onnx.view import all_nodes
 from . import meta
 from .report import Report

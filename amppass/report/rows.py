@@ -44,6 +44,7 @@ class Row:
     source: str
     casts: list[str] = field(default_factory=list)
     evidence: dict[str, Any] = field(default_factory=dict)
+    rule: str = ""  # the id of the rule that made the decision (amppass.analysis.plan); empty before it was stored
 
     @property
     def macs(self) -> int | None:

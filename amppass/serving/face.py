@@ -28,7 +28,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from ..fx.rewrite import META_KEY
+from ..analysis.record import META_KEY
 
 LOW_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 

@@ -14,9 +14,9 @@ from typing import Any
 
 from torch import nn
 
+from ..analysis.record import META_KEY
 from ..fx.copies import shared_copy
 from ..fx.guards import plain_inputs
-from ..fx.rewrite import META_KEY
 from ..report.report import Report, Row
 
 
@@ -44,5 +44,6 @@ class KeptFp32(nn.Module):
                   f"{info['target']['name'].upper()} against {whole['original_ms']:.3g} ms for the original "
                   "module in fp32 (its eager kernels are faster than any captured graph of them here); the "
                   "original runs, in fp32. plan_for='coverage' or 'memory' converts it anyway")
-        row = Row(type(self.original).__name__, "module", "fp32", reason, "profitability", [], dict(whole))
+        row = Row(type(self.original).__name__, "module", "fp32", reason, "profitability", [], dict(whole),
+                  "whole-model")
         return Report([row], info)

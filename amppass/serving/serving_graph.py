@@ -46,10 +46,10 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
+from ..analysis.record import META_KEY
 from ..errors import CaptureError, InputError
 from ..fx.guards import GUARDS_KEY, MAX_PLANS, ShapeGuards, call_layout, plain_inputs
 from ..fx.modes import module_mode
-from ..fx.rewrite import META_KEY
 from .face import Fp32Face, stored_parameters
 from .plan_dtypes import PlanDtypes
 
@@ -60,7 +60,8 @@ _REJECTED_MEMORY = 16  # call signatures the original model rejected, answered w
 
 # -- the served module ------------------------------------------------------------------------------------
 
-Recapture = Callable[[tuple, dict], fx.GraphModule]
+# captures and converts the original model for a call's (args, kwargs): the later plan that serves it
+CaptureAndConvert = Callable[[tuple, dict], fx.GraphModule]
 
 
 @dataclass
@@ -76,7 +77,7 @@ class _Plans:
     """The later plans of a :class:`ServingGraph` and what it needs to make more."""
 
     name: str
-    recapture: Recapture | None
+    recapture: CaptureAndConvert | None
     original: nn.Module | None
     origin: str
     extra: "collections.OrderedDict[int, _Plan]" = field(default_factory=collections.OrderedDict)
@@ -102,7 +103,7 @@ class ServingGraph(Fp32Face, fx.GraphModule):
         origin: why there is no original model (when ``recapture`` is None), for the error message.
     """
 
-    def __init__(self, gm: fx.GraphModule, guards: ShapeGuards, recapture: Recapture | None = None,
+    def __init__(self, gm: fx.GraphModule, guards: ShapeGuards, recapture: CaptureAndConvert | None = None,
                  original: nn.Module | None = None, name: str = "model", origin: str = "it was loaded from a file"):
         super().__init__(gm, gm.graph)
         self.meta = gm.meta

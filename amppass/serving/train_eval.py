@@ -54,12 +54,12 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
+from ..analysis.record import META_KEY
 from ..errors import InputError
 from ..fx.backward import record_saved_bytes
 from ..fx.calibrate import flatten_inputs
 from ..fx.guards import call_layout
 from ..fx.modes import captured_flags
-from ..fx.rewrite import META_KEY
 from .plan_dtypes import PlanDtypes
 from .serving_graph import set_state
 from .tree import Children, Mode, Outline, build_tree, example_call, install, named_state, outline, sharded, stand_in, unfit
@@ -116,7 +116,7 @@ class TrainEvalGraphs(Children, nn.Module):
         self._flags = {flag: captured_flags(original, flag) if original is not train_graph else {}
                        for flag in (True, False)}
         self._parts = [(name, module) for name, module in self.named_modules() if name]
-        self._settle()
+        self._reset_graph_state()
         self.train(training)
 
     @property
@@ -156,7 +156,7 @@ class TrainEvalGraphs(Children, nn.Module):
         try:
             return served(*args, **kwargs)
         finally:
-            self._settle()
+            self._reset_graph_state()
 
     def _unfaithful(self, example: tuple[Any, dict]) -> str | None:
         """Rule 8: why the module tree does not compute what the flat graphs compute on the example, or None.
@@ -179,7 +179,7 @@ class TrainEvalGraphs(Children, nn.Module):
                     try:
                         expected = self._graphs[training](*args, **kwargs)
                     finally:
-                        self._settle()
+                        self._reset_graph_state()
                     self._restore(saved)
                     torch.manual_seed(0)
                     self._mode.key = training
@@ -298,7 +298,7 @@ class TrainEvalGraphs(Children, nn.Module):
                 if isinstance(value, torch.Tensor):
                     part.__dict__[name] = kept(value)
         kept.tell(type(self).__name__)
-        self._settle()  # rule 4: buffers (and, on some settings, parameters) are new tensors now
+        self._reset_graph_state()  # rule 4: buffers (and, on some settings, parameters) are new tensors now
         return result
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
@@ -306,7 +306,7 @@ class TrainEvalGraphs(Children, nn.Module):
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
         if assign:
             self._tie()
-        self._settle()
+        self._reset_graph_state()
         return result
 
     def _tie(self) -> None:
@@ -324,7 +324,7 @@ class TrainEvalGraphs(Children, nn.Module):
                 if name in mine:
                     set_state(graph, name, mine[name])
 
-    def _settle(self) -> None:
+    def _reset_graph_state(self) -> None:
         """Between calls (rule 6): with a module tree, the flat graphs and their later plans hold stand-ins on
         the meta device in place of this module's tensors; without one, they hold the tensors themselves."""
         if not self._outlines:

@@ -29,6 +29,7 @@ from torch.utils import _pytree as pytree
 
 import amppass
 from amppass.dtypes import low_type
+from amppass.errors import first_line
 
 FEEDS = ("fp32", "low")
 SAMPLES = 2  # the first samples of each OpInfo entry
@@ -210,19 +211,19 @@ def run_case(case: Case, dtype: str, feed: str, bound: float, with_autocast: boo
                 torch.manual_seed(SEED)
                 reference = module(*reference_inputs)
         except Exception as err:  # noqa: BLE001 - a sample the wrapped op itself rejects
-            return Outcome("skipped", detail=_line(err))
+            return Outcome("skipped", detail=first_line(err, 300))
         try:
             converted = amppass.convert(module, inputs, dtype=dtype, plan_for="coverage")
         except amppass.AmpPassError as err:
-            return Outcome("refused", detail=f"{type(err).__name__}: {_line(err)}")
+            return Outcome("refused", detail=f"{type(err).__name__}: {first_line(err, 300)}")
         except Exception as err:  # noqa: BLE001 - what the suite is here to find
-            return Outcome("convert-crash", detail=f"{type(err).__name__}: {_line(err)}")
+            return Outcome("convert-crash", detail=f"{type(err).__name__}: {first_line(err, 300)}")
         try:
             with torch.no_grad():
                 torch.manual_seed(SEED)
                 out = converted(*inputs)
         except Exception as err:  # noqa: BLE001 - what the suite is here to find
-            return Outcome("crash", detail=f"{type(err).__name__}: {_line(err)}")
+            return Outcome("crash", detail=f"{type(err).__name__}: {first_line(err, 300)}")
         error = relative_error(out, reference)
         autocast = _autocast_error(module, inputs, reference, low) if with_autocast or error > bound else None
     return Outcome("correct" if error <= bound else "wrong", error, autocast,
@@ -255,11 +256,6 @@ def _autocast_error(module: nn.Module, inputs: tuple, reference: Any, low: torch
     out = pytree.tree_map(lambda t: t.to(torch.complex64) if isinstance(t, torch.Tensor)
                           and t.dtype == torch.complex32 else t, out)
     return relative_error(out, reference)
-
-
-def _line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[0][:300] if text else type(err).__name__
 
 
 def case_names() -> set[str]:

@@ -1,11 +1,11 @@
-"""The ONNX backend test suite as amppass's regression suite (issue 23).
+"""The ONNX backend test suite as amppass's regression suite.
 
-Every usable case of ``benchmarks/onnx_conformance.py`` (node cases with a float32 input that onnxruntime's CPU
+Every usable case of ``onnx_backend_harness`` (node cases with a float32 input that onnxruntime's CPU
 provider reproduces in float32, and the models of onnx's pytorch-converted, pytorch-operator, simple and light
 folders), converted under three configurations:
 
-- ``default``: the default plan (fp16, target cpu); outputs within :data:`~benchmarks.onnx_conformance.FP16_BOUND`
-  of the expected ones.
+- ``default``: the default plan (fp16, target cpu); outputs within
+  :data:`~tests.conformance.onnx_backend_harness.FP16_BOUND` of the expected ones.
 - ``force_low``: ``force_low=`` every op type of the model; within the looser ``FORCED_BOUND``.
 - ``low_input``: the default plan with each float32 input read through an Identity forced to fp16, so the op
   decides on a low-precision value; within ``FP16_BOUND`` of the expected outputs or of the float32 model on the
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import onnx_conformance as suite
+from tests.conformance import onnx_backend_harness as suite
 
 EXPECTED = json.loads((Path(__file__).with_name("onnx_expected.json")).read_text())
 CASES = suite.all_cases()

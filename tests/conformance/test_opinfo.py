@@ -1,4 +1,4 @@
-"""PyTorch's op database as amppass's regression suite (issue 23): every float32 OpInfo entry's first two
+"""PyTorch's op database as amppass's regression suite: every float32 OpInfo entry's first two
 samples and every entry of autocast's CPU test lists, converted to bf16 and fp16 with ``plan_for="coverage"``
 (every op numerics allow runs low), fed fp32 inputs and low-precision ones (``opinfo_harness``).
 

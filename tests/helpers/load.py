@@ -1,0 +1,49 @@
+"""Load and timing-cache settings for tests and benchmarks of plans made under load."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from typing import Iterator
+
+from amppass.fx import profit
+
+BUSY = 4  # busy processes: twice the cores of a 2-core machine
+_SPIN = "import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end:\n    pass\n"
+
+
+@contextlib.contextmanager
+def busy_processes(count: int = BUSY, seconds: float = 600.0) -> Iterator[list[subprocess.Popen]]:
+    """``count`` processes that each keep one core busy for the block, at most ``seconds`` (each also ends
+    by itself then, should this process die first); every one is killed and reaped when the block ends."""
+    spinners: list[subprocess.Popen] = []
+    try:
+        for _ in range(count):
+            spinners.append(subprocess.Popen([sys.executable, "-c", _SPIN.format(seconds=seconds)],
+                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        time.sleep(0.5)  # interpreters started and spinning
+        yield spinners
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+        for spinner in spinners:
+            spinner.wait()
+
+
+@contextlib.contextmanager
+def timing_cache(folder: str) -> Iterator[None]:
+    """Conversions in the block use the timing cache in ``folder`` and nothing this process measured before."""
+    before = os.environ.get("AMPPASS_CACHE")
+    os.environ["AMPPASS_CACHE"] = folder
+    profit.forget()
+    try:
+        yield
+    finally:
+        profit.forget()
+        if before is None:
+            os.environ.pop("AMPPASS_CACHE", None)
+        else:
+            os.environ["AMPPASS_CACHE"] = before
