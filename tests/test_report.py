@@ -377,3 +377,10 @@ def test_the_summary_says_whether_the_whole_model_was_compared_with_the_original
     measured = Report([], {**info, "whole_model": {"converted_ms": 0.1983, "original_ms": 0.1616}})
     assert "whole model per call: 0.198 ms converted, 0.162 ms for the original module in fp32" in measured.summary()
     assert "whole model" not in Report([], info).summary()
+
+
+def test_a_decision_by_profitability_follows_the_schema(calibrated_report):
+    """A module kept whole in fp32 reports one row decided by profitability; its JSON must validate."""
+    calibrated_report.rows.append(Row("Sequential", "module", "fp32", "profitability: the original was faster",
+                                      "profitability", [], {"converted_ms": 0.2, "original_ms": 0.1}))
+    jsonschema.validate(json.loads(calibrated_report.to_json()), load_schema())

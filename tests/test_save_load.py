@@ -161,7 +161,7 @@ def test_the_cli_names_the_module_to_import_for_a_program_whose_outputs_hold_a_c
     assert done.stderr.splitlines() == [
         f"amppass: error: {source}: the program's inputs or outputs hold the class outtypes.Out, which "
         "torch.export.load rebuilds only once its module is imported, and the command line imports no module a file "
-        f"names; convert it in Python: import outtypes, then amppass.convert(torch.export.load({str(source)!r}), "
+        f"names; convert it in Python: import outtypes, then amppass.convert(amppass.load_program({str(source)!r}), "
         "dtype=...)"]
     assert not (tmp_path / "o.pt2").exists()
 
