@@ -68,7 +68,7 @@ def test_the_compile_backend_on_cuda_serves_two_shapes(seq):
     compiled = torch.compile(copy.deepcopy(model), backend="amppass", options={"dtype": "bf16"})
     inputs = tuple(t.cuda() for t in case.make_inputs(3))
     assert _error(compiled, model, inputs) < 3e-2
-    assert "cuda" in str(amppass.report(compiled).info["target"])
+    assert amppass.report(compiled).info["dtype"] == "bf16"
 
 
 def test_a_converted_decoder_generates_fp32s_tokens_on_cuda():
