@@ -21,16 +21,14 @@ does not checkpoint its precision plugin: save ``plugin.scaler`` (a LossScaler h
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from ..dtypes import low_type
 from ..training import LossScaler
 from .routing import route
-from .scaling import PluginScaler
+from .scaling import ScaledPrecision
 
 try:
     from lightning_fabric.plugins.precision import Precision
@@ -41,7 +39,7 @@ except ImportError as error:  # pragma: no cover - the extra is missing
 __all__ = ["AmpPassPrecision"]
 
 
-class AmpPassPrecision(Precision):
+class AmpPassPrecision(ScaledPrecision, Precision):
     """Fabric precision plugin training the module given to ``fabric.setup`` through amppass (module docstring).
 
     Args:
@@ -52,25 +50,12 @@ class AmpPassPrecision(Precision):
 
     def __init__(self, dtype: Literal["fp16", "bf16"] | torch.dtype = "fp16", *, scaler: LossScaler | None = None,
                  **convert_options: Any) -> None:
-        low = low_type(dtype)
-        self.dtype = low.torch
-        self.precision = "16-mixed" if low.name == "fp16" else "bf16-mixed"
-        self._scaling = PluginScaler(low, scaler)
-        self._options = convert_options
-
-    @property
-    def scaler(self) -> LossScaler | None:
-        """The LossScaler (None for bf16)."""
-        return self._scaling.scaler
+        self._set_precision(dtype, scaler, convert_options)
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Route the module through amppass (in place; returned)."""
         route(module, self.dtype, **self._options)
         return module
-
-    def forward_context(self) -> AbstractContextManager:
-        """No autocast: the converted graph casts where amppass planned."""
-        return nullcontext()
 
     def backward(self, tensor: torch.Tensor, model: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         """Backward of the scaled loss (fp16)."""
@@ -83,11 +68,3 @@ class AmpPassPrecision(Precision):
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscale before ``fabric.clip_gradients`` clips."""
         self._scaling.unscale(optimizer)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The LossScaler's state."""
-        return self._scaling.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the LossScaler."""
-        self._scaling.load_state_dict(state_dict)

@@ -22,17 +22,15 @@
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable, Literal
 
 import torch
 from torch import nn
 
-from ..dtypes import low_type
 from ..errors import InputError
 from ..training import LossScaler
 from .routing import route
-from .scaling import PluginScaler
+from .scaling import ScaledPrecision
 
 try:
     import pytorch_lightning as pl
@@ -46,7 +44,7 @@ except ImportError as error:  # pragma: no cover - the extra is missing
 __all__ = ["AmpPassPrecision"]
 
 
-class AmpPassPrecision(Precision):
+class AmpPassPrecision(ScaledPrecision, Precision):
     """Lightning precision plugin training the LightningModule's model through amppass (module docstring).
 
     Args:
@@ -59,26 +57,13 @@ class AmpPassPrecision(Precision):
 
     def __init__(self, dtype: Literal["fp16", "bf16"] | torch.dtype = "fp16", *, module: str | None = None,
                  scaler: LossScaler | None = None, **convert_options: Any) -> None:
-        low = low_type(dtype)
-        self.dtype = low.torch
-        self.precision = "16-mixed" if low.name == "fp16" else "bf16-mixed"  # what trainer.precision reports
+        self._set_precision(dtype, scaler, convert_options)
         self.module = module
-        self._scaling = PluginScaler(low, scaler)
-        self._options = convert_options
-
-    @property
-    def scaler(self) -> LossScaler | None:
-        """The LossScaler (None for bf16)."""
-        return self._scaling.scaler
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Rule 1: route the model child of the LightningModule (in place; the LightningModule is returned)."""
         route(_target(module, self.module), self.dtype, **self._options)
         return module
-
-    def forward_context(self) -> AbstractContextManager:
-        """Rule 2: no autocast."""
-        return nullcontext()
 
     def pre_backward(self, tensor: torch.Tensor, module: "pl.LightningModule") -> torch.Tensor:  # type: ignore[override]
         """Scale the loss (fp16)."""
@@ -107,14 +92,6 @@ class AmpPassPrecision(Precision):
         if clip_val > 0:
             self._scaling.unscale(optimizer)
         super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The LossScaler's state, saved in checkpoints under this class's name."""
-        return self._scaling.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the LossScaler from a checkpoint."""
-        self._scaling.load_state_dict(state_dict)
 
 
 def _target(root: nn.Module, name: str | None) -> nn.Module:

@@ -3,6 +3,7 @@ gradients unscaled at most once a step, whichever comes first of clipping and th
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -64,3 +65,33 @@ class PluginScaler:
         """Restore :meth:`state_dict`."""
         if self.scaler is not None and state:
             self.scaler.load_state_dict(state)
+
+
+class ScaledPrecision:
+    """What the Lightning and Fabric precision plugins share, placed before the tool's ``Precision`` base: the
+    low dtype and the precision name the tool reports, a :class:`PluginScaler`, no autocast, and the scaler's
+    state as the plugin's state (in the tool's checkpoints)."""
+
+    def _set_precision(self, dtype: Any, scaler: LossScaler | None, options: dict[str, Any]) -> None:
+        low = low_type(dtype)
+        self.dtype = low.torch
+        self.precision = "16-mixed" if low.name == "fp16" else "bf16-mixed"  # what the tool's precision reports
+        self._scaling = PluginScaler(low, scaler)
+        self._options = options
+
+    @property
+    def scaler(self) -> LossScaler | None:
+        """The LossScaler (None for bf16)."""
+        return self._scaling.scaler
+
+    def forward_context(self) -> AbstractContextManager:
+        """No autocast: the converted graph casts where amppass planned."""
+        return nullcontext()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The LossScaler's state."""
+        return self._scaling.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the LossScaler."""
+        self._scaling.load_state_dict(state_dict)
