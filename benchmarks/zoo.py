@@ -1,7 +1,7 @@
 """transformers' model zoo through amppass: outcomes per step, with counts (``tests/conformance/zoo_harness.py``).
 
 ``--quick`` runs the default suite's representative classes with their steps; ``--full`` runs every class of the
-auto-model mappings through every step, keeping each class's outcomes in ``zoo_outcomes.json`` beside RESULTS.md as
+auto-model mappings through every step (the per-type steps on one class of each model type), keeping each class's outcomes in ``zoo_outcomes.json`` beside RESULTS.md as
 it goes: a run stopped part way resumes from there when the torch and transformers versions are the same (delete the
 file to measure again).
 """
@@ -43,9 +43,14 @@ def outcomes(quick: bool, path: Path | None = None) -> list[dict]:
         if stored.get("versions") == harness.versions():
             results = stored["results"]
     done = {r["name"] for r in results}
-    for name in harness.interleaved(found):
-        if name not in done:
-            results.append(vars(harness.run_class(name, *found[name])))
+    types = harness.by_type(found)
+    for model_type in harness.type_order(found):
+        names = types[model_type]
+        if all(name in done for name in names):
+            continue
+        results[:] = [r for r in results if r["name"] not in names]  # a type stopped part way runs again whole
+        for result in harness.run_type(names, found):
+            results.append(vars(result))
             if path is not None:
                 harness.write_json(path, {"versions": harness.versions(), "results": results})
     return results

@@ -4,7 +4,8 @@ export_onnx (``tests/conformance/zoo_harness.py`` says how each step is judged).
 
 Every outcome is asserted against ``tests/conformance/zoo_expected.json``: a step that fails must be listed there with
 its reason, and a listed step that passes fails the test too (so is a listed unbuilt class that builds), so the list
-cannot go stale. The default run takes a representative subset (:data:`DEFAULT`: decoders, MoE and MLA, a state-space
+cannot go stale. The compile and export steps run on one class of each model type (``harness.PER_TYPE``). The
+default run takes a representative subset (:data:`DEFAULT`: decoders, MoE and MLA, a state-space
 model, encoders, encoder-decoders, vision, audio), each with the steps that class stands for; the whole zoo, every step,
 runs under ``-m slow``. Regenerate the expected file after a fix: ``python tests/conformance/zoo_harness.py
 --write-expected``.
@@ -103,7 +104,35 @@ def _all() -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", _all())
 def test_every_class(name):
-    _check(name, harness.STEPS)
+    _check(name, harness.steps_of(name, _classes(), DATA["unbuilt"]))
+
+
+def test_per_type_steps_run_on_the_first_class_of_a_model_type_that_builds(monkeypatch):
+    found = {"XForCausalLM": ("causal-lm", "x"), "XForMaskedLM": ("masked-lm", "x"), "XModel": ("base", "x"),
+             "YModel": ("base", "y")}
+    ran: list[tuple[str, str]] = []
+
+    def build(name, kind, model_type):
+        if name == "XForCausalLM":
+            raise KeyError("no recipe")
+        return harness.Built(name, kind, None, {}, {}, {}, False)
+
+    monkeypatch.setattr(harness, "build", build)
+    for step in harness.STEPS:
+        monkeypatch.setitem(harness.RUNNERS, step, lambda built, step=step: ran.append((built.name, step)) or ("pass", ""))
+    results = [r for names in harness.by_type(found).values() for r in harness.run_type(names, found)]
+    assert [r.built for r in results] == [False, True, True, True]
+    masked, base = results[1].steps, results[2].steps
+    assert {s: v["outcome"] for s, v in masked.items()} == dict.fromkeys(harness.STEPS, "pass")
+    assert {s: base[s] for s in harness.PER_TYPE} == {
+        s: {"outcome": "covered", "detail": "by XForMaskedLM", "seconds": 0.0} for s in harness.PER_TYPE}
+    assert sum(step == "compile" for _, step in ran) == 2  # once per model type
+    unbuilt = {"XForCausalLM": "KeyError: no recipe"}
+    assert harness.owners(found, unbuilt) == {"x": "XForMaskedLM", "y": "YModel"}
+    assert harness.steps_of("XModel", found, unbuilt) == tuple(s for s in harness.STEPS if s not in harness.PER_TYPE)
+    assert harness.steps_of("YModel", found, unbuilt) == harness.STEPS
+    rows = {row["step"]: row for row in harness.counts([vars(r) for r in results])}
+    assert (rows["compile"]["pass"], rows["compile"]["covered"], rows["build"]["unbuilt"]) == (2, 1, 1)
 
 
 def test_benchmark_section_counts_each_step(tmp_path, capsys):
@@ -124,5 +153,5 @@ def test_benchmark_section_counts_each_step(tmp_path, capsys):
     path = tmp_path / "outcomes.json"
     harness.write_json(path, {"versions": harness.versions(), "results": results})
     zoo.main([str(path)])
-    assert "| train | 0 | 1 | 0 | 0 |  |" in capsys.readouterr().out
+    assert "| train | 0 | 1 | 0 | 0 | 0 |  |" in capsys.readouterr().out
     assert "zoo" in SECTIONS

@@ -23,7 +23,12 @@ recipe here is "unbuilt", with the reason. Each built class goes through :data:`
 - ``export-onnx``: ``amppass.export_onnx(..., dtype="fp16")``, ``onnx.checker`` (full check), onnxruntime's CPU
   provider; the first output within ``max(FLOOR_FP16, RATIO * fp16 autocast's error)`` of fp32's.
 
-A step is "pass", "fail" (with the first line of the error, or the errors measured) or "n/a" (it does not apply).
+``compile`` and ``export-onnx`` capture the model type's shared body, which a head class adds a layer or a loss to:
+they run on the first class of each model type that builds (:data:`PER_TYPE`, :func:`owners`) and are "covered" (by
+that class) on its others, which keeps the whole zoo to a few seconds a class.
+
+A step is "pass", "fail" (with the first line of the error, or the errors measured), "n/a" (it does not apply) or
+"covered" (a per-type step, run on another class of the model type).
 ``python tests/conformance/zoo_harness.py --write-expected`` runs the whole zoo and writes ``zoo_expected.json``:
 every unbuilt class and every failing step, with its reason, which ``tests/test_zoo.py`` then holds the code to.
 """
@@ -66,6 +71,7 @@ FLOOR = 2.0**-5  # 8 units of bf16 roundoff: below it no plan is judged, however
 FLOOR_FP16 = 2.0**-8  # the same for fp16
 RATIO = 4.0  # amppass runs more ops low than autocast; 4x autocast's error on the same CPU is still its kind of error
 COSINE_SLACK = 1e-2
+PER_TYPE = ("compile", "export-onnx")  # steps run once per model type, on its first class that builds
 STEP_SECONDS = 240  # a step still running then is a failure ("timed out"), so one class cannot stall the zoo
 VOCAB = 128
 SEQ = 8
@@ -144,6 +150,28 @@ def classes(kinds: tuple[str, ...] = tuple(MAPPINGS)) -> dict[str, tuple[str, st
             for name in (names,) if isinstance(names, str) else names:
                 found.setdefault(name, (kind, model_type))
     return found
+
+
+def by_type(found: dict[str, tuple[str, str]]) -> dict[str, list[str]]:
+    """The class names of each model type, in the order :func:`classes` found them."""
+    types: dict[str, list[str]] = {}
+    for name, (_, model_type) in found.items():
+        types.setdefault(model_type, []).append(name)
+    return types
+
+
+def owners(found: dict[str, tuple[str, str]], unbuilt: set[str] | dict) -> dict[str, str]:
+    """Model type -> the class that runs its :data:`PER_TYPE` steps: its first class not in ``unbuilt``."""
+    return {t: next(n for n in names if n not in unbuilt) for t, names in by_type(found).items()
+            if any(n not in unbuilt for n in names)}
+
+
+def steps_of(name: str, found: dict[str, tuple[str, str]], unbuilt: set[str] | dict,
+             steps: tuple[str, ...] = STEPS) -> tuple[str, ...]:
+    """The steps class ``name`` runs itself: all of ``steps`` on its model type's owner, the rest elsewhere."""
+    if owners(found, unbuilt).get(found[name][1]) == name:
+        return steps
+    return tuple(s for s in steps if s not in PER_TYPE)
 
 
 def tiny_config(model_type: str) -> Any:
@@ -503,8 +531,9 @@ def first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {lines[0][:240] if lines else ''}".rstrip(": ")
 
 
-def run_class(name: str, kind: str, model_type: str, steps: tuple[str, ...] = STEPS) -> Result:
-    """Build ``name`` tiny and run ``steps`` on it; never raises."""
+def run_class(name: str, kind: str, model_type: str, steps: tuple[str, ...] = STEPS, owner: str | None = None) -> Result:
+    """Build ``name`` tiny and run ``steps`` on it; never raises. With ``owner`` (the class of the same model type
+    that ran the :data:`PER_TYPE` steps), those steps are recorded "covered" by it instead of run."""
     logging.disable(logging.WARNING)
     try:
         with warnings.catch_warnings():
@@ -516,6 +545,9 @@ def run_class(name: str, kind: str, model_type: str, steps: tuple[str, ...] = ST
                 return Result(name, kind, False, first_line(err))
             result = Result(name, kind, True)
             for step in steps:
+                if owner is not None and step in PER_TYPE:
+                    result.steps[step] = {"outcome": "covered", "detail": f"by {owner}", "seconds": 0.0}
+                    continue
                 start = time.perf_counter()
                 try:
                     with _deadline(STEP_SECONDS):
@@ -529,15 +561,26 @@ def run_class(name: str, kind: str, model_type: str, steps: tuple[str, ...] = ST
         logging.disable(logging.NOTSET)
 
 
+def run_type(names: list[str], found: dict[str, tuple[str, str]], steps: tuple[str, ...] = STEPS) -> Iterator[Result]:
+    """Every class of one model type in turn: the first that builds runs ``steps``, the others all but the
+    :data:`PER_TYPE` ones, which they record covered by it."""
+    owner = None
+    for name in names:
+        result = run_class(name, *found[name], steps, owner)
+        if result.built and owner is None:
+            owner = name
+        yield result
+
+
 def counts(results: list[dict]) -> list[dict]:
-    """One row per step: classes passing, failing, where it does not apply, not run (a subset of the steps), and
-    in the build row the classes not built."""
+    """One row per step: classes passing, failing, where it does not apply, covered by another class of the model
+    type, not run (a subset of the steps), and in the build row the classes not built."""
     built = [r for r in results if r["built"]]
-    rows = [{"step": "build", "pass": len(built), "fail": "", "n/a": "", "not run": "",
+    rows = [{"step": "build", "pass": len(built), "fail": "", "n/a": "", "covered": "", "not run": "",
              "unbuilt": len(results) - len(built)}]
     for step in STEPS:
         outcomes = [r["steps"].get(step, {}).get("outcome", "not run") for r in built]
-        rows.append({"step": step, **{o: outcomes.count(o) for o in ("pass", "fail", "n/a", "not run")},
+        rows.append({"step": step, **{o: outcomes.count(o) for o in ("pass", "fail", "n/a", "covered", "not run")},
                      "unbuilt": ""})
     return rows
 
@@ -560,6 +603,11 @@ def expected_from(results: list[dict]) -> dict:
         if kept:
             expected[name] = dict(sorted(kept.items()))
     return {"about": ABOUT, "unbuilt": dict(sorted(unbuilt.items())), "expected": dict(sorted(expected.items()))}
+
+
+def type_order(found: dict[str, tuple[str, str]]) -> list[str]:
+    """The model types in the order of their first class in :func:`interleaved`."""
+    return list(dict.fromkeys(found[name][1] for name in interleaved(found)))
 
 
 def interleaved(found: dict[str, tuple[str, str]]) -> list[str]:
@@ -593,30 +641,49 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", nargs="*", default=list(STEPS))
     parser.add_argument("--representative", action="store_true",
                         help="the default suite's classes, each with its steps (REPRESENTATIVE)")
-    parser.add_argument("--shard", default="0/1", help="i/n: every n-th class from the i-th (run n at once)")
+    parser.add_argument("--shard", default="0/1", help="i/n: every n-th model type from the i-th (run n at once)")
     parser.add_argument("--json", default=None, help="write every outcome here (after each class)")
     parser.add_argument("--resume", action="store_true", help="keep the classes already in --json")
     parser.add_argument("--write-expected", action="store_true", help=f"write {EXPECTED.name} from the outcomes")
+    parser.add_argument("--combine", nargs="*", type=Path, default=[],
+                        help="run nothing: join these outcome files (the shards') into --json")
     options = parser.parse_args(argv)
     found = classes()
     index, count = (int(p) for p in options.shard.split("/"))
-    names = (list(REPRESENTATIVE) if options.representative else options.only or interleaved(found))[index::count]
     results: list[dict] = []
     if options.resume and options.json and os.path.exists(options.json):
         results = json.loads(Path(options.json).read_text(encoding="utf-8"))["results"]
+    for path in options.combine:
+        results += json.loads(path.read_text(encoding="utf-8"))["results"]
+    if options.combine and options.json:
+        write_json(Path(options.json), {"versions": versions(), "results": results})
     done = {r["name"] for r in results}
-    for index, name in enumerate(names):
-        if name in done:
-            continue
-        kind, model_type = found[name]
-        steps = REPRESENTATIVE[name] if options.representative else tuple(options.steps)
-        result = run_class(name, kind, model_type, steps)
+
+    def record(result: Result, position: str) -> None:
         results.append(vars(result))
         summary = result.reason if not result.built else " ".join(
             f"{s}={v['outcome']}" for s, v in result.steps.items())
-        print(f"[{index + 1}/{len(names)}] {name}: {summary}", flush=True)
+        print(f"[{position}] {result.name}: {summary}", flush=True)
         if options.json:
             write_json(Path(options.json), {"versions": versions(), "results": results})
+
+    if options.combine:
+        pass
+    elif options.representative or options.only:
+        names = (list(REPRESENTATIVE) if options.representative else options.only)[index::count]
+        for number, name in enumerate(n for n in names if n not in done):
+            steps = REPRESENTATIVE[name] if options.representative else tuple(options.steps)
+            record(run_class(name, *found[name], steps), f"{number + 1}/{len(names)}")
+    else:
+        types = by_type(found)
+        order = type_order(found)[index::count]
+        for number, model_type in enumerate(order):
+            names = types[model_type]
+            if all(n in done for n in names):
+                continue
+            results[:] = [r for r in results if r["name"] not in names]  # a type stopped part way runs again whole
+            for result in run_type(names, found, tuple(options.steps)):
+                record(result, f"type {number + 1}/{len(order)}")
     for row in counts(results):
         print(row)
     if options.write_expected:
