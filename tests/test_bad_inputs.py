@@ -22,7 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 import amppass
 from amppass import AmpPassError, CalibrationError, CaptureError, InputError
 from amppass.errors import ScaleCollapseError, ScalerUsageError, ScalerValueError
-from amppass.serving.kept import KeptFp32
+from amppass.serving.kept import keep_original
 from amppass.targets import onnxruntime_facts, timing_cache
 from tests.ddp_harness import one_rank_group
 
@@ -332,7 +332,7 @@ CASES = [
          lambda tmp: amppass.save(amppass.convert(mlp(), X, "bf16", mode="train"), tmp / "m.pt2"),
          InputError, ("train", "state_dict")),
     Case("save-kept-fp32", "amppass.save of a module that convert kept in fp32 (measured faster)",
-         lambda tmp: amppass.save(KeptFp32(mlp(), {"whole_model": {"converted_ms": 0.2, "original_ms": 0.1}}),
+         lambda tmp: amppass.save(keep_original(mlp(), {"whole_model": {"converted_ms": 0.2, "original_ms": 0.1}}),
                                   tmp / "m.pt2"),
          InputError, ("kept the original", "0.2 ms", "plan_for='coverage'")),
     Case("pt2-pickle", "a .pt2 whose weight is a pickle (use_pickle in its config)", _hostile_pt2("pickle"),

@@ -104,6 +104,20 @@ def test_the_original_module_is_kept_where_it_is_faster(caplog):
     with caplog.at_level(logging.WARNING, logger="amppass"):
         kept = amppass.convert(model, X, "bf16", costs=costs)
     assert isinstance(kept, KeptFp32) and "keeping the original" in caplog.text
+    # the original itself, not a wrapper: its class's forward, its module tree, its tensors
+    assert isinstance(kept, type(model)) and type(kept).forward is type(model).forward
+    assert [n for n, _ in kept.named_modules()] == [n for n, _ in model.named_modules()]
+    assert all(a is b for a, b in zip(kept.parameters(), model.parameters(), strict=True))
+    calls = []
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(lambda m, args: calls.append(type(m).__name__))
+    try:
+        with torch.no_grad():
+            model(*X)
+            original_calls, calls[:] = list(calls), []
+            kept(*X)
+    finally:
+        hook.remove()
+    assert calls == original_calls  # no module call in between
     row, = amppass.report(kept).rows
     assert row.precision == "fp32" and row.source == "profitability" and "plan_for='coverage'" in row.reason
     with torch.no_grad():

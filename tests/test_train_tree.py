@@ -19,7 +19,7 @@ from torch import nn
 
 import amppass
 from amppass.errors import InputError
-from amppass.serving.kept import KeptFp32
+from amppass.serving.kept import keep_original
 from models.char_gpt import char_gpt, next_char_loss, stdlib_corpus, train_steps
 
 BATCH, BLOCK = 4, 16
@@ -336,7 +336,7 @@ def test_every_converted_module_has_drop_original(kind):
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
     x = torch.randn(2, 8)
     if kind == "kept":
-        converted = KeptFp32(model, {"whole_model": {}})
+        converted = keep_original(model, {"whole_model": {}})
     elif kind == "traced":  # no example inputs: symbolically traced
         converted = amppass.convert(model, dtype=torch.bfloat16)
         assert isinstance(converted, torch.fx.GraphModule) and amppass.report(converted).rows

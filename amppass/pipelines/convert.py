@@ -31,7 +31,7 @@ from ..fx.profit import CostModel
 from ..fx.rewrite import rewrite
 from ..fx.view import build_view
 from ..serving.dropin import DropIn, in_own_class, transformers_call, with_signature
-from ..serving.kept import KeptFp32
+from ..serving.kept import KeptFp32, keep_original
 from ..serving.serving_graph import ServingGraph
 from ..serving.traced import TracedGraph
 from ..serving.train_eval import TrainEvalGraphs
@@ -162,6 +162,8 @@ def convert(
     served = _served(model, gm, plan_target, mode, False, options)
     if plan_for == "speed" and plan_target.profitable and options["example"] is not None and not calibration:
         served = _faster_of(served, model, options["example"], costs)
+        if isinstance(served, KeptFp32):
+            return served  # the original itself, in its own class already
     return in_own_class(model, served)  # a drop-in: the model's class, attributes and signature (serving.dropin)
 
 
@@ -252,8 +254,9 @@ def _faster_of(gm: fx.GraphModule, model: nn.Module, example: tuple[Any, dict],
     log.warning("%s: the converted graph measured %.3g ms against %.3g ms for the original module in fp32 on "
                 "this device; keeping the original (plan_for='coverage' converts it anyway)",
                 type(model).__name__, converted_s * 1e3, original_s * 1e3)
-    return KeptFp32(model, {**info, "casts": 0, "weights_converted": 0, "weight_copies": 0,
-                            "weight_bytes_after": info["weight_bytes_before"]})
+    kept = keep_original(model, {**info, "casts": 0, "weights_converted": 0, "weight_copies": 0,
+                                 "weight_bytes_after": info["weight_bytes_before"]})
+    return gm if kept is None else kept
 
 
 def _convert_captured(

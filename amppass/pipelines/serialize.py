@@ -210,7 +210,7 @@ def _served(converted: Any) -> ServingGraph:
         return converted
     if isinstance(converted, KeptFp32):
         whole = converted.meta[META_KEY].get("whole_model", {})
-        raise InputError(f"amppass.convert kept the original {type(converted.original).__name__} in fp32 (the "
+        raise InputError(f"amppass.convert kept the original {converted.original_class.__name__} in fp32 (the "
                          f"converted graph took {whole.get('converted_ms', '?')} ms per call against "
                          f"{whole.get('original_ms', '?')} ms for the original here), so there is no converted "
                          "graph to save: ship the original model as it is, or convert with plan_for='coverage' "

@@ -3,34 +3,46 @@
 A captured graph runs the ops the model's Python code called, one by one. Some modules run faster eagerly
 than any graph of their ops can: ``nn.TransformerEncoder`` in inference takes PyTorch's fused "fast path"
 kernel, which torch.export decomposes. When profitability (:mod:`amppass.fx.profit`) finds the converted
-graph slower than the original module in fp32 on the target, :func:`amppass.convert` returns a
-:class:`KeptFp32` instead: it runs a private copy of the original module (tensors shared, never written)
-and carries the measurement, which :func:`amppass.report` shows as its one row.
+graph slower than the original module in fp32 on the target, :func:`amppass.convert` returns
+:func:`keep_original`'s module instead, which :func:`amppass.report` shows as its one row.
+
+That module must cost what calling the original costs, since it exists because the original is the fastest
+thing to run. So it is the original, not a wrapper around it: a private copy of the original module (own module
+objects, the original's tensors, never written) whose class is a subclass of the original's and of
+:class:`KeptFp32`. Its ``forward`` is the original class's own, called with no layer in between; ``isinstance``
+holds for both classes, and the methods of the original's class (``generate()``, ``encode()``) are there.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from torch import nn
 
 from ..analysis.record import META_KEY
+from ..errors import InputError
 from ..fx.copies import shared_copy
-from ..fx.guards import plain_inputs
 from ..report.report import Report, Row
+
+log = logging.getLogger(__name__)
+
+_INFO = "_amppass_kept"  # instance attribute holding the measurement (``meta[META_KEY]``)
 
 
 class KeptFp32(nn.Module):
-    """Runs the original module in fp32; ``meta["amppass"]`` says why (module docstring)."""
+    """What amppass adds to a kept original's class: its measurement (``meta``), :meth:`report` and
+    :meth:`drop_original`. Made by :func:`keep_original`; defines no ``forward``: the original class's runs."""
 
-    def __init__(self, original: nn.Module, info: dict[str, Any]):
-        super().__init__()
-        self.original = shared_copy(original)  # own module objects: .train() never reaches the caller's
-        self.original.eval()
-        self.meta = {META_KEY: info}
+    @property
+    def meta(self) -> dict[str, Any]:
+        """``{"amppass": info}``, as every converted module carries it."""
+        return {META_KEY: self.__dict__[_INFO]}
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.original(*plain_inputs(args), **plain_inputs(kwargs))  # the caller's containers stay unwritten
+    @property
+    def original_class(self) -> type:
+        """The class of the module that was kept."""
+        return type(self).__mro__[2]
 
     def drop_original(self) -> None:
         """Nothing to release: this module holds its own copy of the caller's module objects, never the caller's
@@ -38,12 +50,42 @@ class KeptFp32(nn.Module):
 
     def report(self) -> Report:
         """The one decision: the whole module runs fp32, with the times that decided it."""
-        info = self.meta[META_KEY]
+        info = self.__dict__[_INFO]
         whole = info["whole_model"]
         reason = (f"profitability: the converted graph took {whole['converted_ms']:.3g} ms per call on this "
                   f"{info['target']['name'].upper()} against {whole['original_ms']:.3g} ms for the original "
                   "module in fp32 (its eager kernels are faster than any captured graph of them here); the "
                   "original runs, in fp32. plan_for='coverage' or 'memory' converts it anyway")
-        row = Row(type(self.original).__name__, "module", "fp32", reason, "profitability", [], dict(whole),
+        row = Row(self.original_class.__name__, "module", "fp32", reason, "profitability", [], dict(whole),
                   "whole-model")
         return Report([row], info)
+
+    def __reduce__(self) -> Any:
+        raise InputError(f"{type(self).__name__}: amppass.convert kept the original module in fp32; torch.save the "
+                         "original model itself (the kept one runs its tensors, unchanged)")
+
+
+def keep_original(model: nn.Module, info: dict[str, Any]) -> KeptFp32 | None:
+    """A private copy of ``model`` in eval mode, in the subclass of its class and :class:`KeptFp32`, carrying
+    ``info`` (module docstring); ``None`` for a class that cannot take another base (a C layout)."""
+    kept = shared_copy(model)  # own module objects: .train() never reaches the caller's
+    try:
+        kept.__class__ = _kept_class(type(model))
+    except TypeError as err:
+        log.info("%s: the original module cannot be kept in a class of amppass's (%s)", type(model).__name__, err)
+        return None
+    kept.__dict__[_INFO] = info
+    kept.eval()
+    return kept
+
+
+_classes: dict[type, type] = {}
+
+
+def _kept_class(cls: type) -> type:
+    made = _classes.get(cls)
+    if made is None:
+        made = _classes[cls] = type(cls.__name__, (KeptFp32, cls), {
+            "__module__": __name__, "__qualname__": cls.__qualname__,
+            "__doc__": f"{cls.__name__} kept in fp32 by amppass.convert (amppass.serving.kept)."})
+    return made
