@@ -226,8 +226,31 @@ def test_model_cast_to_fp32_between_low_ops_is_retargeted():
     assert fast(torch.randn(2, 8)).dtype == torch.float32
 
 
-def test_gelu_cube_stays_low_under_bf16_only():
-    """GPT-2's tanh GELU cubes its input: bf16 has fp32's range so x**3 follows; fp16 keeps it fp32."""
+def test_a_cube_stays_low_under_bf16_only():
+    """A cube: bf16 has fp32's range so x**3 follows; fp16 keeps it fp32 (it leaves fp16's range at |x| > 40)."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
+
+        def forward(self, x):
+            h = self.up(x)
+            return self.down(h + 0.1 * torch.pow(h, 3.0))
+
+    model, x = Net(), torch.randn(4, 16)
+    for dtype, precision in ((torch.bfloat16, "low"), (torch.float16, "fp32")):
+        fast = amppass.convert(model, (x,), dtype, plan_for="coverage")
+        pows = [n for n in fast.graph.nodes if n.target is torch.ops.aten.pow.Tensor_Scalar]
+        assert [n.meta[META_KEY]["precision"] for n in pows] == [precision]
+        with torch.no_grad():
+            error = float((fast(x) - model(x)).norm() / model(x).norm())
+        assert error < (2e-2 if dtype == torch.bfloat16 else 3e-3)
+
+
+def test_gpt2_gelu_runs_low_as_one_op_in_both_dtypes():
+    """GPT-2's tanh GELU cubes its input; written out, its chain becomes one aten.gelu(approximate='tanh'),
+    which computes the cube in fp32 inside the kernel, so it runs low in fp16 too, with no cast around it."""
 
     class Net(nn.Module):
         def __init__(self):
@@ -240,13 +263,13 @@ def test_gelu_cube_stays_low_under_bf16_only():
             return self.down(h)
 
     model, x = Net(), torch.randn(4, 16)
-    for dtype, precision in ((torch.bfloat16, "low"), (torch.float16, "fp32")):
+    for dtype in (torch.bfloat16, torch.float16):
         fast = amppass.convert(model, (x,), dtype, plan_for="coverage")
-        pows = [n for n in fast.graph.nodes if n.target is torch.ops.aten.pow.Tensor_Scalar]
-        assert [n.meta[META_KEY]["precision"] for n in pows] == [precision]
+        gelus = [n for n in fast.graph.nodes if n.target is torch.ops.aten.gelu.default]
+        assert [n.meta[META_KEY]["precision"] for n in gelus] == ["low"]
+        assert not [n for n in fast.graph.nodes if n.target is torch.ops.aten.pow.Tensor_Scalar]
         with torch.no_grad():
             error = float((fast(x) - model(x)).norm() / model(x).norm())
         assert error < (2e-2 if dtype == torch.bfloat16 else 3e-3)
-    casts = [n for n in amppass.convert(model, (x,), torch.bfloat16, plan_for="coverage").graph.nodes
-             if n.meta.get(META_KEY, {}).get("cast")]
-    assert len(casts) == 2, "only the input and the output are cast: the GELU runs in bf16 throughout"
+        casts = [n for n in fast.graph.nodes if n.meta.get(META_KEY, {}).get("cast")]
+        assert len(casts) == 2, "only the input and the output are cast: the GELU runs low throughout"

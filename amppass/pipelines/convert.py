@@ -286,8 +286,9 @@ def _convert_captured(
     """
     low = target.low
     bytes_before = weight_bytes(model) if isinstance(model, nn.Module) else 0
-    if mode == "train":  # a written-out tanh-GELU would run fp32 and save fp32 activations for backward
-        fuse_tanh_gelu(gm)
+    # a written-out tanh-GELU would run fp32 op by op (its cube can overflow), and train mode would save its fp32
+    # activations for backward: one low kernel instead, in both modes (fx.gelu)
+    fuse_tanh_gelu(gm)
     view, _ = build_view(gm, target)
     given = {**(carried or {}), **overrides.resolve(view, keep_fp32, force_low, low)}
     profit_info: dict[str, Any] = {}
