@@ -38,15 +38,16 @@ def registered():
     value = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["torch_dynamo_backends"]
     point = importlib.metadata.EntryPoint(name="amppass", value=value["amppass"], group="torch_dynamo_backends")
     assert point.load() is amppass_backend
-    before = (registry._BACKENDS.get("amppass"), registry._COMPILER_FNS.pop("amppass", None))
-    registry._lazy_import()
+    registry._lazy_import()  # first: it reads the installed entry points, which the state restored below holds
+    entry, function = registry._BACKENDS.get("amppass"), registry._COMPILER_FNS.pop("amppass", None)
     registry._BACKENDS["amppass"] = point
     yield
+    # a lookup registers the loaded function and leaves _BACKENDS["amppass"] None: put back what was there, so
+    # backend="amppass" resolves in the tests after this one
     registry._COMPILER_FNS.pop("amppass", None)
-    if before[0] is not None:
-        registry._BACKENDS["amppass"] = before[0]
-    if before[1] is not None:
-        registry._COMPILER_FNS["amppass"] = before[1]
+    registry._BACKENDS["amppass"] = entry if entry is not None or function is not None else point
+    if function is not None:
+        registry._COMPILER_FNS["amppass"] = function
 
 
 class Split(nn.Module):
@@ -164,7 +165,7 @@ def test_a_compiled_function_reports_and_bad_options_name_the_fix():
         amppass.report(torch.compile(nn.Linear(8, 8), backend="eager"))
 
 
-def test_report_before_the_first_call_says_it_has_not_been_called():
+def test_report_before_the_first_call_says_it_has_not_been_called(registered):
     """Dynamo converts on the first call: a report asked before it says so, and works after it."""
     compiled = torch.compile(nn.Linear(8, 8), backend="amppass", options={"compiler": "eager"})
     with pytest.raises(amppass.InputError, match="has not been called yet"):

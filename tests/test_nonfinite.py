@@ -81,3 +81,20 @@ def test_bf16_conversion_of_the_same_model_needs_nothing():
     model, x = _case()
     fast = amppass.convert(model, (x,), dtype="bf16", plan_for="coverage")
     assert "non_finite" not in amppass.report(fast).info
+
+
+def test_the_compile_backend_checks_each_graph_s_example_call(caplog):
+    """torch.compile(backend='amppass') runs dynamo's example inputs through fp32 and the converted graph, as
+    convert does, and keeps the overflowing nodes fp32, naming them with their graph."""
+    model, x = _case()
+    with caplog.at_level(logging.WARNING, logger="amppass"):
+        compiled = torch.compile(model, backend="amppass", options={"dtype": "fp16", "compiler": "eager"})
+        with torch.no_grad():
+            out, ref = compiled(x), model(x)
+    torch._dynamo.reset()
+    assert torch.isfinite(out).all() and float((out - ref).norm() / ref.norm()) < FP16_TOLERANCE
+    report = amppass.report(compiled)
+    assert report.info["non_finite"] == [{"graph": 0, "kept_fp32": ["g0.mul_1", "g0.linear_1"]}]
+    rows = {r.name: r for r in report.rows}
+    assert "goes inf or NaN on the example inputs" in rows["g0.mul_1"].reason
+    assert rows["g0.linear"].precision == "fp16"

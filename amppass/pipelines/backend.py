@@ -21,7 +21,10 @@ Rules:
    compiles it inside dynamo's compile, for dynamo's example inputs, so its code serves every shape dynamo's
    guards admit, and a guard the trace or inductor adds on a size is one more guard dynamo checks. A new
    shape dynamo's guards reject is dynamo's recompile: a new graph, converted on its own.
-4. Every graph's plan is kept with the ``torch.compile`` call that made it: ``amppass.report(compiled)``
+4. Each graph of static sizes (dynamo's first compile of a model) runs dynamo's example inputs once in fp32
+   and converted (inference), as :func:`amppass.convert` runs its example: a node whose low value goes inf or NaN where fp32's is finite is
+   kept fp32 (:mod:`amppass.fx.finite`), and the report's ``info["non_finite"]`` names it with its graph.
+5. Every graph's plan is kept with the ``torch.compile`` call that made it: ``amppass.report(compiled)``
    shows every graph's rows (named ``g<i>.<node>``) and the inputs each takes.
 
 Options (all optional): ``dtype`` ("auto", "fp16", "bf16", torch dtypes), ``compiler`` ("inductor" or
@@ -43,6 +46,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import fx, nn
 
+from ..analysis.record import META_KEY
 from ..dtypes import low_type
 from ..errors import CaptureError, InputError, first_line
 from ..fx.guards import input_spec, range_bound
@@ -91,6 +95,11 @@ class Session:
                      "unconverted": [{"graph": g.index, "reason": g.failed} for g in self.graphs if g.failed],
                      "graph_plans": [{"graph": g.index, "calibrated": g.calibrated, "inputs": g.inputs(),
                                       "refreshes": g.refreshes} for g in converted]})
+        checked = {g.index: g.converted.meta[META_KEY]["non_finite"] for g in converted
+                   if "non_finite" in g.converted.meta[META_KEY]}
+        if checked:  # the example call's check (fx.finite), per graph, its nodes named as the rows are
+            info["non_finite"] = [{"graph": index, **{k: [f"g{index}.{n}" for n in v] if k == "kept_fp32" else v
+                                                      for k, v in found.items()}} for index, found in checked.items()]
         return Report(rows, info)
 
 
@@ -153,8 +162,10 @@ class CompiledGraph:
         options, self.calibrated = _plan_options(self.settings, self.placeholders, self.users, example_inputs,
                                                  self.index)
         target = torch_target(_device(example_inputs).type, self.settings["dtype"])
-        # planned without measuring: profitability times eager kernels, not the fused code inductor makes
-        self.converted = _convert_captured(lifted, lifted, target, mode, **options, plan_for="coverage")
+        # planned without measuring: profitability times eager kernels, not the fused code inductor makes; the
+        # example dynamo passed is run once in fp32 and converted, as convert's is (fx.finite)
+        self.converted = _convert_captured(lifted, lifted, target, mode, **options, plan_for="coverage",
+                                           example=self._static_example(example_inputs))
         self.frozen = self._frozen()
         self.bound = {i: (example_inputs[i], _version(example_inputs[i])) for i in self.state}
         # state dynamo kept as attributes of its graph (constants the trace made never change)
@@ -162,6 +173,20 @@ class CompiledGraph:
                            if name not in self.state.values()}
         log.info("amppass backend: graph %d converted (%s, %s, %d state tensors)", self.index, mode, self.compiler,
                  len(self.state))
+
+    def _static_example(self, example_inputs: list[Any]) -> tuple[tuple, dict] | None:
+        """Dynamo's example inputs as convert's ``example`` for the graph's check on them (rule 4); None where a
+        size is a symbol (the graph's sizes are expressions of dynamo's shape environment, which only its
+        compiled code evaluates) or an input is fake (an ahead-of-time compile)."""
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        inputs = [example_inputs[i] for i in self.users]
+        fakes = [self.fakes[i] for i in self.users]
+        if any(isinstance(t, FakeTensor) for t in inputs) or any(
+                isinstance(f, torch.SymInt) or (isinstance(f, torch.Tensor) and
+                                                any(isinstance(s, torch.SymInt) for s in f.shape)) for f in fakes):
+            return None
+        return tuple(inputs), {}
 
     def _compile(self, inputs: list[Any], inside_dynamo: bool) -> Callable[..., Any]:
         """The converted graph as it runs: itself (eager) or inductor's code for it.
@@ -247,7 +272,7 @@ def _backend_chain(compiled: Any) -> Iterator[Any]:
             callback = getattr(callback, "_torchdynamo_orig_backend", None) or getattr(callback, "compiler_fn", None)
 
 
-# -- sessions: which torch.compile call a graph belongs to (rule 4) ------------------------------------------
+# -- sessions: which torch.compile call a graph belongs to (rule 5) ------------------------------------------
 
 _SESSIONS: dict[int, tuple[weakref.ref, Session]] = {}
 
