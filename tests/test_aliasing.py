@@ -222,6 +222,8 @@ def test_deepseek_v3_routing_and_shared_experts():
     assert rows["linear"].precision == "fp32" and "casts every operand" in rows["linear"].reason  # the router
     assert rows["topk"].precision == "fp32"
     assert rows["scatter_"].precision == rows["zeros_like"].precision  # the group mask: one precision
+    experts = [r for r in rows.values() if r.op == "transformers.grouped_mm_fallback"]
+    assert experts and all(r.precision == "bf16" for r in experts)  # the experts' products: matrix multiplies
 
 
 @pytest.mark.slow

@@ -203,3 +203,19 @@ def test_export_is_quiet(tmp_path):
                           capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent)
     assert done.returncode == 0, done.stderr
     assert (done.stdout, done.stderr) == ("", "")
+
+
+def test_an_exporter_failure_is_named_by_its_innermost_cause_without_terminal_colours():
+    """The dynamo exporter wraps the real error in a page of advice with terminal colours; the CaptureError
+    quotes the cause (here: an op with no ONNX function), one line, no escapes."""
+    from amppass.pipelines.export_onnx import _why
+
+    try:
+        try:
+            raise KeyError("No ONNX function found for transformers.grouped_mm_fallback")
+        except KeyError as inner:
+            raise RuntimeError("Failed to convert. \x1b[96mThis is step 3/3\x1b[0m of exporting.\nNext steps") from inner
+    except RuntimeError as err:
+        why = _why(err)
+    assert why == "KeyError: 'No ONNX function found for transformers.grouped_mm_fallback'"
+    assert _why(RuntimeError("\x1b[96mstep\x1b[0m one\ntwo")) == "RuntimeError: step one"

@@ -43,6 +43,13 @@ POLICY: tuple[PolicyRow, ...] = (
     ),
     PolicyRow(
         Category.LOW,
+        "grouped matrix multiply (a mixture of experts' per-expert products, one matrix multiply per group of rows): "
+        "Tensor Core work, accumulated in fp32 inside each kernel; transformers' fallback needs its input and "
+        "weights in one dtype, which the rewrite's casts give it",
+        ("_grouped_mm", "transformers.grouped_mm_fallback"),
+    ),
+    PolicyRow(
+        Category.LOW,
         "dot product along a dimension: low-precision products summed in fp32 (torch.autocast runs it low)",
         ("linalg_vecdot",),
     ),
@@ -256,6 +263,7 @@ def einsum_form(equation: str) -> str:
 
 _BY_NAME: dict[str, PolicyRow] = {op: row for row in POLICY for op in row.ops}
 _TRAINING_BY_NAME: dict[str, PolicyRow] = {op: row for row in TRAINING for op in row.ops}
+_NAMESPACED = frozenset(op for op in _BY_NAME if "." in op)  # ops of other libraries: "<namespace>.<name>"
 
 
 def lookup(op_name: str, training: bool = False) -> PolicyRow | None:
@@ -320,8 +328,12 @@ def _parameters(target: Any) -> list[tuple[str, Any]]:
 
 
 def canonical_name(op_name: str) -> str:
-    """Strip the "aten." namespace and overload suffix: "aten.linear.default" -> "linear"."""
+    """Strip the "aten." namespace and overload suffix: "aten.linear.default" -> "linear"; an op of another
+    library's namespace that the table names keeps it ("transformers.grouped_mm_fallback.default" ->
+    "transformers.grouped_mm_fallback")."""
     parts = op_name.split(".")
     if parts[0] == "aten":
         parts = parts[1:]
+    elif len(parts) > 1 and ".".join(parts[:2]) in _NAMESPACED:
+        return ".".join(parts[:2])
     return parts[0] if parts else op_name

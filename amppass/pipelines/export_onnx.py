@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import re
 import tempfile
 from typing import Any
 
@@ -109,18 +110,30 @@ def export_fp32(torch_model: torch.nn.Module, example_inputs: Any, opset: int | 
                 return exported(dynamo=True, size_one=size_one)
             except Exception as err:  # the exporter can fail on any op; tried again, then the other exporter
                 log.info("torch.onnx.export(dynamo=True, size-1 dims dynamic: %s) failed: %s", size_one, err)
-                errors.append(f"dynamo=True: {type(err).__name__}: {str(err)[:300]}")
+                errors.append(f"dynamo=True: {_why(err)}")
         try:
             model = exported(dynamo=False)
         except Exception as err:  # both failed: reported together below
             log.info("torch.onnx.export(dynamo=False) failed: %s", err)
-            errors.append(f"dynamo=False: {type(err).__name__}: {str(err)[:300]}")
+            errors.append(f"dynamo=False: {_why(err)}")
         else:
             log.warning("%s: the dynamo ONNX exporter failed (%s); exported with the TorchScript exporter instead",
                         type(torch_model).__name__, errors[-1].split(": ", 1)[-1][:200])
             return model
     raise CaptureError(f"{type(torch_model).__name__} could not be exported to ONNX by either exporter ("
                        + "; ".join(errors) + "); try amppass.convert for a torch.fx graph instead")
+
+
+_ESCAPES = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # the colours torch's exporter writes into its messages
+
+
+def _why(err: BaseException) -> str:
+    """Why an exporter failed, in one line: the innermost cause's type and first line, without terminal colours
+    (the dynamo exporter wraps the real error in a page of "step 1/3 ... next steps" advice)."""
+    cause = err
+    while cause.__cause__ is not None and cause.__cause__ is not cause:
+        cause = cause.__cause__
+    return f"{type(cause).__name__}: {_ESCAPES.sub('', first_line(cause, 300))}"
 
 
 def _input_names(model: torch.nn.Module, args: tuple) -> list[str]:
