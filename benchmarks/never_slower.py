@@ -133,6 +133,33 @@ def compiled(quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
+def kept_cost(quick: bool) -> list[dict[str, Any]]:
+    """What the module amppass returns when it keeps the original costs per call, against calling the original:
+    on a model small enough (two 8x8 linears, batch 1; and the small architectures profitability keeps) that a
+    wrapper's microseconds show."""
+    from amppass.serving.kept import keep_original
+
+    models = [("mlp 8x8, batch 1", lambda: (torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(),
+                                                                torch.nn.Linear(8, 8)).eval(), (torch.randn(1, 8),), {}))]
+    for name in ("gru", "qwen2") if not quick else ("gru",):
+        def make(name=name):
+            case = build_arch(name, batch=1)
+            return case.model.eval(), case.example_inputs, case.example_kwargs or {}
+
+        models.append((f"{name}, batch 1", make))
+    rows = []
+    for label, make in models:
+        model, inputs, kwargs = make()
+        kept = keep_original(model, {"whole_model": {}})
+        with torch.inference_mode():
+            samples = time_interleaved({"original": lambda: model(*inputs, **kwargs),
+                                        "kept": lambda: kept(*inputs, **kwargs)}, 3, 7 if quick else 21)
+        original, held = (statistics.median(samples[n]) * 1e6 for n in ("original", "kept"))
+        rows.append({"model": label, "original_us": original, "kept_us": held, "overhead_us": held - original,
+                     "ratio": held / original})
+    return rows
+
+
 def run(quick: bool) -> list[dict[str, Any]]:
     warmup, repeats = (1, 3) if quick else (3, 9)
     return [measure(label, batch, make, warmup, repeats) for label, batch, make in cases(quick)]
