@@ -79,6 +79,30 @@ def test_tiny_configs_shrink_what_the_class_has():
     assert harness.tiny_config("bert").hidden_dropout_prob == 0.0
 
 
+def test_tiny_configs_switch_off_training_randomness():
+    config = harness.tiny_config("wav2vec2")
+    assert (config.mask_time_prob, config.layerdrop, config.hidden_dropout) == (0.0, 0.0, 0.0)
+
+
+def test_gradients_are_judged_per_parameter_against_autocast_s():
+    autocast = {"a": 0.9999, "b": 0.97, "noise": -0.04}
+    assert harness.judge_gradients({"a": 0.9995, "b": 0.965, "noise": -0.3}, autocast)[0] == "pass"
+    outcome, detail = harness.judge_gradients({"a": 0.95, "b": 0.97, "noise": 0.1}, autocast)
+    assert outcome == "fail" and detail.startswith("a: cosine 0.9500")  # worse than autocast on a resolved one
+    assert "1 parameters unresolved" in detail
+    assert harness.judge_gradients({"a": 0.985}, {})[0] == "fail"  # autocast failed: judged against 0.999
+
+
+def test_a_rerun_of_some_steps_updates_those_steps_only():
+    first = [vars(harness.Result("A", "base", True, steps={"train": {"outcome": "fail"}, "compile": {"outcome": "pass"}},
+                                 commit="old")), vars(harness.Result("B", "base", False, "KeyError"))]
+    again = [vars(harness.Result("A", "base", True, steps={"train": {"outcome": "pass"}}, commit="new")),
+             vars(harness.Result("B", "base", True, steps={"train": {"outcome": "pass"}}))]
+    a, b = harness.merged(first, again)
+    assert a["steps"] == {"train": {"outcome": "pass"}, "compile": {"outcome": "pass"}} and a["commit"] == "new"
+    assert b["built"] and b["steps"] == {"train": {"outcome": "pass"}}
+
+
 def test_a_step_that_starts_passing_fails_the_suite(monkeypatch):
     result = harness.Result("LlamaForCausalLM", "causal-lm", True, steps={"train": {"outcome": "pass", "detail": ""}})
     monkeypatch.setitem(DATA["expected"], "LlamaForCausalLM", {"train": "listed as failing"})

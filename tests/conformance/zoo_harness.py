@@ -18,8 +18,9 @@ recipe here is "unbuilt", with the reason. Each built class goes through :data:`
 - ``compile``: ``torch.compile(backend="amppass", options={"dtype": "bf16"})`` at two input shapes, each judged as
   convert's outputs.
 - ``train``: ``convert(..., dtype="fp16", mode="train")``, 3 SGD steps with ``amppass.LossScaler``; first-step
-  gradients (unscaled) against fp32's by per-parameter cosine, no worse than autocast + ``GradScaler``'s worst
-  cosine by more than :data:`COSINE_SLACK`; every loss finite.
+  gradients (unscaled) against fp32's by per-parameter cosine, each no worse than autocast + ``GradScaler``'s for
+  that parameter by more than :data:`COSINE_SLACK` (:func:`judge_gradients`; a gradient autocast's fp16 cannot
+  resolve either is not judged); every loss finite.
 - ``export-onnx``: ``amppass.export_onnx(..., dtype="fp16")``, ``onnx.checker`` (full check), onnxruntime's CPU
   provider; the first output within ``max(FLOOR_FP16, RATIO * fp16 autocast's error)`` of fp32's.
 
@@ -71,6 +72,7 @@ FLOOR = 2.0**-5  # 8 units of bf16 roundoff: below it no plan is judged, however
 FLOOR_FP16 = 2.0**-8  # the same for fp16
 RATIO = 4.0  # amppass runs more ops low than autocast; 4x autocast's error on the same CPU is still its kind of error
 COSINE_SLACK = 1e-2
+RESOLVED = 0.5  # a gradient autocast's fp16 gets less aligned than this with fp32's is rounding noise in fp16
 PER_TYPE = ("compile", "export-onnx")  # steps run once per model type, on its first class that builds
 STEP_SECONDS = 240  # a step still running then is a failure ("timed out"), so one class cannot stall the zoo
 VOCAB = 128
@@ -116,6 +118,24 @@ REPRESENTATIVE: dict[str, tuple[str, ...]] = {
 SUBCONFIGS = ("text_config", "vision_config", "audio_config", "encoder", "decoder", "backbone_config")
 
 
+def _commit() -> str:
+    """The checkout's commit ("+dirty" with uncommitted changes), or "" outside a git checkout."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return head + ("+dirty" if dirty else "")
+
+
+COMMIT = _commit()
+
+
 @dataclass
 class Built:
     """A tiny model of one class, with its inputs."""
@@ -138,6 +158,7 @@ class Result:
     built: bool
     reason: str = ""  # why it was not built
     steps: dict[str, dict] = field(default_factory=dict)  # step -> {"outcome", "detail", "seconds"}
+    commit: str = field(default_factory=lambda: COMMIT)  # the amppass code that ran it
 
 
 def classes(kinds: tuple[str, ...] = tuple(MAPPINGS)) -> dict[str, tuple[str, str]]:
@@ -175,7 +196,8 @@ def steps_of(name: str, found: dict[str, tuple[str, str]], unbuilt: set[str] | d
 
 
 def tiny_config(model_type: str) -> Any:
-    """The config class's defaults for ``model_type`` with :data:`SHRINK` applied and every dropout 0."""
+    """The config class's defaults for ``model_type`` with :data:`SHRINK` applied and every source of training
+    randomness (dropout, layer drop, SpecAugment masks) 0."""
     from transformers import CONFIG_MAPPING
 
     config_class = CONFIG_MAPPING[model_type]
@@ -187,8 +209,7 @@ def _overrides(defaults: dict) -> dict:
     for key, value in defaults.items():
         if key in SUBCONFIGS and isinstance(value, dict):
             changed[key] = {**value, **_overrides(value)}
-        elif ("dropout" in key or key.endswith(("drop_prob", "drop_path_rate", "_pdrop"))) and \
-                isinstance(value, float):
+        elif _random(key) and isinstance(value, float):
             changed[key] = 0.0
         elif isinstance(value, (list, tuple)) and key in LIST_SHRINK:
             changed[key] = list(LIST_SHRINK[key])
@@ -204,6 +225,13 @@ def _overrides(defaults: dict) -> dict:
     if isinstance(defaults.get("layer_types"), list):  # one per layer: rebuilt for the layers kept
         changed["layer_types"] = defaults["layer_types"][:2]
     return changed
+
+
+def _random(key: str) -> bool:
+    """Whether a config float switches on randomness in training (dropout, layer drop, stochastic depth,
+    SpecAugment's time and feature masks): set to 0, so the train step compares gradients of one computation."""
+    return "dropout" in key or "layerdrop" in key or key.endswith(("drop_prob", "drop_path_rate", "_pdrop")) or \
+        (key.startswith("mask_") and key.endswith("_prob"))
 
 
 def build(name: str, kind: str, model_type: str) -> Built:
@@ -415,22 +443,25 @@ def _train_loss(out: Any) -> torch.Tensor:
     return loss
 
 
-def _worst_cosine(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
-    worst = 1.0
+def _cosines(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Each parameter's gradient cosine to fp32's (parameters whose fp32 gradient is zero left out): 0 for a
+    missing gradient, -inf for a non-finite one."""
+    found = {}
     for name, want in reference.items():
         if float(want.norm()) == 0.0:
             continue
         got = grads.get(name)
         if got is None or not torch.isfinite(got).all():
-            return 0.0 if got is None else -math.inf
-        worst = min(worst, float(torch.nn.functional.cosine_similarity(got.flatten().double(),
-                                                                       want.flatten().double(), dim=0)))
-    return worst
+            found[name] = 0.0 if got is None else -math.inf
+            continue
+        found[name] = float(torch.nn.functional.cosine_similarity(got.flatten().double(), want.flatten().double(),
+                                                                  dim=0))
+    return found
 
 
-def _autocast_cosine(model: torch.nn.Module, inputs: dict, reference: dict[str, torch.Tensor]) -> float:
-    """The worst first-step gradient cosine of torch.autocast (fp16) + GradScaler; 1.0 where autocast itself fails
-    (the bound is then :data:`COSINE_SLACK` below 0.999)."""
+def _autocast_cosines(model: torch.nn.Module, inputs: dict, reference: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Each parameter's first-step gradient cosine under torch.autocast (fp16) + GradScaler; empty where autocast
+    itself fails (every parameter is then judged against 0.999)."""
     model = copy.deepcopy(model).train()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     try:
@@ -438,9 +469,25 @@ def _autocast_cosine(model: torch.nn.Module, inputs: dict, reference: dict[str, 
             loss = _train_loss(model(**inputs))
         scaler.scale(loss.float()).backward()
     except Exception:  # noqa: BLE001 - an op autocast cannot run in fp16 on this CPU: no comparison to make
-        return 1.0
+        return {}
     scaler.unscale_(torch.optim.SGD(model.parameters(), lr=1e-3))
-    return _worst_cosine(_gradients(model), reference)
+    return _cosines(_gradients(model), reference)
+
+
+def judge_gradients(cosines: dict[str, float], autocast: dict[str, float]) -> tuple[str, str]:
+    """Every parameter's cosine no worse than autocast's for it (at most 0.999) by more than :data:`COSINE_SLACK`;
+    a parameter whose gradient fp16 autocast cannot resolve (cosine below :data:`RESOLVED`: its fp32 gradient is
+    below fp16's rounding of the values it is made from) is not judged, only counted."""
+    judged = {n: c for n, c in cosines.items() if autocast.get(n, 1.0) >= RESOLVED}
+    short = {n: c - (min(autocast.get(n, 1.0), 0.999) - COSINE_SLACK) for n, c in judged.items()}
+    worst = min(short, key=short.get) if short else None
+    detail = (f"worst gradient cosine {min(judged.values(), default=1.0):.4f}"
+              f" (autocast's {min((autocast.get(n, 1.0) for n in judged), default=1.0):.4f})")
+    if len(judged) < len(cosines):
+        detail += f"; {len(cosines) - len(judged)} parameters unresolved by fp16 autocast too"
+    if worst is not None and short[worst] < 0:
+        return "fail", f"{worst}: cosine {cosines[worst]:.4f}, autocast's {autocast.get(worst, 1.0):.4f}; {detail}"
+    return "pass", detail
 
 
 def step_train(built: Built) -> tuple[str, str]:
@@ -449,29 +496,27 @@ def step_train(built: Built) -> tuple[str, str]:
     _train_loss(fp32(**inputs)).backward()
     reference = _gradients(fp32)
 
-    autocast_cosine = _autocast_cosine(built.model, inputs, reference)
+    autocast = _autocast_cosines(built.model, inputs, reference)
 
     args, kwargs = _split(built, inputs)
     model = amppass.convert(copy.deepcopy(built.model).train(), args, example_kwargs=kwargs, dtype="fp16",
                             mode="train")
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     scaler = amppass.LossScaler(init_scale=2.0**10)
-    cosine, losses = None, []
+    cosines, losses = None, []
     for _ in range(3):
         optimizer.zero_grad()
         loss = _train_loss(model(*args, **kwargs))
         losses.append(float(loss))
         scaler.scale(loss).backward()
         scaler.unscale_(optimizer)
-        if cosine is None:
-            cosine = _worst_cosine(_gradients(model), reference)
+        if cosines is None:
+            cosines = _cosines(_gradients(model), reference)
         scaler.step(optimizer)
         scaler.update()
-    bound = min(autocast_cosine, 0.999) - COSINE_SLACK
-    detail = f"worst gradient cosine {cosine:.4f}, autocast's {autocast_cosine:.4f}"
     if not all(math.isfinite(x) for x in losses):
         return "fail", f"non-finite loss in 3 steps {losses}"
-    return ("pass" if cosine >= bound else "fail"), detail
+    return judge_gradients(cosines, autocast)
 
 
 def step_export(built: Built) -> tuple[str, str]:
@@ -585,6 +630,20 @@ def counts(results: list[dict]) -> list[dict]:
     return rows
 
 
+def merged(results: list[dict], later: list[dict]) -> list[dict]:
+    """``results`` updated by ``later`` (a rerun): a class built in both keeps its other steps and takes the rerun's
+    (with its commit); otherwise the later outcome replaces the class's."""
+    index = {r["name"]: r for r in results}
+    for result in later:
+        known = index.get(result["name"])
+        if known is not None and known["built"] and result["built"]:
+            known["steps"] = {**known["steps"], **result["steps"]}
+            known["commit"] = result.get("commit", "")
+        else:
+            index[result["name"]] = result
+    return list(index.values())
+
+
 def expected_from(results: list[dict]) -> dict:
     """The ``zoo_expected.json`` content that ``results`` satisfy; the entries of classes and steps not in ``results``
     are kept from the file as it is (so a run of some classes or steps updates theirs only)."""
@@ -646,7 +705,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--resume", action="store_true", help="keep the classes already in --json")
     parser.add_argument("--write-expected", action="store_true", help=f"write {EXPECTED.name} from the outcomes")
     parser.add_argument("--combine", nargs="*", type=Path, default=[],
-                        help="run nothing: join these outcome files (the shards') into --json")
+                        help="run nothing: join these outcome files (the shards', a rerun's last) into --json")
     options = parser.parse_args(argv)
     found = classes()
     index, count = (int(p) for p in options.shard.split("/"))
@@ -654,7 +713,7 @@ def main(argv: list[str] | None = None) -> None:
     if options.resume and options.json and os.path.exists(options.json):
         results = json.loads(Path(options.json).read_text(encoding="utf-8"))["results"]
     for path in options.combine:
-        results += json.loads(path.read_text(encoding="utf-8"))["results"]
+        results = merged(results, json.loads(path.read_text(encoding="utf-8"))["results"])
     if options.combine and options.json:
         write_json(Path(options.json), {"versions": versions(), "results": results})
     done = {r["name"] for r in results}
