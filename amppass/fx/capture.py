@@ -34,8 +34,10 @@ CAPTURE_LOCK = threading.RLock()  # one torch.export / symbolic_trace / ONNX exp
 
 @contextlib.contextmanager
 def capturing(model: nn.Module, train: bool) -> Iterator[None]:
-    """Hold :data:`CAPTURE_LOCK` with ``model`` in train or eval mode: around every trace or export of it."""
+    """Hold :data:`CAPTURE_LOCK` with ``model`` in train or eval mode, transformers' cache types registered with
+    torch's pytree: around every trace or export of it (torch.export and the ONNX exporter alike)."""
     with CAPTURE_LOCK, module_mode(model, train):
+        _register_cache_types(model)
         yield
 
 _HINTS = (
@@ -83,7 +85,6 @@ def capture(
         () if example_inputs is None else (tuple(example_inputs) if isinstance(example_inputs, list) else (example_inputs,))
     )
     kwargs = dict(example_kwargs or {})
-    _register_cache_types(model)
     with capturing(model, train):
         return _export(model, args, kwargs, dynamic_shapes, note_fixed_dims)
 

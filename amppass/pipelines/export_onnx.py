@@ -20,6 +20,7 @@ from ..files import check_writable
 from ..fx.capture import capturing, size_one_dynamic
 from ..fx.quiet import quiet_torch
 from .convert_onnx import convert_onnx, save
+from .onnx_ops import translations
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,8 @@ def export_fp32(torch_model: torch.nn.Module, example_inputs: Any, opset: int | 
                 if dynamo:
                     with size_one_dynamic(size_one), quiet_torch():
                         torch.onnx.export(torch_model, args, target, dynamo=True, verbose=False,
-                                          dynamic_shapes=attempt, **kwargs)
+                                          dynamic_shapes=attempt, custom_translation_table=translations(),
+                                          **kwargs)
                 else:
                     with quiet_torch():
                         torch.onnx.export(torch_model, args, target, dynamo=False, verbose=False,
