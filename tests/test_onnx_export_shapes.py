@@ -219,3 +219,28 @@ def test_an_exporter_failure_is_named_by_its_innermost_cause_without_terminal_co
         why = _why(err)
     assert why == "KeyError: 'No ONNX function found for transformers.grouped_mm_fallback'"
     assert _why(RuntimeError("\x1b[96mstep\x1b[0m one\ntwo")) == "RuntimeError: step one"
+
+
+def test_a_float32_export_that_differs_from_the_model_is_said(caplog, tmp_path):
+    """The exporter's own error (here a model whose exported graph computes something else: a Python float read
+    at export time and changed after) is measured on the example and named in a warning; an exact export says
+    nothing."""
+    import logging
+
+    from amppass.pipelines.export_onnx import _say_if_the_export_differs, export_fp32
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear, self.scale = torch.nn.Linear(8, 8), 1.0
+
+        def forward(self, x):
+            return self.linear(x) * self.scale
+
+    model, x = Scaled().eval(), torch.randn(2, 8)
+    fp32 = export_fp32(model, (x,))
+    with caplog.at_level(logging.WARNING, logger="amppass"):
+        assert _say_if_the_export_differs(fp32, model, (x,)) < 1e-6 and not caplog.records
+        model.scale = 1.01  # the export baked 1.0 in
+        assert abs(_say_if_the_export_differs(fp32, model, (x,)) - 0.01 / 1.01) < 1e-4
+    assert "the float32 ONNX export differs from the PyTorch model on the example by 0.0099" in caplog.text

@@ -52,9 +52,51 @@ def export_onnx(
     check_writable(path)
     with capturing(torch_model, train=False):  # an inference export: dropout off, BN running stats
         fp32 = export_fp32(torch_model, example_inputs, dynamic_shapes=dynamic_shapes)
+        _say_if_the_export_differs(fp32, torch_model, example_inputs)
     converted = convert_onnx(fp32, dtype, **convert_kwargs)
     save(converted, path)
     return converted
+
+
+EXPORT_TOLERANCE = 1e-4  # relative L2: a float32 export differs from torch by its kernels' rounding, far below this
+
+
+def _say_if_the_export_differs(fp32: onnx.ModelProto, torch_model: torch.nn.Module, example_inputs: Any) -> float | None:
+    """Run the float32 export in onnxruntime on the example beside the PyTorch model, and warn where an output
+    differs by more than :data:`EXPORT_TOLERANCE`: that error is the exporter's, before any conversion, and the
+    converted model carries it. Returns the worst error (None where the outputs cannot be paired: another count
+    of outputs, an input onnxruntime is not fed)."""
+    import onnxruntime as ort
+
+    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    leaves = _named_leaves(_input_names(torch_model, args), args)
+    options = ort.SessionOptions()
+    options.log_severity_level = 4
+    try:
+        session = ort.InferenceSession(fp32.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        feeds = {i.name: leaves[i.name].detach().cpu().numpy() for i in session.get_inputs()}
+        got = session.run(None, feeds)
+    except Exception as err:  # noqa: BLE001 - onnxruntime's own types: then there is nothing to compare
+        log.info("the float32 export was not compared with the model on the example: %s", first_line(err, 200))
+        return None
+    with torch.no_grad():
+        want = [t for t in pytree.tree_leaves(torch_model(*args)) if isinstance(t, torch.Tensor)]
+    if len(want) != len(got):
+        return None
+    worst, where = 0.0, 0
+    for index, (value, reference) in enumerate(zip(got, want)):
+        if not reference.is_floating_point() or tuple(value.shape) != tuple(reference.shape):
+            continue
+        reference = reference.detach().double().cpu()
+        error = float((torch.from_numpy(np.asarray(value)).double() - reference).norm() / (reference.norm() or 1.0))
+        if not error <= worst:  # NaN counts as the worst
+            worst, where = error, index
+    if not worst <= EXPORT_TOLERANCE:
+        log.warning("%s: the float32 ONNX export differs from the PyTorch model on the example by %.3g (relative, "
+                    "output %d) before any conversion: that is torch's exporter's error, and the converted model "
+                    "carries it; check the export (torch.onnx.export) or convert the model with amppass.convert",
+                    type(torch_model).__name__, worst, where)
+    return worst
 
 
 def _refuse_converted(model: torch.nn.Module) -> None:
