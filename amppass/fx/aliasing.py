@@ -178,3 +178,57 @@ def _schema_effect(schema: Any) -> tuple[bool, bool]:
                                               or not r.alias_info.before_set)
                 for r in schema.returns)
     return bool(info.is_write), views
+
+
+def functional_writes(gm: fx.GraphModule) -> list[str]:
+    """Rewrite each in-place write to a value nothing else aliases into its out-of-place op; return the names
+    of the writes rewritten.
+
+    A train graph runs eagerly under autograd, and an in-place write to a value an op saved for its backward
+    fails there (DeBERTa-style masked softmax, ``probs.masked_fill_(mask, 0)``, which the model wraps in its
+    own ``autograd.Function`` and torch.export inlines). Where the written value is an intermediate result (not
+    an input, a weight or a buffer) and its aliasing group holds no view of it taken before the write and no
+    other write, the write becomes the out-of-place overload of the same op and every later reader of the
+    value reads its result: the same values forward, and a backward autograd can run. Views taken after the
+    write view the result.
+    """
+    groups = alias_groups(gm)
+    order = {node: index for index, node in enumerate(gm.graph.nodes)}
+    rewritten = []
+    for node, written in list(groups.writes.items()):
+        pure = _out_of_place(node)
+        members = groups.group(node)
+        alone = sum(m in groups.writes for m in members) == 1 and all(
+            order[m] >= order[node] for m in members if m is not written)  # views only of the written value
+        if pure is None or written.op != "call_function" or not alone:
+            continue
+        with gm.graph.inserting_after(node):
+            replacement = gm.graph.call_function(pure, node.args, node.kwargs)
+        replacement.meta = dict(node.meta)
+        node.replace_all_uses_with(replacement)
+        for user in list(written.users):
+            if user is not replacement and order.get(user, len(order)) > order[node]:
+                user.replace_input_with(written, replacement)
+        gm.graph.erase_node(node)
+        replacement.name = node.name
+        rewritten.append(node.name)
+    if rewritten:
+        gm.recompile()
+    return rewritten
+
+
+def _out_of_place(node: fx.Node) -> torch._ops.OpOverload | None:
+    """The out-of-place overload of an in-place ATen op (``masked_fill_.Scalar`` -> ``masked_fill.Scalar``)
+    taking the same arguments, or None."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return None
+    name = target._schema.name.split("::")[-1]
+    if not name.endswith("_") or name.startswith("_"):
+        return None
+    packet = getattr(torch.ops.aten, name[:-1], None)
+    overload = getattr(packet, target._overloadname, None) if packet is not None else None
+    if not isinstance(overload, torch._ops.OpOverload):
+        return None
+    same = [a.name for a in overload._schema.arguments] == [a.name for a in target._schema.arguments]
+    return overload if same else None

@@ -18,7 +18,7 @@ from ..analysis.view import GraphView
 from ..dtypes import low_type
 from ..errors import CaptureError, InputError
 from ..fx import finite, profit
-from ..fx.aliasing import alias_groups
+from ..fx.aliasing import alias_groups, functional_writes
 from ..fx.copies import shared_copy
 from ..fx.backward import annotate_backward
 from ..fx.calibrate import CaptureFp32, calibrated_plan, flatten_inputs, split_batch
@@ -286,6 +286,8 @@ def _convert_captured(
     """
     low = target.low
     bytes_before = weight_bytes(model) if isinstance(model, nn.Module) else 0
+    if mode == "train":  # the graph runs under autograd: a write to a value saved for backward would fail it
+        functional_writes(gm)
     # a written-out tanh-GELU would run fp32 op by op (its cube can overflow), and train mode would save its fp32
     # activations for backward: one low kernel instead, in both modes (fx.gelu)
     fuse_tanh_gelu(gm)
