@@ -42,6 +42,21 @@ def _qwen2():
 DECODERS: dict[str, Callable[[], torch.nn.Module]] = {"llama": _llama, "gpt2": _gpt2, "qwen2": _qwen2}
 
 
+def deepseek_v3(hidden: int = 64, layers: int = 3, experts: int = 8, groups: int = 2) -> torch.nn.Module:
+    """A tiny DeepSeek-V3 (multi-head latent attention, grouped top-k routing over ``experts``, a shared expert)
+    in eval mode with seeded weights; its first layer dense, the rest mixtures of experts."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(
+        vocab_size=128, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=32,
+        num_hidden_layers=layers, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+        n_routed_experts=experts, num_experts_per_tok=2, n_group=groups, topk_group=1, n_shared_experts=1,
+        q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+        max_position_embeddings=128)
+    torch.manual_seed(0)
+    return DeepseekV3ForCausalLM(config).eval()
+
+
 def decoder(name: str) -> torch.nn.Module:
     """An eval-mode ``*ForCausalLM`` of family ``name`` with seeded random weights."""
     with torch.random.fork_rng(devices=[]):

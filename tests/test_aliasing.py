@@ -175,14 +175,10 @@ def test_train_mode_writes_reach_the_buffer():
 # -- DeepSeek-V3: multi-head latent attention, grouped top-k routing, shared experts ---------------------------
 
 def _deepseek():
-    transformers = pytest.importorskip("transformers")
-    config = transformers.DeepseekV3Config(
-        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
-        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
-        num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, q_lora_rank=32, kv_lora_rank=16,
-        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, max_position_embeddings=128)
-    torch.manual_seed(0)
-    return transformers.DeepseekV3ForCausalLM(config).eval()
+    pytest.importorskip("transformers")
+    from decoders import deepseek_v3
+
+    return deepseek_v3()
 
 
 def test_deepseek_v3_logits_as_close_as_autocast():

@@ -226,19 +226,20 @@ def test_model_cast_to_fp32_between_low_ops_is_retargeted():
     assert fast(torch.randn(2, 8)).dtype == torch.float32
 
 
+class UpDown(nn.Module):
+    """Linear up, an element-wise ``middle``, linear down."""
+
+    def __init__(self, middle):
+        super().__init__()
+        self.up, self.down, self.middle = nn.Linear(16, 64), nn.Linear(64, 16), middle
+
+    def forward(self, x):
+        return self.down(self.middle(self.up(x)))
+
+
 def test_a_cube_stays_low_under_bf16_only():
     """A cube: bf16 has fp32's range so x**3 follows; fp16 keeps it fp32 (it leaves fp16's range at |x| > 40)."""
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
-
-        def forward(self, x):
-            h = self.up(x)
-            return self.down(h + 0.1 * torch.pow(h, 3.0))
-
-    model, x = Net(), torch.randn(4, 16)
+    model, x = UpDown(lambda h: h + 0.1 * torch.pow(h, 3.0)), torch.randn(4, 16)
     for dtype, precision in ((torch.bfloat16, "low"), (torch.float16, "fp32")):
         fast = amppass.convert(model, (x,), dtype, plan_for="coverage")
         pows = [n for n in fast.graph.nodes if n.target is torch.ops.aten.pow.Tensor_Scalar]
@@ -251,18 +252,8 @@ def test_a_cube_stays_low_under_bf16_only():
 def test_gpt2_gelu_runs_low_as_one_op_in_both_dtypes():
     """GPT-2's tanh GELU cubes its input; written out, its chain becomes one aten.gelu(approximate='tanh'),
     which computes the cube in fp32 inside the kernel, so it runs low in fp16 too, with no cast around it."""
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
-
-        def forward(self, x):
-            h = self.up(x)
-            h = 0.5 * h * (1.0 + torch.tanh(0.79788456 * (h + 0.044715 * torch.pow(h, 3.0))))
-            return self.down(h)
-
-    model, x = Net(), torch.randn(4, 16)
+    model = UpDown(lambda h: 0.5 * h * (1.0 + torch.tanh(0.79788456 * (h + 0.044715 * torch.pow(h, 3.0)))))
+    x = torch.randn(4, 16)
     for dtype in (torch.bfloat16, torch.float16):
         fast = amppass.convert(model, (x,), dtype, plan_for="coverage")
         gelus = [n for n in fast.graph.nodes if n.target is torch.ops.aten.gelu.default]

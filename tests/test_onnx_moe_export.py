@@ -17,13 +17,9 @@ transformers = pytest.importorskip("transformers")
 
 
 def _tiny_deepseek():
-    config = transformers.DeepseekV3Config(
-        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
-        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
-        num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1, q_lora_rank=32, kv_lora_rank=16,
-        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, max_position_embeddings=64)
-    torch.manual_seed(0)
-    return transformers.DeepseekV3ForCausalLM(config).eval()
+    from decoders import deepseek_v3
+
+    return deepseek_v3(hidden=32, layers=2, experts=4, groups=1)
 
 
 def test_a_moe_decoder_exports_with_its_grouped_matrix_multiplies(tmp_path):
