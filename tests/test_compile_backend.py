@@ -398,3 +398,35 @@ def test_inductor_at_every_shape_of_real_sized_architectures(build):
             assert rel_error(out, ref) <= 1.5 * rel_error(auto, ref) + 1e-3, [a.shape for a in args]
     report = amppass.report(compiled)
     assert report.info["unconverted"] == [] and any("[s" in p["inputs"] for p in report.info["graph_plans"])
+
+
+def test_state_reached_through_module_dicts_keeps_its_own_name():
+    """Dynamo names a weight by the path it was read through; a model that reads a submodule through
+    ``__dict__['_modules']`` (DonutSwin) gives sources the path must still follow, or two weights get one name,
+    and the second placeholder was bound to the first weight (a shape error there; with equal shapes, a silently
+    wrong result)."""
+    from types import SimpleNamespace
+
+    from amppass.pipelines.backend import _lift, _state_inputs
+
+    def placeholder(name: str, source: str) -> torch.fx.Node:
+        node = torch.fx.Graph().placeholder(name)
+        node.meta["grapharg"] = SimpleNamespace(source=SimpleNamespace(name=source))
+        return node
+
+    block = "L['self']._modules['blocks']._modules['0'].__dict__['_modules']"
+    nodes = [placeholder("a", f"{block}['intermediate']._modules['dense']._parameters['weight']"),
+             placeholder("b", f"{block}['output']._modules['dense']._parameters['weight']"),
+             placeholder("c", "L['self'].__dict__['_modules']['norm'].__dict__['_buffers']['running_mean']")]
+    tensors = [nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4, 4)), torch.zeros(4)]
+    assert _state_inputs(nodes, tensors) == {0: "blocks.0.intermediate.dense.weight",
+                                             1: "blocks.0.output.dense.weight", 2: "norm.running_mean"}
+
+    # a name taken twice (any source the pattern misses) never binds the second tensor to the first's attribute
+    graph = torch.fx.Graph()
+    x, y = graph.placeholder("x"), graph.placeholder("y")
+    graph.output(graph.call_function(torch.add, (x, y)))
+    traced = torch.fx.GraphModule(nn.Module(), graph)
+    traced.meta["attributes"] = []
+    lifted, users = _lift(traced, nodes[:2], tensors[:2], {0: "dense.weight", 1: "dense.weight"})
+    assert users == [] and torch.equal(lifted(), tensors[0] + tensors[1])

@@ -45,6 +45,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import fx, nn
+from torch.utils import _pytree as pytree
 
 from ..analysis.record import META_KEY
 from ..dtypes import low_type
@@ -62,8 +63,10 @@ log = logging.getLogger(__name__)
 COMPILERS = ("inductor", "eager")
 _OPTIONS = ("dtype", "mode", "compiler", "freezing", "keep_io_types", "keep_fp32", "force_low", "low_weight_tables",
             "calibration", "tolerance")
-_STATE_SOURCE = re.compile(r"\._(parameters|buffers)\['([^']+)'\]$")
-_MODULE_STEP = re.compile(r"\._modules\['([^']+)'\]")
+# dynamo's source of a module's tensor: L['self']._modules['a']._parameters['w'], or through __dict__ where the
+# model reads it so: ...__dict__['_modules']['a']...__dict__['_parameters']['w']
+_STATE_SOURCE = re.compile(r"(?:\._|\.__dict__\['_)(parameters|buffers)(?:'\])?\['([^']+)'\]$")
+_MODULE_STEP = re.compile(r"(?:\._modules|\.__dict__\['_modules'\])\['([^']+)'\]")
 
 
 @dataclass
@@ -165,7 +168,7 @@ class CompiledGraph:
         # planned without measuring: profitability times eager kernels, not the fused code inductor makes; the
         # example dynamo passed is run once in fp32 and converted, as convert's is (fx.finite)
         self.converted = _convert_captured(lifted, lifted, target, mode, **options, plan_for="coverage",
-                                           example=self._static_example(example_inputs))
+                                           example=self._static_example(example_inputs, lifted))
         self.frozen = self._frozen()
         self.bound = {i: (example_inputs[i], _version(example_inputs[i])) for i in self.state}
         # state dynamo kept as attributes of its graph (constants the trace made never change)
@@ -174,18 +177,20 @@ class CompiledGraph:
         log.info("amppass backend: graph %d converted (%s, %s, %d state tensors)", self.index, mode, self.compiler,
                  len(self.state))
 
-    def _static_example(self, example_inputs: list[Any]) -> tuple[tuple, dict] | None:
+    def _static_example(self, example_inputs: list[Any], traced: fx.GraphModule) -> tuple[tuple, dict] | None:
         """Dynamo's example inputs as convert's ``example`` for the graph's check on them (rule 4); None where a
-        size is a symbol (the graph's sizes are expressions of dynamo's shape environment, which only its
-        compiled code evaluates) or an input is fake (an ahead-of-time compile)."""
+        size anywhere in the traced graph is a symbol (the graph's sizes are expressions of dynamo's shape
+        environment, which only its compiled code evaluates) or an input is fake (an ahead-of-time compile)."""
         from torch._subclasses.fake_tensor import FakeTensor
 
         inputs = [example_inputs[i] for i in self.users]
-        fakes = [self.fakes[i] for i in self.users]
-        if any(isinstance(t, FakeTensor) for t in inputs) or any(
-                isinstance(f, torch.SymInt) or (isinstance(f, torch.Tensor) and
-                                                any(isinstance(s, torch.SymInt) for s in f.shape)) for f in fakes):
+        if any(isinstance(t, FakeTensor) for t in inputs):
             return None
+        for node in traced.graph.nodes:
+            for value in pytree.tree_leaves(node.meta.get("val")):
+                if isinstance(value, torch.SymInt) or (isinstance(value, torch.Tensor) and any(
+                        isinstance(size, torch.SymInt) for size in value.shape)):
+                    return None
         return tuple(inputs), {}
 
     def _compile(self, inputs: list[Any], inside_dynamo: bool) -> Callable[..., Any]:
@@ -472,6 +477,8 @@ def _lift(traced: fx.GraphModule, placeholders: list[fx.Node], example_inputs: l
     named = [(i, name, example_inputs[i]) for i, name in state.items()]
     named += [(len(placeholders) + k, name, tensor) for k, (name, tensor) in enumerate(traced.meta["attributes"])]
     for i, name, tensor in named:
+        if _has(root, name) and _fetch(root, name) is not tensor:  # never two tensors under one name
+            name = _unique(root, name)
         if not _has(root, name):
             _register(root, name, tensor)
         env[inputs[i]] = graph.get_attr(name)
@@ -482,6 +489,14 @@ def _lift(traced: fx.GraphModule, placeholders: list[fx.Node], example_inputs: l
         if node.op != "placeholder":
             env[node] = graph.node_copy(node, lambda n: env[n])
     return fx.GraphModule(root, graph), users
+
+
+def _unique(root: nn.Module, name: str) -> str:
+    """``name`` with a numbered last step that ``root`` does not hold yet."""
+    number = 1
+    while _has(root, f"{name}_{number}"):
+        number += 1
+    return f"{name}_{number}"
 
 
 def _fetch(module: nn.Module, name: str) -> Any:
