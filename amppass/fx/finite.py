@@ -27,6 +27,7 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from ..analysis.plan import Decision, Precision, PrecisionPlan, Source
+from ..errors import first_line
 from .aliasing import alias_groups
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,12 @@ def check(fp32: fx.GraphModule, inputs: list, plan: PrecisionPlan, low: str,
     and what to record (empty when the first check passed)."""
     kept: dict[str, Decision] = {}
     for _ in range(ROUNDS):
-        finding = non_finite(fp32, converted, inputs)
+        try:
+            finding = non_finite(fp32, converted, inputs)
+        except Exception as err:  # noqa: BLE001 - a graph that cannot run outside its compiler is not checked
+            log.info("the example call was not checked: the graph does not run on it eagerly (%s)",
+                     first_line(err, 200))
+            return converted, {"non_finite": {"not_checked": first_line(err, 200)}}
         if finding is None:
             if kept:
                 log.warning("the converted model's output went non-finite on the example inputs in %s where fp32's "
