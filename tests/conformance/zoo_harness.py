@@ -719,9 +719,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", default=None, help="write every outcome here (after each class)")
     parser.add_argument("--resume", action="store_true", help="keep the classes already in --json")
     parser.add_argument("--write-expected", action="store_true", help=f"write {EXPECTED.name} from the outcomes")
+    parser.add_argument("--memory-gb", type=float, default=8.0,
+                        help="address space of this process: a class past it fails its step instead of the shard "
+                             "being killed (0: no limit)")
     parser.add_argument("--combine", nargs="*", type=Path, default=[],
                         help="run nothing: join these outcome files (the shards', a rerun's last) into --json")
     options = parser.parse_args(argv)
+    if options.memory_gb:
+        import resource
+
+        limit = int(options.memory_gb * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
     found = classes()
     index, count = (int(p) for p in options.shard.split("/"))
     results: list[dict] = []
