@@ -18,9 +18,10 @@ recipe here is "unbuilt", with the reason. Each built class goes through :data:`
 - ``compile``: ``torch.compile(backend="amppass", options={"dtype": "bf16"})`` at two input shapes, each judged as
   convert's outputs.
 - ``train``: ``convert(..., dtype="fp16", mode="train")``, 3 SGD steps with ``amppass.LossScaler``; first-step
-  gradients (unscaled) against fp32's by per-parameter cosine, each no worse than autocast + ``GradScaler``'s for
-  that parameter by more than :data:`COSINE_SLACK` (:func:`judge_gradients`; a gradient autocast's fp16 cannot
-  resolve either is not judged); every loss finite.
+  gradients (unscaled) against fp32's by per-parameter cosine, each error ``1 - cosine`` within twice autocast +
+  ``GradScaler``'s for that parameter plus :data:`COSINE_SLACK` (:func:`judge_gradients`; a gradient autocast's
+  fp16 cannot resolve either is not judged); every loss finite. A batch norm that needs two values per channel
+  in training (one image, 1x1 at the end) trains on the batch of two.
 - ``export-onnx``: ``amppass.export_onnx(..., dtype="fp16")``, ``onnx.checker`` (full check), onnxruntime's CPU
   provider; the first output within ``max(FLOOR_FP16, RATIO * fp16 autocast's error)`` of fp32's.
 
@@ -72,6 +73,7 @@ FLOOR = 2.0**-5  # 8 units of bf16 roundoff: below it no plan is judged, however
 FLOOR_FP16 = 2.0**-8  # the same for fp16
 RATIO = 4.0  # amppass runs more ops low than autocast; 4x autocast's error on the same CPU is still its kind of error
 COSINE_SLACK = 1e-2
+GRADIENT_RATIO = 2.0  # amppass runs more ops low than autocast: twice its gradient error is still its kind
 RESOLVED = 0.5  # a gradient autocast's fp16 gets less aligned than this with fp32's is rounding noise in fp16
 PER_TYPE = ("compile", "export-onnx")  # steps run once per model type, on its first class that builds
 STEP_SECONDS = 240  # a step still running then is a failure ("timed out"), so one class cannot stall the zoo
@@ -149,6 +151,7 @@ class Built:
     other: dict  # the same inputs at another shape
     labels: dict  # what makes the model compute its loss ({} where it has none)
     generates: bool
+    other_labels: dict = field(default_factory=dict)  # the labels of ``other``
 
 
 @dataclass
@@ -275,7 +278,8 @@ def build(name: str, kind: str, model_type: str) -> Built:
         if _loss(out) is None:
             labels = {}
     generates = kind == "causal-lm" and hasattr(model, "generate") and model.can_generate()
-    return Built(name, kind, model, inputs, other, labels, generates)
+    other_labels = _labels("seq2seq" if encoder_decoder else kind, other, main) if labels else {}
+    return Built(name, kind, model, inputs, other, labels, generates, other_labels)
 
 
 def _ids(batch: int, length: int, seed: int) -> torch.Tensor:
@@ -492,11 +496,14 @@ def _autocast_cosines(model: torch.nn.Module, inputs: dict, reference: dict[str,
 
 
 def judge_gradients(cosines: dict[str, float], autocast: dict[str, float]) -> tuple[str, str]:
-    """Every parameter's cosine no worse than autocast's for it (at most 0.999) by more than :data:`COSINE_SLACK`;
-    a parameter whose gradient fp16 autocast cannot resolve (cosine below :data:`RESOLVED`: its fp32 gradient is
-    below fp16's rounding of the values it is made from) is not judged, only counted."""
+    """Every parameter's gradient error, ``1 - cosine`` to fp32's, at most :data:`GRADIENT_RATIO` times autocast's
+    for it (autocast's cosine taken at most 0.999) plus :data:`COSINE_SLACK`: the kind of error autocast's fp16
+    makes, as convert's outputs are judged; a parameter whose gradient fp16 autocast cannot resolve (cosine below
+    :data:`RESOLVED`: its fp32 gradient is below fp16's rounding of the values it is made from) is not judged,
+    only counted."""
     judged = {n: c for n, c in cosines.items() if autocast.get(n, 1.0) >= RESOLVED}
-    short = {n: c - (min(autocast.get(n, 1.0), 0.999) - COSINE_SLACK) for n, c in judged.items()}
+    short = {n: GRADIENT_RATIO * (1 - min(autocast.get(n, 1.0), 0.999)) + COSINE_SLACK - (1 - c)
+             for n, c in judged.items()}
     worst = min(short, key=short.get) if short else None
     detail = (f"worst gradient cosine {min(judged.values(), default=1.0):.4f}"
               f" (autocast's {min((autocast.get(n, 1.0) for n in judged), default=1.0):.4f})")
@@ -510,7 +517,14 @@ def judge_gradients(cosines: dict[str, float], autocast: dict[str, float]) -> tu
 def step_train(built: Built) -> tuple[str, str]:
     inputs = {**built.inputs, **built.labels}
     fp32 = copy.deepcopy(built.model).train()
-    _train_loss(fp32(**inputs)).backward()
+    try:
+        _train_loss(fp32(**inputs)).backward()
+    except ValueError as err:  # batch norm in training needs two values per channel: a batch of one image at 1x1
+        if "more than 1 value per channel" not in str(err):
+            raise
+        inputs = {**built.other, **built.other_labels}
+        fp32 = copy.deepcopy(built.model).train()
+        _train_loss(fp32(**inputs)).backward()
     reference = _gradients(fp32)
 
     autocast = _autocast_cosines(built.model, inputs, reference)
