@@ -7,6 +7,8 @@ outcome is fixed, and the real measuring path is exercised by recording and reus
 
 from __future__ import annotations
 
+import copy
+import io
 import logging
 
 import pytest
@@ -96,6 +98,13 @@ def test_a_saved_cost_table_decides_and_makes_plans_reproducible():
         assert torch.allclose(fast(*X), model(*X), rtol=0.05, atol=0.05)
 
 
+def _saved_and_loaded(module: torch.nn.Module) -> torch.nn.Module:
+    buffer = io.BytesIO()
+    torch.save(module, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
 def test_the_original_module_is_kept_where_it_is_faster(caplog):
     model = mlp()
     _, report = _measured(model)
@@ -118,6 +127,11 @@ def test_the_original_module_is_kept_where_it_is_faster(caplog):
     finally:
         hook.remove()
     assert calls == original_calls  # no module call in between
+    for copied in (copy.deepcopy(kept), _saved_and_loaded(kept)):  # copies and pickles as what it is
+        assert isinstance(copied, KeptFp32) and isinstance(copied, type(model))
+        assert copied.meta == kept.meta and amppass.report(copied).rows[0].source == "profitability"
+        with torch.no_grad():
+            assert torch.equal(copied(*X), model(*X))
     row, = amppass.report(kept).rows
     assert row.precision == "fp32" and row.source == "profitability" and "plan_for='coverage'" in row.reason
     with torch.no_grad():

@@ -21,7 +21,6 @@ from typing import Any
 from torch import nn
 
 from ..analysis.record import META_KEY
-from ..errors import InputError
 from ..fx.copies import shared_copy
 from ..report.report import Report, Row
 
@@ -60,9 +59,10 @@ class KeptFp32(nn.Module):
                   "whole-model")
         return Report([row], info)
 
-    def __reduce__(self) -> Any:
-        raise InputError(f"{type(self).__name__}: amppass.convert kept the original module in fp32; torch.save the "
-                         "original model itself (the kept one runs its tensors, unchanged)")
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Copied and pickled as what it is: an instance of the kept class of its original's class, with its
+        state (``copy.deepcopy``, ``torch.save``; the original's class must be importable to load it)."""
+        return _remade, (self.original_class,), self.__dict__
 
 
 def keep_original(model: nn.Module, info: dict[str, Any]) -> KeptFp32 | None:
@@ -80,6 +80,11 @@ def keep_original(model: nn.Module, info: dict[str, Any]) -> KeptFp32 | None:
 
 
 _classes: dict[type, type] = {}
+
+
+def _remade(cls: type) -> KeptFp32:
+    """An empty instance of the kept class of ``cls``, for copy and pickle to fill with its state."""
+    return object.__new__(_kept_class(cls))
 
 
 def _kept_class(cls: type) -> type:
