@@ -22,8 +22,9 @@ Rules:
    guards admit, and a guard the trace or inductor adds on a size is one more guard dynamo checks. A new
    shape dynamo's guards reject is dynamo's recompile: a new graph, converted on its own.
 4. Each graph of static sizes (dynamo's first compile of a model) runs dynamo's example inputs once in fp32
-   and converted (inference), as :func:`amppass.convert` runs its example: a node whose low value goes inf or NaN where fp32's is finite is
-   kept fp32 (:mod:`amppass.fx.finite`), and the report's ``info["non_finite"]`` names it with its graph.
+   and converted (inference), as :func:`amppass.convert` runs its example: a node whose low value goes inf or
+   NaN where fp32's is finite is kept fp32 (:mod:`amppass.fx.finite`), and the report's ``info["non_finite"]``
+   names it with its graph.
 5. Every graph's plan is kept with the ``torch.compile`` call that made it: ``amppass.report(compiled)``
    shows every graph's rows (named ``g<i>.<node>``) and the inputs each takes.
 
