@@ -16,6 +16,7 @@ from torch import nn
 
 import amppass
 from amppass.analysis.calibration import relative_error
+from amppass.serving.kept import KeptFp32
 from amppass.targets import device as device_facts
 from models import build
 from tests.decoders import agreeing_steps, decoder, greedy, prompt
@@ -50,6 +51,11 @@ def _error(fast, model, inputs) -> float:
     return relative_error(out, ref)
 
 
+def _matrix_rows(report) -> list:
+    """The report's rows of matrix products (linear, addmm, convolutions): op names are "aten.<op>"."""
+    return [r for r in report.rows if r.op.removeprefix("aten.").startswith(("linear", "conv", "addmm"))]
+
+
 @pytest.mark.parametrize("name", ["bert", "vit", "resnet"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_convert_on_cuda_runs_low_and_stays_close_to_fp32(name, dtype):
@@ -57,9 +63,19 @@ def test_convert_on_cuda_runs_low_and_stays_close_to_fp32(name, dtype):
     fast = amppass.convert(model, inputs, dtype, plan_for="coverage")
     report = amppass.report(fast)
     assert report.info["target"]["name"] == "cuda"
-    assert any(r.precision in ("bf16", "fp16") for r in report.rows if r.op.startswith(("linear", "conv", "addmm")))
+    assert any(r.precision in ("bf16", "fp16") for r in _matrix_rows(report))
     assert next(fast.parameters()).device.type == "cuda"
     assert _error(fast, model, inputs) < (3e-2 if dtype == torch.bfloat16 else 5e-3)
+
+
+@pytest.mark.parametrize("mode", ["inference", "train"])
+def test_a_model_converted_on_the_cpu_follows_fp32_after_to_cuda(mode):
+    case = build("bert", batch=2, seq=16)
+    model = copy.deepcopy(case.model).train(mode == "train")
+    fast = amppass.convert(model, case.example_inputs, "bf16", mode=mode, plan_for="coverage").to("cuda")
+    reference = copy.deepcopy(case.model).cuda().eval()
+    fast.eval()
+    assert _error(fast, reference, tuple(t.cuda() for t in case.example_inputs)) < 3e-2
 
 
 @pytest.mark.parametrize("seq", [16, 24])
@@ -118,9 +134,11 @@ def test_profitability_on_cuda_times_kernels_on_the_gpu_and_keeps_big_matmuls_lo
     x = torch.randn(256, 2048, device="cuda")
     fast = amppass.convert(model, (x,), "bf16", plan_for="speed")
     info = amppass.report(fast).info
+    # the whole-model comparison times the kernels (a synchronized clock), not their launches
+    assert not isinstance(fast, KeptFp32), info.get("whole_model")
     found = device_facts.fingerprint(torch.device("cuda"))
     assert found["sm_count"] > 0 and found["cuda"] and found["name"]
-    rows = [r for r in amppass.report(fast).rows if r.op.startswith(("linear", "addmm"))]
+    rows = _matrix_rows(amppass.report(fast))
     assert rows and all(r.precision == "bf16" for r in rows), info.get("profitability")
     assert _error(fast, model, (x,)) < 3e-2
 

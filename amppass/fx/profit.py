@@ -585,7 +585,8 @@ def whole_model(converted: torch.nn.Module, original: torch.nn.Module, args: tup
         calls = [lambda: converted(*args, **kwargs), lambda: original(*args, **kwargs)]
         began = time.perf_counter()
         with torch.inference_mode():
-            timings = interleaved(calls, [1, 0], lambda ratios: time.perf_counter() - began > budget, 15)
+            timings = interleaved(calls, [1, 0], lambda ratios: time.perf_counter() - began > budget, 15,
+                                  sync=_synchronizer(converted, args, kwargs))
         if not agree(timings.ratios, 1 + MARGIN, SPREAD_LIMIT):
             return None
         found = [round(seconds, 9) for seconds in timings.medians]
@@ -594,6 +595,14 @@ def whole_model(converted: torch.nn.Module, original: torch.nn.Module, args: tup
     for name, seconds in zip(names, found):
         costs.used[name] = seconds  # recorded, not saved: the cache holds them under the graph's own key
     return found[0], found[1]
+
+
+def _synchronizer(model: torch.nn.Module, args: tuple, kwargs: dict) -> Callable[[], None] | None:
+    """``torch.cuda.synchronize`` where the model or its inputs are on a CUDA device: a call there returns when
+    its kernels are queued, and only a synchronized clock times the kernels themselves."""
+    tensors = [*model.parameters(), *model.buffers(), *pytree.tree_leaves((args, kwargs))]
+    on_cuda = any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in tensors)
+    return torch.cuda.synchronize if on_cuda else None
 
 
 def _graph_digest(gm: torch.nn.Module) -> str:

@@ -9,15 +9,19 @@ face (:mod:`amppass.serving.face`) makes look like a no-op. So a converted modul
 :class:`PlanDtypes` instead of the function it is given: the function's device change (``.to("cuda")``,
 ``.cpu()``) and anything else it does to a tensor happen as asked; a floating tensor keeps its dtype,
 logged once per call (a warning, or INFO where fp32 was asked: the dtype the module faces its caller with).
-Converting the original again with the other ``dtype`` is the way to another low dtype.
+Converting the original again with the other ``dtype`` is the way to another low dtype. The graphs' device
+literals follow a device move (:mod:`amppass.fx.devices`).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
+from torch import fx
+
+from ..fx.devices import retarget
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +32,14 @@ class PlanDtypes:
     def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor]):
         self.fn = fn
         self.asked: set[torch.dtype] = set()
+        self.moves: dict[torch.device, torch.device] = {}  # device before -> device after, for the graphs' literals
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        result = self._kept(tensor)
+        self.moves.setdefault(tensor.device, result.device)
+        return result
+
+    def _kept(self, tensor: torch.Tensor) -> torch.Tensor:
         if not (tensor.is_floating_point() or tensor.is_complex()):
             return self.fn(tensor)
         made = self.fn(torch.empty(0, dtype=tensor.dtype, device=tensor.device))  # what fn makes of such a tensor
@@ -37,6 +47,11 @@ class PlanDtypes:
             return self.fn(tensor)
         self.asked.add(made.dtype)
         return tensor.to(made.device)
+
+    def retarget(self, graphs: Iterable[fx.GraphModule]) -> None:
+        """Move the device literals of ``graphs`` as the tensors moved (:mod:`amppass.fx.devices`)."""
+        for gm in graphs:
+            retarget(gm, self.moves)
 
     def tell(self, name: str) -> None:
         """Log what was asked and left out, once for the whole ``_apply``."""

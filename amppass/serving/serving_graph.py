@@ -259,6 +259,7 @@ class ServingGraph(Fp32Face, fx.GraphModule):
         for plan in self._plans.extra.values():  # tensors a later plan holds alone move with this module
             plan.graph._apply(kept, recurse)
             plan.bound_to = ()
+        kept.retarget(self.plans)
         if kept is not fn:
             kept.tell(self._plans.name)
         return result

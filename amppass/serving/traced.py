@@ -39,5 +39,6 @@ class TracedGraph(fx.GraphModule):
         """``.to()`` and its relatives move the device; the dtypes stay the plan's (:mod:`amppass.serving.plan_dtypes`)."""
         kept = PlanDtypes(fn)
         result = super()._apply(kept, recurse)
+        kept.retarget([self])
         kept.tell(type(self).__name__)
         return result

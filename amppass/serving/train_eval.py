@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 from torch import fx, nn
@@ -206,6 +206,15 @@ class TrainEvalGraphs(Children, nn.Module):
             for name, value in saved.items():
                 self.get_buffer(name).copy_(value)
 
+    def _installed(self) -> Iterator[tuple[Any, Outline]]:
+        """(key, outline) of every plan installed in the tree: both modes' example plans and the later ones."""
+        yield from ((flag, found) for flag, found in self._outlines.items())
+        for graph in self._graphs.values():
+            for plan in graph.plans[1:]:
+                found, key = plan.meta.get(_TREE_KEY) or (None, None)
+                if found is not None:
+                    yield key, found
+
     def _outline_for(self, plan: fx.GraphModule, args: tuple, kwargs: dict) -> tuple[Outline | None, Any]:
         """The tree code of ``plan``, the one that takes this call, and its key (rule 5); None if it runs as one
         graph."""
@@ -297,6 +306,11 @@ class TrainEvalGraphs(Children, nn.Module):
             for name, value in list(vars(part).items()):
                 if isinstance(value, torch.Tensor):
                     part.__dict__[name] = kept(value)
+        kept.retarget(plan for graph in self._graphs.values() for plan in graph.plans)
+        for key, found in self._installed():  # the tree's code of every plan, generated again where a device moved
+            for name, code in found.retarget(kept.moves, self).items():
+                if name:
+                    self.get_submodule(name)._code[key] = code
         kept.tell(type(self).__name__)
         self._reset_graph_state()  # rule 4: buffers (and, on some settings, parameters) are new tensors now
         return result

@@ -44,7 +44,7 @@ import io
 import itertools
 import logging
 import warnings
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import fx, nn
@@ -54,6 +54,7 @@ from torch.utils import _pytree as pytree
 from ..errors import InputError
 from ..fx.calibrate import split_batch
 from ..fx.capture import auto_dims, size_one_dynamic, without_dtype_asserts
+from ..fx.devices import retarget
 from ..fx.guards import GUARDS_KEY
 from ..fx.quiet import quiet_torch
 from .serving_graph import set_state
@@ -183,13 +184,31 @@ def _holds_state(value: Any, module: nn.Module) -> bool:
 
 
 class Outline:
-    """What one mode's tree needs: the root's code and pytree specs, and each called module's code."""
+    """What one mode's tree needs: the root's code and pytree specs, and each called module's code.
+
+    ``graphs`` holds the graph each code was generated from (the root's under ""), owned by no module (so
+    holding no tensor), for :meth:`retarget` to generate the code again after a device move."""
 
     def __init__(self, root: Callable[..., Any], in_spec: Any, out_spec: Any, parts: dict[str, Callable[..., Any]],
-                 constants: dict[str, Any], inlined: dict[str, str]):
+                 constants: dict[str, Any], inlined: dict[str, str], graphs: dict[str, fx.Graph]):
         self.root, self.in_spec, self.out_spec = root, in_spec, out_spec
         self.parts, self.constants = parts, constants
         self.inlined = inlined  # the modules whose nodes run in their parent's part, each with why (rule 5)
+        self.graphs = graphs
+
+    def retarget(self, moves: Mapping[torch.device, torch.device], tree: nn.Module) -> dict[str, Callable[..., Any]]:
+        """Move every part's device literals by ``moves`` (:mod:`amppass.fx.devices`); the code of each part
+        that changed, by module name (the root's under "", which this outline now runs too). ``tree`` is the
+        module tree the code runs in: each part's code is generated in a module over that part's attributes."""
+        changed = {}
+        for name, graph in self.graphs.items():
+            gm = fx.GraphModule(tree.get_submodule(name), graph)
+            if retarget(gm, moves):
+                changed[name] = type(gm).forward
+            graph.owning_module = None
+        self.root = changed.get("", self.root)
+        self.parts.update((name, code) for name, code in changed.items() if name)
+        return changed
 
     def outputs(self, leaves: Any) -> Any:
         """The root code's flat outputs arranged as the model returns them (a single leaf may come bare)."""
@@ -242,7 +261,7 @@ def outline(gm: fx.GraphModule, example: tuple[tuple, dict] | None, device: torc
         log.warning("the converted graph could not be outlined into its modules (%s ...); it runs as one graph, so "
                     "FSDP2 can wrap only the whole model", next(iter(misfits.values())))
         return None
-    parts, constants = {}, {}
+    parts, constants, graphs = {}, {}, {}
     for name, module in tree.named_modules(remove_duplicate=False):
         if not name or isinstance(module, fx.GraphModule):  # the root, or a subgraph of a higher-order op
             continue
@@ -252,13 +271,17 @@ def outline(gm: fx.GraphModule, example: tuple[tuple, dict] | None, device: torc
             if any(n.op != "placeholder" and n.op != "output" for n in module.graph.nodes):
                 _unshadow_self(module.graph_module)
                 parts[name] = type(module.graph_module).forward
+                graphs[name] = module.graph_module.graph
         # a module not called (its nodes run in a parent's part) still holds the constants its nodes read
         constants.update((f"{name}.{attr}", value) for attr, value in itertools.chain(_tensors(module), held))
     constants.update(itertools.chain(_tensors(tree), _hold_subgraphs(tree)))
     signature = tree.module_call_graph[0].signature
     _unshadow_self(tree.graph_module)
+    graphs[""] = tree.graph_module.graph
+    for graph in graphs.values():  # the code runs in the tree's parts: no whole parameter stays alive here (rule 6)
+        graph.owning_module = None
     return Outline(type(tree.graph_module).forward, signature.in_spec, signature.out_spec, parts, constants,
-                   inlined)
+                   inlined, graphs)
 
 
 # Each round inlines at least one module into its parent; a model this deep is not outlined.
