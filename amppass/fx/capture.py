@@ -26,6 +26,7 @@ from .copies import shared_copy
 from .modes import module_mode
 from .quiet import quiet_torch
 from .guards import GUARDS_KEY, ShapeGuards, plain_inputs, specialised_dims
+from .input_writes import unreturned_write
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,10 @@ def _symbolic(model: nn.Module) -> fx.GraphModule:
 
 
 def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any, notes: bool) -> fx.GraphModule:
+    written = unreturned_write(model, args, kwargs)
+    if written is not None:
+        raise CaptureError(f"{written}. Call it without that input (use_cache=False), or make the model return "
+                           "what it writes (a decoder: config.is_decoder=True)")
     fixed = _fixed_keywords(model, args, kwargs)
     if fixed:
         model, kwargs = _with_fixed(model, fixed), {k: v for k, v in kwargs.items() if k not in fixed}

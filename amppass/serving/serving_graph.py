@@ -37,6 +37,7 @@ Rules:
 from __future__ import annotations
 
 import collections
+import copy
 import functools
 import logging
 from dataclasses import dataclass, field
@@ -232,8 +233,9 @@ class ServingGraph(Fp32Face, fx.GraphModule):
         original = self._plans.original
         if original is None:
             return
+        args, kwargs = copy.deepcopy((plain_inputs(args), plain_inputs(kwargs)))  # it may write into them (a cache)
         with torch.no_grad(), module_mode(original, train=self.training):
-            original(*plain_inputs(args), **plain_inputs(kwargs))
+            original(*args, **kwargs)
 
     def _bind(self, plan: _Plan) -> None:
         """Rule 3: point the plan's state entries at this module's tensors of the same name, shape and dtype."""
