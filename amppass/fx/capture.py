@@ -23,6 +23,7 @@ from torch.export import Dim
 
 from ..errors import CaptureError, InputError, first_line
 from .copies import shared_copy
+from .custom_backward import FUNCTIONS_KEY, functions_applied
 from .modes import module_mode
 from .quiet import quiet_torch
 from .guards import GUARDS_KEY, ShapeGuards, plain_inputs, specialised_dims
@@ -122,13 +123,14 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any, no
     last: Exception | None = None
     for shapes, oblivious in attempts:
         try:
-            with size_one_dynamic(oblivious), quiet_torch():
+            with size_one_dynamic(oblivious), quiet_torch(), functions_applied() as functions:
                 program = torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
         except Exception as err:  # noqa: BLE001 - retried with static shapes, then reported
             log.debug("torch.export with dynamic_shapes=%s (size-1 dims dynamic: %s) failed: %s", shapes, oblivious, err)
             last = err
             continue
         gm = without_dtype_asserts(_with_guards_kept(program.module(), fixed))
+        gm.meta[FUNCTIONS_KEY] = sorted(functions)
         if dynamic_shapes == "auto" and notes:
             _note_fixed_dims(gm, model, dynamic=shapes is not None,
                              why=why_static if last is None else first_line(last, 300))

@@ -27,6 +27,9 @@ Rules:
    names it with its graph.
 5. Every graph's plan is kept with the ``torch.compile`` call that made it: ``amppass.report(compiled)``
    shows every graph's rows (named ``g<i>.<node>``) and the inputs each takes.
+6. In training, a graph that applies a ``torch.autograd.Function`` runs as dynamo traced it, in fp32 (logged;
+   the report's ``info["unconverted"]`` says why): tracing it to ATen ops would keep the Function's forward and
+   differentiate that, losing the backward the model wrote (a straight-through estimator's, YOSO's).
 
 Options (all optional): ``dtype`` ("auto", "fp16", "bf16", torch dtypes), ``compiler`` ("inductor" or
 "eager"), ``keep_io_types``, ``keep_fp32``, ``force_low``, ``low_weight_tables`` as for
@@ -79,7 +82,7 @@ class Session:
 
     def report(self) -> Report:
         """One report over every graph: rows named ``g<i>.<node>``, the summary summed over graphs."""
-        if not any(g.converted is not None for g in self.graphs):
+        if not self.graphs:
             raise InputError("this compiled model has not run yet, so dynamo has given amppass no graph to "
                              "convert; call it once, then ask for the report")
         rows, info = [], {}
@@ -94,6 +97,8 @@ class Session:
                 info[key] = info.get(key, 0) + int(part.info.get(key, 0))
             info.setdefault("dtype", part.info["dtype"])
             info.setdefault("mode", part.info.get("mode"))
+        if not converted:  # every graph runs as dynamo traced it (info["unconverted"] says why)
+            info.update({"dtype": "fp32", "mode": self.options.get("mode", "inference")})
         info.update({"front_end": "fx", "compiler": self.options.get("compiler", "inductor"),
                      "graphs": len(converted), "calibrated": any(g.calibrated for g in converted),
                      "unconverted": [{"graph": g.index, "reason": g.failed} for g in self.graphs if g.failed],
@@ -160,9 +165,11 @@ class CompiledGraph:
         return self.settings["freezing"] and self.settings["mode"] == "inference" and not torch.is_grad_enabled()
 
     def _convert(self, example_inputs: list[Any]) -> None:
+        mode = self.settings["mode"]
+        if mode == "train":
+            _refuse_own_backward(self.gm)
         traced = _trace(self.gm, self.fakes, self.index)
         lifted, self.users = _lift(traced, self.placeholders, example_inputs, self.state)
-        mode = self.settings["mode"]
         options, self.calibrated = _plan_options(self.settings, self.placeholders, self.users, example_inputs,
                                                  self.index)
         target = torch_target(_device(example_inputs).type, self.settings["dtype"])
@@ -384,6 +391,16 @@ def _trace(gm: fx.GraphModule, fakes: list[Any], index: int) -> fx.GraphModule:
     _clean_constants(traced, index)
     traced.meta["attributes"] = attributes  # name, tensor of each input after dynamo's own
     return traced
+
+
+def _refuse_own_backward(gm: fx.GraphModule) -> None:
+    """Rule 6: a graph that applies a ``torch.autograd.Function`` is not converted for training."""
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.higher_order.autograd_function_apply:
+            trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+            where = f" at {trace[-2].strip()}" if len(trace) >= 2 else ""
+            raise CaptureError(f"it applies a torch.autograd.Function{where}, whose own backward a trace to ATen ops "
+                               "would replace by the derivative of its forward")
 
 
 def _vmaps(gm: fx.GraphModule) -> bool:

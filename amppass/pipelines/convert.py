@@ -20,6 +20,7 @@ from ..errors import CaptureError, InputError
 from ..fx import finite, profit
 from ..fx.aliasing import alias_groups, functional_writes
 from ..fx.copies import shared_copy
+from ..fx.custom_backward import check_backward
 from ..fx.backward import annotate_backward
 from ..fx.calibrate import CaptureFp32, calibrated_plan, flatten_inputs, split_batch
 from ..fx.capture import capture, capture_program
@@ -35,6 +36,7 @@ from ..serving.kept import KeptFp32, keep_original
 from ..serving.serving_graph import ServingGraph
 from ..serving.traced import TracedGraph
 from ..serving.train_eval import TrainEvalGraphs
+from ..serving.tree import example_call
 from ..targets.device import fingerprint
 from ..targets.target import Target, torch_target
 from ..targets.timing_cache import TimingCache
@@ -151,11 +153,13 @@ def convert(
             "one batch, e.g. amppass.convert(model, (x,), mode='train')")
     if mode == "train":
         # torch.export bakes the training flag into the graph: one graph per mode over one set of fp32 tensors
-        train_gm, eval_gm = (
-            _served(model, capture(model, example_inputs, example_kwargs, train=flag, dynamic_shapes=dynamic_shapes),
-                    plan_target, mode, flag, options)
-            for flag in (True, False)
-        )
+        captured = {flag: capture(model, example_inputs, example_kwargs, train=flag, dynamic_shapes=dynamic_shapes)
+                    for flag in (True, False)}
+        for gm in captured.values():
+            functional_writes(gm)  # the check's backward runs them under autograd, as training will
+        args, kwargs = example_call(options["example"])
+        check_backward(model, captured, plain_inputs(args), plain_inputs(kwargs))  # a Function's own backward
+        train_gm, eval_gm = (_served(model, captured[flag], plan_target, mode, flag, options) for flag in (True, False))
         trained = TrainEvalGraphs(train_gm, eval_gm, training=model.training, original=model, example=options["example"])
         return with_signature(trained, model)  # Trainer keeps the dataset columns forward() names
     gm = capture(model, example_inputs, example_kwargs, train=False, dynamic_shapes=dynamic_shapes)

@@ -1,0 +1,102 @@
+"""A model's own ``torch.autograd.Function`` backward is kept or refused, never silently replaced in training.
+
+torch.export captures a Function's forward and differentiates it: a straight-through estimator's ``round``
+then has gradient zero, and YOSO's approximate backward is replaced by the exact one (a key bias's gradient
+had cosine 0.90 with the model's). Train mode compares the captured graph's fp32 gradients with the model's
+on the example and refuses where they differ; the compile backend runs the graph holding the Function as
+dynamo traced it, with its backward.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import amppass
+from amppass.errors import CaptureError
+
+
+class RoundSTE(torch.autograd.Function):
+    """Rounds forward, passes the gradient straight through backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class ExactExp(torch.autograd.Function):
+    """exp with its exact derivative written by hand: nothing to lose."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.exp(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return grad * y
+
+
+class Net(nn.Module):
+    def __init__(self, function: type, train_only: bool = False):
+        super().__init__()
+        self.function, self.train_only = function, train_only
+        self.fc1, self.norm, self.fc2 = nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.norm(self.fc1(x))
+        h = self.function.apply(h) if self.training or not self.train_only else torch.round(h)
+        return self.fc2(h)
+
+
+def _x() -> torch.Tensor:
+    return torch.randn(16, 8, generator=torch.Generator().manual_seed(0)) * 2
+
+
+@pytest.mark.parametrize("train_only", [False, True])
+def test_a_function_whose_backward_is_not_its_forwards_derivative_is_refused_in_train_mode(train_only):
+    torch.manual_seed(0)
+    model = Net(RoundSTE, train_only).train()
+    before = copy.deepcopy(model.state_dict())
+    mode = "train" if train_only else "eval"
+    with pytest.raises(CaptureError, match=rf"applies .*RoundSTE .*\({mode} mode\) the gradient of fc1\.\w+"):
+        amppass.convert(model, (_x(),), "bf16", mode="train")
+    # the check ran on the example without touching the caller's model
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_function_with_its_exact_derivative_converts_and_trains_as_fp32_does():
+    torch.manual_seed(0)
+    model = Net(ExactExp).train()
+    reference = copy.deepcopy(model)
+    fast = amppass.convert(model, (_x() / 8,), "bf16", mode="train")
+    fast(_x() / 8).square().mean().backward()
+    reference(_x() / 8).square().mean().backward()
+    for (name, p), q in zip(fast.named_parameters(), reference.parameters()):
+        if name == "fc1.bias":  # batch norm right after it: its gradient is rounding noise in both
+            continue
+        assert (p.grad - q.grad).norm() / q.grad.norm() < 3e-2, name
+
+
+def test_the_compile_backend_trains_through_the_models_own_backward():
+    torch.manual_seed(0)
+    model = Net(RoundSTE).train()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="amppass", options={"dtype": "bf16", "mode": "train",
+                                                                "compiler": "eager"})
+    compiled(_x()).sum().backward()
+    reference(_x()).sum().backward()
+    grad, want = model.fc1.weight.grad, reference.fc1.weight.grad
+    assert want.abs().sum() > 0 and torch.allclose(grad, want, rtol=1e-5, atol=1e-6)
+    unconverted = amppass.report(compiled).info["unconverted"]
+    assert unconverted and "torch.autograd.Function" in unconverted[0]["reason"]
