@@ -659,6 +659,19 @@ def counts(results: list[dict]) -> list[dict]:
     return rows
 
 
+def stale_failures(results: list[dict]) -> list[tuple[str, tuple[str, ...]]]:
+    """(class, its failing steps) for every built class another commit than this checkout's ran: what a rerun on
+    this code must confirm before the outcomes stand for it."""
+    todo = []
+    for result in results:
+        if not result["built"] or result.get("commit") == COMMIT:
+            continue
+        failing = tuple(s for s in STEPS if result["steps"].get(s, {}).get("outcome") == "fail")
+        if failing:
+            todo.append((result["name"], failing))
+    return todo
+
+
 def merged(results: list[dict], later: list[dict]) -> list[dict]:
     """``results`` updated by ``later`` (a rerun): a class built in both keeps its other steps and takes the rerun's
     (with its commit); otherwise the later outcome replaces the class's."""
@@ -736,6 +749,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--memory-gb", type=float, default=8.0,
                         help="address space of this process: a class past it fails its step instead of the shard "
                              "being killed (0: no limit)")
+    parser.add_argument("--rerun-failed", action="store_true",
+                        help="run on this code the failing steps of the classes in --json that another commit ran "
+                             "(this shard's share), merged into --json")
     parser.add_argument("--combine", nargs="*", type=Path, default=[],
                         help="run nothing: join these outcome files (the shards', a rerun's last) into --json")
     options = parser.parse_args(argv)
@@ -765,6 +781,15 @@ def main(argv: list[str] | None = None) -> None:
 
     if options.combine:
         pass
+    elif options.rerun_failed:
+        todo = stale_failures(results)[index::count]
+        for number, (name, steps) in enumerate(todo):
+            result = run_class(name, *found[name], steps)
+            results[:] = merged(results, [vars(result)])
+            summary = " ".join(f"{s}={v['outcome']}" for s, v in result.steps.items()) or result.reason
+            print(f"[rerun {number + 1}/{len(todo)}] {name}: {summary}", flush=True)
+            if options.json:
+                write_json(Path(options.json), {"versions": versions(), "results": results})
     elif options.representative or options.only:
         names = (list(REPRESENTATIVE) if options.representative else options.only)[index::count]
         for number, name in enumerate(n for n in names if n not in done):
