@@ -78,6 +78,24 @@ def test_a_model_converted_on_the_cpu_follows_fp32_after_to_cuda(mode):
     assert _error(fast, reference, tuple(t.cuda() for t in case.example_inputs)) < 3e-2
 
 
+def test_a_later_plan_of_a_model_moved_to_cuda_is_captured_on_the_cpu_and_runs_on_cuda():
+    from tests.test_device_move import Positions
+
+    class Branching(Positions):
+        def forward(self, x):
+            y = super().forward(x)
+            return y * 2 if x.shape[1] > 10 else y  # a longer input takes another plan
+
+    torch.manual_seed(0)
+    model = Branching().eval()
+    fast = amppass.convert(model, (torch.randn(2, 8, 16),), "bf16", plan_for="coverage").to("cuda")
+    x = torch.randn(2, 12, 16)
+    out = fast(x.cuda())
+    assert out.device.type == "cuda" and len(fast.converted.plans) == 2
+    assert relative_error(out.cpu(), model(x)) < 3e-2
+    assert next(model.parameters()).device.type == "cpu"  # the original stays where it was
+
+
 @pytest.mark.parametrize("seq", [16, 24])
 def test_the_compile_backend_on_cuda_serves_two_shapes(seq):
     case, model, _ = _on_cuda("bert", seq=seq)

@@ -32,6 +32,9 @@ Rules:
    with another value gets a plan of its own. Mappings torch's pytree does not know (``BatchEncoding``) are
    taken as dicts, and every container is copied before a plan or the original model runs, so neither
    writes into the caller's inputs.
+8. A call on another device than the original model's (the module moved with ``.to("cuda")`` after converting
+   on the CPU) captures its later plan from the original where that is, on the call's inputs moved there, and
+   moves the plan to the call's device, device literals included (:mod:`amppass.fx.devices`).
 """
 
 from __future__ import annotations
@@ -213,7 +216,7 @@ class ServingGraph(Fp32Face, fx.GraphModule):
         log.warning("%s: %s; capturing and converting it again for %s (re-capture %d; at most %d plans are kept)",
                     plans.name, mismatch, call_layout(args, kwargs), plans.made + 1, MAX_PLANS)
         try:
-            graph = plans.recapture(args, kwargs)
+            graph = self._recaptured(args, kwargs)
         except CaptureError as err:
             plans.rejected[signature] = None
             if len(plans.rejected) > _REJECTED_MEMORY:
@@ -227,6 +230,21 @@ class ServingGraph(Fp32Face, fx.GraphModule):
         self._bind(plan)
         return plan
 
+    def _recaptured(self, args: tuple, kwargs: dict) -> fx.GraphModule:
+        """The later plan for this call: captured from the original model where it is (rule 8), on the call's
+        inputs moved there, and moved to the call's device with its device literals."""
+        plans = self._plans
+        here = next((t.device for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)), None)
+        there = _device_of(plans.original)
+        if here is None or there is None or here == there:
+            return plans.recapture(args, kwargs)
+        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to(there), (args, kwargs))
+        graph = plans.recapture(args, kwargs)
+        moved = PlanDtypes(lambda t: t.to(here))
+        graph._apply(moved)
+        moved.retarget([graph])
+        return graph
+
     def _raise_original(self, args: tuple, kwargs: dict) -> None:
         """Rule 5: run the original model on a call no plan takes; its own error propagates unchanged."""
 
@@ -234,6 +252,9 @@ class ServingGraph(Fp32Face, fx.GraphModule):
         if original is None:
             return
         args, kwargs = copy.deepcopy((plain_inputs(args), plain_inputs(kwargs)))  # it may write into them (a cache)
+        there = _device_of(original)
+        if there is not None:  # rule 8: the original may stay on another device
+            args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to(there), (args, kwargs))
         with torch.no_grad(), module_mode(original, train=self.training):
             original(*args, **kwargs)
 
@@ -294,6 +315,16 @@ class ServingGraph(Fp32Face, fx.GraphModule):
                              "it into a model converted the same way")
         raise InputError(f"{self._plans.name}: torch.save cannot pickle a converted model (its graph runs generated "
                          "code): save it with amppass.save(model, 'model.pt2') and read it back with amppass.load")
+
+
+def _device_of(module: nn.Module | None) -> torch.device | None:
+    """The device of a module's first parameter or buffer (None without either)."""
+    if module is None:
+        return None
+    tensor = next(module.parameters(), None)
+    if tensor is None:
+        tensor = next(module.buffers(), None)
+    return None if tensor is None else tensor.device
 
 
 def _call_signature(args: tuple, kwargs: dict) -> tuple:

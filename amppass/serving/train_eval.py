@@ -58,7 +58,7 @@ from ..analysis.record import META_KEY
 from ..errors import InputError
 from ..fx.backward import record_saved_bytes
 from ..fx.calibrate import flatten_inputs
-from ..fx.guards import call_layout
+from ..fx.guards import GUARDS_KEY, call_layout
 from ..fx.modes import captured_flags
 from .plan_dtypes import PlanDtypes
 from .serving_graph import set_state
@@ -233,7 +233,8 @@ class TrainEvalGraphs(Children, nn.Module):
         why = unfit(self, {self.training: found}) or install(self, key, found)
         if why is not None:
             log.warning("%s: the plan for %s cannot run in the module tree (%s); calls of these shapes run as one "
-                        "graph, which FSDP2 can only wrap whole", type(self).__name__, plan.guards.describe(), why)
+                        "graph, which FSDP2 can only wrap whole", type(self).__name__,
+                        plan.meta[GUARDS_KEY].describe(), why)
             return None, None
         self._made += 1
         return found, key
