@@ -24,6 +24,7 @@ every linear / matmul / conv / attention, torch's FlopCounterMode) over the medi
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import statistics
@@ -222,6 +223,7 @@ def _variants(point: Point, base: dict, fp32: torch.nn.Module, inputs: tuple, na
 
     def converted() -> Callable[[], Any]:
         fast = amppass.convert(fp32, inputs, dtype)
+        plans["amppass"] = plan_note(fast)
         return lambda: fast(*inputs)
 
     def compiled_autocast() -> Callable[[], Any]:
@@ -235,7 +237,7 @@ def _variants(point: Point, base: dict, fp32: torch.nn.Module, inputs: tuple, na
         "autocast": lambda: autocast(fp32), "all_low": all_low, "amppass": converted}
     if name == "bf16" and point.model in COMPILED:
         makers.update({"compile(autocast)": compiled_autocast, "amppass_compiled": compiled_amppass})
-    rows, times = [], {}
+    rows, times, plans = [], {}, {}
     for variant, make in makers.items():
         row = {**base, "variant": variant, "dtype": name}
         try:
@@ -251,7 +253,7 @@ def _variants(point: Point, base: dict, fp32: torch.nn.Module, inputs: tuple, na
         times[variant] = ms
         rows.append({**row, "ms": ms, "vs_fp32": fp32_ms / ms, "tflops": flops / ms / 1e9 if flops else None,
                      "err_fp32": relative_error(out, reference), "err_fp64": relative_error(out.double(), exact),
-                     "peak_MB": mb, "setup_s": setup_s})
+                     "peak_MB": mb, "setup_s": setup_s, **({"plan": plans[variant]} if variant in plans else {})})
     for row in rows:
         if "ms" in row:
             if "autocast" in times:
@@ -259,6 +261,20 @@ def _variants(point: Point, base: dict, fp32: torch.nn.Module, inputs: tuple, na
             if "all_low" in times:
                 row["vs_all_low"] = times["all_low"] / row["ms"]
     return rows
+
+
+def plan_note(fast: torch.nn.Module) -> str:
+    """What the speed plan kept in fp32 and why, in a few words: the whole model (timed slower converted), or the
+    ops profitability timed slower low, with their counts."""
+    from amppass.serving.kept import KeptFp32
+
+    report = amppass.report(fast)
+    if isinstance(fast, KeptFp32):
+        whole = report.info.get("whole_model", {})
+        return f"kept fp32 ({whole.get('converted_ms')} ms converted vs {whole.get('original_ms')} ms)"
+    timed = collections.Counter(r.op.removeprefix("aten.") for r in report.rows
+                                if r.source == "profitability" and r.precision == "fp32")
+    return "; ".join(f"{op} x{n}" for op, n in timed.most_common(4)) + " fp32 by timing" if timed else "no op fp32 by timing"
 
 
 def decoding(quick: bool) -> list[dict[str, Any]]:
