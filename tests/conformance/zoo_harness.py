@@ -93,6 +93,7 @@ SHRINK: dict[str, Any] = {
     "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "num_mel_bins": 16, "max_source_positions": 16,
     "max_target_positions": 64, "num_conv_pos_embeddings": 16, "num_conv_pos_embedding_groups": 2,
     "conv_dim": [16, 16], "conv_stride": [5, 2], "conv_kernel": [10, 3], "window_size": 4, "num_labels": 2,
+    "attn_layer_offset": 1, "attn_layer_period": 2, "expert_layer_offset": 1, "expert_layer_period": 2,
     "hidden_sizes": [8, 16], "depths": [1, 1], "num_heads": 4, "input_feat_per_channel": 16, "d_state": 8,
     "state_size": 8, "expand": 2, "time_step_rank": 4, "sliding_window": 64, "max_window_layers": 2,
     "emb_dim": 32, "n_layers": 2, "n_heads": 4,
@@ -227,6 +228,8 @@ def _overrides(defaults: dict) -> dict:
     for key, value in defaults.items():  # special tokens inside the shrunk vocabulary
         if key.endswith("_token_id") and isinstance(value, int) and not isinstance(value, bool) and value >= VOCAB:
             changed[key] = TOKENS.get(key, VOCAB - 1)
+    if "pad_token_id" in defaults and defaults["pad_token_id"] is None:  # a batch of 2 needs one (seq-cls heads)
+        changed["pad_token_id"] = TOKENS["pad_token_id"]
     if isinstance(defaults.get("layer_types"), list):  # one per layer: rebuilt for the layers kept
         changed["layer_types"] = defaults["layer_types"][:2]
     return changed
