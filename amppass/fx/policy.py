@@ -6,7 +6,7 @@ reductions lose range or bits in fp16 and run in fp32 (reductions and softmax ac
 their ``dtype=`` argument, which avoids casting the whole input); everything else follows its inputs.
 Batch normalisation with stored statistics is a per-channel affine map and follows its input; its
 training form, which computes statistics of its batch, has a row of its own in :data:`TRAINING`, picked
-per node by :func:`in_training`.
+per node by :func:`in_training`: it follows its input too, since the kernels accumulate the statistics in fp32.
 """
 
 from __future__ import annotations
@@ -229,9 +229,13 @@ POLICY: tuple[PolicyRow, ...] = (
 # rows for the training form of an op (:func:`in_training`), which computes statistics of its batch
 TRAINING: tuple[PolicyRow, ...] = (
     PolicyRow(
-        Category.FP32,
-        "batch normalisation in training mode: the batch's mean and variance statistics need fp32",
+        Category.FOLLOW,
+        "batch normalisation in training mode: runs in the precision of its input; its kernel accumulates the "
+        "batch's mean and variance in fp32 and reads and updates fp32 statistics and affine weights beside a "
+        "low-precision input (torch's CPU kernel and cuDNN alike), so the batch's statistics keep fp32's accuracy "
+        "and the activations it saves for backward stay low",
         _BATCH_NORMS,
+        slots=MappingProxyType({"weight": "keep", "bias": "keep", "running_mean": "keep", "running_var": "keep"}),
         facts=frozenset({NORMALISATION}),
     ),
 )
