@@ -40,6 +40,7 @@ graphs are planned without them, and their report info says so.
 
 from __future__ import annotations
 
+import copy
 import logging
 import re
 import sys
@@ -635,9 +636,21 @@ def _inductor(plan: fx.GraphModule, inputs: tuple, freeze: bool) -> Callable[...
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx
 
-    plain = fx.GraphModule(plan, plan.graph)
+    plain = fx.GraphModule(plan, _reshaping(plan.graph))
     with config.patch(freezing=freeze):
         return compile_fx(plain, list(inputs))
+
+
+def _reshaping(graph: fx.Graph) -> fx.Graph:
+    """A copy of ``graph`` whose views are reshapes, for inductor. Inductor traces the graph again with its own
+    decompositions, where a view's input can come out with other strides than in the trace that recorded the
+    view (a cat of permuted slices in GPT-NeoX-Japanese's rotary embedding: "Cannot view a tensor with shape
+    [s52, 4, s27, 8] and strides (32*s27, 8, 32, 1)"); a reshape is that same view wherever one exists."""
+    copied = copy.deepcopy(graph)
+    for node in copied.nodes:
+        if node.target is torch.ops.aten.view.default:
+            node.target = torch.ops.aten.reshape.default
+    return copied
 
 
 def _version(tensor: torch.Tensor) -> int | None:
