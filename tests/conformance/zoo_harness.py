@@ -608,14 +608,44 @@ def first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {lines[0][:240] if lines else ''}".rstrip(": ")
 
 
-def run_class(name: str, kind: str, model_type: str, steps: tuple[str, ...] = STEPS, owner: str | None = None) -> Result:
+# the step each class is in, written before it runs: a step that kills the process (a native crash inside a
+# compiled kernel) is found there on --resume and recorded as failed instead of run again (CRASHED)
+RUNNING: Path | None = None
+CRASHED = "the process died in this step (a native crash; python -X faulthandler names the frame)"
+
+
+def _running(name: str | None, step: str = "") -> None:
+    if RUNNING is not None:
+        if name is None:
+            RUNNING.unlink(missing_ok=True)
+        else:
+            RUNNING.write_text(json.dumps({"name": name, "step": step}), encoding="utf-8")
+
+
+def crashes(results: list[dict]) -> dict[str, set[str]]:
+    """class -> the steps that killed the process, from the outcomes and the marker a crash left behind."""
+    found: dict[str, set[str]] = {}
+    for result in results:
+        for step, value in result.get("steps", {}).items():
+            if value.get("detail") == CRASHED:
+                found.setdefault(result["name"], set()).add(step)
+    if RUNNING is not None and RUNNING.exists():
+        marker = json.loads(RUNNING.read_text(encoding="utf-8"))
+        found.setdefault(marker["name"], set()).add(marker["step"])
+    return found
+
+
+def run_class(name: str, kind: str, model_type: str, steps: tuple[str, ...] = STEPS, owner: str | None = None,
+              crashed: set[str] = frozenset()) -> Result:
     """Build ``name`` tiny and run ``steps`` on it; never raises. With ``owner`` (the class of the same model type
-    that ran the :data:`PER_TYPE` steps), those steps are recorded "covered" by it instead of run."""
+    that ran the :data:`PER_TYPE` steps), those steps are recorded "covered" by it instead of run; the steps in
+    ``crashed`` killed the process before and are recorded failed."""
     logging.disable(logging.WARNING)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
+                _running(name, "build")
                 with _deadline(STEP_SECONDS):
                     built = build(name, kind, model_type)
             except Exception as err:  # noqa: BLE001 - an unbuilt class is data, with its reason
@@ -625,6 +655,10 @@ def run_class(name: str, kind: str, model_type: str, steps: tuple[str, ...] = ST
                 if owner is not None and step in PER_TYPE:
                     result.steps[step] = {"outcome": "covered", "detail": f"by {owner}", "seconds": 0.0}
                     continue
+                if step in crashed:
+                    result.steps[step] = {"outcome": "fail", "detail": CRASHED, "seconds": 0.0}
+                    continue
+                _running(name, step)
                 start = time.perf_counter()
                 try:
                     with _deadline(STEP_SECONDS):
@@ -635,15 +669,18 @@ def run_class(name: str, kind: str, model_type: str, steps: tuple[str, ...] = ST
                                       "seconds": round(time.perf_counter() - start, 2)}
             return result
     finally:
+        _running(None)
         logging.disable(logging.NOTSET)
 
 
-def run_type(names: list[str], found: dict[str, tuple[str, str]], steps: tuple[str, ...] = STEPS) -> Iterator[Result]:
+def run_type(names: list[str], found: dict[str, tuple[str, str]], steps: tuple[str, ...] = STEPS,
+             crashed: dict[str, set[str]] | None = None) -> Iterator[Result]:
     """Every class of one model type in turn: the first that builds runs ``steps``, the others all but the
-    :data:`PER_TYPE` ones, which they record covered by it."""
+    :data:`PER_TYPE` ones, which they record covered by it; steps that killed the process before are not run
+    (``crashed``, by class)."""
     owner = None
     for name in names:
-        result = run_class(name, *found[name], steps, owner)
+        result = run_class(name, *found[name], steps, owner, (crashed or {}).get(name, set()))
         if result.built and owner is None:
             owner = name
         yield result
@@ -669,7 +706,8 @@ def stale_failures(results: list[dict]) -> list[tuple[str, tuple[str, ...]]]:
     for result in results:
         if not result["built"] or result.get("commit") == COMMIT:
             continue
-        failing = tuple(s for s in STEPS if result["steps"].get(s, {}).get("outcome") == "fail")
+        failing = tuple(s for s in STEPS if result["steps"].get(s, {}).get("outcome") == "fail"
+                        and result["steps"][s]["detail"] != CRASHED)  # it would kill the rerun too
         if failing:
             todo.append((result["name"], failing))
     return todo
@@ -763,6 +801,8 @@ def main(argv: list[str] | None = None) -> None:
 
         limit = int(options.memory_gb * 2**30)
         resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    global RUNNING
+    RUNNING = Path(options.json).with_suffix(".running") if options.json and options.resume else None
     found = classes()
     index, count = (int(p) for p in options.shard.split("/"))
     results: list[dict] = []
@@ -805,8 +845,9 @@ def main(argv: list[str] | None = None) -> None:
             names = types[model_type]
             if all(n in done for n in names):
                 continue
+            crashed = crashes(results)
             results[:] = [r for r in results if r["name"] not in names]  # a type stopped part way runs again whole
-            for result in run_type(names, found, tuple(options.steps)):
+            for result in run_type(names, found, tuple(options.steps), crashed):
                 record(result, f"type {number + 1}/{len(order)}")
     for row in counts(results):
         print(row)
