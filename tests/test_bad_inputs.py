@@ -46,6 +46,42 @@ def matmul_model(opset: int = 17, custom: bool = False) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=imports)
 
 
+class _RoundSTE(torch.autograd.Function):
+    """Rounds forward; passes the gradient straight through backward (not the derivative of its forward)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class StraightThrough(torch.nn.Module):
+    """A straight-through estimator: train mode cannot keep its own backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _RoundSTE.apply(self.fc(x) * 4)
+
+
+def _cache_writer(tmp):
+    """XLM-RoBERTa-XL as a causal LM without is_decoder, converted with a cache: it writes into the cache and
+    returns none."""
+    import transformers
+
+    config = transformers.XLMRobertaXLConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                             intermediate_size=64, max_position_embeddings=64)
+    model = transformers.XLMRobertaXLForCausalLM(config).eval()
+    ids = torch.randint(3, 100, (1, 8), generator=torch.Generator().manual_seed(0))
+    return amppass.convert(model, example_kwargs={"input_ids": ids, "cache": transformers.DynamicCache(config=config),
+                                                  "use_cache": True}, dtype="bf16")
+
+
 class DataDependent(torch.nn.Module):
     """Python control flow on a tensor's value: neither torch.export nor symbolic tracing can capture it."""
 
@@ -263,6 +299,11 @@ CASES = [
     Case("fx-untraceable-symbolic", "`if x.sum() > 0` in forward (no example inputs)",
          lambda tmp: amppass.convert(DataDependent(), None, "fp16"),
          CaptureError, ("DataDependent", "control flow", "Pass example_inputs")),
+    Case("fx-train-own-backward", "a torch.autograd.Function whose backward is not its forward's derivative "
+         "(mode='train')", lambda tmp: amppass.convert(StraightThrough(), (torch.randn(4, 8),), "bf16", mode="train"),
+         CaptureError, ("StraightThrough", "_RoundSTE", "differs from the model's own", "convert it for inference")),
+    Case("fx-unreturned-input-write", "a model that writes into its input cache and returns none", _cache_writer,
+         CaptureError, ("writes into its input 'cache'", "use_cache=False", "is_decoder=True")),
     Case("fx-calibration-nan", "calibration batch holding NaN", _fx(calibration=_bad_calibration(float("nan"))),
          CalibrationError, ("batch 1", "NaN", "nan_to_num")),
     Case("fx-calibration-inf", "calibration batch holding inf", _fx(calibration=_bad_calibration(float("inf"))),
