@@ -25,6 +25,7 @@ from amppass.errors import ScaleCollapseError, ScalerUsageError, ScalerValueErro
 from amppass.serving.kept import keep_original
 from amppass.targets import onnxruntime_facts, timing_cache
 from tests.ddp_harness import one_rank_group
+from tests.test_custom_backward import RoundSTE
 
 F32 = TensorProto.FLOAT
 
@@ -46,18 +47,6 @@ def matmul_model(opset: int = 17, custom: bool = False) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=imports)
 
 
-class _RoundSTE(torch.autograd.Function):
-    """Rounds forward; passes the gradient straight through backward (not the derivative of its forward)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return torch.round(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
 class StraightThrough(torch.nn.Module):
     """A straight-through estimator: train mode cannot keep its own backward."""
 
@@ -66,7 +55,7 @@ class StraightThrough(torch.nn.Module):
         self.fc = torch.nn.Linear(8, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RoundSTE.apply(self.fc(x) * 4)
+        return RoundSTE.apply(self.fc(x) * 4)
 
 
 def _cache_writer(tmp):
@@ -301,7 +290,7 @@ CASES = [
          CaptureError, ("DataDependent", "control flow", "Pass example_inputs")),
     Case("fx-train-own-backward", "a torch.autograd.Function whose backward is not its forward's derivative "
          "(mode='train')", lambda tmp: amppass.convert(StraightThrough(), (torch.randn(4, 8),), "bf16", mode="train"),
-         CaptureError, ("StraightThrough", "_RoundSTE", "differs from the model's own", "convert it for inference")),
+         CaptureError, ("StraightThrough", "RoundSTE", "differs from the model's own", "convert it for inference")),
     Case("fx-unreturned-input-write", "a model that writes into its input cache and returns none", _cache_writer,
          CaptureError, ("writes into its input 'cache'", "use_cache=False", "is_decoder=True")),
     Case("fx-calibration-nan", "calibration batch holding NaN", _fx(calibration=_bad_calibration(float("nan"))),
