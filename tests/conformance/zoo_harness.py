@@ -622,6 +622,11 @@ def _running(name: str | None, step: str = "") -> None:
             RUNNING.write_text(json.dumps({"name": name, "step": step}), encoding="utf-8")
 
 
+def _stopped(signum: int, frame: Any) -> None:
+    _running(None)
+    raise SystemExit(128 + signum)
+
+
 def crashes(results: list[dict]) -> dict[str, set[str]]:
     """class -> the steps that killed the process, from the outcomes and the marker a crash left behind."""
     found: dict[str, set[str]] = {}
@@ -803,6 +808,7 @@ def main(argv: list[str] | None = None) -> None:
         resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
     global RUNNING
     RUNNING = Path(options.json).with_suffix(".running") if options.json and options.resume else None
+    signal.signal(signal.SIGTERM, _stopped)  # a shard stopped on purpose is no crash: the marker goes
     found = classes()
     index, count = (int(p) for p in options.shard.split("/"))
     results: list[dict] = []
