@@ -211,16 +211,25 @@ def test_report_rejects_unconverted_modules():
         amppass.report(42)
 
 
-def test_model_cast_to_fp32_between_low_ops_is_retargeted():
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+class FloatBetween(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
 
-        def forward(self, x):
-            return self.b(self.a(x).float())
+    def forward(self, x):
+        return self.b(torch.sigmoid(self.a(x).float()))
 
-    fast = amppass.convert(Net(), dtype="bf16", plan_for="coverage")
+
+def test_model_cast_to_fp32_runs_what_reads_it_in_fp32_as_autocast_does():
+    fast = amppass.convert(FloatBetween(), dtype="bf16", plan_for="coverage")
+    rows = {r.op: r for r in amppass.report(fast).rows}
+    assert rows["aten.sigmoid"].precision == "fp32" and rows["aten.linear"].precision == "bf16"
+    assert "explicit cast to fp32" in rows["aten._to_copy"].reason
+    assert fast(torch.randn(2, 8)).dtype == torch.float32
+
+
+def test_model_cast_to_fp32_forced_low_is_retargeted():
+    fast = amppass.convert(FloatBetween(), dtype="bf16", plan_for="coverage", force_low=["_to_copy", "sigmoid"])
     casts = [n for n in fast.graph.nodes if n.op == "call_method"]
     assert [(n.target, n.args[1]) for n in casts] == [("to", torch.bfloat16)]
     assert fast(torch.randn(2, 8)).dtype == torch.float32

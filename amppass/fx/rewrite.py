@@ -11,8 +11,8 @@ Rules:
    once, and the ops that run fp32 read it through a cast at use.
 3. fp32-accumulating ops (softmax, sums, means) take their low-precision input as it is and get
    ``dtype=torch.float32``, so the widening happens inside the kernel rather than as a cast of the input.
-4. Casts already in the model to fp32 (the working dtype of an fp32 model) are retargeted to the dtype
-   their painted node runs in; casts to other dtypes are kept.
+4. Casts already in the model to fp32 run fp32 (the policy: what reads them runs fp32, as under torch.autocast);
+   one the user forces low is retargeted to the low dtype; casts to other dtypes are kept.
 5. Per-slot exceptions from the policy: an attention mask is clamped to the low dtype's range before it
    is cast, so -3.4e38 becomes the largest negative finite value instead of -inf; a batch norm's
    statistics and affine weights are read as they are stored (fp32 beside a low-precision input), in

@@ -173,7 +173,8 @@ def _category(node: fx.Node, gm: fx.GraphModule, typed: bool, wide_range: bool =
     target = cast_target(node)
     if name in ops.CAST_OPS and target is not None:
         if target == torch.float32:
-            return Category.FOLLOW, "cast to fp32, the model's working dtype: follows its input", False
+            return Category.FP32, ("explicit cast to fp32 in the model: what reads it runs in fp32, as under "
+                                   "torch.autocast (a router's scores after .float(), statistics after x.float())"), False
         return Category.KEEP, f"explicit cast to {target} in the model; kept", False
     training = policy.in_training(node, gm)
     if node.op == "call_module":

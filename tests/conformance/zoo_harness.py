@@ -109,6 +109,7 @@ REPRESENTATIVE: dict[str, tuple[str, ...]] = {
     "GPT2LMHeadModel": ("convert-speed", "compile"),
     "DeepseekV3ForCausalLM": ("convert-coverage",),
     "MixtralForCausalLM": ("convert-coverage",),
+    "MiniMaxM3VLTextModel": ("convert-coverage",),  # a router's sigmoid after .float(): fp32, as under autocast
     "MambaForCausalLM": ("convert-coverage",),
     "FalconForCausalLM": ("train",),
     "BertForSequenceClassification": ("convert-speed", "convert-coverage", "export-onnx"),
