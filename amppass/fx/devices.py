@@ -20,6 +20,15 @@ from torch import fx
 def retarget(gm: fx.GraphModule, moves: Mapping[torch.device, torch.device]) -> int:
     """Rewrite ``gm``'s device literals by ``moves`` (device before -> device after) and regenerate its code
     when any changed; the number of nodes changed."""
+    changed = retarget_graph(gm.graph, moves)
+    if changed:
+        gm.recompile()
+    return changed
+
+
+def retarget_graph(graph: fx.Graph, moves: Mapping[torch.device, torch.device]) -> int:
+    """Rewrite the device literals of ``graph``'s nodes by ``moves``; the number of nodes changed (the code of a
+    module over the graph is then stale: :func:`retarget` regenerates it)."""
     moves = {_normal(a): b for a, b in moves.items() if _normal(a) != _normal(b)}
     if not moves:
         return 0
@@ -33,7 +42,7 @@ def retarget(gm: fx.GraphModule, moves: Mapping[torch.device, torch.device]) -> 
             return str(found) if found is not None else value
         return value
 
-    for node in gm.graph.nodes:
+    for node in graph.nodes:
         if node.op not in ("call_function", "call_method"):
             continue
         kwargs = dict(node.kwargs)
@@ -43,8 +52,6 @@ def retarget(gm: fx.GraphModule, moves: Mapping[torch.device, torch.device]) -> 
         if args != node.args or kwargs != node.kwargs:
             node.args, node.kwargs = args, kwargs
             changed += 1
-    if changed:
-        gm.recompile()
     return changed
 
 

@@ -238,8 +238,7 @@ class ServingGraph(Fp32Face, fx.GraphModule):
         there = _device_of(plans.original)
         if here is None or there is None or here == there:
             return plans.recapture(args, kwargs)
-        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to(there), (args, kwargs))
-        graph = plans.recapture(args, kwargs)
+        graph = plans.recapture(*_on(there, args, kwargs))
         moved = PlanDtypes(lambda t: t.to(here))
         graph._apply(moved)
         moved.retarget([graph])
@@ -254,7 +253,7 @@ class ServingGraph(Fp32Face, fx.GraphModule):
         args, kwargs = copy.deepcopy((plain_inputs(args), plain_inputs(kwargs)))  # it may write into them (a cache)
         there = _device_of(original)
         if there is not None:  # rule 8: the original may stay on another device
-            args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to(there), (args, kwargs))
+            args, kwargs = _on(there, args, kwargs)
         with torch.no_grad(), module_mode(original, train=self.training):
             original(*args, **kwargs)
 
@@ -325,6 +324,11 @@ def _device_of(module: nn.Module | None) -> torch.device | None:
     if tensor is None:
         tensor = next(module.buffers(), None)
     return None if tensor is None else tensor.device
+
+
+def _on(device: torch.device, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The call's tensors on ``device`` (the same tensors where they are there already)."""
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), (args, kwargs))
 
 
 def _call_signature(args: tuple, kwargs: dict) -> tuple:

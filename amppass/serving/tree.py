@@ -54,7 +54,7 @@ from torch.utils import _pytree as pytree
 from ..errors import InputError
 from ..fx.calibrate import split_batch
 from ..fx.capture import auto_dims, size_one_dynamic, without_dtype_asserts
-from ..fx.devices import retarget
+from ..fx.devices import retarget_graph
 from ..fx.guards import GUARDS_KEY
 from ..fx.quiet import quiet_torch
 from .serving_graph import set_state
@@ -202,10 +202,9 @@ class Outline:
         module tree the code runs in: each part's code is generated in a module over that part's attributes."""
         changed = {}
         for name, graph in self.graphs.items():
-            gm = fx.GraphModule(tree.get_submodule(name), graph)
-            if retarget(gm, moves):
-                changed[name] = type(gm).forward
-            graph.owning_module = None
+            if retarget_graph(graph, moves):
+                changed[name] = type(fx.GraphModule(tree.get_submodule(name), graph)).forward  # its code, anew
+                graph.owning_module = None
         self.root = changed.get("", self.root)
         self.parts.update((name, code) for name, code in changed.items() if name)
         return changed
