@@ -17,6 +17,16 @@ import torch
 from torch import fx
 
 
+def module_device(module: torch.nn.Module | None) -> torch.device | None:
+    """The device of a module's first parameter or buffer (None for no module, or one with neither)."""
+    if module is None:
+        return None
+    tensor = next(module.parameters(), None)
+    if tensor is None:
+        tensor = next(module.buffers(), None)
+    return None if tensor is None else tensor.device
+
+
 def retarget(gm: fx.GraphModule, moves: Mapping[torch.device, torch.device]) -> int:
     """Rewrite ``gm``'s device literals by ``moves`` (device before -> device after) and regenerate its code
     when any changed; the number of nodes changed."""

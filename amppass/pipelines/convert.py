@@ -21,6 +21,7 @@ from ..fx import finite, profit
 from ..fx.aliasing import alias_groups, functional_writes
 from ..fx.copies import shared_copy
 from ..fx.custom_backward import check_backward
+from ..fx.devices import module_device
 from ..fx.backward import annotate_backward
 from ..fx.calibrate import CaptureFp32, calibrated_plan, flatten_inputs, split_batch
 from ..fx.capture import capture, capture_program
@@ -421,7 +422,8 @@ def weight_bytes(module: nn.Module) -> int:
 
 def _target(target: str | None, dtype: Any, model: Any) -> Target:
     """The plan's target: ``target``, or the device of the model's parameters."""
-    name = target if target is not None else _device(model).type
+    found = module_device(model) if isinstance(model, nn.Module) else None
+    name = target if target is not None else (found or torch.device("cpu")).type
     try:
         return torch_target(name, dtype)
     except TypeError:  # an unhashable dtype or target
@@ -429,8 +431,3 @@ def _target(target: str | None, dtype: Any, model: Any) -> Target:
         raise InputError(f"target={target!r} is not a device name; pass 'cpu' or 'cuda'") from None
 
 
-def _device(model: Any) -> torch.device:
-    if isinstance(model, nn.Module):
-        for tensor in model.parameters():
-            return tensor.device
-    return torch.device("cpu")

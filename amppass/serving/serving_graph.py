@@ -52,6 +52,7 @@ from torch.utils import _pytree as pytree
 
 from ..analysis.record import META_KEY
 from ..errors import CaptureError, InputError
+from ..fx.devices import module_device
 from ..fx.guards import GUARDS_KEY, MAX_PLANS, ShapeGuards, call_layout, plain_inputs
 from ..fx.modes import module_mode
 from .face import Fp32Face, stored_parameters
@@ -235,7 +236,7 @@ class ServingGraph(Fp32Face, fx.GraphModule):
         inputs moved there, and moved to the call's device with its device literals."""
         plans = self._plans
         here = next((t.device for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)), None)
-        there = _device_of(plans.original)
+        there = module_device(plans.original)
         if here is None or there is None or here == there:
             return plans.recapture(args, kwargs)
         graph = plans.recapture(*_on(there, args, kwargs))
@@ -251,7 +252,7 @@ class ServingGraph(Fp32Face, fx.GraphModule):
         if original is None:
             return
         args, kwargs = copy.deepcopy((plain_inputs(args), plain_inputs(kwargs)))  # it may write into them (a cache)
-        there = _device_of(original)
+        there = module_device(original)
         if there is not None:  # rule 8: the original may stay on another device
             args, kwargs = _on(there, args, kwargs)
         with torch.no_grad(), module_mode(original, train=self.training):
@@ -314,16 +315,6 @@ class ServingGraph(Fp32Face, fx.GraphModule):
                              "it into a model converted the same way")
         raise InputError(f"{self._plans.name}: torch.save cannot pickle a converted model (its graph runs generated "
                          "code): save it with amppass.save(model, 'model.pt2') and read it back with amppass.load")
-
-
-def _device_of(module: nn.Module | None) -> torch.device | None:
-    """The device of a module's first parameter or buffer (None without either)."""
-    if module is None:
-        return None
-    tensor = next(module.parameters(), None)
-    if tensor is None:
-        tensor = next(module.buffers(), None)
-    return None if tensor is None else tensor.device
 
 
 def _on(device: torch.device, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

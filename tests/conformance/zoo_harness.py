@@ -4,9 +4,10 @@ compile, train and export it, and judge every step against fp32 and torch.autoca
 The classes are those of transformers' auto-model mappings (:data:`MAPPINGS`: causal LM, masked LM, sequence
 classification, seq2seq, image classification, speech seq2seq, audio classification, CTC and the base models),
 each built from its config class's defaults shrunk by :data:`SHRINK` (2 layers, width 32, 4 heads, vocab 128,
-4 experts, 32-pixel images, every dropout 0) with seeded random weights. A class that cannot be built that way
-offline (a config the shrunk sizes break, a tokenizer or hub file, a missing optional package) or that has no input
-recipe here is "unbuilt", with the reason. Each built class goes through :data:`STEPS`:
+4 experts, 32-pixel images, every dropout 0) with seeded random weights; where that config does not build, the
+class's own config class (a text model of a multimodal type) and one layer of each kind ``layer_types`` names are
+tried (:func:`configs`). A class that cannot be built that way offline (a config the shrunk sizes break, a tokenizer
+or hub file, a missing optional package) or that has no input recipe here is "unbuilt", with the reason. Each built class goes through :data:`STEPS`:
 
 - ``convert-speed`` / ``convert-coverage``: ``amppass.convert(..., dtype="bf16", plan_for=...)``; every float output
   within ``max(FLOOR, RATIO * autocast's error)`` of fp32's (relative L2, the worst output), autocast being
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 import json
 import logging
@@ -50,7 +52,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -202,20 +204,29 @@ def steps_of(name: str, found: dict[str, tuple[str, str]], unbuilt: set[str] | d
     return tuple(s for s in steps if s not in PER_TYPE)
 
 
-def tiny_config(model_type: str) -> Any:
-    """The config class's defaults for ``model_type`` with :data:`SHRINK` applied and every source of training
-    randomness (dropout, layer drop, SpecAugment masks) 0."""
+def tiny_config(model_type: str, config_class: Any = None, every_layer_kind: bool = False) -> Any:
+    """The config class's defaults for ``model_type`` (or ``config_class``'s) with :data:`SHRINK` applied and every
+    source of training randomness (dropout, layer drop, SpecAugment masks) 0. The kept layers take the first
+    entries of ``layer_types``, or with ``every_layer_kind`` one layer of each kind the defaults use."""
     from transformers import CONFIG_MAPPING
 
-    config_class = CONFIG_MAPPING[model_type]
-    return config_class(**_overrides(config_class().to_dict()))
+    config_class = config_class or CONFIG_MAPPING[model_type]
+    return config_class(**_overrides(config_class().to_dict(), every_layer_kind))
 
 
-def _overrides(defaults: dict) -> dict:
+def _layer_kinds(types: list, every_kind: bool) -> list:
+    """The ``layer_types`` of the kept layers: the first of each kind, in order, with ``every_kind`` (a hybrid's
+    attention layer that its first layers lack), else the first ones; as many as :data:`SHRINK` keeps either way."""
+    kept = [kind for i, kind in enumerate(types) if kind not in types[:i]] if every_kind else []
+    layers = max(SHRINK["num_hidden_layers"], len(kept))
+    return (kept + types[:layers])[:layers] if every_kind else types[:layers]
+
+
+def _overrides(defaults: dict, every_layer_kind: bool = False) -> dict:
     changed: dict = {}
     for key, value in defaults.items():
         if key in SUBCONFIGS and isinstance(value, dict):
-            changed[key] = {**value, **_overrides(value)}
+            changed[key] = {**value, **_overrides(value, every_layer_kind)}
         elif _random(key) and isinstance(value, float):
             changed[key] = 0.0
         elif isinstance(value, (list, tuple)) and key in LIST_SHRINK:
@@ -232,7 +243,10 @@ def _overrides(defaults: dict) -> dict:
     if "pad_token_id" in defaults and defaults["pad_token_id"] is None:  # a batch of 2 needs one (seq-cls heads)
         changed["pad_token_id"] = TOKENS["pad_token_id"]
     if isinstance(defaults.get("layer_types"), list):  # one per layer: rebuilt for the layers kept
-        changed["layer_types"] = defaults["layer_types"][:2]
+        changed["layer_types"] = _layer_kinds(defaults["layer_types"], every_layer_kind)
+        for key in ("num_hidden_layers", "num_layers", "n_layer", "n_layers") if every_layer_kind else ():
+            if isinstance(defaults.get(key), int):
+                changed[key] = len(changed["layer_types"])
     return changed
 
 
@@ -251,7 +265,42 @@ def build(name: str, kind: str, model_type: str) -> Built:
     cls = getattr(transformers, name, None)
     if cls is None:
         raise LookupError(f"transformers has no {name} (an optional dependency is missing)")
-    config = tiny_config(model_type)
+    failed: Exception | None = None
+    for config in configs(cls, model_type):
+        try:
+            return _built(name, kind, cls, config())
+        except Exception as err:  # noqa: BLE001 - the next config may build; the first error is the reason
+            failed = failed or err
+    raise failed
+
+
+def configs(cls: type, model_type: str) -> Iterator[Callable[[], Any]]:
+    """The tiny configs to build ``cls`` from, in turn until one builds: the model type's config; then where the
+    class takes its own config class (a text model of a multimodal type), that one; then one layer of each kind
+    ``layer_types`` names (a hybrid's first layers may all be linear attention, which some heads refuse)."""
+    from transformers import CONFIG_MAPPING
+
+    classes = [CONFIG_MAPPING[model_type]]
+    own = getattr(cls, "config_class", None)
+    if own is not None and own is not classes[0]:
+        classes.append(own)
+    for config_class in classes:
+        yield functools.partial(tiny_config, model_type, config_class)
+    for config_class in classes:
+        if _has_layer_kinds(config_class().to_dict()):
+            yield functools.partial(tiny_config, model_type, config_class, every_layer_kind=True)
+
+
+def _has_layer_kinds(defaults: dict) -> bool:
+    """Whether the first layers the tiny config keeps lack a kind of layer that ``layer_types`` names."""
+    types = defaults.get("layer_types")
+    if isinstance(types, list) and _layer_kinds(types, True) != _layer_kinds(types, False):
+        return True
+    return any(_has_layer_kinds(defaults[key]) for key in SUBCONFIGS if isinstance(defaults.get(key), dict))
+
+
+def _built(name: str, kind: str, cls: type, config: Any) -> Built:
+    """``cls`` built from ``config`` with seeded weights and its inputs, the fp32 model run once on them."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = cls(config).eval()
