@@ -7,7 +7,8 @@ each built from its config class's defaults shrunk by :data:`SHRINK` (2 layers, 
 4 experts, 32-pixel images, every dropout 0) with seeded random weights; where that config does not build, the
 class's own config class (a text model of a multimodal type) and one layer of each kind ``layer_types`` names are
 tried (:func:`configs`). A class that cannot be built that way offline (a config the shrunk sizes break, a tokenizer
-or hub file, a missing optional package) or that has no input recipe here is "unbuilt", with the reason. Each built class goes through :data:`STEPS`:
+or hub file, a missing optional package) or that has no input recipe here is "unbuilt", with the reason. Each built
+class goes through :data:`STEPS`:
 
 - ``convert-speed`` / ``convert-coverage``: ``amppass.convert(..., dtype="bf16", plan_for=...)``; every float output
   within ``max(FLOOR, RATIO * autocast's error)`` of fp32's (relative L2, the worst output), autocast being
@@ -83,8 +84,8 @@ VOCAB = 128
 SEQ = 8
 # config attribute -> tiny value; set only where the config class has the attribute
 SHRINK: dict[str, Any] = {
-    "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "head_dim": 8, "rotary_dim": 8, "max_position_embeddings": 128,
+    "vocab_size": VOCAB, "unpadded_vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 8, "rotary_dim": 8, "max_position_embeddings": 128,
     "n_positions": 128, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_inner": 64, "d_model": 32, "d_ff": 64,
     "d_kv": 8, "num_layers": 2, "num_decoder_layers": 2, "encoder_layers": 2, "decoder_layers": 2,
     "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64,
