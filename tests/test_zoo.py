@@ -174,6 +174,30 @@ def test_per_type_steps_run_on_the_first_class_of_a_model_type_that_builds(monke
     assert (rows["compile"]["pass"], rows["compile"]["covered"], rows["build"]["unbuilt"]) == (2, 1, 1)
 
 
+def test_a_step_that_killed_the_process_is_recorded_failed_on_resume_not_run_again(monkeypatch, tmp_path):
+    found = {"XForCausalLM": ("causal-lm", "x")}
+    ran: list[str] = []
+    monkeypatch.setattr(harness, "classes", lambda: found)
+    monkeypatch.setattr(harness, "build", lambda name, kind, model_type: harness.Built(name, kind, None, {}, {}, {},
+                                                                                      False))
+    for step in harness.STEPS:
+        monkeypatch.setitem(harness.RUNNERS, step, lambda built, step=step: ran.append(step) or ("pass", ""))
+    monkeypatch.setattr(harness, "RUNNING", None)  # main() points it at its --json; restored after the test
+    monkeypatch.setattr(harness.signal, "signal", lambda signum, handler: None)  # this process keeps its SIGTERM
+    outcomes = tmp_path / "zoo.json"
+    # the marker a native crash in the compile step left behind
+    outcomes.with_suffix(".running").write_text(json.dumps({"name": "XForCausalLM", "step": "compile"}))
+    for only in (["--only", "XForCausalLM"], ["--shard", "0/1"]):
+        ran.clear()
+        outcomes.unlink(missing_ok=True)
+        harness.main([*only, "--steps", "generate", "compile", "--json", str(outcomes), "--resume", "--memory-gb", "0"])
+        (result,) = json.loads(outcomes.read_text())["results"]
+        assert ran == ["generate"], only
+        assert result["steps"]["compile"] == {"outcome": "fail", "detail": harness.CRASHED, "seconds": 0.0}
+        assert not outcomes.with_suffix(".running").exists()  # the run ended: no step of it is running
+        outcomes.with_suffix(".running").write_text(json.dumps({"name": "XForCausalLM", "step": "compile"}))
+
+
 def test_benchmark_section_counts_each_step(tmp_path, capsys):
     from benchmarks import zoo
     from benchmarks.__main__ import SECTIONS

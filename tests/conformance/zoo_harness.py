@@ -892,9 +892,10 @@ def main(argv: list[str] | None = None) -> None:
                 write_json(Path(options.json), {"versions": versions(), "results": results})
     elif options.representative or options.only:
         names = (list(REPRESENTATIVE) if options.representative else options.only)[index::count]
+        crashed = crashes(results)
         for number, name in enumerate(n for n in names if n not in done):
             steps = REPRESENTATIVE[name] if options.representative else tuple(options.steps)
-            record(run_class(name, *found[name], steps), f"{number + 1}/{len(names)}")
+            record(run_class(name, *found[name], steps, crashed=crashed.get(name, set())), f"{number + 1}/{len(names)}")
     else:
         types = by_type(found)
         order = type_order(found)[index::count]
