@@ -84,15 +84,17 @@ def test_tiny_configs_switch_off_training_randomness():
     assert (config.mask_time_prob, config.layerdrop, config.hidden_dropout) == (0.0, 0.0, 0.0)
 
 
-def test_a_class_its_first_tiny_config_cannot_build_gets_the_others_in_turn():
+def test_a_hybrid_keeps_every_layer_kind_and_a_class_gets_another_tiny_config_where_one_cannot_build():
     from transformers import CONFIG_MAPPING, Qwen3_5ForCausalLM, Qwen3_5ForSequenceClassification
 
     assert harness.tiny_config("qwen3_5_text").layer_types == ["linear_attention", "linear_attention"]
     hybrid = harness.tiny_config("qwen3_5_text", every_layer_kind=True)  # its first layers lack full attention
     assert hybrid.layer_types == ["linear_attention", "full_attention"] and hybrid.num_hidden_layers == 2
     tried = [config() for config in harness.configs(Qwen3_5ForCausalLM, "qwen3_5")]
-    assert type(tried[0]) is CONFIG_MAPPING["qwen3_5"] and type(tried[1]) is Qwen3_5ForCausalLM.config_class
-    # a sequence-classification head reads a cache length only full attention layers give: built on the last try
+    assert [type(c) for c in tried] == [CONFIG_MAPPING["qwen3_5"]] * 2 + [Qwen3_5ForCausalLM.config_class] * 2
+    assert [c.get_text_config().layer_types for c in tried[:2]] == [hybrid.layer_types, ["linear_attention"] * 2]
+    assert tried[2].layer_types == hybrid.layer_types  # each config class, with every kind first
+    # a sequence-classification head reads a cache length only full attention layers give
     built = harness.build("Qwen3_5ForSequenceClassification", "seq-cls", "qwen3_5")
     assert isinstance(built.model, Qwen3_5ForSequenceClassification)
     assert built.model.config.text_config.layer_types == ["linear_attention", "full_attention"]

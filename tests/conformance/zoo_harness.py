@@ -4,9 +4,9 @@ compile, train and export it, and judge every step against fp32 and torch.autoca
 The classes are those of transformers' auto-model mappings (:data:`MAPPINGS`: causal LM, masked LM, sequence
 classification, seq2seq, image classification, speech seq2seq, audio classification, CTC and the base models),
 each built from its config class's defaults shrunk by :data:`SHRINK` (2 layers, width 32, 4 heads, vocab 128,
-4 experts, 32-pixel images, every dropout 0) with seeded random weights; where that config does not build, the
-class's own config class (a text model of a multimodal type) and one layer of each kind ``layer_types`` names are
-tried (:func:`configs`). A class that cannot be built that way offline (a config the shrunk sizes break, a tokenizer
+4 experts, 32-pixel images, every dropout 0; a hybrid keeps one layer of each kind ``layer_types`` names) with
+seeded random weights; where that config does not build, the class's own config class (a text model of a
+multimodal type) and a hybrid's first two layers alone are tried (:func:`configs`). A class that cannot be built that way offline (a config the shrunk sizes break, a tokenizer
 or hub file, a missing optional package) or that has no input recipe here is "unbuilt", with the reason. Each built
 class goes through :data:`STEPS`:
 
@@ -276,9 +276,11 @@ def build(name: str, kind: str, model_type: str) -> Built:
 
 
 def configs(cls: type, model_type: str) -> Iterator[Callable[[], Any]]:
-    """The tiny configs to build ``cls`` from, in turn until one builds: the model type's config; then where the
-    class takes its own config class (a text model of a multimodal type), that one; then one layer of each kind
-    ``layer_types`` names (a hybrid's first layers may all be linear attention, which some heads refuse)."""
+    """The tiny configs to build ``cls`` from, in turn until one builds: the model type's config, then where the
+    class takes its own config class (a text model of a multimodal type), that one. Of a hybrid (``layer_types``
+    naming kinds its first layers lack: linear attention before full, sliding windows before global), the config
+    with one layer of each kind comes first, so the tiny model has the architecture's every layer kind; the
+    first layers alone are the fallback."""
     from transformers import CONFIG_MAPPING
 
     classes = [CONFIG_MAPPING[model_type]]
@@ -286,10 +288,9 @@ def configs(cls: type, model_type: str) -> Iterator[Callable[[], Any]]:
     if own is not None and own is not classes[0]:
         classes.append(own)
     for config_class in classes:
-        yield functools.partial(tiny_config, model_type, config_class)
-    for config_class in classes:
         if _has_layer_kinds(config_class().to_dict()):
             yield functools.partial(tiny_config, model_type, config_class, every_layer_kind=True)
+        yield functools.partial(tiny_config, model_type, config_class)
 
 
 def _has_layer_kinds(defaults: dict) -> bool:
