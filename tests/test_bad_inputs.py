@@ -25,6 +25,7 @@ from amppass.errors import ScaleCollapseError, ScalerUsageError, ScalerValueErro
 from amppass.serving.kept import keep_original
 from amppass.targets import onnxruntime_facts, timing_cache
 from tests.ddp_harness import one_rank_group
+from tests.test_capture_fidelity import TracedOtherwise
 from tests.test_custom_backward import RoundSTE
 
 F32 = TensorProto.FLOAT
@@ -293,6 +294,9 @@ CASES = [
          CaptureError, ("StraightThrough", "RoundSTE", "differs from the model's own", "convert it for inference")),
     Case("fx-unreturned-input-write", "a model that writes into its input cache and returns none", _cache_writer,
          CaptureError, ("writes into its input 'cache'", "use_cache=False", "is_decoder=True")),
+    Case("fx-capture-unfaithful", "a model that takes another path while torch.export traces it",
+         lambda tmp: amppass.convert(TracedOtherwise().eval(), (torch.randn(4, 8),), "bf16"),
+         CaptureError, ("TracedOtherwise", "before any conversion", "torch.autocast")),
     Case("fx-calibration-nan", "calibration batch holding NaN", _fx(calibration=_bad_calibration(float("nan"))),
          CalibrationError, ("batch 1", "NaN", "nan_to_num")),
     Case("fx-calibration-inf", "calibration batch holding inf", _fx(calibration=_bad_calibration(float("inf"))),

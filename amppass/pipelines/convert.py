@@ -22,6 +22,7 @@ from ..fx.aliasing import alias_groups, functional_writes
 from ..fx.copies import shared_copy
 from ..fx.custom_backward import check_backward
 from ..fx.devices import module_device
+from ..fx.fidelity import check_fidelity
 from ..fx.backward import annotate_backward
 from ..fx.calibrate import CaptureFp32, calibrated_plan, flatten_inputs, split_batch
 from ..fx.capture import capture, capture_program
@@ -159,11 +160,14 @@ def convert(
         for gm in captured.values():
             functional_writes(gm)  # the check's backward runs them under autograd, as training will
         args, kwargs = example_call(options["example"])
+        check_fidelity(model, captured[False], plain_inputs(args), plain_inputs(kwargs))
         check_backward(model, captured, plain_inputs(args), plain_inputs(kwargs))  # a Function's own backward
         train_gm, eval_gm = (_served(model, captured[flag], plan_target, mode, flag, options) for flag in (True, False))
         trained = TrainEvalGraphs(train_gm, eval_gm, training=model.training, original=model, example=options["example"])
         return with_signature(trained, model)  # Trainer keeps the dataset columns forward() names
     gm = capture(model, example_inputs, example_kwargs, train=False, dynamic_shapes=dynamic_shapes)
+    if options["example"] is not None:
+        check_fidelity(model, gm, *example_call(options["example"]))  # the graph computes what the model does
     served = _served(model, gm, plan_target, mode, False, options)
     if plan_for == "speed" and plan_target.profitable and options["example"] is not None and not calibration:
         served = _faster_of(served, model, options["example"], costs)
