@@ -44,6 +44,19 @@ class Sampling(nn.Module):
         return self.linear(x) + torch.randn(x.shape[0], 8)
 
 
+class Counting(nn.Module):
+    """Scales by how often it was called (a Python counter torch.export bakes in): no two eager calls agree."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.count = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count += 1
+        return self.linear(x) * self.count
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
 
@@ -70,8 +83,17 @@ def test_a_model_whose_own_calls_differ_is_not_judged_and_keeps_its_buffers():
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
     captured = _captured(model, x)
     calls = float(model.calls)
-    fidelity.check_fidelity(model, captured, (x,), {})  # no error: the model is its own noise
+    assert fidelity._draws_random(captured)
+    fidelity.check_fidelity(model, captured, (x,), {})  # no error: the graph's draws are its own
     assert float(model.calls) == calls  # the check's calls put the model's buffer back
+
+
+def test_a_model_whose_eager_calls_differ_without_drawing_random_numbers_is_not_judged():
+    model = Counting().eval()
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(3))
+    captured = _captured(model, x)
+    assert not fidelity._draws_random(captured)
+    fidelity.check_fidelity(model, captured, (x,), {})  # the graph is one of the model's answers: not judged
 
 
 def _captured(model: nn.Module, x: torch.Tensor) -> torch.fx.GraphModule:

@@ -14,8 +14,8 @@ Rules:
    refused with a CaptureError naming the output and the error. fp32 kernels of the two differ by rounding only
    (about 1e-6), far below the limit.
 2. A model whose own two calls differ by more than a tenth of the limit (sampling in eval mode) is not judged.
-3. Not judged either: a graph that writes into its inputs (the check must not change the caller's tensors), and
-   outputs whose leaves do not pair up. The model's buffers are put back as they were after the calls.
+3. Not judged either: a graph that writes into its inputs (the check must not change the caller's tensors), a
+   graph that draws random numbers (its draws are its own), and outputs whose leaves do not pair up. The model's buffers are put back as they were after the calls.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ LIMIT = 1e-3  # relative L2 error of an fp32 output: far past fp32 rounding, far
 def check_fidelity(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: dict) -> None:
     """Rules 1-3: raise CaptureError where the captured graph's fp32 outputs are not the model's on the example."""
     written = {n for members in alias_groups(gm).members for n in members}
-    if any(n.op == "placeholder" and n in written for n in gm.graph.nodes):
+    if any(n.op == "placeholder" and n in written for n in gm.graph.nodes) or _draws_random(gm):
         return
     with _buffers_kept(model):  # the graph shares them with the model, and may write them as it does
         try:
@@ -70,6 +70,31 @@ def check_fidelity(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: di
         f"model under torch.autocast instead, or change the traced path in the model so torch.export's graph "
         f"agrees with it (torch.export.export(model, args).module() shows the difference without amppass)"
     )
+
+
+def _draws_random(gm: fx.GraphModule) -> bool:
+    """Whether the graph draws random numbers (``randn``, ``bernoulli``, dropout in training...): its draws are its
+    own, and a model that seeds the generator in its forward reseeds eager calls only (torch.export keeps no
+    ``manual_seed``). An op tagged random that draws nothing here (attention or dropout with probability 0, a
+    dropout not training) does not count."""
+    return any(n.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
+               and not _draws_nothing(n) for n in gm.graph.nodes)
+
+
+def _draws_nothing(node: fx.Node) -> bool:
+    """Whether a random op's arguments make it deterministic: a dropout probability of 0, or ``train=False``."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return False
+    values = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
+    values.update({a.name: v for a, v in zip(schema.arguments, node.args)})
+    values.update(node.kwargs)
+    if values.get("train") is False:
+        return True
+    for key in ("dropout_p", "p"):
+        if key in values:
+            return isinstance(values[key], (int, float)) and values[key] == 0
+    return False
 
 
 def _call_model(model: nn.Module, args: tuple, kwargs: dict) -> list:
