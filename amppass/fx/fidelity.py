@@ -13,9 +13,10 @@ Rules:
    once each; each floating output leaf is compared by relative L2 error. Past :data:`LIMIT` the capture is
    refused with a CaptureError naming the output and the error. fp32 kernels of the two differ by rounding only
    (about 1e-6), far below the limit.
-2. A model whose own two calls differ by more than a tenth of the limit (sampling in eval mode) is not judged.
+2. A model whose own two calls differ by more than a tenth of the limit (a counter it reads) is not judged.
 3. Not judged either: a graph that writes into its inputs (the check must not change the caller's tensors), a
-   graph that draws random numbers (its draws are its own), and outputs whose leaves do not pair up. The model's buffers are put back as they were after the calls.
+   graph that draws random numbers (its draws are its own), and outputs whose leaves do not pair up. The
+   model's buffers are put back as they were after the calls.
 """
 
 from __future__ import annotations
