@@ -99,6 +99,13 @@ def alias_groups(gm: fx.GraphModule) -> AliasGroups:
     return groups
 
 
+def writes_an_input(gm: fx.GraphModule) -> bool:
+    """Whether the graph writes into one of its inputs (a placeholder in an aliasing group): running it on the
+    caller's tensors would change them."""
+    written = {n for members in alias_groups(gm).members for n in members}
+    return any(n.op == "placeholder" and n in written for n in gm.graph.nodes)
+
+
 def _effects(node: fx.Node, gm: fx.GraphModule) -> tuple[fx.Node | None, list[fx.Node]]:
     """(the argument ``node`` writes in place or None, the arguments its output shares storage with)."""
     target = node.target

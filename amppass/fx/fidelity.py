@@ -30,7 +30,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError, first_line
-from .aliasing import alias_groups
+from .aliasing import writes_an_input
 from .calibrate import flatten_inputs
 from .modes import module_mode
 
@@ -41,8 +41,7 @@ LIMIT = 1e-3  # relative L2 error of an fp32 output: far past fp32 rounding, far
 
 def check_fidelity(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: dict) -> None:
     """Rules 1-3: raise CaptureError where the captured graph's fp32 outputs are not the model's on the example."""
-    written = {n for members in alias_groups(gm).members for n in members}
-    if any(n.op == "placeholder" and n in written for n in gm.graph.nodes) or _draws_random(gm):
+    if writes_an_input(gm) or _draws_random(gm):
         return
     with _buffers_kept(model):  # the graph shares them with the model, and may write them as it does
         try:

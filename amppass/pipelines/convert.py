@@ -18,7 +18,7 @@ from ..analysis.view import GraphView
 from ..dtypes import low_type
 from ..errors import CaptureError, InputError
 from ..fx import finite, profit
-from ..fx.aliasing import alias_groups, functional_writes
+from ..fx.aliasing import functional_writes, writes_an_input
 from ..fx.copies import shared_copy
 from ..fx.custom_backward import check_backward
 from ..fx.devices import module_device
@@ -364,8 +364,7 @@ def _finite_check_inputs(gm: fx.GraphModule, mode: str, example: tuple[Any, dict
     the graph writes into an input (the check must not change the caller's tensors)."""
     if example is None or mode != "inference":
         return None
-    written = {n for members in alias_groups(gm).members for n in members}
-    if any(n.op == "placeholder" and n in written for n in gm.graph.nodes):
+    if writes_an_input(gm):
         return None
     args, kwargs = example
     return flatten_inputs(gm, split_batch(args)[0] if args is not None else (), kwargs, index=0)
