@@ -29,6 +29,7 @@ from ..fx.capture import capture, capture_program
 from ..fx.gelu import FUSED_KEY, fuse_tanh_gelu
 from ..fx.guards import GUARDS_KEY, carried_decisions, matching, plain_inputs
 from ..fx.macs import node_macs
+from ..fx.masks import fold_constant_masks
 from ..fx.modes import module_mode
 from ..fx.profit import CostModel
 from ..fx.rewrite import rewrite
@@ -300,6 +301,8 @@ def _convert_captured(
     # a written-out tanh-GELU would run fp32 op by op (its cube can overflow), and train mode would save its fp32
     # activations for backward: one low kernel instead, in both modes (fx.gelu)
     fuse_tanh_gelu(gm)
+    # a mask the graph fixes as all-true (or causal) keeps SDPA off its fused kernels on CUDA (fx.masks)
+    fold_constant_masks(gm)
     view, _ = build_view(gm, target)
     given = {**(carried or {}), **overrides.resolve(view, keep_fp32, force_low, low)}
     profit_info: dict[str, Any] = {}
