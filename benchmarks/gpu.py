@@ -1,6 +1,6 @@
 """Benchmark section "gpu": amppass on a CUDA device (an H100 or H200), against what users run there.
 
-Four parts, each catching its own failure so that one broken part still leaves the others' rows (a failed
+Five parts, each catching its own failure so that one broken part still leaves the others' rows (a failed
 row says what raised):
 
 1. **Inference** (bf16 and fp16): BERT-base (1x128, 32x128), GPT-2 124M (1x128, 32x128), ViT-B/16 (1 and 64
@@ -15,6 +15,9 @@ row says what raised):
    GradScaler, amppass train mode + LossScaler; median step time, peak memory, loss of 20 steps.
 4. **Numerics and plans**: the plan's error measured on the CPU against the same plan run with CUDA kernels;
    what ``plan_for="speed"`` and ``dtype="auto"`` decide on the GPU, with the timing cache's fingerprint.
+5. **Profile**: ViT-B/16 at 64 images in bf16, ``autocast`` against ``amppass``: the ops and kernels with the
+   most device time per call, and how many of amppass's attention calls still take a mask (the first GPU runs
+   had amppass at 21.2 ms against autocast's 8.7 ms here, with the same matrix products low).
 
 Each part has a time budget (:data:`BUDGET_S`, about 6 minutes in all, so the whole section fits one
 command on a lent GPU): rows it could not start in time say so. ``--quick`` runs every part with the small zoo and short loops on whatever device there is (the CPU in CI),
@@ -76,7 +79,8 @@ def points(quick: bool) -> list[Point]:
 
 
 COMPILED = ("bert",)  # compiles cost 30-60 s each on a GPU: the compiled variants run on BERT's points alone
-BUDGET_S = {"inference": 200.0, "decoding": 70.0, "training": 70.0, "numerics": 40.0}  # about 6 minutes in all
+BUDGET_S = {"inference": 190.0, "decoding": 70.0, "training": 70.0, "numerics": 40.0,
+            "profile": 20.0}  # about 6 minutes in all
 
 
 class Budget:
@@ -459,11 +463,77 @@ def numerics(quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
+def profile(quick: bool) -> list[dict[str, Any]]:
+    """Part 5: where ViT's time goes at its large batch, autocast against amppass in bf16: the kernels that take
+    the most device time per call (the CPU's own time on a CPU), and how many attention calls keep a mask."""
+    where, rows, budget = device(), [], Budget(BUDGET_S["profile"])
+    point = Point("vit", 2 if quick else 64)
+    variants = ("autocast", "amppass")
+    if budget.spent():
+        return [{"model": point.label, "variant": v, "failed": SKIPPED} for v in variants]
+    try:
+        case = build("vit", "small" if quick else "base", batch=point.batch)
+        fp32 = copy.deepcopy(case.model).to(where).eval()
+        inputs = tuple(t.to(where) for t in case.make_inputs(1))
+        with no_tf32():
+            fast = amppass.convert(fp32, inputs, torch.bfloat16)
+    except Exception as err:  # noqa: BLE001
+        return [_failed({"model": point.label, "variant": v}, err) for v in variants]
+
+    def autocast() -> Any:
+        with torch.autocast(where.type, dtype=torch.bfloat16):
+            return fp32(*inputs)
+
+    for variant, call in zip(variants, (autocast, lambda: fast(*inputs))):
+        base = {"model": point.label, "variant": variant}
+        if budget.spent():
+            rows.append({**base, "failed": SKIPPED})
+            continue
+        try:
+            rows += _top_kernels(call, where, base, calls=2 if quick else 5)
+        except Exception as err:  # noqa: BLE001
+            rows.append(_failed(base, err))
+    masked = sum("scaled_dot_product_attention" in r.op and "True everywhere" not in r.reason
+                 for r in amppass.report(fast).rows)
+    rows.append({"model": point.label, "variant": "amppass", "kernel": "attention calls given a mask",
+                 "calls": masked})
+    return rows
+
+
+def _top_kernels(call: Callable[[], Any], where: torch.device, base: dict, calls: int,
+                 shown: int = 8) -> list[dict[str, Any]]:
+    """The ``shown`` ops or kernels with the most self time per call (device time on a GPU)."""
+    from torch.profiler import ProfilerActivity
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if where.type == "cuda" else [])
+    with torch.no_grad(), no_tf32():
+        for _ in range(3):
+            call()
+        _sync(where)
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(calls):
+                call()
+            _sync(where)
+    key = "self_device_time_total" if where.type == "cuda" else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
+    total = sum(getattr(e, key) for e in events)
+    rows = [{**base, "kernel": "(all)", "ms": total / calls / 1e3}]
+    rows += [{**base, "kernel": e.key[:70], "ms": getattr(e, key) / calls / 1e3, "calls": e.count / calls}
+             for e in events[:shown] if getattr(e, key) > 0]
+    return rows
+
+
+def _sync(where: torch.device) -> None:
+    if where.type == "cuda":
+        torch.cuda.synchronize(where)
+
+
 PARTS: dict[str, Callable[[bool], list[dict[str, Any]]]] = {
     "Inference, bf16 and fp16 (compiled variants in bf16)": inference,
     "Decoding with generate(), bf16": decoding,
     "Training step, fp16": training,
     "Numerics: the CPU's plan error against the device's, and the device's own plans": numerics,
+    "Where ViT's time goes, bf16: the ops with the most self time per call": profile,
 }
 
 
