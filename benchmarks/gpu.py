@@ -295,48 +295,55 @@ def decoding(quick: bool) -> list[dict[str, Any]]:
             num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 64),
             max_position_embeddings=512, attn_implementation="sdpa")).to(where).eval()
     rows, budget = [], Budget(BUDGET_S["decoding"])
-    for batch in batches:
+    label = f"llama {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M"
+    # every batch's eager variants first, then the compiled ones (a compile takes most of the budget): a budget
+    # spent on compiling batch 1 skips batch 16's compile, not its eager rows
+    jobs = [(batch, variant) for batch in batches for variant in ("fp32", "autocast", "amppass")]
+    jobs += [(batch, "amppass_compiled") for batch in batches]
+    prompts = {batch: torch.randint(1, vocab - 1, (batch, prompt_len),
+                                    generator=torch.Generator().manual_seed(batch)).to(where) for batch in batches}
+    references: dict[int, torch.Tensor] = {}
+    times: dict[tuple[int, str], float] = {}
+    for batch, variant in jobs:
+        row = {"model": label, "batch": batch, "variant": variant}
         if budget.spent():
-            rows.append({"batch": batch, "failed": SKIPPED})
+            rows.append({**row, "failed": SKIPPED})
             continue
-        ids = torch.randint(1, vocab - 1, (batch, prompt_len), generator=torch.Generator().manual_seed(batch)).to(where)
+        try:
+            with torch.no_grad(), no_tf32():
+                call = _generation(model, prompts[batch], variant, new, vocab)
+                tokens = call()
+                ms, mb = timed(call, where, 1, 2 if quick else 3)
+        except Exception as err:  # noqa: BLE001
+            rows.append(_failed(row, err))
+            continue
+        reference = references.setdefault(batch, tokens)
+        times[batch, variant] = ms
+        same = float((tokens[:, prompt_len:] == reference[:, prompt_len:]).float().mean())
+        rows.append({**row, "ms_per_token": ms / new, "tokens_as_fp32": same, "peak_MB": mb})
+    for row in rows:
+        if "ms_per_token" in row and (row["batch"], "autocast") in times:
+            row["vs_autocast"] = times[row["batch"], "autocast"] / (row["ms_per_token"] * new)
+    return sorted(rows, key=lambda r: r["batch"])  # stable: each batch's rows in the order above
 
-        def generate(target: Any, dtype: torch.dtype | None = None) -> Callable[[], Any]:
-            def call() -> Any:
-                context = torch.autocast(where.type, dtype=dtype) if dtype else contextlib.nullcontext()
-                with context:
-                    return target.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                           pad_token_id=vocab - 1)
-            return call
 
-        def compiled() -> Any:
-            clone = copy.deepcopy(model)
-            clone.forward = torch.compile(clone.forward, backend="amppass", options={"dtype": "bf16"})
-            return clone
+def _generation(model: torch.nn.Module, ids: torch.Tensor, variant: str, new: int, vocab: int) -> Callable[[], Any]:
+    """A call generating ``new`` tokens greedily from ``ids`` with ``variant`` of ``model``."""
+    target, dtype = model, None
+    if variant == "autocast":
+        dtype = torch.bfloat16
+    elif variant == "amppass":
+        target = amppass.convert(model, (ids,), "bf16")
+    elif variant == "amppass_compiled":
+        target = copy.deepcopy(model)
+        target.forward = torch.compile(target.forward, backend="amppass", options={"dtype": "bf16"})
 
-        makers = {"fp32": lambda: generate(model), "autocast": lambda: generate(model, torch.bfloat16),
-                  "amppass": lambda: generate(amppass.convert(model, (ids,), "bf16")),
-                  "amppass_compiled": lambda: generate(compiled())}
-        reference, times = None, {}
-        for variant, make in makers.items():
-            row = {"model": f"llama {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M", "batch": batch,
-                   "variant": variant}
-            try:
-                with torch.no_grad(), no_tf32():
-                    call = make()
-                    tokens = call()
-                    ms, mb = timed(call, where, 1, 2 if quick else 3)
-            except Exception as err:  # noqa: BLE001
-                rows.append(_failed(row, err))
-                continue
-            reference = tokens if reference is None else reference
-            times[variant] = ms
-            same = float((tokens[:, prompt_len:] == reference[:, prompt_len:]).float().mean())
-            rows.append({**row, "ms_per_token": ms / new, "tokens_as_fp32": same, "peak_MB": mb})
-        for row in rows:
-            if row.get("batch") == batch and "ms_per_token" in row and "autocast" in times:
-                row["vs_autocast"] = times["autocast"] / (row["ms_per_token"] * new)
-    return rows
+    def call() -> Any:
+        context = torch.autocast(ids.device.type, dtype=dtype) if dtype else contextlib.nullcontext()
+        with context:
+            return target.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                   pad_token_id=vocab - 1)
+    return call
 
 
 def training(quick: bool) -> list[dict[str, Any]]:
