@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).with_name("conformance")))
@@ -77,6 +78,13 @@ def test_tiny_configs_shrink_what_the_class_has():
     assert config.num_key_value_heads == 2 and config.vocab_size == harness.VOCAB  # grouped-query kept
     assert harness.tiny_config("llama").num_key_value_heads == 4  # a class without GQA gets none
     assert harness.tiny_config("bert").hidden_dropout_prob == 0.0
+
+
+def test_a_model_type_takes_the_sizes_shrink_cannot_name():
+    built = harness.build("YolosModel", "base", "yolos")  # its [512, 864] image gave 16,485 tokens
+    assert tuple(built.inputs["pixel_values"].shape[-2:]) == (32, 32)
+    with torch.no_grad():
+        assert built.model(**built.inputs).last_hidden_state.shape[1] == (32 // 4) ** 2 + 1 + 10
 
 
 def test_tiny_configs_switch_off_training_randomness():
