@@ -160,3 +160,17 @@ def test_profitability_on_cuda_times_kernels_on_the_gpu_and_keeps_big_matmuls_lo
     assert rows and all(r.precision == "bf16" for r in rows), info.get("profitability")
     assert _error(fast, model, (x,)) < 3e-2
 
+
+
+def test_a_converted_vit_runs_on_the_flash_kernel_alone():
+    """torch.export writes ViT's unpadded attention mask out; flash attention takes no mask, so a converted graph
+    that kept it would find no kernel with flash the only backend allowed (amppass.fx.masks drops it)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    case, model, inputs = _on_cuda("vit", batch=4)
+    fast = amppass.convert(model.eval(), inputs, torch.bfloat16, plan_for="coverage")
+    with torch.no_grad():
+        want = model(*inputs).last_hidden_state  # fp32: flash attention takes no fp32, so outside the context
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            got = fast(*inputs).last_hidden_state
+    assert relative_error(got, want) < 0.05
