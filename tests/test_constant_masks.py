@@ -58,6 +58,20 @@ def test_vit_converted_runs_attention_without_the_all_true_mask_export_writes_ou
     assert _error(got, want) <= 2 * _error(autocast, want) + 1e-4
 
 
+def test_bert_without_padding_runs_attention_without_a_mask_at_every_length():
+    config = transformers.BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                                     intermediate_size=64, vocab_size=50)
+    torch.manual_seed(0)
+    model = transformers.BertModel(config).eval()
+    fast = amppass.convert(model, (torch.randint(0, 50, (2, 8)),), dtype="bf16", plan_for="coverage")
+    calls = _sdpa_calls(_graph_of(fast))
+    assert calls and all(_mask_of(n) is None for n in calls)  # arange(S) + 0 >= 0: True for every S
+    with torch.no_grad():
+        for length in (3, 8, 13):  # lengths the dynamic graph serves
+            ids = torch.randint(0, 50, (2, length))
+            assert _error(fast(ids).last_hidden_state, model(ids).last_hidden_state) < 0.05
+
+
 def test_a_padding_mask_from_the_inputs_is_kept():
     config = transformers.BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
                                      intermediate_size=64, vocab_size=50)
@@ -87,6 +101,30 @@ class _Attention(torch.nn.Module):
         if self.kind == "all":
             mask = mask.expand(self.length, self.length)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class _IndexMask(torch.nn.Module):
+    """A mask of the key index against a bound, at whatever length the call has (a symbolic size)."""
+
+    def __init__(self, shift: int, bound: int):
+        super().__init__()
+        self.shift, self.bound = shift, bound
+
+    def forward(self, q, k, v):
+        keys = torch.arange(k.shape[-2], device=q.device) + self.shift
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=(keys >= self.bound)[None, :])
+
+
+@pytest.mark.parametrize("shift, bound, proven", [(0, 0, True), (2, 1, True), (0, 1, False), (-1, 0, False)])
+def test_an_index_mask_is_dropped_only_where_its_bound_holds_at_every_length(shift, bound, proven):
+    module, inputs = _IndexMask(shift, bound), _qkv()
+    length = torch.export.Dim("length", min=2, max=64)
+    shapes = ({2: length}, {2: length}, {2: length})
+    gm = torch.export.export(module, inputs, dynamic_shapes=shapes).module()
+    assert fold_constant_masks(gm) == proven
+    for size in (2, 6, 11):
+        q, k, v = _qkv(size)
+        torch.testing.assert_close(gm(q, k, v), module(q, k, v), rtol=1e-5, atol=1e-6)
 
 
 def _qkv(length: int = 6):

@@ -7,9 +7,12 @@ flash kernel (PyTorch's flash attention takes none), and on the CPU it costs a `
 
 Rules:
 
-1. Only a mask whose value the graph fixes is folded: below its ``expand`` calls (which only repeat it) the mask is
-   computed from constants alone, by the pure ops in ``_PURE``, with no graph input, parameter, buffer or
-   symbolic size among its ancestors. Its value is then the same on every call, whatever the inputs.
+1. Only a boolean mask whose value the graph fixes is folded, one of two ways. Evaluated: below its ``expand``
+   calls (which only repeat it) it is computed from constants alone, by the pure ops in ``_PURE``, with no graph
+   input, parameter, buffer or symbolic size among its ancestors. Proven: it is True whatever the sizes by its
+   ops alone (``_proven_true``): an index ``arange`` counts up from its start, shifted by constants, compared
+   ``>=`` or ``>`` with a bound it cannot fall below (BERT's unpadded mask is ``arange(S) + 0 >= 0``), ``ones``,
+   the ``and`` of such, the ``or`` of one, and shape ops of them. Either way its value is the same on every call.
 2. A boolean mask that is ``True`` everywhere is dropped (``attn_mask=None``): attention over every key is what
    SDPA does without one. A mask whose recorded shape does not broadcast into the scores' is kept.
 3. A boolean mask equal to the lower triangle of a square ``[L, L]`` (the query and key lengths both ``L``, fixed)
@@ -34,6 +37,12 @@ log = logging.getLogger(__name__)
 aten = torch.ops.aten
 _SDPA = aten.scaled_dot_product_attention.default
 _EXPAND = (aten.expand.default,)
+# ops whose every output value is a value of their first argument
+_SAME_VALUES = {aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim, aten.view.default,
+                aten.reshape.default, aten.slice.Tensor, aten.select.int, aten.permute.default, aten.transpose.int,
+                aten.clone.default, aten.contiguous.default, aten.alias.default}
+_AND = {aten.__and__.Tensor, aten.logical_and.default, aten.bitwise_and.Tensor}
+_OR = {aten.__or__.Tensor, aten.logical_or.default, aten.bitwise_or.Tensor}
 _PURE = {
     aten.arange.default, aten.arange.start, aten.arange.start_step, aten.full.default, aten.ones.default,
     aten.zeros.default, aten.scalar_tensor.default, aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor,
@@ -58,13 +67,14 @@ def fold_constant_masks(gm: fx.GraphModule) -> int:
         mask, is_causal = _argument(node, 3, "attn_mask"), _argument(node, 5, "is_causal")
         if not isinstance(mask, fx.Node) or is_causal:
             continue
-        value = _constant_value(_below_expands(mask))
-        if value is None or value.dtype != torch.bool or not _broadcasts_into_scores(mask, node):
+        if not _is_bool(mask) or not _broadcasts_into_scores(mask, node):
             continue
-        if bool(value.all()):
+        proven = _proven_true(mask)
+        value = None if proven else _constant_value(_below_expands(mask))
+        if proven or value is not None and bool(value.all()):
             _set(node, attn_mask=None)
             why = "the attention mask is True everywhere (fixed by the graph), so SDPA runs without one"
-        elif _is_square_causal(value, node):
+        elif value is not None and _is_square_causal(value, node):
             _set(node, attn_mask=None, is_causal=True)
             why = "the attention mask is the causal lower triangle (fixed by the graph), so SDPA runs is_causal"
         else:
@@ -76,6 +86,59 @@ def fold_constant_masks(gm: fx.GraphModule) -> int:
         gm.recompile()
         log.info("folded %d constant attention masks", folded)
     return folded
+
+
+def _is_bool(node: fx.Node) -> bool:
+    value = node.meta.get("val")
+    return isinstance(value, torch.Tensor) and value.dtype == torch.bool
+
+
+def _proven_true(node: fx.Node) -> bool:
+    """Whether ``node`` is True everywhere by its ops alone, whatever the sizes (rule 1's bounds): an index that
+    ``arange`` counts up from its start, shifted by constants, compared with a bound it cannot fall below; ones;
+    and of two such, or of one and anything; shape ops of one."""
+    if node.op != "call_function":
+        return False
+    target, args = node.target, node.args
+    if target in _SAME_VALUES and args and isinstance(args[0], fx.Node):
+        return _proven_true(args[0])
+    if target in (aten.ge.Scalar, aten.gt.Scalar) and isinstance(args[0], fx.Node) and _number(args[1]):
+        least = _least(args[0])
+        return least is not None and (least >= args[1] if target == aten.ge.Scalar else least > args[1])
+    if target in _AND:
+        return all(isinstance(a, fx.Node) and _proven_true(a) for a in args[:2])
+    if target in _OR:
+        return any(isinstance(a, fx.Node) and _proven_true(a) for a in args[:2])
+    if target in (aten.ones.default, aten.new_ones.default) or \
+            target in (aten.full.default, aten.new_full.default) and args[-1] is True:
+        return _is_bool(node)
+    return False
+
+
+def _least(node: fx.Node) -> float | None:
+    """A lower bound of every value of ``node`` that its ops prove (``arange`` from its start, shifted by
+    constants), or None."""
+    if node.op != "call_function":
+        return None
+    target, args = node.target, node.args
+    if target == aten.arange.default:
+        return 0
+    if target in (aten.arange.start, aten.arange.start_step) and _number(args[0]):
+        step = args[2] if len(args) > 2 else node.kwargs.get("step", 1)
+        return args[0] if _number(step) and step > 0 else None
+    if target in _SAME_VALUES and args and isinstance(args[0], fx.Node):
+        return _least(args[0])
+    if target in (aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar) and \
+            isinstance(args[0], fx.Node) and _number(args[1]) and "alpha" not in node.kwargs:
+        least = _least(args[0])
+        if least is None:
+            return None
+        return least + args[1] if target in (aten.add.Tensor, aten.add.Scalar) else least - args[1]
+    return None
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _argument(node: fx.Node, index: int, name: str) -> Any:
