@@ -80,12 +80,23 @@ def fold_constant_masks(gm: fx.GraphModule) -> int:
         else:
             continue
         node.meta[FUSED_KEY] = f"{why}, which lets it use a fused kernel ({mask.name} folded)"
+        _erase_unread(gm.graph, mask)
         folded += 1
     if folded:
-        gm.graph.eliminate_dead_code()
         gm.recompile()
         log.info("folded %d constant attention masks", folded)
     return folded
+
+
+def _erase_unread(graph: fx.Graph, node: fx.Node) -> None:
+    """Erase ``node`` if nothing reads it, then so each of its inputs (the mask's own ops; a size or value other
+    nodes read stays, and so does an op that writes)."""
+    if node.users or node.op != "call_function" or node.is_impure():
+        return
+    inputs = node.all_input_nodes
+    graph.erase_node(node)
+    for value in inputs:
+        _erase_unread(graph, value)
 
 
 def _is_bool(node: fx.Node) -> bool:
