@@ -24,7 +24,6 @@ Rules:
 from __future__ import annotations
 
 import logging
-import operator
 from typing import Any
 
 import torch
@@ -53,7 +52,7 @@ _PURE = {
     aten.__and__.Tensor, aten.__or__.Tensor, aten.where.self, aten.unsqueeze.default, aten.squeeze.dim,
     aten.view.default, aten.reshape.default, aten.expand.default, aten.slice.Tensor, aten.select.int,
     aten.permute.default, aten.transpose.int, aten.clone.default, aten._to_copy.default, aten.to.dtype,
-    aten.tril.default, aten.triu.default, aten.index.Tensor, operator.getitem,
+    aten.tril.default, aten.triu.default, aten.index.Tensor,
 }
 
 
