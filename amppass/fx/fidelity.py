@@ -33,6 +33,7 @@ from ..errors import CaptureError, first_line
 from .aliasing import writes_an_input
 from .calibrate import flatten_inputs
 from .modes import module_mode
+from .policy import argument
 
 log = logging.getLogger(__name__)
 
@@ -83,18 +84,11 @@ def _draws_random(gm: fx.GraphModule) -> bool:
 
 def _draws_nothing(node: fx.Node) -> bool:
     """Whether a random op's arguments make it deterministic: a dropout probability of 0, or ``train=False``."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return False
-    values = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
-    values.update({a.name: v for a, v in zip(schema.arguments, node.args)})
-    values.update(node.kwargs)
-    if values.get("train") is False:
+    if argument(node, "train") is False:
         return True
-    for key in ("dropout_p", "p"):
-        if key in values:
-            return isinstance(values[key], (int, float)) and values[key] == 0
-    return False
+    probability = argument(node, "dropout_p")
+    probability = argument(node, "p") if probability is None else probability
+    return isinstance(probability, (int, float)) and probability == 0
 
 
 def _call_model(model: nn.Module, args: tuple, kwargs: dict) -> list:

@@ -28,8 +28,10 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.utils import _pytree as pytree
 
 from .gelu import FUSED_KEY
+from .policy import argument
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +65,7 @@ def fold_constant_masks(gm: fx.GraphModule) -> int:
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target != _SDPA:
             continue
-        mask, is_causal = _argument(node, 3, "attn_mask"), _argument(node, 5, "is_causal")
+        mask, is_causal = argument(node, "attn_mask"), argument(node, "is_causal")
         if not isinstance(mask, fx.Node) or is_causal:
             continue
         if not _is_bool(mask) or not _broadcasts_into_scores(mask, node):
@@ -151,10 +153,6 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _argument(node: fx.Node, index: int, name: str) -> Any:
-    return node.args[index] if len(node.args) > index else node.kwargs.get(name)
-
-
 def _set(node: fx.Node, **values: Any) -> None:
     """Set SDPA arguments by name, moving positional ones from ``attn_mask`` on into keywords."""
     names = ("attn_mask", "dropout_p", "is_causal")
@@ -184,47 +182,30 @@ def _constant_value(node: fx.Node) -> torch.Tensor | None:
         seen.add(current)
         if current.op != "call_function" or current.target not in _PURE:
             return False
-        for value in (*current.args, *current.kwargs.values()):
-            for leaf in _leaves(value):
-                if isinstance(leaf, fx.Node):
-                    if not visit(leaf):
-                        return False
-                elif isinstance(leaf, torch.SymInt | torch.SymFloat | torch.SymBool | torch.Tensor):
+        for leaf in pytree.tree_leaves((current.args, current.kwargs)):
+            if isinstance(leaf, fx.Node):
+                if not visit(leaf):
                     return False
+            elif isinstance(leaf, torch.SymInt | torch.SymFloat | torch.SymBool | torch.Tensor):
+                return False
         order.append(current)
         return True
 
     if not visit(node):
         return None
     values: dict[fx.Node, Any] = {}
-
-    def resolve(value: Any) -> Any:
-        if isinstance(value, fx.Node):
-            return values[value]
-        if isinstance(value, (list, tuple)):
-            return type(value)(resolve(v) for v in value)
-        return value
-
     try:
         for current in order:
-            kwargs = {k: resolve(v) for k, v in current.kwargs.items()}
+            kwargs = dict(fx.node.map_arg(current.kwargs, values.__getitem__))
             if "device" in kwargs:
                 kwargs["device"] = torch.device("cpu")
             kwargs.pop("pin_memory", None)
-            values[current] = current.target(*resolve(current.args), **kwargs)
+            values[current] = current.target(*fx.node.map_arg(current.args, values.__getitem__), **kwargs)
     except Exception:  # noqa: BLE001 - a value this cannot compute is not folded
         log.debug("attention mask %s not evaluated", node.name, exc_info=True)
         return None
     value = values[node]
     return value if isinstance(value, torch.Tensor) else None
-
-
-def _leaves(value: Any) -> list[Any]:
-    if isinstance(value, (list, tuple)):
-        return [leaf for item in value for leaf in _leaves(item)]
-    if isinstance(value, dict):
-        return [leaf for item in value.values() for leaf in _leaves(item)]
-    return [value]
 
 
 def _shape(node: Any) -> tuple | None:

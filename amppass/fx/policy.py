@@ -285,7 +285,7 @@ def in_training(node: fx.Node, root: nn.Module | None = None) -> bool:
     if node.op == "call_module":
         module = root.get_submodule(str(node.target)) if root is not None else None
         return module is None or module.training or getattr(module, "running_mean", None) is None
-    flag = _argument(node, "training")
+    flag = argument(node, "training")
     return not isinstance(flag, bool) or flag
 
 
@@ -307,7 +307,7 @@ def argument_names(node: fx.Node) -> list[str]:
     return [name for name, _ in _parameters(node.target)]
 
 
-def _argument(node: fx.Node, name: str) -> Any:
+def argument(node: fx.Node, name: str) -> Any:
     """The value ``node`` passes for its target's argument ``name`` (its default when left out); None if the
     target's signature is unknown or has no such argument."""
     if name in node.kwargs:
