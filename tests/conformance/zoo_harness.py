@@ -216,7 +216,7 @@ def tiny_config(model_type: str, config_class: Any = None, every_layer_kind: boo
     from transformers import CONFIG_MAPPING
 
     config_class = config_class or CONFIG_MAPPING[model_type]
-    return config_class(**_overrides(config_class().to_dict(), every_layer_kind), **TYPE_SHRINK.get(model_type, {}))
+    return config_class(**{**_overrides(config_class().to_dict(), every_layer_kind), **TYPE_SHRINK.get(model_type, {})})
 
 
 def _layer_kinds(types: list, every_kind: bool) -> list:
