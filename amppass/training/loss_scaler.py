@@ -39,8 +39,9 @@ import logging
 import math
 import time
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
-from numbers import Real
+from numbers import Integral, Real
 from typing import Any
 
 import torch
@@ -57,6 +58,10 @@ __all__ = ["LossScaler"]
 REPORT_INTERVAL_S = 60.0  # at most one log line about skipped steps per this many seconds
 _FP32_MAX = torch.finfo(torch.float32).max
 _FP32_TINY = torch.finfo(torch.float32).tiny  # 2**-126: the smallest scale whose inverse is finite and exact
+# Integer settings and counters, bounded so that the int32/int64 tensors hold them and the scale keeps moving.
+MAX_HYSTERESIS = 1000  # overflows in a row that may pass before the first back-off (Megatron-LM's default is 2)
+MAX_GROWTH_INTERVAL = 2**30  # the int32 clean-step tracker counts up to it, one step past it at most
+MAX_SKIPPED_STEPS = 2**53  # the skipped-step counter is read back through a float64, exact up to here
 
 
 WORLD = "world"  # process_group spelling of the default group, looked up at each step
@@ -130,9 +135,12 @@ class LossScaler:
         init_scale: first scale factor.
         growth_factor: the scale is multiplied by this (> 1) after ``growth_interval`` clean steps in a row.
         backoff_factor: the scale is multiplied by this (between 0 and 1) on an overflow that backs off.
-        growth_interval: clean steps in a row before the scale grows.
+        growth_interval: clean steps in a row before the scale grows; an int from 1 to 2**30 (``MAX_GROWTH_INTERVAL``).
         hysteresis: overflows before the scale backs off, counted as Megatron-LM's DynamicGradScaler counts
-            them (module docstring, rule 2); every overflowing step is skipped either way. 1 = GradScaler.
+            them (module docstring, rule 2); every overflowing step is skipped either way. 1 = GradScaler. An
+            int from 1 to 1000 (``MAX_HYSTERESIS``; Megatron-LM and DeepSpeed default to 2): overflows that will
+            not stop still reach ScaleCollapseError, after at most that many skipped steps plus the back-offs
+            down to ``min_scale``.
         enabled: False makes the scaler a passthrough.
         dtype: the low-precision dtype of the training graph: torch.float16 / "fp16" scales;
             torch.bfloat16 / "bf16" needs no scaling, so the scaler is a passthrough.
@@ -166,8 +174,8 @@ class LossScaler:
         _check_scale("init_scale", init_scale, min_scale, max_scale)
         _check_growth_factor(growth_factor)
         _check_backoff_factor(backoff_factor)
-        _check_count("growth_interval", growth_interval, "e.g. 2000")
-        _check_count("hysteresis", hysteresis, "1 backs off on every overflow")
+        _check_growth_interval(growth_interval)
+        _check_hysteresis(hysteresis)
         if not isinstance(enabled, bool):
             raise ScalerValueError(f"enabled={enabled!r} must be True or False")
         # torch.distributed.group.WORLD is None before init_process_group: an explicit None then may mean it.
@@ -197,15 +205,17 @@ class LossScaler:
 
         self._growth_factor = float(growth_factor)
         self._backoff_factor = float(backoff_factor)
-        self._growth_interval = growth_interval
-        self._hysteresis = hysteresis
+        self._growth_interval = int(growth_interval)
+        self._hysteresis = int(hysteresis)
         self._min_scale = float(min_scale)
         self._max_scale = float(max_scale)
+        # The bounds as built: no checkpoint may loosen them (load_state_dict).
+        self._built_bounds = (self._min_scale, self._max_scale)
         self._process_group = process_group
         # Created on the CPU; the first scale() moves them to the loss's device, where update() keeps them.
         self._scale = torch.tensor(float(init_scale), dtype=torch.float32)
         self._growth_tracker = torch.tensor(0, dtype=torch.int32)  # clean steps in a row
-        self._hysteresis_tracker = torch.tensor(hysteresis, dtype=torch.int32)  # overflows left before backoff
+        self._hysteresis_tracker = torch.tensor(self._hysteresis, dtype=torch.int32)  # overflows left before backoff
         self._skipped = torch.tensor(0, dtype=torch.int64)  # steps skipped since the start
         self._collapsed = torch.tensor(False)  # a back-off fell due at min_scale since the last read
         self._placed = False  # whether scale() has run, i.e. the gradients can carry the scale
@@ -356,9 +366,10 @@ class LossScaler:
         return self._growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
-        """Set the growth interval (an int >= 1); a clean-step count already at or past it grows next step."""
-        _check_count("growth_interval", new_interval, "e.g. 2000")
-        self._growth_interval = new_interval
+        """Set the growth interval (an int from 1 to 2**30); a clean-step count already at or past it grows next
+        step."""
+        _check_growth_interval(new_interval)
+        self._growth_interval = int(new_interval)
 
     @property
     def skipped_steps(self) -> int:
@@ -395,12 +406,27 @@ class LossScaler:
         """Restore a :meth:`state_dict`, also one from ``torch.amp.GradScaler`` or an older amppass; no-op for
         a passthrough. Keys a dict lacks keep this scaler's settings (``skipped_steps`` restarts at 0).
 
-        A scale outside ``[min_scale, max_scale]`` (GradScaler's has no bounds: after a long clean run it sits
-        above the default 2**24) is loaded clamped into them, with a warning in the log; an inf, NaN or
-        non-positive scale raises ScalerValueError.
+        A checkpoint may come from anywhere, so the whole dict is checked before anything is assigned: a value
+        of the wrong type (a bool, a float where an int belongs, a string), inf, NaN, negative, or beyond its
+        bound (``hysteresis`` 1 to 1000, ``growth_interval`` 1 to 2**30, ``_growth_tracker`` 0 to 2**30,
+        ``_hysteresis_tracker`` 0 to ``hysteresis``, ``skipped_steps`` 0 to 2**53; see :class:`LossScaler`)
+        raises ScalerValueError naming the key and leaves the scaler as it was.
+
+        The bounds the scaler was built with are a floor and a ceiling no checkpoint moves outward: a saved
+        ``min_scale`` below them or ``max_scale`` above them is not loaded (the built bound is kept, with a
+        warning in the log; build the scaler with the checkpoint's bounds to keep them), while bounds as tight
+        or tighter are loaded. Bounds that do not overlap the built ones at all raise ScalerValueError. A
+        scale outside the resulting ``[min_scale, max_scale]`` (GradScaler's has no bounds: after a long clean
+        run it sits above the default 2**24) is loaded clamped into them, with a warning in the log; an inf,
+        NaN or non-positive scale raises ScalerValueError.
         """
         if not self._enabled:
             return
+        if not isinstance(state_dict, Mapping):
+            raise ScalerValueError(
+                f"load_state_dict() takes the dict that LossScaler.state_dict() or torch.amp.GradScaler.state_dict() "
+                f"returns, got {type(state_dict).__name__}; pass checkpoint['scaler'], not the whole checkpoint object"
+            )
         if not state_dict:
             raise ScalerUsageError(
                 "load_state_dict() got an empty state dict, which a disabled or bf16 scaler saves; load it into "
@@ -413,25 +439,27 @@ class LossScaler:
                 f"load_state_dict() is missing {missing}; pass the dict from LossScaler.state_dict() "
                 "or torch.amp.GradScaler.state_dict()"
             )
-        hysteresis = state_dict.get("hysteresis", self._hysteresis)
-        min_scale = state_dict.get("min_scale", self._min_scale)
-        max_scale = state_dict.get("max_scale", self._max_scale)
-        _check_bounds(min_scale, max_scale)
-        scale = _clamp_loaded_scale(state_dict["scale"], float(min_scale), float(max_scale))
-        _check_growth_factor(state_dict["growth_factor"])
-        _check_backoff_factor(state_dict["backoff_factor"])
-        _check_count("growth_interval", state_dict["growth_interval"], "e.g. 2000")
-        _check_count("hysteresis", hysteresis, "1 backs off on every overflow")
-        self._growth_factor = float(state_dict["growth_factor"])
-        self._backoff_factor = float(state_dict["backoff_factor"])
-        self._growth_interval = state_dict["growth_interval"]
-        self._hysteresis = hysteresis
-        self._min_scale, self._max_scale = float(min_scale), float(max_scale)
+        try:
+            loaded = _LoadedState.check(state_dict, self)
+        except ScalerValueError as err:
+            raise ScalerValueError(
+                f"load_state_dict(): {err}. Nothing was loaded; pass the dict that LossScaler.state_dict() or "
+                "torch.amp.GradScaler.state_dict() saved, or leave an optional key out to keep this scaler's "
+                "own setting"
+            ) from None
+        # Nothing below raises: the scaler changes whole or not at all.
+        min_scale, max_scale = _bounds_kept(loaded.min_scale, loaded.max_scale, self._built_bounds)
+        scale = _clamp_loaded_scale(loaded.scale, min_scale, max_scale)
+        self._growth_factor = loaded.growth_factor
+        self._backoff_factor = loaded.backoff_factor
+        self._growth_interval = loaded.growth_interval
+        self._hysteresis = loaded.hysteresis
+        self._min_scale, self._max_scale = min_scale, max_scale
         self._scale.fill_(scale)
-        self._growth_tracker.fill_(int(state_dict["_growth_tracker"]))
-        self._hysteresis_tracker.fill_(int(state_dict.get("_hysteresis_tracker", hysteresis)))
-        self._skipped.fill_(int(state_dict.get("skipped_steps", 0)))
-        self._report = _SkipReport(known=int(state_dict.get("skipped_steps", 0)))
+        self._growth_tracker.fill_(loaded.growth_tracker)
+        self._hysteresis_tracker.fill_(loaded.hysteresis_tracker)
+        self._skipped.fill_(loaded.skipped_steps)
+        self._report = _SkipReport(known=loaded.skipped_steps)
 
     # ------------------------------------------------------------------ internals
 
@@ -579,35 +607,91 @@ def _on_rank() -> str:
     return f" on rank {dist.get_rank()} of {dist.get_world_size()}"
 
 
+def _shown(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` for a message, cut at ``limit`` characters: a checkpoint's value may be huge or hostile
+    (an int of millions of digits has no repr at all in Python >= 3.11, and a repr may raise)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"<{'negative ' if value < 0 else ''}int of {value.bit_length()} bits>"
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - any object may sit in a checkpoint
+        text = f"<{type(value).__name__} without a repr>"
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def _bound(value: int) -> str:
+    """An int bound as a message writes it: 2**30 rather than 1073741824."""
+    return f"2**{value.bit_length() - 1}" if value >= 2**16 and value & (value - 1) == 0 else str(value)
+
+
 def _is_number(value: Any) -> bool:
-    return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+    if not isinstance(value, Real) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
-def _check_bounds(min_scale: Any, max_scale: Any) -> None:
+def _check_bounds(min_scale: Any, max_scale: Any, where: str = "") -> None:
     if not (_is_number(min_scale) and min_scale >= _FP32_TINY):
         raise ScalerValueError(
-            f"min_scale={min_scale!r} must be a number >= 2**-126 (float32's smallest normal, so that 1/scale "
-            "stays finite), e.g. 1.0"
+            f"{where}min_scale={_shown(min_scale)} must be a number >= 2**-126 (float32's smallest normal, so that "
+            "1/scale stays finite), e.g. 1.0"
         )
     if not (_is_number(max_scale) and min_scale <= max_scale <= _FP32_MAX):
         raise ScalerValueError(
-            f"max_scale={max_scale!r} must be a number between min_scale={min_scale!r} and float32's largest "
-            "(3.4e38), e.g. 2.**24"
+            f"{where}max_scale={_shown(max_scale)} must be a number between min_scale={_shown(min_scale)} and "
+            "float32's largest (3.4e38), e.g. 2.**24"
         )
+
+
+def _check_overlap(min_scale: float, max_scale: float, built: tuple[float, float]) -> None:
+    """A checkpoint's bounds must share at least one scale with the ones the scaler was built with."""
+    if min_scale > built[1] or max_scale < built[0]:
+        raise ScalerValueError(
+            f"the state dict's [min_scale, max_scale] = [{min_scale:.10g}, {max_scale:.10g}] lies wholly outside "
+            f"the [{built[0]:.10g}, {built[1]:.10g}] this scaler was built with, which a checkpoint may narrow but "
+            "not move; build the scaler with LossScaler(min_scale=..., max_scale=...) "
+            "that cover the checkpoint's bounds"
+        )
+
+
+def _bounds_kept(min_scale: float, max_scale: float, built: tuple[float, float]) -> tuple[float, float]:
+    """A checkpoint's (checked, overlapping) bounds, never looser than the built ones, saying when it kept those."""
+    kept = (max(min_scale, built[0]), min(max_scale, built[1]))
+    for key, saved, value, side in (
+        ("min_scale", min_scale, kept[0], "below"),
+        ("max_scale", max_scale, kept[1], "above"),
+    ):
+        if saved != value:
+            logger.warning(
+                "LossScaler.load_state_dict: the state dict's %s %.10g lies %s the %s=%.10g this scaler was built "
+                "with, and a checkpoint may not loosen the scale's bounds; kept %.10g. Build the scaler with "
+                "LossScaler(%s=%.10g) to load it",
+                key,
+                saved,
+                side,
+                key,
+                value,
+                value,
+                key,
+                saved,
+            )
+    return kept
 
 
 def _check_positive_scale(name: str, value: Any) -> None:
     if not (_is_number(value) and value > 0):
         raise ScalerValueError(
-            f"{name}={value!r} must be a positive finite number such as 2.**16 (LossScaler takes its device "
+            f"{name}={_shown(value)} must be a positive finite number such as 2.**16 (LossScaler takes its device "
             "from the loss, so drop the device argument a torch.amp.GradScaler call may have)"
         )
 
 
-def _clamp_loaded_scale(value: Any, min_scale: float, max_scale: float) -> float:
-    """A checkpoint's scale, clamped into the bounds (GradScaler's own scale is unbounded), saying so."""
-    _check_positive_scale("the state dict's scale", value)
-    clamped = min(max(float(value), min_scale), max_scale)
+def _clamp_loaded_scale(value: float, min_scale: float, max_scale: float) -> float:
+    """A checkpoint's (checked) scale, clamped into the bounds (GradScaler's own scale is unbounded), saying so."""
+    clamped = min(max(value, min_scale), max_scale)
     if clamped != value:
         logger.warning(
             "LossScaler.load_state_dict: the state dict's scale %.10g lies outside [min_scale, max_scale] = "
@@ -625,21 +709,96 @@ def _check_scale(name: str, value: Any, min_scale: float, max_scale: float) -> N
     _check_positive_scale(name, value)
     if not min_scale <= value <= max_scale:
         raise ScalerValueError(
-            f"{name}={value!r} lies outside [min_scale, max_scale] = [{min_scale:.10g}, {max_scale:.10g}]; pass a "
-            "scale within them, or widen them with LossScaler(min_scale=..., max_scale=...)"
+            f"{name}={_shown(value)} lies outside [min_scale, max_scale] = [{min_scale:.10g}, {max_scale:.10g}]; "
+            "pass a scale within them, or widen them with LossScaler(min_scale=..., max_scale=...)"
         )
 
 
-def _check_growth_factor(value: Any) -> None:
+def _check_growth_factor(value: Any, where: str = "") -> None:
     if not (_is_number(value) and value > 1):
-        raise ScalerValueError(f"growth_factor={value!r} must be a finite number > 1, e.g. 2.0")
+        raise ScalerValueError(f"{where}growth_factor={_shown(value)} must be a finite number > 1, e.g. 2.0")
 
 
-def _check_backoff_factor(value: Any) -> None:
+def _check_backoff_factor(value: Any, where: str = "") -> None:
     if not (_is_number(value) and 0 < value < 1):
-        raise ScalerValueError(f"backoff_factor={value!r} must be a number between 0 and 1, e.g. 0.5")
+        raise ScalerValueError(f"{where}backoff_factor={_shown(value)} must be a number between 0 and 1, e.g. 0.5")
 
 
-def _check_count(name: str, value: Any, example: str) -> None:
-    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-        raise ScalerValueError(f"{name}={value!r} must be an int >= 1 ({example})")
+def _check_int(name: str, value: Any, low: int, high: int, note: str) -> None:
+    """An int (not a bool, not a float that happens to be whole) from ``low`` to ``high``."""
+    if not (isinstance(value, Integral) and not isinstance(value, bool) and low <= value <= high):
+        raise ScalerValueError(f"{name}={_shown(value)} must be an int from {low} to {_bound(high)} ({note})")
+
+
+def _check_growth_interval(value: Any, where: str = "") -> None:
+    _check_int(f"{where}growth_interval", value, 1, MAX_GROWTH_INTERVAL, "clean steps before a growth, e.g. 2000")
+
+
+def _check_hysteresis(value: Any, where: str = "") -> None:
+    _check_int(
+        f"{where}hysteresis",
+        value,
+        1,
+        MAX_HYSTERESIS,
+        "overflows tolerated before a back-off: 1 is GradScaler's rule, 2 Megatron-LM's default",
+    )
+
+
+@dataclass(frozen=True)
+class _LoadedState:
+    """A state dict's values, each checked, in the types the scaler keeps; built whole before any is assigned."""
+
+    scale: float
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
+    growth_tracker: int
+    hysteresis: int
+    hysteresis_tracker: int
+    min_scale: float
+    max_scale: float
+    skipped_steps: int
+
+    @classmethod
+    def check(cls, state_dict: Mapping[str, Any], scaler: LossScaler) -> _LoadedState:
+        """Raise ScalerValueError naming the first key whose value the scaler cannot use."""
+        where = "the state dict's "
+        min_scale = state_dict.get("min_scale", scaler._min_scale)
+        max_scale = state_dict.get("max_scale", scaler._max_scale)
+        _check_bounds(min_scale, max_scale, where)
+        _check_overlap(float(min_scale), float(max_scale), scaler._built_bounds)
+        _check_positive_scale(f"{where}scale", state_dict["scale"])
+        _check_growth_factor(state_dict["growth_factor"], where)
+        _check_backoff_factor(state_dict["backoff_factor"], where)
+        _check_growth_interval(state_dict["growth_interval"], where)
+        _check_int(
+            f"{where}_growth_tracker",
+            state_dict["_growth_tracker"],
+            0,
+            MAX_GROWTH_INTERVAL,
+            "clean steps in a row since the last overflow or growth",
+        )
+        hysteresis = state_dict.get("hysteresis", scaler._hysteresis)
+        _check_hysteresis(hysteresis, where)
+        hysteresis_tracker = state_dict.get("_hysteresis_tracker", hysteresis)
+        _check_int(
+            f"{where}_hysteresis_tracker",
+            hysteresis_tracker,
+            0,
+            int(hysteresis),
+            "overflows left before a back-off, at most the hysteresis",
+        )
+        skipped_steps = state_dict.get("skipped_steps", 0)
+        _check_int(f"{where}skipped_steps", skipped_steps, 0, MAX_SKIPPED_STEPS, "optimizer steps skipped so far")
+        return cls(
+            scale=float(state_dict["scale"]),
+            growth_factor=float(state_dict["growth_factor"]),
+            backoff_factor=float(state_dict["backoff_factor"]),
+            growth_interval=int(state_dict["growth_interval"]),
+            growth_tracker=int(state_dict["_growth_tracker"]),
+            hysteresis=int(hysteresis),
+            hysteresis_tracker=int(hysteresis_tracker),
+            min_scale=float(min_scale),
+            max_scale=float(max_scale),
+            skipped_steps=int(skipped_steps),
+        )
