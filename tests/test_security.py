@@ -6,6 +6,7 @@ Each test reproduces what an attacker's file or a careless user's setup did to t
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import stat
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import tracemalloc
 import zipfile
 from pathlib import Path
@@ -484,3 +486,83 @@ def test_everything_a_file_causes_is_an_amppass_error(tmp_path):
                           cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 1 and "unexpected" not in done.stderr and "Traceback" not in done.stderr
     assert "offset '-1'" in done.stderr
+
+
+# -- 8. hostile files, second review ----------------------------------------------------------------------
+
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "amppass", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _one_line_error(done: subprocess.CompletedProcess, *words: str) -> str:
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1, done.stderr
+    assert "unexpected" not in lines[0] and "Traceback" not in done.stderr
+    assert all(word in lines[0] for word in words), lines[0]
+    return lines[0]
+
+
+def _deep(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+def _with_metadata(forge, node: bool = False) -> onnx.ModelProto:
+    """A converted model whose model-level (or MatMul's) amppass metadata is ``forge(text)``."""
+    model = amppass.convert_onnx(_model())
+    props = next(n for n in model.graph.node if n.op_type == "MatMul").metadata_props if node else model.metadata_props
+    entry = next(p for p in props if p.key == "amppass")
+    entry.value = forge(entry.value)
+    return model
+
+
+@pytest.mark.parametrize("node", [False, True], ids=["model", "node"])
+@pytest.mark.parametrize("depth", [900, 100_000])
+def test_deeply_nested_report_metadata_is_refused_where_it_is_read(tmp_path, depth, node):
+    """JSON nested 900 deep parsed, then the report's JSON form recursed through it (RecursionError from
+    to_json); 100,000 deep broke amppass.convert_onnx of the file (converted_dtype's json.loads)."""
+    model = _with_metadata(lambda text: text[:-1] + f', "deep": {_deep(depth)}}}', node)
+    with pytest.raises(InputError, match="nests deeper than 64 levels") as caught:
+        amppass.report(model)
+    assert ("'mm'" if node else "metadata_props['amppass']") in str(caught.value)
+    assert "convert the original model again" in str(caught.value)
+    if not node:
+        with pytest.raises(InputError):  # refused as a model amppass converted, never a RecursionError
+            amppass.convert_onnx(model)
+    path = tmp_path / "deep.onnx"
+    path.write_bytes(model.SerializeToString())
+    _one_line_error(_cli("report", str(path)), "deep.onnx", "nests deeper than 64 levels")
+    if not node:
+        _one_line_error(_cli("convert", str(path), "-o", str(tmp_path / "out.onnx")), "deep.onnx")
+    assert not (tmp_path / "out.onnx").exists()
+
+
+BIG = 10**400  # a JSON integer float() cannot hold
+
+
+@pytest.mark.parametrize("field", ["casts", "weight_bytes_before", "moved_by_tolerance"])
+def test_a_huge_stored_count_names_its_field(field):
+    model = _with_metadata(lambda text: text[:-1] + f', "{field}": {BIG}}}')
+    with pytest.raises(InputError, match=f"field '{field}' is '1000") as caught:
+        amppass.report(model)
+    assert "convert the original model again" in str(caught.value)
+
+
+@pytest.mark.parametrize("key", ["macs", "absmax", "local_error"])
+def test_a_huge_stored_node_number_is_not_counted(tmp_path, key):
+    """A node's MAC count (or observed magnitude) of 10**400 raised OverflowError from every view."""
+    def forge(text: str) -> str:
+        decision = json.loads(text)
+        decision["evidence"][key] = BIG
+        return json.dumps(decision)
+
+    model = _with_metadata(forge, node=True)
+    report = amppass.report(model)
+    row = next(r for r in report.rows if r.name == "mm")
+    assert row.macs is None if key == "macs" else row.macs == 2 * 64 * 64
+    assert row.observed is None and row.local_error is None
+    report.summary(), report.table(), report.to_json(tmp_path / "r.json"), report.to_html(tmp_path / "r.html")
+    path = tmp_path / "big.onnx"
+    path.write_bytes(model.SerializeToString())
+    done = _cli("report", str(path))
+    assert done.returncode == 0, done.stderr

@@ -34,6 +34,7 @@ from ..onnx.rewrite import RewriteStats, rewrite
 from ..onnx.simplify import bypass_weight_identities, initializers_out_of_inputs
 from ..onnx.view import build_view, clear_value_info, name_nodes, opsets
 from ..onnx.weights import WeightStore, tensors
+from ..report import meta
 from ..targets import onnxruntime_facts
 from ..targets.target import Target, onnx_target
 
@@ -318,13 +319,16 @@ def _infer(model: onnx.ModelProto, strict: bool = False) -> onnx.ModelProto:
 
 
 def converted_dtype(model: onnx.ModelProto) -> str | None:
-    """The low dtype ("fp16"/"bf16") amppass converted ``model`` to, from its metadata; None if it did not."""
+    """The low dtype ("fp16"/"bf16") amppass converted ``model`` to, from its metadata; None if it did not,
+    "unknown" where the metadata is damaged (read as the report reads it: :func:`amppass.report.meta.parse`)."""
     for entry in model.metadata_props:
         if entry.key == META_KEY:
             try:
-                return str(json.loads(entry.value).get("dtype", "unknown"))
-            except (ValueError, AttributeError):
+                info = meta.parse(entry.value, "metadata_props['amppass']")
+            except InputError:
                 return "unknown"
+            dtype = info.get("dtype") if isinstance(info, dict) else None
+            return dtype if isinstance(dtype, str) else "unknown"
     return None
 
 

@@ -87,10 +87,15 @@ class Summarised(Protocol):
 
 
 def finite(value: Any) -> float | None:
-    """``value`` as a float when it is a finite number (not a bool), else None."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    """``value`` as a float when it is a finite number (not a bool) a float can hold, else None: numbers come
+    from a model's stored report, where JSON's integers have no bound (``10**400`` overflows ``float``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def summary_lines(report: Summarised) -> list[str]:
