@@ -108,3 +108,14 @@ def test_clean_up_deletes_only_old_tables_amppass_wrote(tmp_path):
     assert not old.path.exists() and not old.path.with_suffix(".lock").exists()
     assert notes.read_text() == '{"my": "notes"}' and lookalike.exists() and (tmp_path / "notes.lock").exists()
     assert linked.is_symlink()
+
+
+def test_an_entry_too_large_for_a_float_is_dropped_and_the_rest_read(tmp_path):
+    """10**400 raised OverflowError from every conversion that opened the cache."""
+    path = table(tmp_path)
+    path.write_text('{"fingerprint": %s, "entries": {"ok": 2e-06, "huge": 1%s, "neg_huge": -1%s}}'
+                    % (json.dumps(FOUND), "0" * 400, "0" * 400))
+    cache = TimingCache(FOUND, tmp_path)
+    assert cache.entries == {"ok": 2e-6}
+    cache.add({"k": 1e-6})
+    assert TimingCache(FOUND, tmp_path).entries == {"ok": 2e-6, "k": 1e-6}

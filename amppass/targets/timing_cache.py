@@ -18,8 +18,9 @@ answer. amppass keeps the times profitability (:mod:`amppass.fx.profit`) measure
    reads the file again, merges its new entries in and replaces the file atomically
    (:func:`amppass.files.write_atomic`): a reader sees the old table or the new one, never half a file, and
    processes converting at once keep each other's entries. A file that cannot be read or parsed is treated
-   as empty (and replaced by the next update), and so is an entry that is not a finite time in seconds (a
-   hand edit: ``Infinity``, ``true``, a negative number); a folder that cannot be written is logged once per
+   as empty (and replaced by the next update), and an entry that is not a finite time in seconds (a hand
+   edit: ``Infinity``, ``true``, a negative number, an integer too large for a float) is dropped, the others
+   kept; a folder that cannot be written is logged once per
    process, and the conversions go on without it.
 4. **Bounded**: a file keeps the :data:`MAX_ENTRIES` entries written last (an entry measured again counts
    as new; a BERT-base plan writes about 200), and every write deletes the folder's other device files not
@@ -122,8 +123,20 @@ class TimingCache:
         entries = stored.get("entries")
         if not isinstance(entries, dict):
             return {}
-        return {str(k): float(v) for k, v in entries.items()
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0}
+        times = ((str(k), _seconds(v)) for k, v in entries.items())
+        return {k: v for k, v in times if v is not None}
+
+
+def _seconds(value: Any) -> float | None:
+    """A stored entry as a time in seconds, or None when it is not one (rule 3): not a number, a bool, not
+    finite, negative, or an integer no float holds (JSON's integers have no bound: ``10**400``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        seconds = float(value)
+    except OverflowError:
+        return None
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
 
 
 def _load(path: Path) -> Any:
