@@ -8,10 +8,15 @@ Every file amppass writes goes through a :class:`Staged` set of writes:
    the folders fsynced. If any write fails, every temporary is removed and the user's existing files are
    exactly as they were; the error names the file that failed.
 3. New files get the permissions the user's umask gives any new file (0666 & ~umask); a file that is
-   replaced keeps its mode.
+   replaced keeps its mode. A caller that names a ``mode`` gets exactly that (the timing cache writes its
+   tables for the user alone).
 4. While temporaries exist, a SIGTERM sent to the main thread unwinds through the clean-up (it becomes
    ``SystemExit(143)``) instead of killing the process with the temporaries on disk. The handler is only
    installed where none is (SIG_DFL), and restored afterwards.
+5. An output path is checked before any work (:func:`check_writable`): an existing path there must be a
+   regular file (or a link to one). A FIFO, device or socket is refused, never opened: reading a FIFO
+   (the save looks into the model it replaces) blocks until someone writes to it, and renaming a file over
+   a device node replaces it.
 """
 
 from __future__ import annotations
@@ -72,13 +77,14 @@ class Staged:
             raise WriteError(_describe(error)) from error
 
     @contextlib.contextmanager
-    def open(self, path: str | os.PathLike) -> Iterator[BinaryIO]:
-        """A binary file that becomes ``path`` when the set commits."""
+    def open(self, path: str | os.PathLike, mode: int | None = None) -> Iterator[BinaryIO]:
+        """A binary file that becomes ``path`` when the set commits; with the permission bits ``mode`` when
+        given (rule 3)."""
         final = os.path.abspath(os.fspath(path))
         folder, base = os.path.split(final)
         temp = os.path.join(folder, f"{TEMP_PREFIX}{base}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
         self._pending.append((temp, final))
-        with _create(temp, _mode_for(final)) as out:
+        with _create(temp, _mode_for(final) if mode is None else mode) as out:
             yield out
 
     @contextlib.contextmanager
@@ -90,9 +96,9 @@ class Staged:
         with _create(final, _mode_for(final)) as out:
             yield out
 
-    def write(self, path: str | os.PathLike, data: str | bytes) -> None:
-        """Stage ``data`` (text is UTF-8 encoded) for ``path``."""
-        with self.open(path) as out:
+    def write(self, path: str | os.PathLike, data: str | bytes, mode: int | None = None) -> None:
+        """Stage ``data`` (text is UTF-8 encoded) for ``path`` (with the permission bits ``mode``, when given)."""
+        with self.open(path, mode) as out:
             out.write(data.encode("utf-8") if isinstance(data, str) else data)
 
     def after_commit(self, action: Callable[[], None]) -> None:
@@ -123,25 +129,46 @@ class Staged:
         self._created.clear()
 
 
-def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file in the same folder (see :class:`Staged`)."""
+def write_atomic(path: str | os.PathLike, data: str | bytes, mode: int | None = None) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same folder (see :class:`Staged`), with the
+    permission bits ``mode`` when given."""
     with Staged() as staged:
-        staged.write(path, data)
+        staged.write(path, data, mode)
+
+
+_SPECIAL = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+            (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 
 def check_writable(path: str | os.PathLike) -> str:
-    """``path`` as a string, if a file can be written there: not a folder, in a folder that exists and that
-    this process may write to; InputError otherwise."""
+    """``path`` as a string, if a file can be written there: not a folder, nor anything else that is not a
+    regular file (:func:`check_regular`), in a folder that exists and that this process may write to;
+    InputError otherwise."""
     path = os.fspath(path)
     if os.path.isdir(path):
         raise InputError(f"{path!r} is a folder; give the file name to write to, e.g. "
                          f"{os.path.join(path, 'model.onnx')!r}")
+    check_regular(path)
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise InputError(f"cannot write {path!r}: folder {folder!r} does not exist; create it first")
     if not os.access(folder, os.W_OK):
         raise InputError(f"cannot write {path!r}: folder {folder!r} is not writable; choose another folder")
     return path
+
+
+def check_regular(path: str | os.PathLike) -> None:
+    """Rule 5: a :class:`WriteError` (an InputError) when ``path`` exists and is a FIFO, device or socket (or a
+    link to one); nothing is opened. (A folder there fails at the write, which names it.)"""
+    path = os.fspath(path)
+    try:
+        found = os.stat(path).st_mode  # through a link: its target is what reading the old output opens
+    except OSError:
+        return
+    if not stat.S_ISREG(found) and not stat.S_ISDIR(found):
+        kind = next((name for test, name in _SPECIAL if test(found)), "not a file")
+        raise WriteError(f"cannot write {path!r}: it is {kind}, not a regular file, and amppass never opens one as "
+                         "an output (it would block or replace it); remove it or choose another path")
 
 
 @contextlib.contextmanager

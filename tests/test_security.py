@@ -566,3 +566,53 @@ def test_a_huge_stored_node_number_is_not_counted(tmp_path, key):
     path.write_bytes(model.SerializeToString())
     done = _cli("report", str(path))
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("how", ["cli", "save", "report", "export"])
+def test_an_output_that_is_a_fifo_is_refused_and_never_opened(tmp_path, how):
+    """``-o fifo`` hung: the save read the old output to clean up its data files."""
+    fifo = tmp_path / "out.onnx"
+    os.mkfifo(fifo)
+    source = tmp_path / "m.onnx"
+    source.write_bytes(_model().SerializeToString())
+    if how == "cli":
+        _one_line_error(_cli("convert", str(source), "-o", str(fifo), timeout=60), "out.onnx", "not a regular file")
+    else:
+        def write():
+            if how == "save":
+                save(amppass.convert_onnx(_model()), fifo)
+            elif how == "report":
+                amppass.report(amppass.convert_onnx(_model())).to_json(fifo)
+            else:
+                import torch
+
+                amppass.export_onnx(torch.nn.Linear(4, 4), (torch.ones(1, 4),), fifo)
+
+        failed: list[BaseException] = []
+
+        def run():
+            try:
+                write()
+            except BaseException as error:  # noqa: BLE001 - handed to the test's thread
+                failed.append(error)
+
+        worker = threading.Thread(target=run, daemon=True)
+        worker.start()
+        worker.join(60)
+        assert not worker.is_alive(), "writing to a FIFO hung"
+        assert failed and isinstance(failed[0], InputError), failed
+        assert "out.onnx" in str(failed[0]) and "not a regular file" in str(failed[0])
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)  # left as it was
+
+
+def test_a_fifo_put_at_the_output_after_the_check_never_blocks_the_save(tmp_path):
+    """The save looks into the model it replaces (to remove its old data files): a FIFO is not read."""
+    from amppass.onnx import save as saving
+
+    fifo = tmp_path / "out.onnx"
+    os.mkfifo(fifo)
+    found: list[set] = []
+    reader = threading.Thread(target=lambda: found.append(saving._old_data_files(str(fifo))), daemon=True)
+    reader.start()
+    reader.join(30)
+    assert found == [set()], "reading the FIFO blocked"

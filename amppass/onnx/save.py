@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import stat
 
 import onnx
 
@@ -62,10 +63,13 @@ def stage(staged: Staged, skeleton: onnx.ModelProto, store: WeightStore, path: s
 def _old_data_files(path: str) -> set[str]:
     """Data files the model now at ``path`` names that amppass wrote for it (``<name>.data`` or
     ``<name>.<hex>.data``); read from its proto when it is small enough to hold external data."""
-    try:
-        if os.path.getsize(path) > _OLD_MODEL_READ_LIMIT:
-            return set()
-        old = onnx.load(path, load_external_data=False)
+    try:  # opened without blocking and read only if a regular file: a FIFO put there never hangs the save
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+        with os.fdopen(fd, "rb") as handle:
+            found = os.fstat(handle.fileno())
+            if not stat.S_ISREG(found.st_mode) or found.st_size > _OLD_MODEL_READ_LIMIT:
+                return set()
+            old = onnx.ModelProto.FromString(handle.read())
         names = {entry.value for t in tensors(old.graph) for entry in t.external_data if entry.key == "location"}
     except Exception:  # noqa: BLE001 - nothing there, or not a model: nothing of ours to clean up
         return set()

@@ -17,7 +17,7 @@ from typing import Any, Iterable
 from ..analysis.overrides import same_op
 from ..errors import InputError
 
-from ..files import write_atomic
+from ..files import check_regular, write_atomic
 from .html import render_html
 from .rows import (LOCAL_ERROR, LOW_PRECISIONS, OUTPUT_ERROR, PRECISION_FILTERS, PRECISIONS, SCHEMA_VERSION, OpGroup,
                    Row, finite, summary_lines)
@@ -126,6 +126,7 @@ class Report:
         """The report as JSON text; also written (atomically) to ``path`` when given."""
         text = json.dumps(self.to_dict(), indent=2, default=str, allow_nan=False)
         if path is not None:
+            check_regular(path)  # a FIFO there is refused, never replaced
             write_atomic(path, text)
         return text
 
@@ -136,6 +137,7 @@ class Report:
         """
         text = render_html(self, title)
         if path is not None:
+            check_regular(path)  # a FIFO there is refused, never replaced
             write_atomic(path, text)
         return text
 
