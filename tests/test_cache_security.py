@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import threading
 import time
 import tracemalloc
@@ -110,6 +111,15 @@ def test_clean_up_deletes_only_old_tables_amppass_wrote(tmp_path):
     assert linked.is_symlink()
 
 
+# -- entries and places amppass does not trust ------------------------------------------------------------
+
+def _stored(folder: Path, entries: dict) -> Path:
+    path = table(folder)
+    path.write_text(json.dumps({"format": timing_cache.FORMAT, "fingerprint": FOUND, "entries": entries}))
+    os.chmod(path, 0o600)
+    return path
+
+
 def test_an_entry_too_large_for_a_float_is_dropped_and_the_rest_read(tmp_path):
     """10**400 raised OverflowError from every conversion that opened the cache."""
     path = table(tmp_path)
@@ -119,3 +129,133 @@ def test_an_entry_too_large_for_a_float_is_dropped_and_the_rest_read(tmp_path):
     assert cache.entries == {"ok": 2e-6}
     cache.add({"k": 1e-6})
     assert TimingCache(FOUND, tmp_path).entries == {"ok": 2e-6, "k": 1e-6}
+
+
+OTHER = 54321  # a user id that is not this process's
+
+
+def _owned_by_another(monkeypatch, path: Path) -> None:
+    """``path`` owned by user OTHER: really (chown) as root; through os.stat/lstat/fstat's answers otherwise."""
+    if os.geteuid() == 0:
+        os.chown(path, OTHER, OTHER)
+        return
+    inode = os.lstat(path).st_ino
+
+    def faked(real):
+        def call(*args, **kwargs):
+            found = real(*args, **kwargs)
+            if found.st_ino != inode:
+                return found
+            fields = list(found)
+            fields[4] = OTHER  # st_uid
+            return os.stat_result(fields)
+        return call
+
+    for name in ("stat", "lstat", "fstat"):
+        monkeypatch.setattr(os, name, faked(getattr(os, name)))
+
+
+def _said(caplog, path: Path) -> int:
+    """How many records name ``path``."""
+    return sum(str(path) in record.getMessage() for record in caplog.records)
+
+
+@pytest.fixture
+def warnings(caplog):
+    timing_cache._WARNED.clear()
+    timing_cache._DISTRUSTED.clear()
+    with caplog.at_level(logging.WARNING, logger="amppass"):
+        yield caplog
+
+
+def test_a_table_another_user_owns_is_not_read(tmp_path, monkeypatch, warnings):
+    """A table planted in a shared folder (the user's AMPPASS_CACHE in /tmp): its times decided which regions
+    stayed fp32. Not read (one warning saying how to fix it); amppass's own next table replaces it."""
+    path = _stored(tmp_path, {"planted": 9.0})
+    _owned_by_another(monkeypatch, path)
+    for _ in range(3):
+        assert TimingCache(FOUND, tmp_path).entries == {}
+    assert _said(warnings, path) == 1 and f"uid {OTHER}" in warnings.text and "chown" in warnings.text
+
+
+def test_a_table_others_may_write_is_not_read(tmp_path, warnings):
+    path = _stored(tmp_path, {"planted": 9.0})
+    os.chmod(path, 0o666)
+    assert TimingCache(FOUND, tmp_path).entries == {}
+    assert str(path) in warnings.text and "chmod go-w" in warnings.text
+    os.chmod(path, 0o644)
+    assert TimingCache(FOUND, tmp_path).entries == {"planted": 9.0}
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o757, 0o775], ids=["everyone", "others", "group"])
+def test_a_folder_others_may_write_is_neither_read_nor_written(tmp_path, monkeypatch, mode, warnings):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    planted = _stored(shared, {"planted": 9.0})
+    os.chmod(shared, mode)
+    if mode == 0o775:  # a group with other members
+        if os.geteuid() == 0:
+            os.chown(shared, 0, OTHER)  # (root's own group, gid 0, has no other members)
+        else:
+            monkeypatch.setattr(timing_cache, "_private_group", lambda gid: False)
+    for _ in range(3):
+        cache = TimingCache(FOUND, shared)
+        assert cache.entries == {}
+        cache.add({"k": 1e-6})
+    assert [p.name for p in shared.iterdir()] == [planted.name]  # nothing written, no lock
+    assert _said(warnings, shared) == 1 and "chmod go-w" in warnings.text and "AMPPASS_CACHE" in warnings.text
+    assert "not used" in cache.describe()
+
+
+def test_a_folder_only_the_users_own_group_may_write_is_used(tmp_path, monkeypatch, warnings):
+    """Distributions that give each user a group of their own set umask 002: such a folder is the user's."""
+    monkeypatch.setattr(timing_cache, "_private_group", lambda gid: gid == os.lstat(tmp_path / "mine").st_gid)
+    (tmp_path / "mine").mkdir()
+    os.chmod(tmp_path / "mine", 0o775)
+    TimingCache(FOUND, tmp_path / "mine").add({"k": 1e-6})
+    assert TimingCache(FOUND, tmp_path / "mine").entries == {"k": 1e-6} and not warnings.text
+
+
+def test_a_folder_inside_a_folder_others_may_write_is_not_used(tmp_path, warnings):
+    """Whoever may write the folder above may swap the cache folder itself."""
+    (tmp_path / "open").mkdir()
+    inner = tmp_path / "open" / "cache"
+    inner.mkdir()
+    _stored(inner, {"planted": 9.0})
+    os.chmod(tmp_path / "open", 0o777)
+    assert TimingCache(FOUND, inner).entries == {}
+    assert str(tmp_path / "open") in warnings.text
+
+
+def test_a_folder_another_user_owns_is_not_used(tmp_path, monkeypatch, warnings):
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    _stored(theirs, {"planted": 9.0})
+    _owned_by_another(monkeypatch, theirs)
+    assert TimingCache(FOUND, theirs).entries == {}
+    assert str(theirs) in warnings.text and f"uid {OTHER}" in warnings.text
+
+
+def test_a_sticky_shared_folder_is_used_for_the_users_own_table_only(tmp_path, monkeypatch, warnings):
+    """Like /tmp: others may create files there but not replace the user's; each file is checked itself."""
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    os.chmod(sticky, 0o1777)
+    cache = TimingCache(FOUND, sticky)
+    cache.add({"k": 1e-6})
+    assert TimingCache(FOUND, sticky).entries == {"k": 1e-6} and not warnings.text
+    assert stat.S_IMODE(table(sticky).stat().st_mode) & 0o077 == 0  # written for the user alone
+    _owned_by_another(monkeypatch, table(sticky))
+    assert TimingCache(FOUND, sticky).entries == {}
+    assert f"uid {OTHER}" in warnings.text
+
+
+def test_folders_amppass_creates_are_the_users_alone(tmp_path):
+    old = os.umask(0o002)  # a umask that lets the group write new files and folders
+    try:
+        TimingCache(FOUND, tmp_path / "a" / "b").add({"k": 1e-6})
+    finally:
+        os.umask(old)
+    for made in (tmp_path / "a", tmp_path / "a" / "b"):
+        assert stat.S_IMODE(made.stat().st_mode) & 0o022 == 0, oct(made.stat().st_mode)
+    assert TimingCache(FOUND, tmp_path / "a" / "b").entries == {"k": 1e-6}

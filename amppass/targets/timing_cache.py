@@ -31,6 +31,17 @@ answer. amppass keeps the times profitability (:mod:`amppass.fx.profit`) measure
    any parse failure (deep nesting included), is an empty table with one warning per file and process.
    Clean-up deletes only files named as amppass names its own (:data:`PREFIX`) that are regular files
    holding an amppass table (:data:`FORMAT`): never another file in the folder.
+6. **Only the user's own** (the rule of ssh's StrictModes): another user's times must not decide which
+   regions stay fp32. The folder, and every folder above it (as written and with links followed), must be
+   owned by the user or root and writable by no one else: neither by all users nor by a group, unless the
+   folder has the sticky bit (like /tmp: others may add files there but not replace or rename the user's) or
+   the group is the user's own (named after the user, their primary group, no other members: the group
+   distributions that set umask 002 give each user). A folder that fails is not used at all, neither read nor
+   written, with one warning per folder and process naming it and the fix (chmod, chown, or another
+   ``AMPPASS_CACHE``). Each table and lock file, checked on the open file, must be owned by the user or root
+   and (a table) writable by no one else; a table that fails reads as empty (rule 5's warning names why).
+   amppass creates missing folders 0700 and writes its tables and locks 0600, whatever the umask. (Where the
+   platform has no user ids, Windows, the ownership rules do not apply.)
 """
 
 from __future__ import annotations
@@ -59,8 +70,10 @@ STALE_DAYS = 90  # a device file not written for this long is deleted by the nex
 MAX_BYTES = 16 << 20  # a table file read at most (MAX_ENTRIES entries take about 1.4 MB)
 PREFIX = "amppass-timings-"  # the name of every file amppass writes in the folder (rule 5)
 FORMAT = "amppass-timings-1"  # the "format" field of every table amppass writes (rule 5)
+_PRIVATE = 0o600  # the mode of every table and lock amppass writes (rule 6)
 _OWN = re.compile(re.escape(PREFIX) + r"[0-9a-f]{16}\.json")
 _WARNED: set[Path] = set()  # table files this process warned were unreadable (rule 5)
+_DISTRUSTED: set[Path] = set()  # folders this process warned it does not use (rule 6)
 
 
 def folder() -> Path | None:
@@ -82,6 +95,9 @@ class TimingCache:
         self.fingerprint = found
         self.folder = where if where is not None else folder()
         self.path = None if self.folder is None else self.folder / f"{PREFIX}{digest(found)}.json"
+        self.refused: str | None = None  # why the folder is not used (rule 6)
+        if self.folder is not None:
+            self._refuse(_distrusted_folder(self.folder))
         self.entries: dict[str, float] = self._read()
 
     @property
@@ -90,7 +106,19 @@ class TimingCache:
 
     def describe(self) -> str:
         """Where the cache is, for the report: its file, or why there is none."""
+        if self.refused is not None:
+            return f"{self.folder} not used: {self.refused}"
         return str(self.path) if self.path is not None else f"off ({ENV}={os.environ.get(ENV)})"
+
+    def _refuse(self, reason: str | None) -> None:
+        """Rule 6: stop using the folder (warned once per folder and process) when ``reason`` says why."""
+        if reason is None or self.folder is None:
+            return
+        self.refused, self.path = reason, None
+        said = self.folder in _DISTRUSTED
+        _DISTRUSTED.add(self.folder)
+        log.log(logging.DEBUG if said else logging.WARNING, "timing cache folder %s not used, neither read nor "
+                "written, as another user could change the times in it: %s", self.folder, reason)
 
     def add(self, entries: Mapping[str, float]) -> None:
         """Merge ``entries`` into the cache file (rule 3); a cache that cannot be written is skipped."""
@@ -98,13 +126,16 @@ class TimingCache:
             return
         self.entries.update(entries)
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            _make_folder(self.path.parent)
+            self._refuse(_distrusted_folder(self.path.parent))  # changed since the cache was opened
+            if self.path is None:
+                return
             with _locked(self.path.with_suffix(".lock")):
                 merged = {k: v for k, v in self._read().items() if k not in entries}
                 merged.update(entries)  # written last, kept longest (rule 4)
                 merged = dict(list(merged.items())[-MAX_ENTRIES:])
                 write_atomic(self.path, json.dumps({"format": FORMAT, "fingerprint": self.fingerprint,
-                                                    "entries": merged}, indent=0))
+                                                    "entries": merged}, indent=0), mode=_PRIVATE)
             self.entries = merged
             _delete_stale(self.path)
         except OSError as error:
@@ -179,14 +210,87 @@ def _delete_stale(kept: Path) -> None:
             log.debug("timing cache %s not deleted (%s)", other, error)
 
 
+def _make_folder(folder: Path) -> None:
+    """Create ``folder`` and the folders above it that are missing, for the user alone (rule 6)."""
+    missing = []
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    for place in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # another process made it at once
+            os.mkdir(place, 0o700)
+
+
+def _distrusted_folder(chosen: Path) -> str | None:
+    """Rule 6: why ``chosen``, or a folder above it, may be changed by another user; None when none may."""
+    if not hasattr(os, "geteuid"):
+        return None
+    absolute = Path(os.path.abspath(chosen))
+    try:
+        resolved = absolute.resolve()
+    except (OSError, RuntimeError):  # a link loop: the open fails later, and is logged then
+        resolved = absolute
+    seen = set()
+    for place in (absolute, *absolute.parents, resolved, *resolved.parents):
+        if place in seen:
+            continue
+        seen.add(place)
+        try:
+            info = os.lstat(place)
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # created 0700 by the first write (which fails, logged, under a file)
+        except OSError as error:
+            return f"{place} cannot be checked ({error.strerror or error}); point {ENV} at a folder of your own"
+        reason = _untrusted(info, "it" if place == absolute else str(place))
+        if reason is not None:
+            return reason
+    return None
+
+
+def _untrusted(info: os.stat_result, what: str) -> str | None:
+    """Rule 6 for one file or folder: why someone other than the user and root may change it, with the fix."""
+    if not hasattr(os, "geteuid"):
+        return None
+    me = os.geteuid()
+    elsewhere = f"or point {ENV} at a folder of your own (or set it to 'off')"
+    if info.st_uid not in (me, 0):
+        return f"{what} is owned by uid {info.st_uid}, not by you (uid {me}) or root: chown it to yourself, {elsewhere}"
+    mode = info.st_mode
+    if stat.S_ISLNK(mode) or (stat.S_ISDIR(mode) and mode & stat.S_ISVTX):
+        return None  # a link's own bits mean nothing; in a sticky folder others cannot replace the user's files
+    sticky = " (or chmod +t it, a folder shared on purpose)" if stat.S_ISDIR(mode) else ""
+    if mode & stat.S_IWOTH:
+        return f"{what} is writable by every user: chmod go-w it{sticky}, {elsewhere}"
+    if mode & stat.S_IWGRP and not _private_group(info.st_gid):
+        return f"{what} is writable by group {info.st_gid}: chmod go-w it{sticky}, {elsewhere}"
+    return None
+
+
+def _private_group(gid: int) -> bool:
+    """Whether group ``gid`` is the user's own: their primary group, named after them, with no other members."""
+    try:
+        import grp
+        import pwd
+
+        user, group = pwd.getpwuid(os.geteuid()), grp.getgrgid(gid)
+    except (ImportError, KeyError, OSError):
+        return False
+    return gid == user.pw_gid and group.gr_name == user.pw_name and set(group.gr_mem) <= {user.pw_name}
+
+
 @contextlib.contextmanager
 def _open(path: Path, flags: int) -> Iterator[Any]:
-    """``path`` opened without following a link or blocking, if it is a regular file (rule 5)."""
+    """``path`` opened without following a link or blocking, if it is a regular file (rule 5) that only the user
+    (or root) may change (rule 6); an OSError saying why otherwise. Created for the user alone."""
     flags |= getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
-    fd = os.open(path, flags, 0o666)
+    fd = os.open(path, flags, _PRIVATE)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
             raise OSError(f"{path} is not a regular file")
+        reason = _untrusted(info, "it")
+        if reason is not None:
+            raise OSError(reason)
         handle = os.fdopen(fd, "rb" if flags & os.O_ACCMODE == os.O_RDONLY else "r+b")
     except BaseException:
         os.close(fd)
