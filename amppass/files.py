@@ -158,8 +158,8 @@ def check_writable(path: str | os.PathLike) -> str:
 
 
 def check_regular(path: str | os.PathLike) -> None:
-    """Rule 5: a :class:`WriteError` (an InputError) when ``path`` exists and is a FIFO, device or socket (or a
-    link to one); nothing is opened. (A folder there fails at the write, which names it.)"""
+    """Rule 5: InputError when ``path`` exists and is a FIFO, device or socket (or a link to one); nothing is
+    opened. (A folder there fails at the write, which names it.)"""
     path = os.fspath(path)
     try:
         found = os.stat(path).st_mode  # through a link: its target is what reading the old output opens
@@ -167,7 +167,7 @@ def check_regular(path: str | os.PathLike) -> None:
         return
     if not stat.S_ISREG(found) and not stat.S_ISDIR(found):
         kind = next((name for test, name in _SPECIAL if test(found)), "not a file")
-        raise WriteError(f"cannot write {path!r}: it is {kind}, not a regular file, and amppass never opens one as "
+        raise InputError(f"cannot write {path!r}: it is {kind}, not a regular file, and amppass never opens one as "
                          "an output (it would block or replace it); remove it or choose another path")
 
 

@@ -151,6 +151,27 @@ def _forged_report(tmp: Path) -> object:
     return amppass.report(model)
 
 
+def _cut_short(tmp: Path) -> str:
+    """matmul_model with a 64 KiB weight, saved and cut in half (a copy that stopped early)."""
+    model = matmul_model()
+    model.graph.initializer[0].CopyFrom(numpy_helper.from_array(np.zeros((128, 128), np.float32), "W"))
+    data = model.SerializeToString()
+    (tmp / "cut.onnx").write_bytes(data[:len(data) // 2])
+    return str(tmp / "cut.onnx")
+
+
+def _deep_report(tmp: Path) -> object:
+    model = amppass.convert_onnx(matmul_model())
+    entry = next(p for p in model.metadata_props if p.key == "amppass")
+    entry.value = entry.value[:-1] + ', "x": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    return amppass.report(model)
+
+
+def _fifo(tmp: Path) -> Path:
+    os.mkfifo(tmp / "out.onnx")
+    return tmp / "out.onnx"
+
+
 def _bad_calibration(value: float) -> list[tuple[torch.Tensor]]:
     return [(torch.ones(2, 4),), (torch.full((2, 4), value),)]
 
@@ -277,6 +298,13 @@ CASES = [
     Case("onnx-cycle", "a graph with a cycle", _onnx(_cycle), InputError, ("in a cycle", "acyclic")),
     Case("onnx-forged-metadata", "amppass.report of a model with forged metadata", _forged_report,
          InputError, ("'casts'", "not a finite number", "convert the original model again")),
+    Case("onnx-cut-short", "an .onnx file cut short (a copy that stopped early)", _onnx(_cut_short),
+         InputError, ("cut.onnx", "runs past the end of its message", "cut short or damaged",
+                      "copy or export it again")),
+    Case("onnx-deep-metadata", "amppass.report of a model whose metadata nests 100,000 deep", _deep_report,
+         InputError, ("metadata_props['amppass']", "nests deeper than 64 levels", "convert the original model again")),
+    Case("output-fifo", "an output path that is a FIFO", lambda tmp: amppass.export_onnx(mlp(), X, _fifo(tmp)),
+         InputError, ("out.onnx", "a FIFO", "not a regular file", "choose another path")),
     Case("onnx-not-a-model", "bytes instead of a model", _onnx(lambda tmp: matmul_model().SerializeToString()),
          InputError, ("not bytes", "path to a .onnx file or an onnx.ModelProto")),
     Case("onnx-unknown-dtype", "convert_onnx(dtype='int8')", _onnx(lambda tmp: matmul_model(), dtype="int8"),
@@ -522,6 +550,33 @@ def test_a_cache_file_amppass_cannot_use_is_one_warning():
     assert "treated as empty" in cache_warning()
 
 
+def cache_folder_warning() -> str:
+    """The warning a timing-cache folder every user may write gives (neither read nor written; <tmp>)."""
+    import logging
+
+    with tempfile.TemporaryDirectory() as folder:
+        shared = Path(folder) / "shared"
+        shared.mkdir()
+        os.chmod(shared, 0o777)
+        said: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda record: said.append(record.getMessage())
+        logger, disabled = logging.getLogger(timing_cache.__name__), logging.root.manager.disable
+        logger.addHandler(handler)
+        logging.disable(logging.NOTSET)  # the table's generator silences warnings
+        try:
+            timing_cache.TimingCache({"device": "cpu"}, shared)
+        finally:
+            logger.removeHandler(handler)
+            logging.disable(disabled)
+        return said[0].replace(folder, "<tmp>")
+
+
+def test_a_cache_folder_others_may_write_is_one_warning():
+    said = cache_folder_warning()
+    assert "not used, neither read nor written" in said and "chmod go-w" in said and "AMPPASS_CACHE" in said
+
+
 def table() -> str:
     """The markdown table of every case: the input, the error class and the message (paths as <tmp>)."""
     lines = ["# What users see when an input is wrong", "",
@@ -542,6 +597,8 @@ def table() -> str:
     lines.append(f"| a timing-cache file that cannot be used (nested, not UTF-8, a FIFO, a link, over "
                  f"{timing_cache.MAX_BYTES >> 20} MiB) | converts; one warning, cache treated as empty | "
                  f"{_cell(cache_warning())} |")
+    lines.append(f"| a timing-cache folder another user may write or owns (AMPPASS_CACHE in a shared folder) | "
+                 f"converts; one warning, cache neither read nor written | {_cell(cache_folder_warning())} |")
     return "\n".join(lines) + "\n"
 
 

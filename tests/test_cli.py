@@ -407,3 +407,17 @@ def test_bf16_for_a_target_with_bf16_kernels_converts(capsys, folder):
     assert code == 0, err
     report = amppass.report(str(folder / "out.onnx"))
     assert report.info["dtype"] == "bf16" and {r.precision for r in report.rows if r.op == "Gemm"} == {"bf16"}
+
+
+@needs_onnx
+def test_report_on_a_truncated_model_names_the_damage(mlp_onnx, tmp_path):
+    """Exit 1 with one line naming the damage (it was "cannot close exported pointers exist")."""
+    cut = tmp_path / "cut.onnx"
+    data = open(mlp_onnx, "rb").read()
+    cut.write_bytes(data[:len(data) // 2])
+    done = _run("report", str(cut))
+    assert done.returncode == 1
+    _one_error_line(done.stderr, "cut.onnx", "runs past the end of its message", "cut short or damaged")
+    done = _run("convert", str(cut), "-o", str(tmp_path / "out.onnx"))
+    assert done.returncode == 1
+    _one_error_line(done.stderr, "cut.onnx", "runs past the end of its message", "cut short or damaged")

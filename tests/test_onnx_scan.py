@@ -77,3 +77,20 @@ def test_truncated_files_are_input_errors(tmp_path, cut):
     path.write_bytes(data[:cut])
     with pytest.raises(InputError, match="m.onnx"):
         amppass.convert_onnx(str(path))
+
+
+@pytest.mark.parametrize("cut", [9000, 20000])
+def test_a_truncated_file_names_the_damage_not_a_closing_mmap(tmp_path, cut):
+    """A file cut inside a walked message said "cannot close exported pointers exist": the BufferError of
+    the mmap closing while the walk's memory views were alive replaced the real cause."""
+    path = tmp_path / "m.onnx"
+    path.write_bytes(model().SerializeToString()[:cut])
+    for read in (amppass.convert_onnx, amppass.report):
+        with pytest.raises(InputError) as caught:
+            read(str(path))
+        message = str(caught.value)
+        assert "m.onnx" in message and "runs past the end of its message" in message, message
+        assert "cut short or damaged" in message and "exported pointers" not in message
+    with pytest.raises(InputError, match="runs past the end"):
+        scan.load(str(path))
+

@@ -10,6 +10,11 @@ the bytes sit at. The rest of amppass reads such a tensor like any external-data
 
 Only the messages that can hold weights are walked (model, graph, node, attribute, tensor), and only when
 they are large enough to; everything else, and every small message, is parsed by protobuf in one call.
+
+A file whose encoding breaks off or contradicts itself (cut short by a copy, damaged on disk) is an
+:class:`~amppass.errors.InputError` naming the file, the byte and what is wrong there. The walk's memory
+views are released before the mapping closes, whatever stops it, so the error that reaches the user is the
+file's (it was a BufferError: "cannot close exported pointers exist").
 """
 
 from __future__ import annotations
@@ -20,17 +25,23 @@ import os
 import onnx
 from onnx import TensorProto
 
+from ..errors import InputError
+
 INLINE_BYTES = 4096  # tensors up to this size stay in the proto (shape inference reads small constants)
 _MAX_DEPTH = 100  # protobuf's own parser stops at the same depth
 
 _LENGTH_DELIMITED = 2
 
 
+class _Broken(ValueError):
+    """Where the walk found the encoding wrong (raised inside the walk, reported as an InputError)."""
+
+
 def load(path: str) -> onnx.ModelProto:
     """The model at ``path`` with its large inline tensors referencing the file itself (module docstring).
 
-    Raises OSError for a file that cannot be read, ValueError (or protobuf's DecodeError) for one that is
-    not a protobuf message."""
+    Raises OSError for a file that cannot be read, InputError for one whose encoding breaks off or
+    contradicts itself, protobuf's DecodeError for a small message protobuf cannot parse."""
     with open(path, "rb") as handle:
         if not os.fstat(handle.fileno()).st_size:
             handle.read(1)  # a file that reports no size may still refuse reading (/proc): say so
@@ -41,8 +52,12 @@ def load(path: str) -> onnx.ModelProto:
                 model = onnx.ModelProto()
                 _message(model, data, 0, len(data), os.path.basename(path), 0)
                 return model
+            except _Broken as err:
+                broken = str(err)  # the message only: the walk's frames must not outlive this block
             finally:
                 data.release()
+    raise InputError(f"{path!r} could not be read as an ONNX model ({broken}); the file is cut short or damaged, "
+                     "or is not an .onnx file: copy or export it again")
 
 
 def _message(message, data: memoryview, start: int, end: int, location: str, depth: int) -> None:
@@ -50,7 +65,7 @@ def _message(message, data: memoryview, start: int, end: int, location: str, dep
 
     Each walked sub-message gets its own memory view slices only; nothing is copied but the small fields."""
     if depth > _MAX_DEPTH:
-        raise ValueError(f"messages nested more than {_MAX_DEPTH} deep")
+        raise _Broken(f"byte {start}: messages nested more than {_MAX_DEPTH} deep")
     walk = _WALKED.get(type(message))
     if walk is None or end - start <= INLINE_BYTES:
         message.MergeFromString(data[start:end])
@@ -58,28 +73,32 @@ def _message(message, data: memoryview, start: int, end: int, location: str, dep
     pending: list[memoryview] = []  # fields parsed as they are, merged in one call, in order
     payload: tuple[int, int] | None = None  # a large raw_data: marked external once the tensor is complete
     position = start
-    while position < end:
-        field_start = position
-        key, position = _varint(data, position, end)
-        number, wire = key >> 3, key & 7
-        if wire == _LENGTH_DELIMITED:
-            length, position = _varint(data, position, end)
-            value_start, position = position, position + length
-            if position > end:
-                raise ValueError("a field runs past the end of its message")
-            if number in walk and walk[number] == "raw_data" and length > INLINE_BYTES:
-                payload = (value_start, length)
-                continue
-            if number in walk and walk[number] != "raw_data":
-                _flush(message, pending)
-                target = getattr(message, walk[number])
-                child = target.add() if hasattr(target, "add") else target
-                _message(child, data, value_start, position, location, depth + 1)
-                continue
-        else:
-            position = _skip(data, position, end, wire)
-        pending.append(data[field_start:position])
-    _flush(message, pending)
+    try:
+        while position < end:
+            field_start = position
+            key, position = _varint(data, position, end)
+            number, wire = key >> 3, key & 7
+            if wire == _LENGTH_DELIMITED:
+                length, position = _varint(data, position, end)
+                value_start, position = position, position + length
+                if position > end:
+                    raise _Broken(f"byte {field_start}: a field runs past the end of its message ({length:,} bytes "
+                                  f"from byte {value_start:,}, where {end - value_start:,} remain)")
+                if number in walk and walk[number] == "raw_data" and length > INLINE_BYTES:
+                    payload = (value_start, length)
+                    continue
+                if number in walk and walk[number] != "raw_data":
+                    _flush(message, pending)
+                    target = getattr(message, walk[number])
+                    child = target.add() if hasattr(target, "add") else target
+                    _message(child, data, value_start, position, location, depth + 1)
+                    continue
+            else:
+                position = _skip(data, position, end, wire)
+            pending.append(data[field_start:position])
+        _flush(message, pending)
+    finally:
+        pending.clear()  # views into the mapping, released however the walk ends (module docstring)
     if payload is not None:  # the bytes stay in the file: the tensor points at them
         message.ClearField("raw_data")
         message.data_location = TensorProto.EXTERNAL
@@ -98,7 +117,7 @@ def _varint(data: memoryview, position: int, end: int) -> tuple[int, int]:
     result = shift = 0
     while True:
         if position >= end or shift > 63:
-            raise ValueError("a truncated or malformed field")
+            raise _Broken(f"byte {position}: a number is cut short or longer than 64 bits")
         byte = data[position]
         position += 1
         result |= (byte & 0x7F) << shift
@@ -111,11 +130,12 @@ def _skip(data: memoryview, position: int, end: int, wire: int) -> int:
     """The position after a field of wire type ``wire`` (not length-delimited) starting at ``position``."""
     if wire == 0:
         return _varint(data, position, end)[1]
-    if wire == 1:
-        return position + 8
-    if wire == 5:
-        return position + 4
-    raise ValueError(f"wire type {wire} is not used by ONNX")
+    size = {1: 8, 5: 4}.get(wire)
+    if size is None:
+        raise _Broken(f"byte {position}: wire type {wire} is not used by ONNX")
+    if position + size > end:
+        raise _Broken(f"byte {position}: a field runs past the end of its message")
+    return position + size
 
 
 def _fields(message_type, *names: str) -> dict[int, str]:

@@ -283,14 +283,18 @@ def _load(model: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.ModelProto, 
         raise InputError(f"{path!r} is a folder, not a file; pass the path of the .onnx model inside it")
     if not os.path.isfile(path):
         raise InputError(f"{path!r} is not a file (no such path); pass the path of an .onnx model")
+    hint = " (it is a zip archive: a PyTorch checkpoint? use amppass.convert or amppass.export_onnx for torch models)"
     try:
         loaded = scan.load(path)
+    except InputError as err:  # the file is damaged: the message names it, the byte and the fix
+        if zipfile.is_zipfile(path):
+            raise InputError(f"{err}{hint}") from None
+        raise
     except OSError as err:
         raise InputError(f"{path!r} cannot be read ({err.strerror or err}); check the file's permissions") from err
     except Exception as err:  # protobuf's DecodeError and friends
-        hint = " (it is a zip archive: a PyTorch checkpoint? use amppass.convert or amppass.export_onnx for " \
-            "torch models)" if zipfile.is_zipfile(path) else ""
-        raise InputError(f"{path!r} could not be read as an ONNX model ({err}); is it an .onnx file?{hint}") from err
+        raise InputError(f"{path!r} could not be read as an ONNX model ({err}); is it an .onnx file?"
+                         f"{hint if zipfile.is_zipfile(path) else ''}") from err
     _check_has_graph(loaded, repr(path))
     validate.check_nesting(loaded, repr(path))
     return loaded, os.path.dirname(os.path.abspath(path)), repr(path)  # large tensors: references into the file

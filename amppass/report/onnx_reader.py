@@ -24,6 +24,8 @@ def read_onnx(model: onnx.ModelProto | str | os.PathLike) -> Report:
             raise InputError(f"{path!r} is not a file; pass the path of an .onnx model amppass converted")
         try:
             model = scan.load(path)  # the decisions without the weights
+        except InputError:  # the file is damaged: the message names it, the byte and the fix
+            raise
         except Exception as err:  # protobuf's DecodeError and friends
             raise InputError(f"{path!r} could not be read as an ONNX model ({str(err)[:120]}); pass an .onnx "
                              "model amppass converted") from err
