@@ -5,7 +5,9 @@ Hypothesis edits an archive amppass.save wrote the ways tests/test_fuzz_hostile.
 manifest (payload configs flagged as pickles, payload files renamed to the prefixes torch unpickles, tensor
 descriptions missing), its entries (pickles that write a marker file, compiled-code and legacy entries, names
 that differ only in case, climb out or are not ASCII, compressed entries), its JSON (cut short, nested deep,
-bytes that are not text, symbolic sizes that are Python) and the plan entry. Whatever comes out,
+bytes that are not text, symbolic sizes that are Python) and the plan entry; and its zip structure byte by
+byte (a second directory only torch's reader finds, records that share bytes, contradicting zip64 sizes, NULs
+in names, flipped bytes, a cut). Whatever comes out,
 ``amppass.load`` returns a module whose report renders, or raises :class:`amppass.AmpPassError`, and the
 marker file never appears. Cache files get the same treatment: any content or kind of file reads as a table
 of finite times (often empty) and updates without raising or touching anything outside the folder.
@@ -119,6 +121,69 @@ def test_hostile_archives_load_validly_or_raise_amppass_errors(archive, case):
             with torch.no_grad():
                 loaded(X[0])
             render_text(amppass.report(loaded), width=80)
+
+
+@st.composite
+def zip_tricks(draw):
+    """Byte-level edits of the archive: a second directory only torch's reader finds, a record pointing into
+    another entry, sizes a zip64 extra contradicts, a NUL in a name, a byte flipped, the file cut short."""
+    return draw(st.lists(st.tuples(st.sampled_from(["second-directory", "overlap", "zip64-sizes", "nul", "flip",
+                                                    "cut"]),
+                                   st.integers(0, 1 << 20), st.integers(0, 1 << 20)), min_size=1, max_size=3))
+
+
+def _zip_bytes(archive: Path, tricks, marker: Path) -> bytes:
+    from helpers.zipbytes import ZIP64, Entry, entries_of, write, zip64_extra
+
+    entries = entries_of(archive)
+    weights = next(e for e in entries if e.name.endswith("model_weights_config.json"))
+    config = json.loads(weights.data)
+    meta = next(iter(config["config"].values()))
+    evil = pickled(Payload(marker, [8, 8], "bfloat16", parameter=True))
+    theirs, flips, cut = None, [], None
+    for trick, a, b in tricks:
+        victim = entries[a % len(entries)]
+        if trick == "second-directory":  # torch's reader sees the weights config and first weight as pickles
+            evil_config = json.loads(weights.data)
+            next(iter(evil_config["config"].values()))["use_pickle"] = True
+            root = weights.name.partition("/")[0]
+            decoys = {weights.name: Entry(f"{root}/extra/decoy.json", json.dumps(evil_config).encode()),
+                      f"{root}/data/weights/{meta['path_name']}": Entry(f"{root}/extra/payload.bin", evil)}
+            entries += decoys.values()
+            theirs = [Entry(e.name, decoys[e.name].data, points_at=decoys[e.name].name) if e.name in decoys else e
+                      for e in entries]
+        elif trick == "overlap":
+            entries.append(Entry(victim.name + "_twin", victim.data, local=False, header_offset=b % 4096))
+        elif trick == "zip64-sizes":
+            victim.central_sizes = (ZIP64, ZIP64)
+            victim.central_extra = zip64_extra(len(victim.data), len(victim.data)) + zip64_extra(b, b)
+        elif trick == "nul":
+            victim.name += "\x00x"
+        elif trick == "flip":
+            flips.append((a, b % 256))
+        else:
+            cut = a
+    data = bytearray(write(entries, theirs))
+    for at, value in flips:
+        data[at % len(data)] = value
+    return bytes(data[:cut % len(data)] if cut else data)
+
+
+@SETTINGS
+@given(tricks=zip_tricks())
+def test_zip_level_tricks_load_validly_or_raise_amppass_errors(archive, tricks):
+    with tempfile.TemporaryDirectory() as folder:
+        marker = Path(folder) / "marker"
+        path = Path(folder) / "tricked.pt2"
+        path.write_bytes(_zip_bytes(archive, tricks, marker))
+        try:
+            loaded = amppass.load(path)
+        except AmpPassError:
+            loaded = None
+        assert not marker.exists(), f"code from the file ran: {tricks}"
+        if loaded is not None:
+            with torch.no_grad():
+                loaded(X[0])
 
 
 CONTENTS = st.one_of(

@@ -230,10 +230,10 @@ def _convert_program(program: torch.export.ExportedProgram, dtype: Any, target: 
 
 def _converted_dtype(program: torch.export.ExportedProgram) -> str:
     """The low dtype a converted program's casts go to (its plan's summary is not in the program itself)."""
-    import json
+    from .serialize import stored_decision
 
     for node in program.graph.nodes:
-        decision = json.loads(node.meta.get("custom", {}).get("amppass", "{}"))
+        decision = stored_decision(node, "ExportedProgram") or {}
         if decision.get("cast") and decision.get("to") in ("fp16", "bf16"):
             return decision["to"]
     return "unknown"

@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 PLAN_FILE = "amppass.json"  # the archive's extra file holding the conversion's summary (gm.meta["amppass"])
 _PLAN_ENTRY = f"extra/{PLAN_FILE}"
 MAX_PLAN = 16 << 20  # bytes of the plan entry amppass reads (a BERT's is about 2 KB)
+MAX_TYPES = 64  # pytree types a saved program registers (a transformers model's inputs and outputs use a few)
 _NODE_KEY = "amppass"  # node.meta["custom"] entry holding a node's decision, as JSON
 _NAME_KEY = "amppass_name"  # node.meta["custom"] entry holding the node's name in the converted graph
 
@@ -118,7 +119,7 @@ def _converted(archive: Pt2Archive, path: str) -> ServingGraph:
     """The served module of a checked archive holding a plan: the plan read once, its types registered, then
     the program."""
     info = _plan(archive, path)
-    _register_types(info.get("pytree_types", []))
+    _register_types(info.get("pytree_types", []), archive.spec_types(), path)
     return from_program(archive.load(), info, name=os.path.basename(path))
 
 
@@ -126,12 +127,9 @@ def from_program(program: torch.export.ExportedProgram, info: dict[str, Any], na
     """The served module of a program amppass converted: decisions back in ``node.meta``, summary in ``meta``."""
     gm = capture_program(program)
     for node in gm.graph.nodes:
-        decision = node.meta.get("custom", {}).get(_NODE_KEY)
+        decision = stored_decision(node, name)
         if decision is not None:
-            where = f"{name}: node {node.name!r}: its amppass decision"
-            if not isinstance(decision, str):
-                raise InputError(f"{where} is a {type(decision).__name__}, not JSON text; convert the original again")
-            node.meta[META_KEY] = parse_json(decision.encode("utf-8", "surrogatepass"), where)
+            node.meta[META_KEY] = decision
     _restore_names(gm)
     gm.meta[META_KEY] = info
     return ServingGraph(gm, gm.meta[GUARDS_KEY], name=name)
@@ -163,14 +161,20 @@ def _plan(archive: Pt2Archive, path: str) -> dict[str, Any]:
     return info
 
 
-def _register_types(names: list[str]) -> None:
+def _register_types(names: list[str], used: set[str], path: str) -> None:
     """Register the pytree types a saved program's inputs and outputs use, before torch.export reads it.
 
+    Only the names the program's own input and output specs use (``used``) are registered, at most
+    :data:`MAX_TYPES`: registering a type changes how every later pytree walk in the process treats it.
     transformers' output classes register themselves when their module is imported; its cache classes are
     registered by the same call capture makes. Only transformers' own modules are imported.
     """
     import importlib
 
+    names = [name for name in names if name in used]
+    if len(names) > MAX_TYPES:
+        raise InputError(f"{path}: the saved program's inputs and outputs name {len(names)} types, more than the "
+                         f"{MAX_TYPES} amppass registers; the file is damaged or crafted: save the model again")
     for name in names:
         module_name, _, class_name = name.partition(":") if ":" in name else name.rpartition(".")
         if not module_name.startswith("transformers.") or name in pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE:
@@ -187,6 +191,22 @@ def _register_types(names: list[str]) -> None:
             from transformers.exporters.exporter_dynamo import register_pytree_node
 
             register_pytree_node(cls)
+
+
+def stored_decision(node: fx.Node, name: str) -> dict[str, Any] | None:
+    """The amppass decision a loaded program's node carries (an object, read from JSON text), or None;
+    InputError naming the node where it is not one."""
+    decision = node.meta.get("custom", {}).get(_NODE_KEY)
+    if decision is None:
+        return None
+    where = f"{name}: node {node.name!r}: its amppass decision"
+    if not isinstance(decision, str):
+        raise InputError(f"{where} is a {type(decision).__name__}, not JSON text; convert the original again")
+    decision = parse_json(decision.encode("utf-8", "surrogatepass"), where)
+    if not isinstance(decision, dict):
+        raise InputError(f"{where} is a JSON {type(decision).__name__}, not the object amppass writes; the file is "
+                         "damaged or was edited: convert the original again")
+    return decision
 
 
 def is_converted(program: torch.export.ExportedProgram) -> bool:
