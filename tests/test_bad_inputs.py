@@ -22,6 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 import amppass
 from amppass import AmpPassError, CalibrationError, CaptureError, InputError
 from amppass.errors import ScaleCollapseError, ScalerUsageError, ScalerValueError
+from amppass.onnx.validate import MAX_NODES
 from amppass.serving.kept import keep_original
 from amppass.targets import onnxruntime_facts, timing_cache
 from tests.ddp_harness import one_rank_group
@@ -167,6 +168,16 @@ def _deep_report(tmp: Path) -> object:
     return amppass.report(model)
 
 
+def _chain(count: int) -> onnx.ModelProto:
+    """x -> Relu -> ... (``count`` nodes) -> y."""
+    graph = onnx.GraphProto(name="chain")
+    for i in range(count):
+        graph.node.add(op_type="Relu", input=[f"v{i}"], output=[f"v{i + 1}"], name=f"r{i}")
+    graph.input.append(helper.make_tensor_value_info("v0", F32, [2]))
+    graph.output.append(helper.make_tensor_value_info(f"v{count}", F32, [2]))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
 def _fifo(tmp: Path) -> Path:
     os.mkfifo(tmp / "out.onnx")
     return tmp / "out.onnx"
@@ -303,6 +314,9 @@ CASES = [
                       "copy or export it again")),
     Case("onnx-deep-metadata", "amppass.report of a model whose metadata nests 100,000 deep", _deep_report,
          InputError, ("metadata_props['amppass']", "nests deeper than 64 levels", "convert the original model again")),
+    Case("onnx-too-many-nodes", "an ONNX model of more nodes than amppass reads (500,000)",
+         _onnx(lambda tmp: _chain(MAX_NODES + 1)), InputError,
+         ("500,001 nodes", "at most 500,000", "AMPPASS_MAX_NODES")),
     Case("output-fifo", "an output path that is a FIFO", lambda tmp: amppass.export_onnx(mlp(), X, _fifo(tmp)),
          InputError, ("out.onnx", "a FIFO", "not a regular file", "choose another path")),
     Case("onnx-not-a-model", "bytes instead of a model", _onnx(lambda tmp: matmul_model().SerializeToString()),

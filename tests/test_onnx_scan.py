@@ -94,3 +94,25 @@ def test_a_truncated_file_names_the_damage_not_a_closing_mmap(tmp_path, cut):
     with pytest.raises(InputError, match="runs past the end"):
         scan.load(str(path))
 
+
+def test_the_reader_counts_nodes_and_initializers_against_the_cap_exactly(tmp_path, monkeypatch):
+    """Nodes of bodies and local functions count; a model holding as many as the cap is read, one more is
+    refused while the file is read (scan.load itself), naming the count and how to raise the cap."""
+    from amppass.onnx import validate
+
+    with_function = model()
+    body = [helper.make_node("Add", ["a", "a"], ["t"]), helper.make_node("Relu", ["t"], ["b"])]
+    with_function.functions.append(helper.make_function("local", "Twice", ["a"], ["b"], body,
+                                                        [helper.make_opsetid("", 17)]))
+    many_weights = model()
+    many_weights.graph.initializer.extend(numpy_helper.from_array(np.ones(2, np.float32), f"u{i}") for i in range(20))
+    for built, what in ((with_function, "nodes"), (many_weights, "initializers")):
+        nodes, initializers, exact = validate.count(built)
+        assert exact and (nodes, initializers) == ((9, 3) if what == "nodes" else (7, 23))
+        path = tmp_path / f"{what}.onnx"
+        path.write_bytes(built.SerializeToString())
+        monkeypatch.setenv("AMPPASS_MAX_NODES", str(max(nodes, initializers)))
+        scan.load(str(path))
+        monkeypatch.setenv("AMPPASS_MAX_NODES", str(max(nodes, initializers) - 1))
+        with pytest.raises(InputError, match=f"holds at least {max(nodes, initializers)} {what}.*AMPPASS_MAX_NODES"):
+            scan.load(str(path))

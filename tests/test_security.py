@@ -568,6 +568,63 @@ def test_a_huge_stored_node_number_is_not_counted(tmp_path, key):
     assert done.returncode == 0, done.stderr
 
 
+def _chain(count: int) -> onnx.ModelProto:
+    """x -> Relu -> Relu -> ... (``count`` nodes) -> y."""
+    graph = onnx.GraphProto(name="chain")
+    for i in range(count):
+        graph.node.add(op_type="Relu", input=[f"v{i}"], output=[f"v{i + 1}"], name=f"r{i}")
+    graph.input.append(helper.make_tensor_value_info("v0", F32, [2]))
+    graph.output.append(helper.make_tensor_value_info(f"v{count}", F32, [2]))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_million_node_chain_is_refused_before_any_heavy_work(tmp_path):
+    """A 10**6-node chain took 3.5 GB and 120 s before this cap; now refused while the file is read."""
+    from amppass.onnx.validate import MAX_NODES
+
+    model = _chain(1_000_000)
+    path = tmp_path / "chain.onnx"
+    path.write_bytes(model.SerializeToString())
+    for source, count in ((str(path), f"at least {MAX_NODES + 1:,}"), (model, "1,000,000")):
+        started = time.perf_counter()
+        with pytest.raises(InputError) as caught:
+            amppass.convert_onnx(source)
+        assert time.perf_counter() - started < 10
+        message = str(caught.value)
+        assert f"{count} nodes" in message and f"at most {MAX_NODES:,}" in message and "AMPPASS_MAX_NODES" in message
+    with pytest.raises(InputError, match="AMPPASS_MAX_NODES"):
+        amppass.report(str(path))
+    _one_line_error(_cli("report", str(path)), "chain.onnx", "AMPPASS_MAX_NODES")
+
+
+@pytest.mark.parametrize("where", ["file", "proto"])
+def test_the_node_cap_counts_subgraphs_and_initializers_and_can_be_raised(tmp_path, monkeypatch, where):
+    def given(model):
+        if where == "proto":
+            return model
+        path = tmp_path / "m.onnx"
+        path.write_bytes(model.SerializeToString())
+        return str(path)
+
+    monkeypatch.setenv("AMPPASS_MAX_NODES", "40")
+    with pytest.raises(InputError, match="holds (at least )?41 nodes"):
+        amppass.convert_onnx(given(_chain(41)))
+    amppass.convert_onnx(given(_chain(40)))
+    nested = _nested(3)
+    nested.graph.node[0].attribute[1].g.node.extend(_chain(40).graph.node)  # 40 more nodes in a branch
+    with pytest.raises(InputError, match="nodes"):
+        amppass.convert_onnx(given(nested))
+    many = _model()
+    many.graph.initializer.extend(numpy_helper.from_array(np.ones(2, np.float32), f"unused{i}") for i in range(40))
+    with pytest.raises(InputError, match="initializers"):
+        amppass.convert_onnx(given(many))
+    monkeypatch.setenv("AMPPASS_MAX_NODES", "100")
+    amppass.convert_onnx(given(many))
+    monkeypatch.setenv("AMPPASS_MAX_NODES", "lots")
+    with pytest.raises(InputError, match="AMPPASS_MAX_NODES='lots'"):
+        amppass.convert_onnx(given(many))
+
+
 @pytest.mark.parametrize("how", ["cli", "save", "report", "export"])
 def test_an_output_that_is_a_fifo_is_refused_and_never_opened(tmp_path, how):
     """``-o fifo`` hung: the save read the old output to clean up its data files."""

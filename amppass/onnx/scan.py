@@ -15,6 +15,9 @@ A file whose encoding breaks off or contradicts itself (cut short by a copy, dam
 :class:`~amppass.errors.InputError` naming the file, the byte and what is wrong there. The walk's memory
 views are released before the mapping closes, whatever stops it, so the error that reaches the user is the
 file's (it was a BufferError: "cannot close exported pointers exist").
+
+Nodes and initializers are counted as they are read, and a file holding more than the cap
+(:func:`amppass.onnx.validate.node_limit`) is refused there, before protobuf builds the rest of it.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import onnx
 from onnx import TensorProto
 
 from ..errors import InputError
+from . import validate
 
 INLINE_BYTES = 4096  # tensors up to this size stay in the proto (shape inference reads small constants)
 _MAX_DEPTH = 100  # protobuf's own parser stops at the same depth
@@ -50,7 +54,7 @@ def load(path: str) -> onnx.ModelProto:
             data = memoryview(mapped)
             try:
                 model = onnx.ModelProto()
-                _message(model, data, 0, len(data), os.path.basename(path), 0)
+                _message(model, data, 0, len(data), _Walk(os.path.basename(path), _Budget(repr(path))), 0)
                 return model
             except _Broken as err:
                 broken = str(err)  # the message only: the walk's frames must not outlive this block
@@ -60,7 +64,28 @@ def load(path: str) -> onnx.ModelProto:
                      "or is not an .onnx file: copy or export it again")
 
 
-def _message(message, data: memoryview, start: int, end: int, location: str, depth: int) -> None:
+class _Budget:
+    """Nodes and initializers read so far, against the cap (:func:`amppass.onnx.validate.node_limit`)."""
+
+    def __init__(self, where: str):
+        self.where, self.limit = where, validate.node_limit()
+        self.held = {"nodes": 0, "initializers": 0}
+
+    def spend(self, nodes: int = 0, initializers: int = 0) -> None:
+        for what, more in (("nodes", nodes), ("initializers", initializers)):
+            self.held[what] += more
+            if self.held[what] > self.limit:
+                raise validate.too_large(self.where, what, self.held[what], self.limit, exact=False)
+
+
+class _Walk:
+    """What every level of one file's walk shares: the file's name for external references, and the budget."""
+
+    def __init__(self, location: str, budget: _Budget):
+        self.location, self.budget = location, budget
+
+
+def _message(message, data: memoryview, start: int, end: int, walk_of: _Walk, depth: int) -> None:
     """Fill ``message`` from ``data[start:end]``, walking into the fields that can hold large tensors.
 
     Each walked sub-message gets its own memory view slices only; nothing is copied but the small fields."""
@@ -69,6 +94,7 @@ def _message(message, data: memoryview, start: int, end: int, location: str, dep
     walk = _WALKED.get(type(message))
     if walk is None or end - start <= INLINE_BYTES:
         message.MergeFromString(data[start:end])
+        walk_of.budget.spend(*validate.count(message)[:2])  # the bodies a small message holds
         return
     pending: list[memoryview] = []  # fields parsed as they are, merged in one call, in order
     payload: tuple[int, int] | None = None  # a large raw_data: marked external once the tensor is complete
@@ -89,9 +115,11 @@ def _message(message, data: memoryview, start: int, end: int, location: str, dep
                     continue
                 if number in walk and walk[number] != "raw_data":
                     _flush(message, pending)
+                    if isinstance(message, onnx.GraphProto):
+                        walk_of.budget.spend(nodes=walk[number] == "node", initializers=walk[number] == "initializer")
                     target = getattr(message, walk[number])
                     child = target.add() if hasattr(target, "add") else target
-                    _message(child, data, value_start, position, location, depth + 1)
+                    _message(child, data, value_start, position, walk_of, depth + 1)
                     continue
             else:
                 position = _skip(data, position, end, wire)
@@ -99,11 +127,15 @@ def _message(message, data: memoryview, start: int, end: int, location: str, dep
         _flush(message, pending)
     finally:
         pending.clear()  # views into the mapping, released however the walk ends (module docstring)
+    if isinstance(message, onnx.ModelProto):
+        for function in message.functions:  # parsed with the model's other fields
+            walk_of.budget.spend(*validate.count(function)[:2])
     if payload is not None:  # the bytes stay in the file: the tensor points at them
         message.ClearField("raw_data")
         message.data_location = TensorProto.EXTERNAL
         del message.external_data[:]
-        for key, value in (("location", location), ("offset", str(payload[0])), ("length", str(payload[1]))):
+        for key, value in (("location", walk_of.location), ("offset", str(payload[0])),
+                           ("length", str(payload[1]))):
             message.external_data.add(key=key, value=value)
 
 

@@ -15,6 +15,13 @@
 6. On request (:func:`check_with_onnx`), ``onnx.checker`` itself, run on a stand-in of the conversion's
    skeleton whose tensors point at one empty file: the checker's schema and graph checks without reading,
    copying or serialising any weight.
+7. Size: a model holds at most :data:`MAX_NODES` nodes, and at most as many initializers, counted over every
+   graph, body and local function (:func:`check_size`). The largest models exported to ONNX hold about
+   50,000 to 200,000 nodes (LLMs with every layer unrolled); each node costs the conversion about 3.5 KB and
+   0.1 ms (a 1,000,000-node chain took 3.5 GB and 120 s), so the cap, 2.5 times the largest real graph,
+   bounds a hostile file at about 2 GB and a minute. A file is counted while it is read
+   (:mod:`amppass.onnx.scan` stops at the cap, before protobuf builds the rest); a proto given in memory
+   before anything walks it. ``AMPPASS_MAX_NODES`` (environment) raises or lowers the cap.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ from .external import check_location
 from .view import replace_nodes, subgraphs, tensors
 
 MAX_NESTING = 48
+MAX_NODES = 500_000  # rule 7: nodes, and separately initializers, of a model over all its graphs
+ENV_MAX_NODES = "AMPPASS_MAX_NODES"  # the environment variable that sets another cap
 
 # element type -> the repeated field that holds its values when raw_data is not used (one entry per element)
 _TYPED_FIELDS = {
@@ -55,6 +64,72 @@ def check_nesting(model: onnx.ModelProto, where: str) -> None:
         for node in graph.node:
             for body in subgraphs(node):
                 stack.append((body, depth + 1))
+
+
+def node_limit() -> int:
+    """Rule 7's cap: ``$AMPPASS_MAX_NODES`` when set, else :data:`MAX_NODES`."""
+    text = os.environ.get(ENV_MAX_NODES, "").strip()
+    if not text:
+        return MAX_NODES
+    try:
+        limit = int(text.replace("_", "").replace(",", ""))
+    except ValueError:
+        limit = 0
+    if limit < 1:
+        raise InputError(f"{ENV_MAX_NODES}={text!r} is not a whole number above 0; set it to the most nodes a model "
+                         f"may hold (e.g. {ENV_MAX_NODES}=2000000), or unset it for the default {MAX_NODES:,}")
+    return limit
+
+
+def too_large(where: str, what: str, count: int, limit: int, exact: bool = True) -> InputError:
+    """Rule 7's error: ``where`` holds ``count`` ``what`` (nodes or initializers), more than ``limit``; at least
+    ``count`` where the reader stopped counting there (``exact`` False)."""
+    held = f"{count:,}" if exact else f"at least {count:,}"
+    raised = -(-max(count, limit + 1) // 1_000_000) * 1_000_000  # a round number above what was counted
+    return InputError(f"{where} holds {held} {what}, and amppass reads a model of at most {limit:,} (the largest "
+                      f"exported models hold about 200,000 nodes; a file far over that is damaged or made to exhaust "
+                      f"memory). If the model is real, raise the cap: set the environment variable {ENV_MAX_NODES} "
+                      f"(e.g. {ENV_MAX_NODES}={raised}) or amppass.onnx.validate.MAX_NODES")
+
+
+def count(message: onnx.ModelProto | onnx.GraphProto | onnx.NodeProto | onnx.AttributeProto | onnx.FunctionProto,
+          stop: int | None = None) -> tuple[int, int, bool]:
+    """The nodes and initializers inside ``message`` (a node's own bodies, not the node), every body and local
+    function included, and whether that is all of them: counting stops once either count passes ``stop``.
+    An explicit stack, so a deep message never recurses."""
+    nodes = initializers = 0
+    stack: list = [message]
+    while stack:
+        if stop is not None and max(nodes, initializers) > stop:
+            return nodes, initializers, False
+        item = stack.pop()
+        if isinstance(item, (onnx.GraphProto, onnx.FunctionProto)):
+            nodes += len(item.node)
+            if isinstance(item, onnx.GraphProto):
+                initializers += len(item.initializer)
+            if stop is not None and max(nodes, initializers) > stop:
+                continue  # refused without looking inside its nodes
+            stack.extend(node for node in item.node if len(node.attribute))
+        elif isinstance(item, onnx.NodeProto):
+            stack.extend(item.attribute)
+        elif isinstance(item, onnx.AttributeProto):
+            if item.HasField("g"):
+                stack.append(item.g)
+            stack.extend(item.graphs)
+        elif isinstance(item, onnx.ModelProto):
+            if item.HasField("graph"):
+                stack.append(item.graph)
+            stack.extend(item.functions)
+    return nodes, initializers, not stack
+
+
+def check_size(model: onnx.ModelProto, where: str) -> None:
+    """Rule 7 (counting stops at the cap: a model far over it is refused at once)."""
+    limit = node_limit()
+    nodes, initializers, exact = count(model, stop=limit)
+    for what, held in (("nodes", nodes), ("initializers", initializers)):
+        if held > limit:
+            raise too_large(where, what, held, limit, exact)
 
 
 def check_tensor(tensor: onnx.TensorProto, where: str) -> None:

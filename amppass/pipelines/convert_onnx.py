@@ -270,10 +270,11 @@ def _warn_if_little_runs_low(plan: PrecisionPlan, refs: Mapping[str, Any], targe
 def _load(model: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.ModelProto, str | None, str]:
     """``model`` as a proto (the caller's own, to be read only, or the one read from the path without its
     weights: :mod:`amppass.onnx.scan`), the folder its external data lives in, and how messages name it.
-    Nesting is checked here, before anything walks the model recursively."""
+    Nesting and size are checked here, before anything walks the model recursively."""
     if isinstance(model, onnx.ModelProto):
         where = "the onnx.ModelProto passed to convert_onnx"
         _check_has_graph(model, where)
+        validate.check_size(model, where)
         validate.check_nesting(model, where)
         return model, None, where
     if not isinstance(model, (str, os.PathLike)):
@@ -296,6 +297,7 @@ def _load(model: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.ModelProto, 
         raise InputError(f"{path!r} could not be read as an ONNX model ({err}); is it an .onnx file?"
                          f"{hint if zipfile.is_zipfile(path) else ''}") from err
     _check_has_graph(loaded, repr(path))
+    validate.check_size(loaded, repr(path))  # the count scan.load made, exact: what it parsed whole included
     validate.check_nesting(loaded, repr(path))
     return loaded, os.path.dirname(os.path.abspath(path)), repr(path)  # large tensors: references into the file
 

@@ -34,6 +34,7 @@ def read_onnx(model: onnx.ModelProto | str | os.PathLike) -> Report:
         raise InputError(f"{where} carries no amppass decisions (no metadata_props['amppass']); "
                          "pass a model amppass.convert_onnx returned")
     info = meta.model_info(meta.parse(text, f"{where}: metadata_props['amppass']"), f"{where}: metadata")
+    validate.check_size(model, where)
     validate.check_nesting(model, where)
     rows = []
     for node in all_nodes(model.graph):
