@@ -99,6 +99,7 @@ BAD_VALUES = [
     ("backoff_factor", NAN),
     ("backoff_factor", -0.5),
     ("backoff_factor", 1.0),
+    ("backoff_factor", 1 - 1e-12),  # the float32 scale would never move: every overflow skipped, no collapse
     ("backoff_factor", None),
     ("min_scale", NAN),
     ("min_scale", -1.0),

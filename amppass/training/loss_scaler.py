@@ -61,6 +61,9 @@ _FP32_TINY = torch.finfo(torch.float32).tiny  # 2**-126: the smallest scale whos
 # Integer settings and counters, bounded so that the int32/int64 tensors hold them and the scale keeps moving.
 MAX_HYSTERESIS = 1000  # overflows in a row that may pass before the first back-off (Megatron-LM's default is 2)
 MAX_GROWTH_INTERVAL = 2**30  # the int32 clean-step tracker counts up to it, one step past it at most
+# a back-off closer to 1 barely moves the scale (past 1 - 2**-24 the float32 scale does not move at all): overflowing
+# steps would be skipped for ever without reaching ScaleCollapseError. At 0.99 the scale falls 2**10 in 690 steps
+MAX_BACKOFF = 0.99
 MAX_SKIPPED_STEPS = 2**53  # the skipped-step counter is read back through a float64, exact up to here
 
 
@@ -134,7 +137,7 @@ class LossScaler:
     Args:
         init_scale: first scale factor.
         growth_factor: the scale is multiplied by this (> 1) after ``growth_interval`` clean steps in a row.
-        backoff_factor: the scale is multiplied by this (between 0 and 1) on an overflow that backs off.
+        backoff_factor: the scale is multiplied by this (above 0, at most :data:`MAX_BACKOFF`) on an overflow that backs off.
         growth_interval: clean steps in a row before the scale grows; an int from 1 to 2**30 (``MAX_GROWTH_INTERVAL``).
         hysteresis: overflows before the scale backs off, counted as Megatron-LM's DynamicGradScaler counts
             them (module docstring, rule 2); every overflowing step is skipped either way. 1 = GradScaler. An
@@ -357,7 +360,7 @@ class LossScaler:
         return self._backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        """Set the backoff factor (between 0 and 1) for the following updates."""
+        """Set the backoff factor (above 0, at most :data:`MAX_BACKOFF`) for the following updates."""
         _check_backoff_factor(new_factor)
         self._backoff_factor = float(new_factor)
 
@@ -720,8 +723,10 @@ def _check_growth_factor(value: Any, where: str = "") -> None:
 
 
 def _check_backoff_factor(value: Any, where: str = "") -> None:
-    if not (_is_number(value) and 0 < value < 1):
-        raise ScalerValueError(f"{where}backoff_factor={_shown(value)} must be a number between 0 and 1, e.g. 0.5")
+    if not (_is_number(value) and 0 < value <= MAX_BACKOFF):
+        raise ScalerValueError(f"{where}backoff_factor={_shown(value)} must be a number above 0 and at most "
+                               f"{MAX_BACKOFF}, e.g. 0.5 (closer to 1 the scale barely backs off, and overflowing "
+                               "steps are skipped without end)")
 
 
 def _check_int(name: str, value: Any, low: int, high: int, note: str) -> None:
