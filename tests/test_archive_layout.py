@@ -20,8 +20,8 @@ import amppass
 from amppass import InputError
 from amppass.archive import MAX_EXTRA, Pt2Archive
 from amppass.cli import main
-from helpers.zipbytes import Entry, entries_of, write
-from test_pt2_security import X, pickled_weight, rewrite, saved  # noqa: F401 - saved is a fixture
+from tests.helpers.zipbytes import Entry, entries_of, write
+from tests.test_pt2_security import X, pickled_weight, rewrite, saved  # noqa: F401 - saved is a fixture
 
 PLAN = "extra/amppass.json"
 

@@ -14,20 +14,30 @@ import torch
 
 import amppass
 from amppass import InputError
-from test_pt2_security import pickled, rewrite, saved  # noqa: F401 - saved is a fixture
+from tests.test_pt2_security import pickled, rewrite, saved  # noqa: F401 - saved is a fixture
+
+
+def empty_weight(entries: dict[str, bytes]) -> None:
+    """The first weight's file emptied, its config declaring 2**29 elements."""
+    config = json.loads(entries["data/weights/model_weights_config.json"])
+    meta = next(iter(config["config"].values()))
+    entries[f"data/weights/{meta['path_name']}"] = b""
+    meta["tensor_meta"]["sizes"] = [{"as_int": 1 << 29}]
+    meta["tensor_meta"]["strides"] = [{"as_int": 1}]
+    entries["data/weights/model_weights_config.json"] = json.dumps(config).encode()
+
+
+def shared_branches(entries: dict[str, bytes]) -> None:
+    """A billion laughs as sample inputs: each level a list of 8 references to the level below, 8**7 leaves."""
+    level: list = [torch.ones(2)]
+    for _ in range(7):
+        level = [level] * 8
+    entries["data/sample_inputs/model.pt"] = pickled(((level,), {}))
 
 
 def test_a_weight_file_without_bytes_cannot_ask_for_gigabytes(saved, tmp_path):
     """torch builds a tensor of a file with no bytes as zeros of the size the config declares."""
-    def edit(entries):
-        config = json.loads(entries["data/weights/model_weights_config.json"])
-        meta = next(iter(config["config"].values()))
-        entries[f"data/weights/{meta['path_name']}"] = b""
-        meta["tensor_meta"]["sizes"] = [{"as_int": 1 << 29}]
-        meta["tensor_meta"]["strides"] = [{"as_int": 1}]
-        entries["data/weights/model_weights_config.json"] = json.dumps(config).encode()
-
-    empty = rewrite(saved["converted"], tmp_path / "empty.pt2", edit)
+    empty = rewrite(saved["converted"], tmp_path / "empty.pt2", empty_weight)
     assert empty.stat().st_size < 64 << 10
     with pytest.raises(InputError, match="declares 536,870,912 elements of 2 bytes, more than its file holds"):
         amppass.load(empty)
@@ -65,18 +75,10 @@ def _nested(depth: int) -> list:
 
 
 def test_sample_inputs_that_share_their_branches_are_refused_before_torch_walks_them(saved, tmp_path):
-    """A billion laughs: each level a list of 8 references to the level below; 8**7 leaves in a small file."""
-    level = [torch.ones(2)]
-    for _ in range(7):
-        level = [level] * 8
-    laughs = _sample_inputs(((level,), {}))
-    assert len(laughs) < 8 << 10
-
-    def edit(entries):
-        entries["data/sample_inputs/model.pt"] = laughs
-
+    laughs = rewrite(saved["converted"], tmp_path / "laughs.pt2", shared_branches)
+    assert laughs.stat().st_size < 64 << 10
     with pytest.raises(InputError, match="more than 100,000 values"):
-        amppass.load(rewrite(saved["converted"], tmp_path / "laughs.pt2", edit))
+        amppass.load(laughs)
 
 
 @pytest.mark.parametrize("value, words", [

@@ -22,7 +22,7 @@ import amppass
 from amppass import InputError
 from amppass.archive.program import check_expression, check_guard, check_program
 from amppass.cli import main
-from test_pt2_security import X, rewrite, saved  # noqa: F401 - saved is a fixture
+from tests.test_pt2_security import X, rewrite, saved  # noqa: F401 - saved is a fixture
 
 MODEL_JSON = "models/model.json"
 

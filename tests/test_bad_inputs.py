@@ -26,7 +26,6 @@ from amppass.onnx.validate import MAX_NODES
 from amppass.serving.kept import keep_original
 from amppass.targets import onnxruntime_facts, timing_cache
 from tests.ddp_harness import one_rank_group
-from tests.test_capture_fidelity import TracedOtherwise
 from tests.test_custom_backward import RoundSTE
 
 F32 = TensorProto.FLOAT
@@ -50,27 +49,30 @@ def matmul_model(opset: int = 17, custom: bool = False) -> onnx.ModelProto:
 
 
 class StraightThrough(torch.nn.Module):
-    """A straight-through estimator: train mode cannot keep its own backward."""
+    """A straight-through estimator on the model's own weight: train mode cannot keep the Function's backward in a
+    graph, and no submodule holds the weight to convert by parts."""
 
     def __init__(self):
         super().__init__()
-        self.fc = torch.nn.Linear(8, 8)
+        self.weight = torch.nn.Parameter(torch.randn(8, 8))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return RoundSTE.apply(self.fc(x) * 4)
+        return RoundSTE.apply(x @ self.weight * 4)
 
 
-def _cache_writer(tmp):
-    """XLM-RoBERTa-XL as a causal LM without is_decoder, converted with a cache: it writes into the cache and
-    returns none."""
-    import transformers
+def _by_parts() -> torch.nn.Module:
+    """A layer, then a branch on a size from the data: no single graph takes it, its layer converts alone."""
+    class Selecting(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8)
 
-    config = transformers.XLMRobertaXLConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                                             intermediate_size=64, max_position_embeddings=64)
-    model = transformers.XLMRobertaXLForCausalLM(config).eval()
-    ids = torch.randint(3, 100, (1, 8), generator=torch.Generator().manual_seed(0))
-    return amppass.convert(model, example_kwargs={"input_ids": ids, "cache": transformers.DynamicCache(config=config),
-                                                  "use_cache": True}, dtype="bf16")
+        def forward(self, x):
+            keep = torch.nonzero(self.fc(x)[:, 0] > 0).squeeze(-1)
+            return x[keep[:2]] if keep.numel() > 2 else x[keep]
+
+    torch.manual_seed(0)
+    return Selecting().eval()
 
 
 class DataDependent(torch.nn.Module):
@@ -208,8 +210,15 @@ def _hostile_pt2(attack: str) -> Callable[[Path], object]:
 
         plan = {"plan-not-json": b"{not json", "plan-bomb": b" " * (attacks.MAX_EXTRA + 1)}.get(attack)
         if plan is None:
+            from tests import test_archive_payloads as payloads, test_archive_program as program
+
             edit = {"pickle": attacks.pickled_weight, "sympy": attacks.sympy_code, "aoti": attacks.aoti,
-                    "samples": attacks.sample_inputs}[attack](tmp / "marker")
+                    "samples": attacks.sample_inputs,
+                    "guard": lambda marker: program.edit_program(program.guard_with_statements(marker)),
+                    "range-escape": lambda marker: program.edit_program(
+                        lambda tree: tree["range_constraints"].update({"s1\x1b]0;pwned\x07": {"min_val": 2}})),
+                    "empty-weight": lambda marker: payloads.empty_weight,
+                    "shared-samples": lambda marker: payloads.shared_branches}[attack](tmp / "marker")
         else:
             edit = lambda entries: entries.update({"extra/amppass.json": plan})  # noqa: E731
         return amppass.load(attacks.rewrite(_saved_pt2(), tmp / "model.pt2", edit, compress=("extra/amppass.json",)))
@@ -333,12 +342,7 @@ CASES = [
          CaptureError, ("DataDependent", "control flow", "Pass example_inputs")),
     Case("fx-train-own-backward", "a torch.autograd.Function whose backward is not its forward's derivative "
          "(mode='train')", lambda tmp: amppass.convert(StraightThrough(), (torch.randn(4, 8),), "bf16", mode="train"),
-         CaptureError, ("StraightThrough", "RoundSTE", "differs from the model's own", "convert it for inference")),
-    Case("fx-unreturned-input-write", "a model that writes into its input cache and returns none", _cache_writer,
-         CaptureError, ("writes into its input 'cache'", "use_cache=False", "is_decoder=True")),
-    Case("fx-capture-unfaithful", "a model that takes another path while torch.export traces it",
-         lambda tmp: amppass.convert(TracedOtherwise().eval(), (torch.randn(4, 8),), "bf16"),
-         CaptureError, ("TracedOtherwise", "before any conversion", "torch.autocast")),
+         CaptureError, ("StraightThrough", "RoundSTE", "differs from the model's own", "No submodule")),
     Case("fx-calibration-nan", "calibration batch holding NaN", _fx(calibration=_bad_calibration(float("nan"))),
          CalibrationError, ("batch 1", "NaN", "nan_to_num")),
     Case("fx-calibration-inf", "calibration batch holding inf", _fx(calibration=_bad_calibration(float("inf"))),
@@ -419,6 +423,19 @@ CASES = [
          InputError, ("models/model.json", "sympy.sympify", "trusted=True")),
     Case("pt2-aoti", "a .pt2 holding an AOTInductor library", _hostile_pt2("aoti"),
          InputError, ("data/aotinductor/", "AOTInductor", "trusted=True")),
+    Case("pt2-guard-code", "a .pt2 whose guard carries statements after a newline and a '#'", _hostile_pt2("guard"),
+         InputError, ("models/model.json", "guard", "line break, comment", "trusted=True")),
+    Case("pt2-range-escape", "a .pt2 whose range-constraint name holds terminal escapes", _hostile_pt2("range-escape"),
+         InputError, ("range constraint", "\\x1b", "not a size symbol")),
+    Case("pt2-empty-weight", "a .pt2 whose weight has no bytes but declares 2**29 elements",
+         _hostile_pt2("empty-weight"), InputError, ("model_weights_config.json", "declares 536,870,912 elements",
+                                                    "more than its file holds")),
+    Case("pt2-shared-samples", "a .pt2 whose sample inputs share branches (8**7 leaves in a small file)",
+         _hostile_pt2("shared-samples"), InputError, ("data/sample_inputs/model.pt", "more than 100,000 values")),
+    Case("save-parts", "amppass.save of a model converted by parts",
+         lambda tmp: amppass.save(amppass.convert(_by_parts(), (torch.randn(6, 8),), "bf16", plan_for="coverage"),
+                                  tmp / "m.pt2"),
+         InputError, ("converted by parts", "state_dict")),
     Case("pt2-plan-not-json", "a .pt2 whose amppass plan entry is not JSON", _hostile_pt2("plan-not-json"),
          InputError, ("extra/amppass.json", "not UTF-8 JSON", "save the model again")),
     Case("pt2-plan-bomb", "a .pt2 whose plan entry would inflate past its bound", _hostile_pt2("plan-bomb"),

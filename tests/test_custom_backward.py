@@ -1,22 +1,22 @@
-"""A model's own ``torch.autograd.Function`` backward is kept or refused, never silently replaced in training.
+"""A model's own ``torch.autograd.Function`` backward is kept in training, never silently replaced.
 
 torch.export captures a Function's forward and differentiates it: a straight-through estimator's ``round``
 then has gradient zero, and YOSO's approximate backward is replaced by the exact one (a key bias's gradient
 had cosine 0.90 with the model's). Train mode compares the captured graph's fp32 gradients with the model's
-on the example and refuses where they differ; the compile backend runs the graph holding the Function as
-dynamo traced it, with its backward.
+on the example and, where they differ, converts the model by parts, the Function running as the model's own
+code; the compile backend runs the graph holding the Function as dynamo traced it, with its backward.
 """
 
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
 from torch import nn
 
 import amppass
-from amppass.errors import CaptureError
 
 
 class RoundSTE(torch.autograd.Function):
@@ -63,14 +63,22 @@ def _x() -> torch.Tensor:
 
 
 @pytest.mark.parametrize("train_only", [False, True])
-def test_a_function_whose_backward_is_not_its_forwards_derivative_is_refused_in_train_mode(train_only):
+def test_a_function_whose_backward_is_not_its_forwards_derivative_runs_as_itself_in_train_mode(train_only):
+    """The whole model's graph would differentiate round(): the check finds it, and the model converts by parts
+    (amppass.pipelines.parts), the Function applied by the model's own code between the converted layers."""
     torch.manual_seed(0)
     model = Net(RoundSTE, train_only).train()
+    reference = copy.deepcopy(model)
     before = copy.deepcopy(model.state_dict())
     mode = "train" if train_only else "eval"
-    with pytest.raises(CaptureError, match=rf"applies .*RoundSTE .*\({mode} mode\) the gradient of fc1\.\w+"):
-        amppass.convert(model, (_x(),), "bf16", mode="train")
-    # the check ran on the example without touching the caller's model
+    fast = amppass.convert(model, (_x(),), "bf16", mode="train", plan_for="coverage")
+    why = amppass.report(fast).info["parts"]["why_whole"]
+    assert re.search(rf"applies .*RoundSTE .*\({mode} mode\) the gradient of fc1\.\w+", why), why
+    fast(_x()).square().mean().backward()
+    reference(_x()).square().mean().backward()
+    grad, want = fast.fc1.weight.grad, reference.fc1.weight.grad
+    assert want.norm() > 1e-2 and (grad - want).norm() / want.norm() < 0.05
+    # the check and the conversion ran without touching the caller's model
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 

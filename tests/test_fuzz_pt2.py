@@ -133,7 +133,7 @@ def zip_tricks(draw):
 
 
 def _zip_bytes(archive: Path, tricks, marker: Path) -> bytes:
-    from helpers.zipbytes import ZIP64, Entry, entries_of, write, zip64_extra
+    from tests.helpers.zipbytes import ZIP64, Entry, entries_of, write, zip64_extra
 
     entries = entries_of(archive)
     weights = next(e for e in entries if e.name.endswith("model_weights_config.json"))

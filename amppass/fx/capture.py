@@ -121,10 +121,11 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any, no
         auto, why_static = _auto_dims_and_why(model, args, kwargs)
         attempts = [(auto, True), (auto, False), (None, False)] if auto is not None else [(None, False)]
     last: Exception | None = None
+    traced = model if fixed else _private(model)
     for shapes, oblivious in attempts:
         try:
             with size_one_dynamic(oblivious), quiet_torch(), functions_applied() as functions:
-                program = torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
+                program = torch.export.export(traced, args, kwargs, dynamic_shapes=shapes, strict=False)
         except Exception as err:  # noqa: BLE001 - retried with static shapes, then reported
             log.debug("torch.export with dynamic_shapes=%s (size-1 dims dynamic: %s) failed: %s", shapes, oblivious, err)
             last = err
@@ -234,6 +235,17 @@ def _fixed_keywords(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, An
                   if p.kind is inspect.Parameter.VAR_KEYWORD and name in bound.arguments), {})
     return {k: v for k, v in extra.items()
             if not any(isinstance(leaf, torch.Tensor) for leaf in torch.utils._pytree.tree_leaves(v))}
+
+
+def _private(model: nn.Module) -> nn.Module:
+    """The module torch.export traces: a copy with its own module objects and the caller's tensors, so what the
+    model's code stores on itself while traced (fake tensors: ultralytics' Detect head caches its anchors)
+    lands on the copy; the model itself where it cannot be copied (logged)."""
+    try:
+        return shared_copy(model)
+    except Exception as err:  # noqa: BLE001 - an attribute that refuses deepcopy: trace the model itself
+        log.info("%s cannot be copied (%s); torch.export traces the model itself", type(model).__name__, err)
+        return model
 
 
 def _with_fixed(model: nn.Module, fixed: dict[str, Any]) -> nn.Module:

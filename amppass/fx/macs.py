@@ -9,7 +9,7 @@ the example inputs' sizes (their hint); a node whose shapes are unknown counts a
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import fx
@@ -95,3 +95,37 @@ def _shape(value: Any) -> list[int] | None:
             dim = hint
         sizes.append(int(dim))
     return sizes
+
+
+def measured_macs(run: Callable[[], Any]) -> tuple[int, int]:
+    """(all, low): the multiply-accumulates the heavy ops make while ``run()`` runs, eager code included, counted
+    at dispatch with torch's FLOP formulas (``torch.utils.flop_counter``); low ones are those whose first
+    floating operand is fp16 or bf16."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import flop_registry
+
+    registry = dict(flop_registry)
+    flash = registry.get(torch.ops.aten._scaled_dot_product_flash_attention)
+    if flash is not None and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        registry[torch.ops.aten._scaled_dot_product_flash_attention_for_cpu] = flash  # the CPU kernel's name
+    counts = [0, 0]
+
+    class Counting(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            formula = registry.get(func.overloadpacket)
+            if formula is not None:
+                try:
+                    macs = int(formula(*args, **kwargs, out_val=out)) // 2
+                except (TypeError, ValueError, IndexError):  # an overload the formula does not read
+                    return out
+                floating = next((a.dtype for a in torch.utils._pytree.tree_leaves(args)
+                                 if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
+                counts[0] += macs
+                counts[1] += macs if floating in (torch.float16, torch.bfloat16) else 0
+            return out
+
+    with Counting():
+        run()
+    return counts[0], counts[1]

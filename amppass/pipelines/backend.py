@@ -58,7 +58,7 @@ from ..errors import CaptureError, InputError, first_line
 from ..fx.guards import input_spec, range_bound
 from ..fx.quiet import quiet_torch
 from ..report.fx_reader import read_graph_module
-from ..report.report import Report
+from ..report.report import Report, merged
 from ..serving.serving_graph import set_state
 from ..targets.target import torch_target
 from .convert import MODES, _convert_captured
@@ -86,18 +86,9 @@ class Session:
         if not self.graphs:
             raise InputError("this compiled model has not run yet, so dynamo has given amppass no graph to "
                              "convert; call it once, then ask for the report")
-        rows, info = [], {}
         converted = [g for g in self.graphs if g.converted is not None]
-        for graph in converted:
-            part = read_graph_module(graph.converted)
-            for row in part.rows:
-                row.name = f"g{graph.index}.{row.name}"
-                row.casts = [f"g{graph.index}.{c}" for c in row.casts]
-                rows.append(row)
-            for key in ("casts", "weights_converted", "weight_copies", "weight_bytes_before", "weight_bytes_after"):
-                info[key] = info.get(key, 0) + int(part.info.get(key, 0))
-            info.setdefault("dtype", part.info["dtype"])
-            info.setdefault("mode", part.info.get("mode"))
+        whole = merged((f"g{graph.index}", read_graph_module(graph.converted)) for graph in converted)
+        rows, info = whole.rows, {k: v for k, v in whole.info.items() if k != "target"}
         if not converted:  # every graph runs as dynamo traced it (info["unconverted"] says why)
             info.update({"dtype": "fp32", "mode": self.options.get("mode", "inference")})
         info.update({"front_end": "fx", "compiler": self.options.get("compiler", "inductor"),

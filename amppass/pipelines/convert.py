@@ -36,6 +36,7 @@ from ..fx.rewrite import rewrite
 from ..fx.view import build_view
 from ..serving.dropin import DropIn, in_own_class, transformers_call, with_signature
 from ..serving.kept import KeptFp32, keep_original
+from ..serving.parts import parts_of
 from ..serving.serving_graph import ServingGraph
 from ..serving.traced import TracedGraph
 from ..serving.train_eval import TrainEvalGraphs
@@ -133,6 +134,8 @@ def convert(
         return _unchanged(model, model.meta[META_KEY], dtype, mode)
     if isinstance(model, DropIn):
         return _unchanged(model, model.converted.meta[META_KEY], dtype, mode)
+    if parts_of(model) is not None:
+        return _unchanged(model, {"dtype": parts_of(model).dtype, "mode": parts_of(model).mode}, dtype, mode)
     check_tolerance(tolerance, calibration)
     if isinstance(model, torch.export.ExportedProgram):
         return _convert_program(model, dtype, target, mode, keep_io_types=keep_io_types, keep_fp32=keep_fp32,
@@ -154,6 +157,17 @@ def convert(
             "fp32 master weights and casts them inside the graph, which takes a graph captured by torch.export "
             "(a symbolically traced graph calls the model's own modules, which read their fp32 weights); pass "
             "one batch, e.g. amppass.convert(model, (x,), mode='train')")
+    try:
+        return _convert_module(model, example_inputs, example_kwargs, plan_target, mode, dynamic_shapes, options)
+    except CaptureError as err:
+        if options["example"] is None:
+            raise
+        return _convert_parts(model, err, plan_target, mode, options)
+
+
+def _convert_module(model: nn.Module, example_inputs: Any, example_kwargs: dict | None, plan_target: Target,
+                    mode: str, dynamic_shapes: Any, options: dict[str, Any]) -> nn.Module:
+    """``model`` converted whole: captured in one graph (both modes' graphs in train mode), or CaptureError."""
     if mode == "train":
         # torch.export bakes the training flag into the graph: one graph per mode over one set of fp32 tensors
         captured = {flag: capture(model, example_inputs, example_kwargs, train=flag, dynamic_shapes=dynamic_shapes)
@@ -170,11 +184,29 @@ def convert(
     if options["example"] is not None:
         check_fidelity(model, gm, *example_call(options["example"]))  # the graph computes what the model does
     served = _served(model, gm, plan_target, mode, False, options)
-    if plan_for == "speed" and plan_target.profitable and options["example"] is not None and not calibration:
-        served = _faster_of(served, model, options["example"], costs)
+    if options["plan_for"] == "speed" and plan_target.profitable and options["example"] is not None \
+            and not options["calibration"]:
+        served = _faster_of(served, model, options["example"], options["costs"])
         if isinstance(served, KeptFp32):
             return served  # the original itself, in its own class already
     return in_own_class(model, served)  # a drop-in: the model's class, attributes and signature (serving.dropin)
+
+
+def _convert_parts(model: nn.Module, why: CaptureError, plan_target: Target, mode: str,
+                   options: dict[str, Any]) -> nn.Module:
+    """``model``, which does not capture whole, converted by parts (:mod:`amppass.pipelines.parts`)."""
+    from .parts import convert_by_parts
+
+    def convert_one(child: nn.Module, call: tuple[tuple, dict], calibration: list | None) -> nn.Module:
+        args, kwargs = call
+        kwargs = transformers_call(child, kwargs)
+        own = {**options, "keep_io_types": True, "calibration": calibration,
+               "tolerance": options["tolerance"] if calibration else None, "example": (args, kwargs)}
+        return _convert_module(child, args, kwargs, plan_target, mode, "auto", own)
+
+    calibration = options["calibration"]
+    return convert_by_parts(model, options["example"], why, mode == "train", plan_target.low.name, convert_one,
+                            list(calibration) if calibration is not None else None)
 
 
 def _served(model: nn.Module, gm: fx.GraphModule, target: Target, mode: str, train: bool,

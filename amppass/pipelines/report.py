@@ -9,9 +9,10 @@ from torch import fx
 
 from ..errors import InputError
 from ..report.fx_reader import read_graph_module
-from ..report.report import Report
+from ..report.report import Report, merged
 from ..serving.dropin import DropIn
 from ..serving.kept import KeptFp32
+from ..serving.parts import parts_of
 from ..serving.train_eval import TrainEvalGraphs
 
 
@@ -23,8 +24,9 @@ def report(converted: Any) -> Report:
     original module it kept in fp32 where that measured faster (:mod:`amppass.serving.kept`), the model it
     returned in its own class (:mod:`amppass.serving.dropin`: its converted graphs), a module
     :func:`amppass.load` returned, a module or function ``torch.compile(..., backend="amppass")`` returned
-    (every graph dynamo captured, rows named ``g<i>.<node>``), or an ``onnx.ModelProto`` (or .onnx path)
-    that :func:`amppass.convert_onnx` returned.
+    (every graph dynamo captured, rows named ``g<i>.<node>``), a model converted by parts (every converted
+    part, rows named ``<path>.<node>``; :mod:`amppass.pipelines.parts`), or an ``onnx.ModelProto`` (or .onnx
+    path) that :func:`amppass.convert_onnx` returned.
     """
     if _compiled(converted):
         from .backend import compiled_with_amppass, session_of
@@ -38,6 +40,9 @@ def report(converted: Any) -> Report:
             raise InputError(f"{type(converted).__name__} was not compiled with torch.compile(backend='amppass'); "
                              "compile it with that backend, call it once, then ask for the report")
         return session.report()
+    record = parts_of(converted)
+    if record is not None:
+        return _parts_report(converted, record)
     if isinstance(converted, DropIn):
         converted = converted.converted
     if isinstance(converted, TrainEvalGraphs):
@@ -59,3 +64,14 @@ def report(converted: Any) -> Report:
 def _compiled(value: Any) -> bool:
     """Whether ``value`` is what ``torch.compile`` returned (a module wrapper or a function)."""
     return hasattr(value, "dynamo_ctx") or hasattr(value, "_torchdynamo_orig_callable")
+
+
+def _parts_report(model: Any, record: Any) -> Report:
+    """One report over the parts of a model converted by parts, with what runs as the model's code and why."""
+    whole = merged((path, report(part)) for path, part in record.modules(model).items())
+    whole.info.update({
+        "front_end": "fx", "dtype": record.dtype, "mode": record.mode,
+        "parts": {"converted": list(record.converted), "eager": dict(record.eager), "why_whole": record.why_whole,
+                  **record.info},
+    })
+    return whole

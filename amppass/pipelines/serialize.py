@@ -38,6 +38,7 @@ from ..files import Staged, check_writable
 from ..fx.capture import capture_program, capturing, size_one_dynamic
 from ..fx.guards import GUARDS_KEY, ShapeGuards
 from ..serving.kept import KeptFp32
+from ..serving.parts import parts_of
 from ..serving.serving_graph import ServingGraph
 from ..serving.train_eval import TrainEvalGraphs
 
@@ -223,6 +224,10 @@ def _served(converted: Any) -> ServingGraph:
         raise InputError(f"{type(converted).__name__} is a converted model in its own class; amppass.save writes a "
                          "graph alone, without the class's methods (generate(), encode()): "
                          "amppass.save(model.converted, path), or convert the model where it runs")
+    if parts_of(converted) is not None:
+        raise InputError(f"{type(converted).__name__} was converted by parts: its own Python runs between the "
+                         "converted parts, and a .pt2 file holds one graph; save its state_dict() and convert the "
+                         "original again where it runs, or amppass.save(model.<part>, path) for one part")
     if isinstance(converted, TrainEvalGraphs):
         raise InputError("amppass.save writes inference models; for a train-mode model save its state_dict() as a "
                          "checkpoint, and convert the trained model with mode='inference' to ship it")

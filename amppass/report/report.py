@@ -23,7 +23,7 @@ from .rows import (LOCAL_ERROR, LOW_PRECISIONS, OUTPUT_ERROR, PRECISION_FILTERS,
                    Row, finite, summary_lines)
 
 __all__ = ["LOCAL_ERROR", "LOW_PRECISIONS", "OUTPUT_ERROR", "PRECISIONS", "PRECISION_FILTERS", "SCHEMA_VERSION",
-           "OpGroup", "Report", "Row", "finite", "load_schema", "summary_lines", "write_atomic"]
+           "OpGroup", "Report", "Row", "finite", "load_schema", "merged", "summary_lines", "write_atomic"]
 
 @dataclass
 class Report:
@@ -140,6 +140,26 @@ class Report:
             check_regular(path)  # a FIFO there is refused, never replaced
             write_atomic(path, text)
         return text
+
+
+_SUMMED = ("casts", "weights_converted", "weight_copies", "weight_bytes_before", "weight_bytes_after")
+
+
+def merged(named: Iterable[tuple[str, Report]]) -> Report:
+    """One report over several converted graphs: each row named ``<prefix>.<node>`` (its casts too), the counts of
+    the summary summed, dtype and mode the first graph's."""
+    rows, info = [], {}
+    for prefix, part in named:
+        for row in part.rows:
+            row.name = f"{prefix}.{row.name}"
+            row.casts = [f"{prefix}.{c}" for c in row.casts]
+            rows.append(row)
+        for key in _SUMMED:
+            info[key] = info.get(key, 0) + int(part.info.get(key) or 0)
+        for key in ("dtype", "mode", "target"):
+            if key in part.info:
+                info.setdefault(key, part.info[key])
+    return Report(rows, info)
 
 
 def _strict(value: Any) -> Any:

@@ -113,6 +113,9 @@ def summary_lines(report: Summarised) -> list[str]:
             f"heavy compute in {info.get('dtype')}: {macs['low_share']:.1%} of {macs['total']:,} MACs "
             f"({macs['counted_nodes']} matmul, conv, attention or RNN nodes)"
         )
+    parts = info.get("parts")
+    if isinstance(parts, dict) and isinstance(parts.get("converted"), list):
+        lines.extend(_parts_lines(parts))
     lines.append(f"casts inserted: {stats['casts']}")
     before, after = stats["weight_bytes"]["before"], stats["weight_bytes"]["after"]
     if before:
@@ -156,6 +159,19 @@ def summary_lines(report: Summarised) -> list[str]:
         lines.append("ops not in the policy table (followed their inputs): " + ", ".join(stats["unknown_ops"]))
     if not stats["calibrated"]:
         lines.append("uncalibrated: decisions come from op semantics and weights only")
+    return lines
+
+
+def _parts_lines(parts: dict[str, Any]) -> list[str]:
+    """A model converted by parts: which parts, the model-wide share of multiply-adds run low, what runs eagerly."""
+    converted, eager = parts["converted"], parts.get("eager") if isinstance(parts.get("eager"), dict) else {}
+    lines = [f"converted by parts (the whole model does not capture: {parts.get('why_whole')}): "
+             f"{len(converted)} part{'' if len(converted) == 1 else 's'}: {', '.join(map(str, converted))}"]
+    total, low = finite(parts.get("macs_total")), finite(parts.get("macs_low"))
+    if total:
+        lines.append(f"heavy compute of the whole model, eager code included: {low / total:.1%} of "
+                     f"{int(total):,} MACs in low precision")
+    lines.extend(f"runs as the model's own code, in fp32: {path} ({why})" for path, why in eager.items())
     return lines
 
 
