@@ -186,12 +186,13 @@ def test_the_size_check_runs_a_modest_size_change_that_keeps_the_stride(tmp_path
     monkeypatch.setattr(ort.InferenceSession, "run", recording)
     net = _EncoderDecoder().eval()
     model = amppass.export_onnx(net, (torch.randn(1, 3, 224, 96),), tmp_path / "unet.onnx")
-    assert fed[0] == {"image": (1, 3, 256, 128)}  # +32 each: four times would be (448, 192)
+    assert fed[0] == {"image": (2, 3, 256, 128)}  # the batch grown too; +32 each: four times would be (448, 192)
     assert all(isinstance(d, str) for d in dims(model)[0][2:]), dims(model)
     image = torch.randn(1, 3, 160, 64)
     with torch.no_grad():
         assert rel(run(tmp_path / "unet.onnx", model, image), net(image)) < 1e-2
-    assert [export._grown(n) for n in (7, 16, 224, 256, 512, 1024)] == [39, 48, 256, 320, 576, 1088]
+    # a batch or short sequence grows by its power-of-two divisor (1 -> 2, 2 -> 4), an image past 16 by 32 to 64
+    assert [export._grown(n) for n in (1, 2, 7, 16, 224, 256, 512, 1024)] == [2, 4, 8, 32, 256, 320, 576, 1088]
 
 
 def test_export_is_quiet(tmp_path):
@@ -237,10 +238,58 @@ def test_a_float32_export_that_differs_from_the_model_is_said(caplog, tmp_path):
         def forward(self, x):
             return self.linear(x) * self.scale
 
+    def warned() -> list[str]:
+        # amppass's warnings only: caplog also holds what other loggers wrote (pytest 9.2 keeps the DEBUG
+        # records torch's tracing writes during export_fp32, before the with block)
+        return [r.getMessage() for r in caplog.records if r.name.startswith("amppass") and r.levelno >= logging.WARNING]
+
     model, x = Scaled().eval(), torch.randn(2, 8)
     fp32 = export_fp32(model, (x,))
     with caplog.at_level(logging.WARNING, logger="amppass"):
-        assert _say_if_the_export_differs(fp32, model, (x,)) < 1e-6 and not caplog.records
+        assert _say_if_the_export_differs(fp32, model, (x,)) < 1e-6 and not warned()
         model.scale = 1.01  # the export baked 1.0 in
         assert abs(_say_if_the_export_differs(fp32, model, (x,)) - 0.01 / 1.01) < 1e-4
-    assert "the float32 ONNX export differs from the PyTorch model on the example by 0.0099" in caplog.text
+    assert len(warned()) == 1
+    assert "the float32 ONNX export differs from the PyTorch model on the example by 0.0099" in warned()[0]
+
+
+def test_a_declared_dynamic_batch_the_file_cannot_run_is_found(tmp_path):
+    """A Reshape to a shape holding the example's batch (what the dynamo exporter wrote for LeViT, SD3 and Flux):
+    the file declares a dynamic batch that only runs at 1. The check runs every declared dimension grown."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Reshape", ["x", "shape"], ["y"])], "baked",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 4])],
+        [helper.make_tensor("shape", TensorProto.INT64, [3], [1, 2, 4])])
+    path = tmp_path / "baked.onnx"
+    import onnx
+
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    example = (torch.randn(1, 8),)
+    assert not export._runs_at_another_size(str(path), ["x"], example, {"x": {0: torch.export.Dim.AUTO}})
+    assert export._runs_at_another_size(str(path), ["x"], example, None)
+
+
+def test_the_export_keeps_the_most_dynamic_shapes_the_file_runs_and_the_report_names_the_fixed(tmp_path):
+    """Spatial sizes a Linear head fixes are fixed (the batch stays dynamic), and the converted file says so."""
+    from torch.export import Dim
+
+    shapes = {"image": {0: Dim.AUTO, 2: Dim.AUTO, 3: Dim.AUTO}, "mask": None}
+    assert export._attempts(shapes) == [shapes, {"image": {0: Dim.AUTO}, "mask": None}, None]
+
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.fc = torch.nn.Conv2d(3, 4, 3, stride=2, padding=1), torch.nn.Linear(4 * 8 * 8, 2)
+
+        def forward(self, image):
+            return self.fc(self.conv(image).flatten(1))
+
+    model = amppass.export_onnx(Head().eval(), (torch.randn(2, 3, 16, 16),), tmp_path / "head.onnx")
+    assert isinstance(dims(model)[0][0], str) and dims(model)[0][2:] == [16, 16]
+    info = amppass.report(model).info
+    assert info["fixed_dims"] == ["image dim 2 (16)", "image dim 3 (16)"]
+    assert "sizes fixed at the example's in the file" in amppass.report(model).summary()
+    assert run(tmp_path / "head.onnx", model, torch.randn(3, 3, 16, 16)).shape == (3, 2)

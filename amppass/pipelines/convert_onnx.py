@@ -344,6 +344,15 @@ def _unchanged(work: onnx.ModelProto, store: WeightStore, previous: str, wanted:
     return Converted(work, store)
 
 
+def note(model: onnx.ModelProto, key: str, value: Any) -> None:
+    """Add ``key: value`` to the conversion's summary stored in ``model`` (what :func:`amppass.report` reads)."""
+    for entry in model.metadata_props:
+        if entry.key == META_KEY:
+            _set_model_meta(model, {**meta.parse(entry.value, "metadata_props['amppass']"), key: value})
+            return
+    _set_model_meta(model, {key: value})
+
+
 def _set_model_meta(model: onnx.ModelProto, info: dict) -> None:
     for entry in model.metadata_props:
         if entry.key == META_KEY:

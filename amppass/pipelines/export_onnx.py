@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import os
 import re
 import tempfile
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import onnx
@@ -19,7 +20,7 @@ from ..errors import CaptureError, InputError, first_line
 from ..files import check_writable
 from ..fx.capture import capturing, size_one_dynamic
 from ..fx.quiet import quiet_torch
-from .convert_onnx import convert_onnx, save
+from .convert_onnx import convert_onnx, note, save
 from .onnx_ops import translations
 
 log = logging.getLogger(__name__)
@@ -53,11 +54,16 @@ def export_onnx(
     with capturing(torch_model, train=False):  # an inference export: dropout off, BN running stats
         fp32 = export_fp32(torch_model, example_inputs, dynamic_shapes=dynamic_shapes)
         _say_if_the_export_differs(fp32, torch_model, example_inputs)
+    fixed = [entry.value for entry in fp32.metadata_props if entry.key == FIXED_KEY]
+    del fp32.metadata_props[:]  # the summary convert_onnx stores is the file's only metadata of amppass's
     converted = convert_onnx(fp32, dtype, **convert_kwargs)
+    if fixed:
+        note(converted, "fixed_dims", json.loads(fixed[0]))  # the report says which sizes the file takes
     save(converted, path)
     return converted
 
 
+FIXED_KEY = "amppass_fixed_dims"  # metadata_props entry: the dimensions the export fixed at the example's size
 EXPORT_TOLERANCE = 1e-4  # relative L2: a float32 export differs from torch by its kernels' rounding, far below this
 
 
@@ -135,8 +141,9 @@ def export_fp32(torch_model: torch.nn.Module, example_inputs: Any, opset: int | 
         kwargs = {"opset_version": opset} if opset is not None else {}
 
         def exported(dynamo: bool, size_one: bool = False) -> onnx.ModelProto:
-            """Export with ``shapes``; again without the spatial ones where the model does not take them."""
-            for attempt in (shapes, _without_spatial(shapes)):
+            """Export with ``shapes``; again with fewer dynamic dimensions where the file does not run at another
+            size on those it declares (:func:`_attempts`)."""
+            for attempt in _attempts(shapes) if dynamic_shapes == "auto" else (shapes,):
                 if dynamo:
                     with size_one_dynamic(size_one), quiet_torch():
                         torch.onnx.export(torch_model, args, target, dynamo=True, verbose=False,
@@ -149,7 +156,13 @@ def export_fp32(torch_model: torch.nn.Module, example_inputs: Any, opset: int | 
                                           dynamic_axes=_axes(names, attempt), **kwargs)
                 if dynamic_shapes != "auto" or _runs_at_another_size(target, names, args, attempt):
                     break
-            return onnx.load(target)
+            model = onnx.load(target)
+            fixed = _fixed_dims(names, args, shapes, attempt) if dynamic_shapes == "auto" else []
+            if fixed:
+                log.warning("%s: the exported model does not run at another %s; fixed at the example's size in the "
+                            "file", type(torch_model).__name__, ", ".join(fixed))
+                model.metadata_props.add(key=FIXED_KEY, value=json.dumps(fixed))
+            return model
 
         for size_one in ((True, False) if shapes is not None else (False,)):
             try:
@@ -212,32 +225,52 @@ def _batch_and_sequence(names: list[str], args: tuple) -> dict[str, Any] | None:
     return shapes if any(shapes.values()) else None
 
 
-def _spatial(shapes: Any) -> dict[str, list[int]]:
-    """The spatial dimensions (2 and up of rank >= 4 inputs) ``shapes`` makes dynamic, by input name."""
+def _dynamic(shapes: Any) -> dict[str, list[int]]:
+    """The dimensions ``shapes`` makes dynamic, by input name."""
     if not isinstance(shapes, dict):
         return {}
-    return {name: [d for d in spec if d >= 2] for name, spec in shapes.items() if isinstance(spec, dict)
-            and any(d >= 2 for d in spec)}
+    return {name: sorted(spec) for name, spec in shapes.items() if isinstance(spec, dict) and spec}
 
 
-def _without_spatial(shapes: Any) -> Any:
-    """``shapes`` with the spatial dimensions fixed."""
-    spatial = _spatial(shapes)
-    if not spatial:
+def _keeping(shapes: Any, keep: Callable[[int, int], bool]) -> Any:
+    """``shapes`` with the dynamic dimensions ``keep(dim, rank-guess)`` refuses fixed (None where none is left)."""
+    if not isinstance(shapes, dict):
         return shapes
-    return {name: {d: v for d, v in spec.items() if d not in spatial.get(name, ())} if spec else spec
+    kept = {name: {d: v for d, v in spec.items() if keep(d, max(spec) + 1)} if isinstance(spec, dict) else spec
             for name, spec in shapes.items()}
+    return kept if any(kept.values()) else None
+
+
+def _attempts(shapes: Any) -> list[Any]:
+    """The dynamic shapes to export with, most dynamic first: every dimension :func:`_batch_and_sequence` names;
+    without the spatial ones (dims 2 and up); the batch alone; none. The first whose file runs at other sizes
+    (:func:`_runs_at_another_size`) is kept."""
+    found: list[Any] = []
+    for attempt in (shapes, _keeping(shapes, lambda d, rank: d < 2), _keeping(shapes, lambda d, rank: d == 0), None):
+        if attempt not in found:
+            found.append(attempt)
+    return found
+
+
+def _fixed_dims(names: list[str], args: tuple, wanted: Any, got: Any) -> list[str]:
+    """The dimensions asked dynamic in ``wanted`` that the export ``got`` fixed: "input_values dim 1 (16000)"."""
+    asked, kept = _dynamic(wanted), _dynamic(got)
+    values = dict(zip(names, args))
+    return [f"{name} dim {dim} ({values[name].shape[dim]})" for name, dims in asked.items() for dim in dims
+            if dim not in kept.get(name, ()) and isinstance(values.get(name), torch.Tensor)]
 
 
 def _runs_at_another_size(path: str, names: list[str], args: tuple, shapes: Any) -> bool:
-    """Whether the exported float32 model runs in onnxruntime with its dynamic spatial dimensions grown by
-    :func:`_grown` (True when it has none). The dynamo exporter defers the model's own size checks to run
-    time, so a net whose Linear reads a flattened feature map exports with free image sizes it cannot take.
+    """Whether the exported float32 model runs in onnxruntime with every dimension it declares dynamic grown by
+    :func:`_grown` (True when it declares none). The dynamo exporter defers the model's own size checks to run
+    time, so a net whose Linear reads a flattened feature map exports with free image sizes it cannot take, and
+    a reshape the model computes from the example's batch (LeViT, SD3, Flux) exports a dynamic batch that only
+    runs at the example's.
 
     onnxruntime's inputs are fed by name (:func:`_named_leaves`): the exporters drop None arguments and the
     dynamo exporter bakes Python numbers in, so position in ``args`` is not position in the model's inputs."""
-    spatial = _spatial(shapes)
-    if not spatial:
+    dynamic = _dynamic(shapes)
+    if not dynamic:
         return True
     import onnxruntime as ort
 
@@ -249,33 +282,35 @@ def _runs_at_another_size(path: str, names: list[str], args: tuple, shapes: Any)
         unknown = [info.name for info in session.get_inputs() if info.name not in leaves]
         if unknown:
             log.info("the exported model's inputs %s are none of the example's arguments %s, so its dynamic "
-                     "spatial dimensions cannot be tried at another size; they are fixed", unknown, list(leaves))
+                     "dimensions cannot be tried at another size; they are fixed", unknown, list(leaves))
             return False
         feeds = {}
         for info in session.get_inputs():
             array = leaves[info.name].detach().cpu().numpy()
-            if info.name in spatial:
-                array = np.resize(array, [_grown(n) if d in spatial[info.name] else n
-                                          for d, n in enumerate(array.shape)])
+            grown = dynamic.get(info.name, ())
+            if grown:
+                array = np.resize(array, [_grown(n) if d in grown else n for d, n in enumerate(array.shape)])
             feeds[info.name] = array
         session.run(None, feeds)
     except Exception as err:  # noqa: BLE001 - onnxruntime's own types: the size is not one the model takes
-        log.info("the exported model does not run at a spatial size other than its example's (%s); those "
-                 "dimensions are fixed", first_line(err))
+        log.info("the exported model does not run at sizes other than its example's on %s (%s); fewer are left "
+                 "dynamic", dynamic, first_line(err))
         return False
     return True
 
 
 def _grown(size: int) -> int:
-    """A spatial size other than ``size`` that a strided net takes if it takes sizes other than the example's.
+    """A size other than ``size`` that a model takes if it takes sizes other than the example's.
 
-    ``size`` plus its largest power-of-two divisor, kept within [32, 64]: the sum keeps every power-of-two
-    divisor of ``size`` up to 64, so an encoder-decoder that needs sizes divisible by its total stride (32 for
-    five stride-2 stages: ResNet, U-Net, ConvNeXt; 64 for six) runs, and at least 32 more pixels change the
-    final feature map of a net with stride up to 32 even where the stages round down, so a Linear head reading
-    it fails as it should. Doubling does both too, but costs four times the example's pixels (eight for a
-    volume); this costs at most 1.3x an image of 224 or more."""
-    return size + min(max(size & -size, 32), 64)
+    ``size`` plus its largest power-of-two divisor, kept within [1, 64] and at least 32 past 16: the sum keeps
+    every power-of-two divisor of ``size`` up to 64, so an encoder-decoder that needs sizes divisible by its total
+    stride (32 for five stride-2 stages: ResNet, U-Net, ConvNeXt; 64 for six) runs, and at least 32 more pixels
+    change the final feature map of a net with stride up to 32 even where the stages round down, so a Linear
+    head reading it fails as it should. A batch or a short sequence (16 or less) grows by its largest
+    power-of-two divisor: a batch of 1 becomes 2, of 2 becomes 4. Doubling does all of this too, but costs four
+    times the example's pixels (eight for a volume); this costs at most 1.3x an image of 224 or more."""
+    step = size & -size if size else 1
+    return size + (min(step, 64) if size <= 16 else min(max(step, 32), 64))
 
 
 def _named_leaves(names: list[str], args: tuple) -> dict[str, torch.Tensor]:

@@ -155,6 +155,10 @@ def summary_lines(report: Summarised) -> list[str]:
     elif isinstance(whole, dict) and None not in (finite(whole.get("converted_ms")), finite(whole.get("original_ms"))):
         lines.append(f"whole model per call: {whole['converted_ms']:.3g} ms converted, {whole['original_ms']:.3g} ms "
                      "for the original module in fp32")
+    fixed = info.get("fixed_dims")
+    if isinstance(fixed, list) and fixed:
+        lines.append("sizes fixed at the example's in the file (the export does not run at others): "
+                     + ", ".join(map(str, fixed)))
     if stats["unknown_ops"]:
         lines.append("ops not in the policy table (followed their inputs): " + ", ".join(stats["unknown_ops"]))
     if not stats["calibrated"]:

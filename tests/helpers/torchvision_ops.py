@@ -236,6 +236,12 @@ def _ops_defined() -> bool:
     return True
 
 
+def _has_ops() -> bool:
+    """torchvision's check for its ops, answered yes: a plain function, which TorchScript can compile (the
+    TorchScript ONNX exporter scripts the detection code that calls it)."""
+    return True
+
+
 def register() -> bool:
     """Make ``import torchvision`` work on the CPU torch. Idempotent; call before torchvision is
     imported. Returns True when the stand-in ops are in use, False when the real extension loaded."""
@@ -279,8 +285,8 @@ def _define() -> None:
     import torchvision
 
     tv_roi_align = sys.modules["torchvision.ops.roi_align"]  # the module (torchvision.ops.roi_align is the function)
-    torchvision.extension._has_ops = lambda: True  # _assert_has_ops() reads this global
-    tv_roi_align._has_ops = lambda: True  # imported by name: else roi_align takes a torch.compile'd path
+    torchvision.extension._has_ops = _has_ops  # _assert_has_ops() reads this global
+    tv_roi_align._has_ops = _has_ops  # imported by name: else roi_align takes a torch.compile'd path
     torchvision.extension._amppass_stand_in = True
     if not torch._C._dispatch_has_kernel_for_dispatch_key("torchvision::nms", "Meta"):  # fake nms is a Meta kernel
         torch.library.register_fake("torchvision::nms", _nms_fake, lib=lib)
