@@ -471,3 +471,42 @@ def test_transformers_gradient_checkpointing_set_before_converting_still_recompu
     assert checkpointed < 0.6 * plain, (checkpointed, plain)
     for name, grad in grads.items():
         torch.testing.assert_close(again[name], grad, rtol=0, atol=0)
+
+
+class CachedBias(nn.Module):
+    """timm's LeViT and EfficientFormer attention: eval calls cache a tensor per device in a dict, and the class's
+    own ``train()`` reads the dict to empty it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.bias = nn.Parameter(torch.zeros(8))
+        self.bias_cache: dict[str, torch.Tensor] = {}
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if mode and self.bias_cache:
+            self.bias_cache = {}
+        return self
+
+    def forward(self, x):
+        if self.training:
+            return self.fc(x) + self.bias
+        key = str(x.device)
+        if key not in self.bias_cache:
+            self.bias_cache[key] = self.bias * 1
+        return self.fc(x) + self.bias_cache[key]
+
+
+def test_a_cache_of_tensors_comes_as_an_empty_cache_the_class_refills():
+    model = nn.Sequential(CachedBias(), nn.ReLU(), nn.Linear(8, 2)).train()
+    model.eval()(torch.randn(4, 8))  # the original's cache now holds a tensor
+    model.train()
+    model[0].bias_cache["cpu"] = torch.ones(8)
+    fast = amppass.convert(model, (torch.randn(4, 8),), "bf16", mode="train", plan_for="coverage")
+    part = fast[0]
+    assert isinstance(part, CachedBias) and part.bias_cache == {}  # its own, empty: never the original's tensors
+    fast.eval()(torch.randn(4, 8))
+    fast.train()  # the class's own train() reads the cache
+    fast(torch.randn(4, 8)).sum().backward()
+    assert model[0].bias_cache["cpu"].equal(torch.ones(8))

@@ -21,7 +21,9 @@ Rules:
    the mode its root is in.
 4. Each part is also an instance of its original module's class, under that class's name (as ``fully_shard``
    makes a module an ``FSDPModule`` too), with the original's plain attributes (``in_features``,
-   ``padding_idx``, ``config``; never tensors, modules or anything holding them). So the code users point at
+   ``padding_idx``, ``config``; never tensors, modules or anything holding them, but a dict or list holding
+   tensors comes as an empty one of its kind: a cache the class's own code refills, which timm's LeViT and
+   EfficientFormer read in their ``train()``). So the code users point at
    a model keeps finding what it looks for: FSDP2 and activation-checkpointing wrap policies
    (``isinstance(m, Block)``, accelerate's class names), ``model.apply(init_weights)``, containers that
    iterate as their class does. Its ``forward`` is always the part's; a class that cannot be mixed in
@@ -170,9 +172,12 @@ def as_original(module: nn.Module, mode: Mode, path: str) -> ModulePart:
                  type(module).__name__, err)
         return part
     for key, value in vars(module).items():
-        if key in _MODULE_KEYS or key in vars(part) or _holds_state(value, module):
+        if key in _MODULE_KEYS or key in vars(part):
             continue
-        part.__dict__[key] = value
+        if not _holds_state(value, module):
+            part.__dict__[key] = value
+        elif type(value) in (dict, list, collections.OrderedDict):  # a cache of tensors the class's code refills
+            part.__dict__[key] = type(value)()
     return part
 
 
