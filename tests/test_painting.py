@@ -112,3 +112,21 @@ def test_weight_only_op_whose_weights_do_not_fit_stays_fp32_under_low_consumers(
     ], weights={"w": 0.5, "t": 1e-9}, outputs=["mm"], weight_values=values.__getitem__)
     plan = paint(view, FP16)
     assert plan["transpose"].precision is Precision.FP32 and "does not fit fp16" in plan["transpose"].reason
+
+
+def test_an_in_place_relu_whose_readers_run_fp32_leaves_its_convolution_low():
+    """RAFT's encoder: conv -> ReLU(inplace=True) -> a norm that runs fp32. Rule 8 would run the ReLU fp32 to put
+    the cast before it; the ReLU writes into the convolution's output, so that fp32 must not pull the aliasing
+    group (and the convolution, 10% of RAFT's multiply-adds) to fp32: the cast goes after the ReLU instead."""
+    import amppass
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(inplace=True),
+                                torch.nn.GroupNorm(2, 8)).eval()
+    x = torch.randn(1, 3, 16, 16)
+    fast = amppass.convert(model, (x,), "bf16", plan_for="coverage")
+    rows = {row.op: row for row in amppass.report(fast).rows}
+    assert rows["aten.conv2d"].precision == "bf16" and rows["aten.relu_"].precision == "bf16"
+    with torch.no_grad():
+        assert (fast(x) - model(x)).norm() / model(x).norm() < 3e-2

@@ -35,7 +35,9 @@ Rules, in the order they apply (after TF grappler's auto mixed precision pass):
    slices, ``copy_``, ``index_put_``, ``masked_fill_``) run in one precision, so no cast (a copy) comes
    between a write and a read: a write through a cast copy never reaches the buffer its readers read. The
    group runs fp32 when any member does (a value written into it is fp32, as type promotion would keep
-   it; an fp32 op works on it; it is a graph input or weight, which keeps its dtype), else low. The
+   it; an fp32 op works on it; it is a graph input or weight, which keeps its dtype), else low; a member
+   rule 8 made fp32 only to move a cast does not count (an in-place ReLU after a convolution whose readers
+   run fp32 would otherwise pull the convolution to fp32). The
    members are fixed with that precision and the graph painted again, so their readers follow the group.
 """
 
@@ -49,6 +51,7 @@ from .plan import Category, Decision, Precision, PrecisionPlan, Source
 from .policy import DIVISION, JOIN, LAYOUT
 from .view import AliasGroup, GraphView, OpView
 
+_CAST_EARLY = "cast-before-follower"  # rule 8's decisions
 _CATEGORY_PRECISION = {
     Category.LOW: Precision.LOW,
     Category.FP32: Precision.FP32,
@@ -141,10 +144,11 @@ def _group_fp32(group: AliasGroup, plan: PrecisionPlan) -> str:
     """Why an aliasing group runs fp32 ("" when it may run low): a member that runs fp32, or stored state."""
     if group.stored:
         return f"{group.stored!r}, a graph input or weight, is written in place and keeps its fp32 storage"
-    # a write of an fp32 value says most about why; then any member that runs fp32
+    # a write of an fp32 value says most about why; then any member that runs fp32 for a reason of its own (rule
+    # 8's fp32 only moves a cast: it never pulls the group, a convolution before an in-place ReLU, to fp32)
     for member in group.writers + group.members:
         decision = plan[member]
-        if decision.precision in (Precision.FP32, Precision.FP32_ACCUM):
+        if decision.precision in (Precision.FP32, Precision.FP32_ACCUM) and decision.rule != _CAST_EARLY:
             return f"{member} runs fp32 ({decision.reason})"
     return ""
 
@@ -167,7 +171,7 @@ def _cast_early(view: GraphView, plan: PrecisionPlan, low: LowType, given: Mappi
             Precision.FP32,
             f"reads one {low} value{beside} and every reader runs fp32: runs fp32 so the cast comes before it "
             f"at no extra cost ({node.reason})",
-            Source.PAINTING, rule="cast-before-follower",
+            Source.PAINTING, rule=_CAST_EARLY,
         )
 
 
