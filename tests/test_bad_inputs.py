@@ -84,6 +84,17 @@ class DataDependent(torch.nn.Module):
         return x - 1
 
 
+class Viewing(torch.nn.Module):
+    """A model whose own code takes 8 values per row (``x.view(2, 8)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x.view(2, 8))
+
+
 def mlp() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
 
@@ -379,6 +390,13 @@ CASES = [
     Case("fx-example-inputs-wrong-type", "example_inputs of the wrong type (an int)",
          lambda tmp: amppass.convert(mlp(), 3, "fp16"),
          CaptureError, ("Sequential", "must be Tensor, not int", "exactly as forward() takes them")),
+    Case("fx-example-wrong-shape", "example_inputs of the wrong shape ([2, 5] for a first layer of 4 features)",
+         lambda tmp: amppass.convert(mlp(), (torch.ones(2, 5),), "fp16"),
+         CaptureError, ("input 'input' of shape [2, 5] does not fit Sequential: linear (0) takes [*, 4]",)),
+    Case("fx-example-refused", "example_inputs the model's own code refuses (`x.view(2, 8)` of a [2, 5] input)",
+         lambda tmp: amppass.convert(Viewing(), (torch.ones(2, 5),), "fp16"),
+         CaptureError, ("Viewing does not run on its example (x: [2, 5] float32)", "view (Viewing.forward) raised",
+                        "shape '[2, 8]' is invalid", "exactly as forward() takes them")),
     Case("fx-keep-fp32-bad-regex", "keep_fp32=['linear[(']", _fx(keep_fp32=["linear[("]),
          InputError, ("keep_fp32", "'linear[('", "not a valid regular expression", "escape")),
     Case("onnx-keep-fp32-bad-regex", "convert_onnx(keep_fp32=['mm[('])",
@@ -507,6 +525,112 @@ def test_bad_input(case: Case, tmp_path: Path):
     assert type(caught.value) is case.error, f"{type(caught.value).__name__}: {caught.value}"
     for word in case.words:
         assert word in str(caught.value), f"{word!r} not in: {caught.value}"
+
+
+class _TwoLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(4, 16), torch.nn.Linear(16, 2)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class _ConvNorm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        return self.bn(self.conv(x))
+
+
+class _RootMatmul(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(4, 4))
+
+    def forward(self, x):
+        return x @ self.w
+
+
+class _Concat(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.fc = torch.nn.LayerNorm(8), torch.nn.Linear(8, 4)
+
+    def forward(self, x, y):
+        return self.fc(self.norm(torch.cat([x, y], -1)))
+
+
+class _Lookup(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Embedding(10, 4)
+
+    def forward(self, ids):
+        return self.table(ids)
+
+
+WRONG_SHAPES = [
+    (_TwoLayers, (torch.ones(2, 5),), "input 'x' of shape [2, 5] does not fit _TwoLayers: linear (fc1) takes [*, 4]"),
+    (_TwoLayers, (torch.ones(3, 2, 5),), "input 'x' of shape [3, 2, 5] does not fit _TwoLayers: linear (fc1) takes [*, 4]"),
+    (_ConvNorm, (torch.ones(2, 4, 16, 16),),
+     "input 'x' of shape [2, 4, 16, 16] does not fit _ConvNorm: conv2d (conv) takes [N, 3, H, W]"),
+    (_RootMatmul, (torch.ones(2, 5),), "input 'x' of shape [2, 5] does not fit _RootMatmul: matmul (_RootMatmul.forward) "
+                                        "takes [*, 4]"),
+    (_Concat, (torch.ones(2, 4), torch.ones(2, 5)),
+     "the example (x: [2, 4] float32, y: [2, 5] float32) does not fit _Concat: layer_norm (norm) takes [*, 8], got [2, 9]"),
+    (_Lookup, (torch.ones(2, 3),), "input 'ids' of shape [2, 3] does not fit _Lookup: embedding (table) takes integer "
+                                   "indices in [0, 10), got float32"),
+]
+
+
+@pytest.mark.parametrize("mode", ["inference", "train"])
+@pytest.mark.parametrize("make, example, expected", WRONG_SHAPES, ids=lambda v: getattr(v, "__name__", None))
+def test_an_example_of_the_wrong_shape_is_one_short_line(make, example, expected, mode):
+    """Which input, its shape, the op (and module) that refused it and what it takes: not torch.export's symbols
+    (``[s31, s81] X [16, 4]..``) and advice about control flow, and not a conversion by parts."""
+    torch.manual_seed(0)
+    with pytest.raises(CaptureError) as caught:
+        amppass.convert(make(), example, "bf16", mode=mode)
+    message = str(caught.value)
+    assert message == expected
+    assert len(message) < 130 and "Try:" not in message and "No submodule" not in message
+
+
+def test_a_capture_error_ends_its_sentence_once(monkeypatch):
+    """torch.export's reason ending in a period is followed by the hint, not by a second period."""
+    def refuse(*args, **kwargs):
+        raise RuntimeError("a and b must have same reduction dim.")
+
+    monkeypatch.setattr(torch.export, "export", refuse)
+    with pytest.raises(CaptureError) as caught:
+        amppass.convert(mlp(), X, "fp16")
+    assert "reduction dim. Try:" in str(caught.value) and ".." not in str(caught.value)
+
+
+def test_running_the_model_to_explain_a_capture_leaves_its_statistics():
+    """A capture that fails runs the model once on the example to see whether the example is at fault; in
+    training mode that run updates batch norm's statistics, which are the caller's and are put back."""
+    class BranchAfterNorm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.bn = torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)
+
+        def forward(self, x):
+            h = self.bn(self.fc(x))
+            return h * 2 if h.sum() > 0 else h - 1
+
+    torch.manual_seed(0)
+    model = BranchAfterNorm().train()
+    before = {name: b.clone() for name, b in model.named_buffers()}
+    try:
+        amppass.convert(model, (torch.randn(8, 4) + 3,), "bf16", mode="train")
+    except AmpPassError:
+        pass
+    assert all(torch.equal(before[name], b) for name, b in model.named_buffers())
+    assert not model.bn._forward_pre_hooks and not model.bn._forward_hooks
 
 
 def test_docs_errors_md_has_a_row_for_every_case():

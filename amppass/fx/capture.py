@@ -26,7 +26,7 @@ from .copies import shared_copy
 from .custom_backward import FUNCTIONS_KEY, functions_applied
 from .modes import module_mode
 from .quiet import quiet_torch
-from .guards import GUARDS_KEY, ShapeGuards, plain_inputs, specialised_dims
+from .guards import GUARDS_KEY, ShapeGuards, example_refusal, plain_inputs, specialised_dims
 from .input_writes import unreturned_write
 
 log = logging.getLogger(__name__)
@@ -111,6 +111,7 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any, no
         raise CaptureError(f"{written}. Call it without that input (use_cache=False), or make the model return "
                            "what it writes (a decoder: config.is_decoder=True)")
     fixed = _fixed_keywords(model, args, kwargs)
+    whole, call = model, kwargs  # as the caller passed them, to run the model on if no capture works
     if fixed:
         model, kwargs = _with_fixed(model, fixed), {k: v for k, v in kwargs.items() if k not in fixed}
     # (dynamic_shapes, keep size-1 dimensions dynamic): the most general capture first
@@ -136,8 +137,12 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any, no
             _note_fixed_dims(gm, model, dynamic=shapes is not None,
                              why=why_static if last is None else first_line(last, 300))
         return gm
+    refused = example_refusal(_private(whole), args, call)
+    if refused is not None:  # the example itself is wrong: say how, in the model's terms, not export's symbols
+        raise CaptureError(refused[0]) from refused[1]
+    reason = first_line(last, 300)
     raise CaptureError(
-        f"torch.export could not capture {type(model).__name__}: {first_line(last, 300)}. {_HINTS}"
+        f"torch.export could not capture {type(model).__name__}: {reason}{'' if reason.endswith('.') else '.'} {_HINTS}"
     ) from last
 
 

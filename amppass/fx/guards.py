@@ -12,6 +12,7 @@ shapes. The module that serves every shape with them is :class:`amppass.serving.
 from __future__ import annotations
 
 import collections
+import copy
 import inspect
 import math
 import re
@@ -24,6 +25,7 @@ from torch.utils import _pytree as pytree
 
 from ..analysis.plan import Decision, Precision, Source
 from ..analysis.record import META_KEY
+from ..errors import first_line
 
 MAX_PLANS = 8  # plans (captures) one converted model keeps for the shapes it serves
 GUARDS_KEY = "amppass_guards"  # gm.meta entry holding the ShapeGuards of a captured graph
@@ -459,3 +461,161 @@ def matching(gm: fx.GraphModule, carried: dict[str, tuple[Any, Decision]]) -> di
     """The carried decisions whose node exists in ``gm`` with the same op."""
     targets = {n.name: n.target for n in gm.graph.nodes}
     return {name: decision for name, (target, decision) in carried.items() if targets.get(name) == target}
+
+
+# -- an example the model itself refuses --------------------------------------------------------------------
+
+def example_refusal(model: nn.Module, args: tuple, kwargs: dict) -> tuple[str, BaseException] | None:
+    """Why ``model`` itself fails on the example ``(args, kwargs)``, in one line, and the error it raised; None
+    where it runs.
+
+    torch.export's error for an example of the wrong shape names the symbols it traced with (``[s31, s81] X
+    [16, 4]``); the model run once eagerly on it says what the user can fix: which input, its shape, the op
+    that refused it (and the module that called that op) and the shape the op takes:
+    ``input 'x' of shape [2, 5] does not fit MLP: linear (fc1) takes [*, 4]``. An error that is not a shape
+    mismatch is quoted with the op and module that raised it. ``model`` should be a private copy (its modules
+    get hooks for the run); the buffers it shares with the caller's model are put back after a run in training
+    mode (batch norm's running statistics), and the inputs it runs on are copies.
+    """
+    args, kwargs = copy.deepcopy((args, kwargs))  # the model's code may write into them (a cache)
+    stack: list[str] = []
+    names = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
+
+    def enter(module: nn.Module, _: Any) -> None:
+        stack.append(names.get(id(module), ""))
+
+    def leave(module: nn.Module, _: Any, __: Any) -> None:
+        if stack:
+            stack.pop()
+
+    handles = [h for m in model.modules() for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+    training = any(m.training for m in model.modules())
+    saved = [(b, b.detach().clone()) for b in model.buffers()] if training else []
+    watch = _FirstFailure(stack)
+    try:
+        with torch.no_grad(), watch:
+            model(*args, **kwargs)
+    except Exception as err:  # noqa: BLE001 - whatever the model raises is what the example does wrong
+        found = watch.found if watch.found is not None and watch.found[4] is err else None
+        return _refusal_line(model, args, kwargs, found, stack, err), err
+    finally:
+        for handle in handles:
+            handle.remove()
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
+    return None
+
+
+class _FirstFailure(torch.overrides.TorchFunctionMode):
+    """Records the torch function the model's code called that raised last: the op, its arguments, the
+    modules under way (innermost last) and the error."""
+
+    def __init__(self, stack: list[str]):
+        super().__init__()
+        self.stack = stack
+        self.found: tuple[Any, tuple, dict, list[str], BaseException] | None = None
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        try:
+            return func(*args, **kwargs)
+        except Exception as err:  # the latest one: an error the model's code caught and went on from is not it
+            self.found = (func, args, kwargs, list(self.stack), err)
+            raise
+
+
+def _refusal_line(model: nn.Module, args: tuple, kwargs: dict, found: tuple[Any, tuple, dict, list[str], Any] | None,
+                  stack: list[str], err: BaseException) -> str:
+    name = type(model).__name__
+    inputs = _named_leaves(model, args, kwargs)
+    tensors = [(n, v) for n, v in inputs if isinstance(v, torch.Tensor)]
+    shown = ", ".join(f"{n}: {_shown(v)}" if isinstance(v, torch.Tensor) else f"{n} = {_short(v, 40)}"
+                      for n, v in inputs) or "no inputs"
+    path = (found[3] if found is not None else stack)[-1:] or [""]
+    where = f"{path[0]}" if path[0] else f"{name}.forward"
+    if found is not None:
+        func, op_args, op_kwargs = found[:3]
+        op = _op_name(func)
+        fit = _wanted(op, op_args, op_kwargs)
+        if fit is not None:
+            refused, wanted, got = fit
+            own = next((n for n, v in tensors if v is refused), None)
+            if own is None and len(tensors) == 1:
+                own = tensors[0][0]
+            if own is not None:
+                shape = list(dict(tensors)[own].shape)
+                told = "" if dict(tensors)[own] is refused and op != "embedding" else f", got {got}"
+                return f"input {own!r} of shape {shape} does not fit {name}: {op} ({where}) takes {wanted}{told}"
+            return f"the example ({shown}) does not fit {name}: {op} ({where}) takes {wanted}, got {got}"
+        raised = f"{op} ({where}) raised"
+    else:
+        module = model.get_submodule(path[0]) if path[0] else model
+        raised = f"{path[0]} ({type(module).__name__}) raised" if path[0] else "its forward raised"
+    return (f"{name} does not run on its example ({shown}): {raised} {type(err).__name__}: {first_line(err, 200)}; "
+            "pass example_inputs (and example_kwargs) exactly as forward() takes them")
+
+
+def _named_leaves(model: nn.Module, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+    """Each leaf of the call, named as forward() names it (``x``, ``features['input_ids']``)."""
+    try:
+        arguments = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        arguments = {**{f"input {i}": a for i, a in enumerate(args)}, **kwargs}
+    return [(path[0].key + pytree.keystr(path[1:]), value)
+            for path, value in pytree.tree_leaves_with_path(arguments)]
+
+
+def _op_name(func: Any) -> str:
+    """``linear``, ``conv2d``, ``matmul`` (``Tensor.__matmul__``), ``view``."""
+    name = getattr(func, "__name__", None) or str(func)
+    return name.strip("_") or name
+
+
+_SPATIAL = {1: "L", 2: "H, W", 3: "D, H, W"}
+
+
+def _wanted(op: str, args: tuple, kwargs: dict) -> tuple[torch.Tensor, str, str] | None:
+    """For an op that refused a tensor of the wrong shape: (that tensor, the shape the op takes, the tensor's
+    shape; an embedding: the indices it takes and the values it got); None where the op is not one whose rule
+    is known, or the tensor fits that rule."""
+    def arg(index: int, key: str) -> Any:
+        return args[index] if len(args) > index else kwargs.get(key)
+
+    x = arg(0, "input")
+    if not isinstance(x, torch.Tensor):
+        return None
+    shape = list(x.shape)
+    got = str(shape)
+    if op == "linear":
+        weight = arg(1, "weight")
+        if isinstance(weight, torch.Tensor) and weight.dim() == 2 and (x.dim() == 0 or shape[-1] != weight.shape[1]):
+            return x, f"[*, {weight.shape[1]}]", got
+    elif op in ("matmul", "mm", "bmm"):
+        other = arg(1, "other") if op == "matmul" else arg(1, "mat2")
+        if isinstance(other, torch.Tensor) and other.dim() >= 2 and x.dim() >= 1 and shape[-1] != other.shape[-2]:
+            return x, f"[*, {other.shape[-2]}]", got
+    elif op in ("conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"):
+        weight, groups = arg(1, "weight"), arg(6, "groups") or 1
+        if isinstance(weight, torch.Tensor) and isinstance(groups, int):
+            spatial = weight.dim() - 2
+            channels = weight.shape[0] if op.startswith("conv_transpose") else weight.shape[1] * groups
+            if x.dim() not in (spatial + 1, spatial + 2) or shape[-spatial - 1] != channels:
+                return x, f"[N, {channels}, {_SPATIAL.get(spatial, '...')}]", got
+    elif op == "layer_norm":
+        normalized = list(arg(1, "normalized_shape") or [])
+        if normalized and shape[-len(normalized):] != normalized:
+            return x, f"[*, {', '.join(str(d) for d in normalized)}]", got
+    elif op in ("batch_norm", "instance_norm", "group_norm"):
+        stats = [arg(i, k) for i, k in ((1, "running_mean"), (3, "weight"))] if op != "group_norm" else [arg(2, "weight")]
+        channels = next((s.shape[0] for s in stats if isinstance(s, torch.Tensor)), None)
+        if channels is not None and (x.dim() < 2 or shape[1] != channels):
+            return x, f"[N, {channels}, ...]", got
+    elif op == "embedding":
+        weight = arg(1, "weight")
+        if isinstance(weight, torch.Tensor) and x.numel() and (x.is_floating_point() or x.is_complex()
+                                                               or int(x.max()) >= weight.shape[0] or int(x.min()) < 0):
+            got = str(x.dtype).replace("torch.", "") if x.is_floating_point() or x.is_complex() else \
+                f"values {int(x.min())}..{int(x.max())}"
+            return x, f"integer indices in [0, {weight.shape[0]})", got
+    return None
