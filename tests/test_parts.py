@@ -102,6 +102,9 @@ def test_what_takes_one_graph_refuses_a_model_converted_by_parts(tmp_path):
     assert amppass.convert(fast, (images,), "bf16") is fast
     with pytest.raises(AmpPassError, match="already converted"):
         amppass.convert(fast, (images,), "fp16")
+    with pytest.raises(InputError, match="converted by parts.*pass the original"):
+        amppass.export_onnx(fast, (images,), tmp_path / "m.onnx")
+    assert not (tmp_path / "m.onnx").exists()
 
 
 class LayerDropEncoder(nn.Module):

@@ -112,6 +112,7 @@ def _refuse_converted(model: torch.nn.Module) -> None:
     would be exported with its casts and low weights, which shape inference then rejects."""
     from ..serving.dropin import DropIn
     from ..serving.kept import KeptFp32
+    from ..serving.parts import parts_of
     from ..analysis.record import META_KEY
     from ..serving.train_eval import TrainEvalGraphs
 
@@ -120,6 +121,10 @@ def _refuse_converted(model: torch.nn.Module) -> None:
         raise InputError(f"export_onnx exports a float32 model and converts it; this {name} was converted by amppass "
                          "in train mode: load what it learned into the original model (original.load_state_dict("
                          "model.state_dict()): the keys are the original's) and pass the original")
+    if parts_of(model) is not None:
+        raise InputError(f"export_onnx exports a float32 model and converts it; this {name} was converted by parts "
+                         "by amppass: pass the original float32 model, which export_onnx exports with the "
+                         "TorchScript exporter where the dynamo exporter cannot take it whole")
     if isinstance(model, (DropIn, KeptFp32)) or META_KEY in getattr(model, "meta", {}):
         raise InputError(f"export_onnx exports a float32 model and converts it; this {name} was already converted by "
                          "amppass: pass the original float32 model (amppass.export_onnx(model, example_inputs, path))")
