@@ -3,31 +3,62 @@
 Every node is labelled fp16/bf16-safe or fp32-required from op semantics (and, with calibration data,
 from measured value ranges); casts are inserted on the fewest edges; every decision is explained in a
 per-node report that is stored in the converted model itself.
+
+The public names are imported on first use (PEP 562), so ``import amppass`` and ``amppass --help`` do not
+import torch, onnx or onnxruntime until a function that needs them is called.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-from .errors import AmpPassError, CalibrationError, CaptureError, InputError, ScaleCollapseError  # noqa: E402
-from .pipelines.convert import convert  # noqa: E402
-from .pipelines.serialize import load, load_program, save  # noqa: E402
-from .pipelines.convert_onnx import convert_onnx  # noqa: E402
-from .pipelines.export_onnx import export_onnx  # noqa: E402
-from .pipelines.report import report  # noqa: E402
-from .training import LossScaler  # noqa: E402
+# public name -> the module that defines it
+_HOMES = {
+    "AmpPassError": ".errors",
+    "CalibrationError": ".errors",
+    "CaptureError": ".errors",
+    "InputError": ".errors",
+    "ScaleCollapseError": ".errors",
+    "convert": ".pipelines.convert",
+    "load": ".pipelines.serialize",
+    "load_program": ".pipelines.serialize",
+    "save": ".pipelines.serialize",
+    "convert_onnx": ".pipelines.convert_onnx",
+    "export_onnx": ".pipelines.export_onnx",
+    "report": ".pipelines.report",
+    "LossScaler": ".training",
+}
 
-__all__ = [
-    "AmpPassError",
-    "CalibrationError",
-    "CaptureError",
-    "InputError",
-    "LossScaler",
-    "ScaleCollapseError",
-    "__version__",
-    "convert",
-    "convert_onnx",
-    "export_onnx",
-    "load",
-    "load_program",
-    "report",
-    "save",
-]
+__all__ = ["__version__", *_HOMES]
+
+if TYPE_CHECKING:  # what type checkers and IDEs read; at run time __getattr__ imports on first use
+    from .errors import AmpPassError, CalibrationError, CaptureError, InputError, ScaleCollapseError
+    from .pipelines.convert import convert
+    from .pipelines.convert_onnx import convert_onnx
+    from .pipelines.export_onnx import export_onnx
+    from .pipelines.report import report
+    from .pipelines.serialize import load, load_program, save
+    from .training import LossScaler
+
+
+# Importing a submodule binds its name on the package: importing amppass.report.rows first would make
+# ``amppass.report`` the report/ subpackage instead of the function. So the subpackage (a docstring, no
+# imports) is imported now and its name unbound; later imports find it in sys.modules and bind nothing here.
+importlib.import_module(".report", __name__)
+del globals()["report"]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'amppass' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home, __name__), name)
+    globals()[name] = value  # later reads skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOMES})

@@ -17,19 +17,27 @@ import re
 import sys
 import traceback
 import zipfile
-from typing import Any, Iterator, NoReturn, Sequence
-
-import numpy as np
-import onnx
+from typing import TYPE_CHECKING, Any, Iterator, NoReturn, Sequence
 
 from . import __version__
 from .errors import AmpPassError
 from .files import Staged, check_writable
-from .onnx.view import dims as value_dims
-from .targets import ONNX_TARGETS, TORCH_TARGETS, onnx_target
-from .report.report import PRECISION_FILTERS, Report
+from .report.rows import PRECISION_FILTERS
+
+# numpy, onnx, torch and everything that imports them load inside the commands, so that ``amppass --help``
+# and a usage error answer at once (tests/test_cli_startup.py keeps it so)
+if TYPE_CHECKING:
+    import numpy as np
+    import onnx
+
+    from .report.report import Report
 
 log = logging.getLogger(__name__)
+
+# amppass.targets.ONNX_TARGETS and TORCH_TARGETS, spelled here because importing amppass.targets imports torch;
+# tests/test_cli_startup.py checks that they are the same
+ONNX_TARGETS = ("cpu", "cuda", "tensorrt")
+TORCH_TARGETS = ("cpu", "cuda")
 
 _CALIB_HELP = (
     "calibration feeds: a .npz (numpy.savez) with one array per model input, named after the input. "
@@ -170,6 +178,7 @@ def _debugging(args: argparse.Namespace | None) -> bool:
 
 def _convert(args: argparse.Namespace) -> int:
     from .pipelines.convert_onnx import convert_skeleton, converted_dtype
+    from .targets import onnx_target
 
     if _is_program(args.model):
         return _convert_program(args)
@@ -332,6 +341,10 @@ def _check_target_runs(model: onnx.ModelProto, target: str, dtype: str) -> None:
     """Refuse a dtype the target has no kernel for on any of the model's heavy ops (MatMul, Conv, ...): the
     conversion would keep all of them fp32 and write a model with nothing in that dtype. The message names the
     targets that run them."""
+    import onnx
+
+    from .targets import onnx_target
+
     ops = sorted({n.op_type for n in model.graph.node if n.domain in ("", "ai.onnx") and n.op_type in _HEAVY_OPS})
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
     if not ops or opset is None:
@@ -391,6 +404,8 @@ def _load_feeds(path: str, model: onnx.ModelProto) -> list[dict[str, np.ndarray]
 
     Every array's shape and dtype are checked from its .npy header before any array is read, so a small
     file that would expand to gigabytes is refused without reading it."""
+    import numpy as np
+
     if not os.path.isfile(path):
         raise FileProblem(f"{path}: no such file")
     if not zipfile.is_zipfile(path):
@@ -421,6 +436,8 @@ def _load_feeds(path: str, model: onnx.ModelProto) -> list[dict[str, np.ndarray]
 
 def _declared(path: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """Array name -> (shape, dtype) from each member's .npy header; no array data is read."""
+    import numpy as np
+
     found = {}
     try:
         with zipfile.ZipFile(path) as archive:
@@ -445,6 +462,10 @@ def _declared(path: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
 def _batch_count(path: str, value: onnx.ValueInfoProto, shape: tuple[int, ...], dtype: np.dtype) -> int:
     """How many batches an array of the declared ``shape`` and ``dtype`` holds for input ``value``; a
     FileProblem if it cannot feed it."""
+    import onnx
+
+    from .onnx.view import dims as value_dims
+
     dims = value_dims(value)
     if len(shape) not in (len(dims), len(dims) + 1):
         raise FileProblem(f"{path}: array {value.name} has shape {shape}; the model's input has rank "
@@ -461,6 +482,11 @@ def _batch_count(path: str, value: onnx.ValueInfoProto, shape: tuple[int, ...], 
 
 def _batches(value: onnx.ValueInfoProto, array: np.ndarray) -> list[np.ndarray]:
     """``array`` (checked by :func:`_batch_count`) as a list of batches in the input's dtype."""
+    import numpy as np
+    import onnx
+
+    from .onnx.view import dims as value_dims
+
     wanted = onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type)
     batches = [array] if array.ndim == len(value_dims(value)) else list(array)
     return [np.ascontiguousarray(b, dtype=wanted) for b in batches]
