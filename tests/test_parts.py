@@ -219,3 +219,35 @@ def test_measured_macs_counts_eager_code_and_splits_low():
     assert measured_macs(lambda: low(x.bfloat16())) == (expected, expected)
     q = torch.randn(2, 4, 16, 8)
     assert measured_macs(lambda: nn.functional.scaled_dot_product_attention(q, q, q))[0] == 2 * 4 * 16 * 16 * 16
+
+
+class TiedLM(nn.Module):
+    """A masked LM's decoder tied to its embeddings, with a branch on a value from the data between them."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.body = nn.Sequential(nn.Linear(16, 16), nn.GELU())
+        self.head = nn.Linear(16, 50, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        h = self.body(self.embed(ids))
+        if h.mean() > 10:  # never on these weights, but no single graph takes it
+            h = h * 0
+        return self.head(h)
+
+
+def test_a_parameter_two_parts_share_trains_as_one():
+    torch.manual_seed(0)
+    model = TiedLM().train()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 50, (4, 6))
+    fast = amppass.convert(model, (ids,), "bf16", mode="train", plan_for="coverage")
+    assert "head" in parts_of(fast).converted  # the embedding alone runs nothing low: it stays the model's
+    assert fast.head.weight is fast.embed.weight
+    assert len(list(fast.parameters())) == len(list(reference.parameters()))
+    fast(ids).square().mean().backward()
+    reference(ids).square().mean().backward()
+    grad, want = fast.embed.weight.grad, reference.embed.weight.grad
+    assert (grad - want).norm() / want.norm() < 0.05  # both uses' gradients, as the model's own

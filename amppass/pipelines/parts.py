@@ -24,7 +24,8 @@ Rules:
 4. **The copy is the result.** The returned model is that private copy, an instance of the model's class
    with its methods and attributes, each converted part in its original's place; in inference it shares the
    caller's tensors and never writes them, in train mode it owns copies of them (training never reaches the
-   caller's model). The code between parts runs as the model's own Python, in fp32.
+   caller's model), tied where the model's are (a parameter two parts share is one parameter). The code between
+   parts runs as the model's own Python, in fp32.
 5. **fp32 between parts.** Each part's floating outputs are cast back to the dtype the model's code gave it
    (``keep_io_types``), so boxes, scores and indices that the code between parts computes stay fp32 (a box
    coordinate of 1000 px has a 0.5 px step in fp16).
@@ -79,7 +80,9 @@ def convert_by_parts(model: nn.Module, example: tuple[Any, dict], why: CaptureEr
     batches = [_record(tree, *_as_call(batch), train)[0] for batch in calibration] if calibration else None
     record = PartsRecord(converted=[], eager={}, macs=counted, dtype=dtype, mode="train" if train else "inference",
                          why_whole=_reason(why))
+    tied = _tied(tree) if train else []
     _descend(tree, "", calls, batches, record, convert_one, {})
+    _retie(tree, tied)
     if not record.converted and not any(why.startswith((KEPT, NOTHING_LOW)) for why in record.eager.values()):
         raise CaptureError(f"{why} No submodule of {type(model).__name__} converts on its own either "
                            f"({_tried(record)}); the model runs as it is in fp32") from why
@@ -204,6 +207,33 @@ def _as_batch(module: nn.Module, call: Call) -> Any:
         return dict(inspect.signature(module.forward).bind(*args, **kwargs).arguments)
     except (TypeError, ValueError):
         return tuple(args)
+
+
+def _tied(tree: nn.Module) -> list[list[str]]:
+    """The names of each parameter reachable under several names (a masked LM's decoder tied to its embeddings)."""
+    names: dict[int, list[str]] = {}
+    for name, parameter in tree.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def _retie(tree: nn.Module, tied: list[list[str]]) -> None:
+    """Rule 4 in train mode: each train-mode part owns copies of its tensors, so a parameter two parts (or a part
+    and the code between parts) share would train as two; every name of it is pointed at the first one's again."""
+    for names in tied:
+        found = [(name, _parameter(tree, name)) for name in names]
+        found = [(name, parameter) for name, parameter in found if parameter is not None]
+        for name, parameter in found[1:]:
+            if parameter is not found[0][1]:
+                owner, _, attribute = name.rpartition(".")
+                setattr(tree.get_submodule(owner), attribute, found[0][1])
+
+
+def _parameter(tree: nn.Module, name: str) -> nn.Parameter | None:
+    try:
+        return tree.get_parameter(name)
+    except AttributeError:
+        return None
 
 
 def _holds_weights(module: nn.Module) -> bool:
