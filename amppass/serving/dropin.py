@@ -31,6 +31,18 @@ Rules:
    ``drop_original()`` read ``converted``'s; :func:`amppass.report` reads ``converted``.
 7. A train-mode model keeps its own class (:class:`~amppass.training.module.TrainEvalGraphs`, whose module tree
    is the original's); :func:`with_signature` gives its ``forward`` the model's signature.
+8. Saving where users save: the class's own ``save_pretrained`` and ``save`` (transformers, sentence-transformers)
+   write what the original's would: its keys and fp32 weights, which its plain class loads
+   (``Class.from_pretrained(path)``). They run on the original model, the one the converted module keeps for
+   later plans, dressed in the converted model's plain attributes (its own ``config``, the hollow parts'
+   settings). They refuse (:class:`~amppass.errors.InputError`) where the original is not held
+   (``drop_original()``, a symbolic trace) or where its weights changed after converting (the file would load as
+   another model than the one that runs): never a file that loads as a different model. A train-mode model
+   (rule 7) writes its own fp32 tensors, trained, under the original's names, from the same class's method.
+   ``state_dict()`` of a converted inference model stays its storage, the low-precision copies under
+   ``converted.`` names (:mod:`amppass.serving.face`, rule 3), as ``named_parameters()`` names them: the
+   original's fp32 weights are not the converted model's tensors (they are the caller's, released by
+   ``drop_original()``), and a state dict of them would not load back into it.
 """
 
 from __future__ import annotations
@@ -38,20 +50,24 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import re
 import sys
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
 from ..errors import InputError
-from .face import fp32_parameters, low_face
+from .face import fp32_parameters, low_face, stored_parameters
 
 log = logging.getLogger(__name__)
 
 _OWN = ("config", "generation_config")  # copied: generate() and pipelines change them on the instance
 _DROPPED = ("return_dict",)  # arguments the converted graph of a transformers model does not take (rule 3)
 _CONVERTED_API = ("graph", "meta", "plans", "guards", "drop_original", "code", "select")  # rule 6
+_SAVERS = ("save_pretrained", "save")  # the class's own ways to write the model to disk (rule 8)
+_MODULE_KEYS = frozenset(vars(nn.Module()))  # what nn.Module keeps in an instance's __dict__
+_LOW_COPY = re.compile(r"__(fp16|bf16)$")  # a weight's low-precision copy beside its fp32 tensor (serving.face)
 
 
 def is_transformers_model(model: Any) -> bool:
@@ -119,8 +135,10 @@ def with_signature(module: nn.Module, model: nn.Module) -> nn.Module:
 
         signed = _signed[(cls, wanted)] = type(cls.__name__, (cls,), {
             "forward": functools.wraps(wanted.forward)(forward), "__module__": cls.__module__,
-            "__doc__": cls.__doc__, "__qualname__": cls.__qualname__,
+            "__doc__": cls.__doc__, "__qualname__": cls.__qualname__, **_savers(wanted, _trained_saveable),
         })
+    if _savers(wanted, _trained_saveable):  # rule 8: the class and plain attributes to save the trained tensors as
+        module.__dict__["_amppass_saved_as"] = (wanted, _plain_attributes(model))
     module.__class__ = signed
     return module
 
@@ -148,6 +166,24 @@ class DropIn:
     def dtype(self) -> torch.dtype:
         """The dtype of the model's inputs and outputs as its callers see them (rule 4)."""
         return self._amppass_dtype
+
+    def _amppass_saveable(self, how: str) -> nn.Module:
+        """The original model dressed as this one, for the class's ``how`` method to save (rule 8)."""
+        converted = nn.Module.__getattr__(self, "converted")
+        plans = getattr(converted, "_plans", None)  # a ServingGraph keeps the original for later plans
+        original = getattr(plans, "original", None)
+        name = type(self).__name__
+        if original is None:
+            why = getattr(plans, "origin", None) or "it was converted without example inputs"
+            raise InputError(f"{name}.{how}() writes the original model's keys and fp32 weights, and this converted "
+                             f"model does not hold the original ({why}): call {how}() on the original model itself; "
+                             f"{name} loads what it writes")
+        changed = _changed_weight(converted, original)
+        if changed is not None:
+            raise InputError(f"{name}.{how}(): the original model's {changed} changed after it was converted, so the "
+                             "file would load as another model than the one this converted model runs: convert the "
+                             f"changed original again and save that, or call {how}() on the original itself")
+        return _dressed(original, self)
 
     def __reduce__(self) -> Any:
         raise InputError(f"{type(self).__name__}: torch.save cannot pickle a converted model (its graph runs generated "
@@ -228,8 +264,106 @@ def _dropin_class(cls: type, mixin: type) -> type:
     if made is None:
         made = _classes[(cls, mixin)] = type(cls.__name__, (mixin, cls), {
             "forward": functools.wraps(cls.forward)(_calling(mixin._forward)), "__module__": __name__,
-            "__doc__": f"{cls.__name__} whose forward runs an amppass-converted module (amppass.serving.dropin)."})
+            "__doc__": f"{cls.__name__} whose forward runs an amppass-converted module (amppass.serving.dropin).",
+            **_savers(cls, mixin._amppass_saveable)})
     return made
+
+
+def _savers(cls: type, saveable: Callable[[Any, str], nn.Module]) -> dict[str, Any]:
+    """Rule 8: each of ``cls``'s own save methods, run on ``saveable(self, name)`` (a module of ``cls`` holding
+    the weights to write) instead of on the converted module."""
+    made = {}
+    for name in _SAVERS:
+        method = getattr(cls, name, None)
+        if not callable(method):
+            continue
+
+        def save(self: Any, *args: Any, _name: str = name, **kwargs: Any) -> Any:
+            return getattr(saveable(self, _name), _name)(*args, **kwargs)
+
+        made[name] = functools.wraps(method)(save)
+    return made
+
+
+def _dressed(original: nn.Module, looks: nn.Module) -> nn.Module:
+    """A module of ``original``'s class holding its submodules and tensors (never copied) and, over its plain
+    attributes, those of ``looks`` (the converted model or one of its hollow parts): what a save method of the
+    class writes as the original with the converted model's settings (its ``config``). The original is unchanged."""
+    cls = type(original)
+    dressed = cls.__new__(cls)
+    dressed.__dict__.update(vars(original))
+    dressed.__dict__.update({key: value for key, value in vars(looks).items()
+                             if key not in _MODULE_KEYS and not key.startswith("_amppass")})
+    modules = {}
+    for name, child in original._modules.items():
+        part = looks._modules.get(name)
+        modules[name] = _dressed(child, part) if child is not None and isinstance(part, Hollow) else child
+    dressed.__dict__["_modules"] = modules
+    return dressed
+
+
+def _changed_weight(converted: nn.Module, original: nn.Module) -> str | None:
+    """The first tensor of ``converted`` (by name) whose original no longer holds the values it was made from:
+    fp32 tensors equal, low-precision copies equal to the original's cast to their dtype. Tensors the graph
+    holds that the original does not name, or in another shape, are not compared."""
+    theirs = dict(original.named_parameters(remove_duplicate=False))
+    theirs.update(original.named_buffers(remove_duplicate=False))
+    held = stored_parameters(converted, remove_duplicate=False) + list(converted.named_buffers(remove_duplicate=False))
+    with torch.no_grad():
+        for name, tensor in held:
+            base = _LOW_COPY.sub("", name)
+            source = theirs.get(base)
+            if source is None or source is tensor or source.shape != tensor.shape:
+                continue
+            if source.is_floating_point() and tensor.is_floating_point():
+                same = torch.allclose(source.detach().to(tensor.device, tensor.dtype), tensor.detach(), rtol=0, atol=0,
+                                      equal_nan=True)
+            elif source.dtype == tensor.dtype:
+                same = torch.equal(source.detach().to(tensor.device), tensor.detach())
+            else:
+                continue
+            if not same:
+                return base
+    return None
+
+
+class _Itself:
+    """Where an attribute's object pointed back at the model (sentence-transformers' ``model_card_data.model``):
+    the model being saved takes its place (:func:`_trained_saveable`)."""
+
+
+def _plain_attributes(model: nn.Module) -> dict[str, Any]:
+    """``model``'s own attributes that hold no tensors or modules (``config``, its own copy), for a train-mode
+    model to save itself as ``model``'s class (rule 8). An object whose attributes point back at ``model`` is
+    kept as a shallow copy pointing at :class:`_Itself` instead (the original is not kept)."""
+    kept = {}
+    for key, value in vars(model).items():
+        if key in _MODULE_KEYS:
+            continue
+        back = [name for name, held in getattr(value, "__dict__", {}).items() if held is model]
+        if back:
+            value = copy.copy(value)
+            value.__dict__.update(dict.fromkeys(back, _Itself))
+        elif any(isinstance(leaf, (torch.Tensor, nn.Module))
+                                        for leaf in torch.utils._pytree.tree_leaves(value)):
+            continue
+        kept[key] = copy.deepcopy(value) if key in _OWN else value
+    return kept
+
+
+def _trained_saveable(self: nn.Module, how: str) -> nn.Module:
+    """Rule 8 for a train-mode model: a module of the original's class with its plain attributes, holding this
+    module's tree (the original's names, the trained fp32 tensors)."""
+    cls, attributes = self.__dict__["_amppass_saved_as"]
+    dressed = cls.__new__(cls)
+    dressed.__dict__.update({key: value for key, value in vars(self).items() if key in _MODULE_KEYS})
+    for key, value in attributes.items():
+        back = [name for name, held in getattr(value, "__dict__", {}).items() if held is _Itself]
+        if back:
+            value = copy.copy(value)
+            value.__dict__.update(dict.fromkeys(back, dressed))
+        dressed.__dict__[key] = value
+    return dressed
 
 
 def _calling(method: Any) -> Any:
