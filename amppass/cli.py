@@ -334,30 +334,18 @@ def _check_report_formats(paths: Sequence[str]) -> None:
                              "extension; name the file report.html or report.json")
 
 
-_HEAVY_OPS = ("MatMul", "Gemm", "Conv", "ConvTranspose", "Attention", "LSTM", "GRU", "RNN", "Einsum")
-
-
 def _check_target_runs(model: onnx.ModelProto, target: str, dtype: str) -> None:
     """Refuse a dtype the target has no kernel for on any of the model's heavy ops (MatMul, Conv, ...): the
     conversion would keep all of them fp32 and write a model with nothing in that dtype. The message names the
-    targets that run them."""
-    import onnx
-
+    targets that run them. convert_onnx refuses the same (:func:`amppass.pipelines.convert_onnx.missing_low_kernels`);
+    here it is a usage error in the command line's words."""
+    from .pipelines.convert_onnx import missing_low_kernels
     from .targets import onnx_target
 
-    ops = sorted({n.op_type for n in model.graph.node if n.domain in ("", "ai.onnx") and n.op_type in _HEAVY_OPS})
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
-    if not ops or opset is None:
+    missing = missing_low_kernels(model, target, dtype)
+    if missing is None:
         return
-    elem = {"fp16": onnx.TensorProto.FLOAT16, "bf16": onnx.TensorProto.BFLOAT16}[dtype]
-
-    def runs(name: str) -> bool:
-        kernels = onnx_target(name, dtype).kernels
-        return any(kernels.status("", op, opset, elem) != "none" for op in ops)
-
-    if runs(target):
-        return
-    able = [name for name in ONNX_TARGETS if name != target and runs(name)]
+    ops, able = missing
     where = onnx_target(target, dtype).runtime
     other = "fp16" if dtype == "bf16" else "bf16"
     fix = f"pass --target {' or --target '.join(able)} to convert for where it runs" if able else "no target runs it"

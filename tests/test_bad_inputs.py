@@ -379,6 +379,8 @@ CASES = [
          CalibrationError, ("onnxruntime cannot load", "calibrate"), needs_onnx_calibration=True),
     Case("onnx-bf16-old-opset", "bf16 for an opset-11 model", _onnx(lambda tmp: matmul_model(11), dtype="bf16"),
          InputError, ("opset 11", "opset 13", "dtype='fp16'")),
+    Case("onnx-bf16-cpu", "bf16 for onnxruntime's CPU provider (no bf16 MatMul)", _onnx(lambda tmp: matmul_model(), dtype="bf16"),
+         InputError, ("dtype='bf16' with target='cpu'", "no bf16 kernel for MatMul", "target='cuda'", "dtype='fp16'")),
     Case("onnx-opset-too-new", "an opset newer than onnxruntime loads",
          _onnx(lambda tmp: matmul_model(onnxruntime_facts.max_opset() + 1)),
          InputError, (f"opset {onnxruntime_facts.max_opset() + 1}", f"re-export with opset <= {onnxruntime_facts.max_opset()}")),

@@ -59,7 +59,7 @@ def fingerprints(fx: bool = False) -> dict[str, str]:
     """sha256 of the converted ONNX bytes and of the report JSONs (timing fields dropped)."""
     out = {}
     for dtype in ("fp16", "bf16"):
-        converted = amppass.convert_onnx(busy_model(), dtype)
+        converted = amppass.convert_onnx(busy_model(), dtype, target="cuda" if dtype == "bf16" else "cpu")
         out[f"onnx-{dtype}"] = hashlib.sha256(converted.SerializeToString()).hexdigest()
         report = _without_timing(json.loads(amppass.report(converted).to_json()))
         out[f"onnx-report-{dtype}"] = hashlib.sha256(json.dumps(report).encode()).hexdigest()

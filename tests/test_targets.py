@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import onnx
 import pytest
@@ -40,8 +38,8 @@ def rows(model: onnx.ModelProto) -> dict[str, amppass.report]:
 
 
 def test_bf16_for_cuda_runs_the_heavy_ops_the_cpu_provider_cannot():
-    cpu = rows(amppass.convert_onnx(net(), "bf16"))
-    assert cpu["mm"].precision == "fp32" and "no bf16 kernel" in cpu["mm"].reason
+    with pytest.raises(InputError, match="has no bf16 kernel for Conv, MatMul"):
+        amppass.convert_onnx(net(), "bf16")
     cuda_model = amppass.convert_onnx(net(), "bf16", target="cuda")
     onnx.checker.check_model(cuda_model, full_check=True)
     cuda = rows(cuda_model)
@@ -63,10 +61,40 @@ def test_fp16_for_tensorrt_and_cuda_run_every_heavy_op_low():
     assert "onnx-tensorrt" in info["kernels"]["source"] and info["kernels"]["fallback"]["provider"]
 
 
-def test_bf16_on_the_cpu_provider_warns_that_nothing_heavy_runs_low(caplog):
-    with caplog.at_level(logging.WARNING, logger="amppass"):
+def test_bf16_on_the_cpu_provider_is_refused_as_the_command_line_refuses_it(tmp_path, capsys):
+    """Issue 41: Python wrote an all-fp32 file with a warning where the command line refused (exit 2). Both
+    refuse now, naming the dtype, the target, the ops and what to do, and write nothing."""
+    with pytest.raises(InputError) as refused:
         amppass.convert_onnx(net(), "bf16")
-    assert "no matrix product or convolution runs in bf16" in caplog.text and "dtype='fp16'" in caplog.text
+    message = str(refused.value)
+    assert message.startswith("dtype='bf16' with target='cpu': onnxruntime CPUExecutionProvider has no bf16 kernel "
+                              "for Conv, MatMul")
+    assert "pass target='cuda' or target='tensorrt'" in message and "convert with dtype='fp16'" in message
+    with pytest.raises(InputError, match="dtype='bf16' with target='cpu'"):
+        amppass.convert_onnx(net(), "bfloat16", target="cpu")
+    onnx.save(net(), tmp_path / "net.onnx")
+    assert main(["convert", str(tmp_path / "net.onnx"), "-o", str(tmp_path / "out.onnx"), "--dtype", "bf16"]) == 2
+    assert "--dtype bf16 --target cpu" in capsys.readouterr().err and not (tmp_path / "out.onnx").exists()
+    assert rows(amppass.convert_onnx(net(), "fp16"))["mm"].precision == "fp16"  # fp16 runs there
+
+
+def test_export_onnx_to_bf16_for_the_cpu_provider_is_refused_and_writes_nothing(tmp_path):
+    torch = pytest.importorskip("torch")
+    model, path = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).eval(), tmp_path / "m.onnx"
+    with pytest.raises(InputError, match="dtype='bf16' with target='cpu'.*no bf16 kernel for (Gemm|MatMul)"):
+        amppass.export_onnx(model, (torch.randn(2, 8),), str(path), dtype="bf16")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_fp16_model_is_not_refused_bf16_on_the_cpu_provider():
+    """The refusal is about float32 work that would stay fp32: a model already in fp16 has none."""
+    model = net()
+    for tensor in model.graph.initializer:
+        tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor).astype(np.float16), tensor.name))
+    for value in (*model.graph.input, *model.graph.output):
+        value.type.tensor_type.elem_type = TensorProto.FLOAT16
+    converted = amppass.convert_onnx(model, "bf16")
+    assert {r.precision for r in rows(converted).values()} == {"-"}
 
 
 def test_targets_are_checked():

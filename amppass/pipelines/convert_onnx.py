@@ -36,7 +36,7 @@ from ..onnx.view import build_view, clear_value_info, name_nodes, opsets
 from ..onnx.weights import WeightStore, tensors
 from ..report import meta
 from ..targets import onnxruntime_facts
-from ..targets.target import Target, onnx_target
+from ..targets.target import ONNX_TARGETS, Target, onnx_target
 
 save = saving.save
 log = logging.getLogger(__name__)
@@ -179,6 +179,15 @@ def convert_skeleton(
     bypass_weight_identities(work)
     bytes_before = weight_bytes(work)
     typed = _infer(work, strict=True)
+    missing = missing_low_kernels(typed, plan_target.name, low.name)
+    if missing is not None:  # the command line refuses the same request (amppass.cli), in its flags' words
+        ops, able = missing
+        fix = " or ".join(f"target={name!r}" for name in able)
+        raise InputError(
+            f"dtype={low.name!r} with target={plan_target.name!r}: {plan_target.runtime} has no {low.name} kernel for "
+            f"{', '.join(ops)}, so the converted model would run all of them in fp32, with nothing in {low.name}; "
+            + (f"pass {fix} to convert for where the model runs, or " if able else "")
+            + f"convert with dtype={'fp16' if low.name == 'bf16' else 'bf16'!r}")
 
     view, refs, types = build_view(typed, plan_target, None if low.wide_range else store.absmax, store.array)
     given = {**policy.quantized_nodes(typed.graph), **overrides.resolve(view, keep_fp32, force_low, low)}
@@ -222,6 +231,38 @@ def convert_skeleton(
     log.info("converted ONNX model to %s for %s: %d nodes planned, %d casts", low, plan_target.name, len(plan),
              stats.casts)
     return Converted(result, store)
+
+
+HEAVY_OPS = ("MatMul", "Gemm", "Conv", "ConvTranspose", "Attention", "LSTM", "GRU", "RNN", "Einsum")
+
+
+def missing_low_kernels(model: onnx.ModelProto, target: str, dtype: str) -> tuple[list[str], list[str]] | None:
+    """Where ``target``'s runtime has a ``dtype`` kernel for none of ``model``'s heavy ops (MatMul, Conv, ...) that
+    read float32 (a value whose type the model does not declare counts as float32):
+    those ops, and the other targets that run one of them in ``dtype``. A conversion would keep them all fp32
+    and write a model with nothing in ``dtype`` (onnxruntime's CPU provider has no bf16 MatMul, Gemm or Conv).
+    None where the target runs one of them, or the model has none."""
+    graph = model.graph
+    declared = {v.name: v.type.tensor_type.elem_type for v in (*graph.input, *graph.value_info, *graph.output)}
+    declared.update({t.name: t.data_type for t in graph.initializer})
+    # an op whose inputs are all declared in another type (an fp16 model) has nothing to convert
+    ops = sorted({n.op_type for n in graph.node if n.domain in ("", "ai.onnx") and n.op_type in HEAVY_OPS
+                  and any(declared.get(v, TensorProto.FLOAT) == TensorProto.FLOAT for v in n.input if v)})
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+    if not ops or opset is None:
+        return None
+    elem = onnx_target(target, dtype).low.onnx
+
+    def runs(name: str) -> bool:
+        kernels = onnx_target(name, dtype).kernels
+        at = opset  # a bf16 conversion for a GPU target upgrades the model to BF16_OPSET (convert_skeleton)
+        if elem == TensorProto.BFLOAT16 and name != "cpu" and 13 <= opset < BF16_OPSET <= onnxruntime_facts.max_opset():
+            at = BF16_OPSET
+        return any(kernels.status("", op, at, elem) != "none" for op in ops)
+
+    if runs(target):
+        return None
+    return ops, [name for name in ONNX_TARGETS if name != target and runs(name)]
 
 
 def weight_bytes(model: onnx.ModelProto) -> int:
