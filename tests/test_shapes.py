@@ -217,3 +217,34 @@ def test_a_model_returning_a_python_number_from_item_converts():
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
     converted = amppass.convert(Scalar(), (x,), dtype="bf16", plan_for="coverage")
     assert abs(converted(x) - Scalar()(x)) <= 2e-2 * abs(Scalar()(x))
+
+
+def test_a_call_whose_shapes_an_earlier_call_had_skips_the_check():
+    """Rule 9: the guards read shapes, dtypes and devices; a call keyed like one the own plan ran is a lookup."""
+    from amppass.fx.guards import ShapeGuards
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).eval()
+    fast = amppass.convert(model, (torch.randn(4, 8),), "bf16", plan_for="coverage")
+    checks = []
+    real = ShapeGuards.mismatch
+
+    def counting(self, args, kwargs):
+        checks.append(tuple(a.shape for a in args))
+        return real(self, args, kwargs)
+
+    ShapeGuards.mismatch = counting
+    try:
+        with torch.no_grad():
+            for x in (torch.randn(4, 8), torch.randn(4, 8), torch.randn(6, 8), torch.randn(6, 8)):
+                assert torch.allclose(fast(x), model(x), atol=3e-2, rtol=3e-2)
+            assert len(checks) == 2  # once per new shape
+            fast(torch.randn(4, 8, dtype=torch.float64))  # cast at the boundary: checked every time
+            fast(torch.randn(4, 8, dtype=torch.float64))
+            assert len(checks) > 4
+            before = len(checks)
+            fast.to(torch.device("cpu"))  # a move forgets the keys
+            fast(torch.randn(4, 8))
+            assert len(checks) == before + 1
+    finally:
+        ShapeGuards.mismatch = real

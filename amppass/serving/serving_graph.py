@@ -35,6 +35,10 @@ Rules:
 8. A call on another device than the original model's (the module moved with ``.to("cuda")`` after converting
    on the CPU) captures its later plan from the original where that is, on the call's inputs moved there, and
    moves the plan to the call's device, device literals included (:mod:`amppass.fx.devices`).
+9. The guards read the shapes, dtypes and devices of a call's tensors and its plain values, nothing else: so a
+   call of tensors and plain values (no container) whose key an earlier call had, one the module's own plan
+   ran without a cast or a fixed keyword, skips the check and runs the plan at once. At most
+   :data:`_ACCEPTED_MEMORY` keys are kept, the oldest dropped first, and none past a move to another device.
 """
 
 from __future__ import annotations
@@ -61,6 +65,8 @@ from .plan_dtypes import PlanDtypes
 log = logging.getLogger(__name__)
 
 _REJECTED_MEMORY = 16  # call signatures the original model rejected, answered without another capture
+_ACCEPTED_MEMORY = 64  # call keys the module's own plan took (rule 9)
+_PLAIN = (int, float, bool, str, type(None))
 
 
 # -- the served module ------------------------------------------------------------------------------------
@@ -89,6 +95,7 @@ class _Plans:
     rejected: "collections.OrderedDict[tuple, None]" = field(default_factory=collections.OrderedDict)
     made: int = 0
     told: set[str] = field(default_factory=set)  # inputs cast at the boundary and logged (rule 6)
+    accepted: dict[tuple, None] = field(default_factory=dict)  # call keys the own plan took unchanged (rule 9)
 
 
 class ServingGraph(Fp32Face, fx.GraphModule):
@@ -152,11 +159,22 @@ class ServingGraph(Fp32Face, fx.GraphModule):
         return code
 
     def serve(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the plan that takes this call (rules 1 and 2), on the call's inputs cast as rule 6 says."""
+        """Run the plan that takes this call (rules 1 and 2), on the call's inputs cast as rule 6 says.
+
+        Rule 9: a call of tensors and plain values whose shapes, dtypes and devices an earlier call had, and that
+        ran this module's own plan unchanged, runs it again at once (the check is a dictionary lookup)."""
+        key = _call_key(args, kwargs)
+        accepted = self._plans.accepted
+        if key is not None and key in accepted:
+            return self.run_graph(*args, **kwargs)
         args, kwargs = plain_inputs(args), plain_inputs(kwargs)
         plan, args, kwargs = self.select(args, kwargs)
         args, kwargs = plan.meta[GUARDS_KEY].runnable(args, kwargs)
         if plan is self:
+            if key is not None and _call_key(args, kwargs) == key:
+                accepted[key] = None
+                if len(accepted) > _ACCEPTED_MEMORY:
+                    accepted.pop(next(iter(accepted)))
             return self.run_graph(*args, **kwargs)
         return plan(*args, **kwargs)
 
@@ -283,6 +301,7 @@ class ServingGraph(Fp32Face, fx.GraphModule):
             plan.graph._apply(kept, recurse)
             plan.bound_to = ()
         kept.retarget(self.plans)
+        self._plans.accepted.clear()  # rule 9's keys were taken on the module's old device
         if kept is not fn:
             kept.tell(self._plans.name)
         return result
@@ -320,6 +339,27 @@ class ServingGraph(Fp32Face, fx.GraphModule):
 def _on(device: torch.device, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The call's tensors on ``device`` (the same tensors where they are there already)."""
     return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), (args, kwargs))
+
+
+def _call_key(args: tuple, kwargs: dict) -> tuple | None:
+    """Rule 9: what the guards of a call of tensors and plain values read (each tensor's shape, dtype and device,
+    each plain value itself, the keywords' names), or None for any other call (containers, tensor subclasses)."""
+    key: list[Any] = []
+    for value in args:
+        if type(value) is torch.Tensor:
+            key.append((value.shape, value.dtype, value.device))
+        elif type(value) in _PLAIN:
+            key.append((type(value), value))
+        else:
+            return None
+    for name, value in kwargs.items():
+        if type(value) is torch.Tensor:
+            key.append((name, value.shape, value.dtype, value.device))
+        elif type(value) in _PLAIN:
+            key.append((name, type(value), value))
+        else:
+            return None
+    return tuple(key)
 
 
 def _call_signature(args: tuple, kwargs: dict) -> tuple:
