@@ -273,3 +273,19 @@ def test_gpt2_gelu_runs_low_as_one_op_in_both_dtypes():
         assert error < (2e-2 if dtype == torch.bfloat16 else 3e-3)
         casts = [n for n in fast.graph.nodes if n.meta.get(META_KEY, {}).get("cast")]
         assert len(casts) == 2, "only the input and the output are cast: the GELU runs low throughout"
+
+
+def test_a_conversion_inside_a_callers_dispatch_mode_is_not_seen_by_it():
+    """Lightning counts FLOPs around its model summary's forward, which is where a routed model converts: the
+    counter sees the converted model's call, never the conversion's traced (symbolic) or timed ops."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)).eval()
+    x = torch.randn(8, 16)
+    with FlopCounterMode(display=False) as counter:
+        fast = amppass.convert(model, (x,), "bf16", plan_for="coverage")
+    assert counter.get_total_flops() == 0
+    with FlopCounterMode(display=False) as counter:
+        fast(x)
+    assert counter.get_total_flops() == 2 * 8 * (16 * 32 + 32 * 4)

@@ -15,14 +15,15 @@ from amppass.fx.quiet import quiet_torch
 
 
 class _DataDependent(nn.Module):
-    """Python control flow on a tensor's value: torch.export cannot capture it."""
+    """Python control flow on a tensor's value: torch.export cannot capture it, and no submodule holds its weight
+    (so it does not convert by parts either)."""
 
     def __init__(self):
         super().__init__()
-        self.linear = nn.Linear(4, 4)
+        self.weight = nn.Parameter(torch.randn(4, 4))
 
     def forward(self, x):
-        return x * 2 if self.linear(x).sum() > 0 else x
+        return x * 2 if (x @ self.weight).sum() > 0 else x
 
 
 def _fail_capture() -> str:

@@ -8,6 +8,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 from torch import fx, nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..analysis import overrides
 from ..analysis.calibration import check_tolerance
@@ -119,6 +120,32 @@ def convert(
     signature, ``generate()`` included, its ``forward`` running the converted graphs
     (:mod:`amppass.serving.dropin`); a train-mode model's ``forward`` shows the original's signature too.
     """
+    # a dispatch mode of the caller's (Lightning's FLOP counter around its model summary, which is where a routed
+    # model converts) would see every traced, timed and checked op of the conversion, symbolic sizes included
+    with _disable_current_modes():
+        return _convert(**locals())
+
+
+def _convert(
+    model: nn.Module,
+    example_inputs: Any = None,
+    dtype: Any = "auto",
+    *,
+    example_kwargs: dict[str, Any] | None = None,
+    target: str | None = None,
+    plan_for: str = "speed",
+    costs: Mapping[str, float] | None = None,
+    mode: str = "inference",
+    keep_io_types: bool = True,
+    keep_fp32: Iterable[str] = (),
+    force_low: Iterable[str] = (),
+    dynamic_shapes: Any = "auto",
+    low_weight_tables: bool = False,
+    calibration: Iterable[Any] | None = None,
+    tolerance: float | None = None,
+    progress: bool = False,
+) -> nn.Module:
+    """:func:`convert` itself, outside the caller's dispatch modes."""
     if mode not in MODES:
         raise InputError(f"mode={mode!r} is not one of {MODES}: use mode='inference' to serve or evaluate "
                          "the model, mode='train' to train it")
