@@ -251,3 +251,26 @@ def test_a_parameter_two_parts_share_trains_as_one():
     reference(ids).square().mean().backward()
     grad, want = fast.embed.weight.grad, reference.embed.weight.grad
     assert (grad - want).norm() / want.norm() < 0.05  # both uses' gradients, as the model's own
+
+
+def test_a_transformers_model_converted_by_parts_saves_what_its_class_loads(tmp_path):
+    """XLM-RoBERTa-XL writing into its input cache converts by parts; save_pretrained writes the original's keys
+    and fp32 weights, so the plain class loads the original model back."""
+    transformers = pytest.importorskip("transformers")
+
+    config = transformers.XLMRobertaXLConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1,
+                                             num_attention_heads=4, intermediate_size=64, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.XLMRobertaXLForCausalLM(config).eval()
+    ids = torch.randint(3, 100, (1, 8), generator=torch.Generator().manual_seed(0))
+    cache = transformers.DynamicCache(config=config)
+    fast = amppass.convert(model, example_kwargs={"input_ids": ids, "cache": cache, "use_cache": True},
+                           dtype="bf16", plan_for="coverage")
+    assert parts_of(fast).converted
+    fast.save_pretrained(tmp_path / "saved")
+    model.save_pretrained(tmp_path / "original")
+    loaded = transformers.XLMRobertaXLForCausalLM.from_pretrained(tmp_path / "saved").eval()
+    want = transformers.XLMRobertaXLForCausalLM.from_pretrained(tmp_path / "original").eval()
+    assert set(loaded.state_dict()) == set(want.state_dict())
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)

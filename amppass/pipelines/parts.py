@@ -34,6 +34,9 @@ Rules:
 7. **Told.** :class:`~amppass.serving.parts.PartsRecord` names each part and, for each module that runs as
    the model's code, why: ``amppass.report`` shows it, and the share of the model's multiply-adds that runs
    low, counted on one call of the converted model.
+8. **Saved as the original.** The class's own ``save_pretrained`` and ``save`` write what the original's would,
+   its keys and fp32 weights (:func:`~amppass.serving.parts.with_original_savers`); a train-mode model's parts
+   hold the original's keys already.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from ..fx.copies import shared_copy
 from ..fx.macs import measured_macs
 from ..fx.modes import module_mode
 from ..serving.kept import KeptFp32
-from ..serving.parts import PARTS_KEY, PartsRecord
+from ..serving.parts import PARTS_KEY, PartsRecord, with_original_savers
 from ..serving.tree import example_call
 
 log = logging.getLogger(__name__)
@@ -88,6 +91,8 @@ def convert_by_parts(model: nn.Module, example: tuple[Any, dict], why: CaptureEr
                            f"({_tried(record)}); the model runs as it is in fp32") from why
     tree.train(train)
     tree.__dict__[PARTS_KEY] = record
+    if not train:
+        with_original_savers(tree)  # a train-mode part's state is the original's keys already
     total, low = measured_macs(lambda: _call(tree, args, kwargs, train))
     record.info = {"macs_total": total, "macs_low": low}
     if record.converted:
@@ -144,6 +149,8 @@ def _descend(module: nn.Module, prefix: str, calls: dict[int, Call], batches: li
         if id(child) in done:
             module._modules[name] = done[id(child)]
             record.converted.append(path)
+            if record.mode == "inference":
+                record.originals[path] = child
             continue
         if not _holds_weights(child):
             continue
@@ -174,6 +181,8 @@ def _descend(module: nn.Module, prefix: str, calls: dict[int, Call], batches: li
             continue
         module._modules[name] = done[id(child)] = converted
         record.converted.append(path)
+        if record.mode == "inference":
+            record.originals[path] = child
 
 
 @contextlib.contextmanager

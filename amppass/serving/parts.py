@@ -10,6 +10,8 @@ converted model.
 
 from __future__ import annotations
 
+import copy
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,10 +37,44 @@ class PartsRecord:
     mode: str
     why_whole: str
     info: dict[str, Any] = field(default_factory=dict)
+    originals: dict[str, nn.Module] = field(default_factory=dict, repr=False)  # inference: each part's module
 
     def modules(self, model: nn.Module) -> dict[str, nn.Module]:
         """The converted submodules of ``model`` (the module this record belongs to), by path."""
         return {path: model.get_submodule(path) for path in self.converted}
+
+
+SAVERS = ("save_pretrained", "save")  # the model class's own ways to write it to disk (transformers, sentence-transformers)
+
+
+def with_original_savers(model: nn.Module) -> None:
+    """Give a model converted by parts for inference the save methods its class has, writing what the original's
+    would (its keys and fp32 weights, which its plain class loads): each runs on a module tree of the model's
+    class whose converted parts are their originals again, which share the caller's fp32 tensors."""
+    for name in SAVERS:
+        if callable(getattr(type(model), name, None)):
+            model.__dict__[name] = functools.partial(_save_as_original, model, name)
+
+
+def _save_as_original(model: nn.Module, name: str, *args: Any, **kwargs: Any) -> Any:
+    record = parts_of(model)
+    return getattr(_originals(model, "", record.originals), name)(*args, **kwargs)
+
+
+def _originals(module: nn.Module, prefix: str, originals: dict[str, nn.Module]) -> nn.Module:
+    """``module`` (at ``prefix``) with every converted part below it its original again; a copy only where a part
+    is below it, sharing everything else."""
+    if prefix in originals:
+        return originals[prefix]
+    if not any(path.startswith(prefix + ".") or not prefix for path in originals):
+        return module
+    copied = copy.copy(module)
+    for name in SAVERS:
+        copied.__dict__.pop(name, None)
+    copied.__dict__.pop(PARTS_KEY, None)
+    copied.__dict__["_modules"] = {name: _originals(child, f"{prefix}.{name}" if prefix else name, originals)
+                                   if child is not None else None for name, child in module._modules.items()}
+    return copied
 
 
 def parts_of(module: Any) -> PartsRecord | None:
