@@ -26,6 +26,26 @@ LAYOUT = "layout"  # reshapes or reorders its input without selecting or changin
 
 FACTS = frozenset({DIVISION, SINGULAR, POWER, NORMALISATION, REDUCTION, JOIN, ADDITION, LAYOUT})
 
+# A reason must be true for the target its plan is made for: the rows of matrix products and convolutions say
+# MATRIX_WORK, which for_target() replaces with what does that work on the target (Tensor Cores on a GPU, the
+# CPU's low-precision matrix instructions on a CPU), so the tables name each op once.
+MATRIX_WORK = "<matrix-unit work>"
+_MATRIX_WORK = {
+    "cuda": "Tensor Core work",
+    "tensorrt": "Tensor Core work",
+    "cpu": "work for the CPU's {low} matrix instructions where it has them (AMX or AVX-512 on x86, Arm's {LOW} "
+           "extension)",
+}
+
+
+def for_target(reason: str, target: str, low: str) -> str:
+    """``reason`` with :data:`MATRIX_WORK` in words true for ``target`` ("cpu", "cuda", "tensorrt") and its low
+    dtype ``low`` ("fp16", "bf16")."""
+    if MATRIX_WORK not in reason:
+        return reason
+    words = _MATRIX_WORK.get(target, "work for the target's {low} matrix units")
+    return reason.replace(MATRIX_WORK, words.format(low=low, LOW=low.upper()))
+
 
 @dataclass(frozen=True)
 class PolicyRow:

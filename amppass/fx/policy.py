@@ -1,7 +1,8 @@
 """The ATen op policy table: one row per category, keyed by ATen overload packet, each with a reason.
 
 Facts from torch.autocast's cast lists, TF grappler's AMP lists, TVM's ToMixedPrecision and Apex: matrix
-products and convolutions are Tensor Core work; exponentials, logarithms, powers, norms, losses and long
+products and convolutions are work for the device's matrix units (Tensor Cores, AMX; the reasons name the
+target's: :func:`amppass.analysis.policy.for_target`); exponentials, logarithms, powers, norms, losses and long
 reductions lose range or bits in fp16 and run in fp32 (reductions and softmax accumulate in fp32 through
 their ``dtype=`` argument, which avoids casting the whole input); everything else follows its inputs.
 Batch normalisation with stored statistics is a per-channel affine map and follows its input; its
@@ -19,7 +20,8 @@ import torch
 from torch import fx, nn
 
 from ..analysis.plan import Category
-from ..analysis.policy import ADDITION, DIVISION, JOIN, NORMALISATION, POWER, REDUCTION, SINGULAR, PolicyRow
+from ..analysis.policy import (ADDITION, DIVISION, JOIN, MATRIX_WORK, NORMALISATION, POWER, REDUCTION, SINGULAR,
+                               PolicyRow)
 from . import ops
 
 
@@ -30,7 +32,7 @@ _BATCH_NORMS = ("batch_norm", "native_batch_norm", "_native_batch_norm_legit", "
 POLICY: tuple[PolicyRow, ...] = (
     PolicyRow(
         Category.LOW,
-        "matrix multiply: Tensor Core work, accumulates in fp32 inside the kernel",
+        f"matrix multiply: {MATRIX_WORK}, accumulates in fp32 inside the kernel",
         ("mm", "bmm", "matmul", "addmm", "baddbmm", "addbmm", "linear", "einsum", "bilinear", "_addmm_activation",
          "linalg_multi_dot", "chain_matmul", "linalg_matrix_power"),
     ),
@@ -44,7 +46,7 @@ POLICY: tuple[PolicyRow, ...] = (
     PolicyRow(
         Category.LOW,
         "grouped matrix multiply (a mixture of experts' per-expert products, one matrix multiply per group of rows): "
-        "Tensor Core work, accumulated in fp32 inside each kernel; transformers' fallback needs its input and "
+        f"{MATRIX_WORK}, accumulated in fp32 inside each kernel; transformers' fallback needs its input and "
         "weights in one dtype, which the rewrite's casts give it",
         ("_grouped_mm", "transformers.grouped_mm_fallback"),
     ),
@@ -55,7 +57,7 @@ POLICY: tuple[PolicyRow, ...] = (
     ),
     PolicyRow(
         Category.LOW,
-        "convolution: Tensor Core work, accumulates in fp32 inside the kernel",
+        f"convolution: {MATRIX_WORK}, accumulates in fp32 inside the kernel",
         ("conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose1d", "conv_transpose2d",
          "conv_transpose3d", "conv_tbc"),
     ),

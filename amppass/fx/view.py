@@ -14,6 +14,7 @@ import torch
 from torch import fx
 
 from ..analysis.plan import Category
+from ..analysis.policy import for_target
 from ..analysis.view import AliasGroup, GraphView, OpView
 from ..targets.target import Target
 from . import kernels, ops, policy
@@ -92,6 +93,7 @@ def build_view(gm: fx.GraphModule, target: Target) -> tuple[GraphView, dict[str,
             view.outputs = [a.name for a in node.all_input_nodes if fp32[a]]
         elif node.op in ("call_function", "call_method", "call_module"):
             category, reason, unknown = _category(node, gm, typed, wide_range=low.wide_range)
+            reason = for_target(reason, target.name, low.name)
             if category is Category.LOW and ops.op_name(node, gm) in target.slow_low:
                 category, reason = Category.FP32, (
                     f"{ops.op_name(node, gm)}: torch on {target.name} runs it in {low} only through an unfused "

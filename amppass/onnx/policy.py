@@ -24,22 +24,22 @@ import onnx
 from onnx import TensorProto
 
 from ..analysis.plan import Category, Decision, Precision, Source
-from ..analysis.policy import (ADDITION, DIVISION, JOIN, LAYOUT, NORMALISATION, POWER, REDUCTION, SINGULAR,
-                               PolicyRow)
+from ..analysis.policy import (ADDITION, DIVISION, JOIN, LAYOUT, MATRIX_WORK, NORMALISATION, POWER, REDUCTION,
+                               SINGULAR, PolicyRow, for_target)
 from ..targets.target import Kernels, Target
 
 
 _MS = "com.microsoft"
 
 POLICY: tuple[PolicyRow, ...] = (
-    PolicyRow(Category.LOW, "matrix multiply: Tensor Core work, accumulates in fp32 inside the kernel",
+    PolicyRow(Category.LOW, f"matrix multiply: {MATRIX_WORK}, accumulates in fp32 inside the kernel",
               ("MatMul", "Gemm", "Einsum")),
-    PolicyRow(Category.LOW, "convolution: Tensor Core work, accumulates in fp32 inside the kernel",
+    PolicyRow(Category.LOW, f"convolution: {MATRIX_WORK}, accumulates in fp32 inside the kernel",
               ("Conv", "ConvTranspose")),
     PolicyRow(Category.LOW, "attention: fused kernel, softmax statistics kept in fp32 inside it",
               ("Attention",), opsets=(23, 1 << 30)),
     PolicyRow(Category.LOW, "recurrent cell: matrix products dominate", ("LSTM", "GRU", "RNN")),
-    PolicyRow(Category.LOW, "fused matrix multiply or attention (onnxruntime contrib op): Tensor Core work",
+    PolicyRow(Category.LOW, f"fused matrix multiply or attention (onnxruntime contrib op): {MATRIX_WORK}",
               ("FusedMatMul", "Attention", "MultiHeadAttention", "GroupQueryAttention", "FusedConv"), domain=_MS),
     PolicyRow(Category.FP32, "log-softmax: its log-probabilities are large negative numbers that fp16 holds to "
               "a few hundredths; ONNX has no fp32-accumulate form, so its input is cast up", ("LogSoftmax",)),
@@ -243,7 +243,8 @@ def classify(domain: str, op_type: str, opset: int, input_count: int, target: Ta
     if row is None:
         category, reason, unknown, facts = Category.FOLLOW, UNKNOWN_REASON, True, frozenset()
     else:
-        category, reason, unknown, facts = row.category, row.reason, False, row.facts
+        category, reason, unknown, facts = row.category, for_target(row.reason, target.name, target.low.name), False, \
+            row.facts
     evidence: dict = {}
     # checked for fp32 ops too: a user's force_low must not put them where the target cannot run them
     blocked = _low_blocked(domain, op_type, opset, target, kept, input_count, attributes) \
