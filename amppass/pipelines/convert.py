@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ..analysis import overrides
 from ..analysis.calibration import check_tolerance
 from ..analysis.painting import paint
-from ..analysis.plan import PrecisionPlan, Source
+from ..analysis.plan import Precision, PrecisionPlan, Source
 from ..analysis.record import META_KEY, check_reconversion, summary
 from ..analysis.view import GraphView
 from ..dtypes import low_type
@@ -300,10 +300,19 @@ def _converted_dtype(program: torch.export.ExportedProgram) -> str:
 
 def _faster_of(gm: fx.GraphModule, model: nn.Module, example: tuple[Any, dict],
                costs: Mapping[str, float] | None) -> nn.Module:
-    """``gm``, or the original module kept in fp32 where that measured faster here (:mod:`amppass.serving.kept`)."""
+    """``gm``, or the original module kept in fp32 (:mod:`amppass.serving.kept`) where nothing in the plan runs low
+    or where the converted graph did not measure faster than the original here: plan_for="speed" promises a model
+    no slower than the original, and a graph of fp32 ops costs its own call overhead besides."""
     args, kwargs = example
     args = split_batch(args)[0] if args is not None else ()
     info = gm.meta[META_KEY]
+    if not any(_runs_low(node) for node in gm.graph.nodes):
+        device = info.get("profitability", {}).get("device", {})
+        why = "nothing in the plan runs low on this device" + (
+            f" ({device['why']})" if device.get("native_low") is False and device.get("why") else "")
+        log.warning("%s: nothing in the plan runs low on this device; keeping the original (plan_for='coverage' "
+                    "converts it anyway)", type(model).__name__)  # the device's reason is said once (_say_once)
+        return _kept(gm, model, info, why)
     device = next((t.device for t in gm.parameters()), torch.device("cpu"))
     table = CostModel({**info.get("costs", {}), **(costs or {})}, TimingCache(fingerprint(device)))
     busy = info.get("profitability", {}).get("too_busy", False)
@@ -318,13 +327,26 @@ def _faster_of(gm: fx.GraphModule, model: nn.Module, example: tuple[Any, dict],
     converted_s, original_s = measured
     info["costs"] = table.table() if not info.get("costs") else {**info["costs"], **table.table()}
     info["whole_model"] = {"converted_ms": round(converted_s * 1e3, 4), "original_ms": round(original_s * 1e3, 4)}
-    if converted_s <= (1 + profit.MARGIN) * original_s:
+    if converted_s < original_s:
         return gm
     log.warning("%s: the converted graph measured %.3g ms against %.3g ms for the original module in fp32 on "
                 "this device; keeping the original (plan_for='coverage' converts it anyway)",
                 type(model).__name__, converted_s * 1e3, original_s * 1e3)
-    kept = keep_original(model, {**info, "casts": 0, "weights_converted": 0, "weight_copies": 0,
-                                 "weight_bytes_after": info["weight_bytes_before"]})
+    return _kept(gm, model, info)
+
+
+def _runs_low(node: fx.Node) -> bool:
+    decision = node.meta.get(META_KEY)
+    return bool(decision) and not decision.get("cast") and decision.get("precision") == Precision.LOW.value
+
+
+def _kept(gm: fx.GraphModule, model: nn.Module, info: dict, why: str | None = None) -> nn.Module:
+    """The original kept in fp32 with what the conversion measured (``why`` instead of times, where none were)."""
+    record = {**info, "casts": 0, "weights_converted": 0, "weight_copies": 0,
+              "weight_bytes_after": info["weight_bytes_before"]}
+    if why is not None:
+        record["whole_model"] = {"skipped": why}
+    kept = keep_original(model, record)
     return gm if kept is None else kept
 
 

@@ -51,10 +51,14 @@ class KeptFp32(nn.Module):
         """The one decision: the whole module runs fp32, with the times that decided it."""
         info = self.__dict__[_INFO]
         whole = info["whole_model"]
-        reason = (f"profitability: the converted graph took {whole['converted_ms']:.3g} ms per call on this "
-                  f"{info['target']['name'].upper()} against {whole['original_ms']:.3g} ms for the original "
-                  "module in fp32 (its eager kernels are faster than any captured graph of them here); the "
-                  "original runs, in fp32. plan_for='coverage' or 'memory' converts it anyway")
+        if "skipped" in whole:  # decided without timing the whole model
+            measured = f"{whole['skipped']}"
+        else:
+            measured = (f"the converted graph took {whole['converted_ms']:.3g} ms per call on this "
+                        f"{info['target']['name'].upper()} against {whole['original_ms']:.3g} ms for the original "
+                        "module in fp32 (its eager kernels are faster than any captured graph of them here)")
+        reason = (f"profitability: {measured}; the original runs, in fp32. plan_for='coverage' or 'memory' converts "
+                  "it anyway")
         row = Row(self.original_class.__name__, "module", "fp32", reason, "profitability", [], dict(whole),
                   "whole-model")
         return Report([row], info)
