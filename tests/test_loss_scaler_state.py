@@ -11,7 +11,8 @@ from torch import nn
 
 from amppass.errors import AmpPassError, ScaleCollapseError, ScalerValueError
 from amppass.training import loss_scaler
-from amppass.training.loss_scaler import MAX_HYSTERESIS, LossScaler
+from amppass.training.loss_scaler import LossScaler
+from amppass.training.scaler_values import MAX_HYSTERESIS
 
 INF, NAN = float("inf"), float("nan")
 
