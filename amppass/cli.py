@@ -19,7 +19,7 @@ import traceback
 import zipfile
 from typing import TYPE_CHECKING, Any, Iterator, NoReturn, Sequence
 
-from . import __version__
+from ._version import __version__
 from .errors import AmpPassError
 from .files import Staged, check_writable
 from .report.rows import PRECISION_FILTERS

@@ -4,8 +4,8 @@
    the training support; report; serving; pipelines; cli and the package itself. A module imports only from its own
    folder or from a lower layer: never upward, and never across folders of one layer (the front ends do
    not import each other). Only the top layer's modules import each other.
-2. ``__version__`` is read from the package anywhere: ``amppass/__init__.py`` sets it before it imports a
-   submodule.
+2. ``__version__`` lives in ``amppass/_version.py``, the lowest layer, which imports nothing: every module reads it
+   from there, and no module imports the package root.
 3. No module imports a private name (``_name``) from another folder.
 4. The re-exports kept at paths the docs or older installs name (:data:`KEPT_PATHS`) are the only
    exceptions; each holds nothing but a docstring and imports from its new home, and stays only while the
@@ -23,6 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "amppass"
 
 LAYERS = (
+    ("_version",),
     ("errors",),
     ("archive", "dtypes", "files", "text"),
     ("targets",),
@@ -97,11 +98,11 @@ def _breaks(importer: str, target: str, name: str | None) -> str | None:
     a, b = _unit(importer), _unit(target)
     if a == b:
         return None
-    if b == "__init__" and name == "__version__":
-        return None  # rule 2
+    if b == "__init__" and RANK[a] != TOP:
+        return "imports the package root (rule 2: read __version__ from amppass._version)"
     if name and name.startswith("_") and not name.startswith("__"):
         return f"imports the private {name} from another folder"
-    if target.rsplit(".", 1)[-1].startswith("_") and not target.endswith("__"):
+    if target.rsplit(".", 1)[-1].startswith("_") and not target.endswith("__") and target != "amppass._version":
         return "imports a private module of another folder"
     if RANK[b] > RANK[a]:
         return f"imports upward ({a} is below {b})"
@@ -126,7 +127,8 @@ def test_the_rule_catches_an_upward_and_a_private_import():
     assert _breaks("amppass.fx.capture", "amppass.serving.serving_graph", "ServingGraph").startswith("imports upward")
     assert _breaks("amppass.onnx.prefix", "amppass.fx.prefix", "Checkpoints").startswith("imports across")
     assert _breaks("amppass.pipelines.backend", "amppass.fx.guards", "_spec").startswith("imports the private")
-    assert _breaks("amppass.pipelines.convert", "amppass", "__version__") is None
+    assert _breaks("amppass.pipelines.convert", "amppass", "__version__").startswith("imports the package root")
+    assert _breaks("amppass.analysis.record", "amppass._version", "__version__") is None
     assert _breaks("amppass.cli", "amppass.pipelines.convert", "convert") is None
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol
 
-from .. import __version__
+from .._version import __version__
 from ..errors import InputError
 
 log = logging.getLogger(__name__)
