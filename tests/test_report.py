@@ -372,8 +372,9 @@ def test_the_summary_says_whether_the_whole_model_was_compared_with_the_original
     what the terminal and the HTML page show, says so too, and gives both times where it was made."""
     info = {"front_end": "fx", "dtype": "bf16", "mode": "inference"}
     skipped = Report([], {**info, "whole_model": {"skipped": "the machine was too busy for the timings to agree"}})
-    assert ("not compared with the original module as a whole: the machine was too busy"
+    assert ("whole model: not timed against your original module in fp32, because the machine was too busy"
             in skipped.summary()) and "too busy" in skipped.to_html()
+    assert "convert again when it is idle" in skipped.summary()  # what to do about it
     measured = Report([], {**info, "whole_model": {"converted_ms": 0.1983, "original_ms": 0.1616}})
     assert "whole model per call: 0.198 ms converted, 0.162 ms for the original module in fp32" in measured.summary()
     assert "whole model" not in Report([], info).summary()

@@ -141,20 +141,18 @@ def summary_lines(report: Summarised) -> list[str]:
                      + (f"; {held:.3g} on inputs the search held out" if held is not None else ""))
     profit = info.get("profitability")
     if isinstance(profit, dict) and finite(profit.get("nodes_fp32")) is not None:
-        timing = profit.get("timing")
-        decided = (", regions timed: " + ", ".join(f"{n} {s}" for s, n in timing.items())
-                   if isinstance(timing, dict) and timing else "")
-        lines.append(f"profitability: {profit.get('nodes_fp32')} node(s) in {profit.get('regions_fp32')} region(s) "
-                     f"kept fp32, slower in low precision on this machine{decided}")
-        device = profit.get("device")
-        if isinstance(device, dict) and device.get("native_low") is False:
-            lines.append(f"not timed: {device.get('why')}")
+        lines.extend(_speed_lines(profit, str(info.get("dtype", "low precision"))))
     whole = info.get("whole_model")
     if isinstance(whole, dict) and isinstance(whole.get("skipped"), str):
-        lines.append(f"not compared with the original module as a whole: {whole['skipped']}")
+        lines.append(f"whole model: not timed against your original module in fp32, because {whole['skipped']}; the "
+                     "converted graph is used without that check")
     elif isinstance(whole, dict) and None not in (finite(whole.get("converted_ms")), finite(whole.get("original_ms"))):
         lines.append(f"whole model per call: {whole['converted_ms']:.3g} ms converted, {whole['original_ms']:.3g} ms "
                      "for the original module in fp32")
+    estimated = isinstance(profit, dict) and isinstance(profit.get("timing"), dict) and "prior" in profit["timing"]
+    if estimated or (isinstance(whole, dict) and isinstance(whole.get("skipped"), str)):
+        lines.append("to time on this machine instead: convert again when it is idle (`uptime` shows its load), or "
+                     "pass costs= from a conversion made on an idle machine")
     fixed = info.get("fixed_dims")
     if isinstance(fixed, list) and fixed:
         lines.append("sizes fixed at the example's in the file (the export does not run at others): "
@@ -163,6 +161,41 @@ def summary_lines(report: Summarised) -> list[str]:
         lines.append("ops not in the policy table (followed their inputs): " + ", ".join(stats["unknown_ops"]))
     if not stats["calibrated"]:
         lines.append("uncalibrated: decisions come from op semantics and weights only")
+    return lines
+
+
+# how the speed check knew a group's fp32 and low-precision times (amppass.fx.profit, rule 2), in plain words
+_TIMING_WORDS = {
+    "measured": "timed on this machine",
+    "cached": "timed on this machine by an earlier conversion (kept in the timing cache)",
+    "table": "read from the cost table passed as costs=",
+    "prior": "estimated from a one-time speed probe of this device (the 'prior'), because the machine was too busy "
+             "to time them steadily",
+    "device": "not timed: {dtype} cannot be faster on this CPU",
+    "unmeasured": "not timed, as their ops cannot run on their own: kept as planned",
+    "low kernel failed": "not timed: their {dtype} kernel failed, so they run fp32",
+}
+def _count(n: Any, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def _speed_lines(profit: dict[str, Any], dtype: str) -> list[str]:
+    """The speed check (:mod:`amppass.fx.profit`) in words a newcomer reads: what stayed fp32 and why, and how
+    each group's speed was known (what to do when the machine was too busy follows the whole-model line)."""
+    nodes, groups = profit.get("nodes_fp32"), profit.get("regions_fp32")
+    if nodes:
+        lines = [f"speed check: {_count(nodes, 'node')} in {_count(groups, 'group')} of connected {dtype} ops stay "
+                 f"fp32, because {dtype} (with its casts) was judged no faster than fp32 for them on this machine"]
+    else:
+        lines = [f"speed check: no {dtype} op stays fp32 for speed: {dtype} was judged faster than fp32 on this "
+                 "machine wherever it was checked"]
+    timing = profit.get("timing")
+    if isinstance(timing, dict) and timing:
+        said = [f"{_count(n, 'group')} {_TIMING_WORDS.get(how, how).format(dtype=dtype)}" for how, n in timing.items()]
+        lines.append("how the speed of each group of connected ops was known: " + "; ".join(said))
+    device = profit.get("device")
+    if isinstance(device, dict) and device.get("native_low") is False:
+        lines.append(f"not timed: {device.get('why')}")
     return lines
 
 
