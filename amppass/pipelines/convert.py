@@ -319,9 +319,9 @@ def _faster_of(gm: fx.GraphModule, model: nn.Module, example: tuple[Any, dict],
     measured = profit.whole_model(gm, model, args, kwargs, table, measure=not busy)
     if measured is None:
         # keeping the original throws the whole plan away: only on measurements load left undisturbed
-        log.warning("%s: not compared with the original module: the machine was too busy for its timings to "
-                    "agree; the converted graph is kept (convert on a quiet machine, or pass costs= from one)",
-                    type(model).__name__)
+        log.warning("%s: not timed against your original module as a whole: other programs were using the CPU, so "
+                    "repeated timings disagreed; the converted model is returned (convert again when the machine is "
+                    "idle, or pass costs= from an idle run)", type(model).__name__)
         info["whole_model"] = {"skipped": "the machine was too busy for the timings to agree"}
         return gm
     converted_s, original_s = measured
