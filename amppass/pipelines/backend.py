@@ -61,7 +61,8 @@ from ..report.fx_reader import read_graph_module
 from ..report.report import Report, merged
 from ..serving.serving_graph import set_state
 from ..targets.target import torch_target
-from .convert import MODES, _convert_captured
+from ..analysis.options import PlanOptions
+from .convert import MODES, plan_captured
 
 log = logging.getLogger(__name__)
 
@@ -167,8 +168,8 @@ class CompiledGraph:
         target = torch_target(_device(example_inputs).type, self.settings["dtype"])
         # planned without measuring: profitability times eager kernels, not the fused code inductor makes; the
         # example dynamo passed is run once in fp32 and converted, as convert's is (fx.finite)
-        self.converted = _convert_captured(lifted, lifted, target, mode, **options, plan_for="coverage",
-                                           example=self._static_example(example_inputs, lifted))
+        self.converted = plan_captured(lifted, lifted, target, mode, options,
+                                       example=self._static_example(example_inputs, lifted))
         self.frozen = self._frozen()
         self.bound = {i: (example_inputs[i], _version(example_inputs[i])) for i in self.state}
         # state dynamo kept as attributes of its graph (constants the trace made never change)
@@ -552,15 +553,16 @@ def _register(root: nn.Module, name: str, tensor: torch.Tensor) -> None:
 
 
 def _plan_options(settings: dict[str, Any], placeholders: list[fx.Node], users: list[int], example_inputs: list[Any],
-                  index: int) -> tuple[dict[str, Any], bool]:
-    """The options of :func:`amppass.convert` for this graph; calibration only where its batches fit."""
-    options = {key: settings[key] for key in ("keep_io_types", "keep_fp32", "force_low", "low_weight_tables")}
+                  index: int) -> tuple[PlanOptions, bool]:
+    """The plan options of this graph: planned without measuring (profitability times eager kernels, not the fused
+    code inductor makes), calibrated only where its batches fit."""
     batches = _aligned(settings["calibration"], [placeholders[i] for i in users], [example_inputs[i] for i in users])
     if settings["calibration"] is not None and batches is None:
         log.info("amppass backend: graph %d takes other tensors than the calibration batches; planned without them",
                  index)
-    options.update(calibration=batches, tolerance=settings["tolerance"] if batches is not None else None,
-                   progress=False)
+    options = PlanOptions(plan_for="coverage", keep_io_types=settings["keep_io_types"], keep_fp32=settings["keep_fp32"],
+                          force_low=settings["force_low"], low_weight_tables=settings["low_weight_tables"],
+                          calibration=batches, tolerance=settings["tolerance"] if batches is not None else None)
     return options, batches is not None
 
 

@@ -10,9 +10,9 @@ import torch
 from torch import fx, nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ..analysis import overrides
-from ..analysis.calibration import check_tolerance
+from ..analysis import overrides, precedence
 from ..analysis.painting import paint
+from ..analysis.options import PlanOptions
 from ..analysis.plan import Precision, PrecisionPlan, Source
 from ..analysis.record import META_KEY, check_reconversion, summary
 from ..analysis.view import GraphView
@@ -49,7 +49,6 @@ from ..targets.timing_cache import TimingCache
 log = logging.getLogger(__name__)
 
 MODES = ("inference", "train")
-PLAN_FOR = ("speed", "coverage", "memory")
 
 
 def convert(
@@ -149,10 +148,11 @@ def _convert(
     if mode not in MODES:
         raise InputError(f"mode={mode!r} is not one of {MODES}: use mode='inference' to serve or evaluate "
                          "the model, mode='train' to train it")
-    if plan_for not in PLAN_FOR:
-        raise InputError(f"plan_for={plan_for!r} is not one of {PLAN_FOR}: 'speed' keeps low precision only where "
-                         "it is faster on the target, 'coverage' runs low every op numerics allow, 'memory' "
-                         "also stores every weight in low precision")
+    if mode == "train" and calibration is not None:
+        calibration = list(calibration)  # both graphs calibrate on it
+    options = PlanOptions(plan_for=plan_for, keep_io_types=keep_io_types, keep_fp32=keep_fp32, force_low=force_low,
+                          low_weight_tables=low_weight_tables, calibration=calibration, tolerance=tolerance,
+                          progress=progress, costs=costs)
     if isinstance(model, fx.GraphModule) and META_KEY in getattr(model, "meta", {}):
         return _unchanged(model, model.meta[META_KEY], dtype, mode)
     if isinstance(model, TrainEvalGraphs):
@@ -163,92 +163,83 @@ def _convert(
         return _unchanged(model, model.converted.meta[META_KEY], dtype, mode)
     if parts_of(model) is not None:
         return _unchanged(model, {"dtype": parts_of(model).dtype, "mode": parts_of(model).mode}, dtype, mode)
-    check_tolerance(tolerance, calibration)
     if isinstance(model, torch.export.ExportedProgram):
-        return _convert_program(model, dtype, target, mode, keep_io_types=keep_io_types, keep_fp32=keep_fp32,
-                                force_low=force_low, low_weight_tables=low_weight_tables, calibration=calibration,
-                                tolerance=tolerance, progress=progress, plan_for=plan_for, costs=costs)
+        return _convert_program(model, dtype, target, mode, options)
     plan_target = _target(target, dtype, model)
     example_inputs, example_kwargs = plain_inputs(example_inputs), plain_inputs(example_kwargs)  # BatchEncoding: a dict
     example_kwargs = transformers_call(model, example_kwargs)  # as the drop-in's forward passes them on
-    if mode == "train" and calibration is not None:
-        calibration = list(calibration)  # both graphs calibrate on it
-    options = dict(keep_io_types=keep_io_types, keep_fp32=keep_fp32, force_low=force_low,
-                   low_weight_tables=low_weight_tables, calibration=calibration, tolerance=tolerance,
-                   progress=progress, plan_for=plan_for, costs=costs,
-                   example=None if example_inputs is None and example_kwargs is None else
-                   (example_inputs, example_kwargs or {}))
-    if mode == "train" and options["example"] is None:
+    example = None if example_inputs is None and example_kwargs is None else (example_inputs, example_kwargs or {})
+    if mode == "train" and example is None:
         raise InputError(
             f"amppass.convert({type(model).__name__}, mode='train') needs example_inputs: a train-mode model keeps "
             "fp32 master weights and casts them inside the graph, which takes a graph captured by torch.export "
             "(a symbolically traced graph calls the model's own modules, which read their fp32 weights); pass "
             "one batch, e.g. amppass.convert(model, (x,), mode='train')")
     try:
-        return _convert_module(model, example_inputs, example_kwargs, plan_target, mode, dynamic_shapes, options)
+        return _convert_module(model, example, plan_target, mode, dynamic_shapes, options)
     except CaptureError as err:
-        if options["example"] is None:
+        if example is None:
             raise
-        return _convert_parts(model, err, plan_target, mode, options)
+        return _convert_parts(model, example, err, plan_target, mode, options)
 
 
-def _convert_module(model: nn.Module, example_inputs: Any, example_kwargs: dict | None, plan_target: Target,
-                    mode: str, dynamic_shapes: Any, options: dict[str, Any]) -> nn.Module:
+def _convert_module(model: nn.Module, example: tuple[Any, dict] | None, plan_target: Target, mode: str,
+                    dynamic_shapes: Any, options: PlanOptions) -> nn.Module:
     """``model`` converted whole: captured in one graph (both modes' graphs in train mode), or CaptureError."""
+    example_inputs, example_kwargs = example if example is not None else (None, None)
     if mode == "train":
         # torch.export bakes the training flag into the graph: one graph per mode over one set of fp32 tensors
         captured = {flag: capture(model, example_inputs, example_kwargs, train=flag, dynamic_shapes=dynamic_shapes)
                     for flag in (True, False)}
         for gm in captured.values():
             functional_writes(gm)  # the check's backward runs them under autograd, as training will
-        args, kwargs = example_call(options["example"])
+        args, kwargs = example_call(example)
         check_fidelity(model, captured[False], plain_inputs(args), plain_inputs(kwargs))
         check_backward(model, captured, plain_inputs(args), plain_inputs(kwargs))  # a Function's own backward
-        train_gm, eval_gm = (_served(model, captured[flag], plan_target, mode, flag, options) for flag in (True, False))
-        trained = TrainEvalGraphs(train_gm, eval_gm, training=model.training, original=model, example=options["example"])
+        train_gm, eval_gm = (_served(model, captured[flag], plan_target, mode, flag, options, example)
+                             for flag in (True, False))
+        trained = TrainEvalGraphs(train_gm, eval_gm, training=model.training, original=model, example=example)
         return with_signature(trained, model)  # Trainer keeps the dataset columns forward() names
     gm = capture(model, example_inputs, example_kwargs, train=False, dynamic_shapes=dynamic_shapes)
-    if options["example"] is not None:
-        check_fidelity(model, gm, *example_call(options["example"]))  # the graph computes what the model does
-    served = _served(model, gm, plan_target, mode, False, options)
-    if options["plan_for"] == "speed" and plan_target.profitable and options["example"] is not None \
-            and not options["calibration"]:
-        served = _faster_of(served, model, options["example"], options["costs"])
+    if example is not None:
+        check_fidelity(model, gm, *example_call(example))  # the graph computes what the model does
+    served = _served(model, gm, plan_target, mode, False, options, example)
+    if options.plan_for == "speed" and plan_target.profitable and example is not None and not options.calibration:
+        served = _faster_of(served, model, example, options.costs)
         if isinstance(served, KeptFp32):
             return served  # the original itself, in its own class already
     return in_own_class(model, served)  # a drop-in: the model's class, attributes and signature (serving.dropin)
 
 
-def _convert_parts(model: nn.Module, why: CaptureError, plan_target: Target, mode: str,
-                   options: dict[str, Any]) -> nn.Module:
+def _convert_parts(model: nn.Module, example: tuple[Any, dict], why: CaptureError, plan_target: Target, mode: str,
+                   options: PlanOptions) -> nn.Module:
     """``model``, which does not capture whole, converted by parts (:mod:`amppass.pipelines.parts`)."""
     from .parts import convert_by_parts
 
     def convert_one(child: nn.Module, call: tuple[tuple, dict], calibration: list | None) -> nn.Module:
         args, kwargs = call
-        kwargs = transformers_call(child, kwargs)
-        own = {**options, "keep_io_types": True, "calibration": calibration,
-               "tolerance": options["tolerance"] if calibration else None, "example": (args, kwargs)}
-        return _convert_module(child, args, kwargs, plan_target, mode, "auto", own)
+        own = options.replace(keep_io_types=True, calibration=calibration,
+                              tolerance=options.tolerance if calibration else None)
+        return _convert_module(child, (args, transformers_call(child, kwargs)), plan_target, mode, "auto", own)
 
-    calibration = options["calibration"]
-    return convert_by_parts(model, options["example"], why, mode == "train", plan_target.low.name, convert_one,
+    calibration = options.calibration
+    return convert_by_parts(model, example, why, mode == "train", plan_target.low.name, convert_one,
                             list(calibration) if calibration is not None else None)
 
 
-def _served(model: nn.Module, gm: fx.GraphModule, target: Target, mode: str, train: bool,
-            options: dict[str, Any]) -> fx.GraphModule:
+def _served(model: nn.Module, gm: fx.GraphModule, target: Target, mode: str, train: bool, options: PlanOptions,
+            example: tuple[Any, dict] | None) -> fx.GraphModule:
     """Convert a captured graph; one captured by torch.export comes back serving every input shape."""
-    gm = _convert_captured(gm, model, target, mode, recapture=_fp32_capture(model, target, train), **options)
+    gm = plan_captured(gm, model, target, mode, options, example=example,
+                       recapture=_fp32_capture(model, target, train))
     if GUARDS_KEY not in gm.meta:  # symbolically traced: no shapes in the graph to guard
         return TracedGraph(gm)
     carried = carried_decisions(gm)
-    later = {**options, "calibration": None, "tolerance": None, "progress": False}
+    later = options.replace(calibration=None, tolerance=None, progress=False)
 
     def recapture(args: tuple, kwargs: dict) -> fx.GraphModule:
         new = capture(model, args, kwargs, train=train, note_fixed_dims=False)
-        return _convert_captured(new, model, target, mode, carried=matching(new, carried),
-                                 **{**later, "example": (args, kwargs)})
+        return plan_captured(new, model, target, mode, later, example=(args, kwargs), carried=matching(new, carried))
 
     return ServingGraph(gm, gm.meta[GUARDS_KEY], recapture, original=model, name=type(model).__name__)
 
@@ -270,7 +261,7 @@ def _fp32_capture(model: nn.Module, target: Target, train: bool) -> CaptureFp32:
 
 
 def _convert_program(program: torch.export.ExportedProgram, dtype: Any, target: str | None, mode: str,
-                     **options: Any) -> fx.GraphModule:
+                     options: PlanOptions) -> fx.GraphModule:
     """Convert a program exported elsewhere (``torch.export.load``): its graph is the capture."""
     from .serialize import from_program, is_converted
 
@@ -281,7 +272,7 @@ def _convert_program(program: torch.export.ExportedProgram, dtype: Any, target: 
         loaded = from_program(program, {"dtype": _converted_dtype(program), "mode": "inference"}, "ExportedProgram")
         return _unchanged(loaded, loaded.meta[META_KEY], dtype, mode)
     gm = capture_program(program)
-    gm = _convert_captured(gm, gm, _target(target, dtype, gm), mode, **options)
+    gm = plan_captured(gm, gm, _target(target, dtype, gm), mode, options)
     return ServingGraph(gm, gm.meta[GUARDS_KEY], name="ExportedProgram",
                         origin="it was converted from a torch.export program, which serves the shapes its export "
                                "left dynamic; export it with dynamic_shapes to serve more")
@@ -350,30 +341,24 @@ def _kept(gm: fx.GraphModule, model: nn.Module, info: dict, why: str | None = No
     return gm if kept is None else kept
 
 
-def _convert_captured(
+def plan_captured(
     gm: fx.GraphModule,
     model: nn.Module,
     target: Target,
     mode: str,
+    options: PlanOptions,
     *,
-    keep_io_types: bool,
-    keep_fp32: Iterable[str],
-    force_low: Iterable[str],
-    low_weight_tables: bool,
-    calibration: Iterable[Any] | None,
-    tolerance: float | None,
-    progress: bool,
-    plan_for: str = "speed",
-    costs: Mapping[str, float] | None = None,
     example: tuple[Any, dict] | None = None,
     carried: dict[str, Any] | None = None,
     recapture: CaptureFp32 | None = None,
 ) -> fx.GraphModule:
-    """Analyse, paint and rewrite a captured graph of ``model`` in place; record the decisions in it.
+    """Analyse, paint and rewrite a captured graph of ``model`` in place; record the decisions in it. The step
+    :func:`convert` takes on each capture, and the compile backend on each graph dynamo gives it.
 
-    ``example`` (example inputs and keyword inputs) feeds the profitability measurements; ``carried`` holds
-    decisions made before (a later plan's carried calibration results); the user's overrides win over them.
-    ``recapture`` lets calibration take batches of shapes ``gm`` does not take.
+    ``example`` (example inputs and keyword inputs) feeds the profitability measurements and the finite check;
+    ``carried`` holds decisions made before (a later plan's carried calibration results); which decision wins is
+    :mod:`amppass.analysis.precedence`'s order. ``recapture`` lets calibration take batches of shapes ``gm`` does
+    not take.
     """
     low = target.low
     bytes_before = weight_bytes(model) if isinstance(model, nn.Module) else 0
@@ -385,21 +370,23 @@ def _convert_captured(
     # a mask the graph fixes as all-true (or causal) keeps SDPA off its fused kernels on CUDA (fx.masks)
     fold_constant_masks(gm)
     view, _ = build_view(gm, target)
-    given = {**(carried or {}), **overrides.resolve(view, keep_fp32, force_low, low)}
+    user = overrides.resolve(view, options.keep_fp32, options.force_low, low)
+    given = precedence.given(user=user, carried=carried)
     profit_info: dict[str, Any] = {}
-    if plan_for == "speed" and mode == "inference" and target.profitable and example is not None:
-        unprofitable, profit_info = _profitability(gm, view, target, given, example, costs, keep_io_types,
-                                                   low_weight_tables)
-        given = {**unprofitable, **given}  # the user's overrides win
-    rewrite_options = {"precast_weights": mode == "inference", "keep_io_types": keep_io_types,
-                       "weights_low": plan_for == "memory" and mode == "inference"}
+    unprofitable: dict[str, Any] = {}
+    if options.plan_for == "speed" and mode == "inference" and target.profitable and example is not None:
+        unprofitable, profit_info = _profitability(gm, view, target, given, example, options.costs,
+                                                   options.keep_io_types, options.low_weight_tables)
+        given = precedence.given(user=user, carried=carried, profitability=unprofitable)
+    rewrite_options = {"precast_weights": mode == "inference", "keep_io_types": options.keep_io_types,
+                       "weights_low": options.plan_for == "memory" and mode == "inference"}
     calibration_info: dict[str, Any] = {"calibrated": False}
-    if calibration is None:
-        plan = paint(view, low, given, low_weight_tables=low_weight_tables)
+    if options.calibration is None:
+        plan = paint(view, low, given, low_weight_tables=options.low_weight_tables)
     else:
         plan, calibration_info = calibrated_plan(
-            gm, view, calibration, low, given, tolerance=tolerance, progress=progress,
-            low_weight_tables=low_weight_tables, rewrite_options=rewrite_options, recapture=recapture,
+            gm, view, options.calibration, low, given, tolerance=options.tolerance, progress=options.progress,
+            low_weight_tables=options.low_weight_tables, rewrite_options=rewrite_options, recapture=recapture,
         )
     macs = {n.name: node_macs(n) for n in gm.graph.nodes}  # before the rewrite puts casts between shapes
     checked = _finite_check_inputs(gm, mode, example)
@@ -407,11 +394,13 @@ def _convert_captured(
     stats = rewrite(gm, plan, low, **rewrite_options)
     finite_info: dict[str, Any] = {}
     if pristine is not None:
-        carried = {n: d for n, d in plan.items() if d.source in (Source.CALIBRATION, Source.TOLERANCE)}
+        measured = {n: d for n, d in plan.items() if d.source in (Source.CALIBRATION, Source.TOLERANCE)}
 
         def again(previous: PrecisionPlan, kept: dict) -> tuple[fx.GraphModule, PrecisionPlan]:
             nonlocal stats
-            repainted = paint(view, low, {**carried, **given, **kept}, low_weight_tables=low_weight_tables)
+            repainted = paint(view, low, precedence.given(user=user, finite=kept, carried=carried,
+                                                          profitability=unprofitable, measured=measured),
+                              low_weight_tables=options.low_weight_tables)
             trial = shared_copy(pristine)
             stats = rewrite(trial, repainted, low, **rewrite_options)
             return trial, repainted
@@ -429,8 +418,9 @@ def _convert_captured(
             meta["evidence"]["fused"] = node.meta[FUSED_KEY]
             meta["reason"] = f"{meta['reason']}; {node.meta[FUSED_KEY]}"
     gm.meta[META_KEY] = {
-        **summary("fx", low.name, target.describe(), mode, keep_io_types, stats, bytes_before, weight_bytes(gm)),
-        "plan_for": plan_for,
+        **summary("fx", low.name, target.describe(), mode, options.keep_io_types, stats, bytes_before,
+                  weight_bytes(gm)),
+        "plan_for": options.plan_for,
         **profit_info,
         **calibration_info,
         **finite_info,

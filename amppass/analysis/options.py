@@ -1,0 +1,64 @@
+"""How a plan is made: the options of a conversion, checked once where it starts, then read everywhere as one value.
+
+``amppass.convert`` builds a :class:`PlanOptions` from its arguments, the compile backend from its ``options``, the
+integrations through ``convert``; the pipeline passes the value on instead of a dict of keywords, so following
+``calibration`` from ``convert`` to the stage that reads it is following an attribute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+from ..errors import InputError
+from .calibration import check_tolerance
+
+PLAN_FOR = ("speed", "coverage", "memory")
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """The options of a conversion that decide its plan (``amppass.convert``'s docstring says what each does)."""
+
+    plan_for: str = "speed"
+    keep_io_types: bool = True
+    keep_fp32: tuple[str, ...] = ()
+    force_low: tuple[str, ...] = ()
+    low_weight_tables: bool = False
+    calibration: Any = None  # an iterable of batches; read once per conversion (a list where read more often)
+    tolerance: float | None = None
+    progress: bool = False
+    costs: Mapping[str, float] | None = None
+
+    def __post_init__(self) -> None:
+        if self.plan_for not in PLAN_FOR:
+            raise InputError(f"plan_for={self.plan_for!r} is not one of {PLAN_FOR}: 'speed' keeps low precision only "
+                             "where it is faster on the target, 'coverage' runs low every op numerics allow, 'memory' "
+                             "also stores every weight in low precision")
+        for name in ("keep_io_types", "low_weight_tables", "progress"):
+            if not isinstance(getattr(self, name), bool):
+                raise InputError(f"{name}={getattr(self, name)!r} must be True or False")
+        for name in ("keep_fp32", "force_low"):
+            object.__setattr__(self, name, _patterns(name, getattr(self, name)))
+        if self.costs is not None and not isinstance(self.costs, Mapping):
+            raise InputError(f"costs must be the table a conversion recorded (a dict: amppass.report(m).info"
+                             f"['costs']), got {type(self.costs).__name__}")
+        check_tolerance(self.tolerance, self.calibration)
+
+    def replace(self, **changes: Any) -> "PlanOptions":
+        """A copy with ``changes`` (checked again)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _patterns(name: str, value: Any) -> tuple[str, ...]:
+    """``keep_fp32`` / ``force_low`` as a tuple of strings: one string is one pattern, not its characters."""
+    if isinstance(value, str):
+        return (value,)
+    if not isinstance(value, Iterable):
+        raise InputError(f"{name}={value!r} must be an op name or node-name pattern, or a list of them")
+    patterns = tuple(value)
+    wrong = [p for p in patterns if not isinstance(p, str)]
+    if wrong:
+        raise InputError(f"{name} holds {wrong[0]!r}, not an op name or node-name pattern (a string)")
+    return patterns
