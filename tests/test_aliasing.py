@@ -16,12 +16,12 @@ from torch import fx, nn
 
 import amppass
 from amppass.analysis.stats import CalibrationStats
-from amppass.fx.aliasing import alias_groups
-from amppass.fx.calibrate import _candidates, _Recorder
-from amppass.fx.capture import capture
-from amppass.fx.copies import shared_copy
-from amppass.fx.prefix import Checkpoints
-from amppass.fx.view import build_view
+from amppass.fx.prepare.aliasing import alias_groups
+from amppass.fx.runners.calibrate import _candidates, _Recorder
+from amppass.fx.capture.export import capture
+from amppass.fx.capture.copies import shared_copy
+from amppass.fx.runners.prefix import Checkpoints
+from amppass.fx.view.build import build_view
 from amppass.targets.target import torch_target
 
 BF16_TOLERANCE = 2e-2  # relative L2 error of a few bf16 matrix products (8 significand bits)

@@ -1,4 +1,4 @@
-"""A captured graph that does not compute what the model computes is refused, not converted (amppass.fx.fidelity).
+"""A captured graph that does not compute what the model computes is refused, not converted (amppass.fx.capture.fidelity).
 
 torch.export runs the model's Python once, and a model can see it is being traced and take another path there
 (transformers' PaliGemma: hidden states 0.1 from its own, in fp32, before any conversion). Each test fails on the
@@ -16,7 +16,7 @@ from torch import nn
 
 import amppass
 from amppass import CaptureError
-from amppass.fx import fidelity
+from amppass.fx.capture.export import fidelity
 
 
 class TracedOtherwise(nn.Module):
@@ -104,7 +104,7 @@ def test_a_model_whose_eager_calls_differ_without_drawing_random_numbers_is_not_
 
 
 def _captured(model: nn.Module, x: torch.Tensor) -> torch.fx.GraphModule:
-    from amppass.fx.capture import capture
+    from amppass.fx.capture.export import capture
 
     return capture(model, (x,), None, train=False)
 

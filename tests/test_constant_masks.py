@@ -1,4 +1,4 @@
-"""An attention mask the captured graph fixes leaves ``scaled_dot_product_attention`` (:mod:`amppass.fx.masks`):
+"""An attention mask the captured graph fixes leaves ``scaled_dot_product_attention`` (:mod:`amppass.fx.prepare.masks`):
 an all-true one is dropped and a square causal one becomes ``is_causal``, so SDPA may use its fused kernels on
 CUDA. Masks that depend on an input, a buffer or a size, float masks, and masks that would broadcast the scores
 wider are kept."""
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import amppass
-from amppass.fx.masks import fold_constant_masks
+from amppass.fx.prepare.masks import fold_constant_masks
 
 transformers = pytest.importorskip("transformers")
 

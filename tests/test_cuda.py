@@ -164,7 +164,7 @@ def test_profitability_on_cuda_times_kernels_on_the_gpu_and_keeps_big_matmuls_lo
 
 def test_a_converted_vit_runs_on_the_flash_kernel_alone():
     """torch.export writes ViT's unpadded attention mask out; flash attention takes no mask, so a converted graph
-    that kept it would find no kernel with flash the only backend allowed (amppass.fx.masks drops it)."""
+    that kept it would find no kernel with flash the only backend allowed (amppass.fx.prepare.masks drops it)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     case, model, inputs = _on_cuda("vit", batch=4)

@@ -1,5 +1,5 @@
 """GPT-2's written-out tanh-GELU runs as one ``aten.gelu(approximate="tanh")`` in inference as in training
-(:mod:`amppass.fx.gelu`): one low kernel computing the formula in fp32 inside, where the chain would run fp32 op
+(:mod:`amppass.fx.prepare.gelu`): one low kernel computing the formula in fp32 inside, where the chain would run fp32 op
 by op under amppass's plan, or low op by op under torch.autocast."""
 
 from __future__ import annotations

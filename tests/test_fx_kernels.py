@@ -1,4 +1,4 @@
-"""Kernel facts on the FX path (amppass.fx.kernels, amppass.targets.torch_kernels): an op the target's torch
+"""Kernel facts on the FX path (amppass.fx.view.kernels, amppass.targets.torch_kernels): an op the target's torch
 has no low-precision kernel for runs fp32 with that reason, whatever the plan; complex outputs come back in
 the dtype the model returned; transformers' FNet (torch.fft inside) converts and runs."""
 
@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 import amppass
-from amppass.fx import kernels, policy, profit
-from amppass.fx.capture import capture
-from amppass.fx.view import build_view
+from amppass.fx.view.build import kernels, policy; from amppass.fx.runners import profit
+from amppass.fx.capture.export import capture
+from amppass.fx.view.build import build_view
 from amppass.targets import torch_target
 from amppass.targets.torch_kernels import torch_facts
 

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import amppass
-from amppass.fx.capture import capture
-from amppass.fx.finite import non_finite
+from amppass.fx.capture.export import capture
+from amppass.fx.runners.finite import non_finite
 
 FP16_TOLERANCE = 1e-2  # relative L2 error of two fp16 matrix products on values of a few thousand
 

@@ -16,7 +16,7 @@ from torch import nn
 
 import amppass
 from amppass import AmpPassError, CaptureError, InputError
-from amppass.fx.macs import measured_macs
+from amppass.fx.view.macs import measured_macs
 from amppass.serving.parts import parts_of
 from tests.test_custom_backward import RoundSTE
 

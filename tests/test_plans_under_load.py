@@ -1,4 +1,4 @@
-"""Speed plans that do not depend on the load during conversion (amppass.fx.profit with its timing cache,
+"""Speed plans that do not depend on the load during conversion (amppass.fx.runners.profit with its timing cache,
 device facts and prior).
 
 Timings on a shared machine are not asserted on. What is: where each region's times came from, that the
@@ -19,7 +19,7 @@ import amppass
 from amppass.serving.kept import KeptFp32
 from amppass.dtypes import low_type
 from amppass.targets import device
-from amppass.fx import profit
+from amppass.fx.runners import profit
 from amppass.targets.measure import Timings
 from amppass.targets.timing_cache import TimingCache
 from tests.helpers.load import busy_processes, timing_cache

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import amppass
-from amppass.fx.policy import einsum_form
+from amppass.fx.view.policy import einsum_form
 
 G = torch.Generator().manual_seed(0)
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import amppass
-from amppass.fx.quiet import quiet_torch
+from amppass.fx.capture.quiet import quiet_torch
 
 
 class _DataDependent(nn.Module):

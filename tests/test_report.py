@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import amppass
-from amppass.fx.macs import node_macs
+from amppass.fx.view.macs import node_macs
 from amppass.report.report import Report, Row, load_schema, write_atomic
 from amppass.report.terminal import render_text
 from models import build

@@ -14,7 +14,7 @@ from torch import nn
 import amppass
 from amppass.analysis.record import META_KEY
 from amppass.serving.face import stored_parameters
-from amppass.fx import guards
+from amppass.fx.capture.export import guards
 from amppass.serving import serving_graph
 from amppass.serving.serving_graph import ServingGraph
 from models import build
@@ -221,7 +221,7 @@ def test_a_model_returning_a_python_number_from_item_converts():
 
 def test_a_call_whose_shapes_an_earlier_call_had_skips_the_check():
     """Rule 9: the guards read shapes, dtypes and devices; a call keyed like one the own plan ran is a lookup."""
-    from amppass.fx.guards import ShapeGuards
+    from amppass.fx.capture.guards import ShapeGuards
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).eval()

@@ -1,5 +1,5 @@
 """Tolerance search time: at most the runs it documents, and each run starts where its
-trial graph first differs from the fp32 graph, from fp32 values calibration kept (amppass.fx.prefix),
+trial graph first differs from the fp32 graph, from fp32 values calibration kept (amppass.fx.runners.prefix),
 with the same result as the whole trial."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import amppass
 from amppass.analysis.calibration import max_runs
 from amppass.analysis.painting import paint
 from amppass.analysis.plan import Decision, Precision, Source
-from amppass.fx.calibrate import FxTrials, calibrate
-from amppass.fx.capture import capture
-from amppass.fx.view import build_view
+from amppass.fx.runners.calibrate import FxTrials, calibrate
+from amppass.fx.capture.export import capture
+from amppass.fx.view.build import build_view
 from amppass.targets.target import torch_target
 from models import build
 from models.onnx_export import export

@@ -188,7 +188,7 @@ def test_transformers_families_train_in_their_module_tree(name):
 def test_phimoe_routes_with_its_own_backward_so_train_mode_refuses_it():
     """PhiMoE's sparse mixer routes through a Function (transformers' PhimoeMultiplier) whose backward is a
     gradient estimator, not the derivative of its forward: the captured graph trained the router on other
-    gradients (0.36 off, relative), and train mode now says so (amppass.fx.custom_backward)."""
+    gradients (0.36 off, relative), and train mode now says so (amppass.fx.capture.custom_backward)."""
     model, inputs = _family("phimoe")
     with pytest.raises(CaptureError, match=r"PhimoeMultiplier .*\(train mode\) the gradient of .*router"):
         amppass.convert(model, (), example_kwargs=inputs, dtype=torch.float16, mode="train")

@@ -1,6 +1,6 @@
 """Calibration steps both front ends share, once their data pass has filled :class:`CalibrationStats`.
 
-A front end runs its fp32 model on the caller's batches (``amppass.fx.calibrate`` through a torch.fx
+A front end runs its fp32 model on the caller's batches (``amppass.fx.runners.calibrate`` through a torch.fx
 Interpreter, ``amppass.onnx.calibrate`` through onnxruntime), measures each candidate node's local error
 if a tolerance was asked for, and hands over to :func:`plan_from_stats`: range rules, user overrides on top,
 painting, the tolerance search and the metadata both front ends record (``calibrated``,

@@ -1,6 +1,6 @@
 """The shape of an op policy table, shared by both front ends.
 
-Each front end keeps one declarative table (:mod:`amppass.fx.policy` keyed by ATen overload packet,
+Each front end keeps one declarative table (:mod:`amppass.fx.view.policy` keyed by ATen overload packet,
 :mod:`amppass.onnx.policy` by ``(domain, op_type)`` and opset range) whose rows are :class:`PolicyRow`: a
 category with the reason every op in it gets, the *facts* the calibration range rules read about those
 ops, and per-input-slot exceptions. The facts live only here, in the tables: no second list of op names

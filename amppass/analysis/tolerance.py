@@ -2,7 +2,7 @@
 
 Front-end neutral. The front end supplies what it measured on the calibration data (a
 :class:`Sensitivity`): the local error of each node (its output replayed in low precision on recorded
-inputs, relative to fp32; see :func:`amppass.fx.calibrate.calibrate`), where it can the part of that error
+inputs, relative to fp32; see :func:`amppass.fx.runners.calibrate.calibrate`), where it can the part of that error
 the node adds itself (not the rounding its low-precision producers already did, see
 :mod:`amppass.onnx.calibrate`), and the gains computed from the norms of the values on one batch; and a
 ``measure(given)`` callback that paints, rewrites and runs the model on the calibration batches and returns

@@ -1,6 +1,6 @@
 """Multiply-accumulate counts of the heavy ONNX ops, from the shapes onnx shape inference gives.
 
-The ONNX counterpart of :mod:`amppass.fx.macs`: the report uses the counts to say which share of the
+The ONNX counterpart of :mod:`amppass.fx.view.macs`: the report uses the counts to say which share of the
 heavy work runs in low precision. A dimension shape inference left symbolic (a ``dim_param`` such as a
 dynamic batch) makes the count unknown (``None``) rather than a guess.
 """

@@ -1,6 +1,6 @@
 """The ONNX op policy table: rows keyed by (domain, op_type) with opset ranges, categories and reasons.
 
-The same facts as the FX table (:mod:`amppass.fx.policy`), in ONNX's spelling, in the same row type
+The same facts as the FX table (:mod:`amppass.fx.view.policy`), in ONNX's spelling, in the same row type
 (:class:`amppass.analysis.policy.PolicyRow`). ONNX reductions have no ``dtype=`` argument, so what FX runs
 as FP32_ACCUM runs here as FP32 (inputs cast up); Softmax follows its input instead, because the runtimes'
 low-precision softmax kernels already keep their statistics in fp32. An op whose training form computes

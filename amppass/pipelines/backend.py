@@ -23,7 +23,7 @@ Rules:
    shape dynamo's guards reject is dynamo's recompile: a new graph, converted on its own.
 4. Each graph of static sizes (dynamo's first compile of a model) runs dynamo's example inputs once in fp32
    and converted (inference), as :func:`amppass.convert` runs its example: a node whose low value goes inf or
-   NaN where fp32's is finite is kept fp32 (:mod:`amppass.fx.finite`), and the report's ``info["non_finite"]``
+   NaN where fp32's is finite is kept fp32 (:mod:`amppass.fx.runners.finite`), and the report's ``info["non_finite"]``
    names it with its graph.
 5. Every graph's plan is kept with the ``torch.compile`` call that made it: ``amppass.report(compiled)``
    shows every graph's rows (named ``g<i>.<node>``) and the inputs each takes.
@@ -55,8 +55,8 @@ from torch.utils import _pytree as pytree
 from ..analysis.record import META_KEY
 from ..dtypes import low_type
 from ..errors import CaptureError, InputError, first_line
-from ..fx.guards import input_spec, range_bound
-from ..fx.quiet import quiet_torch
+from ..fx.capture.guards import input_spec, range_bound
+from ..fx.capture.quiet import quiet_torch
 from ..report.fx_reader import read_graph_module
 from ..report.report import Report, merged
 from ..serving.serving_graph import set_state

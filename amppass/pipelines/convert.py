@@ -18,23 +18,23 @@ from ..analysis.record import META_KEY, check_reconversion, summary
 from ..analysis.view import GraphView
 from ..dtypes import low_type
 from ..errors import CaptureError, InputError
-from ..fx import finite, profit
-from ..fx.aliasing import functional_writes, writes_an_input
-from ..fx.copies import shared_copy
-from ..fx.custom_backward import check_backward
-from ..fx.devices import module_device
-from ..fx.fidelity import check_fidelity
-from ..fx.backward import annotate_backward
-from ..fx.calibrate import CaptureFp32, calibrated_plan, flatten_inputs, split_batch
-from ..fx.capture import capture, capture_program
-from ..fx.gelu import FUSED_KEY, fuse_tanh_gelu
-from ..fx.guards import GUARDS_KEY, carried_decisions, matching, plain_inputs
-from ..fx.macs import node_macs
-from ..fx.masks import fold_constant_masks
-from ..fx.modes import module_mode
-from ..fx.profit import CostModel
-from ..fx.rewrite import rewrite
-from ..fx.view import build_view
+from ..fx.runners import finite, profit
+from ..fx.prepare.aliasing import functional_writes, writes_an_input
+from ..fx.capture.copies import shared_copy
+from ..fx.capture.custom_backward import check_backward
+from ..fx.rewrite.devices import module_device
+from ..fx.capture.fidelity import check_fidelity
+from ..fx.rewrite.backward import annotate_backward
+from ..fx.runners.calibrate import CaptureFp32, calibrated_plan, flatten_inputs, split_batch
+from ..fx.capture.export import capture, capture_program
+from ..fx.prepare.gelu import FUSED_KEY, fuse_tanh_gelu
+from ..fx.capture.guards import GUARDS_KEY, carried_decisions, matching, plain_inputs
+from ..fx.view.macs import node_macs
+from ..fx.prepare.masks import fold_constant_masks
+from ..fx.capture.modes import module_mode
+from ..fx.runners.profit import CostModel
+from ..fx.rewrite.apply import rewrite
+from ..fx.view.build import build_view
 from ..serving.dropin import DropIn, in_own_class, transformers_call, with_signature
 from ..serving.kept import KeptFp32, keep_original
 from ..serving.parts import parts_of
@@ -85,7 +85,7 @@ def convert(
         plan_for: ``"speed"`` (default): where this machine has the target device and example inputs are
             given, a region of the plan runs low only if measuring shows its low kernels and casts are
             faster than fp32 there, and the original module is kept in fp32 if the converted graph
-            measures slower than it (profitability: :mod:`amppass.fx.profit`, :mod:`amppass.serving.kept`).
+            measures slower than it (profitability: :mod:`amppass.fx.runners.profit`, :mod:`amppass.serving.kept`).
             ``"coverage"``: every op that numerics allow runs low, nothing is measured (the plan is the
             same on every machine). ``"memory"``: as "coverage", and every weight is stored in the low dtype
             (where its values fit), cast up at use by the ops that run fp32: the smallest model.
@@ -433,7 +433,7 @@ def plan_captured(
 
 
 def _finite_check_inputs(gm: fx.GraphModule, mode: str, example: tuple[Any, dict] | None) -> list | None:
-    """The graph's inputs for the conversion's own finiteness check (:mod:`amppass.fx.finite`): the example's,
+    """The graph's inputs for the conversion's own finiteness check (:mod:`amppass.fx.runners.finite`): the example's,
     in inference; None where there is none, in training (a train graph updates running statistics), and where
     the graph writes into an input (the check must not change the caller's tensors)."""
     if example is None or mode != "inference":

@@ -18,8 +18,8 @@ from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError, InputError, first_line
 from ..files import check_writable
-from ..fx.capture import capturing, size_one_dynamic
-from ..fx.quiet import quiet_torch
+from ..fx.capture.export import capturing, size_one_dynamic
+from ..fx.capture.quiet import quiet_torch
 from .convert_onnx import convert_onnx, note, save
 from .onnx_ops import translations
 
@@ -39,7 +39,7 @@ def export_onnx(
 
     The model is exported in eval mode (its own training flags are restored afterwards), without autograd,
     and with torch's exporter quiet (its log lines and warnings; ``AMPPASS_DEBUG=1`` shows them, see
-    :mod:`amppass.fx.quiet`). The dynamo exporter (``torch.onnx.export(dynamo=True)``) is tried first; if it fails, the
+    :mod:`amppass.fx.capture.quiet`). The dynamo exporter (``torch.onnx.export(dynamo=True)``) is tried first; if it fails, the
     TorchScript exporter (``dynamo=False``), with a warning. ``dynamic_shapes`` is what torch.export takes;
     by default (``"auto"``) the batch dimension of every input, the sequence dimension (dim 1 of integer
     rank-2 inputs and of rank-3 inputs) and the spatial dimensions of channels-first images and volumes

@@ -52,9 +52,9 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..errors import AmpPassError, CaptureError, first_line
-from ..fx.copies import shared_copy
-from ..fx.macs import measured_macs
-from ..fx.modes import module_mode
+from ..fx.capture.copies import shared_copy
+from ..fx.view.macs import measured_macs
+from ..fx.capture.modes import module_mode
 from ..serving.kept import KeptFp32
 from ..serving.parts import PARTS_KEY, PartsRecord, with_original_savers
 from ..serving.tree import example_call

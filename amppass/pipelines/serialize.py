@@ -35,8 +35,8 @@ from ..analysis.record import META_KEY
 from ..archive import Pt2Archive, parse_json
 from ..errors import InputError
 from ..files import Staged, check_writable
-from ..fx.capture import capture_program, capturing, size_one_dynamic
-from ..fx.guards import GUARDS_KEY, ShapeGuards
+from ..fx.capture.export import capture_program, capturing, size_one_dynamic
+from ..fx.capture.guards import GUARDS_KEY, ShapeGuards
 from ..serving.kept import KeptFp32
 from ..serving.parts import parts_of
 from ..serving.serving_graph import ServingGraph

@@ -2,7 +2,7 @@
 
 A captured graph runs the ops the model's Python code called, one by one. Some modules run faster eagerly
 than any graph of their ops can: ``nn.TransformerEncoder`` in inference takes PyTorch's fused "fast path"
-kernel, which torch.export decomposes. When profitability (:mod:`amppass.fx.profit`) finds the converted
+kernel, which torch.export decomposes. When profitability (:mod:`amppass.fx.runners.profit`) finds the converted
 graph slower than the original module in fp32 on the target, :func:`amppass.convert` returns
 :func:`keep_original`'s module instead, which :func:`amppass.report` shows as its one row.
 
@@ -21,7 +21,7 @@ from typing import Any
 from torch import nn
 
 from ..analysis.record import META_KEY
-from ..fx.copies import shared_copy
+from ..fx.capture.copies import shared_copy
 from ..report.report import Report, Row
 
 log = logging.getLogger(__name__)

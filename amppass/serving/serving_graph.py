@@ -17,7 +17,7 @@ Rules:
    converted module stays one snapshot of the model (and its low-precision weights are stored once).
 4. Decisions calibration or the tolerance search made (fp32 for a node) carry over to later plans by
    node name and op: calibration already ran every batch (those of other shapes on captures of their own,
-   :mod:`amppass.fx.calibrate`), so they are not run again.
+   :mod:`amppass.fx.runners.calibrate`), so they are not run again.
 5. A call that cannot be captured is run on the original model: if the original rejects it too, its own
    error is raised; otherwise a :class:`~amppass.errors.CaptureError` names the input, the dimension and
    what the model was converted for. Without the original model (a loaded program) a rejected call raises
@@ -28,13 +28,13 @@ Rules:
    nor reaches a kernel beside weights of another dtype (the model's own error would name a dtype the user
    never chose).
 7. ``module.forward(...)`` takes the path ``module(...)`` takes. A keyword value the capture fixed in the graph
-   (a flag passed through ``**kwargs``, :func:`amppass.fx.capture.capture`) is part of a plan's guards: a call
+   (a flag passed through ``**kwargs``, :func:`amppass.fx.capture.export.capture`) is part of a plan's guards: a call
    with another value gets a plan of its own. Mappings torch's pytree does not know (``BatchEncoding``) are
    taken as dicts, and every container is copied before a plan or the original model runs, so neither
    writes into the caller's inputs.
 8. A call on another device than the original model's (the module moved with ``.to("cuda")`` after converting
    on the CPU) captures its later plan from the original where that is, on the call's inputs moved there, and
-   moves the plan to the call's device, device literals included (:mod:`amppass.fx.devices`).
+   moves the plan to the call's device, device literals included (:mod:`amppass.fx.rewrite.devices`).
 9. The guards read the shapes, dtypes and devices of a call's tensors and its plain values, nothing else: so a
    call of tensors and plain values (no container) whose key an earlier call had, one the module's own plan
    ran without a cast or a fixed keyword, skips the check and runs the plan at once. At most
@@ -56,9 +56,9 @@ from torch.utils import _pytree as pytree
 
 from ..analysis.record import META_KEY
 from ..errors import CaptureError, InputError
-from ..fx.devices import module_device
-from ..fx.guards import GUARDS_KEY, MAX_PLANS, ShapeGuards, call_layout, plain_inputs
-from ..fx.modes import module_mode
+from ..fx.rewrite.devices import module_device
+from ..fx.capture.guards import GUARDS_KEY, MAX_PLANS, ShapeGuards, call_layout, plain_inputs
+from ..fx.capture.modes import module_mode
 from .face import Fp32Face, stored_parameters
 from .plan_dtypes import PlanDtypes
 

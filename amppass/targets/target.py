@@ -16,9 +16,9 @@ A :class:`Target` carries everything about the deployment that changes a plan:
   torch); otherwise the fp16-storage simulation of :mod:`amppass.onnx.simulate` stands in ("simulation").
 - ``profitable`` (torch, on this machine's device): whether profitability is measured, i.e. a region of
   the plan runs low only where its low-precision kernels and casts beat fp32 here
-  (:mod:`amppass.fx.profit`).
+  (:mod:`amppass.fx.runners.profit`).
 - kernels (torch): which ops have a low-precision kernel on the device is asked of torch itself where this
-  machine has the device, and read from a packaged table otherwise (:mod:`amppass.fx.kernels`,
+  machine has the device, and read from a packaged table otherwise (:mod:`amppass.fx.view.kernels`,
   :mod:`amppass.targets.torch_kernels`).
 - ``slow_low`` (torch): ATen ops the device runs in low precision only through a slow reference path, kept
   fp32 by the plan whatever is measured. On CPUs torch has oneDNN's fused low-precision LSTM, but GRU and

@@ -1,6 +1,6 @@
 """Packaged facts about torch's low-precision kernels, for when the target's torch cannot be asked.
 
-The FX plan asks the torch that will run the model directly where it can (:mod:`amppass.fx.kernels`). The
+The FX plan asks the torch that will run the model directly where it can (:mod:`amppass.fx.view.kernels`). The
 facts here answer where it cannot: a CUDA target planned on a machine without a GPU, a symbolically traced
 graph whose nodes carry no example values, an op whose test call fails in fp32 too. They travel as data,
 ``data/torch_kernels.json``, made by ``scripts/torch_kernel_tables.py`` from torch's own sources, each named

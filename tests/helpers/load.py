@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Iterator
 
-from amppass.fx import profit
+from amppass.fx.runners import profit
 
 BUSY = 4  # busy processes: twice the cores of a 2-core machine
 _SPIN = "import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end:\n    pass\n"

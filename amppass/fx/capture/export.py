@@ -21,7 +21,7 @@ import torch
 from torch import fx, nn
 from torch.export import Dim
 
-from ..errors import CaptureError, InputError, first_line
+from ...errors import CaptureError, InputError, first_line
 from .copies import shared_copy
 from .custom_backward import FUNCTIONS_KEY, functions_applied
 from .modes import module_mode

@@ -36,10 +36,10 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from ..dtypes import LowType
-from ..errors import first_line
-from ..targets.target import Target
-from ..targets.torch_kernels import torch_facts
+from ...dtypes import LowType
+from ...errors import first_line
+from ...targets.target import Target
+from ...targets.torch_kernels import torch_facts
 from . import ops, policy
 
 log = logging.getLogger(__name__)

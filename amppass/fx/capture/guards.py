@@ -23,9 +23,9 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from ..analysis.plan import Decision, Precision, Source
-from ..analysis.record import META_KEY
-from ..errors import first_line
+from ...analysis.plan import Decision, Precision, Source
+from ...analysis.record import META_KEY
+from ...errors import first_line
 
 MAX_PLANS = 8  # plans (captures) one converted model keeps for the shapes it serves
 GUARDS_KEY = "amppass_guards"  # gm.meta entry holding the ShapeGuards of a captured graph

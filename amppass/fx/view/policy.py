@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from ..analysis.plan import Category
-from ..analysis.policy import (ADDITION, DIVISION, JOIN, MATRIX_WORK, NORMALISATION, POWER, REDUCTION, SINGULAR,
-                               PolicyRow)
+from ...analysis.plan import Category
+from ...analysis.policy import (ADDITION, DIVISION, JOIN, MATRIX_WORK, NORMALISATION, POWER, REDUCTION, SINGULAR,
+                                PolicyRow)
 from . import ops
 
 

@@ -29,11 +29,11 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from ..errors import CaptureError, first_line
-from .aliasing import writes_an_input
-from .calibrate import flatten_inputs
+from ...errors import CaptureError, first_line
+from ..prepare.aliasing import writes_an_input
+from ..runners.calibrate import flatten_inputs
 from .modes import module_mode
-from .policy import argument
+from ..view.policy import argument
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from ..errors import CaptureError
+from ...errors import CaptureError
 from .modes import module_mode
 
 FUNCTIONS_KEY = "amppass_autograd_functions"  # gm.meta: the Functions the capture applied, by qualified name

@@ -27,7 +27,7 @@ Rules:
    made complex64 (``torch.complex``, ``view_as_complex``), and reading real values out of complex32 gives
    fp16. Torch tracks neither as an fp32 value, so the rewrite does: with ``keep_io_types`` a complex32
    output is cast back to complex64, and an fp16 one read out of complex32 to fp32.
-10. A value that shares storage with one written in place (:mod:`amppass.fx.aliasing`) is cast only where it
+10. A value that shares storage with one written in place (:mod:`amppass.fx.prepare.aliasing`) is cast only where it
     is read, never shared with a read before a later write to its group: a write drops the group's casts,
     so a reader after it casts again. Such a weight is never converted or copied ahead of time (its values
     change at run time), and such a constant is never created in the low dtype (rule 8).
@@ -43,12 +43,12 @@ from typing import Any
 import torch
 from torch import fx
 
-from ..analysis.plan import Precision, PrecisionPlan
-from ..analysis.record import META_KEY
-from ..dtypes import LowType, short_name
-from . import graph_calls, ops, policy
-from .aliasing import alias_groups
-from .view import carries_fp32, cast_target, fetch_attr, has_dtypes, module_state
+from ...analysis.plan import Precision, PrecisionPlan
+from ...analysis.record import META_KEY
+from ...dtypes import LowType, short_name
+from . import graph_calls; from ..view import ops, policy
+from ..prepare.aliasing import alias_groups
+from ..view.build import carries_fp32, cast_target, fetch_attr, has_dtypes, module_state
 
 aten = torch.ops.aten
 

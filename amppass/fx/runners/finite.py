@@ -26,9 +26,9 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from ..analysis.plan import Decision, Precision, PrecisionPlan, Source
-from ..errors import first_line
-from .aliasing import alias_groups
+from ...analysis.plan import Decision, Precision, PrecisionPlan, Source
+from ...errors import first_line
+from ..prepare.aliasing import alias_groups
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ outputs, which the search re-runs.
 Batches may have any shape the original model takes, as calls of the converted module may
 (:mod:`amppass.serving.serving_graph`). A batch the capture's guards reject (an LSTM unrolled over the example's length,
 a batch of 1 where export fixed it) runs on a capture of the model for its own shapes, made once per
-shape the guards tell apart (at most :data:`~amppass.fx.guards.MAX_PLANS`). What it records is mapped onto
+shape the guards tell apart (at most :data:`~amppass.fx.capture.guards.MAX_PLANS`). What it records is mapped onto
 the example's graph by node name and op, as later plans take decisions over: the statistics of the values
 both graphs have are folded together, and each trial plan of the tolerance search is painted on that
 capture from the same decisions (:class:`FxTrials`).
@@ -33,18 +33,17 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from ..analysis.calibration import (Perturbation, Progress, Trials, check_tolerance, plan_from_stats,
-                                    relative_error)
-from ..analysis.painting import paint
-from ..analysis.plan import Category, Decision, PrecisionPlan
-from ..analysis.stats import CalibrationStats
-from ..analysis.view import GraphView
-from ..dtypes import LowType
-from ..errors import CalibrationError, CaptureError, first_line
-from .copies import shared_copy
+from ...analysis.calibration import Perturbation, Progress, Trials, check_tolerance, plan_from_stats, relative_error
+from ...analysis.painting import paint
+from ...analysis.plan import Category, Decision, PrecisionPlan
+from ...analysis.stats import CalibrationStats
+from ...analysis.view import GraphView
+from ...dtypes import LowType
+from ...errors import CalibrationError, CaptureError, first_line
+from ..capture.copies import shared_copy
 from .prefix import Checkpoints
-from .rewrite import rewrite
-from .guards import GUARDS_KEY, MAX_PLANS, matching
+from ..rewrite.apply import rewrite
+from ..capture.guards import GUARDS_KEY, MAX_PLANS, matching
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +199,7 @@ class FxTrials(Trials):
 
     def reused(self) -> float:
         """The share of the search's node runs that read fp32 values calibration kept instead
-        (:mod:`amppass.fx.prefix`)."""
+        (:mod:`amppass.fx.runners.prefix`)."""
         kept = [g.checkpoints for g in self.data.graphs if g.checkpoints is not None]
         total = sum(c.nodes_skipped + c.nodes_run for c in kept)
         return sum(c.nodes_skipped for c in kept) / total if total else 0.0

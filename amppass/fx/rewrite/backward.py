@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from ..analysis.record import META_KEY
-from ..dtypes import short_name
+from ...analysis.record import META_KEY
+from ...dtypes import short_name
 
 _BACKWARD = {"low": None, "fp32": "fp32", "fp32-accumulate": "fp32"}
 

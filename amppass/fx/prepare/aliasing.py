@@ -6,7 +6,7 @@ each write. A cast between a write and a read is a *copy*: a write through a cas
 buffer, and a read through a cast made before the write misses it. So every value that shares storage with
 a value written in place is one aliasing group, which runs in one precision with no cast between its members
 (:func:`amppass.analysis.painting.paint`, rule 9), and a cast of a group member read outside the group is
-made after the last write before that read (:mod:`amppass.fx.rewrite`, rule 10).
+made after the last write before that read (:mod:`amppass.fx.rewrite.apply`, rule 10).
 
 Rules:
 

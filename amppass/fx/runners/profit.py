@@ -33,7 +33,7 @@ painting, the plan is checked against the target device:
      conversion stops timing and estimates the rest (timing them would only cost time).
 
    Every kernel of a region is called once before any timing or estimate: a low-precision kernel that
-   raises where its fp32 twin runs (a missing kernel the kernel facts of :mod:`amppass.fx.kernels` did not
+   raises where its fp32 twin runs (a missing kernel the kernel facts of :mod:`amppass.fx.view.kernels` did not
    know of) makes its node fp32 with that reason, never a crash at run time.
    A region whose ops cannot run alone on synthetic inputs is kept as painted (``unmeasured``). A region
    is labelled with the most doubtful source among its times. Where some of its times are known
@@ -72,17 +72,17 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from ..analysis.plan import Category, Decision, Precision, PrecisionPlan, Source
-from ..analysis.view import GraphView
-from ..dtypes import LowType
-from ..errors import first_line
-from .macs import node_macs
-from ..targets import device as device_facts
-from ..targets.measure import Timings, agree, interleaved, probe, spread
-from .ops import display_name
-from ..targets.prior import Prior
-from ..targets.timing_cache import TimingCache
-from .view import fetch_attr
+from ...analysis.plan import Category, Decision, Precision, PrecisionPlan, Source
+from ...analysis.view import GraphView
+from ...dtypes import LowType
+from ...errors import first_line
+from ..view.macs import node_macs
+from ...targets import device as device_facts
+from ...targets.measure import Timings, agree, interleaved, probe, spread
+from ..view.ops import display_name
+from ...targets.prior import Prior
+from ...targets.timing_cache import TimingCache
+from ..view.build import fetch_attr
 
 log = logging.getLogger(__name__)
 

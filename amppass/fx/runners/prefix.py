@@ -16,7 +16,7 @@ batch during calibration: that fp32 prefix need not run again. Rules:
    graph of the nodes from there on, fed the batch's inputs and the kept values; a batch without that
    checkpoint uses its latest one before it, or the whole trial.
 3. The result is the whole trial's, to the bit: the values fed are the ones the fp32 nodes computed.
-4. No checkpoint lies after a value of an aliasing group (:mod:`amppass.fx.aliasing`) and at or before a
+4. No checkpoint lies after a value of an aliasing group (:mod:`amppass.fx.prepare.aliasing`) and at or before a
    write into that group: a kept value is the tensor itself, which the rest of the fp32 run goes on writing,
    so a run from there would apply the writes twice (``h.div_(s)`` divided again).
 """
@@ -30,9 +30,9 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from ..analysis.calibration import CACHE_BYTES, CHECKPOINTS
-from .aliasing import alias_groups
-from .view import fetch_attr
+from ...analysis.calibration import CACHE_BYTES, CHECKPOINTS
+from ..prepare.aliasing import alias_groups
+from ..view.build import fetch_attr
 
 log = logging.getLogger(__name__)
 

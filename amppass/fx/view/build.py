@@ -2,7 +2,7 @@
 
 With torch.export, every node carries ``meta["val"]`` and the dtypes are known. A symbolically traced
 graph has no dtypes: its values are taken to be floating unless the op says otherwise, and the rewrite
-casts them with a run-time check (:func:`amppass.fx.graph_calls.cast_floating`).
+casts them with a run-time check (:func:`amppass.fx.rewrite.graph_calls.cast_floating`).
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from typing import Any
 import torch
 from torch import fx
 
-from ..analysis.plan import Category
-from ..analysis.policy import for_target
-from ..analysis.view import AliasGroup, GraphView, OpView
-from ..targets.target import Target
+from ...analysis.plan import Category
+from ...analysis.policy import for_target
+from ...analysis.view import AliasGroup, GraphView, OpView
+from ...targets.target import Target
 from . import kernels, ops, policy
-from .aliasing import alias_groups
+from ..prepare.aliasing import alias_groups
 
 # whole exponents that a wide-range low dtype (bf16) computes as safely as a product: x**2, x**3 (GELU's tanh form)
 SMALL_POWERS = frozenset({2, 3})
@@ -131,7 +131,7 @@ def build_view(gm: fx.GraphModule, target: Target) -> tuple[GraphView, dict[str,
 
 
 def _alias_groups(gm: fx.GraphModule, fp32: dict[fx.Node, bool]) -> list[AliasGroup]:
-    """The view's aliasing groups that hold fp32 values (:mod:`amppass.fx.aliasing`)."""
+    """The view's aliasing groups that hold fp32 values (:mod:`amppass.fx.prepare.aliasing`)."""
     found = alias_groups(gm)
     result = []
     for members in found.members:
@@ -146,7 +146,7 @@ def _alias_groups(gm: fx.GraphModule, fp32: dict[fx.Node, bool]) -> list[AliasGr
 def _kernel_facts(node: fx.Node, gm: fx.GraphModule, target: Target, category: Category, reason: str,
                   unknown: bool) -> tuple[Category, str, str]:
     """(category, reason, why the node cannot run low) once the target's kernels are known
-    (:mod:`amppass.fx.kernels`): an op that would run low without a low kernel there runs fp32, and so
+    (:mod:`amppass.fx.view.kernels`): an op that would run low without a low kernel there runs fp32, and so
     does an op the policy table does not list but torch.autocast keeps fp32 on that device."""
     blocked = kernels.low_blocked(node, gm, target)
     if blocked and category in (Category.LOW, Category.FOLLOW):
