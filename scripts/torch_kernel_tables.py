@@ -1,6 +1,6 @@
 """Build amppass's torch kernel facts (``amppass/targets/data/torch_kernels.json``) from torch's own sources.
 
-The FX plan asks the target's torch directly where it can (:mod:`amppass.fx.kernels` calls the op once on
+The FX plan asks the target's torch directly where it can (:mod:`amppass.fx.view.kernels` calls the op once on
 tiny inputs). This table answers where it cannot: a CUDA target planned on a machine without a GPU, a
 symbolically traced graph whose nodes carry no example values, an op whose tiny call fails in fp32 too.
 Three sources, each named in the file:

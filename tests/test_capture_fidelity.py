@@ -16,7 +16,7 @@ from torch import nn
 
 import amppass
 from amppass import CaptureError
-from amppass.fx.capture.export import fidelity
+from amppass.fx.capture import fidelity
 
 
 class TracedOtherwise(nn.Module):

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 import amppass
-from amppass.fx.view.build import kernels, policy; from amppass.fx.runners import profit
+from amppass.fx.runners import profit
+from amppass.fx.view import kernels, policy
 from amppass.fx.capture.export import capture
 from amppass.fx.view.build import build_view
 from amppass.targets import torch_target

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import amppass
 from amppass.analysis.plan import Category
-from amppass.fx.view.build import policy
+from amppass.fx.view import policy
 
 
 def test_every_op_is_real_and_named_once():

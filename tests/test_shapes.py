@@ -14,7 +14,7 @@ from torch import nn
 import amppass
 from amppass.analysis.record import META_KEY
 from amppass.serving.face import stored_parameters
-from amppass.fx.capture.export import guards
+from amppass.fx.capture import guards
 from amppass.serving import serving_graph
 from amppass.serving.serving_graph import ServingGraph
 from models import build

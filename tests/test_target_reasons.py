@@ -10,7 +10,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import amppass
 from amppass.analysis.policy import MATRIX_WORK, for_target
-from amppass.fx.view.build import policy as fx_policy
+from amppass.fx.view import policy as fx_policy
 from amppass.onnx import policy as onnx_policy
 
 

@@ -46,7 +46,8 @@ from torch import fx
 from ...analysis.plan import Precision, PrecisionPlan
 from ...analysis.record import META_KEY
 from ...dtypes import LowType, short_name
-from . import graph_calls; from ..view import ops, policy
+from . import graph_calls
+from ..view import ops, policy
 from ..prepare.aliasing import alias_groups
 from ..view.build import carries_fp32, cast_target, fetch_attr, has_dtypes, module_state
 
