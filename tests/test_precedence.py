@@ -79,7 +79,8 @@ def test_level_7_the_policy_decides_what_no_level_above_did():
 @pytest.mark.parametrize("changes, words", [
     ({"plan_for": "fast"}, "plan_for='fast' is not one of"),
     ({"keep_io_types": "yes"}, "keep_io_types='yes' must be True or False"),
-    ({"keep_fp32": [3]}, "keep_fp32 holds 3"),
+    ({"keep_fp32": [3]}, "keep_fp32: 3 is a int, not a string"),
+    ({"force_low": ["linear[("]}, "not a valid regular expression"),
     ({"costs": [1.0]}, "costs must be the table"),
     ({"tolerance": 1e-3}, "needs calibration data"),
     ({"tolerance": -1.0, "calibration": []}, "must be a positive number"),

@@ -2,7 +2,7 @@
 match its code, a subgraph of a higher-order op. Decided at conversion; the first call never fails.
 
 A plain-torch block that calls ``self.dropout`` twice, and tiny transformers models of each family that used
-to fail on their first call (T5, ViT, BART, Whisper, Falcon, Bloom, PhiMoE): forward, backward and an optimizer
+to fail on their first call (T5, ViT, BART, Whisper, Falcon, Bloom; PhiMoE by parts): forward, backward and an optimizer
 step against fp32, each layer still a part of its own that is called as a module (what FSDP2 wraps by class).
 """
 
@@ -185,10 +185,26 @@ def test_transformers_families_train_in_their_module_tree(name):
     _step_against_fp32(model, lambda out: out.loss, inputs)
 
 
-def test_phimoe_routes_with_its_own_backward_so_train_mode_refuses_it():
+def test_phimoe_routes_with_its_own_backward_so_it_trains_by_parts():
     """PhiMoE's sparse mixer routes through a Function (transformers' PhimoeMultiplier) whose backward is a
     gradient estimator, not the derivative of its forward: the captured graph trained the router on other
-    gradients (0.36 off, relative), and train mode now says so (amppass.fx.capture.custom_backward)."""
+    gradients (0.36 off, relative), so the whole model is refused in train mode (amppass.fx.capture.
+    custom_backward) and converts by parts, the Function running as itself between converted layers."""
+    from amppass.serving.parts import parts_of
+
     model, inputs = _family("phimoe")
-    with pytest.raises(CaptureError, match=r"PhimoeMultiplier .*\(train mode\) the gradient of .*router"):
-        amppass.convert(model, (), example_kwargs=inputs, dtype=torch.float16, mode="train")
+    reference = copy.deepcopy(model)
+    converted = amppass.convert(model, (), example_kwargs=inputs, dtype=torch.float16, mode="train")
+    parts = parts_of(converted)
+    assert "PhimoeMultiplier" in parts.why_whole and "lm_head" in parts.converted
+    torch.manual_seed(1)
+    loss = converted(**inputs).loss
+    loss.backward()
+    torch.manual_seed(1)
+    expected = reference(**inputs).loss
+    expected.backward()
+    torch.testing.assert_close(loss.detach(), expected.detach(), rtol=2e-2, atol=2e-2)
+    cosines = _cosines(converted, reference)
+    assert len(cosines) >= len(list(reference.parameters())) // 2
+    assert min(cosines.values()) > 0.95, cosines
+    assert all(p.grad is None for p in model.parameters())

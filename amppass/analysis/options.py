@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 from ..errors import InputError
 from .calibration import check_tolerance
+from .overrides import compile_patterns
 
 PLAN_FOR = ("speed", "coverage", "memory")
 
@@ -52,13 +53,6 @@ class PlanOptions:
 
 
 def _patterns(name: str, value: Any) -> tuple[str, ...]:
-    """``keep_fp32`` / ``force_low`` as a tuple of strings: one string is one pattern, not its characters."""
-    if isinstance(value, str):
-        return (value,)
-    if not isinstance(value, Iterable):
-        raise InputError(f"{name}={value!r} must be an op name or node-name pattern, or a list of them")
-    patterns = tuple(value)
-    wrong = [p for p in patterns if not isinstance(p, str)]
-    if wrong:
-        raise InputError(f"{name} holds {wrong[0]!r}, not an op name or node-name pattern (a string)")
-    return patterns
+    """``keep_fp32`` / ``force_low`` as a tuple of strings (one string is one pattern, not its characters), each a
+    valid regular expression (:func:`amppass.analysis.overrides.compile_patterns` says what is wrong otherwise)."""
+    return tuple(pattern for pattern, _ in compile_patterns(value, name))

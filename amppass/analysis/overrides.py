@@ -33,7 +33,9 @@ from .view import GraphView, OpView
 log = logging.getLogger(__name__)
 
 
-def _compile(patterns: Iterable[str], argument: str) -> list[tuple[str, re.Pattern[str]]]:
+def compile_patterns(patterns: Iterable[str], argument: str) -> list[tuple[str, re.Pattern[str]]]:
+    """Each of ``patterns`` (one string is one pattern) with its compiled regular expression; InputError naming
+    ``argument`` for anything that is not a string or not a valid expression."""
     if isinstance(patterns, str):
         patterns = [patterns]
     try:
@@ -105,7 +107,7 @@ def resolve(
                                           ("force_low", force_low, Precision.LOW)):
         target = "fp32" if precision is Precision.FP32 else low
         done = "kept in fp32" if precision is Precision.FP32 else f"forced to {target}"
-        for pattern, regex in _compile(patterns, argument):
+        for pattern, regex in compile_patterns(patterns, argument):
             hits = [n for n in view.nodes if n.category is not Category.KEEP and _matches(n, pattern, regex)]
             if not hits:
                 _no_match(argument, pattern, view, done)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 from torch import fx, nn
-from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 
 from ..analysis import overrides, precedence
 from ..analysis.painting import paint
@@ -121,8 +122,20 @@ def convert(
     """
     # a dispatch mode of the caller's (Lightning's FLOP counter around its model summary, which is where a routed
     # model converts) would see every traced, timed and checked op of the conversion, symbolic sizes included
-    with _disable_current_modes():
+    with _outside_callers_modes():
         return _convert(**locals())
+
+
+@contextlib.contextmanager
+def _outside_callers_modes() -> Iterator[None]:
+    """The block run with the caller's own dispatch modes (not torch's infrastructure modes) off this thread's
+    stack, and put back after; nothing is touched where there are none: torch's infrastructure modes are shared
+    with exports running in other threads."""
+    if not any(not mode.is_infra_mode() for mode in _get_current_dispatch_mode_stack()):
+        yield
+        return
+    with _disable_current_modes():
+        yield
 
 
 def _convert(
