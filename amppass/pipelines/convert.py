@@ -319,8 +319,9 @@ def _faster_of(gm: fx.GraphModule, model: nn.Module, example: tuple[Any, dict],
         return _kept(gm, model, info, why)
     device = next((t.device for t in gm.parameters()), torch.device("cpu"))
     table = CostModel({**info.get("costs", {}), **(costs or {})}, TimingCache(fingerprint(device)))
-    busy = info.get("profitability", {}).get("too_busy", False)
-    measured = profit.whole_model(gm, model, args, kwargs, table, measure=not busy)
+    # timed even where the regions' timings were not (a region of hundreds of kernels rarely has an undisturbed
+    # round where two calls do): the check that keeps a plan estimated from the prior from being slower
+    measured = profit.whole_model(gm, model, args, kwargs, table)
     if measured is None:
         # keeping the original throws the whole plan away: only on measurements load left undisturbed
         log.warning("%s: not timed against your original module as a whole: other programs were using the CPU, so "

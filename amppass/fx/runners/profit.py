@@ -563,11 +563,10 @@ def _us(seconds: float) -> str:
 
 
 def whole_model(converted: torch.nn.Module, original: torch.nn.Module, args: tuple, kwargs: dict,
-                costs: CostModel, budget: float = 1.0, measure: bool = True) -> tuple[float, float] | None:
+                costs: CostModel, budget: float = 1.0) -> tuple[float, float] | None:
     """Seconds per call of ``converted`` and of ``original`` (fp32), the medians of interleaved rounds left
     undisturbed by other load (rule 2), within about ``budget`` seconds of measuring (3 to 15 rounds); None
-    where too few rounds were undisturbed to tell, or where they are not known and ``measure`` is False (the
-    regions' timings already found the machine too busy). Both times go into ``costs`` (keyed by the model and its
+    where too few rounds were undisturbed to tell. Both times go into ``costs`` (keyed by the model and its
     input shapes), which answers instead when it already holds them; its timing cache keeps them under a
     key that also names the converted graph's code and tensor shapes, so another model of the same class
     never reads them."""
@@ -579,8 +578,6 @@ def whole_model(converted: torch.nn.Module, original: torch.nn.Module, args: tup
     cache = costs.cache.entries if costs.cache is not None else {}
     if all(name in cache for name in stored):
         found = [cache[name] for name in stored]
-    elif not measure:
-        return None
     else:
         calls = [lambda: converted(*args, **kwargs), lambda: original(*args, **kwargs)]
         began = time.perf_counter()
