@@ -274,3 +274,46 @@ def test_a_transformers_model_converted_by_parts_saves_what_its_class_loads(tmp_
     assert set(loaded.state_dict()) == set(want.state_dict())
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+class LossHead(nn.Module):
+    """A head whose parent calls its loss method besides its forward (torchvision's RetinaNet head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.weight_of_loss = nn.Linear(16, 4), 0.5
+
+    def forward(self, h):
+        return self.fc(h)
+
+    def compute_loss(self, out, target):
+        return self.weight_of_loss * self._distance(out, target)
+
+    @staticmethod
+    def _distance(out, target):
+        return (out - target).square().mean()
+
+
+class TrainsWithItsHeadsLoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Linear(8, 16), LossHead()
+
+    def forward(self, x, target):
+        h = torch.relu(self.body(x))
+        if h.sum() > 0:  # a branch on the data: no single graph takes the model
+            h = h * 2
+        return self.head.compute_loss(self.head(h), target)
+
+
+def test_a_part_trained_by_parts_keeps_the_other_methods_its_parent_calls():
+    torch.manual_seed(0)
+    model, x, target = TrainsWithItsHeadsLoss().train(), torch.randn(4, 8), torch.randn(4, 4)
+    reference = copy.deepcopy(model)
+    fast = amppass.convert(model, (x, target), "fp16", mode="train")
+    assert "head" in parts_of(fast).converted and fast.head.weight_of_loss == 0.5
+    loss, expected = fast(x, target), reference(x, target)
+    loss.backward(), expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-2, atol=1e-3)
+    grad, want = fast.head.fc.weight.grad, reference.head.fc.weight.grad
+    assert (grad - want).norm() / want.norm() < 0.02

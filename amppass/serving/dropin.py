@@ -30,7 +30,9 @@ Rules:
 6. The converted module's own API stays at hand: ``graph``, ``meta``, ``plans``, ``guards``,
    ``drop_original()`` read ``converted``'s; :func:`amppass.report` reads ``converted``.
 7. A train-mode model keeps its own class (:class:`~amppass.training.module.TrainEvalGraphs`, whose module tree
-   is the original's); :func:`with_signature` gives its ``forward`` the model's signature.
+   is the original's); :func:`with_signature` gives its ``forward`` the model's signature and, but for a
+   transformers model, the other methods of the model's class with the plain attributes they read (a parent
+   model converted by parts calls them: torchvision's RetinaNet calls ``self.head.compute_loss``).
 8. Saving where users save: the class's own ``save_pretrained`` and ``save`` (transformers, sentence-transformers)
    write what the original's would: its keys and fp32 weights, which its plain class loads
    (``Class.from_pretrained(path)``). They run on the original model, the one the converted module keeps for
@@ -133,14 +135,37 @@ def with_signature(module: nn.Module, model: nn.Module) -> nn.Module:
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             return run(self, *args, **kwargs)
 
+        own = {} if is_transformers_model(model) else _methods_of(wanted, cls)
         signed = _signed[(cls, wanted)] = type(cls.__name__, (cls,), {
-            "forward": functools.wraps(wanted.forward)(forward), "__module__": cls.__module__,
-            "__doc__": cls.__doc__, "__qualname__": cls.__qualname__, **_savers(wanted, _trained_saveable),
+            **own, "forward": functools.wraps(wanted.forward)(forward),
+            "__module__": cls.__module__, "__doc__": cls.__doc__, "__qualname__": cls.__qualname__,
+            **_savers(wanted, _trained_saveable),
         })
     if _savers(wanted, _trained_saveable):  # rule 8: the class and plain attributes to save the trained tensors as
         module.__dict__["_amppass_saved_as"] = (wanted, _plain_attributes(model))
+    if not is_transformers_model(model):  # rule 7: what the class's own methods read
+        for key, value in _plain_attributes(model).items():
+            if getattr(value, "__self__", None) is not model:  # a bound method would call the caller's model
+                module.__dict__.setdefault(key, value)
     module.__class__ = signed
     return module
+
+
+def _methods_of(wanted: type, base: type) -> dict[str, Any]:
+    """Rule 7: the methods and properties of ``wanted``'s own classes (outside torch) that
+    ``base`` does not define, nearest class first; so a parent model's code can call a part's other methods
+    (torchvision's RetinaNet calls ``self.head.compute_loss``)."""
+    found: dict[str, Any] = {}
+    for klass in wanted.__mro__:
+        if klass in (nn.Module, object) or klass.__module__.startswith("torch."):
+            continue
+        for name, value in vars(klass).items():
+            if name.startswith("__") or name == "forward" or hasattr(base, name):
+                continue
+            if callable(value) or isinstance(value, (property, functools.cached_property, staticmethod,
+                                                     classmethod)):
+                found.setdefault(name, value)
+    return found
 
 
 _classes: dict[tuple[type, type], type] = {}
