@@ -266,8 +266,10 @@ def test_a_declared_dynamic_batch_the_file_cannot_run_is_found(tmp_path):
     path = tmp_path / "baked.onnx"
     import onnx
 
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10), path)
     example = (torch.randn(1, 8),)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])  # it takes the file
+    assert session.run(None, {"x": example[0].numpy()})[0].shape == (1, 2, 4)
     assert not export._runs_at_another_size(str(path), ["x"], example, {"x": {0: torch.export.Dim.AUTO}})
     assert export._runs_at_another_size(str(path), ["x"], example, None)
 
@@ -293,3 +295,36 @@ def test_the_export_keeps_the_most_dynamic_shapes_the_file_runs_and_the_report_n
     assert info["fixed_dims"] == ["image dim 2 (16)", "image dim 3 (16)"]
     assert "sizes fixed at the example's in the file" in amppass.report(model).summary()
     assert run(tmp_path / "head.onnx", model, torch.randn(3, 3, 16, 16)).shape == (3, 2)
+
+
+def test_the_size_check_grows_the_batch_and_the_other_dims_apart_too(tmp_path, monkeypatch):
+    """timm's Swin exported from 2x128x128 ran at batch 4 and 192x192 but not at batch 2 and 192x192 (a size baked
+    from the example): growing every dimension at once hid it. A file that fails with one kind grown fails the check."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"])], "free",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "length"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "length"])])
+    path = tmp_path / "free.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10), path)
+    fed, refused = [], set()
+    real_run = ort.InferenceSession.run
+
+    def run_unless_refused(self, outputs, feeds, *args, **kwargs):
+        fed.append(feeds["x"].shape)
+        if feeds["x"].shape in refused:
+            raise RuntimeError("Reshape: a size baked from the example")
+        return real_run(self, outputs, feeds, *args, **kwargs)
+
+    monkeypatch.setattr(ort.InferenceSession, "run", run_unless_refused)
+    both = {"x": {0: torch.export.Dim.AUTO, 1: torch.export.Dim.AUTO}}
+    example = (torch.randn(2, 6),)
+    assert export._runs_at_another_size(str(path), ["x"], example, both)
+    assert fed == [(4, 8), (4, 6), (2, 8)]
+    refused.add((2, 8))
+    assert not export._runs_at_another_size(str(path), ["x"], example, both)
+    fed.clear()
+    assert export._runs_at_another_size(str(path), ["x"], example, {"x": {0: torch.export.Dim.AUTO}})
+    assert fed == [(4, 6)]  # one kind declared: one run

@@ -8,7 +8,7 @@ import logging
 import os
 import re
 import tempfile
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import onnx
@@ -266,8 +266,8 @@ def _fixed_dims(names: list[str], args: tuple, wanted: Any, got: Any) -> list[st
 
 
 def _runs_at_another_size(path: str, names: list[str], args: tuple, shapes: Any) -> bool:
-    """Whether the exported float32 model runs in onnxruntime with every dimension it declares dynamic grown by
-    :func:`_grown` (True when it declares none). The dynamo exporter defers the model's own size checks to run
+    """Whether the exported float32 model runs in onnxruntime with the dimensions it declares dynamic grown by
+    :func:`_grown`, all together and by kind (:func:`_growths`; True when it declares none). The dynamo exporter defers the model's own size checks to run
     time, so a net whose Linear reads a flattened feature map exports with free image sizes it cannot take, and
     a reshape the model computes from the example's batch (LeViT, SD3, Flux) exports a dynamic batch that only
     runs at the example's.
@@ -289,19 +289,32 @@ def _runs_at_another_size(path: str, names: list[str], args: tuple, shapes: Any)
             log.info("the exported model's inputs %s are none of the example's arguments %s, so its dynamic "
                      "dimensions cannot be tried at another size; they are fixed", unknown, list(leaves))
             return False
-        feeds = {}
-        for info in session.get_inputs():
-            array = leaves[info.name].detach().cpu().numpy()
-            grown = dynamic.get(info.name, ())
-            if grown:
-                array = np.resize(array, [_grown(n) if d in grown else n for d, n in enumerate(array.shape)])
-            feeds[info.name] = array
-        session.run(None, feeds)
+        for which in _growths(dynamic):
+            feeds = {}
+            for info in session.get_inputs():
+                array = leaves[info.name].detach().cpu().numpy()
+                grown = [d for d in dynamic.get(info.name, ()) if which(d)]
+                if grown:
+                    array = np.resize(array, [_grown(n) if d in grown else n for d, n in enumerate(array.shape)])
+                feeds[info.name] = array
+            session.run(None, feeds)
     except Exception as err:  # noqa: BLE001 - onnxruntime's own types: the size is not one the model takes
         log.info("the exported model does not run at sizes other than its example's on %s (%s); fewer are left "
                  "dynamic", dynamic, first_line(err))
         return False
     return True
+
+
+def _growths(dynamic: Mapping[str, list[int]]) -> list[Callable[[int], bool]]:
+    """Which dynamic dimensions each run grows: all of them; then, where both kinds are dynamic, the batch
+    alone and the others alone. A size the export baked in from the example can hide behind growing every
+    dimension at once: timm's Swin ran at batch 4 and 192x192 from an example of 2x128x128, but not at batch 2
+    and 192x192."""
+    dims = {d for found in dynamic.values() for d in found}
+    runs: list[Callable[[int], bool]] = [lambda d: True]
+    if 0 in dims and len(dims) > 1:
+        runs += [lambda d: d == 0, lambda d: d != 0]
+    return runs
 
 
 def _grown(size: int) -> int:
