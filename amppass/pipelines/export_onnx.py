@@ -8,7 +8,7 @@ import logging
 import os
 import re
 import tempfile
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 import numpy as np
 import onnx
@@ -20,6 +20,7 @@ from ..errors import CaptureError, InputError, first_line
 from ..files import check_writable
 from ..fx.capture.export import capturing, size_one_dynamic
 from ..fx.capture.quiet import quiet_torch
+from ..onnx.rename import rename_outputs
 from .convert_onnx import convert_onnx, note, save
 from .onnx_ops import translations
 
@@ -33,6 +34,7 @@ def export_onnx(
     dtype: str = "fp16",
     *,
     dynamic_shapes: Any = "auto",
+    output_names: list[str] | None = None,
     **convert_kwargs: Any,
 ) -> onnx.ModelProto:
     """Export ``torch_model`` to ONNX, convert it with :func:`convert_onnx` and save it atomically at ``path``.
@@ -44,16 +46,29 @@ def export_onnx(
     by default (``"auto"``) the batch dimension of every input, the sequence dimension (dim 1 of integer
     rank-2 inputs and of rank-3 inputs) and the spatial dimensions of channels-first images and volumes
     (dims 2 and up of rank-4 and rank-5 inputs) stay dynamic where the model allows it, a batch of 1 included;
-    ``None`` fixes every dimension to the example's. ``convert_kwargs`` go to :func:`convert_onnx`. Returns the converted model.
+    ``None`` fixes every dimension to the example's. Inputs whose dim 0 has the example's batch size (that of the
+    first tensor input) share one symbol, ``batch``, and the token inputs of a transformers model (``input_ids``,
+    ``attention_mask``, ``token_type_ids``, ``position_ids``) of one length share ``sequence``, where the model
+    allows it (otherwise each keeps its own symbol).
+
+    The file's outputs are named as the model declares them (:func:`declared_output_names`): a tensor output
+    ``output``, a tuple's ``output_0``, ``output_1``, ...; the fields of a dict, a namedtuple or a transformers
+    ``ModelOutput`` by their keys (``last_hidden_state``, ``pooler_output``), nested ones joined by dots
+    (``past_key_values.0.key``). ``output_names`` names them instead: one distinct string per output of the
+    exported file, in the order of the model's flattened outputs. ``convert_kwargs`` go to :func:`convert_onnx`.
+    Returns the converted model.
     """
     if not isinstance(torch_model, torch.nn.Module):
         raise InputError(f"export_onnx takes a torch.nn.Module, got {type(torch_model).__name__}; for an ONNX "
                          "model already on disk use amppass.convert_onnx")
     _refuse_converted(torch_model)
+    _check_output_names(output_names)
     check_writable(path)
     with capturing(torch_model, train=False):  # an inference export: dropout off, BN running stats
         fp32 = export_fp32(torch_model, example_inputs, dynamic_shapes=dynamic_shapes)
-        _say_if_the_export_differs(fp32, torch_model, example_inputs)
+        outputs = _outputs(torch_model, example_inputs)
+        _name_outputs(fp32, output_names, outputs, type(torch_model).__name__)
+        _say_if_the_export_differs(fp32, torch_model, example_inputs, outputs=outputs)
     fixed = [entry.value for entry in fp32.metadata_props if entry.key == FIXED_KEY]
     del fp32.metadata_props[:]  # the summary convert_onnx stores is the file's only metadata of amppass's
     converted = convert_onnx(fp32, dtype, **convert_kwargs)
@@ -67,12 +82,110 @@ FIXED_KEY = "amppass_fixed_dims"  # metadata_props entry: the dimensions the exp
 EXPORT_TOLERANCE = 1e-4  # relative L2: a float32 export differs from torch by its kernels' rounding, far below this
 
 
-def _say_if_the_export_differs(fp32: onnx.ModelProto, torch_model: torch.nn.Module, example_inputs: Any) -> float | None:
+def _outputs(torch_model: torch.nn.Module, example_inputs: Any) -> Any:
+    """The model's outputs on the example, as it returns them (a ModelOutput, a dict, a tuple, a tensor)."""
+    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    with torch.no_grad():
+        return torch_model(*args)
+
+
+def _check_output_names(output_names: Any) -> None:
+    """Refuse ``output_names`` that cannot name ONNX outputs: not a list of strings, an empty name, a repeat. The
+    count is checked against the exported file (:func:`_name_outputs`)."""
+    if output_names is None:
+        return
+    fix = ("pass one distinct string per output of the model, in the order of its flattened outputs (e.g. "
+           "output_names=['last_hidden_state', 'pooler_output']), or leave output_names out to name them as the "
+           "model declares them")
+    if isinstance(output_names, str) or not isinstance(output_names, (list, tuple)):
+        raise InputError(f"export_onnx's output_names must be a list of strings, got "
+                         f"{type(output_names).__name__} {output_names!r:.80}; {fix}")
+    bad = [name for name in output_names if not isinstance(name, str) or not name]
+    if bad:
+        raise InputError(f"export_onnx's output_names holds {bad[0]!r:.80}, which is not a non-empty string; {fix}")
+    repeated = sorted({name for name in output_names if output_names.count(name) > 1})
+    if repeated:
+        raise InputError(f"export_onnx's output_names names {repeated[0]!r} more than once: each ONNX output needs "
+                         f"a name of its own; {fix}")
+
+
+def declared_output_names(outputs: Any, inputs: Collection[str] = ()) -> list[str]:
+    """The names of the tensors in ``outputs``, in the order exporters flatten them (torch's pytree):
+    ``output`` for a tensor; ``output_<i>`` for the items of a tuple or list; a dict's, namedtuple's or
+    ``ModelOutput``'s key for its fields; nested keys and positions joined by dots (``past_key_values.0.key``,
+    ``output_1.boxes``). A name that is one of ``inputs`` (the file's input names: a value has one name) gets
+    ``_output``; a name that would repeat (keys that are themselves dotted) gets ``_1``, ``_2``, ..."""
+    names: list[str] = []
+    for path, leaf in pytree.tree_flatten_with_path(outputs)[0]:
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        parts = [_key(entry) for entry in path]
+        if not parts:
+            name = "output"
+        elif isinstance(path[0], pytree.SequenceKey):
+            name = ".".join([f"output_{parts[0]}", *parts[1:]])
+        else:
+            name = ".".join(parts)
+        name = f"{name}_output" if name in inputs else name
+        base, n = name, 0
+        while name in names or name in inputs:
+            n += 1
+            name = f"{base}_{n}"
+        names.append(name)
+    return names
+
+
+def _key(entry: Any) -> str:
+    """One step of a pytree path as a name: a key, a field, a position."""
+    if isinstance(entry, pytree.MappingKey):
+        return str(entry.key)
+    if isinstance(entry, pytree.SequenceKey):
+        return str(entry.idx)
+    if isinstance(entry, pytree.GetAttrKey):
+        return entry.name
+    return str(entry).strip(".[]'\"")
+
+
+def _name_outputs(fp32: onnx.ModelProto, output_names: list[str] | None, outputs: Any, model_name: str) -> None:
+    """Name the exported file's outputs ``output_names``, or as the model declares them. Where the file has
+    another count of outputs than the model returns tensors (a cache the exporter flattened its own way), the
+    declared names cannot be paired and the exporter's are kept, with a warning; given names of the wrong count
+    are refused."""
+    have = [out.name for out in fp32.graph.output]
+    inputs = {i.name for i in fp32.graph.input}
+    if output_names is not None:
+        if len(output_names) != len(have):
+            shown = have if len(have) <= 8 else [*have[:8], "..."]
+            raise InputError(f"export_onnx's output_names gives {_count(len(output_names), 'name')}, but the "
+                             f"exported {model_name} has {_count(len(have), 'output')} (named by the exporter: "
+                             f"{', '.join(shown)}): pass {_count(len(have), 'name')}, in the order of the model's "
+                             "flattened outputs")
+        clash = [name for name, old in zip(output_names, have) if name in inputs and name != old]
+        if clash:
+            raise InputError(f"export_onnx's output_names gives {clash[0]!r}, the name of an input of the exported "
+                             f"{model_name}; an ONNX value has one name: choose another output name")
+        names = list(output_names)
+    else:
+        names = declared_output_names(outputs, inputs)
+        if len(names) != len(have):
+            log.warning("%s returns %d tensors but its ONNX export has %d outputs, so they cannot be paired: the "
+                        "file keeps the exporter's output names %s; name them with export_onnx(..., "
+                        "output_names=[...])", model_name, len(names), len(have), have)
+            return
+    rename_outputs(fp32, names)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _say_if_the_export_differs(fp32: onnx.ModelProto, torch_model: torch.nn.Module, example_inputs: Any,
+                               outputs: Any = None) -> float | None:
     """Run the float32 export in onnxruntime on the example beside the PyTorch model, and warn where an output
     differs by more than :data:`EXPORT_TOLERANCE`: that error is the exporter's, before any conversion, and the
     converted model carries it. Where the export has another count of outputs (a cache flattened its own way)
-    only the first output is compared. Returns the worst error (None where onnxruntime cannot run it on the
-    example's inputs)."""
+    only the first output is compared. ``outputs`` are the model's on the example where the caller has them.
+    Returns the worst error (None where onnxruntime cannot run it on the example's inputs)."""
     import onnxruntime as ort
 
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
@@ -86,8 +199,9 @@ def _say_if_the_export_differs(fp32: onnx.ModelProto, torch_model: torch.nn.Modu
     except Exception as err:  # noqa: BLE001 - onnxruntime's own types: then there is nothing to compare
         log.info("the float32 export was not compared with the model on the example: %s", first_line(err, 200))
         return None
-    with torch.no_grad():
-        want = [t for t in pytree.tree_leaves(torch_model(*args)) if isinstance(t, torch.Tensor)]
+    if outputs is None:
+        outputs = _outputs(torch_model, args)
+    want = [t for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor)]
     if len(want) != len(got):  # the exporter flattened a cache its own way: the first output still pairs
         got, want = got[:1], want[:1]
     worst, where = 0.0, 0
@@ -145,15 +259,25 @@ def export_fp32(torch_model: torch.nn.Module, example_inputs: Any, opset: int | 
         target = os.path.join(folder, "model.onnx")
         kwargs = {"opset_version": opset} if opset is not None else {}
 
+        def dynamo_export(attempt: Any, size_one: bool) -> None:
+            with size_one_dynamic(size_one), quiet_torch():
+                torch.onnx.export(torch_model, args, target, dynamo=True, verbose=False, dynamic_shapes=attempt,
+                                  custom_translation_table=translations(), **kwargs)
+
         def exported(dynamo: bool, size_one: bool = False) -> onnx.ModelProto:
             """Export with ``shapes``; again with fewer dynamic dimensions where the file does not run at another
             size on those it declares (:func:`_attempts`)."""
             for attempt in _attempts(shapes) if dynamic_shapes == "auto" else (shapes,):
                 if dynamo:
-                    with size_one_dynamic(size_one), quiet_torch():
-                        torch.onnx.export(torch_model, args, target, dynamo=True, verbose=False,
-                                          dynamic_shapes=attempt, custom_translation_table=translations(),
-                                          **kwargs)
+                    try:
+                        dynamo_export(attempt, size_one)
+                    except Exception as err:  # a shared Dim the model's code refuses: each dimension its own
+                        if _unshared(attempt) == attempt:
+                            raise
+                        log.info("the export with shared batch/sequence dimensions failed (%s); exporting "
+                                 "with a symbol for each", _why(err))
+                        attempt = _unshared(attempt)
+                        dynamo_export(attempt, size_one)
                 else:
                     with quiet_torch():
                         torch.onnx.export(torch_model, args, target, dynamo=False, verbose=False,
@@ -210,13 +334,19 @@ def _input_names(model: torch.nn.Module, args: tuple) -> list[str]:
     return [parameters[i].name if i < len(parameters) else f"input_{i}" for i in range(len(args))]
 
 
+TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")  # transformers' names
+
+
 def _batch_and_sequence(names: list[str], args: tuple) -> dict[str, Any] | None:
     """Dim.AUTO on dim 0 of every tensor input, on dim 1 of sequences (integer inputs of rank 2: token ids,
     masks; inputs of rank 3: a rank-2 float input's dim 1 is its features), and on every dimension but the
     channels (dim 1) of inputs of rank 4 and more: channels-first images and volumes, whose spatial sizes a
     convolutional model takes at any size. The dynamo exporter keeps a Dim.AUTO dimension symbolic in the ONNX
     model even where the model fixes it (channels read by a convolution): naming channels would promise a
-    size the model cannot take."""
+    size the model cannot take.
+
+    Dimensions that are one size for the model's caller share a named Dim (:func:`_shared`): Dim.AUTO gives each
+    its own symbol unless the model's code ties them, and a mask only broadcast against the ids does not."""
     shapes: dict[str, Any] = {}
     for name, value in zip(names, args):
         if not isinstance(value, torch.Tensor) or value.dim() == 0:
@@ -227,7 +357,40 @@ def _batch_and_sequence(names: list[str], args: tuple) -> dict[str, Any] | None:
         else:
             dynamic = [0, 1] if value.dim() == 3 or (value.dim() == 2 and not value.is_floating_point()) else [0]
         shapes[name] = {dim: Dim.AUTO for dim in dynamic}
-    return shapes if any(shapes.values()) else None
+    if not any(shapes.values()):
+        return None
+    return _shared(shapes, dict(zip(names, args)))
+
+
+def _shared(shapes: dict[str, Any], values: Mapping[str, Any]) -> dict[str, Any]:
+    """``shapes`` with one named Dim for each group of two or more dimensions that are the same size in the example
+    and mean the same: ``batch`` for dim 0 of the inputs whose dim 0 is the first tensor input's; ``sequence`` for
+    dim 1 of the token inputs (:data:`TOKEN_INPUTS`) of the same length. A lone dimension keeps Dim.AUTO."""
+    dynamic = {name: spec for name, spec in shapes.items() if spec}
+    if not dynamic:
+        return shapes
+    batch = values[next(iter(dynamic))].shape[0]
+    groups = {
+        "batch": [(name, 0) for name, spec in dynamic.items() if 0 in spec and values[name].shape[0] == batch],
+        "sequence": [(name, 1) for name, spec in dynamic.items() if name in TOKEN_INPUTS and 1 in spec],
+    }
+    if groups["sequence"]:
+        length = values[groups["sequence"][0][0]].shape[1]
+        groups["sequence"] = [(name, 1) for name, _ in groups["sequence"] if values[name].shape[1] == length]
+    shared = {name: dict(spec) if spec else spec for name, spec in shapes.items()}
+    for symbol, members in groups.items():
+        if len(members) > 1:
+            dim = Dim(symbol)
+            for name, index in members:
+                shared[name][index] = dim
+    return shared
+
+
+def _unshared(shapes: Any) -> Any:
+    """``shapes`` with every named Dim back to Dim.AUTO: for a model whose export refuses to tie them."""
+    if not isinstance(shapes, dict):
+        return shapes
+    return {name: {d: Dim.AUTO for d in spec} if isinstance(spec, dict) else spec for name, spec in shapes.items()}
 
 
 def _dynamic(shapes: Any) -> dict[str, list[int]]:
@@ -347,8 +510,9 @@ def _named_leaves(names: list[str], args: tuple) -> dict[str, torch.Tensor]:
 
 
 def _axes(names: list[str], shapes: Any) -> dict[str, dict[int, str]] | None:
-    """The TorchScript exporter's dynamic_axes for the same dimensions."""
+    """The TorchScript exporter's dynamic_axes for the same dimensions: a shared Dim's name (``batch``), or
+    ``<input>_<dim>``."""
     if not isinstance(shapes, dict):
         return None
-    return {name: {dim: f"{name}_{dim}" for dim in spec} for name, spec in shapes.items()
-            if name in names and isinstance(spec, dict) and spec}
+    return {name: {dim: getattr(spec[dim], "__name__", None) or f"{name}_{dim}" for dim in spec}
+            for name, spec in shapes.items() if name in names and isinstance(spec, dict) and spec}
