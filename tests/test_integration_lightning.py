@@ -1,6 +1,6 @@
-"""Lightning Trainer and Fabric with amppass's precision plugins, end to end with the real libraries (tiny MLP)."""
-
-import warnings
+"""Lightning Trainer and Fabric with amppass's precision plugins, end to end with the real libraries (tiny MLP):
+the standalone packages (pytorch_lightning, lightning_fabric); the unified ``lightning`` package's in
+tests/test_integration_lightning_unified.py."""
 
 import pytest
 import torch
@@ -15,68 +15,17 @@ from lightning_fabric import Fabric  # noqa: E402  (installed with pytorch-light
 from amppass.integrations import fabric as amp_fabric  # noqa: E402
 from amppass.integrations.lightning import AmpPassPrecision  # noqa: E402
 from amppass.integrations.routing import converted  # noqa: E402
+from tests.helpers.lightning_runs import CLIP, RegressionSteps, data, fabric_run, trainer_fit  # noqa: E402
 
-CLIP = 0.5
 STEPS = 8
 
 
-def _data():
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(32, 16, generator=g)  # 4 batches of 8: an epoch ends at step 4
-    return x, x[:, :1] * 3 + 1
+class Regression(RegressionSteps, pl.LightningModule):
+    """Records each step's loss and the gradient norm before and after clipping (tests/helpers/lightning_runs.py)."""
 
 
-def _net():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 1))
-
-
-def _norm(params):
-    return float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
-
-
-class Regression(pl.LightningModule):
-    """Records each step's loss and the gradient norm before and after clipping."""
-
-    def __init__(self, manual=False):
-        super().__init__()
-        self.model = _net()
-        self.automatic_optimization = not manual
-        self.losses, self.norms = [], []
-
-    def training_step(self, batch, index):
-        x, y = batch
-        loss = nn.functional.mse_loss(self.model(x), y)
-        self.losses.append(loss.item())
-        if self.automatic_optimization:
-            return loss
-        opt = self.optimizers()
-        opt.zero_grad()
-        self.manual_backward(loss)
-        before = _norm(self.parameters())  # still scaled under fp16: clip_gradients must unscale first
-        self.clip_gradients(opt, gradient_clip_val=CLIP, gradient_clip_algorithm="norm")
-        self.norms.append((before, _norm(self.parameters())))
-        opt.step()
-
-    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
-        before = _norm(self.parameters())
-        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
-        self.norms.append((before, _norm(self.parameters())))
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
-
-
-def _fit(lit, plugin=None, steps=STEPS, ckpt_path=None, val_dataloaders=None, **trainer_kwargs):
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_data()), batch_size=8)
-    clip = {"gradient_clip_val": CLIP} if lit.automatic_optimization else {}
-    settings = dict(max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                    enable_model_summary=False, accelerator="cpu", plugins=[plugin] if plugin else None, **clip)
-    trainer = pl.Trainer(**{**settings, **trainer_kwargs})
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # Lightning's notes about workers and log intervals
-        trainer.fit(lit, loader, val_dataloaders, ckpt_path=ckpt_path)
-    return trainer
+def _fit(lit, plugin=None, steps=STEPS, **options):
+    return trainer_fit(pl.Trainer, lit, plugin, steps, **options)
 
 
 def _scaler():
@@ -134,7 +83,7 @@ class Validated(Regression):
 
 def test_bf16_plugin_has_no_scaler_and_trains_like_fp32(fp32_run):
     lit = Validated()
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_data()), batch_size=8)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*data()), batch_size=8)
     trainer = _fit(lit, AmpPassPrecision("bf16"), steps=4, val_dataloaders=loader, enable_model_summary=True)
     assert trainer.precision_plugin.scaler is None and trainer.precision == "bf16-mixed"
     torch.testing.assert_close(torch.tensor(lit.losses), torch.tensor(fp32_run.losses[:4]), rtol=3e-2, atol=1e-2)
@@ -185,26 +134,9 @@ def test_refusals():
 
 
 def test_fabric_fp16_clips_unscaled_and_checkpoints_the_scaler(tmp_path):
-    x, y = _data()
-
-    def train(plugin=None, steps=4):
-        fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin] if plugin else None)
-        model = _net()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-        model, optimizer = fabric.setup(model, optimizer)
-        losses, norms = [], []
-        for i in range(steps):
-            loss = nn.functional.mse_loss(model(x[i * 8:(i + 1) * 8]), y[i * 8:(i + 1) * 8])
-            fabric.backward(loss)
-            norms.append(float(fabric.clip_gradients(model, optimizer, max_norm=CLIP)))
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
-        return fabric, model, optimizer, losses, norms
-
-    *_, ref_losses, ref_norms = train()
+    *_, ref_losses, ref_norms = fabric_run(Fabric)
     plugin = amp_fabric.AmpPassPrecision("fp16", scaler=_scaler())
-    fabric, model, optimizer, losses, norms = train(plugin)
+    fabric, model, optimizer, losses, norms = fabric_run(Fabric, plugin)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=1e-3)
     torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=3e-2, atol=1e-3)
     fabric.save(tmp_path / "f.ckpt", {"model": model, "optimizer": optimizer, "scaler": plugin.scaler})

@@ -3,8 +3,10 @@
 ============================  ==============================================================================
 tool                          the one line
 ============================  ==============================================================================
-Lightning ``Trainer``         ``Trainer(plugins=[amppass.integrations.lightning.AmpPassPrecision("fp16")])``
-Lightning ``Fabric``          ``Fabric(plugins=[amppass.integrations.fabric.AmpPassPrecision("fp16")])``
+Lightning ``Trainer``         ``Trainer(plugins=[amppass.integrations.lightning.AmpPassPrecision("fp16")])``;
+                              with ``import lightning as L``: ``amppass.integrations.lightning.pytorch``
+Lightning ``Fabric``          ``Fabric(plugins=[amppass.integrations.fabric.AmpPassPrecision("fp16")])``;
+                              with ``import lightning as L``: ``amppass.integrations.lightning.fabric``
 transformers ``Trainer``      ``amppass.integrations.transformers.AmpPassTrainer(..., amppass_dtype="fp16")``
 accelerate                    ``model, optimizer = amppass.integrations.accelerate.prepare(accelerator, model,
                               optimizer, dtype="fp16")``

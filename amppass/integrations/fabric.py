@@ -17,30 +17,38 @@ does not checkpoint its precision plugin: save ``plugin.scaler`` (a LossScaler h
 ``load_state_dict``, so ``fabric.save``/``fabric.load`` take it as they take an optimizer). Under fp16 pass
 ``error_if_nonfinite=False`` to ``fabric.clip_gradients``: a step whose gradients overflow is the scaler's to skip
 (as with Fabric's own ``precision="16-mixed"``).
+
+One plugin for each Lightning package, built from the one implementation below
+(:mod:`amppass.integrations.lightning.packages`), since each ``Fabric`` accepts only its own package's
+``Precision``; each imports its package only at first use:
+
+- ``lightning_fabric.Fabric`` (installed with pytorch-lightning): ``amppass.integrations.fabric.AmpPassPrecision``
+  (where only the unified ``lightning`` package is installed, this name gives the next one);
+- ``lightning.Fabric`` (``import lightning as L``, ``lightning.fabric.Fabric``):
+  ``amppass.integrations.lightning.fabric.AmpPassPrecision``.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from ..training import LossScaler
+from .lightning import packages
 from .routing import route
 from .scaling import ScaledPrecision
 
-try:
-    from lightning_fabric.plugins.precision import Precision
-except ImportError as error:  # pragma: no cover - the extra is missing
-    raise ImportError("amppass.integrations.fabric needs lightning-fabric (installed with pytorch-lightning): "
-                      "pip install 'pytorch-lightning>=2.4'") from error
-
-__all__ = ["AmpPassPrecision"]
+__all__ = ["AmpPassPrecision", "plugin_class"]
 
 
-class AmpPassPrecision(ScaledPrecision, Precision):
+class FabricPrecision(ScaledPrecision):
     """Fabric precision plugin training the module given to ``fabric.setup`` through amppass (module docstring).
+
+    The methods of every package's ``AmpPassPrecision`` (:func:`plugin_class` puts them on the package's
+    ``Precision``).
 
     Args:
         dtype: "fp16" (loss-scaled) or "bf16".
@@ -68,3 +76,18 @@ class AmpPassPrecision(ScaledPrecision, Precision):
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscale before ``fabric.clip_gradients`` clips."""
         self._scaling.unscale(optimizer)
+
+
+@functools.cache
+def plugin_class(package: str) -> type:
+    """``AmpPassPrecision`` for the Fabric of ``package``, "lightning_fabric" or "lightning.fabric" (imported here)."""
+    (precision,) = packages.load(package, "plugins.precision")
+    return packages.build(FabricPrecision, precision.Precision, package)
+
+
+def __getattr__(name: str) -> Any:
+    """``AmpPassPrecision``: the plugin for lightning_fabric, or for lightning.fabric where only that one is
+    installed; its package is imported here, at first use."""
+    if name == "AmpPassPrecision":
+        return plugin_class(packages.installed("lightning_fabric", "lightning.fabric"))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -72,12 +72,19 @@ class ScaledPrecision:
     low dtype and the precision name the tool reports, a :class:`PluginScaler`, no autocast, and the scaler's
     state as the plugin's state (in the tool's checkpoints)."""
 
+    package = ""  # the Lightning package the plugin is built for (amppass.integrations.lightning.packages)
+
     def _set_precision(self, dtype: Any, scaler: LossScaler | None, options: dict[str, Any]) -> None:
         low = low_type(dtype)
+        self._name = low.name
         self.dtype = low.torch
         self.precision = "16-mixed" if low.name == "fp16" else "bf16-mixed"  # what the tool's precision reports
         self._scaling = PluginScaler(low, scaler)
         self._options = options
+
+    def __repr__(self) -> str:
+        # Lightning puts it in "Found invalid type for plugin ...": say which package's plugin was given
+        return f"{type(self).__name__}({self._name!r}) for {self.package}"
 
     @property
     def scaler(self) -> LossScaler | None:

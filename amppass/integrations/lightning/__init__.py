@@ -5,6 +5,16 @@
     trainer = pl.Trainer(plugins=[AmpPassPrecision("fp16")], gradient_clip_val=1.0)   # no precision= flag
     trainer.fit(lit_module)
 
+One plugin for each Lightning package, built from the one implementation below (:mod:`.packages`), since each
+``Trainer`` accepts only its own package's ``Precision``; each imports its package only at first use:
+
+- ``pytorch_lightning.Trainer``: ``amppass.integrations.lightning.AmpPassPrecision`` (where only the unified
+  ``lightning`` package is installed, this name gives the next one);
+- ``lightning.Trainer`` (``import lightning as L``, ``lightning.pytorch.Trainer``):
+  ``amppass.integrations.lightning.pytorch.AmpPassPrecision``.
+
+Fabric's: :mod:`amppass.integrations.fabric`.
+
 1. ``convert_module`` (run in ``Strategy.setup``, before ``configure_optimizers``) routes the LightningModule's
    model, the child named ``module`` (default: its only child with parameters), through amppass: converted at its
    first call, with that call's inputs as the example (``example_input_array`` if the model summary runs it, else
@@ -22,30 +32,26 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Literal
 
 import torch
 from torch import nn
 
-from ..errors import InputError
-from ..training import LossScaler
-from .routing import route
-from .scaling import ScaledPrecision
+from ...errors import InputError
+from ...training import LossScaler
+from ..routing import route
+from ..scaling import ScaledPrecision
+from . import packages
 
-try:
-    import pytorch_lightning as pl
-    from pytorch_lightning.core.optimizer import LightningOptimizer
-    from pytorch_lightning.plugins.precision import Precision
-    from pytorch_lightning.utilities import GradClipAlgorithmType
-except ImportError as error:  # pragma: no cover - the extra is missing
-    raise ImportError("amppass.integrations.lightning needs pytorch-lightning: "
-                      "pip install 'pytorch-lightning>=2.4'") from error
-
-__all__ = ["AmpPassPrecision"]
+__all__ = ["AmpPassPrecision", "plugin_class"]
 
 
-class AmpPassPrecision(ScaledPrecision, Precision):
+class TrainerPrecision(ScaledPrecision):
     """Lightning precision plugin training the LightningModule's model through amppass (module docstring).
+
+    The methods of every package's ``AmpPassPrecision`` (:func:`plugin_class` puts them on the package's
+    ``Precision``).
 
     Args:
         dtype: "fp16" (loss-scaled) or "bf16".
@@ -54,6 +60,10 @@ class AmpPassPrecision(ScaledPrecision, Precision):
         scaler: the LossScaler for fp16 (default ``amppass.LossScaler()``).
         convert_options: keyword arguments of :func:`amppass.convert` (``keep_fp32=...``).
     """
+
+    package: str  # the package's name and its own classes, set by plugin_class
+    _optimizer_wrapper: type
+    _clip_norm: Any
 
     def __init__(self, dtype: Literal["fp16", "bf16"] | torch.dtype = "fp16", *, module: str | None = None,
                  scaler: LossScaler | None = None, **convert_options: Any) -> None:
@@ -65,11 +75,11 @@ class AmpPassPrecision(ScaledPrecision, Precision):
         route(_target(module, self.module), self.dtype, **self._options)
         return module
 
-    def pre_backward(self, tensor: torch.Tensor, module: "pl.LightningModule") -> torch.Tensor:  # type: ignore[override]
+    def pre_backward(self, tensor: torch.Tensor, module: nn.Module) -> torch.Tensor:  # type: ignore[override]
         """Scale the loss (fp16)."""
         return super().pre_backward(self._scaling.scale(tensor), module)
 
-    def optimizer_step(self, optimizer: Any, model: "pl.LightningModule", closure: Callable[[], Any],  # type: ignore[override]
+    def optimizer_step(self, optimizer: Any, model: nn.Module, closure: Callable[[], Any],  # type: ignore[override]
                        **kwargs: Any) -> Any:
         """Run the closure (forward and backward), unscale, clip (Lightning's hooks), step through the scaler."""
         if self.scaler is None:
@@ -84,14 +94,32 @@ class AmpPassPrecision(ScaledPrecision, Precision):
             return result
         return self._scaling.step(optimizer, **kwargs)
 
-    def clip_gradients(self, optimizer: Any, clip_val: int | float = 0.0,
-                       gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
-        """Clip the true gradients: unscaled first (manual optimization clips before ``optimizer.step``)."""
-        if isinstance(optimizer, LightningOptimizer):
+    def clip_gradients(self, optimizer: Any, clip_val: int | float = 0.0, gradient_clip_algorithm: Any = None) -> None:
+        """Clip the true gradients: unscaled first (manual optimization clips before ``optimizer.step``).
+        ``gradient_clip_algorithm`` defaults to the norm."""
+        if isinstance(optimizer, self._optimizer_wrapper):
             optimizer = optimizer.optimizer
         if clip_val > 0:
             self._scaling.unscale(optimizer)
-        super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
+        super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm or self._clip_norm)
+
+
+@functools.cache
+def plugin_class(package: str) -> type:
+    """``AmpPassPrecision`` for the Trainer of ``package``, "pytorch_lightning" or "lightning.pytorch" (imported
+    here)."""
+    precision, optimizer, utilities = packages.load(package, "plugins.precision", "core.optimizer", "utilities")
+    return packages.build(TrainerPrecision, precision.Precision, package,
+                          _optimizer_wrapper=optimizer.LightningOptimizer,
+                          _clip_norm=utilities.GradClipAlgorithmType.NORM)
+
+
+def __getattr__(name: str) -> Any:
+    """``AmpPassPrecision``: the plugin for pytorch_lightning, or for lightning.pytorch where only that one is
+    installed; its package is imported here, at first use."""
+    if name == "AmpPassPrecision":
+        return plugin_class(packages.installed("pytorch_lightning", "lightning.pytorch"))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _target(root: nn.Module, name: str | None) -> nn.Module:
