@@ -225,9 +225,9 @@ def test_a_graph_that_cannot_be_traced_runs_unconverted_with_a_warning(monkeypat
     model = Split().eval()
     compiled = torch.compile(model, backend=amppass_backend, options={"compiler": "eager"})
     x = torch.randn(4, 16)
-    real = backend._trace
+    real = backend.trace_aten
     calls = iter([real, refuse])
-    monkeypatch.setattr(backend, "_trace", lambda *a, **k: next(calls)(*a, **k))
+    monkeypatch.setattr(backend, "trace_aten", lambda *a, **k: next(calls)(*a, **k))
     with torch.no_grad():
         out = compiled(x)
         assert rel(out, model(x)) < 2e-2 and torch.equal(compiled(x), out)
@@ -407,7 +407,7 @@ def test_state_reached_through_module_dicts_keeps_its_own_name():
     wrong result)."""
     from types import SimpleNamespace
 
-    from amppass.pipelines.backend import _lift, _state_inputs
+    from amppass.fx.capture.dynamo_graph import lift_state, state_inputs
 
     def placeholder(name: str, source: str) -> torch.fx.Node:
         node = torch.fx.Graph().placeholder(name)
@@ -419,7 +419,7 @@ def test_state_reached_through_module_dicts_keeps_its_own_name():
              placeholder("b", f"{block}['output']._modules['dense']._parameters['weight']"),
              placeholder("c", "L['self'].__dict__['_modules']['norm'].__dict__['_buffers']['running_mean']")]
     tensors = [nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4, 4)), torch.zeros(4)]
-    assert _state_inputs(nodes, tensors) == {0: "blocks.0.intermediate.dense.weight",
+    assert state_inputs(nodes, tensors) == {0: "blocks.0.intermediate.dense.weight",
                                              1: "blocks.0.output.dense.weight", 2: "norm.running_mean"}
 
     # a name taken twice (any source the pattern misses) never binds the second tensor to the first's attribute
@@ -428,5 +428,5 @@ def test_state_reached_through_module_dicts_keeps_its_own_name():
     graph.output(graph.call_function(torch.add, (x, y)))
     traced = torch.fx.GraphModule(nn.Module(), graph)
     traced.meta["attributes"] = []
-    lifted, users = _lift(traced, nodes[:2], tensors[:2], {0: "dense.weight", 1: "dense.weight"})
+    lifted, users = lift_state(traced, nodes[:2], tensors[:2], {0: "dense.weight", 1: "dense.weight"})
     assert users == [] and torch.equal(lifted(), tensors[0] + tensors[1])

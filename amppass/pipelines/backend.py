@@ -40,9 +40,7 @@ graphs are planned without them, and their report info says so.
 
 from __future__ import annotations
 
-import copy
 import logging
-import re
 import sys
 import weakref
 from dataclasses import dataclass, field
@@ -54,9 +52,10 @@ from torch.utils import _pytree as pytree
 
 from ..analysis.record import META_KEY
 from ..dtypes import low_type
-from ..errors import CaptureError, InputError, first_line
-from ..fx.capture.guards import input_spec, range_bound
-from ..fx.capture.quiet import quiet_torch
+from ..errors import CaptureError, InputError
+from ..fx.capture.dynamo_graph import (fake_mode, lift_state, refuse_own_backward, state_inputs, symbol_ranges,
+                                       trace_aten, views_as_reshapes)
+from ..fx.capture.guards import input_spec
 from ..report.fx_reader import read_graph_module
 from ..report.report import Report, merged
 from ..serving.serving_graph import set_state
@@ -69,12 +68,6 @@ log = logging.getLogger(__name__)
 COMPILERS = ("inductor", "eager")
 _OPTIONS = ("dtype", "mode", "compiler", "freezing", "keep_io_types", "keep_fp32", "force_low", "low_weight_tables",
             "calibration", "tolerance")
-# dynamo's source of a module's tensor: L['self']._modules['a']._parameters['w'], or through __dict__ where the
-# model reads it so: ...__dict__['_modules']['a']...__dict__['_parameters']['w']
-_STATE_SOURCE = re.compile(r"(?:\._|\.__dict__\['_)(parameters|buffers)(?:'\])?\['([^']+)'\]$")
-_MODULE_STEP = re.compile(r"(?:\._modules|\.__dict__\['_modules'\])\['([^']+)'\]")
-
-
 @dataclass
 class Session:
     """What one ``torch.compile(..., backend="amppass")`` call converted: its graphs, in compile order."""
@@ -127,7 +120,7 @@ class CompiledGraph:
         self.gm, self.settings, self.index = gm, settings, index
         self.compiler, self.refreshes, self.calibrated = settings["compiler"], 0, False
         self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        self.state = _state_inputs(self.placeholders, example_inputs)  # position -> attribute name (rule 1)
+        self.state = state_inputs(self.placeholders, example_inputs)  # position -> attribute name (rule 1)
         self.converted: fx.GraphModule | None = None
         self.failed: str | None = None  # why the graph could not be converted (it then runs unconverted)
         self.users: list[int] = []
@@ -149,7 +142,7 @@ class CompiledGraph:
 
     def inputs(self) -> str:
         """The inputs the converted graph takes, as dynamo traced them: ``x: [s0, 3, s1, s1] float32``."""
-        ranges = _ranges(self.fakes)
+        ranges = symbol_ranges(self.fakes)
         return "; ".join(input_spec(self.placeholders[i].name, self.fakes[i]).describe(ranges) for i in self.users
                          if isinstance(self.fakes[i], torch.Tensor))
 
@@ -160,9 +153,9 @@ class CompiledGraph:
     def _convert(self, example_inputs: list[Any]) -> None:
         mode = self.settings["mode"]
         if mode == "train":
-            _refuse_own_backward(self.gm)
-        traced = _trace(self.gm, self.fakes, self.index)
-        lifted, self.users = _lift(traced, self.placeholders, example_inputs, self.state)
+            refuse_own_backward(self.gm)
+        traced = trace_aten(self.gm, self.fakes, self.index)
+        lifted, self.users = lift_state(traced, self.placeholders, example_inputs, self.state)
         options, self.calibrated = _plan_options(self.settings, self.placeholders, self.users, example_inputs,
                                                  self.index)
         target = torch_target(_device(example_inputs).type, self.settings["dtype"])
@@ -207,7 +200,7 @@ class CompiledGraph:
         from torch._guards import TracingContext, tracing
 
         fakes = [self.fakes[i] for i in self.users]
-        with tracing(TracingContext(_fake_mode(fakes))):
+        with tracing(TracingContext(fake_mode(fakes))):
             return _inductor(self.converted, fakes, freeze=self.frozen)
 
     def _refresh(self, args: tuple) -> None:
@@ -318,7 +311,7 @@ class _Anonymous:
         return cls._by_options[key]
 
 
-# -- building the graph to convert ----------------------------------------------------------------------------
+# -- options, calibration batches, refreshes, compiling ------------------------------------------------------
 
 def _settings(options: dict[str, Any] | None) -> dict[str, Any]:
     options = dict(options or {})
@@ -341,189 +334,6 @@ def _settings(options: dict[str, Any] | None) -> dict[str, Any]:
     return settings
 
 
-def _state_inputs(placeholders: list[fx.Node], example_inputs: list[Any]) -> dict[int, str]:
-    """Positions of the inputs that are the model's parameters and buffers, with their qualified names."""
-    state = {}
-    for position, node in enumerate(placeholders):
-        grapharg = node.meta.get("grapharg")
-        source = getattr(getattr(grapharg, "source", None), "name", "") or ""
-        found = _STATE_SOURCE.search(source)
-        if found is None and not isinstance(example_inputs[position], nn.Parameter):
-            continue
-        if found is not None:
-            path = _MODULE_STEP.findall(source) + [found.group(2)]
-            name = ".".join(path)
-        else:
-            name = node.name
-        state[position] = re.sub(r"[^\w.]", "_", name)
-    return state
-
-
-def _trace(gm: fx.GraphModule, fakes: list[Any], index: int) -> fx.GraphModule:
-    """Dynamo's graph as ATen ops (the operator set torch.export gives), traced over dynamo's own fake inputs.
-
-    The trace runs in dynamo's fake mode, so the sizes dynamo made dynamic stay the same symbols (rule 3)
-    and any guard the trace needs joins dynamo's. It records ops before autograd's decompositions, except in
-    a graph that runs a ``vmap`` (:func:`_vmaps`). Tensors dynamo kept as attributes of its graph are inputs
-    of the trace, so the graph becomes one function of tensors; :func:`_lift` makes them attributes again.
-    """
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    mode = _fake_mode(fakes)
-    if mode is None:
-        raise CaptureError(f"graph {index} has no fake inputs from dynamo to trace it with")
-    function, attributes = _attributes_as_inputs(gm)
-    with mode:
-        fake_attributes = [mode.from_tensor(t, static_shapes=True) for _, t in attributes]
-    try:
-        with mode, quiet_torch():
-            traced = make_fx(function, pre_dispatch=not _vmaps(gm))(*fakes, *fake_attributes)
-    except Exception as err:  # noqa: BLE001 - any tracing failure leaves this graph unconverted
-        raise CaptureError(f"graph {index} could not be traced to ATen ops: {first_line(err)}"
-                           ) from err
-    _clean_constants(traced, index)
-    traced.meta["attributes"] = attributes  # name, tensor of each input after dynamo's own
-    return traced
-
-
-def _refuse_own_backward(gm: fx.GraphModule) -> None:
-    """Rule 6: a graph that applies a ``torch.autograd.Function`` is not converted for training."""
-    for node in gm.graph.nodes:
-        if node.target is torch.ops.higher_order.autograd_function_apply:
-            trace = (node.meta.get("stack_trace") or "").strip().splitlines()
-            where = f" at {trace[-2].strip()}" if len(trace) >= 2 else ""
-            raise CaptureError(f"it applies a torch.autograd.Function{where}, whose own backward a trace to ATen ops "
-                               "would replace by the derivative of its forward")
-
-
-def _vmaps(gm: fx.GraphModule) -> bool:
-    """Whether dynamo's graph runs a ``vmap`` as functorch's pre-dispatch calls (``_add_batch_dim``, ...): a trace
-    at the pre-dispatch level runs those calls instead of recording them, and bakes their batched results into
-    the graph as constants; traced below it, the vmap becomes the batched ATen ops it computes."""
-    return any(n.op == "call_function" and getattr(n.target, "__module__", "") == "torch._functorch.predispatch"
-               for n in gm.graph.nodes)
-
-
-def _clean_constants(traced: fx.GraphModule, index: int) -> None:
-    """The tensor constants the trace made, as inductor takes them.
-
-    1. Work nothing reads goes (a trace can leave dead products of constants that are fake or batched tensors,
-       which inductor cannot run); writes in place are kept (their schemas mark them impure).
-    2. A 0-dim constant the model wrote as a Python number (``index[0, 0:] = n - 3``: ``fill_`` or ``copy_`` of
-       ``lift_fresh_copy(tensor(n - 3))``) is made at run time by ``aten.scalar_tensor``: inductor's freezing
-       folds a stored one into a constant its ``select_scatter`` cannot read.
-    3. A constant still read that is not a plain tensor leaves the graph unconverted (a ``CaptureError``).
-    """
-    graph = traced.graph
-    graph.eliminate_dead_code()
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not torch.ops.aten.lift_fresh_copy.default:
-            continue
-        source = node.args[0]
-        value = _fetch(traced, str(source.target)) if source.op == "get_attr" else None
-        if isinstance(value, torch.Tensor) and value.dim() == 0 and _plain(value):
-            with graph.inserting_before(node):
-                made = graph.call_function(torch.ops.aten.scalar_tensor.default, (value.item(),),
-                                           {"dtype": value.dtype, "device": value.device})
-            made.meta = dict(node.meta)
-            node.replace_all_uses_with(made)
-            graph.erase_node(node)
-    for node in list(graph.nodes):
-        if node.op != "get_attr":
-            continue
-        if not node.users:
-            graph.erase_node(node)
-            continue
-        value = _fetch(traced, str(node.target))
-        if isinstance(value, torch.Tensor) and not _plain(value):
-            raise CaptureError(f"graph {index}: the trace made constant {node.target!r}, read by "
-                               f"{next(iter(node.users)).name}, of a vmap or fake tensor inductor cannot run")
-    for name, _ in list(traced.named_buffers()) + list(traced.named_parameters()):
-        if name.startswith("_tensor_constant") and not any(n.op == "get_attr" and n.target == name for n in graph.nodes):
-            delattr(traced, name)
-    traced.recompile()
-
-
-def _plain(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` holds real data: not a fake tensor, not wrapped by functorch (vmap, grad)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return not isinstance(tensor, FakeTensor) and not torch._C._functorch.is_functorch_wrapped_tensor(tensor)
-
-
-def _attributes_as_inputs(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[tuple[str, torch.Tensor]]]:
-    """A copy of ``gm`` whose tensor attributes are extra inputs, after dynamo's, and those attributes."""
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    attributes: list[tuple[str, torch.Tensor]] = []
-    reads = [n for n in gm.graph.nodes if n.op == "get_attr" and isinstance(_fetch(gm, str(n.target)), torch.Tensor)]
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            env[node] = graph.node_copy(node, lambda n: env[n])
-    for node in reads:
-        env[node] = graph.placeholder(f"attribute_{len(attributes)}")
-        attributes.append((str(node.target), _fetch(gm, str(node.target))))
-    for node in gm.graph.nodes:
-        if node not in env:
-            env[node] = graph.node_copy(node, lambda n: env[n])
-    return fx.GraphModule(gm, graph), attributes
-
-
-def _lift(traced: fx.GraphModule, placeholders: list[fx.Node], example_inputs: list[Any],
-          state: dict[int, str]) -> tuple[fx.GraphModule, list[int]]:
-    """Rule 1: state inputs become attributes of a module.
-
-    ``traced`` takes dynamo's inputs, then the attributes of dynamo's graph. Returns the module and the
-    positions of dynamo's inputs it takes: every input but state, sizes included (inductor reads a size
-    from dynamo's own input; read from a tensor instead, its backward can hold sizes it cannot evaluate).
-    """
-    root = nn.Module()
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    inputs = [n for n in traced.graph.nodes if n.op == "placeholder"]
-    users = [i for i in range(len(placeholders)) if i not in state]
-    for i in users:
-        env[inputs[i]] = graph.placeholder(placeholders[i].name)
-        env[inputs[i]].meta = dict(inputs[i].meta)
-    named = [(i, name, example_inputs[i]) for i, name in state.items()]
-    named += [(len(placeholders) + k, name, tensor) for k, (name, tensor) in enumerate(traced.meta["attributes"])]
-    for i, name, tensor in named:
-        if _has(root, name) and _fetch(root, name) is not tensor:  # never two tensors under one name
-            name = _unique(root, name)
-        if not _has(root, name):
-            _register(root, name, tensor)
-        env[inputs[i]] = graph.get_attr(name)
-        env[inputs[i]].meta = dict(inputs[i].meta)
-    for node in traced.graph.nodes:
-        if node.op == "get_attr":  # constants the trace made
-            _register(root, str(node.target), _fetch(traced, str(node.target)))
-        if node.op != "placeholder":
-            env[node] = graph.node_copy(node, lambda n: env[n])
-    return fx.GraphModule(root, graph), users
-
-
-def _unique(root: nn.Module, name: str) -> str:
-    """``name`` with a numbered last step that ``root`` does not hold yet."""
-    number = 1
-    while _has(root, f"{name}_{number}"):
-        number += 1
-    return f"{name}_{number}"
-
-
-def _fetch(module: nn.Module, name: str) -> Any:
-    for step in name.split("."):
-        module = getattr(module, step)
-    return module
-
-
-def _has(module: nn.Module, name: str) -> bool:
-    try:
-        _fetch(module, name)
-    except AttributeError:
-        return False
-    return True
-
-
 def _measured_by(node: fx.Node, tensors: list[fx.Node]) -> tuple[int, int] | None:
     """The position among ``tensors`` and the dimension whose size a SymInt input is."""
     value = node.meta.get("example_value")
@@ -535,21 +345,6 @@ def _measured_by(node: fx.Node, tensors: list[fx.Node]) -> tuple[int, int] | Non
             if isinstance(size, torch.SymInt) and size.node.expr == value.node.expr:
                 return position, dim
     return None
-
-
-def _register(root: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    *path, leaf = name.split(".")
-    owner = root
-    for step in path:
-        if not hasattr(owner, step):
-            owner.add_module(step, nn.Module())
-        owner = getattr(owner, step)
-    if isinstance(tensor, nn.Parameter):
-        owner.register_parameter(leaf, tensor)
-    elif isinstance(tensor, torch.Tensor):
-        owner.register_buffer(leaf, tensor)
-    else:
-        setattr(owner, leaf, tensor)
 
 
 def _plan_options(settings: dict[str, Any], placeholders: list[fx.Node], users: list[int], example_inputs: list[Any],
@@ -629,42 +424,14 @@ def _inductor(plan: fx.GraphModule, inputs: tuple, freeze: bool) -> Callable[...
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx
 
-    plain = fx.GraphModule(plan, _reshaping(plan.graph))
+    plain = fx.GraphModule(plan, views_as_reshapes(plan.graph))
     with config.patch(freezing=freeze):
         return compile_fx(plain, list(inputs))
-
-
-def _reshaping(graph: fx.Graph) -> fx.Graph:
-    """A copy of ``graph`` whose views are reshapes, for inductor. Inductor traces the graph again with its own
-    decompositions, where a view's input can come out with other strides than in the trace that recorded the
-    view (a cat of permuted slices in GPT-NeoX-Japanese's rotary embedding: "Cannot view a tensor with shape
-    [s52, 4, s27, 8] and strides (32*s27, 8, 32, 1)"); a reshape is that same view wherever one exists."""
-    copied = copy.deepcopy(graph)
-    for node in copied.nodes:
-        if node.target is torch.ops.aten.view.default:
-            node.target = torch.ops.aten.reshape.default
-    return copied
 
 
 def _version(tensor: torch.Tensor) -> int | None:
     """The tensor's version counter; None for a tensor made under ``torch.inference_mode()``, which has none."""
     return None if tensor.is_inference() else tensor._version
-
-
-def _fake_mode(fakes: list[Any]) -> Any:
-    """The fake mode of dynamo's example values (its shape environment holds the symbols of their sizes)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return next((f.fake_mode for f in fakes if isinstance(f, FakeTensor)), None)
-
-
-def _ranges(fakes: list[Any]) -> dict[str, tuple[int, float]]:
-    """The value ranges dynamo's shape environment knows for the symbols of these sizes."""
-    mode = _fake_mode(fakes)
-    env = getattr(mode, "shape_env", None)
-    if env is None:
-        return {}
-    return {str(symbol): (max(range_bound(r.lower), 0), range_bound(r.upper)) for symbol, r in env.var_to_range.items()}
 
 
 def _device(values: list[Any]) -> torch.device:
