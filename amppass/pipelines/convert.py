@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import logging
 import time
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch import fx, nn
@@ -52,6 +52,24 @@ log = logging.getLogger(__name__)
 MODES = ("inference", "train")
 
 
+def _outside_callers_modes(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` run with the caller's own dispatch modes (not torch's infrastructure modes) off this thread's
+    stack, and put back after: a dispatch mode of the caller's (Lightning's FLOP counter around its model summary,
+    which is where a routed model converts) would see every traced, timed and checked op of the conversion,
+    symbolic sizes included. Nothing is touched where there are none: torch's infrastructure modes are shared with
+    exports running in other threads."""
+
+    @functools.wraps(function)
+    def outside(*args: Any, **kwargs: Any) -> Any:
+        if not any(not mode.is_infra_mode() for mode in _get_current_dispatch_mode_stack()):
+            return function(*args, **kwargs)
+        with _disable_current_modes():
+            return function(*args, **kwargs)
+
+    return outside
+
+
+@_outside_callers_modes
 def convert(
     model: nn.Module,
     example_inputs: Any = None,
@@ -120,44 +138,6 @@ def convert(
     signature, ``generate()`` included, its ``forward`` running the converted graphs
     (:mod:`amppass.serving.dropin`); a train-mode model's ``forward`` shows the original's signature too.
     """
-    # a dispatch mode of the caller's (Lightning's FLOP counter around its model summary, which is where a routed
-    # model converts) would see every traced, timed and checked op of the conversion, symbolic sizes included
-    with _outside_callers_modes():
-        return _convert(**locals())
-
-
-@contextlib.contextmanager
-def _outside_callers_modes() -> Iterator[None]:
-    """The block run with the caller's own dispatch modes (not torch's infrastructure modes) off this thread's
-    stack, and put back after; nothing is touched where there are none: torch's infrastructure modes are shared
-    with exports running in other threads."""
-    if not any(not mode.is_infra_mode() for mode in _get_current_dispatch_mode_stack()):
-        yield
-        return
-    with _disable_current_modes():
-        yield
-
-
-def _convert(
-    model: nn.Module,
-    example_inputs: Any = None,
-    dtype: Any = "auto",
-    *,
-    example_kwargs: dict[str, Any] | None = None,
-    target: str | None = None,
-    plan_for: str = "speed",
-    costs: Mapping[str, float] | None = None,
-    mode: str = "inference",
-    keep_io_types: bool = True,
-    keep_fp32: Iterable[str] = (),
-    force_low: Iterable[str] = (),
-    dynamic_shapes: Any = "auto",
-    low_weight_tables: bool = False,
-    calibration: Iterable[Any] | None = None,
-    tolerance: float | None = None,
-    progress: bool = False,
-) -> nn.Module:
-    """:func:`convert` itself, outside the caller's dispatch modes."""
     if mode not in MODES:
         raise InputError(f"mode={mode!r} is not one of {MODES}: use mode='inference' to serve or evaluate "
                          "the model, mode='train' to train it")
@@ -194,6 +174,8 @@ def _convert(
         if example is None:
             raise
         return _convert_parts(model, example, err, plan_target, mode, options)
+
+
 
 
 def _convert_module(model: nn.Module, example: tuple[Any, dict] | None, plan_target: Target, mode: str,
