@@ -278,6 +278,9 @@ SECTIONS: dict[str, Callable[[bool, Path], Section]] = {
                                 "batches; the small zoo in --quick, real-sized models in --full): amppass at "
                                 "d7ec324 (no held-out check, prefix reuse or run bound) and now",
                                 lambda m, quick: m.against(m.BEFORE, not quick)),
+    "call_overhead": _external("call_overhead", "Per-call cost of the returned module over its graph (bf16, one "
+                               "thread, microseconds): amppass at e70efd1 and now",
+                               lambda m, quick: m.against(m.BEFORE, not quick)),
     "gpu": _gpu,
 }
 

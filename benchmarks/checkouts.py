@@ -44,6 +44,17 @@ def run(script: str, measure: Callable[[str], dict[str, Any]], names: list[str],
     return [{"checkout": str(root), **_measure_in(script, root, n)} for n in names for root in roots]
 
 
+def against(script: str, measure: Callable[[str], dict[str, Any]], names: list[str],
+            commit: str) -> list[dict[str, Any]]:
+    """One row per name for amppass at ``commit`` and for this checkout, each measured in a fresh process, the
+    two rows of a name one after the other; ``checkout`` says which ("this" or the commit)."""
+    with at_commit(commit) as folder:
+        rows = run(script, measure, names, [folder, HERE.parent])
+    for row in rows:
+        row["checkout"] = commit if row["checkout"] == str(folder) else "this"
+    return rows
+
+
 def _measure_in(script: str, root: Path, name: str) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(HERE.parent)])}
     done = subprocess.run([sys.executable, script, "--measure", name], cwd=root, env=env,

@@ -112,14 +112,9 @@ def run(full: bool, roots: list[Path] | None = None) -> list[dict[str, Any]]:
 
 
 def against(commit: str, full: bool) -> list[dict[str, Any]]:
-    """One row per model for amppass at ``commit`` and for this checkout, each measured in a fresh process,
-    the two rows of a model one after the other."""
-    here = Path(__file__).resolve().parent.parent
-    with checkouts.at_commit(commit) as folder:
-        rows = run(full, [folder, here])
-    for row in rows:
-        row["checkout"] = commit if row["checkout"] == str(folder) else "this"
-    return rows
+    """One row per model for amppass at ``commit`` and for this checkout, each measured in a fresh process."""
+    names = [n for n, (_, heavy) in MODELS.items() if full == heavy]
+    return checkouts.against(str(Path(__file__)), measure, names, commit)
 
 
 def main() -> None:
