@@ -281,6 +281,8 @@ SECTIONS: dict[str, Callable[[bool, Path], Section]] = {
     "call_overhead": _external("call_overhead", "Per-call cost of the returned module over its graph (bf16, one "
                                "thread, microseconds): amppass at e70efd1 and now",
                                lambda m, quick: m.against(m.BEFORE, not quick)),
+    "startup": _external("startup", "Start-up: `amppass --help` and `import amppass` (wall time of a fresh process, "
+                         "median of 7): amppass at e70efd1 and now", lambda m, quick: m.against(m.BEFORE, not quick)),
     "gpu": _gpu,
 }
 
