@@ -788,10 +788,13 @@ def merged(results: list[dict], later: list[dict]) -> list[dict]:
     return list(index.values())
 
 
-def expected_from(results: list[dict]) -> dict:
-    """The ``zoo_expected.json`` content that ``results`` satisfy; the entries of classes and steps not in ``results``
-    are kept from the file as it is (so a run of some classes or steps updates theirs only)."""
-    previous = json.loads(EXPECTED.read_text(encoding="utf-8")) if EXPECTED.exists() else {}
+def expected_from(results: list[dict], path: Path | None = None, about: str | None = None,
+                  reason: Callable[[str], str] = str) -> dict:
+    """The content of the expected file at ``path`` (default :data:`EXPECTED`) that ``results`` satisfy, each
+    failure kept as ``reason(detail)``; the entries of classes and steps not in ``results`` are kept from the file
+    as it is (so a run of some classes or steps updates theirs only). The peer zoo writes its file with it too."""
+    path, about = path or EXPECTED, about or ABOUT
+    previous = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
     ran = {r["name"] for r in results}
     unbuilt = {k: v for k, v in previous.get("unbuilt", {}).items() if k not in ran}
     expected = dict(previous.get("expected", {}))
@@ -802,10 +805,10 @@ def expected_from(results: list[dict]) -> dict:
             expected.pop(name, None)
             continue
         kept = {s: r for s, r in expected.pop(name, {}).items() if s not in result["steps"]}  # steps not run
-        kept.update({s: v["detail"] for s, v in result["steps"].items() if v["outcome"] == "fail"})
+        kept.update({s: reason(v["detail"]) for s, v in result["steps"].items() if v["outcome"] == "fail"})
         if kept:
             expected[name] = dict(sorted(kept.items()))
-    return {"about": ABOUT, "unbuilt": dict(sorted(unbuilt.items())), "expected": dict(sorted(expected.items()))}
+    return {"about": about, "unbuilt": dict(sorted(unbuilt.items())), "expected": dict(sorted(expected.items()))}
 
 
 def type_order(found: dict[str, tuple[str, str]]) -> list[str]:

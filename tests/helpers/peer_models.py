@@ -5,7 +5,8 @@ for train-mode checks), example inputs small enough for a forward well under a f
 cores. Seeds are fixed; nothing is downloaded (weights=None / pretrained=False, YOLO from its yaml).
 Libraries are imported lazily, so a missing peer fails only its own builder (tests should use
 ``pytest.importorskip`` on the library first). torchvision is made importable on the CPU torch by
-``torchvision_ops.register()`` (its compiled ops need the CUDA torch), torchaudio by ``import_torchaudio()``.
+``torchvision_ops.register()`` (its compiled ops need the CUDA torch), torchaudio by the start-up hook
+``scripts/setup`` installs (``tests/helpers/site/peer_imports.py``).
 
 Installed beside torch==2.13.0+cpu without replacing it (--no-deps: these wheels are CUDA builds):
     pip install --no-deps torchvision==0.28.0 torchaudio==2.11.0
@@ -13,8 +14,6 @@ Installed beside torch==2.13.0+cpu without replacing it (--no-deps: these wheels
     pip install opencv-python-headless==5.0.0.93 "polars>=0.20" "nvidia-ml-py>=12" "ultralytics-thop>=2.2.3" \
         "ultralytics-platform>=0.1.45" && pip install --no-deps ultralytics==8.4.190
 (ultralytics asks for opencv-python, which needs libGL: the headless build serves the models.)
-With torchaudio installed, every process that imports transformers (or diffusers/peft) must run
-patch_torchaudio_loader() before: transformers imports torchaudio whenever it is installed.
 
 ``python -m tests.helpers.peer_models`` prints, per model, eager forward time and whether
 torch.export.export(strict=False) captures it in eval and in train mode.
@@ -22,7 +21,6 @@ torch.export.export(strict=False) captures it in eval and in train mode.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 
@@ -123,50 +121,9 @@ def build_yolo11n(size: int = 128, batch: int = 1):
 
 
 # ------------------------------------------------------------------------------------ torchaudio
-def patch_torchaudio_loader() -> None:
-    """Let ``import torchaudio`` succeed although its compiled extension (built for the CUDA torch)
-    cannot load. Imports nothing from torchaudio; idempotent; must run before the first import of
-    torchaudio, which transformers (audio_utils) and so diffusers and peft make whenever torchaudio is
-    installed: without it ``import torchaudio`` raises OSError (libc10_cuda.so) and takes them down.
-
-    torchaudio's _load_lib raises when lib/_torchaudio*.so exists but fails to load; this pre-seeds its
-    ``torchaudio._extension.utils`` module (plain Python, imports only torch) with a _load_lib that
-    reports such a failure as "no extension". The models (wav2vec2, HuBERT, Conformer, ...) are pure
-    Python; the C++-backed functions (forced_align, RNNT loss, ...) stay unavailable."""
-    name = "torchaudio._extension.utils"
-    if name in sys.modules or "torchaudio" in sys.modules:
-        return
-    spec = importlib.util.find_spec("torchaudio")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("torchaudio is not installed")
-    path = os.path.join(list(spec.submodule_search_locations)[0], "_extension", "utils.py")
-    uspec = importlib.util.spec_from_file_location(name, path)
-    utils = importlib.util.module_from_spec(uspec)
-    uspec.loader.exec_module(utils)
-    load = utils._load_lib
-
-    def _load_lib(lib: str) -> bool:
-        try:
-            return load(lib)
-        except OSError:
-            return False
-
-    utils._load_lib = _load_lib
-    sys.modules[name] = utils
-
-
-def import_torchaudio():
-    """``import torchaudio`` after :func:`patch_torchaudio_loader`."""
-    patch_torchaudio_loader()
-    import torchaudio
-
-    return torchaudio
-
-
 def build_wav2vec2(seconds: float = 0.5, batch: int = 1, layer_drop: float = 0.1):
     """torchaudio wav2vec2_base() (95M params, 12 layers) with random init; LayerDrop ``layer_drop``
     (acts in train mode only), input [batch, 16 kHz * seconds] waveform."""
-    import_torchaudio()
     from torchaudio.models import wav2vec2_base
 
     g = _seed()
@@ -176,7 +133,6 @@ def build_wav2vec2(seconds: float = 0.5, batch: int = 1, layer_drop: float = 0.1
 
 def build_hubert(seconds: float = 0.5, batch: int = 1, layer_drop: float = 0.05):
     """torchaudio hubert_base() (95M params) with random init; LayerDrop ``layer_drop`` in train mode."""
-    import_torchaudio()
     from torchaudio.models import hubert_base
 
     g = _seed()
@@ -187,7 +143,6 @@ def build_hubert(seconds: float = 0.5, batch: int = 1, layer_drop: float = 0.05)
 def build_conformer(frames: int = 100, batch: int = 2):
     """torchaudio Conformer (input_dim 80, 4 heads, ffn 256, 4 layers); args (features [B, T, 80],
     lengths [B]) with unequal lengths, so the padding mask is real."""
-    import_torchaudio()
     from torchaudio.models import Conformer
 
     g = _seed()
@@ -264,3 +219,195 @@ def _survey(names=None) -> None:
 
 if __name__ == "__main__":
     _survey(sys.argv[1:] or None)
+
+
+# ================================================================================== the peer zoo
+# Builders for tests/conformance/peer_zoo.py: the model families people bring beyond transformers, each the
+# smallest variant, built from code with seeded random weights (nothing downloaded), on small inputs. Same
+# contract as the builders above: ``(model, args, kwargs)``, the model in eval mode, every dropout 0.
+def _images_nchw(batch: int, size: int, g: torch.Generator, channels: int = 3) -> torch.Tensor:
+    return torch.randn(batch, channels, size, size, generator=g)
+
+
+def build_timm(name: str, size: int | None = 64, batch: int = 2, **kwargs):
+    """timm ``name`` (pretrained=False, dropout and drop-path 0), input [batch, 3, size, size]; ``size`` is passed
+    as ``img_size`` where the model takes one (ViTs, Swin, MaxViT, ...), else only the input is that size."""
+    torchvision_ops.register()  # timm imports torchvision
+    import timm
+
+    g = _seed()
+    options = dict(pretrained=False, drop_rate=0.0, drop_path_rate=0.0, **kwargs)
+    try:
+        model = timm.create_model(name, img_size=size, **options)
+    except TypeError:  # a convolutional net: no img_size argument, it takes any size
+        _seed()
+        model = timm.create_model(name, **options)
+    return model.eval(), (_images_nchw(batch, size, g),), {}
+
+
+def build_tv_classifier(name: str, size: int = 64, batch: int = 2, **kwargs):
+    """torchvision.models.<name>(weights=None), input [batch, 3, size, size]."""
+    torchvision_ops.register()
+    import torchvision
+
+    g = _seed()
+    model = getattr(torchvision.models, name)(weights=None, **kwargs).eval()
+    return model, (_images_nchw(batch, size, g),), {}
+
+
+def build_deeplabv3(size: int = 64, batch: int = 2):
+    """torchvision deeplabv3_mobilenet_v3_large (21 classes, no aux head), input [batch, 3, size, size]; output
+    ``{"out": [batch, 21, size, size]}``."""
+    torchvision_ops.register()
+    from torchvision.models.segmentation import deeplabv3_mobilenet_v3_large
+
+    g = _seed()
+    model = deeplabv3_mobilenet_v3_large(weights=None, weights_backbone=None, aux_loss=False).eval()
+    return model, (_images_nchw(batch, size, g),), {}
+
+
+def build_raft_small(size: int = 128, batch: int = 1):
+    """torchvision raft_small (its default 12 flow updates), two frames [batch, 3, size, size]; size a multiple
+    of 8 and at least 128 (the encoders downsample by 8 and RAFT refuses feature maps under 16x16). Output: the
+    12 flow estimates [batch, 2, size, size]."""
+    torchvision_ops.register()
+    from torchvision.models.optical_flow import raft_small
+
+    g = _seed()
+    model = raft_small(weights=None).eval()
+    return model, (_images_nchw(batch, size, g), _images_nchw(batch, size, g)), {}
+
+
+def build_r3d_18(frames: int = 4, size: int = 32, batch: int = 2):
+    """torchvision video r3d_18, a clip [batch, 3, frames, size, size]."""
+    torchvision_ops.register()
+    from torchvision.models.video import r3d_18
+
+    g = _seed()
+    model = r3d_18(weights=None).eval()
+    return model, (torch.randn(batch, 3, frames, size, size, generator=g),), {}
+
+
+def _open_clip(name: str, size: int, context: int):
+    torchvision_ops.register()  # open_clip imports timm/torchvision
+    import open_clip
+
+    _seed()
+    return open_clip.create_model(name, pretrained=None, force_image_size=size, force_context_length=context).eval()
+
+
+class OpenClipText(torch.nn.Module):
+    """An open_clip CLIP's text tower as a module: ``forward(text) = clip.encode_text(text)`` (the image tower
+    dropped)."""
+
+    def __init__(self, clip):
+        super().__init__()
+        clip.visual = None
+        self.clip = clip
+
+    def forward(self, text):
+        return self.clip.encode_text(text)
+
+
+def build_open_clip_image(name: str = "ViT-S-32", size: int = 96, batch: int = 2):
+    """open_clip ``name`` (pretrained=None)'s image tower ``model.visual``, images [batch, 3, size, size]."""
+    model = _open_clip(name, size, 16).visual
+    g = torch.Generator().manual_seed(1)
+    return model.eval(), (_images_nchw(batch, size, g),), {}
+
+
+def build_open_clip_text(name: str = "ViT-S-32", tokens: int = 16, batch: int = 2):
+    """open_clip ``name`` (pretrained=None)'s text tower (:class:`OpenClipText`), context ``tokens`` long, token
+    ids [batch, tokens] with the end-of-text id (the largest, where the pooling reads) at different places."""
+    clip = _open_clip(name, 224, tokens)
+    g = torch.Generator().manual_seed(1)
+    text = torch.randint(1, 1000, (batch, tokens), generator=g)
+    for i in range(batch):
+        text[i, tokens - 1 - 3 * i] = clip.vocab_size - 1
+    return OpenClipText(clip).eval(), (text,), {}
+
+
+# ---------------------------------------------------------------------------------------- diffusers
+# The tiny configurations follow diffusers' own model tests (tests/models/*/test_models_*.py).
+def _diffusers(cls_name: str, **config):
+    import diffusers
+
+    _seed()
+    return getattr(diffusers, cls_name)(**config).eval()
+
+
+def build_unet2d_condition(size: int = 16, batch: int = 2, tokens: int = 8):
+    """diffusers UNet2DConditionModel, 2 blocks (32, 64 channels), cross-attention width 32; args (sample
+    [batch, 4, size, size], timestep [batch]), kwargs encoder_hidden_states [batch, tokens, 32]."""
+    model = _diffusers("UNet2DConditionModel", block_out_channels=(32, 64), layers_per_block=1, sample_size=size,
+                       in_channels=4, out_channels=4, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                       up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32,
+                       attention_head_dim=8, norm_num_groups=32)
+    g = torch.Generator().manual_seed(1)
+    return model, (torch.randn(batch, 4, size, size, generator=g), _timesteps(batch)), \
+        {"encoder_hidden_states": torch.randn(batch, tokens, 32, generator=g)}
+
+
+def build_unet2d(size: int = 16, batch: int = 2):
+    """diffusers UNet2DModel, 2 blocks (32, 64 channels, attention in the second); args (sample
+    [batch, 3, size, size], timestep [batch])."""
+    model = _diffusers("UNet2DModel", block_out_channels=(32, 64), layers_per_block=1, sample_size=size,
+                       in_channels=3, out_channels=3, down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+                       up_block_types=("AttnUpBlock2D", "UpBlock2D"), attention_head_dim=8, norm_num_groups=32)
+    g = torch.Generator().manual_seed(1)
+    return model, (torch.randn(batch, 3, size, size, generator=g), _timesteps(batch)), {}
+
+
+def _timesteps(batch: int) -> torch.Tensor:
+    return torch.tensor([10.0 + 490.0 * i for i in range(batch)])
+
+
+def build_autoencoder_kl(size: int = 32, batch: int = 2):
+    """diffusers AutoencoderKL, 2 blocks (32, 64 channels), 4 latent channels; args (sample [batch, 3, size,
+    size],); forward's default sample_posterior=False (the posterior's mode: deterministic)."""
+    model = _diffusers("AutoencoderKL", block_out_channels=(32, 64), in_channels=3, out_channels=3,
+                       down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+                       up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"), latent_channels=4,
+                       norm_num_groups=32, sample_size=size)
+    g = torch.Generator().manual_seed(1)
+    return model, (torch.randn(batch, 3, size, size, generator=g),), {}
+
+
+def build_sd3_transformer(size: int = 16, batch: int = 2, tokens: int = 8):
+    """diffusers SD3Transformer2DModel, 1 joint block (4 heads of 8), patch 2; args (hidden_states
+    [batch, 4, size, size],), kwargs encoder_hidden_states [batch, tokens, 32], pooled_projections [batch, 64],
+    timestep [batch]."""
+    model = _diffusers("SD3Transformer2DModel", sample_size=size, patch_size=2, in_channels=4, num_layers=1,
+                       attention_head_dim=8, num_attention_heads=4, caption_projection_dim=32, joint_attention_dim=32,
+                       pooled_projection_dim=64, out_channels=4, pos_embed_max_size=32)
+    g = torch.Generator().manual_seed(1)
+    return model, (torch.randn(batch, 4, size, size, generator=g),), {
+        "encoder_hidden_states": torch.randn(batch, tokens, 32, generator=g),
+        "pooled_projections": torch.randn(batch, 64, generator=g), "timestep": _timesteps(batch)}
+
+
+def build_dit_transformer(size: int = 8, batch: int = 2):
+    """diffusers DiTTransformer2DModel, 1 block (2 heads of 8), patch 2, adaLN-zero over 1000 classes; args
+    (hidden_states [batch, 4, size, size], timestep [batch], class_labels [batch])."""
+    model = _diffusers("DiTTransformer2DModel", num_attention_heads=2, attention_head_dim=8, in_channels=4,
+                       out_channels=8, num_layers=1, sample_size=size, patch_size=2, norm_num_groups=32)
+    g = torch.Generator().manual_seed(1)
+    return model, (torch.randn(batch, 4, size, size, generator=g), _timesteps(batch).long(),
+                   torch.arange(batch) * 7), {}
+
+
+def build_flux_transformer(side: int = 4, batch: int = 2, tokens: int = 8):
+    """diffusers FluxTransformer2DModel, 1 double and 1 single block (2 heads of 16), rope axes (4, 4, 8); args
+    (hidden_states [batch, side*side, 4],), kwargs encoder_hidden_states [batch, tokens, 32], pooled_projections
+    [batch, 32], timestep [batch] in [0, 1], img_ids [side*side, 3], txt_ids [tokens, 3]."""
+    model = _diffusers("FluxTransformer2DModel", patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
+                       attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+                       axes_dims_rope=(4, 4, 8))
+    g = torch.Generator().manual_seed(1)
+    ids = torch.zeros(side, side, 3)
+    ids[..., 1] = torch.arange(side)[:, None]
+    ids[..., 2] = torch.arange(side)[None, :]
+    return model, (torch.randn(batch, side * side, 4, generator=g),), {
+        "encoder_hidden_states": torch.randn(batch, tokens, 32, generator=g),
+        "pooled_projections": torch.randn(batch, 32, generator=g),
+        "timestep": torch.linspace(0.2, 0.8, batch), "img_ids": ids.reshape(-1, 3), "txt_ids": torch.zeros(tokens, 3)}
