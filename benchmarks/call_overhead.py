@@ -3,8 +3,8 @@
 Small models at batch 1 (a 3-layer MLP of width 64, a 2-layer LSTM, a 2-layer transformer encoder), bf16, one
 thread, under ``torch.no_grad()``: the original's call, the call of the module ``plan_for="coverage"`` returns
 (the graph always runs), and that graph's own call (``run_graph``, the compiled fx code the returned module
-calls), in microseconds, medians of 15 interleaved rounds of 200 calls each. ``overhead_us`` = returned - graph
-alone: the guard check, the input flattening and the output rebuild of every call. ``speed_plan`` is what the
+calls), in microseconds: medians of 30 interleaved rounds, each sample averaging ~20 ms of calls
+(``benchmarks.latency.time_interleaved``). ``overhead_us`` = returned - graph alone: the guard check, the input flattening and the output rebuild of every call. ``speed_plan`` is what the
 default ``plan_for="speed"`` returned (the original's class where it kept the original) and ``speed_vs_original``
 its call against the original's.
 
@@ -15,7 +15,6 @@ kept original as the original's class) and this checkout, each in a fresh proces
 from __future__ import annotations
 
 import statistics
-import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -58,21 +57,10 @@ MODELS: dict[str, Callable[[], tuple[torch.nn.Module, tuple]]] = {
     "mlp 64, batch 4": _mlp, "lstm 2x64, batch 1": _lstm, "transformer encoder 2x64, batch 1": _encoder}
 
 
-def _medians(calls: list[Callable[[], Any]], rounds: int = 15, repeat: int = 200) -> list[float]:
-    """Microseconds per call of each of ``calls``: medians of interleaved rounds, the order rotated."""
-    samples: list[list[float]] = [[] for _ in calls]
-    for r in range(rounds):
-        for i in [(r + k) % len(calls) for k in range(len(calls))]:
-            start = time.perf_counter()
-            for _ in range(repeat):
-                calls[i]()
-            samples[i].append((time.perf_counter() - start) / repeat * 1e6)
-    return [statistics.median(s) for s in samples]
-
-
 def measure(name: str) -> dict[str, Any]:
     """One row for the amppass this process imports."""
     import amppass
+    from benchmarks.latency import time_interleaved  # this folder's parent is on the path in every checkout's run
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -85,8 +73,10 @@ def measure(name: str) -> dict[str, Any]:
         speed = amppass.convert(model, args, "bf16")
         for call in (returned, speed, model):
             call(*args)
-        original, whole, alone, fast = _medians([lambda: model(*args), lambda: returned(*args),
-                                                 lambda: graph(*args), lambda: speed(*args)])
+        samples = time_interleaved({"original": lambda: model(*args), "returned": lambda: returned(*args),
+                                    "graph": lambda: graph(*args), "speed": lambda: speed(*args)}, 3, 10)
+        original, whole, alone, fast = (statistics.median(samples[n]) * 1e6
+                                        for n in ("original", "returned", "graph", "speed"))
     return {"model": name, "original_us": round(original, 1), "returned_us": round(whole, 1),
             "graph_alone_us": round(alone, 1), "overhead_us": round(whole - alone, 1),
             "speed_plan": type(speed).__name__, "speed_vs_original": round(fast / original, 3)}
