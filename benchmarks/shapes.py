@@ -1,6 +1,6 @@
 """Benchmark sections "shapes" and "compile".
 
-"shapes": each architecture is ``(name, builder)``; the builder returns a :class:`tests.shape_models.ShapeCase`
+"shapes": each architecture is ``(name, builder)``; the builder returns a :class:`tests.helpers.shape_models.ShapeCase`
 (a model, its conversion example and three more calls). A model export can capture is converted with
 ``amppass.convert``; one it cannot (data-dependent control flow) goes through
 ``torch.compile(backend="amppass")``. Every call's output error against the fp32 model is compared with
@@ -46,9 +46,9 @@ QUICK = ("zoo:mlp", "zoo:bert", "lstm", "transformer_encoder", "interpolate", "q
 
 
 def architectures(quick: bool) -> list[tuple[str, Callable[[], Any]]]:
-    """The zoo's small models plus the architectures of ``tests/shape_models.py`` (a few of them when quick)."""
+    """The zoo's small models plus the architectures of ``tests/helpers/shape_models.py`` (a few of them when quick)."""
     from models import ZOO, build
-    from tests.shape_models import ARCHITECTURES, ShapeCase
+    from tests.helpers.shape_models import ARCHITECTURES, ShapeCase
 
     def zoo_case(name: str) -> Callable[[], ShapeCase]:
         def builder() -> ShapeCase:

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import collections
 import json
-import sys
 from pathlib import Path
 
 from .results import Section, markdown_table
 
+from tests.conformance import zoo_harness as harness
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests" / "conformance"))
-import zoo_harness as harness  # noqa: E402 - the harness lives beside the other conformance harnesses
 
 TITLE = "transformers model zoo: outcomes per step (convert, generate, compile, train, export_onnx)"
 

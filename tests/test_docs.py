@@ -28,12 +28,12 @@ import re
 import shlex
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from amppass.cli import main
+from tests.helpers.docs import Block, blocks, check_summary_sample
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
@@ -42,45 +42,6 @@ EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.py") if p.name != "__in
 EXAMPLE_ARGS = {"quickstart": ["--size", "small", "--rows", "5"]}
 # Examples that start several processes run with the slow tests (``-m slow``).
 SLOW_EXAMPLES = {"fsdp2"}
-_FENCE = re.compile(r"^```(\w*)\s*$")
-_NOT_RUN = re.compile(r"^<!-- not run: (.+) -->$")
-_PRINTED = re.compile(r"^<!-- summary printed by the code above: (.+) -->$")
-# summary lines whose words depend on the machine (how busy it was, whether low precision paid there), by label
-WORDS_VARY = ("decided by", "speed check", "how the speed of each group of connected ops was known", "not timed",
-              "whole model", "to time on this machine instead")
-# and lines some machines do not print at all (a CPU where the original module is kept has no MACs line)
-SOMETIMES = (*WORDS_VARY, "heavy compute in bf16", "whole model per call")
-
-
-@dataclass
-class Block:
-    """A fenced code block: its language, first line number (1-based), code, and why it does not run."""
-
-    language: str
-    line: int
-    code: str
-    not_run: str | None
-    printed_on: str | None = None  # rule 5: the machine a summary sample was printed on
-
-
-def blocks(page: Path) -> list[Block]:
-    """The fenced blocks of a Markdown page, in order."""
-    found, lines = [], page.read_text().splitlines()
-    i = 0
-    while i < len(lines):
-        opening = _FENCE.match(lines[i].strip())
-        if not opening:
-            i += 1
-            continue
-        marker = _NOT_RUN.match(lines[i - 1].strip()) if i else None
-        printed = _PRINTED.match(lines[i - 1].strip()) if i else None
-        end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
-        indent = len(lines[i]) - len(lines[i].lstrip())
-        code = "\n".join(line[indent:] for line in lines[i + 1:end])
-        found.append(Block(opening.group(1), i + 1, code, marker.group(1) if marker else None,
-                           printed.group(1) if printed else None))
-        i = end + 1
-    return found
 
 
 def _environment() -> dict[str, str]:
@@ -114,7 +75,7 @@ def test_every_code_block_of_the_page_runs(page, tmp_path, monkeypatch):
     printed = io.StringIO()
     for block in blocks(page):
         if block.printed_on:
-            _check_summary_sample(block, printed.getvalue(), page)
+            check_summary_sample(block, printed.getvalue(), page)
             printed = io.StringIO()
         if block.not_run or block.language in ("text", ""):
             continue
@@ -137,62 +98,6 @@ class _Tee(io.TextIOBase):
         for stream in self.streams:
             stream.write(text)
         return len(text)
-
-
-def _label(line: str) -> str:
-    return line.split(":", 1)[0].strip()
-
-
-def _masked(line: str) -> str:
-    """``line`` with its numbers as ``#``, counted words singular and a list of node counts per precision as one
-    ``<counts>`` (a CPU without bf16 lists no bf16 nodes): its shape, not its figures."""
-    shape = re.sub(r"\b(node|group)s\b", r"\1", re.sub(r"(?<![\w.])\d[\d,.]*(e-?\d+)?", "#", line.strip()))
-    return re.sub(r"# (fp16|bf16|fp32|-)(, # (fp16|bf16|fp32|-))*", "<counts>", shape)
-
-
-def _summary_shapes() -> set[str]:
-    """The masked lines the summary prints on some machine (busy or idle, low precision faster or not), each
-    clause of a "; "-joined line apart."""
-    from amppass.report.report import Report
-
-    info = {"front_end": "fx", "dtype": "bf16", "mode": "inference"}
-    shapes = set()
-    for nodes in (0, 2):
-        for timing in ("measured", "cached", "table", "prior", "device", "unmeasured"):
-            for whole in ({"skipped": "the machine was too busy for the timings to agree"},
-                          {"converted_ms": 1.0, "original_ms": 2.0}):
-                profit = {"nodes_fp32": nodes, "regions_fp32": nodes, "timing": {timing: 2},
-                          "device": {"native_low": False, "why": "this CPU has none of amx_bf16, avx512_bf16"}}
-                summary = Report([], {**info, "profitability": profit, "whole_model": whole}).summary()
-                for line in summary.splitlines():
-                    label, _, rest = line.partition(": ")
-                    shapes.add(_masked(line))
-                    shapes.update(_masked(f"{label}: {part}") for part in rest.split("; "))
-    return shapes
-
-
-def _check_summary_sample(block: Block, printed: str, page: Path = ROOT / "README.md") -> None:
-    """Rule 5: the sample reads as what the code above printed here, on whatever machine this is."""
-    where = f"{page.name}:{block.line} (printed on {block.printed_on})"
-    run = {_masked(_label(line)): line for line in printed.splitlines() if line.strip()}
-    sample = [line for line in block.code.splitlines() if line.strip()]
-    shapes = _summary_shapes()
-    for line in sample:
-        label = _masked(_label(line))
-        if label in WORDS_VARY:
-            parts = [_masked(f"{label}: {part}") for part in line.partition(": ")[2].split("; ")]
-            assert label == "decided by" or _masked(line) in shapes or all(p in shapes for p in parts), (
-                f"{where}: {line!r} is not a line the summary prints; regenerate the sample from a real run")
-        elif label in run:
-            assert _masked(line) == _masked(run[label]), f"{where}: {line!r} reads {run[label]!r} here"
-        else:
-            assert label in SOMETIMES, f"{where}: {line!r} was not printed here; the summary printed:\n{printed}"
-    shown = {_masked(_label(line)) for line in sample}
-    missing = [line for label, line in run.items() if label not in SOMETIMES and label not in shown]
-    assert not missing, f"{where}: the summary also prints {missing}; regenerate the sample from a real run"
-
-
-README_SAMPLE_CHECK = _check_summary_sample
 
 
 def test_every_block_that_does_not_run_says_why():

@@ -29,7 +29,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from tests.test_docs import blocks
+from tests.helpers.docs import blocks
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

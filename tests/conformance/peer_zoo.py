@@ -35,7 +35,7 @@ from the command line every model runs in a child process with its own deadline 
 a native crash costs that model only.
 
 ``python tests/conformance/peer_zoo.py --write-expected`` runs the whole zoo and writes ``peer_expected.json``: each
-failing step with the stable start of its reason (:func:`reason_of`), which ``tests/test_peer_zoo.py`` holds the
+failing step with the stable start of its reason (:func:`reason_of`), which ``tests/conformance/test_peer_zoo.py`` holds the
 code to. ``--only NAME ...``, ``--steps STEP ...``, ``--json OUT`` (every outcome, with details and times).
 """
 
@@ -644,7 +644,7 @@ def reason_of(detail: str) -> str:
     return cut[:REASON_CHARS].rstrip(" :;,([{'\"=").strip()
 
 
-ABOUT = ("Expected deviations of the peer zoo (tests/test_peer_zoo.py, tests/conformance/peer_zoo.py): 'unbuilt' "
+ABOUT = ("Expected deviations of the peer zoo (tests/conformance/test_peer_zoo.py, tests/conformance/peer_zoo.py): 'unbuilt' "
          "lists the models that do not build here, with the reason; 'expected' lists per model the steps that fail "
          "today, each with the start of its reason (the detail up to its first number): such a step must fail with "
          "a detail that starts so. A listed step that passes fails the test, as does an unlisted one that fails. "

@@ -22,7 +22,7 @@ import pytest
 
 pytest.importorskip("expecttest")  # torch.testing._internal imports it
 
-import opinfo_harness as harness  # noqa: E402 - after the skip: the harness imports torch.testing._internal
+from tests.conformance import opinfo_harness as harness  # noqa: E402 - after the skip: the harness imports torch.testing._internal
 
 DATA = json.loads((Path(__file__).with_name("opinfo_expected.json")).read_text(encoding="utf-8"))
 BOUNDS = {dtype: float(bound) for dtype, bound in DATA["bounds"].items() if dtype in ("bf16", "fp16")}

@@ -34,7 +34,7 @@ that class) on its others, which keeps the whole zoo to a few seconds a class.
 A step is "pass", "fail" (with the first line of the error, or the errors measured), "n/a" (it does not apply) or
 "covered" (a per-type step, run on another class of the model type).
 ``python tests/conformance/zoo_harness.py --write-expected`` runs the whole zoo and writes ``zoo_expected.json``:
-every unbuilt class and every failing step, with its reason, which ``tests/test_zoo.py`` then holds the code to.
+every unbuilt class and every failing step, with its reason, which ``tests/conformance/test_zoo.py`` then holds the code to.
 """
 
 from __future__ import annotations
@@ -831,7 +831,7 @@ def interleaved(found: dict[str, tuple[str, str]]) -> list[str]:
     return order
 
 
-ABOUT = ("Expected deviations of the transformers zoo (tests/test_zoo.py, tests/conformance/zoo_harness.py): "
+ABOUT = ("Expected deviations of the transformers zoo (tests/conformance/test_zoo.py, tests/conformance/zoo_harness.py): "
          "'unbuilt' lists the classes a tiny offline config cannot build, with the reason; 'expected' lists per "
          "class the steps that fail today, with the first line of the error or the errors measured. A listed step "
          "that passes fails the test, as does an unlisted one that fails. Regenerate: python "
