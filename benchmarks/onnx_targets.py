@@ -66,8 +66,7 @@ def _sensor() -> tuple[onnx.ModelProto, Feed]:
 
 
 def models(quick: bool) -> dict[str, Callable[[], tuple[onnx.ModelProto, Feed]]]:
-    from models.audio import audio_onnx
-    from models.detection import db_onnx
+    from models.arch import audio_onnx, db_onnx
 
     size = "small" if quick else "base"
     found = {

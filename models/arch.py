@@ -10,13 +10,16 @@ whole. ``shape`` is one number per model: the token count for sequence models, t
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import onnx
 import torch
 from torch import nn
 
 from models import audio, detection, sequence, vision
+from models.onnx_export import export
 from models.zoo import ModelCase
 
 
@@ -140,3 +143,20 @@ def build_arch(name: str, batch: int = 1, shape: Any = None, seed: int = 0) -> A
         exportable=arch.exportable,
         description=arch.description,
     )
+
+
+def audio_onnx(path: str | os.PathLike | None = None, *, batch: int = 1, samples: int = audio.SAMPLE_RATE,
+               seed: int = 0) -> onnx.ModelProto:
+    """The classifier of ``build_arch("audio_cqt", seed=seed)`` in ONNX (opset 17): input "waveform" (batch
+    axis dynamic, ``samples`` fixed), output "logits"; also saved at ``path`` if given."""
+    case = build_arch("audio_cqt", batch=batch, shape=samples, seed=seed)
+    return export(case.model, case.example_inputs, ["waveform"], ["logits"], path)
+
+
+def db_onnx(path: str | os.PathLike | None = None, *, batch: int = 1, shape: int | tuple[int, int] = 640,
+            seed: int = 0) -> onnx.ModelProto:
+    """The DB text detector of ``build_arch("db_text_detector", seed=seed)`` in ONNX (opset 17): input
+    "image" (batch axis dynamic, ``shape`` fixed), outputs "binary", "probability" and "threshold"; also
+    saved at ``path`` if given."""
+    case = build_arch("db_text_detector", batch=batch, shape=shape, seed=seed)
+    return export(case.model, case.example_inputs, ["image"], ["binary", "probability", "threshold"], path)

@@ -8,15 +8,12 @@ the filter banks are fixed complex exponentials under Hann windows and need no s
 from __future__ import annotations
 
 import math
-import os
 
-import onnx
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from models.blocks import ConvBNAct
-from models.onnx_export import export
 from models.zoo import _randomize_batchnorm
 
 SAMPLE_RATE = 16000
@@ -100,11 +97,3 @@ def audio_cqt() -> nn.Module:
     return model
 
 
-def audio_onnx(path: str | os.PathLike | None = None, *, batch: int = 1, samples: int = SAMPLE_RATE,
-               seed: int = 0) -> onnx.ModelProto:
-    """The classifier of ``build_arch("audio_cqt", seed=seed)`` in ONNX (opset 17): input "waveform" (batch
-    axis dynamic, ``samples`` fixed), output "logits"; also saved at ``path`` if given."""
-    from models.arch import build_arch  # the registry imports this module
-
-    case = build_arch("audio_cqt", batch=batch, shape=samples, seed=seed)
-    return export(case.model, case.example_inputs, ["waveform"], ["logits"], path)

@@ -7,15 +7,12 @@ Weights are random: callers seed the global RNG (:func:`models.arch.build_arch` 
 from __future__ import annotations
 
 import math
-import os
 
-import onnx
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from models.blocks import ConvBNAct, damp
-from models.onnx_export import export
 from models.zoo import _randomize_batchnorm
 
 # Box regression deltas larger than this (log of a 1000/16 size ratio) would make exp() overflow.
@@ -376,12 +373,3 @@ def db_text_detector() -> nn.Module:
     return model
 
 
-def db_onnx(path: str | os.PathLike | None = None, *, batch: int = 1, shape: int | tuple[int, int] = 640,
-            seed: int = 0) -> onnx.ModelProto:
-    """The DB text detector of ``build_arch("db_text_detector", seed=seed)`` in ONNX (opset 17): input
-    "image" (batch axis dynamic, ``shape`` fixed), outputs "binary", "probability" and "threshold"; also
-    saved at ``path`` if given."""
-    from models.arch import build_arch  # the registry imports this module
-
-    case = build_arch("db_text_detector", batch=batch, shape=shape, seed=seed)
-    return export(case.model, case.example_inputs, ["image"], ["binary", "probability", "threshold"], path)

@@ -49,8 +49,9 @@ import torch.distributed as dist
 from ..dtypes import low_type
 from ..errors import ScaleCollapseError, ScalerUsageError, ScalerValueError
 from .overflow import unscale_and_check
-from .scaler_values import (_LoadedState, _bounds_kept, _check_backoff_factor, _check_bounds, _check_growth_factor,
-                            _check_growth_interval, _check_hysteresis, _check_scale, _clamp_loaded_scale)
+from .scaler_values import (LoadedState, ScalerBounds, bounds_kept, check_backoff_factor, check_bounds,
+                            check_growth_factor, check_growth_interval, check_hysteresis, check_scale,
+                            clamp_loaded_scale)
 
 logger = logging.getLogger(__name__)
 
@@ -164,12 +165,12 @@ class LossScaler:
         min_scale: float = 1.0,
         max_scale: float = 2.0**24,
     ) -> None:
-        _check_bounds(min_scale, max_scale)
-        _check_scale("init_scale", init_scale, min_scale, max_scale)
-        _check_growth_factor(growth_factor)
-        _check_backoff_factor(backoff_factor)
-        _check_growth_interval(growth_interval)
-        _check_hysteresis(hysteresis)
+        check_bounds(min_scale, max_scale)
+        check_scale("init_scale", init_scale, min_scale, max_scale)
+        check_growth_factor(growth_factor)
+        check_backoff_factor(backoff_factor)
+        check_growth_interval(growth_interval)
+        check_hysteresis(hysteresis)
         if not isinstance(enabled, bool):
             raise ScalerValueError(f"enabled={enabled!r} must be True or False")
         # torch.distributed.group.WORLD is None before init_process_group: an explicit None then may mean it.
@@ -315,7 +316,7 @@ class LossScaler:
         flags = [s.found_inf for s in states if s.found_inf is not None]
         if new_scale is not None:
             value = float(new_scale)
-            _check_scale("update(new_scale)", value, self._min_scale, self._max_scale)
+            check_scale("update(new_scale)", value, self._min_scale, self._max_scale)
             self._scale.fill_(value)
         elif not flags:
             raise ScalerUsageError(
@@ -343,7 +344,7 @@ class LossScaler:
 
     def set_growth_factor(self, new_factor: float) -> None:
         """Set the growth factor (> 1) for the following updates."""
-        _check_growth_factor(new_factor)
+        check_growth_factor(new_factor)
         self._growth_factor = float(new_factor)
 
     def get_backoff_factor(self) -> float:
@@ -352,7 +353,7 @@ class LossScaler:
 
     def set_backoff_factor(self, new_factor: float) -> None:
         """Set the backoff factor (above 0, at most 0.99) for the following updates."""
-        _check_backoff_factor(new_factor)
+        check_backoff_factor(new_factor)
         self._backoff_factor = float(new_factor)
 
     def get_growth_interval(self) -> int:
@@ -362,7 +363,7 @@ class LossScaler:
     def set_growth_interval(self, new_interval: int) -> None:
         """Set the growth interval (an int from 1 to 2**30); a clean-step count already at or past it grows next
         step."""
-        _check_growth_interval(new_interval)
+        check_growth_interval(new_interval)
         self._growth_interval = int(new_interval)
 
     @property
@@ -434,7 +435,8 @@ class LossScaler:
                 "or torch.amp.GradScaler.state_dict()"
             )
         try:
-            loaded = _LoadedState.check(state_dict, self)
+            current = ScalerBounds(self._min_scale, self._max_scale, self._built_bounds, self._hysteresis)
+            loaded = LoadedState.check(state_dict, current)
         except ScalerValueError as err:
             raise ScalerValueError(
                 f"load_state_dict(): {err}. Nothing was loaded; pass the dict that LossScaler.state_dict() or "
@@ -442,8 +444,8 @@ class LossScaler:
                 "own setting"
             ) from None
         # Nothing below raises: the scaler changes whole or not at all.
-        min_scale, max_scale = _bounds_kept(loaded.min_scale, loaded.max_scale, self._built_bounds)
-        scale = _clamp_loaded_scale(loaded.scale, min_scale, max_scale)
+        min_scale, max_scale = bounds_kept(loaded.min_scale, loaded.max_scale, self._built_bounds)
+        scale = clamp_loaded_scale(loaded.scale, min_scale, max_scale)
         self._growth_factor = loaded.growth_factor
         self._backoff_factor = loaded.backoff_factor
         self._growth_interval = loaded.growth_interval

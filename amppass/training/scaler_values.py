@@ -20,14 +20,11 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from numbers import Integral, Real
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..errors import ScalerValueError
-
-if TYPE_CHECKING:
-    from .loss_scaler import LossScaler
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +66,7 @@ def _is_number(value: Any) -> bool:
         return False
 
 
-def _check_bounds(min_scale: Any, max_scale: Any, where: str = "") -> None:
+def check_bounds(min_scale: Any, max_scale: Any, where: str = "") -> None:
     if not (_is_number(min_scale) and min_scale >= _FP32_TINY):
         raise ScalerValueError(
             f"{where}min_scale={_shown(min_scale)} must be a number >= 2**-126 (float32's smallest normal, so that "
@@ -93,7 +90,7 @@ def _check_overlap(min_scale: float, max_scale: float, built: tuple[float, float
         )
 
 
-def _bounds_kept(min_scale: float, max_scale: float, built: tuple[float, float]) -> tuple[float, float]:
+def bounds_kept(min_scale: float, max_scale: float, built: tuple[float, float]) -> tuple[float, float]:
     """A checkpoint's (checked, overlapping) bounds, never looser than the built ones, saying when it kept those."""
     kept = (max(min_scale, built[0]), min(max_scale, built[1]))
     for key, saved, value, side in (
@@ -125,7 +122,7 @@ def _check_positive_scale(name: str, value: Any) -> None:
         )
 
 
-def _clamp_loaded_scale(value: float, min_scale: float, max_scale: float) -> float:
+def clamp_loaded_scale(value: float, min_scale: float, max_scale: float) -> float:
     """A checkpoint's (checked) scale, clamped into the bounds (GradScaler's own scale is unbounded), saying so."""
     clamped = min(max(value, min_scale), max_scale)
     if clamped != value:
@@ -141,7 +138,7 @@ def _clamp_loaded_scale(value: float, min_scale: float, max_scale: float) -> flo
     return clamped
 
 
-def _check_scale(name: str, value: Any, min_scale: float, max_scale: float) -> None:
+def check_scale(name: str, value: Any, min_scale: float, max_scale: float) -> None:
     _check_positive_scale(name, value)
     if not min_scale <= value <= max_scale:
         raise ScalerValueError(
@@ -150,12 +147,12 @@ def _check_scale(name: str, value: Any, min_scale: float, max_scale: float) -> N
         )
 
 
-def _check_growth_factor(value: Any, where: str = "") -> None:
+def check_growth_factor(value: Any, where: str = "") -> None:
     if not (_is_number(value) and value > 1):
         raise ScalerValueError(f"{where}growth_factor={_shown(value)} must be a finite number > 1, e.g. 2.0")
 
 
-def _check_backoff_factor(value: Any, where: str = "") -> None:
+def check_backoff_factor(value: Any, where: str = "") -> None:
     if not (_is_number(value) and 0 < value <= MAX_BACKOFF):
         raise ScalerValueError(f"{where}backoff_factor={_shown(value)} must be a number above 0 and at most "
                                f"{MAX_BACKOFF}, e.g. 0.5 (closer to 1 the scale barely backs off, and overflowing "
@@ -168,11 +165,11 @@ def _check_int(name: str, value: Any, low: int, high: int, note: str) -> None:
         raise ScalerValueError(f"{name}={_shown(value)} must be an int from {low} to {_bound(high)} ({note})")
 
 
-def _check_growth_interval(value: Any, where: str = "") -> None:
+def check_growth_interval(value: Any, where: str = "") -> None:
     _check_int(f"{where}growth_interval", value, 1, MAX_GROWTH_INTERVAL, "clean steps before a growth, e.g. 2000")
 
 
-def _check_hysteresis(value: Any, where: str = "") -> None:
+def check_hysteresis(value: Any, where: str = "") -> None:
     _check_int(
         f"{where}hysteresis",
         value,
@@ -183,7 +180,18 @@ def _check_hysteresis(value: Any, where: str = "") -> None:
 
 
 @dataclass(frozen=True)
-class _LoadedState:
+class ScalerBounds:
+    """What a loaded state dict is checked against: the scaler's bounds now, the bounds it was built with, and its
+    hysteresis (a state dict without one keeps it)."""
+
+    min_scale: float
+    max_scale: float
+    built: tuple[float, float]
+    hysteresis: int
+
+
+@dataclass(frozen=True)
+class LoadedState:
     """A state dict's values, each checked, in the types the scaler keeps; built whole before any is assigned."""
 
     scale: float
@@ -198,17 +206,17 @@ class _LoadedState:
     skipped_steps: int
 
     @classmethod
-    def check(cls, state_dict: Mapping[str, Any], scaler: LossScaler) -> _LoadedState:
-        """Raise ScalerValueError naming the first key whose value the scaler cannot use."""
+    def check(cls, state_dict: Mapping[str, Any], current: ScalerBounds) -> LoadedState:
+        """Raise ScalerValueError naming the first key whose value a scaler now at ``current`` cannot use."""
         where = "the state dict's "
-        min_scale = state_dict.get("min_scale", scaler._min_scale)
-        max_scale = state_dict.get("max_scale", scaler._max_scale)
-        _check_bounds(min_scale, max_scale, where)
-        _check_overlap(float(min_scale), float(max_scale), scaler._built_bounds)
+        min_scale = state_dict.get("min_scale", current.min_scale)
+        max_scale = state_dict.get("max_scale", current.max_scale)
+        check_bounds(min_scale, max_scale, where)
+        _check_overlap(float(min_scale), float(max_scale), current.built)
         _check_positive_scale(f"{where}scale", state_dict["scale"])
-        _check_growth_factor(state_dict["growth_factor"], where)
-        _check_backoff_factor(state_dict["backoff_factor"], where)
-        _check_growth_interval(state_dict["growth_interval"], where)
+        check_growth_factor(state_dict["growth_factor"], where)
+        check_backoff_factor(state_dict["backoff_factor"], where)
+        check_growth_interval(state_dict["growth_interval"], where)
         _check_int(
             f"{where}_growth_tracker",
             state_dict["_growth_tracker"],
@@ -216,8 +224,8 @@ class _LoadedState:
             MAX_GROWTH_INTERVAL,
             "clean steps in a row since the last overflow or growth",
         )
-        hysteresis = state_dict.get("hysteresis", scaler._hysteresis)
-        _check_hysteresis(hysteresis, where)
+        hysteresis = state_dict.get("hysteresis", current.hysteresis)
+        check_hysteresis(hysteresis, where)
         hysteresis_tracker = state_dict.get("_hysteresis_tracker", hysteresis)
         _check_int(
             f"{where}_hysteresis_tracker",

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from models import ARCHS, ArchCase, ModelCase, build_arch
-from models.audio import ConstantQ, audio_onnx
-from models.detection import box_iou, db_onnx, nms
+from models.arch import audio_onnx, db_onnx
+from models.audio import ConstantQ
+from models.detection import box_iou, nms
 from models.vision import _window_mask
 
 KINDS = {"depthwise-cnn", "grouped-cnn", "rnn", "transformer", "decoder-llm", "ssm", "detector", "audio",
