@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import amppass
-from amppass.fx.runners import profit
+from amppass.fx.runners import region_timing
 from amppass.fx.view import kernels, policy
 from amppass.fx.capture.export import capture
 from amppass.fx.view.build import build_view
@@ -72,7 +72,7 @@ def test_a_missing_kernel_the_facts_do_not_know_becomes_an_fp32_decision_when_ti
     monkeypatch.setattr(kernels, "autocast_reason", lambda name, target: "")
     # the whole-model comparison is not under test: on a quiet machine this tiny model's fp32 original wins it,
     # and the report would then have no rows to read
-    monkeypatch.setattr(profit, "whole_model", lambda *args, **kwargs: (1e-3, 2e-3))
+    monkeypatch.setattr(region_timing, "whole_model", lambda *args, **kwargs: (1e-3, 2e-3))
     torch.manual_seed(0)
     model = Spectral().eval()
     converted, rows = _rows(model, "bf16", plan_for="speed")

@@ -16,7 +16,7 @@ A :class:`Target` carries everything about the deployment that changes a plan:
   torch); otherwise the fp16-storage simulation of :mod:`amppass.onnx.simulate` stands in ("simulation").
 - ``profitable`` (torch, on this machine's device): whether profitability is measured, i.e. a region of
   the plan runs low only where its low-precision kernels and casts beat fp32 here
-  (:mod:`amppass.fx.runners.profit`).
+  (:mod:`amppass.analysis.profitability`).
 - kernels (torch): which ops have a low-precision kernel on the device is asked of torch itself where this
   machine has the device, and read from a packaged table otherwise (:mod:`amppass.fx.view.kernels`,
   :mod:`amppass.targets.torch_kernels`).
