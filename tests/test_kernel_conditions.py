@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import amppass
 from amppass.targets import onnx_target
-from amppass.targets.kernels import load_conditions
+from amppass.targets.onnx_kernel_tables import load_conditions
 from tests.test_onnx_convert import meta, session
 
 DATA = Path(__file__).resolve().parent.parent / "amppass" / "targets" / "data" / "onnxruntime_cpu_conditions.json"

@@ -38,7 +38,7 @@ region's calls (:class:`TimedCall`; :mod:`amppass.fx.runners.region_timing` buil
      conversion stops timing and estimates the rest (timing them would only cost time).
 
    Every kernel of a region is called once before any timing or estimate: a low-precision kernel that
-   raises where its fp32 twin runs (a missing kernel the kernel facts of :mod:`amppass.fx.view.kernels` did not
+   raises where its fp32 twin runs (a missing kernel the kernel facts of :mod:`amppass.fx.view.low_kernels` did not
    know of) makes its node fp32 with that reason, never a crash at run time.
    A region whose ops cannot run alone on synthetic inputs is kept as painted (``unmeasured``). A region
    is labelled with the most doubtful source among its times. Where some of its times are known
