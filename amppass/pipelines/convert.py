@@ -24,7 +24,7 @@ from ..fx.runners import finite, region_timing
 from ..fx.prepare.aliasing import functional_writes, writes_an_input
 from ..fx.capture.copies import shared_copy
 from ..fx.capture.custom_backward import check_backward
-from ..fx.rewrite.devices import module_device
+from ..fx.rewrite.device_literals import module_device
 from ..fx.capture.fidelity import check_fidelity
 from ..fx.rewrite.backward import annotate_backward
 from ..fx.runners.calibrate import CaptureFp32, calibrated_plan, flatten_inputs, split_batch
