@@ -23,10 +23,10 @@ from ..errors import CaptureError, InputError
 from ..fx.runners import finite, region_timing
 from ..fx.prepare.aliasing import functional_writes, writes_an_input
 from ..fx.capture.copies import shared_copy
-from ..fx.capture.custom_backward import check_backward
+from ..fx.capture.function_backward import check_backward
 from ..fx.rewrite.device_literals import module_device
 from ..fx.capture.fidelity import check_fidelity
-from ..fx.rewrite.backward import annotate_backward
+from ..fx.rewrite.low_backward import annotate_backward
 from ..fx.runners.calibrate import CaptureFp32, calibrated_plan, flatten_inputs, split_batch
 from ..fx.capture.export import capture, capture_program
 from ..fx.prepare.gelu import FUSED_KEY, fuse_tanh_gelu
