@@ -2,7 +2,7 @@
 
 For every zoo model (``models/zoo.py``) at batch 1 (sequence 16), bf16 on this CPU, the default speed plan
 (``amppass.convert(model, inputs, "bf16")``) is made three times, each starting without the times this
-process measured before (:func:`amppass.fx.runners.profit.forget`):
+process measured before (:func:`amppass.targets.cost_model.forget`):
 
 - ``quiet``: on the machine as it is, with an empty timing cache (a fresh ``AMPPASS_CACHE`` folder);
 - ``busy, empty cache``: while :data:`BUSY` busy-looping processes run (4 on this 2-core machine), again

@@ -1,6 +1,6 @@
-"""Build amppass's torch kernel facts (``amppass/targets/data/torch_kernels.json``) from torch's own sources.
+"""Build amppass's torch kernel facts (``amppass/targets/data/torch_kernel_facts.json``) from torch's own sources.
 
-The FX plan asks the target's torch directly where it can (:mod:`amppass.fx.view.kernels` calls the op once on
+The FX plan asks the target's torch directly where it can (:mod:`amppass.fx.view.low_kernels` calls the op once on
 tiny inputs). This table answers where it cannot: a CUDA target planned on a machine without a GPU, a
 symbolically traced graph whose nodes carry no example values, an op whose tiny call fails in fp32 too.
 Three sources, each named in the file:
@@ -20,7 +20,7 @@ Three sources, each named in the file:
 
 Usage (needs the ``expecttest`` package, which ``torch.testing._internal`` imports)::
 
-    python scripts/torch_kernel_tables.py            # writes amppass/targets/data/torch_kernels.json
+    python scripts/torch_kernel_tables.py            # writes amppass/targets/data/torch_kernel_facts.json
     python scripts/torch_kernel_tables.py --check    # exits 1 if the file differs from what it would write
 """
 
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-OUT = Path(__file__).resolve().parent.parent / "amppass" / "targets" / "data" / "torch_kernels.json"
+OUT = Path(__file__).resolve().parent.parent / "amppass" / "targets" / "data" / "torch_kernel_facts.json"
 LOW = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 AUTOCAST_SOURCE = {

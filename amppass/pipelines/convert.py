@@ -15,17 +15,18 @@ from ..analysis import overrides, precedence
 from ..analysis.painting import paint
 from ..analysis.options import PlanOptions
 from ..analysis.plan import Precision, PrecisionPlan, Source
+from ..analysis.profitability import SOURCES, Profitability
 from ..analysis.record import META_KEY, check_reconversion, summary
 from ..analysis.view import GraphView
 from ..dtypes import low_type
 from ..errors import CaptureError, InputError
-from ..fx.runners import finite, profit
+from ..fx.runners import finite, region_timing
 from ..fx.prepare.aliasing import functional_writes, writes_an_input
 from ..fx.capture.copies import shared_copy
-from ..fx.capture.custom_backward import check_backward
-from ..fx.rewrite.devices import module_device
+from ..fx.capture.function_backward import check_backward
+from ..fx.rewrite.device_literals import module_device
 from ..fx.capture.fidelity import check_fidelity
-from ..fx.rewrite.backward import annotate_backward
+from ..fx.rewrite.low_backward import annotate_backward
 from ..fx.runners.calibrate import CaptureFp32, calibrated_plan, flatten_inputs, split_batch
 from ..fx.capture.export import capture, capture_program
 from ..fx.prepare.gelu import FUSED_KEY, fuse_tanh_gelu
@@ -33,7 +34,6 @@ from ..fx.capture.guards import GUARDS_KEY, carried_decisions, matching, plain_i
 from ..fx.view.macs import node_macs
 from ..fx.prepare.masks import fold_constant_masks
 from ..fx.capture.modes import module_mode
-from ..fx.runners.profit import CostModel
 from ..fx.rewrite.apply import rewrite
 from ..fx.view.build import build_view
 from ..serving.dropin import DropIn, in_own_class, transformers_call, with_signature
@@ -43,6 +43,7 @@ from ..serving.serving_graph import ServingGraph
 from ..serving.traced import TracedGraph
 from ..serving.train_eval import TrainEvalGraphs
 from ..serving.tree import example_call
+from ..targets.cost_model import CostModel, DeviceFacts
 from ..targets.device import fingerprint
 from ..targets.target import Target, torch_target
 from ..targets.timing_cache import TimingCache
@@ -104,7 +105,7 @@ def convert(
         plan_for: ``"speed"`` (default): where this machine has the target device and example inputs are
             given, a region of the plan runs low only if measuring shows its low kernels and casts are
             faster than fp32 there, and the original module is kept in fp32 if the converted graph
-            measures slower than it (profitability: :mod:`amppass.fx.runners.profit`, :mod:`amppass.serving.kept`).
+            measures slower than it (profitability: :mod:`amppass.analysis.profitability`, :mod:`amppass.serving.kept`).
             ``"coverage"``: every op that numerics allow runs low, nothing is measured (the plan is the
             same on every machine). ``"memory"``: as "coverage", and every weight is stored in the low dtype
             (where its values fit), cast up at use by the ops that run fp32: the smallest model.
@@ -303,7 +304,7 @@ def _faster_of(gm: fx.GraphModule, model: nn.Module, example: tuple[Any, dict],
     table = CostModel({**info.get("costs", {}), **(costs or {})}, TimingCache(fingerprint(device)))
     # timed even where the regions' timings were not (a region of hundreds of kernels rarely has an undisturbed
     # round where two calls do): the check that keeps a plan estimated from the prior from being slower
-    measured = profit.whole_model(gm, model, args, kwargs, table)
+    measured = region_timing.whole_model(gm, model, args, kwargs, table)
     if measured is None:
         # keeping the original throws the whole plan away: only on measurements load left undisturbed
         log.warning("%s: not timed against your original module as a whole: other programs were using the CPU, so "
@@ -448,11 +449,12 @@ def _profitability(gm: fx.GraphModule, view: GraphView, target: Target, given: d
     args, kwargs = example
     flat = flatten_inputs(gm, split_batch(args)[0] if args is not None else (), kwargs, index=0)
     device = next((t.device for t in gm.parameters()), torch.device(target.name))
-    facts = profit.DeviceFacts(device, target.low)
+    facts = DeviceFacts(device, target.low)
     model = CostModel(costs, facts.cache)
+    rule = Profitability(model, facts, target.low)
     plan = paint(view, target.low, given, low_weight_tables=low_weight_tables)
-    decided, regions = profit.decide(gm, view, plan, target.low, flat, given, model, keep_io_types, facts)
-    timing = {source: sum(r["timing"] == source for r in regions) for source in (*profit.SOURCES, "device")}
+    decided, regions = region_timing.decide(gm, view, plan, flat, given, keep_io_types, rule, device)
+    timing = {source: sum(r["timing"] == source for r in regions) for source in (*SOURCES, "device")}
     timing = {source: count for source, count in timing.items() if count}
     if timing.get("device"):
         _say_once(f"profitability: {facts.native.reason}; every region runs fp32 without timing "
@@ -463,7 +465,7 @@ def _profitability(gm: fx.GraphModule, view: GraphView, target: Target, given: d
              ", ".join(f"{n} {s}" for s, n in timing.items()) or "none", len(model.used), seconds)
     return decided, {"costs": model.table(), "profitability": {
         "regions_fp32": fp32, "nodes_fp32": len(decided), "seconds": round(seconds, 3), "timing": timing,
-        "too_busy": facts.misses > 0, "device": facts.describe(), "regions": regions}}
+        "too_busy": rule.misses > 0, "device": facts.describe(), "regions": regions}}
 
 
 _SAID: set[str] = set()

@@ -164,7 +164,8 @@ def summary_lines(report: Summarised) -> list[str]:
     return lines
 
 
-# how the speed check knew a group's fp32 and low-precision times (amppass.fx.runners.profit, rule 2), in plain words
+# how the speed check knew a group's fp32 and low-precision times (amppass.analysis.profitability, rule 2), in
+# plain words
 _TIMING_WORDS = {
     "measured": "timed on this machine",
     "cached": "timed on this machine by an earlier conversion (kept in the timing cache)",
@@ -180,8 +181,8 @@ def _count(n: Any, word: str) -> str:
 
 
 def _speed_lines(profit: dict[str, Any], dtype: str) -> list[str]:
-    """The speed check (:mod:`amppass.fx.runners.profit`) in words a newcomer reads: what stayed fp32 and why, and how
-    each group's speed was known (what to do when the machine was too busy follows the whole-model line)."""
+    """The speed check (:mod:`amppass.analysis.profitability`) in words a newcomer reads: what stayed fp32 and why,
+    and how each group's speed was known (what to do when the machine was too busy follows the whole-model line)."""
     nodes, groups = profit.get("nodes_fp32"), profit.get("regions_fp32")
     if nodes:
         lines = [f"speed check: {_count(nodes, 'node')} in {_count(groups, 'group')} of connected {dtype} ops stay "

@@ -2,7 +2,7 @@
 
 A captured graph runs the ops the model's Python code called, one by one. Some modules run faster eagerly
 than any graph of their ops can: ``nn.TransformerEncoder`` in inference takes PyTorch's fused "fast path"
-kernel, which torch.export decomposes. When profitability (:mod:`amppass.fx.runners.profit`) finds the converted
+kernel, which torch.export decomposes. When profitability (:mod:`amppass.analysis.profitability`) finds the converted
 graph slower than the original module in fp32 on the target, :func:`amppass.convert` returns
 :func:`keep_original`'s module instead, which :func:`amppass.report` shows as its one row.
 

@@ -10,7 +10,7 @@ face (:mod:`amppass.serving.face`) makes look like a no-op. So a converted modul
 ``.cpu()``) and anything else it does to a tensor happen as asked; a floating tensor keeps its dtype,
 logged once per call (a warning, or INFO where fp32 was asked: the dtype the module faces its caller with).
 Converting the original again with the other ``dtype`` is the way to another low dtype. The graphs' device
-literals follow a device move (:mod:`amppass.fx.rewrite.devices`).
+literals follow a device move (:mod:`amppass.fx.rewrite.device_literals`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Callable, Iterable
 import torch
 from torch import fx
 
-from ..fx.rewrite.devices import retarget
+from ..fx.rewrite.device_literals import retarget
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class PlanDtypes:
         return tensor.to(made.device)
 
     def retarget(self, graphs: Iterable[fx.GraphModule]) -> None:
-        """Move the device literals of ``graphs`` as the tensors moved (:mod:`amppass.fx.rewrite.devices`)."""
+        """Move the device literals of ``graphs`` as the tensors moved (:mod:`amppass.fx.rewrite.device_literals`)."""
         for gm in graphs:
             retarget(gm, self.moves)
 

@@ -34,7 +34,7 @@ Rules:
    writes into the caller's inputs.
 8. A call on another device than the original model's (the module moved with ``.to("cuda")`` after converting
    on the CPU) captures its later plan from the original where that is, on the call's inputs moved there, and
-   moves the plan to the call's device, device literals included (:mod:`amppass.fx.rewrite.devices`).
+   moves the plan to the call's device, device literals included (:mod:`amppass.fx.rewrite.device_literals`).
 9. The guards read the shapes, dtypes and devices of a call's tensors and its plain values, nothing else: so a
    call of tensors and plain values (no container) whose key an earlier call had, one the module's own plan
    ran without a cast or a fixed keyword, skips the check and runs the plan at once. At most
@@ -56,7 +56,7 @@ from torch.utils import _pytree as pytree
 
 from ..analysis.record import META_KEY
 from ..errors import CaptureError, InputError
-from ..fx.rewrite.devices import module_device
+from ..fx.rewrite.device_literals import module_device
 from ..fx.capture.guards import GUARDS_KEY, MAX_PLANS, ShapeGuards, call_layout, plain_inputs
 from ..fx.capture.modes import module_mode
 from .face import Fp32Face, stored_parameters

@@ -56,7 +56,7 @@ from torch.utils import _pytree as pytree
 from ..errors import InputError
 from ..fx.runners.calibrate import split_batch
 from ..fx.capture.export import auto_dims, size_one_dynamic, without_dtype_asserts
-from ..fx.rewrite.devices import retarget_graph
+from ..fx.rewrite.device_literals import retarget_graph
 from ..fx.capture.guards import GUARDS_KEY
 from ..fx.capture.quiet import quiet_torch
 from .serving_graph import set_state
@@ -202,8 +202,8 @@ class Outline:
         self.graphs = graphs
 
     def retarget(self, moves: Mapping[torch.device, torch.device], tree: nn.Module) -> dict[str, Callable[..., Any]]:
-        """Move every part's device literals by ``moves`` (:mod:`amppass.fx.rewrite.devices`); the code of each part
-        that changed, by module name (the root's under "", which this outline now runs too). ``tree`` is the
+        """Move every part's device literals by ``moves`` (:mod:`amppass.fx.rewrite.device_literals`); the code of
+        each part that changed, by module name (the root's under "", which this outline now runs too). ``tree`` is the
         module tree the code runs in: each part's code is generated in a module over that part's attributes."""
         changed = {}
         for name, graph in self.graphs.items():

@@ -1,6 +1,6 @@
 """What this machine's device is, and whether its low-precision kernels can beat fp32 at all.
 
-Profitability (:mod:`amppass.fx.runners.profit`) times kernels on the device a plan is made for. Two facts about
+Profitability (:mod:`amppass.analysis.profitability`) times kernels on the device a plan is made for. Two facts about
 that device come first:
 
 1. **Fingerprint** (:func:`fingerprint`): what a timing depends on besides the kernel itself. For a CPU:

@@ -1,6 +1,6 @@
 """A prior for a device: op times estimated from four numbers, where measuring cannot be trusted.
 
-When the machine is too busy for a region's interleaved timings to agree (:mod:`amppass.fx.runners.profit`), and no
+When the machine is too busy for a region's interleaved timings to agree (:mod:`amppass.analysis.profitability`), and no
 table or cache holds them, the region is decided on estimates instead of being kept fp32 blindly. An op's
 estimated time is a call overhead, plus its multiply-accumulates (:func:`amppass.fx.view.macs.node_macs`)
 at the device's matrix-product rate for the dtype, plus the bytes its float operands and results occupy at

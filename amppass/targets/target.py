@@ -5,7 +5,7 @@ A :class:`Target` carries everything about the deployment that changes a plan:
 - ``low``: the low dtype and its range facts (:class:`~amppass.dtypes.LowType`).
 - ``kernels`` (ONNX): which ops the runtime runs in the low dtype. For ``"cpu"`` that is the installed
   onnxruntime's own CPU kernel registry, asked at run time; for ``"cuda"`` and ``"tensorrt"``, machines
-  this one usually cannot load, the static tables of :mod:`amppass.targets.kernels`, each naming its source.
+  this one usually cannot load, the static tables of :mod:`amppass.targets.onnx_kernel_tables`, each naming its source.
 - ``conditions`` (ONNX): attribute values a registered kernel refuses at run time (the CPU provider's
   ScatterND with ``reduction='add'`` in fp16), read from the kernel sources; none are recorded for the GPU
   providers.
@@ -16,10 +16,10 @@ A :class:`Target` carries everything about the deployment that changes a plan:
   torch); otherwise the fp16-storage simulation of :mod:`amppass.onnx.simulate` stands in ("simulation").
 - ``profitable`` (torch, on this machine's device): whether profitability is measured, i.e. a region of
   the plan runs low only where its low-precision kernels and casts beat fp32 here
-  (:mod:`amppass.fx.runners.profit`).
+  (:mod:`amppass.analysis.profitability`).
 - kernels (torch): which ops have a low-precision kernel on the device is asked of torch itself where this
-  machine has the device, and read from a packaged table otherwise (:mod:`amppass.fx.view.kernels`,
-  :mod:`amppass.targets.torch_kernels`).
+  machine has the device, and read from a packaged table otherwise (:mod:`amppass.fx.view.low_kernels`,
+  :mod:`amppass.targets.torch_kernel_facts`).
 - ``slow_low`` (torch): ATen ops the device runs in low precision only through a slow reference path, kept
   fp32 by the plan whatever is measured. On CPUs torch has oneDNN's fused low-precision LSTM, but GRU and
   plain RNN layers and cells run bf16 through unfused code, several times slower than fp32 and less
@@ -39,8 +39,8 @@ import torch
 
 from ..dtypes import LowType, low_type
 from ..errors import InputError
-from .kernels import NO_CONDITIONS, KernelConditions, KernelTable, load, load_conditions
-from .torch_kernels import torch_facts
+from .onnx_kernel_tables import NO_CONDITIONS, KernelConditions, KernelTable, load, load_conditions
+from .torch_kernel_facts import torch_facts
 
 ONNX_TARGETS = ("cpu", "cuda", "tensorrt")
 TORCH_TARGETS = ("cpu", "cuda")

@@ -2,7 +2,7 @@
 
 TensorRT keeps a timing cache and inductor an autotune cache on disk for the same reason: a kernel's time
 on a device does not change between builds, and measuring it again on a busy machine gives another
-answer. amppass keeps the times profitability (:mod:`amppass.fx.runners.profit`) measured, and the device probe
+answer. amppass keeps the times profitability (:mod:`amppass.analysis.profitability`) measured, and the device probe
 (:func:`amppass.targets.measure.probe`), in one JSON file per device fingerprint:
 
 1. **Where**: ``$AMPPASS_CACHE`` if set, else ``$XDG_CACHE_HOME/amppass/timings``, else

@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Iterator
 
-from amppass.fx.runners import profit
+from amppass.targets import cost_model
 
 BUSY = 4  # busy processes: twice the cores of a 2-core machine
 _SPIN = "import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end:\n    pass\n"
@@ -38,11 +38,11 @@ def timing_cache(folder: str) -> Iterator[None]:
     """Conversions in the block use the timing cache in ``folder`` and nothing this process measured before."""
     before = os.environ.get("AMPPASS_CACHE")
     os.environ["AMPPASS_CACHE"] = folder
-    profit.forget()
+    cost_model.forget()
     try:
         yield
     finally:
-        profit.forget()
+        cost_model.forget()
         if before is None:
             os.environ.pop("AMPPASS_CACHE", None)
         else:

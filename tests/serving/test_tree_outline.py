@@ -189,7 +189,7 @@ def test_phimoe_routes_with_its_own_backward_so_it_trains_by_parts():
     """PhiMoE's sparse mixer routes through a Function (transformers' PhimoeMultiplier) whose backward is a
     gradient estimator, not the derivative of its forward: the captured graph trained the router on other
     gradients (0.36 off, relative), so the whole model is refused in train mode (amppass.fx.capture.
-    custom_backward) and converts by parts, the Function running as itself between converted layers."""
+    function_backward) and converts by parts, the Function running as itself between converted layers."""
     from amppass.serving.parts import parts_of
 
     model, inputs = _family("phimoe")

@@ -13,7 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import amppass
 from amppass.targets import onnx_target
-from amppass.targets.kernels import load_conditions
+from amppass.targets.onnx_kernel_tables import load_conditions
 from tests.helpers.onnx_graphs import meta, session
 from tests.helpers.paths import ROOT
 

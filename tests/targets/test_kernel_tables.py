@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto
 
 from amppass import InputError
-from amppass.targets import KernelTable, kernels, load
+from amppass.targets import KernelTable, load, onnx_kernel_tables
 from tests.helpers.paths import ROOT
 
 DATA = ROOT / "amppass" / "targets" / "data"
@@ -108,9 +108,9 @@ def test_loader_errors():
 
 # -- the files --------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", sorted(kernels.TABLES))
+@pytest.mark.parametrize("name", sorted(onnx_kernel_tables.TABLES))
 def test_files_are_valid_sorted_and_name_their_source(name):
-    text = (DATA / kernels.TABLES[name]).read_text()
+    text = (DATA / onnx_kernel_tables.TABLES[name]).read_text()
     data = json.loads(text)
     source = data["source"]
     assert source["repo"] in ("microsoft/onnxruntime", "onnx/onnx-tensorrt")
@@ -219,7 +219,7 @@ def _float_spans(kernel_defs) -> dict[tuple[str, str], dict[tuple[int, int], set
     """(domain, op) -> {(since, until): float types} from onnxruntime's registry, kernels of a span merged."""
     spans: dict[tuple[str, str], dict[tuple[int, int], set[str]]] = {}
     for domain, op, (since, until), types in kernel_defs:
-        floats = {t[len("tensor("):-1] for t in types} & set(kernels.TYPE_NAMES.values())
+        floats = {t[len("tensor("):-1] for t in types} & set(onnx_kernel_tables.TYPE_NAMES.values())
         spans.setdefault((domain, op), {}).setdefault((since, until), set()).update(floats)
     return spans
 

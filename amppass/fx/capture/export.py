@@ -23,7 +23,7 @@ from torch.export import Dim
 
 from ...errors import CaptureError, InputError, first_line
 from .copies import shared_copy
-from .custom_backward import FUNCTIONS_KEY, functions_applied
+from .function_backward import FUNCTIONS_KEY, functions_applied
 from .modes import module_mode
 from .quiet import quiet_torch
 from .guards import GUARDS_KEY, ShapeGuards, example_refusal, plain_inputs, specialised_dims

@@ -17,7 +17,7 @@ from ...analysis.plan import Category
 from ...analysis.policy import for_target
 from ...analysis.view import AliasGroup, GraphView, OpView
 from ...targets.target import Target
-from . import kernels, ops, policy
+from . import low_kernels, ops, policy
 from ..prepare.aliasing import alias_groups
 
 # whole exponents that a wide-range low dtype (bf16) computes as safely as a product: x**2, x**3 (GELU's tanh form)
@@ -146,12 +146,12 @@ def _alias_groups(gm: fx.GraphModule, fp32: dict[fx.Node, bool]) -> list[AliasGr
 def _kernel_facts(node: fx.Node, gm: fx.GraphModule, target: Target, category: Category, reason: str,
                   unknown: bool) -> tuple[Category, str, str]:
     """(category, reason, why the node cannot run low) once the target's kernels are known
-    (:mod:`amppass.fx.view.kernels`): an op that would run low without a low kernel there runs fp32, and so
+    (:mod:`amppass.fx.view.low_kernels`): an op that would run low without a low kernel there runs fp32, and so
     does an op the policy table does not list but torch.autocast keeps fp32 on that device."""
-    blocked = kernels.low_blocked(node, gm, target)
+    blocked = low_kernels.low_blocked(node, gm, target)
     if blocked and category in (Category.LOW, Category.FOLLOW):
         return Category.FP32, blocked, blocked
-    autocast = kernels.autocast_reason(ops.op_name(node, gm), target) if unknown else ""
+    autocast = low_kernels.autocast_reason(ops.op_name(node, gm), target) if unknown else ""
     if autocast:
         return Category.FP32, autocast, blocked
     return category, reason, blocked

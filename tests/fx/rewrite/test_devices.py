@@ -16,7 +16,7 @@ import torch
 from torch import fx, nn
 
 import amppass
-from amppass.fx.rewrite.devices import retarget
+from amppass.fx.rewrite.device_literals import retarget
 from tests.helpers.small_models import Positions
 
 

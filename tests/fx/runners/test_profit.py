@@ -21,7 +21,8 @@ from amppass.analysis.plan import Category, Decision, Precision, PrecisionPlan, 
 from amppass.serving.face import stored_parameters
 from amppass.analysis.view import GraphView, OpView
 from amppass.serving.kept import KeptFp32
-from amppass.fx.runners.profit import regions, whole_model_key
+from amppass.analysis.profitability import regions
+from amppass.fx.runners.region_timing import whole_model_key
 
 X = (torch.randn(4, 64, generator=torch.Generator().manual_seed(0)),)
 

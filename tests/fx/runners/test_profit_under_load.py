@@ -1,5 +1,5 @@
-"""Speed plans that do not depend on the load during conversion (amppass.fx.runners.profit with its timing cache,
-device facts and prior).
+"""Speed plans that do not depend on the load during conversion (amppass.analysis.profitability, with the timing
+cache, device facts and prior of amppass.targets.cost_model, and the FX timings of amppass.fx.runners.region_timing).
 
 Timings on a shared machine are not asserted on. What is: where each region's times came from, that the
 cache and the recorded table reproduce a plan, that untrusted timings fall back to the prior and are never
@@ -18,8 +18,8 @@ from torch import nn
 import amppass
 from amppass.serving.kept import KeptFp32
 from amppass.dtypes import low_type
-from amppass.targets import device
-from amppass.fx.runners import profit
+from amppass.fx.runners import region_timing
+from amppass.targets import cost_model, device
 from amppass.targets.measure import Timings
 from amppass.targets.timing_cache import TimingCache
 from tests.helpers.load import busy_processes, timing_cache
@@ -45,6 +45,12 @@ def cache(tmp_path, monkeypatch):
         yield tmp_path
 
 
+def _time_with(monkeypatch, timer) -> None:
+    """Every interleaved timing (a region's kernels, the converted graph against the original) is ``timer``'s."""
+    monkeypatch.setattr(cost_model, "interleaved", timer)
+    monkeypatch.setattr(region_timing, "interleaved", timer)
+
+
 def _outcome(converted) -> list[tuple[str, str]]:
     return [(r["first"], r["runs"]) for r in amppass.report(converted).info["profitability"]["regions"]]
 
@@ -58,7 +64,7 @@ def test_a_plan_made_under_load_equals_the_quiet_plan_given_the_cache(cache):
     decides every region as the first did; a region the first measured is read from the cache."""
     model = net()
     quiet = amppass.convert(model, X, "bf16")
-    profit.forget()  # as a new process would: only the cache on disk remembers
+    cost_model.forget()  # as a new process would: only the cache on disk remembers
     with busy_processes(4, seconds=120):
         loaded = amppass.convert(model, X, "bf16")
     assert _outcome(loaded) == _outcome(quiet)
@@ -79,7 +85,7 @@ def test_the_report_names_where_every_region_s_times_came_from(cache):
         if row.evidence.get("rule") == "profitability":
             assert row.evidence["timing"] in ("measured", "prior") and ("measured" in row.reason
                                                                        or "device prior" in row.reason)
-    profit.forget()
+    cost_model.forget()
     again = amppass.convert(model, X, "bf16")
     assert all(after == "cached" for before, after in zip(_timing(first), _timing(again)) if before == "measured")
     table = amppass.convert(model, X, "bf16", costs=report.info["costs"])
@@ -90,7 +96,7 @@ def test_timings_disturbed_by_load_fall_back_to_the_prior_and_are_never_cached(c
     def disturbed(calls, sides, settled, max_rounds, **options):  # every round had a sample that waited
         return Timings([1e-3] * len(calls), [], 3)
 
-    monkeypatch.setattr(profit, "interleaved", disturbed)
+    _time_with(monkeypatch, disturbed)
     model = net()
     converted = amppass.convert(model, X, "bf16")
     assert set(_timing(converted)) == {"prior"}
@@ -110,9 +116,9 @@ def test_a_cpu_without_native_bf16_keeps_fp32_without_timing_a_kernel(cache, mon
     def never(*args, **kwargs):
         raise AssertionError("a kernel was timed on a device where nothing can win")
 
-    monkeypatch.setattr(profit, "interleaved", never)
-    monkeypatch.setattr(profit, "probe", never)
-    monkeypatch.setattr(profit, "whole_model", lambda *args, **kwargs: None)  # the graph against eager: not a kernel timing
+    monkeypatch.setattr(cost_model, "interleaved", never)
+    monkeypatch.setattr(cost_model, "probe", never)
+    monkeypatch.setattr(region_timing, "whole_model", lambda *args, **kwargs: None)  # the graph against eager: not a kernel timing
     model = net()
     with caplog.at_level(logging.WARNING, logger="amppass"):
         first = amppass.convert(model, X, "bf16")
@@ -146,21 +152,21 @@ def test_where_the_flags_cannot_be_read_the_device_is_probed_once_and_the_probe_
         probes.append(low.name)
         return {"gemm_fp32": 1e-4, "gemm_low": 3e-3, "copy_fp32": 2e-3, "call": 3e-6}, 0.01  # 30x slower low
 
-    monkeypatch.setattr(profit, "probe", probe)
-    facts = profit.DeviceFacts(torch.device("cpu"), low_type("bf16"))
+    monkeypatch.setattr(cost_model, "probe", probe)
+    facts = cost_model.DeviceFacts(torch.device("cpu"), low_type("bf16"))
     assert probes == ["bf16"] and facts.native.known and not facts.native.native
     assert "probed 30.00x" in facts.native.reason
-    profit.forget()
-    again = profit.DeviceFacts(torch.device("cpu"), low_type("bf16"))
+    cost_model.forget()
+    again = cost_model.DeviceFacts(torch.device("cpu"), low_type("bf16"))
     assert probes == ["bf16"] and not again.native.native  # read back from the cache, not probed again
 
 
 def test_a_probe_with_no_undisturbed_round_says_so_in_words(cache, monkeypatch, caplog):
     """The log line a busy machine gives names what happened, never a spread of "inf%"."""
     monkeypatch.setattr(device, "cpu_facts", lambda: device.CpuFacts("unknown", frozenset()))
-    monkeypatch.setattr(profit, "probe", lambda dev, low, rounds=7: (dict(PROBE), float("inf")))
+    monkeypatch.setattr(cost_model, "probe", lambda dev, low, rounds=7: (dict(PROBE), float("inf")))
     with caplog.at_level(logging.INFO, logger="amppass"):
-        profit.DeviceFacts(torch.device("cpu"), low_type("fp16"))
+        cost_model.DeviceFacts(torch.device("cpu"), low_type("fp16"))
     assert "no round of it was undisturbed" in caplog.text and "inf%" not in caplog.text
 
 
@@ -179,15 +185,15 @@ def test_whole_model_times_are_cached_under_the_converted_graph_s_own_digest(cac
     def steady(calls, sides, settled, max_rounds, **options):  # converted 1 ms, original 2 ms: agreed
         return Timings([1e-3, 2e-3] if sides == [1, 0] else [1e-3] * len(calls), [0.5] * 9, 9)
 
-    monkeypatch.setattr(profit, "interleaved", steady)
+    _time_with(monkeypatch, steady)
     first = amppass.convert(net(), X, "bf16")
     assert amppass.report(first).info["whole_model"] == {"converted_ms": 1.0, "original_ms": 2.0}
 
     def never(*args, **kwargs):
         raise AssertionError("timed again")
 
-    monkeypatch.setattr(profit, "interleaved", never)
-    profit.forget()
+    _time_with(monkeypatch, never)
+    cost_model.forget()
     again = amppass.convert(net(), X, "bf16")
     assert amppass.report(again).info["whole_model"] == {"converted_ms": 1.0, "original_ms": 2.0}
 
@@ -195,6 +201,6 @@ def test_whole_model_times_are_cached_under_the_converted_graph_s_own_digest(cac
     wider = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256), nn.LayerNorm(256),
                           nn.Linear(256, 64)).eval()
     sides = []
-    monkeypatch.setattr(profit, "interleaved", lambda *a, **k: sides.append(a[1]) or steady(*a, **k))
+    _time_with(monkeypatch, lambda *a, **k: sides.append(a[1]) or steady(*a, **k))
     amppass.convert(wider, X, "bf16")
     assert [1, 0] in sides  # its whole-model comparison (converted, original) was timed, not read

@@ -1,6 +1,6 @@
-"""Kernel facts on the FX path (amppass.fx.view.kernels, amppass.targets.torch_kernels): an op the target's torch
-has no low-precision kernel for runs fp32 with that reason, whatever the plan; complex outputs come back in
-the dtype the model returned; transformers' FNet (torch.fft inside) converts and runs."""
+"""Kernel facts on the FX path (amppass.fx.view.low_kernels, amppass.targets.torch_kernel_facts): an op the
+target's torch has no low-precision kernel for runs fp32 with that reason, whatever the plan; complex outputs come
+back in the dtype the model returned; transformers' FNet (torch.fft inside) converts and runs."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ import torch
 from torch import nn
 
 import amppass
-from amppass.fx.runners import profit
-from amppass.fx.view import kernels, policy
+from amppass.fx.runners import region_timing
+from amppass.fx.view import low_kernels, policy
 from amppass.fx.capture.export import capture
 from amppass.fx.view.build import build_view
 from amppass.targets import torch_target
-from amppass.targets.torch_kernels import torch_facts
+from amppass.targets.torch_kernel_facts import torch_facts
 from tests.helpers.paths import ROOT
 
 X = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
@@ -67,11 +67,11 @@ def test_default_plan_for_speed_converts_a_model_with_such_an_op():
 
 def test_a_missing_kernel_the_facts_do_not_know_becomes_an_fp32_decision_when_timed(monkeypatch):
     # stand-in for a kernel the probe and the table both miss: the profitability timer finds it
-    monkeypatch.setattr(kernels, "low_blocked", lambda node, gm, target: "")
-    monkeypatch.setattr(kernels, "autocast_reason", lambda name, target: "")
+    monkeypatch.setattr(low_kernels, "low_blocked", lambda node, gm, target: "")
+    monkeypatch.setattr(low_kernels, "autocast_reason", lambda name, target: "")
     # the whole-model comparison is not under test: on a quiet machine this tiny model's fp32 original wins it,
     # and the report would then have no rows to read
-    monkeypatch.setattr(profit, "whole_model", lambda *args, **kwargs: (1e-3, 2e-3))
+    monkeypatch.setattr(region_timing, "whole_model", lambda *args, **kwargs: (1e-3, 2e-3))
     torch.manual_seed(0)
     model = Spectral().eval()
     converted, rows = _rows(model, "bf16", plan_for="speed")
@@ -132,14 +132,14 @@ def test_probe_verdicts_are_cached_and_say_when_they_cannot_tell():
     gm = capture(Spectral().eval(), (X,))
     node = next(n for n in gm.graph.nodes if n.op == "call_function" and "fft" in str(n.target))
     low = torch_target("cpu", "bf16").low
-    first = kernels.probe(node, gm, low, torch.device("cpu"))
+    first = low_kernels.probe(node, gm, low, torch.device("cpu"))
     assert "no bf16 kernel" in first
-    assert kernels.probe(node, gm, low, torch.device("cpu")) is first  # the same verdict object: cached
+    assert low_kernels.probe(node, gm, low, torch.device("cpu")) is first  # the same verdict object: cached
     linear = next(n for n in gm.graph.nodes if n.op == "call_function" and "linear" in str(n.target))
-    assert kernels.probe(linear, gm, low, torch.device("cpu")) == ""
+    assert low_kernels.probe(linear, gm, low, torch.device("cpu")) == ""
     del node.meta["val"]
     node.args[0].meta.pop("val")
-    assert kernels.probe(node, gm, low, torch.device("cpu")) is None
+    assert low_kernels.probe(node, gm, low, torch.device("cpu")) is None
 
 
 def test_the_packaged_table_names_its_sources_and_agrees_with_this_torch():
@@ -151,7 +151,7 @@ def test_the_packaged_table_names_its_sources_and_agrees_with_this_torch():
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     assert script.check_autocast_lists() == []  # the lists match this torch's autocast registrations
-    packaged = json.loads((ROOT / "amppass" / "targets" / "data" / "torch_kernels.json").read_text())
+    packaged = json.loads((ROOT / "amppass" / "targets" / "data" / "torch_kernel_facts.json").read_text())
     assert packaged["autocast_fp32"] == {"cpu": sorted(script.AUTOCAST_CPU_FP32), "cuda": sorted(script.AUTOCAST_CUDA_FP32)}
 
 

@@ -4,7 +4,7 @@ An op with no low-precision kernel on the target device (torch.fft and the LAPAC
 CPU in bf16/fp16, avg_pool3d on CPU) must not be painted low: the converted model would raise on its first
 call. :func:`low_blocked` says why a node cannot run low, from three sources, the most specific first:
 
-1. The packaged table's notes (:mod:`amppass.targets.torch_kernels`): facts a test call here cannot
+1. The packaged table's notes (:mod:`amppass.targets.torch_kernel_facts`): facts a test call here cannot
    decide, such as cuFFT taking half precision only for power-of-two sizes.
 2. The probe, where this machine has the target's device and the graph carries example values: the node's
    ATen overload called once on small real tensors made from its ``meta["val"]``, first with the float32
@@ -39,7 +39,7 @@ from torch.utils import _pytree as pytree
 from ...dtypes import LowType
 from ...errors import first_line
 from ...targets.target import Target
-from ...targets.torch_kernels import torch_facts
+from ...targets.torch_kernel_facts import torch_facts
 from . import ops, policy
 
 log = logging.getLogger(__name__)

@@ -1,9 +1,9 @@
 """Packaged facts about torch's low-precision kernels, for when the target's torch cannot be asked.
 
-The FX plan asks the torch that will run the model directly where it can (:mod:`amppass.fx.view.kernels`). The
+The FX plan asks the torch that will run the model directly where it can (:mod:`amppass.fx.view.low_kernels`). The
 facts here answer where it cannot: a CUDA target planned on a machine without a GPU, a symbolically traced
 graph whose nodes carry no example values, an op whose test call fails in fp32 too. They travel as data,
-``data/torch_kernels.json``, made by ``scripts/torch_kernel_tables.py`` from torch's own sources, each named
+``data/torch_kernel_facts.json``, made by ``scripts/torch_kernel_tables.py`` from torch's own sources, each named
 in the file:
 
 - ``autocast_fp32``: the ops torch.autocast runs in fp32 on each device (its fp32 cast lists).
@@ -23,7 +23,7 @@ from typing import Any, Mapping
 
 from ..dtypes import LowType
 
-FILE = "torch_kernels.json"
+FILE = "torch_kernel_facts.json"
 
 
 @dataclass(frozen=True, eq=False)
