@@ -18,9 +18,9 @@ from torch import nn
 import amppass
 from amppass import InputError
 from amppass.analysis.plan import Category, Decision, Precision, PrecisionPlan, Source
-from amppass.serving.face import stored_parameters
+from amppass.serving.fp32_parameters import stored_parameters
 from amppass.analysis.view import GraphView, OpView
-from amppass.serving.kept import KeptFp32
+from amppass.serving.fp32_original import KeptFp32
 from amppass.fx.runners.profit import regions, whole_model_key
 
 X = (torch.randn(4, 64, generator=torch.Generator().manual_seed(0)),)

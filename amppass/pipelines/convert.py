@@ -37,7 +37,7 @@ from ..fx.runners.profit import CostModel
 from ..fx.rewrite.apply import rewrite
 from ..fx.view.build import build_view
 from ..serving.dropin import DropIn, in_own_class, transformers_call, with_signature
-from ..serving.kept import KeptFp32, keep_original
+from ..serving.fp32_original import KeptFp32, keep_original
 from ..serving.parts import parts_of
 from ..serving.serving_graph import ServingGraph
 from ..serving.traced import TracedGraph
@@ -104,7 +104,8 @@ def convert(
         plan_for: ``"speed"`` (default): where this machine has the target device and example inputs are
             given, a region of the plan runs low only if measuring shows its low kernels and casts are
             faster than fp32 there, and the original module is kept in fp32 if the converted graph
-            measures slower than it (profitability: :mod:`amppass.fx.runners.profit`, :mod:`amppass.serving.kept`).
+            measures slower than it (profitability: :mod:`amppass.fx.runners.profit`,
+            :mod:`amppass.serving.fp32_original`).
             ``"coverage"``: every op that numerics allow runs low, nothing is measured (the plan is the
             same on every machine). ``"memory"``: as "coverage", and every weight is stored in the low dtype
             (where its values fit), cast up at use by the ops that run fp32: the smallest model.
@@ -286,9 +287,9 @@ def _converted_dtype(program: torch.export.ExportedProgram) -> str:
 
 def _faster_of(gm: fx.GraphModule, model: nn.Module, example: tuple[Any, dict],
                costs: Mapping[str, float] | None) -> nn.Module:
-    """``gm``, or the original module kept in fp32 (:mod:`amppass.serving.kept`) where nothing in the plan runs low
-    or where the converted graph did not measure faster than the original here: plan_for="speed" promises a model
-    no slower than the original, and a graph of fp32 ops costs its own call overhead besides."""
+    """``gm``, or the original module kept in fp32 (:mod:`amppass.serving.fp32_original`) where nothing in the plan
+    runs low or where the converted graph did not measure faster than the original here: plan_for="speed" promises a
+    model no slower than the original, and a graph of fp32 ops costs its own call overhead besides."""
     args, kwargs = example
     args = split_batch(args)[0] if args is not None else ()
     info = gm.meta[META_KEY]

@@ -225,7 +225,7 @@ def _refuse_converted(model: torch.nn.Module) -> None:
     """export_onnx exports a float32 model and converts the ONNX graph: a module amppass already converted
     would be exported with its casts and low weights, which shape inference then rejects."""
     from ..serving.dropin import DropIn
-    from ..serving.kept import KeptFp32
+    from ..serving.fp32_original import KeptFp32
     from ..serving.parts import parts_of
     from ..analysis.record import META_KEY
     from ..serving.train_eval import TrainEvalGraphs

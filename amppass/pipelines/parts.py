@@ -55,7 +55,7 @@ from ..errors import AmpPassError, CaptureError, first_line
 from ..fx.capture.copies import shared_copy
 from ..fx.view.macs import measured_macs
 from ..fx.capture.modes import module_mode
-from ..serving.kept import KeptFp32
+from ..serving.fp32_original import KeptFp32
 from ..serving.parts import PARTS_KEY, PartsRecord, with_original_savers
 from ..serving.tree import example_call
 

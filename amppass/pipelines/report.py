@@ -11,7 +11,7 @@ from ..errors import InputError
 from ..report.fx_reader import read_graph_module
 from ..report.report import Report, merged
 from ..serving.dropin import DropIn
-from ..serving.kept import KeptFp32
+from ..serving.fp32_original import KeptFp32
 from ..serving.parts import parts_of
 from ..serving.train_eval import TrainEvalGraphs
 
@@ -21,7 +21,7 @@ def report(converted: Any) -> Report:
 
     Accepts the ``torch.fx.GraphModule`` that :func:`amppass.convert` returned, the module it returned for
     ``mode="train"`` (its train graph is reported; rows say which ops' gradients run in low precision), the
-    original module it kept in fp32 where that measured faster (:mod:`amppass.serving.kept`), the model it
+    original module it kept in fp32 where that measured faster (:mod:`amppass.serving.fp32_original`), the model it
     returned in its own class (:mod:`amppass.serving.dropin`: its converted graphs), a module
     :func:`amppass.load` returned, a module or function ``torch.compile(..., backend="amppass")`` returned
     (every graph dynamo captured, rows named ``g<i>.<node>``), a model converted by parts (every converted

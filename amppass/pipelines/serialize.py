@@ -37,7 +37,7 @@ from ..errors import InputError
 from ..files import Staged, check_writable
 from ..fx.capture.export import capture_program, capturing, size_one_dynamic
 from ..fx.capture.guards import GUARDS_KEY, ShapeGuards
-from ..serving.kept import KeptFp32
+from ..serving.fp32_original import KeptFp32
 from ..serving.parts import parts_of
 from ..serving.serving_graph import ServingGraph
 from ..serving.train_eval import TrainEvalGraphs

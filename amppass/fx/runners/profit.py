@@ -47,8 +47,8 @@ painting, the plan is checked against the target device:
    decision is made from the recorded (rounded) table, so the table alone reproduces it.
 
 4. Whole model (:func:`whole_model`, used by :func:`amppass.convert`): the converted graph against the original
-   module in fp32; where the original is faster, it is kept (:mod:`amppass.serving.kept`). That throws the whole
-   plan away, so it is done only from a saved table, the timing cache (under a digest of the converted
+   module in fp32; where the original is faster, it is kept (:mod:`amppass.serving.fp32_original`). That throws
+   the whole plan away, so it is done only from a saved table, the timing cache (under a digest of the converted
    graph, so another model of the same class never reads it), or rounds that other load left undisturbed;
    it is not timed at all where the last region's timing had no undisturbed round.
 
