@@ -36,9 +36,9 @@ from ..fx.capture.modes import module_mode
 from ..fx.runners.profit import CostModel
 from ..fx.rewrite.apply import rewrite
 from ..fx.view.build import build_view
-from ..serving.dropin import DropIn, in_own_class, transformers_call, with_signature
-from ..serving.fp32_original import KeptFp32, keep_original
-from ..serving.parts import parts_of
+from ..serving.artifact import Kind, record_of
+from ..serving.dropin import in_own_class, transformers_call, with_signature
+from ..serving.fp32_original import keep_original
 from ..serving.serving_graph import ServingGraph
 from ..serving.traced import TracedGraph
 from ..serving.train_eval import TrainEvalGraphs
@@ -147,16 +147,9 @@ def convert(
     options = PlanOptions(plan_for=plan_for, keep_io_types=keep_io_types, keep_fp32=keep_fp32, force_low=force_low,
                           low_weight_tables=low_weight_tables, calibration=calibration, tolerance=tolerance,
                           progress=progress, costs=costs)
-    if isinstance(model, fx.GraphModule) and META_KEY in getattr(model, "meta", {}):
-        return _unchanged(model, model.meta[META_KEY], dtype, mode)
-    if isinstance(model, TrainEvalGraphs):
-        return _unchanged(model, model.train_graph.meta[META_KEY], dtype, mode)
-    if isinstance(model, KeptFp32):
-        return _unchanged(model, model.meta[META_KEY], dtype, mode)
-    if isinstance(model, DropIn):
-        return _unchanged(model, model.converted.meta[META_KEY], dtype, mode)
-    if parts_of(model) is not None:
-        return _unchanged(model, {"dtype": parts_of(model).dtype, "mode": parts_of(model).mode}, dtype, mode)
+    found = record_of(model)
+    if found is not None:
+        return _unchanged(model, found.record, dtype, mode)
     if isinstance(model, torch.export.ExportedProgram):
         return _convert_program(model, dtype, target, mode, options)
     plan_target = _target(target, dtype, model)
@@ -202,7 +195,7 @@ def _convert_module(model: nn.Module, example: tuple[Any, dict] | None, plan_tar
     served = _served(model, gm, plan_target, mode, False, options, example)
     if options.plan_for == "speed" and plan_target.profitable and example is not None and not options.calibration:
         served = _faster_of(served, model, example, options.costs)
-        if isinstance(served, KeptFp32):
+        if record_of(served).kind is Kind.KEPT:
             return served  # the original itself, in its own class already
     return in_own_class(model, served)  # a drop-in: the model's class, attributes and signature (serving.dropin)
 
@@ -476,7 +469,7 @@ def _say_once(message: str) -> None:
     _SAID.add(message)
 
 
-def _unchanged(model: nn.Module, info: dict, dtype: Any, mode: str) -> nn.Module:
+def _unchanged(model: nn.Module, info: Mapping[str, Any], dtype: Any, mode: str) -> nn.Module:
     """An already converted ``model``, returned as it is when the caller asks for what it already is."""
     done = info.get("dtype", "unknown")
     wanted = done if isinstance(dtype, str) and dtype.strip().lower() == "auto" else low_type(dtype).name
