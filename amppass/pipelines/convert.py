@@ -139,14 +139,31 @@ def convert(
     signature, ``generate()`` included, its ``forward`` running the converted graphs
     (:mod:`amppass.serving.dropin`); a train-mode model's ``forward`` shows the original's signature too.
     """
+    options = plan_options(mode, plan_for=plan_for, keep_io_types=keep_io_types, keep_fp32=keep_fp32,
+                           force_low=force_low, low_weight_tables=low_weight_tables, calibration=calibration,
+                           tolerance=tolerance, progress=progress, costs=costs)
+    return convert_planned(model, example_inputs, dtype, options, example_kwargs=example_kwargs, target=target,
+                           mode=mode, dynamic_shapes=dynamic_shapes)
+
+
+def plan_options(mode: str, **options: Any) -> PlanOptions:
+    """The checked :class:`PlanOptions` of a conversion in ``mode`` from :func:`convert`'s keyword arguments of
+    that name: ``mode`` checked first, and a train-mode conversion's calibration read into a list (both of its
+    graphs calibrate on it)."""
     if mode not in MODES:
         raise InputError(f"mode={mode!r} is not one of {MODES}: use mode='inference' to serve or evaluate "
                          "the model, mode='train' to train it")
-    if mode == "train" and calibration is not None:
-        calibration = list(calibration)  # both graphs calibrate on it
-    options = PlanOptions(plan_for=plan_for, keep_io_types=keep_io_types, keep_fp32=keep_fp32, force_low=force_low,
-                          low_weight_tables=low_weight_tables, calibration=calibration, tolerance=tolerance,
-                          progress=progress, costs=costs)
+    if mode == "train" and options.get("calibration") is not None:
+        options["calibration"] = list(options["calibration"])
+    return PlanOptions(**options)
+
+
+@_outside_callers_modes
+def convert_planned(model: nn.Module, example_inputs: Any, dtype: Any, options: PlanOptions, *,
+                    example_kwargs: dict[str, Any] | None = None, target: str | None = None, mode: str = "inference",
+                    dynamic_shapes: Any = "auto") -> nn.Module:
+    """:func:`convert` with its plan options built and checked already (:func:`plan_options`): what an
+    integration calls with the options it checked where it was made. The other arguments are :func:`convert`'s."""
     found = record_of(model)
     if found is not None:
         return _unchanged(model, found.record, dtype, mode)
