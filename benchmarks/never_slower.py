@@ -137,7 +137,7 @@ def kept_cost(quick: bool) -> list[dict[str, Any]]:
     """What the module amppass returns when it keeps the original costs per call, against calling the original:
     on a model small enough (two 8x8 linears, batch 1; and the small architectures profitability keeps) that a
     wrapper's microseconds show."""
-    from amppass.serving.kept import keep_original
+    from amppass.serving.fp32_original import keep_original
 
     models = [("mlp 8x8, batch 1", lambda: (torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(),
                                                                 torch.nn.Linear(8, 8)).eval(), (torch.randn(1, 8),), {}))]

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 import amppass
-from amppass.serving.kept import KeptFp32
+from amppass.serving.fp32_original import KeptFp32
 from models import ZOO, build
 from tests.helpers.load import busy_processes, timing_cache
 

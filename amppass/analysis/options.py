@@ -1,8 +1,9 @@
 """How a plan is made: the options of a conversion, checked once where it starts, then read everywhere as one value.
 
 ``amppass.convert`` builds a :class:`PlanOptions` from its arguments, the compile backend from its ``options``, the
-integrations through ``convert``; the pipeline passes the value on instead of a dict of keywords, so following
-``calibration`` from ``convert`` to the stage that reads it is following an attribute.
+integrations from theirs where the plugin, trainer or ``prepare`` call is made
+(:class:`amppass.integrations.routing.TrainConversion`); the pipeline passes the value on instead of a dict of
+keywords, so following ``calibration`` from ``convert`` to the stage that reads it is following an attribute.
 """
 
 from __future__ import annotations

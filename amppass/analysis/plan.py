@@ -50,7 +50,7 @@ RULES: dict[str, str] = {
     "keep-fp32": "the user kept the node fp32 (keep_fp32=)",
     "force-low": "the user forced the node low (force_low=)",
     "force-low-no-kernel": "forced low, but the target has no low kernel for it: fp32",
-    # profitability (analysis/profitability.py, serving/kept.py)
+    # profitability (analysis/profitability.py, serving/fp32_original.py)
     "profitability": "its region is not faster low on this device",
     "low-kernel-failed": "its low kernel raised when timed on this device",
     "whole-model": "the original module in fp32 measured faster than any converted graph",

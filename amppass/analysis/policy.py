@@ -1,15 +1,20 @@
-"""The shape of an op policy table, shared by both front ends.
+"""What an op policy row means, written once, and the shape of the row each front end spells it with.
 
-Each front end keeps one declarative table (:mod:`amppass.fx.view.policy` keyed by ATen overload packet,
-:mod:`amppass.onnx.policy` by ``(domain, op_type)`` and opset range) whose rows are :class:`PolicyRow`: a
-category with the reason every op in it gets, the *facts* the calibration range rules read about those
-ops, and per-input-slot exceptions. The facts live only here, in the tables: no second list of op names
-decides which ops divide, reduce or normalise.
+An :class:`OpKind` is what an op computes and which precision that needs: a category, the reason every op of that
+kind gets, and the *facts* the calibration range rules read about it. :data:`KINDS` holds the kinds both front
+ends have (softmax's exponentials, logarithms, norms, matrix products, ...), each written once here. Each front
+end keeps one declarative table (:mod:`amppass.fx.view.policy` keyed by ATen overload packet,
+:mod:`amppass.onnx.policy` by ``(domain, op_type)`` and opset range) of :class:`PolicyRow`: its own names for the
+ops of one kind, and what only it knows about them (per-input-slot exceptions by its own input names, opset
+ranges). A kind only one front end has (ATen's ``dtype=``-accumulated softmax, ONNX's quantization and control
+flow) is written in that front end's table. The facts live only in the kinds: no second list of op names decides
+which ops divide, reduce or normalise.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Mapping
 
 from .plan import Category
@@ -48,23 +53,86 @@ def for_target(reason: str, target: str, low: str) -> str:
 
 
 @dataclass(frozen=True)
+class OpKind:
+    """What the ops of one kind compute and the precision that needs, whatever a front end calls them.
+
+    ``name`` says the kind in a few words ("logarithm"); ``category`` and ``reason`` are what every op of the kind
+    gets; ``facts`` are what the range rules read about it (:data:`FACTS`).
+    """
+
+    name: str
+    category: Category
+    reason: str
+    facts: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        unknown = set(self.facts) - FACTS
+        if unknown:
+            raise ValueError(f"op kind {self.name!r}: unknown facts {sorted(unknown)}")
+
+
+@dataclass(frozen=True)
 class PolicyRow:
-    """One row of an op policy table.
+    """One row of a front end's op policy table: its names ``ops`` for the ops of one :class:`OpKind`.
 
     ``slots`` maps an input's name (ATen argument or ONNX schema input) to how that input is treated
     instead of the node's precision: "keep" (fed as the model gives it) or "saturate" (clamped to the low
     dtype's range before the cast). ``domain`` and ``opsets`` are for ONNX rows.
     """
 
-    category: Category
-    reason: str
+    kind: OpKind
     ops: tuple[str, ...]
-    facts: frozenset[str] = frozenset()
     slots: Mapping[str, str] = field(default_factory=dict)
     domain: str = ""
     opsets: tuple[int, int] = (1, 1 << 30)
 
-    def __post_init__(self) -> None:
-        unknown = set(self.facts) - FACTS
-        if unknown:
-            raise ValueError(f"policy row {self.ops[:3]}: unknown facts {sorted(unknown)}")
+    @property
+    def category(self) -> Category:
+        """The precision category of the row's ops (its kind's)."""
+        return self.kind.category
+
+    @property
+    def reason(self) -> str:
+        """Why the row's ops take that category (its kind's)."""
+        return self.kind.reason
+
+    @property
+    def facts(self) -> frozenset[str]:
+        """What the row's ops compute, for the range rules (its kind's)."""
+        return self.kind.facts
+
+
+def _kinds(*kinds: OpKind) -> Mapping[str, OpKind]:
+    """``kinds`` by name, read-only."""
+    return MappingProxyType({kind.name: kind for kind in kinds})
+
+
+# The kinds both front ends have, each with the one category, reason and facts both tables give its ops; a front
+# end's row names its ops for one of these by ``KINDS[name]``.
+KINDS: Mapping[str, OpKind] = _kinds(
+    OpKind("matrix multiply", Category.LOW,
+           f"matrix multiply: {MATRIX_WORK}, accumulates in fp32 inside the kernel"),
+    OpKind("convolution", Category.LOW, f"convolution: {MATRIX_WORK}, accumulates in fp32 inside the kernel"),
+    OpKind("attention", Category.LOW, "attention: fused kernel, softmax statistics kept in fp32 inside it"),
+    OpKind("recurrent cell", Category.LOW, "recurrent cell: matrix products dominate"),
+    OpKind("normalisation", Category.FP32, "normalisation: mean and variance statistics need fp32",
+           frozenset({NORMALISATION})),
+    OpKind("norm", Category.FP32, "norm: a sum of squares overflows fp16 and loses bits; computed in fp32"),
+    OpKind("exponential", Category.FP32, "exponential: overflows fp16 quickly (exp(11.1) > 65504); computed in fp32"),
+    OpKind("logarithm", Category.FP32, "logarithm: singular at zero and loses precision in fp16; computed in fp32",
+           frozenset({SINGULAR})),
+    OpKind("power", Category.FP32, "power: magnifies relative error and leaves fp16's range quickly",
+           frozenset({POWER})),
+    OpKind("reciprocal", Category.FP32, "reciprocal: singular at zero, magnifies relative error",
+           frozenset({SINGULAR})),
+    OpKind("transcendental", Category.FP32, "transcendental with a narrow fp16 domain or range"),
+    OpKind("loss", Category.FP32, "loss: log, exp and long sums; kept in fp32"),
+    OpKind("resampling", Category.FP32, "resampling: interpolation weights and coordinates need fp32"),
+    OpKind("division", Category.FOLLOW, "division: runs in the precision of its inputs (a divisor that flushes to "
+           "zero in fp16 is kept fp32 by calibration)", frozenset({DIVISION})),
+    OpKind("average pooling", Category.FOLLOW, "average pooling: runs in the precision of its inputs (long windows "
+           "are kept fp32 by calibration)", frozenset({REDUCTION})),
+    OpKind("concatenation", Category.FOLLOW, "concatenation: runs in the precision of its inputs", frozenset({JOIN})),
+    OpKind("addition", Category.FOLLOW, "addition: runs in the precision of its inputs", frozenset({ADDITION})),
+    OpKind("elementwise", Category.FOLLOW, "elementwise or data movement: runs in the precision of its inputs"),
+)

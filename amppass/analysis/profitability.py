@@ -53,7 +53,7 @@ region's calls (:class:`TimedCall`; :mod:`amppass.fx.runners.region_timing` buil
 
 4. Whole model (:func:`amppass.fx.runners.region_timing.whole_model`, used by :func:`amppass.convert`): the
    converted graph against the original module in fp32; where the original is faster, it is kept
-   (:mod:`amppass.serving.kept`). That throws the whole plan away, so it is done only from a saved table, the
+   (:mod:`amppass.serving.fp32_original`). That throws the whole plan away, so it is done only from a saved table, the
    timing cache (under a digest of the converted graph, so another model of the same class never reads it), or
    rounds that other load left undisturbed; it is not timed at all where the last region's timing had no
    undisturbed round.

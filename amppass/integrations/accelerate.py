@@ -33,7 +33,7 @@ from torch import nn
 from ..dtypes import low_type
 from ..errors import InputError
 from ..training import LossScaler
-from .routing import route
+from .routing import TrainConversion, route
 
 try:
     from accelerate import Accelerator
@@ -63,15 +63,17 @@ def prepare(accelerator: Accelerator, model: nn.Module, *objects: Any, dtype: An
         scaler: the LossScaler for fp16 (e.g. one with ``init_scale=`` of your choice).
         convert_options: keyword arguments of :func:`amppass.convert` (``keep_fp32=...``).
 
-    Returns what ``accelerator.prepare(model, *objects)`` returns.
+    Returns what ``accelerator.prepare(model, *objects)`` returns; a bad convert option raises
+    :class:`~amppass.errors.InputError` before the accelerator is changed.
     """
+    conversion = TrainConversion.of(dtype, convert_options)
     if accelerator.mixed_precision != "no":
         warnings.warn(
             f"Accelerator(mixed_precision={accelerator.mixed_precision!r}) runs torch.autocast around the model amppass "
             f"converts to {low_type(dtype).name}: autocast casts again what amppass planned (ops amppass keeps "
             "fp32 run low); create the Accelerator with mixed_precision='no'", stacklevel=2)
     install_scaler(accelerator, dtype, scaler)
-    route(model, dtype, **convert_options)
+    route(model, conversion)
     return accelerator.prepare(model, *objects)
 
 

@@ -62,7 +62,7 @@ class FabricPrecision(ScaledPrecision):
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Route the module through amppass (in place; returned)."""
-        route(module, self.dtype, **self._options)
+        route(module, self._conversion)
         return module
 
     def backward(self, tensor: torch.Tensor, model: nn.Module | None, *args: Any, **kwargs: Any) -> None:

@@ -16,27 +16,70 @@ changes, as accelerate's own autocast wrapper changes it (an instance attribute;
    of the original (``inspect.signature(module.forward)`` is the original's).
 4. While amppass captures the module (the first call, or a shape the plan does not take), the instance's
    ``forward`` is lifted off: the capture sees the class's own forward, the original computation.
+5. The conversion's options are checked once, where the integration is made (:meth:`TrainConversion.of`: a
+   :class:`~amppass.analysis.options.PlanOptions` and the capture's options), not at the first call.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 import weakref
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from ..analysis.options import PlanOptions
 from ..dtypes import low_type
 from ..errors import InputError
-from ..pipelines.convert import convert
+from ..pipelines.convert import convert_planned, plan_options
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Route", "converted", "route", "unroute"]
+__all__ = ["Route", "TrainConversion", "converted", "route", "unroute"]
+
+
+_PLAN_OPTIONS = frozenset(field.name for field in dataclasses.fields(PlanOptions))
+_CAPTURE_OPTIONS = ("target", "dynamic_shapes")  # convert's options of the capture, not of the plan
+
+
+@dataclass(frozen=True)
+class TrainConversion:
+    """How an integration converts the module it trains, built and checked once (:meth:`of`) where the plugin,
+    trainer or ``prepare`` call is made: a bad option fails there, with the message :func:`amppass.convert` gives.
+
+    ``dtype``: the low dtype; ``options``: the plan options (:class:`~amppass.analysis.options.PlanOptions`);
+    ``target`` and ``dynamic_shapes``: :func:`amppass.convert`'s.
+    """
+
+    dtype: torch.dtype
+    options: PlanOptions
+    target: str | None = None
+    dynamic_shapes: Any = "auto"
+
+    @classmethod
+    def of(cls, dtype: Any, options: Mapping[str, Any] | None = None) -> "TrainConversion":
+        """A train-mode conversion to ``dtype`` with ``options``, keyword arguments of :func:`amppass.convert`
+        (``keep_fp32=...``) except those the integration sets itself (``mode``, ``dtype``, the example).
+
+        Raises :class:`~amppass.errors.InputError` for an option the integration sets, one ``convert`` does not
+        take, or a value ``convert`` refuses."""
+        options = dict(options or {})
+        taken = {"mode", "dtype", "example_inputs", "example_kwargs"} & set(options)
+        if taken:
+            raise InputError(f"convert options {sorted(taken)} are set by the integration itself (a train-mode "
+                             "conversion in the integration's dtype, with the first call as the example); leave them out")
+        unknown = set(options) - _PLAN_OPTIONS - set(_CAPTURE_OPTIONS)
+        if unknown:
+            raise InputError(f"convert options {sorted(unknown)} are not options of amppass.convert; an integration "
+                             f"takes {sorted(_PLAN_OPTIONS | set(_CAPTURE_OPTIONS))}")
+        captured = {name: options.pop(name) for name in _CAPTURE_OPTIONS if name in options}
+        return cls(low_type(dtype).torch, plan_options("train", **options), **captured)
 
 
 class Route:
@@ -44,29 +87,27 @@ class Route:
 
     Args:
         module: the module whose calls it runs.
-        dtype: the low dtype of the conversion ("fp16" / "bf16" or the torch dtype).
-        options: further keyword arguments of :func:`amppass.convert` (``keep_fp32=...``), except those the route
-            sets itself (``mode``, ``dtype``, the example).
+        conversion: how it is converted at its first call.
     """
 
-    def __init__(self, module: nn.Module, dtype: Any, options: dict[str, Any]) -> None:
-        taken = {"mode", "dtype", "example_inputs", "example_kwargs"} & set(options)
-        if taken:
-            raise InputError(f"convert options {sorted(taken)} are set by the integration itself (a train-mode "
-                             "conversion in the integration's dtype, with the first call as the example); leave them out")
-        self.dtype = low_type(dtype).torch
+    def __init__(self, module: nn.Module, conversion: TrainConversion) -> None:
+        self.conversion = conversion
         self._module = weakref.ref(module)
-        self._options = dict(options)
         self._converted: nn.Module | None = None
         self._name = type(module).__name__
         self.__signature__ = inspect.signature(module.forward)  # rule 3: what Trainer and others inspect
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The low dtype the module trains in."""
+        return self.conversion.dtype
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "Route":
         """``copy.deepcopy`` of a routed module (an EMA or SWA copy) routes the copy: a route of its own, converted
         at the copy's first call over the copy's tensors."""
         module = self._module()
         copied = memo.get(id(module), module)
-        return Route(copied, self.dtype, self._options)
+        return Route(copied, self.conversion)
 
     @property
     def converted(self) -> nn.Module | None:
@@ -90,7 +131,9 @@ class Route:
         """Rules 1 and 2."""
         with torch.inference_mode(False), torch.enable_grad(), _own_forward(module):
             args, kwargs = pytree.tree_map_only(torch.Tensor, _outside_inference, (args, kwargs))
-            fast = convert(module, args, self.dtype, example_kwargs=kwargs or None, mode="train", **self._options)
+            how = self.conversion
+            fast = convert_planned(module, args, how.dtype, how.options, example_kwargs=kwargs or None,
+                                   target=how.target, mode="train", dynamic_shapes=how.dynamic_shapes)
         fast.load_state_dict(module.state_dict(keep_vars=True), assign=True)
         self._converted = fast
         log.info("%s converted to %s for training at its first call; it trains the module's own parameters",
@@ -113,21 +156,22 @@ def _outside_inference(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.clone() if tensor.is_inference() else tensor
 
 
-def route(module: nn.Module, dtype: Any, **options: Any) -> Route:
-    """Install a :class:`Route` as ``module.forward`` and return it; a module already routed keeps its route.
+def route(module: nn.Module, conversion: TrainConversion) -> Route:
+    """Install a :class:`Route` converting as ``conversion`` says as ``module.forward`` and return it; a module
+    already routed keeps its route.
 
     Raises :class:`~amppass.errors.InputError` if the module is routed to another dtype.
     """
     current = module.__dict__.get("forward")
     if isinstance(current, Route):
-        if current.dtype != low_type(dtype).torch:
+        if current.dtype != conversion.dtype:
             raise InputError(f"{type(module).__name__} already trains through amppass in {current.dtype}; it cannot "
-                             f"also train in {low_type(dtype).torch}: use one integration and one dtype")
+                             f"also train in {conversion.dtype}: use one integration and one dtype")
         return current
     if current is not None:
         raise InputError(f"{type(module).__name__}.forward was already replaced on the instance ({current!r}), "
                          "e.g. by accelerate's autocast wrapper: hand amppass the model before the tool prepares it")
-    made = Route(module, dtype, options)
+    made = Route(module, conversion)
     module.forward = made  # type: ignore[method-assign]
     return made
 

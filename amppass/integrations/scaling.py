@@ -11,6 +11,7 @@ import torch
 from ..dtypes import low_type
 from ..errors import InputError
 from ..training import LossScaler
+from .routing import TrainConversion
 
 
 class PluginScaler:
@@ -70,7 +71,8 @@ class PluginScaler:
 class ScaledPrecision:
     """What the Lightning and Fabric precision plugins share, placed before the tool's ``Precision`` base: the
     low dtype and the precision name the tool reports, a :class:`PluginScaler`, no autocast, and the scaler's
-    state as the plugin's state (in the tool's checkpoints)."""
+    state as the plugin's state (in the tool's checkpoints), and the conversion it routes the model through, checked
+    where the plugin is made."""
 
     package = ""  # the Lightning package the plugin is built for (amppass.integrations.lightning.packages)
 
@@ -80,7 +82,7 @@ class ScaledPrecision:
         self.dtype = low.torch
         self.precision = "16-mixed" if low.name == "fp16" else "bf16-mixed"  # what the tool's precision reports
         self._scaling = PluginScaler(low, scaler)
-        self._options = options
+        self._conversion = TrainConversion.of(low.torch, options)
 
     def __repr__(self) -> str:
         # Lightning puts it in "Found invalid type for plugin ...": say which package's plugin was given

@@ -31,7 +31,7 @@ from ..dtypes import low_type
 from ..errors import InputError
 from ..training import LossScaler
 from .accelerate import install_scaler
-from .routing import route
+from .routing import TrainConversion, route
 
 try:
     from transformers import Trainer
@@ -56,10 +56,10 @@ class AmpPassTrainer(Trainer):
                  **kwargs: Any) -> None:
         self.amppass_dtype = low_type(amppass_dtype).torch
         self._amppass_scaler = amppass_scaler
-        self._amppass_options = dict(amppass_options or {})
+        self._amppass_conversion = TrainConversion.of(self.amppass_dtype, amppass_options)  # checked here, once
         super().__init__(model, args, *rest, **kwargs)
         if self.model is not None:
-            route(self.model, self.amppass_dtype, **self._amppass_options)
+            route(self.model, self._amppass_conversion)
 
     def create_accelerator_and_postprocess(self) -> None:
         """Refuse the accelerator's own autocast (rule 3), then give the accelerator amppass's scaler (rule 2)."""
@@ -77,5 +77,5 @@ class AmpPassTrainer(Trainer):
     def call_model_init(self, trial: Any = None) -> nn.Module:
         """A model from ``model_init`` trains through amppass too (rule 1)."""
         model = super().call_model_init(trial)
-        route(model, self.amppass_dtype, **self._amppass_options)
+        route(model, self._amppass_conversion)
         return model

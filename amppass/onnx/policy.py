@@ -1,13 +1,14 @@
 """The ONNX op policy table: rows keyed by (domain, op_type) with opset ranges, categories and reasons.
 
 The same facts as the FX table (:mod:`amppass.fx.view.policy`), in ONNX's spelling, in the same row type
-(:class:`amppass.analysis.policy.PolicyRow`). ONNX reductions have no ``dtype=`` argument, so what FX runs
-as FP32_ACCUM runs here as FP32 (inputs cast up); Softmax follows its input instead, because the runtimes'
-low-precision softmax kernels already keep their statistics in fp32. An op whose training form computes
-statistics of its batch (BatchNormalization) has a second row in :data:`TRAINING`, picked per node by
-:func:`in_training`. Per-input-slot exceptions name inputs by
-their schema name; a slot marked "keep" is fed the value the model gives it, whatever the node's precision
-(Resize's roi/scales, Dropout's ratio, shapes, indices).
+(:class:`amppass.analysis.policy.PolicyRow`): a row of a kind both front ends have names ONNX's ops for a kind of
+:data:`amppass.analysis.policy.KINDS`, which holds its category, reason and facts; ONNX's own kinds are written
+here. ONNX reductions have no ``dtype=`` argument, so what FX runs as FP32_ACCUM runs here as FP32 (inputs cast
+up); Softmax follows its input instead, because the runtimes' low-precision softmax kernels already keep their
+statistics in fp32. An op whose training form computes statistics of its batch (BatchNormalization) has a second
+row in :data:`TRAINING`, picked per node by :func:`in_training`. Per-input-slot exceptions name inputs by their
+schema name; a slot marked "keep" is fed the value the model gives it, whatever the node's precision (Resize's
+roi/scales, Dropout's ratio, shapes, indices).
 
 :func:`classify` adds two checks on the table: the op's schema must allow the low dtype for the inputs
 the plan would convert, and the target's runtime must run it (its kernels: :mod:`amppass.targets`).
@@ -24,90 +25,93 @@ import onnx
 from onnx import TensorProto
 
 from ..analysis.plan import Category, Decision, Precision, Source
-from ..analysis.policy import (ADDITION, DIVISION, JOIN, LAYOUT, MATRIX_WORK, NORMALISATION, POWER, REDUCTION,
-                               SINGULAR, PolicyRow, for_target)
+from ..analysis.policy import KINDS, LAYOUT, MATRIX_WORK, NORMALISATION, REDUCTION, OpKind, PolicyRow, for_target
 from ..targets.target import Kernels, Target
 
 
 _MS = "com.microsoft"
 
+# A row of a kind both front ends have takes its meaning from amppass.analysis.policy.KINDS; a kind of ONNX's
+# alone (or of onnxruntime's contrib ops) is written here.
 POLICY: tuple[PolicyRow, ...] = (
-    PolicyRow(Category.LOW, f"matrix multiply: {MATRIX_WORK}, accumulates in fp32 inside the kernel",
-              ("MatMul", "Gemm", "Einsum")),
-    PolicyRow(Category.LOW, f"convolution: {MATRIX_WORK}, accumulates in fp32 inside the kernel",
-              ("Conv", "ConvTranspose")),
-    PolicyRow(Category.LOW, "attention: fused kernel, softmax statistics kept in fp32 inside it",
-              ("Attention",), opsets=(23, 1 << 30)),
-    PolicyRow(Category.LOW, "recurrent cell: matrix products dominate", ("LSTM", "GRU", "RNN")),
-    PolicyRow(Category.LOW, f"fused matrix multiply or attention (onnxruntime contrib op): {MATRIX_WORK}",
+    PolicyRow(KINDS["matrix multiply"], ("MatMul", "Gemm", "Einsum")),
+    PolicyRow(KINDS["convolution"], ("Conv", "ConvTranspose")),
+    PolicyRow(KINDS["attention"], ("Attention",), opsets=(23, 1 << 30)),
+    PolicyRow(KINDS["recurrent cell"], ("LSTM", "GRU", "RNN")),
+    PolicyRow(OpKind("contrib matrix multiply", Category.LOW,
+                     f"fused matrix multiply or attention (onnxruntime contrib op): {MATRIX_WORK}"),
               ("FusedMatMul", "Attention", "MultiHeadAttention", "GroupQueryAttention", "FusedConv"), domain=_MS),
-    PolicyRow(Category.FP32, "log-softmax: its log-probabilities are large negative numbers that fp16 holds to "
-              "a few hundredths; ONNX has no fp32-accumulate form, so its input is cast up", ("LogSoftmax",)),
-    PolicyRow(Category.FP32, "reduction: a sum over many terms loses bits and can overflow in fp16; ONNX has "
-              "no fp32-accumulate form, so its input is cast up",
+    PolicyRow(OpKind("log-softmax", Category.FP32,
+                     "log-softmax: its log-probabilities are large negative numbers that fp16 holds to a few "
+                     "hundredths; ONNX has no fp32-accumulate form, so its input is cast up"), ("LogSoftmax",)),
+    PolicyRow(OpKind("reduction", Category.FP32,
+                     "reduction: a sum over many terms loses bits and can overflow in fp16; ONNX has no "
+                     "fp32-accumulate form, so its input is cast up", frozenset({REDUCTION})),
               ("ReduceSum", "ReduceMean", "ReduceProd", "ReduceSumSquare", "ReduceL1", "ReduceL2",
-               "ReduceLogSum", "ReduceLogSumExp", "CumSum"), facts=frozenset({REDUCTION})),
-    PolicyRow(Category.FP32, "normalisation: mean and variance statistics need fp32",
+               "ReduceLogSum", "ReduceLogSumExp", "CumSum")),
+    PolicyRow(KINDS["normalisation"],
               ("LayerNormalization", "InstanceNormalization", "GroupNormalization",
-               "RMSNormalization", "LpNormalization", "MeanVarianceNormalization"), facts=frozenset({NORMALISATION})),
-    PolicyRow(Category.FP32, "norm: a sum of squares overflows fp16 and loses bits; computed in fp32", ("LRN",)),
-    PolicyRow(Category.FP32, "normalisation (onnxruntime contrib op): mean and variance statistics need fp32",
+               "RMSNormalization", "LpNormalization", "MeanVarianceNormalization")),
+    PolicyRow(KINDS["norm"], ("LRN",)),
+    PolicyRow(OpKind("contrib normalisation", Category.FP32,
+                     "normalisation (onnxruntime contrib op): mean and variance statistics need fp32",
+                     frozenset({NORMALISATION})),
               ("SkipLayerNormalization", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization"),
-              domain=_MS, facts=frozenset({NORMALISATION})),
-    PolicyRow(Category.FP32, "exponential: overflows fp16 quickly (exp(11.1) > 65504); computed in fp32", ("Exp",)),
-    PolicyRow(Category.FP32, "logarithm: singular at zero and loses precision in fp16; computed in fp32", ("Log",),
-              facts=frozenset({SINGULAR})),
-    PolicyRow(Category.FP32, "power: magnifies relative error and leaves fp16's range quickly", ("Pow",),
-              facts=frozenset({POWER})),
-    PolicyRow(Category.FP32, "reciprocal: singular at zero, magnifies relative error", ("Reciprocal",),
-              facts=frozenset({SINGULAR})),
-    PolicyRow(Category.FP32, "transcendental with a narrow fp16 domain or range",
-              ("Tan", "Acos", "Asin", "Cosh", "Sinh", "Atanh", "Acosh", "Asinh")),
-    PolicyRow(Category.FP32, "loss: log, exp and long sums; kept in fp32",
-              ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")),
-    PolicyRow(Category.FP32, "affine grid: its outputs are sampling coordinates ([-1, 1] spans the image) that "
-              "GridSample interpolates at; fp16 rounds them to 2**-11 of their size (4e-3 on the ONNX suite's "
-              "grids, which reach 10: two pixels of a 1000-pixel side); computed in fp32", ("AffineGrid",)),
-    PolicyRow(Category.FP32, "resampling: interpolation weights and coordinates need fp32",
-              ("Resize", "Upsample", "GridSample", "RoiAlign"),
+              domain=_MS),
+    PolicyRow(KINDS["exponential"], ("Exp",)),
+    PolicyRow(KINDS["logarithm"], ("Log",)),
+    PolicyRow(KINDS["power"], ("Pow",)),
+    PolicyRow(KINDS["reciprocal"], ("Reciprocal",)),
+    PolicyRow(KINDS["transcendental"], ("Tan", "Acos", "Asin", "Cosh", "Sinh", "Atanh", "Acosh", "Asinh")),
+    PolicyRow(KINDS["loss"], ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")),
+    PolicyRow(OpKind("affine grid", Category.FP32,
+                     "affine grid: its outputs are sampling coordinates ([-1, 1] spans the image) that GridSample "
+                     "interpolates at; fp16 rounds them to 2**-11 of their size (4e-3 on the ONNX suite's grids, "
+                     "which reach 10: two pixels of a 1000-pixel side); computed in fp32"), ("AffineGrid",)),
+    PolicyRow(KINDS["resampling"], ("Resize", "Upsample", "GridSample", "RoiAlign"),
               slots={"roi": "keep", "scales": "keep", "sizes": "keep", "rois": "keep", "batch_indices": "keep"}),
-    PolicyRow(Category.FP32, "box selection: coordinates and IoU thresholds need fp32", ("NonMaxSuppression",),
+    PolicyRow(OpKind("box selection", Category.FP32, "box selection: coordinates and IoU thresholds need fp32"),
+              ("NonMaxSuppression",),
               slots={"max_output_boxes_per_class": "keep", "iou_threshold": "keep", "score_threshold": "keep"}),
-    PolicyRow(Category.KEEP, "creates values from its attributes or a range; kept as the model wrote it",
+    PolicyRow(OpKind("value creation", Category.KEEP,
+                     "creates values from its attributes or a range; kept as the model wrote it"),
               ("Range", "ConstantOfShape", "RandomNormal", "RandomUniform", "RandomNormalLike",
                "RandomUniformLike", "EyeLike", "Multinomial", "Bernoulli")),
-    PolicyRow(Category.KEEP, "reads shape metadata only", ("Shape", "Size")),
+    PolicyRow(OpKind("shape", Category.KEEP, "reads shape metadata only"), ("Shape", "Size")),
     # float tensors of Constant nodes are weights (onnx.view); what reaches the table is an integer,
     # boolean or attribute-typed constant
-    PolicyRow(Category.KEEP, "constant written in the model; kept as it is", ("Constant",)),
-    PolicyRow(Category.KEEP, "quantization: its fp32 scales define the integer grid, and rounding them to low "
-              "precision would move every quantized value; kept as the model wrote it",
+    PolicyRow(OpKind("constant", Category.KEEP, "constant written in the model; kept as it is"), ("Constant",)),
+    PolicyRow(OpKind("quantization", Category.KEEP,
+                     "quantization: its fp32 scales define the integer grid, and rounding them to low precision "
+                     "would move every quantized value; kept as the model wrote it"),
               ("QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "QLinearConv", "QLinearMatMul",
                "MatMulInteger", "ConvInteger")),
-    PolicyRow(Category.KEEP, "control flow: values cross the subgraph boundary in fp32; the body's nodes are "
-              "planned one by one", ("If", "Loop", "Scan", "SequenceMap")),
-    PolicyRow(Category.KEEP, "sequence or optional container: holds tensors as the model wrote them; values go in "
-              "and come out in fp32", ("SequenceConstruct", "SequenceAt", "SequenceInsert", "SequenceErase",
-                                       "SequenceEmpty", "SequenceLength", "SplitToSequence", "ConcatFromSequence",
-                                       "Optional", "OptionalGetElement", "OptionalHasElement")),
-    PolicyRow(Category.FOLLOW, "division: runs in the precision of its inputs (a divisor that flushes to zero in "
-              "fp16 is kept fp32 by calibration)", ("Div", "Mod"), facts=frozenset({DIVISION})),
-    PolicyRow(Category.FOLLOW, "average pooling: runs in the precision of its inputs (long windows are kept fp32 "
-              "by calibration)", ("AveragePool", "GlobalAveragePool"), facts=frozenset({REDUCTION})),
-    PolicyRow(Category.FOLLOW, "softmax: runs in the precision of its input; low-precision kernels subtract the "
-              "maximum and sum in fp32 (onnxruntime's CUDA kernel accumulates fp16 in float, its CPU provider "
-              "casts around an fp32 kernel), as the FX path's fused attention does", ("Softmax",)),
-    PolicyRow(Category.FOLLOW, "batch normalisation with stored statistics (inference): a per-channel scale and "
-              "shift by its weights; runs in the precision of its input", ("BatchNormalization",)),
-    PolicyRow(Category.FOLLOW, "concatenation: runs in the precision of its inputs", ("Concat",),
-              facts=frozenset({JOIN})),
-    PolicyRow(Category.FOLLOW, "addition: runs in the precision of its inputs", ("Add", "Sub", "Sum"),
-              facts=frozenset({ADDITION})),
-    PolicyRow(Category.FOLLOW, "data movement: runs in the precision of its input (of a weight, it is the weight "
-              "reshaped, stored low where its readers run low)",
+    PolicyRow(OpKind("control flow", Category.KEEP,
+                     "control flow: values cross the subgraph boundary in fp32; the body's nodes are planned one "
+                     "by one"), ("If", "Loop", "Scan", "SequenceMap")),
+    PolicyRow(OpKind("container", Category.KEEP,
+                     "sequence or optional container: holds tensors as the model wrote them; values go in and come "
+                     "out in fp32"),
+              ("SequenceConstruct", "SequenceAt", "SequenceInsert", "SequenceErase", "SequenceEmpty",
+               "SequenceLength", "SplitToSequence", "ConcatFromSequence", "Optional", "OptionalGetElement",
+               "OptionalHasElement")),
+    PolicyRow(KINDS["division"], ("Div", "Mod")),
+    PolicyRow(KINDS["average pooling"], ("AveragePool", "GlobalAveragePool")),
+    PolicyRow(OpKind("softmax", Category.FOLLOW,
+                     "softmax: runs in the precision of its input; low-precision kernels subtract the maximum and "
+                     "sum in fp32 (onnxruntime's CUDA kernel accumulates fp16 in float, its CPU provider casts "
+                     "around an fp32 kernel), as the FX path's fused attention does"), ("Softmax",)),
+    PolicyRow(OpKind("batch normalisation", Category.FOLLOW,
+                     "batch normalisation with stored statistics (inference): a per-channel scale and shift by its "
+                     "weights; runs in the precision of its input"), ("BatchNormalization",)),
+    PolicyRow(KINDS["concatenation"], ("Concat",)),
+    PolicyRow(KINDS["addition"], ("Add", "Sub", "Sum")),
+    PolicyRow(OpKind("data movement", Category.FOLLOW,
+                     "data movement: runs in the precision of its input (of a weight, it is the weight reshaped, "
+                     "stored low where its readers run low)", frozenset({LAYOUT})),
               ("Identity", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten"),
-              slots={"shape": "keep", "axes": "keep"}, facts=frozenset({LAYOUT})),
-    PolicyRow(Category.FOLLOW, "elementwise or data movement: runs in the precision of its inputs",
+              slots={"shape": "keep", "axes": "keep"}),
+    PolicyRow(KINDS["elementwise"],
               ("Mul", "Neg", "Abs", "Relu", "LeakyRelu", "PRelu", "Elu", "Selu", "Celu",
                "Gelu", "HardSigmoid", "HardSwish", "Mish", "Sigmoid", "Tanh", "Softplus", "Softsign", "Sqrt",
                "Sin", "Cos", "Atan", "Erf", "Sign", "Floor", "Ceil", "Round", "Max", "Min", "Mean",
@@ -121,14 +125,16 @@ POLICY: tuple[PolicyRow, ...] = (
               slots={"ratio": "keep", "training_mode": "keep", "shape": "keep", "axes": "keep", "indices": "keep",
                      "starts": "keep", "ends": "keep", "steps": "keep", "pads": "keep", "repeats": "keep",
                      "split": "keep", "k": "keep", "K": "keep", "condition": "keep", "depth": "keep"}),
-    PolicyRow(Category.FOLLOW, "elementwise (onnxruntime contrib op): runs in the precision of its inputs",
+    PolicyRow(OpKind("contrib elementwise", Category.FOLLOW,
+                     "elementwise (onnxruntime contrib op): runs in the precision of its inputs"),
               ("Gelu", "FastGelu", "BiasGelu", "QuickGelu", "BiasAdd"), domain=_MS),
 )
 
 # rows for the training form of an op (:func:`in_training`), which computes statistics of its batch
 TRAINING: tuple[PolicyRow, ...] = (
-    PolicyRow(Category.FP32, "batch normalisation in training mode: the batch's mean and variance statistics "
-              "need fp32", ("BatchNormalization",), facts=frozenset({NORMALISATION})),
+    PolicyRow(OpKind("batch normalisation in training", Category.FP32,
+                     "batch normalisation in training mode: the batch's mean and variance statistics need fp32",
+                     frozenset({NORMALISATION})), ("BatchNormalization",)),
 )
 
 QDQ_REASON = ("quantized (QDQ) node: it reads DequantizeLinear outputs and feeds QuantizeLinear only, so "

@@ -36,9 +36,9 @@ from ..fx.prepare.masks import fold_constant_masks
 from ..fx.capture.modes import module_mode
 from ..fx.rewrite.apply import rewrite
 from ..fx.view.build import build_view
-from ..serving.dropin import DropIn, in_own_class, transformers_call, with_signature
-from ..serving.kept import KeptFp32, keep_original
-from ..serving.parts import parts_of
+from ..serving.artifact import Kind, record_of
+from ..serving.dropin import in_own_class, transformers_call, with_signature
+from ..serving.fp32_original import keep_original
 from ..serving.serving_graph import ServingGraph
 from ..serving.traced import TracedGraph
 from ..serving.train_eval import TrainEvalGraphs
@@ -105,7 +105,8 @@ def convert(
         plan_for: ``"speed"`` (default): where this machine has the target device and example inputs are
             given, a region of the plan runs low only if measuring shows its low kernels and casts are
             faster than fp32 there, and the original module is kept in fp32 if the converted graph
-            measures slower than it (profitability: :mod:`amppass.analysis.profitability`, :mod:`amppass.serving.kept`).
+            measures slower than it (profitability: :mod:`amppass.analysis.profitability`,
+            :mod:`amppass.serving.fp32_original`).
             ``"coverage"``: every op that numerics allow runs low, nothing is measured (the plan is the
             same on every machine). ``"memory"``: as "coverage", and every weight is stored in the low dtype
             (where its values fit), cast up at use by the ops that run fp32: the smallest model.
@@ -139,24 +140,34 @@ def convert(
     signature, ``generate()`` included, its ``forward`` running the converted graphs
     (:mod:`amppass.serving.dropin`); a train-mode model's ``forward`` shows the original's signature too.
     """
+    options = plan_options(mode, plan_for=plan_for, keep_io_types=keep_io_types, keep_fp32=keep_fp32,
+                           force_low=force_low, low_weight_tables=low_weight_tables, calibration=calibration,
+                           tolerance=tolerance, progress=progress, costs=costs)
+    return convert_planned(model, example_inputs, dtype, options, example_kwargs=example_kwargs, target=target,
+                           mode=mode, dynamic_shapes=dynamic_shapes)
+
+
+def plan_options(mode: str, **options: Any) -> PlanOptions:
+    """The checked :class:`PlanOptions` of a conversion in ``mode`` from :func:`convert`'s keyword arguments of
+    that name: ``mode`` checked first, and a train-mode conversion's calibration read into a list (both of its
+    graphs calibrate on it)."""
     if mode not in MODES:
         raise InputError(f"mode={mode!r} is not one of {MODES}: use mode='inference' to serve or evaluate "
                          "the model, mode='train' to train it")
-    if mode == "train" and calibration is not None:
-        calibration = list(calibration)  # both graphs calibrate on it
-    options = PlanOptions(plan_for=plan_for, keep_io_types=keep_io_types, keep_fp32=keep_fp32, force_low=force_low,
-                          low_weight_tables=low_weight_tables, calibration=calibration, tolerance=tolerance,
-                          progress=progress, costs=costs)
-    if isinstance(model, fx.GraphModule) and META_KEY in getattr(model, "meta", {}):
-        return _unchanged(model, model.meta[META_KEY], dtype, mode)
-    if isinstance(model, TrainEvalGraphs):
-        return _unchanged(model, model.train_graph.meta[META_KEY], dtype, mode)
-    if isinstance(model, KeptFp32):
-        return _unchanged(model, model.meta[META_KEY], dtype, mode)
-    if isinstance(model, DropIn):
-        return _unchanged(model, model.converted.meta[META_KEY], dtype, mode)
-    if parts_of(model) is not None:
-        return _unchanged(model, {"dtype": parts_of(model).dtype, "mode": parts_of(model).mode}, dtype, mode)
+    if mode == "train" and options.get("calibration") is not None:
+        options["calibration"] = list(options["calibration"])
+    return PlanOptions(**options)
+
+
+@_outside_callers_modes
+def convert_planned(model: nn.Module, example_inputs: Any, dtype: Any, options: PlanOptions, *,
+                    example_kwargs: dict[str, Any] | None = None, target: str | None = None, mode: str = "inference",
+                    dynamic_shapes: Any = "auto") -> nn.Module:
+    """:func:`convert` with its plan options built and checked already (:func:`plan_options`): what an
+    integration calls with the options it checked where it was made. The other arguments are :func:`convert`'s."""
+    found = record_of(model)
+    if found is not None:
+        return _unchanged(model, found.record, dtype, mode)
     if isinstance(model, torch.export.ExportedProgram):
         return _convert_program(model, dtype, target, mode, options)
     plan_target = _target(target, dtype, model)
@@ -202,7 +213,7 @@ def _convert_module(model: nn.Module, example: tuple[Any, dict] | None, plan_tar
     served = _served(model, gm, plan_target, mode, False, options, example)
     if options.plan_for == "speed" and plan_target.profitable and example is not None and not options.calibration:
         served = _faster_of(served, model, example, options.costs)
-        if isinstance(served, KeptFp32):
+        if record_of(served).kind is Kind.KEPT:
             return served  # the original itself, in its own class already
     return in_own_class(model, served)  # a drop-in: the model's class, attributes and signature (serving.dropin)
 
@@ -287,9 +298,9 @@ def _converted_dtype(program: torch.export.ExportedProgram) -> str:
 
 def _faster_of(gm: fx.GraphModule, model: nn.Module, example: tuple[Any, dict],
                costs: Mapping[str, float] | None) -> nn.Module:
-    """``gm``, or the original module kept in fp32 (:mod:`amppass.serving.kept`) where nothing in the plan runs low
-    or where the converted graph did not measure faster than the original here: plan_for="speed" promises a model
-    no slower than the original, and a graph of fp32 ops costs its own call overhead besides."""
+    """``gm``, or the original module kept in fp32 (:mod:`amppass.serving.fp32_original`) where nothing in the plan
+    runs low or where the converted graph did not measure faster than the original here: plan_for="speed" promises a
+    model no slower than the original, and a graph of fp32 ops costs its own call overhead besides."""
     args, kwargs = example
     args = split_batch(args)[0] if args is not None else ()
     info = gm.meta[META_KEY]
@@ -477,7 +488,7 @@ def _say_once(message: str) -> None:
     _SAID.add(message)
 
 
-def _unchanged(model: nn.Module, info: dict, dtype: Any, mode: str) -> nn.Module:
+def _unchanged(model: nn.Module, info: Mapping[str, Any], dtype: Any, mode: str) -> nn.Module:
     """An already converted ``model``, returned as it is when the caller asks for what it already is."""
     done = info.get("dtype", "unknown")
     wanted = done if isinstance(dtype, str) and dtype.strip().lower() == "auto" else low_type(dtype).name

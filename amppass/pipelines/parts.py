@@ -55,7 +55,7 @@ from ..errors import AmpPassError, CaptureError, first_line
 from ..fx.capture.copies import shared_copy
 from ..fx.view.macs import measured_macs
 from ..fx.capture.modes import module_mode
-from ..serving.kept import KeptFp32
+from ..serving.artifact import Kind, record_of
 from ..serving.parts import PARTS_KEY, PartsRecord, with_original_savers
 from ..serving.tree import example_call
 
@@ -253,7 +253,7 @@ def _kept_reason(converted: nn.Module) -> str | None:
     """Why a converted part is better left as the original (rule 3), or None to use it."""
     from .report import report
 
-    if isinstance(converted, KeptFp32):
+    if record_of(converted).kind is Kind.KEPT:
         return KEPT
     if not any(row.precision in ("fp16", "bf16") for row in report(converted).rows):
         return NOTHING_LOW

@@ -10,10 +10,8 @@ from torch import fx
 from ..errors import InputError
 from ..report.fx_reader import read_graph_module
 from ..report.report import Report, merged
-from ..serving.dropin import DropIn
-from ..serving.kept import KeptFp32
-from ..serving.parts import parts_of
-from ..serving.train_eval import TrainEvalGraphs
+from ..serving.artifact import Artifact, Kind, record_of
+from ..serving.parts import PartsRecord
 
 
 def report(converted: Any) -> Report:
@@ -21,7 +19,7 @@ def report(converted: Any) -> Report:
 
     Accepts the ``torch.fx.GraphModule`` that :func:`amppass.convert` returned, the module it returned for
     ``mode="train"`` (its train graph is reported; rows say which ops' gradients run in low precision), the
-    original module it kept in fp32 where that measured faster (:mod:`amppass.serving.kept`), the model it
+    original module it kept in fp32 where that measured faster (:mod:`amppass.serving.fp32_original`), the model it
     returned in its own class (:mod:`amppass.serving.dropin`: its converted graphs), a module
     :func:`amppass.load` returned, a module or function ``torch.compile(..., backend="amppass")`` returned
     (every graph dynamo captured, rows named ``g<i>.<node>``), a model converted by parts (every converted
@@ -40,17 +38,11 @@ def report(converted: Any) -> Report:
             raise InputError(f"{type(converted).__name__} was not compiled with torch.compile(backend='amppass'); "
                              "compile it with that backend, call it once, then ask for the report")
         return session.report()
-    record = parts_of(converted)
-    if record is not None:
-        return _parts_report(converted, record)
-    if isinstance(converted, DropIn):
-        converted = converted.converted
-    if isinstance(converted, TrainEvalGraphs):
-        converted = converted.train_graph
-    if isinstance(converted, KeptFp32):
-        return converted.report()
+    found = record_of(converted)
+    if found is not None:
+        return _report_of(found)
     if isinstance(converted, fx.GraphModule):
-        return read_graph_module(converted)
+        return read_graph_module(converted)  # says it carries no amppass decisions
     if isinstance(converted, (str, os.PathLike)) or type(converted).__name__ == "ModelProto":
         from ..report.onnx_reader import read_onnx  # onnx is imported only when an ONNX model is reported
 
@@ -66,7 +58,19 @@ def _compiled(value: Any) -> bool:
     return hasattr(value, "dynamo_ctx") or hasattr(value, "_torchdynamo_orig_callable")
 
 
-def _parts_report(model: Any, record: Any) -> Report:
+def _report_of(found: Artifact) -> Report:
+    """The report of a converted artifact: read from the graph that holds its record (a train-mode model's train
+    graph, a drop-in's converted graph); a kept original's one row; the parts of a model converted by parts."""
+    if found.kind is Kind.PARTS:
+        return _parts_report(found.module, found.parts)
+    if found.kind is Kind.DROP_IN:
+        return _report_of(found.inner)
+    if found.kind is Kind.KEPT:
+        return found.module.report()
+    return read_graph_module(found.graph)
+
+
+def _parts_report(model: Any, record: PartsRecord) -> Report:
     """One report over the parts of a model converted by parts, with what runs as the model's code and why."""
     whole = merged((path, report(part)) for path, part in record.modules(model).items())
     whole.info.update({

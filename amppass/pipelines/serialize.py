@@ -37,10 +37,8 @@ from ..errors import InputError
 from ..files import Staged, check_writable
 from ..fx.capture.export import capture_program, capturing, size_one_dynamic
 from ..fx.capture.guards import GUARDS_KEY, ShapeGuards
-from ..serving.kept import KeptFp32
-from ..serving.parts import parts_of
+from ..serving.artifact import Kind, record_of
 from ..serving.serving_graph import ServingGraph
-from ..serving.train_eval import TrainEvalGraphs
 
 log = logging.getLogger(__name__)
 
@@ -216,33 +214,36 @@ def is_converted(program: torch.export.ExportedProgram) -> bool:
 
 
 def _served(converted: Any) -> ServingGraph:
-    from ..serving.dropin import DropIn, TransformersDropIn
+    """The ServingGraph that :func:`save` writes of ``converted``; InputError saying why where it holds none."""
+    from ..serving.dropin import TransformersDropIn
 
-    if isinstance(converted, TransformersDropIn) and not converted.can_generate():
-        converted = converted.converted  # a forward and nothing else to lose: the file holds its graph
-    if isinstance(converted, DropIn):
+    found = record_of(converted)
+    if found is not None and isinstance(converted, TransformersDropIn) and not converted.can_generate():
+        found = found.inner  # a forward and nothing else to lose: the file holds its graph
+    kind = found.kind if found is not None else None
+    if kind is Kind.DROP_IN:
         raise InputError(f"{type(converted).__name__} is a converted model in its own class; amppass.save writes a "
                          "graph alone, without the class's methods (generate(), encode()): "
                          "amppass.save(model.converted, path), or convert the model where it runs")
-    if parts_of(converted) is not None:
+    if kind is Kind.PARTS:
         raise InputError(f"{type(converted).__name__} was converted by parts: its own Python runs between the "
                          "converted parts, and a .pt2 file holds one graph; save its state_dict() and convert the "
                          "original again where it runs, or amppass.save(model.<part>, path) for one part")
-    if isinstance(converted, TrainEvalGraphs):
+    if kind is Kind.TRAIN:
         raise InputError("amppass.save writes inference models; for a train-mode model save its state_dict() as a "
                          "checkpoint, and convert the trained model with mode='inference' to ship it")
-    if isinstance(converted, ServingGraph):
-        return converted
-    if isinstance(converted, KeptFp32):
-        whole = converted.meta[META_KEY].get("whole_model", {})
-        raise InputError(f"amppass.convert kept the original {converted.original_class.__name__} in fp32 (the "
+    if kind is Kind.SERVING:
+        return found.module
+    if kind is Kind.KEPT:
+        whole = found.record.get("whole_model", {})
+        raise InputError(f"amppass.convert kept the original {found.module.original_class.__name__} in fp32 (the "
                          f"converted graph took {whole.get('converted_ms', '?')} ms per call against "
                          f"{whole.get('original_ms', '?')} ms for the original here), so there is no converted "
                          "graph to save: ship the original model as it is, or convert with plan_for='coverage' "
                          "(or costs= from the machine you deploy on) to save a converted one")
-    if isinstance(converted, fx.GraphModule) and META_KEY in converted.meta:
-        raise InputError(f"{type(converted).__name__} was converted without example inputs (symbolically traced), so "
-                         "it has no input shapes to export; convert it with example_inputs to save it")
+    if kind is Kind.GRAPH:
+        raise InputError(f"{type(found.module).__name__} was converted without example inputs (symbolically traced), "
+                         "so it has no input shapes to export; convert it with example_inputs to save it")
     raise InputError(f"amppass.save takes the module amppass.convert returned, got {type(converted).__name__}")
 
 

@@ -22,8 +22,8 @@ Rules:
    less the keyword values that are ``None`` and ``return_dict``: the graph returns the model's output class,
    and ``return_dict=False`` gives its ``to_tuple()``. ``forward(...)`` and ``module(...)`` run the same path.
 4. It faces its caller as the original did: ``dtype`` is the model's own (fp32 where ``keep_io_types``),
-   ``parameters()`` widen the low-precision copies to fp32 (:mod:`amppass.serving.face`), ``device`` is where the
-   converted tensors are; ``get_input_embeddings()`` of a transformers model is an ``nn.Embedding`` over the
+   ``parameters()`` widen the low-precision copies to fp32 (:mod:`amppass.serving.fp32_parameters`), ``device`` is
+   where the converted tensors are; ``get_input_embeddings()`` of a transformers model is an ``nn.Embedding`` over the
    converted model's table (in fp32, a fresh module on each call).
 5. An encoder-decoder's ``generate()`` raises :class:`~amppass.errors.InputError`: it runs the encoder on its
    own (``get_encoder()``), a call the graph of the whole model cannot make.
@@ -42,7 +42,7 @@ Rules:
    another model than the one that runs): never a file that loads as a different model. A train-mode model
    (rule 7) writes its own fp32 tensors, trained, under the original's names, from the same class's method.
    ``state_dict()`` of a converted inference model stays its storage, the low-precision copies under
-   ``converted.`` names (:mod:`amppass.serving.face`, rule 3), as ``named_parameters()`` names them: the
+   ``converted.`` names (:mod:`amppass.serving.fp32_parameters`, rule 3), as ``named_parameters()`` names them: the
    original's fp32 weights are not the converted model's tensors (they are the caller's, released by
    ``drop_original()``), and a state dict of them would not load back into it.
 """
@@ -60,7 +60,7 @@ import torch
 from torch import nn
 
 from ..errors import InputError
-from .face import fp32_parameters, low_face, stored_parameters
+from .fp32_parameters import fp32_parameters, low_face, stored_parameters
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,8 @@ _DROPPED = ("return_dict",)  # arguments the converted graph of a transformers m
 _CONVERTED_API = ("graph", "meta", "plans", "guards", "drop_original", "code", "select")  # rule 6
 _SAVERS = ("save_pretrained", "save")  # the class's own ways to write the model to disk (rule 8)
 _MODULE_KEYS = frozenset(vars(nn.Module()))  # what nn.Module keeps in an instance's __dict__
-_LOW_COPY = re.compile(r"__(fp16|bf16)$")  # a weight's low-precision copy beside its fp32 tensor (serving.face)
+# a weight's low-precision copy beside its fp32 tensor (serving.fp32_parameters)
+_LOW_COPY = re.compile(r"__(fp16|bf16)$")
 
 
 def is_transformers_model(model: Any) -> bool:

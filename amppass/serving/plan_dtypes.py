@@ -5,7 +5,7 @@ precision as its low-precision copy, the others (layer norms, a train-mode model
 and the graph's casts are written for exactly those dtypes. ``nn.Module.to(dtype)`` and its relatives would
 change every floating tensor to one dtype, and the next call would fail inside the graph (``mat1 and mat2
 must have the same dtype, but got BFloat16 and Float``), even for ``fast.to(fast.dtype)``, which the fp32
-face (:mod:`amppass.serving.face`) makes look like a no-op. So a converted module's ``_apply`` runs
+face (:mod:`amppass.serving.fp32_parameters`) makes look like a no-op. So a converted module's ``_apply`` runs
 :class:`PlanDtypes` instead of the function it is given: the function's device change (``.to("cuda")``,
 ``.cpu()``) and anything else it does to a tensor happen as asked; a floating tensor keeps its dtype,
 logged once per call (a warning, or INFO where fp32 was asked: the dtype the module faces its caller with).

@@ -59,7 +59,7 @@ from ..errors import CaptureError, InputError
 from ..fx.rewrite.device_literals import module_device
 from ..fx.capture.guards import GUARDS_KEY, MAX_PLANS, ShapeGuards, call_layout, plain_inputs
 from ..fx.capture.modes import module_mode
-from .face import Fp32Face, stored_parameters
+from .fp32_parameters import Fp32Face, stored_parameters
 from .plan_dtypes import PlanDtypes
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ class ServingGraph(Fp32Face, fx.GraphModule):
 
     It is the converted graph of the example's shapes (``graph``, ``meta``, parameters and buffers are
     that plan's); calls its guards reject go to a later plan, captured and converted on first use. Its
-    ``parameters()`` and ``dtype`` face its caller in fp32 (:mod:`amppass.serving.face`).
+    ``parameters()`` and ``dtype`` face its caller in fp32 (:mod:`amppass.serving.fp32_parameters`).
 
     Args:
         gm: the converted graph module; its graph and state become this module's.

@@ -23,7 +23,7 @@ import amppass
 from amppass import AmpPassError, CalibrationError, CaptureError, InputError, archive
 from amppass.errors import ScaleCollapseError, ScalerUsageError, ScalerValueError
 from amppass.onnx.validate import MAX_NODES
-from amppass.serving.kept import keep_original
+from amppass.serving.fp32_original import keep_original
 from amppass.targets import onnxruntime_facts, timing_cache
 from tests.helpers.ddp_harness import one_rank_group
 from tests.helpers.autograd_functions import RoundSTE

@@ -12,7 +12,7 @@ from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState  # noqa: E402
 
 from amppass.integrations.accelerate import install_scaler, prepare  # noqa: E402
-from amppass.integrations.routing import converted, route  # noqa: E402
+from amppass.integrations.routing import TrainConversion, converted, route  # noqa: E402
 from tests.helpers.paths import ROOT
 
 CLIP = 0.5
@@ -108,13 +108,13 @@ def test_refusals():
     wrapped = _net()
     wrapped.forward = lambda x: x  # a tool's wrapper installed first (accelerate's autocast does this)
     with pytest.raises(InputError, match="already replaced"):
-        route(wrapped, "fp16")
+        route(wrapped, TrainConversion.of("fp16"))
     routed = _net()
-    route(routed, "fp16")
+    route(routed, TrainConversion.of("fp16"))
     with pytest.raises(InputError, match="cannot also train in torch.bfloat16"):
-        route(routed, "bf16")
+        route(routed, TrainConversion.of("bf16"))
     with pytest.raises(InputError, match="set by the integration"):
-        route(_net(), "fp16", mode="inference")
+        TrainConversion.of("fp16", {"mode": "inference"})
 
 
 def test_import_amppass_imports_no_training_tool():
@@ -133,7 +133,7 @@ def test_a_deep_copy_of_a_routed_model_trains_its_own_tensors():
     import copy
 
     model = _net()
-    route(model, "bf16")
+    route(model, TrainConversion.of("bf16"))
     twin = copy.deepcopy(model)  # what EMA and SWA callbacks do
     x = torch.randn(4, 16)
     twin(x).sum().backward()

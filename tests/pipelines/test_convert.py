@@ -11,7 +11,7 @@ from torch import fx, nn
 
 import amppass
 from amppass.analysis.record import META_KEY
-from amppass.serving.face import stored_parameters
+from amppass.serving.fp32_parameters import stored_parameters
 from models import ZOO, build
 
 DTYPES = [torch.float16, torch.bfloat16]

@@ -16,7 +16,7 @@ from torch import nn
 
 import amppass
 from amppass.analysis.calibration import relative_error
-from amppass.serving.kept import KeptFp32
+from amppass.serving.fp32_original import KeptFp32
 from amppass.targets import device as device_facts
 from models import build
 from tests.helpers.decoders import agreeing_steps, decoder, greedy, prompt

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import amppass
-from amppass.serving.face import stored_parameters
+from amppass.serving.fp32_parameters import stored_parameters
 
 
 class PNet(nn.Module):

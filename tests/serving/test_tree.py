@@ -19,7 +19,7 @@ from torch import nn
 
 import amppass
 from amppass.errors import InputError
-from amppass.serving.kept import keep_original
+from amppass.serving.fp32_original import keep_original
 from models.char_gpt import char_gpt, next_char_loss, stdlib_corpus, train_steps
 
 BATCH, BLOCK = 4, 16

@@ -1,4 +1,8 @@
-"""The ATen op policy table: one row per category, keyed by ATen overload packet, each with a reason.
+"""The ATen op policy table: one row per kind of op, keyed by ATen overload packet, each with a reason.
+
+A row of a kind both front ends have names ATen's ops for a kind of :data:`amppass.analysis.policy.KINDS`, which
+holds its category, reason and facts; the kinds ATen alone has (softmax and reductions accumulated in fp32 through
+``dtype=``, matrix-vector products, distances, batch normalisation's slots) are written here.
 
 Facts from torch.autocast's cast lists, TF grappler's AMP lists, TVM's ToMixedPrecision and Apex: matrix
 products and convolutions are work for the device's matrix units (Tensor Cores, AMX; the reasons name the
@@ -20,50 +24,48 @@ import torch
 from torch import fx, nn
 
 from ...analysis.plan import Category
-from ...analysis.policy import (ADDITION, DIVISION, JOIN, MATRIX_WORK, NORMALISATION, POWER, REDUCTION, SINGULAR,
-                                PolicyRow)
+from ...analysis.policy import KINDS, MATRIX_WORK, NORMALISATION, REDUCTION, OpKind, PolicyRow
 from . import ops
 
 
 _BATCH_NORMS = ("batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
                 "_native_batch_norm_legit_functional")
 
-# Each op is named once, by its ATen overload packet name.
+# Each op is named once, by its ATen overload packet name. A row of a kind both front ends have takes its meaning
+# from amppass.analysis.policy.KINDS; a kind of ATen's alone is written here.
 POLICY: tuple[PolicyRow, ...] = (
     PolicyRow(
-        Category.LOW,
-        f"matrix multiply: {MATRIX_WORK}, accumulates in fp32 inside the kernel",
+        KINDS["matrix multiply"],
         ("mm", "bmm", "matmul", "addmm", "baddbmm", "addbmm", "linear", "einsum", "bilinear", "_addmm_activation",
          "linalg_multi_dot", "chain_matmul", "linalg_matrix_power"),
     ),
     PolicyRow(
-        Category.LOW,
-        "matrix-vector product or tensor contraction: the products of a matrix multiply, accumulated in fp32 inside "
-        "the kernel, so its error is the rounding of its inputs and output (torch.autocast runs mv/addmv low on "
-        "CUDA; its CPU list leaves them to follow their inputs, and whether low pays there is measured)",
+        OpKind("matrix-vector product", Category.LOW,
+               "matrix-vector product or tensor contraction: the products of a matrix multiply, accumulated in fp32 "
+               "inside the kernel, so its error is the rounding of its inputs and output (torch.autocast runs "
+               "mv/addmv low on CUDA; its CPU list leaves them to follow their inputs, and whether low pays there is "
+               "measured)"),
         ("mv", "addmv", "tensordot"),
     ),
     PolicyRow(
-        Category.LOW,
-        "grouped matrix multiply (a mixture of experts' per-expert products, one matrix multiply per group of rows): "
-        f"{MATRIX_WORK}, accumulated in fp32 inside each kernel; transformers' fallback needs its input and "
-        "weights in one dtype, which the rewrite's casts give it",
+        OpKind("grouped matrix multiply", Category.LOW,
+               "grouped matrix multiply (a mixture of experts' per-expert products, one matrix multiply per group of "
+               f"rows): {MATRIX_WORK}, accumulated in fp32 inside each kernel; transformers' fallback needs its input "
+               "and weights in one dtype, which the rewrite's casts give it"),
         ("_grouped_mm", "transformers.grouped_mm_fallback"),
     ),
     PolicyRow(
-        Category.LOW,
-        "dot product along a dimension: low-precision products summed in fp32 (torch.autocast runs it low)",
+        OpKind("dot product", Category.LOW,
+               "dot product along a dimension: low-precision products summed in fp32 (torch.autocast runs it low)"),
         ("linalg_vecdot",),
     ),
     PolicyRow(
-        Category.LOW,
-        f"convolution: {MATRIX_WORK}, accumulates in fp32 inside the kernel",
+        KINDS["convolution"],
         ("conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose1d", "conv_transpose2d",
          "conv_transpose3d", "conv_tbc"),
     ),
     PolicyRow(
-        Category.LOW,
-        "attention: fused kernel, softmax statistics kept in fp32 inside it",
+        KINDS["attention"],
         ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
          "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
          "_scaled_dot_product_flash_attention_for_cpu", "_native_multi_head_attention"),
@@ -71,85 +73,71 @@ POLICY: tuple[PolicyRow, ...] = (
         slots={"attn_mask": "saturate", "mask": "saturate"},
     ),
     PolicyRow(
-        Category.LOW,
-        "recurrent cell: matrix products dominate",
+        KINDS["recurrent cell"],
         ("lstm", "gru", "rnn_tanh", "rnn_relu", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
          "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell"),
     ),
     PolicyRow(
-        Category.FP32_ACCUM,
-        "softmax: exp and its sum overflow fp16; computed in fp32 from the low-precision input",
+        OpKind("softmax", Category.FP32_ACCUM,
+               "softmax: exp and its sum overflow fp16; computed in fp32 from the low-precision input"),
         ("softmax", "log_softmax", "_softmax", "_log_softmax"),
     ),
     PolicyRow(
-        Category.FP32_ACCUM,
-        "reduction: a sum over many terms loses bits and can overflow in fp16; accumulated in fp32",
+        OpKind("reduction", Category.FP32_ACCUM,
+               "reduction: a sum over many terms loses bits and can overflow in fp16; accumulated in fp32",
+               frozenset({REDUCTION})),
         ("sum", "mean", "nansum", "nanmean", "prod", "cumsum", "cumprod", "logcumsumexp"),
-        facts=frozenset({REDUCTION}),
     ),
     PolicyRow(
-        Category.FP32,
-        "normalisation: mean and variance statistics need fp32",
+        KINDS["normalisation"],
         ("layer_norm", "native_layer_norm", "group_norm", "native_group_norm", "instance_norm", "rms_norm",
          "_fused_rms_norm", "var", "std", "var_mean", "std_mean", "normalize"),
-        facts=frozenset({NORMALISATION}),
     ),
     PolicyRow(
-        Category.FOLLOW,
-        "batch normalisation with stored statistics (inference): a per-channel scale and shift; runs in the "
-        "precision of its input and reads its statistics and affine weights in fp32, which torch's kernels take "
-        "beside a low-precision input",
+        OpKind("batch normalisation", Category.FOLLOW,
+               "batch normalisation with stored statistics (inference): a per-channel scale and shift; runs in the "
+               "precision of its input and reads its statistics and affine weights in fp32, which torch's kernels "
+               "take beside a low-precision input"),
         _BATCH_NORMS,
         slots=MappingProxyType({"weight": "keep", "bias": "keep", "running_mean": "keep", "running_var": "keep"}),
     ),
     PolicyRow(
-        Category.FP32,
-        "norm: a sum of squares overflows fp16 and loses bits; computed in fp32",
+        KINDS["norm"],
         ("local_response_norm", "renorm", "norm", "linalg_vector_norm", "linalg_norm", "frobenius_norm",
          "nuclear_norm"),
     ),
     PolicyRow(
-        Category.FP32,
-        "exponential: overflows fp16 quickly (exp(11.1) > 65504); computed in fp32",
+        KINDS["exponential"],
         ("exp", "exp2", "expm1", "logsumexp", "logaddexp", "logaddexp2", "matrix_exp"),
     ),
     PolicyRow(
-        Category.FP32,
-        "logarithm: singular at zero and loses precision in fp16; computed in fp32",
+        KINDS["logarithm"],
         ("log", "log2", "log10", "xlogy"),
-        facts=frozenset({SINGULAR}),
     ),
     PolicyRow(
-        Category.FP32,
-        "logarithm near one: loses precision in fp16; computed in fp32",
+        OpKind("logarithm near one", Category.FP32,
+               "logarithm near one: loses precision in fp16; computed in fp32"),
         ("log1p", "special_xlog1py", "special_entr"),
     ),
     PolicyRow(
-        Category.FP32,
-        "power: magnifies relative error and leaves fp16's range quickly",
+        KINDS["power"],
         ("pow", "float_power"),
-        facts=frozenset({POWER}),
     ),
     PolicyRow(
-        Category.FP32,
-        "reciprocal: singular at zero, magnifies relative error",
+        KINDS["reciprocal"],
         ("reciprocal", "rsqrt"),
-        facts=frozenset({SINGULAR}),
     ),
     PolicyRow(
-        Category.FP32,
-        "transcendental with a narrow fp16 domain or range",
+        KINDS["transcendental"],
         ("erfinv", "acos", "asin", "tan", "cosh", "sinh", "atanh", "acosh", "asinh", "polar", "lgamma",
          "digamma", "polygamma", "special_polygamma", "mvlgamma"),
     ),
     PolicyRow(
-        Category.FP32,
-        "distance: sums of squares overflow fp16",
+        OpKind("distance", Category.FP32, "distance: sums of squares overflow fp16"),
         ("cdist", "dist", "pdist", "_cdist_forward", "cosine_similarity", "pairwise_distance"),
     ),
     PolicyRow(
-        Category.FP32,
-        "loss: log, exp and long sums; kept in fp32",
+        KINDS["loss"],
         ("cross_entropy_loss", "nll_loss", "nll_loss2d", "nll_loss_nd", "binary_cross_entropy",
          "binary_cross_entropy_with_logits", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div",
          "soft_margin_loss", "multi_margin_loss", "multilabel_margin_loss", "margin_ranking_loss",
@@ -157,8 +145,7 @@ POLICY: tuple[PolicyRow, ...] = (
          "triplet_margin_loss", "multilabel_soft_margin_loss"),
     ),
     PolicyRow(
-        Category.FP32,
-        "resampling: interpolation weights and coordinates need fp32",
+        KINDS["resampling"],
         ("upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "upsample_linear1d",
          "upsample_bilinear2d", "upsample_bicubic2d", "upsample_trilinear3d", "_upsample_bilinear2d_aa",
          "_upsample_bicubic2d_aa", "_upsample_nearest_exact1d", "_upsample_nearest_exact2d",
@@ -166,45 +153,36 @@ POLICY: tuple[PolicyRow, ...] = (
          "affine_grid_generator"),
     ),
     PolicyRow(
-        Category.FP32,
-        "3-D adaptive average pooling: torch's CPU kernel sums each window in the low dtype (20x the output's "
-        "rounding error on 6x6x6 windows in bf16), and torch.autocast keeps it fp32; computed in fp32",
+        OpKind("3-D adaptive average pooling", Category.FP32,
+               "3-D adaptive average pooling: torch's CPU kernel sums each window in the low dtype (20x the output's "
+               "rounding error on 6x6x6 windows in bf16), and torch.autocast keeps it fp32; computed in fp32",
+               frozenset({REDUCTION})),
         ("adaptive_avg_pool3d",),
-        facts=frozenset({REDUCTION}),
     ),
     PolicyRow(
-        Category.FOLLOW,
-        "division: runs in the precision of its inputs (a divisor that flushes to zero in fp16 is kept fp32 by "
-        "calibration)",
+        KINDS["division"],
         ("div", "div_", "floor_divide", "remainder", "fmod"),
-        facts=frozenset({DIVISION}),
     ),
     PolicyRow(
-        Category.FOLLOW,
-        "average pooling: runs in the precision of its inputs (long windows are kept fp32 by calibration)",
+        KINDS["average pooling"],
         ("avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d"),
-        facts=frozenset({REDUCTION}),
     ),
     PolicyRow(
-        Category.FOLLOW,
-        "picks one output of a multi-output op (split, lstm) or indexes a tensor: runs in the precision of its input",
+        OpKind("output or index", Category.FOLLOW,
+               "picks one output of a multi-output op (split, lstm) or indexes a tensor: runs in the precision of "
+               "its input"),
         ("getitem",),  # Python's operator.getitem, which every graph with a multi-output op has
     ),
     PolicyRow(
-        Category.FOLLOW,
-        "concatenation: runs in the precision of its inputs",
+        KINDS["concatenation"],
         ("cat", "concat", "stack"),
-        facts=frozenset({JOIN}),
     ),
     PolicyRow(
-        Category.FOLLOW,
-        "addition: runs in the precision of its inputs",
+        KINDS["addition"],
         ("add", "add_", "sub", "sub_", "rsub"),
-        facts=frozenset({ADDITION}),
     ),
     PolicyRow(
-        Category.FOLLOW,
-        "elementwise or data movement: runs in the precision of its inputs",
+        KINDS["elementwise"],
         ("mul", "neg", "abs", "relu", "relu_", "gelu", "silu", "mish", "tanh",
          "sigmoid", "hardtanh", "hardswish", "hardsigmoid", "leaky_relu", "elu", "selu", "celu", "softplus",
          "dropout", "native_dropout", "feature_dropout", "alpha_dropout", "clamp", "clamp_min", "clamp_max",
@@ -231,14 +209,14 @@ POLICY: tuple[PolicyRow, ...] = (
 # rows for the training form of an op (:func:`in_training`), which computes statistics of its batch
 TRAINING: tuple[PolicyRow, ...] = (
     PolicyRow(
-        Category.FOLLOW,
-        "batch normalisation in training mode: runs in the precision of its input; its kernel accumulates the "
-        "batch's mean and variance in fp32 and reads and updates fp32 statistics and affine weights beside a "
-        "low-precision input (torch's CPU kernel and cuDNN alike), so the batch's statistics keep fp32's accuracy "
-        "and the activations it saves for backward stay low",
+        OpKind("batch normalisation in training", Category.FOLLOW,
+               "batch normalisation in training mode: runs in the precision of its input; its kernel accumulates the "
+               "batch's mean and variance in fp32 and reads and updates fp32 statistics and affine weights beside a "
+               "low-precision input (torch's CPU kernel and cuDNN alike), so the batch's statistics keep fp32's "
+               "accuracy and the activations it saves for backward stay low",
+               frozenset({NORMALISATION})),
         _BATCH_NORMS,
         slots=MappingProxyType({"weight": "keep", "bias": "keep", "running_mean": "keep", "running_var": "keep"}),
-        facts=frozenset({NORMALISATION}),
     ),
 )
 

@@ -72,7 +72,7 @@ class TrainerPrecision(ScaledPrecision):
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Rule 1: route the model child of the LightningModule (in place; the LightningModule is returned)."""
-        route(_target(module, self.module), self.dtype, **self._options)
+        route(_target(module, self.module), self._conversion)
         return module
 
     def pre_backward(self, tensor: torch.Tensor, module: nn.Module) -> torch.Tensor:  # type: ignore[override]

@@ -18,9 +18,9 @@ from torch import nn
 import amppass
 from amppass import InputError
 from amppass.analysis.plan import Category, Decision, Precision, PrecisionPlan, Source
-from amppass.serving.face import stored_parameters
+from amppass.serving.fp32_parameters import stored_parameters
 from amppass.analysis.view import GraphView, OpView
-from amppass.serving.kept import KeptFp32
+from amppass.serving.fp32_original import KeptFp32
 from amppass.analysis.profitability import regions
 from amppass.fx.runners.region_timing import whole_model_key
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import amppass
-from amppass.serving.kept import KeptFp32
+from amppass.serving.fp32_original import KeptFp32
 from amppass.dtypes import low_type
 from amppass.fx.runners import region_timing
 from amppass.targets import cost_model, device

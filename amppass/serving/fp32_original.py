@@ -96,5 +96,5 @@ def _kept_class(cls: type) -> type:
     if made is None:
         made = _classes[cls] = type(cls.__name__, (KeptFp32, cls), {
             "__module__": __name__, "__qualname__": cls.__qualname__,
-            "__doc__": f"{cls.__name__} kept in fp32 by amppass.convert (amppass.serving.kept)."})
+            "__doc__": f"{cls.__name__} kept in fp32 by amppass.convert (amppass.serving.fp32_original)."})
     return made
