@@ -55,6 +55,7 @@ from ..errors import AmpPassError, CaptureError, first_line
 from ..fx.capture.copies import shared_copy
 from ..fx.view.macs import measured_macs
 from ..fx.capture.modes import module_mode
+from ..report.fx_reader import read_graph_module
 from ..serving.artifact import Kind, record_of
 from ..serving.parts import PARTS_KEY, PartsRecord, with_original_savers
 from ..serving.tree import example_call
@@ -250,12 +251,12 @@ def _holds_weights(module: nn.Module) -> bool:
 
 
 def _kept_reason(converted: nn.Module) -> str | None:
-    """Why a converted part is better left as the original (rule 3), or None to use it."""
-    from .report import report
-
-    if record_of(converted).kind is Kind.KEPT:
+    """Why a converted part is better left as the original (rule 3), or None to use it. A part is converted whole,
+    so it is a kept original or holds its decisions in one graph."""
+    found = record_of(converted)
+    if found.kind is Kind.KEPT:
         return KEPT
-    if not any(row.precision in ("fp16", "bf16") for row in report(converted).rows):
+    if not any(row.precision in ("fp16", "bf16") for row in read_graph_module(found.graph).rows):
         return NOTHING_LOW
     return None
 
