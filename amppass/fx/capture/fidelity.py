@@ -33,7 +33,7 @@ from ...errors import CaptureError, first_line
 from ..prepare.aliasing import writes_an_input
 from ..runners.calibrate import flatten_inputs
 from .modes import module_mode
-from ..view.policy import argument
+from ..arguments import argument
 
 log = logging.getLogger(__name__)
 

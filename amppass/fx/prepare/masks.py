@@ -31,7 +31,7 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from .gelu import FUSED_KEY
-from ..view.policy import argument
+from ..arguments import argument
 
 log = logging.getLogger(__name__)
 

@@ -47,6 +47,7 @@ from ...analysis.plan import Precision, PrecisionPlan
 from ...analysis.record import META_KEY
 from ...dtypes import LowType, short_name
 from . import graph_calls
+from ..arguments import argument_names
 from ..view import ops, policy
 from ..prepare.aliasing import alias_groups
 from ..view.build import carries_fp32, cast_target, fetch_attr, has_dtypes, module_state
@@ -307,7 +308,7 @@ class _Rewriter:
 
     @staticmethod
     def _arg_names(node: fx.Node) -> list[str]:
-        return policy.argument_names(node)
+        return argument_names(node)
 
 
 def rewrite(
