@@ -53,7 +53,7 @@ _PRELUDE = textwrap.dedent('''
 
     def external(where="initializer", location="w.data", **fields):
         m = model(where)
-        from amppass.onnx.weights import tensors
+        from amppass.onnx.io.weight_store import tensors
         t = next(t for t in tensors(m.graph) if t.name == "W")
         (tmp / "w.data").write_bytes(t.raw_data)
         t.ClearField("raw_data"); t.data_location = TensorProto.EXTERNAL
@@ -64,7 +64,7 @@ _PRELUDE = textwrap.dedent('''
 
     def leaked(converted):
         """Whether the converted weight holds anything but W (rounded): bytes read from elsewhere."""
-        from amppass.onnx.weights import tensors
+        from amppass.onnx.io.weight_store import tensors
         t = next(t for t in tensors(converted.graph) if t.name.startswith("W"))
         values = numpy_helper.to_array(t).astype(np.float32)
         return not np.allclose(values, W, atol=1e-3)
@@ -253,7 +253,7 @@ PROBES: dict[str, str] = {
                 "def slow(self, *a, **k):\\n"
                 "    out = real(self, *a, **k); print('saving', flush=True); time.sleep(30); return out\\n"
                 "onnx.ModelProto.SerializeToString = slow\\n"
-                "from amppass.onnx.weights import WeightStore\\n"
+                "from amppass.onnx.io.weight_store import WeightStore\\n"
                 "w = WeightStore.write\\n"
                 "def slow_w(self, *a):\\n"
                 "    w(self, *a); print('saving', flush=True); time.sleep(30)\\n"

@@ -6,8 +6,12 @@
    not import each other). Only the top layer's modules import each other.
 2. ``__version__`` lives in ``amppass/_version.py``, the lowest layer, which imports nothing: every module reads it
    from there, and no module imports the package root.
-3. No module imports a private name (``_name``) from another folder.
-4. The re-exports kept at paths the docs or older installs name (:data:`KEPT_PATHS`) are the only
+3. No module imports a private name (``_name``) or private module from another folder; a subfolder (``onnx/io/``)
+   is a folder of its own here, while for rule 1 it belongs to its top folder's layer.
+4. A subfolder listed in :data:`BELOW_ITS_FRONT_END` is the lowest part of its front end: it imports from its own
+   folder, from lower layers, and from the rest of its front end only the modules listed (the ONNX files in and out
+   read the graph walkers of ``onnx/view.py``, nothing else of ``onnx/``).
+5. The re-exports kept at paths the docs or older installs name (:data:`KEPT_PATHS`) are the only
    exceptions; each holds nothing but a docstring and imports from its new home, and stays only while the
    docs or the pinned public API (tests/test_public_api.py) name it.
 """
@@ -38,6 +42,11 @@ LAYERS = (
 RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
 TOP = len(LAYERS) - 1
 
+# a subfolder -> the modules of the rest of its front end it may import (rule 4)
+BELOW_ITS_FRONT_END = {
+    "amppass.onnx.io": {"amppass.onnx.view"},
+}
+
 # old module path -> (its new home, why the old path is kept)
 KEPT_PATHS = {
     "amppass.onnx.convert": ("amppass.pipelines.convert_onnx", "README.md shows amppass.onnx.convert.save"),
@@ -59,6 +68,17 @@ def _unit(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
+def _folder(module: str) -> str:
+    """The package a module lives in (a package's ``__init__`` lives in the package itself)."""
+    if module.endswith(".__init__"):
+        return module[: -len(".__init__")]
+    return module if (ROOT / module.replace(".", "/") / "__init__.py").exists() else module.rsplit(".", 1)[0]
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
 def _is_module(dotted: str) -> bool:
     path = ROOT / dotted.replace(".", "/")
     return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
@@ -68,7 +88,7 @@ def _imports(path: pathlib.Path):
     """(importing module, imported module, imported name or None, line) for every amppass import in ``path``,
     function-level ones included; ``from pkg import module`` names the module itself."""
     module = _module_name(path)
-    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    package = _folder(module).split(".")
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.ImportFrom):
             if node.level:
@@ -96,19 +116,29 @@ def _all_imports():
 def _breaks(importer: str, target: str, name: str | None) -> str | None:
     """Why ``importer`` may not import ``name`` from ``target``, or None."""
     a, b = _unit(importer), _unit(target)
+    if _folder(importer) != _folder(target):
+        if name and _private(name):
+            return f"imports the private {name} from another folder"
+        if _private(target.rsplit(".", 1)[-1]) and target != "amppass._version":
+            return "imports a private module of another folder"
     if a == b:
-        return None
+        return _below_its_front_end(importer, target)
     if b == "__init__" and RANK[a] != TOP:
         return "imports the package root (rule 2: read __version__ from amppass._version)"
-    if name and name.startswith("_") and not name.startswith("__"):
-        return f"imports the private {name} from another folder"
-    if target.rsplit(".", 1)[-1].startswith("_") and not target.endswith("__") and target != "amppass._version":
-        return "imports a private module of another folder"
     if RANK[b] > RANK[a]:
         return f"imports upward ({a} is below {b})"
     if RANK[b] == RANK[a] and RANK[a] != TOP:
         return f"imports across one layer ({a} and {b} are peers)"
     return None
+
+
+def _below_its_front_end(importer: str, target: str) -> str | None:
+    """Rule 4 for an import within one folder of :data:`LAYERS`."""
+    folder = _folder(importer)
+    allowed = BELOW_ITS_FRONT_END.get(folder)
+    if allowed is None or _folder(target) == folder or target in allowed:
+        return None
+    return f"imports from the rest of its front end ({folder} is below it and reads only {sorted(allowed)})"
 
 
 def test_every_folder_has_a_layer():
@@ -130,6 +160,18 @@ def test_the_rule_catches_an_upward_and_a_private_import():
     assert _breaks("amppass.pipelines.convert", "amppass", "__version__").startswith("imports the package root")
     assert _breaks("amppass.analysis.record", "amppass._version", "__version__") is None
     assert _breaks("amppass.cli", "amppass.pipelines.convert", "convert") is None
+
+
+def test_a_subfolder_takes_its_top_folders_layer_and_keeps_its_private_names():
+    assert _unit("amppass.onnx.io.save") == "onnx" and _folder("amppass.onnx.io.save") == "amppass.onnx.io"
+    assert _folder("amppass.onnx.io") == "amppass.onnx.io" and _folder("amppass.cli") == "amppass"
+    assert _breaks("amppass.onnx.io.save", "amppass.pipelines.convert_onnx", "save").startswith("imports upward")
+    assert _breaks("amppass.onnx.io.save", "amppass.fx.view.policy", "POLICY").startswith("imports across")
+    assert _breaks("amppass.onnx.rewrite", "amppass.onnx.io.weight_store", "_entry").startswith("imports the private")
+    assert _breaks("amppass.onnx.io.save", "amppass.onnx.io.weight_store", "_entry") is None
+    assert _breaks("amppass.onnx.io.save", "amppass.onnx.rewrite", "rewrite").startswith("imports from the rest")
+    assert _breaks("amppass.onnx.io.validate", "amppass.onnx.view", "subgraphs") is None
+    assert _breaks("amppass.onnx.rewrite", "amppass.onnx.io.weight_store", "WeightStore") is None
 
 
 @pytest.mark.parametrize("old", sorted(KEPT_PATHS))

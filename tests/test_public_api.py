@@ -15,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHOWN_PATHS = {
     "amppass.onnx.convert": "save",
     "amppass.onnx.simulate": "simulated",
-    "amppass.onnx.scan": "load",
+    "amppass.onnx.io.lazy_read": "load",
     "amppass.analysis.tolerance": "search_runs",
     "amppass.analysis.calibration": "max_runs",
     "amppass.report.report": "load_schema",

@@ -1,8 +1,8 @@
 """``amppass.convert_onnx``: load, check, analyse, paint, rewrite and re-type an ONNX model.
 
-Models are read as untrusted files: structure and tensors are checked (:mod:`amppass.onnx.validate`) and
-external data is read only from inside the model's folder (:mod:`amppass.onnx.external`). Saving is
-:func:`amppass.onnx.save.save`, re-exported here.
+Models are read as untrusted files: structure and tensors are checked (:mod:`amppass.onnx.io.validate`) and
+external data is read only from inside the model's folder (:mod:`amppass.onnx.io.external_data`). Saving is
+:func:`amppass.onnx.io.save.save`, re-exported here.
 """
 
 from __future__ import annotations
@@ -26,14 +26,15 @@ from ..analysis.plan import Precision, PrecisionPlan
 from ..analysis.record import META_KEY, check_reconversion, summary
 from ..errors import InputError, first_line
 from ..files import Staged
-from ..onnx import policy, scan, validate
-from ..onnx import save as saving
+from ..onnx import policy
 from ..onnx.calibrate import Fp32Model, calibrated_plan
+from ..onnx.io import lazy_read, validate
+from ..onnx.io import save as saving
+from ..onnx.io.weight_store import WeightStore, tensors
 from ..onnx.macs import is_heavy, node_macs, operands, value_shapes
 from ..onnx.rewrite import RewriteStats, rewrite
 from ..onnx.simplify import bypass_weight_identities, initializers_out_of_inputs
 from ..onnx.view import build_view, clear_value_info, name_nodes, opsets
-from ..onnx.weights import WeightStore, tensors
 from ..report import meta
 from ..targets import onnxruntime_facts
 from ..targets.target import ONNX_TARGETS, Target, onnx_target
@@ -94,7 +95,7 @@ def convert_onnx(
 class Converted:
     """A converted model whose tensor payloads are still held by its weight store."""
 
-    model: onnx.ModelProto  # a skeleton (:mod:`amppass.onnx.weights`): metadata complete, payloads in ``store``
+    model: onnx.ModelProto  # a skeleton (:mod:`amppass.onnx.io.weight_store`): metadata complete, payloads in ``store``
     store: WeightStore
 
     def materialized(self) -> onnx.ModelProto:
@@ -103,7 +104,7 @@ class Converted:
         return self.model
 
     def stage(self, staged: Staged, path: str, external_data: bool | None = None) -> None:
-        """Add the model to ``staged`` as ``path``, streamed from the store (:func:`amppass.onnx.save.stage`)."""
+        """Add the model to ``staged`` as ``path``, streamed from the store (:func:`amppass.onnx.io.save.stage`)."""
         saving.stage(staged, self.model, self.store, path, external_data)
 
 
@@ -121,7 +122,7 @@ class Loaded:
 def load(model: str | os.PathLike | onnx.ModelProto, check: bool = False) -> Loaded:
     """Read ``model`` (a path or a proto, which is only read) for :func:`convert_skeleton`, refusing what is
     not an ONNX model. ``check`` also runs ``onnx.checker`` on a stand-in of it that holds no weights
-    (:func:`amppass.onnx.validate.check_with_onnx`): the command line's promise that a file is a valid model,
+    (:func:`amppass.onnx.io.validate.check_with_onnx`): the command line's promise that a file is a valid model,
     without loading or copying the model a second time."""
     source, base_dir, where = _load(model)
     owned = source is not model
@@ -310,7 +311,7 @@ def _warn_if_little_runs_low(plan: PrecisionPlan, refs: Mapping[str, Any], targe
 
 def _load(model: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.ModelProto, str | None, str]:
     """``model`` as a proto (the caller's own, to be read only, or the one read from the path without its
-    weights: :mod:`amppass.onnx.scan`), the folder its external data lives in, and how messages name it.
+    weights: :mod:`amppass.onnx.io.lazy_read`), the folder its external data lives in, and how messages name it.
     Nesting and size are checked here, before anything walks the model recursively."""
     if isinstance(model, onnx.ModelProto):
         where = "the onnx.ModelProto passed to convert_onnx"
@@ -327,7 +328,7 @@ def _load(model: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.ModelProto, 
         raise InputError(f"{path!r} is not a file (no such path); pass the path of an .onnx model")
     hint = " (it is a zip archive: a PyTorch checkpoint? use amppass.convert or amppass.export_onnx for torch models)"
     try:
-        loaded = scan.load(path)
+        loaded = lazy_read.load(path)
     except InputError as err:  # the file is damaged: the message names it, the byte and the fix
         if zipfile.is_zipfile(path):
             raise InputError(f"{err}{hint}") from None
@@ -338,7 +339,7 @@ def _load(model: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.ModelProto, 
         raise InputError(f"{path!r} could not be read as an ONNX model ({err}); is it an .onnx file?"
                          f"{hint if zipfile.is_zipfile(path) else ''}") from err
     _check_has_graph(loaded, repr(path))
-    validate.check_size(loaded, repr(path))  # the count scan.load made, exact: what it parsed whole included
+    validate.check_size(loaded, repr(path))  # the count lazy_read.load made, exact: what it parsed whole included
     validate.check_nesting(loaded, repr(path))
     return loaded, os.path.dirname(os.path.abspath(path)), repr(path)  # large tensors: references into the file
 
@@ -353,7 +354,7 @@ def _check_has_graph(model: onnx.ModelProto, where: str) -> None:
 def _infer(model: onnx.ModelProto, strict: bool = False) -> onnx.ModelProto:
     """``model`` with value_info re-inferred (a new proto; ``model`` itself is left as it was).
 
-    ``model`` is a skeleton (:mod:`amppass.onnx.weights`): its large tensors carry no bytes, so the
+    ``model`` is a skeleton (:mod:`amppass.onnx.io.weight_store`): its large tensors carry no bytes, so the
     serialisation shape inference does is cheap and stays under protobuf's 2 GB limit. ``strict`` refuses
     a model whose shapes contradict each other (a weight that does not fit its MatMul), which would
     otherwise convert into a model the checker rejects.
