@@ -154,7 +154,7 @@ PROBES: dict[str, str] = {
         names = "names r.html" if "r.html" in err.getvalue().split("No space")[0] else "names another file"
         print(f"exit {code}; previous out.onnx {'kept' if kept else 'LOST'}; message {names}")''',
     "save killed between writing the data and the model": '''
-        from amppass.pipelines.convert_onnx import save
+        from amppass.onnx.io.save import save
         old = model(); old.graph.initializer.insert(0, numpy_helper.from_array(np.zeros(4096, np.float32), "pad"))
         path = tmp / "out.onnx"
         save(old, path, external_data=True)
@@ -264,7 +264,7 @@ PROBES: dict[str, str] = {
         left = sorted(x.name for x in tmp.iterdir() if x.name != "m.onnx")
         print(f"{len(left)} files left" + (f": {', '.join(left)}" if left else ""))''',
     "output model mode under umask 022": '''
-        from amppass.pipelines.convert_onnx import save
+        from amppass.onnx.io.save import save
         os.umask(0o022); save(model(), tmp / "o.onnx")
         print(oct((tmp / "o.onnx").stat().st_mode & 0o777))''',
     "CLI: 2 MB .npz expanding to 2 GiB (peak RSS)": '''

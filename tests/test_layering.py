@@ -11,17 +11,22 @@
 4. A subfolder listed in :data:`BELOW_ITS_FRONT_END` is the lowest part of its front end: it imports from its own
    folder, from lower layers, and from the rest of its front end only the modules listed (the ONNX files in and out
    read the graph walkers of ``onnx/view.py``, nothing else of ``onnx/``).
-5. The re-exports kept at paths the docs or older installs name (:data:`KEPT_PATHS`) are the only
-   exceptions; each holds nothing but a docstring and imports from its new home, and stays only while the
-   docs or the pinned public API (tests/test_public_api.py) name it.
+5. An old path kept after a move (:data:`KEPT_PATHS`) holds a docstring and one line,
+   ``__getattr__ = moved(__name__, "<release>", name="new home", ...)`` (:mod:`amppass.deprecation`): reading a name
+   from it gives the new home's object and warns (tests/test_public_api.py pins both). It imports nothing but
+   ``moved``, so it breaks no layer; the docs teach the new homes, not it; and this test fails once
+   ``amppass.__version__`` reaches the release that removes it.
 """
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
+
+from amppass._version import __version__
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "amppass"
@@ -29,7 +34,7 @@ PACKAGE = ROOT / "amppass"
 LAYERS = (
     ("_version",),
     ("errors",),
-    ("archive", "dtypes", "files", "text"),
+    ("archive", "deprecation", "dtypes", "files", "text"),
     ("targets",),
     ("analysis",),
     ("fx", "onnx", "training"),
@@ -47,11 +52,10 @@ BELOW_ITS_FRONT_END = {
     "amppass.onnx.io": {"amppass.onnx.view"},
 }
 
-# old module path -> (its new home, why the old path is kept)
+# old module path -> why it is kept (its new homes and the release that removes it are its moved() call's)
 KEPT_PATHS = {
-    "amppass.onnx.convert": ("amppass.pipelines.convert_onnx", "README.md shows amppass.onnx.convert.save"),
-    "amppass.fx.backend": ("amppass.pipelines.backend",
-                           "installs made before the move name it in their torch_dynamo_backends entry point"),
+    "amppass.onnx.convert": "code written from the docs of amppass 0.1 imports amppass.onnx.convert.save",
+    "amppass.fx.backend": "installs made before the move name it in their torch_dynamo_backends entry point",
 }
 
 
@@ -149,7 +153,7 @@ def test_every_folder_has_a_layer():
 def test_no_import_breaks_the_layers():
     broken = [f"{importer}:{line} {why}: {target}" + (f".{name}" if name else "")
               for importer, target, name, line in _all_imports()
-              if importer not in KEPT_PATHS and (why := _breaks(importer, target, name))]
+              if (why := _breaks(importer, target, name))]
     assert not broken, "\n".join(broken)
 
 
@@ -174,14 +178,57 @@ def test_a_subfolder_takes_its_top_folders_layer_and_keeps_its_private_names():
     assert _breaks("amppass.onnx.rewrite", "amppass.onnx.io.weight_store", "WeightStore") is None
 
 
-@pytest.mark.parametrize("old", sorted(KEPT_PATHS))
-def test_kept_paths_only_re_export_and_are_still_needed(old):
-    new, why = KEPT_PATHS[old]
+def _kept(old: str) -> tuple[str, dict[str, str]]:
+    """The release that removes the kept path ``old`` and the new home of each name it gives, read from its module,
+    which holds nothing but a docstring naming them and ``__getattr__ = moved(__name__, "<release>", name="home")``."""
     path = ROOT / (old.replace(".", "/") + ".py")
     body = ast.parse(path.read_text()).body
-    assert isinstance(body[0], ast.Expr) and new in body[0].value.value, f"{path}: its docstring names {new}"
-    assert all(isinstance(node, ast.ImportFrom) for node in body[1:]), f"{path} holds more than re-exports"
-    assert {t for _, t, _, _ in _imports(path)} == {new}
-    named_in = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md")), ROOT / "tests" / "test_public_api.py"]
-    assert any(old in p.read_text() for p in named_in if p.exists()), (
-        f"{old} is named nowhere any more ({why}): delete it and its KEPT_PATHS entry")
+    assert len(body) == 3, f"{path}: a docstring, the import of moved and __getattr__ = moved(...), nothing else"
+    doc, imported, assigned = body
+    assert isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant), f"{path}: no docstring first"
+    assert isinstance(imported, ast.ImportFrom) and [alias.name for alias in imported.names] == ["moved"]
+    assert {target for _, target, _, _ in _imports(path)} == {"amppass.deprecation"}, f"{path} imports more"
+    call = assigned.value
+    assert isinstance(assigned, ast.Assign) and [ast.unparse(t) for t in assigned.targets] == ["__getattr__"]
+    assert isinstance(call, ast.Call) and ast.unparse(call.func) == "moved", f"{path}: __getattr__ = moved(...)"
+    assert len(call.args) == 2 and ast.unparse(call.args[0]) == "__name__", f"{path}: moved(__name__, release, ...)"
+    removed_in = ast.literal_eval(call.args[1])
+    homes = {keyword.arg: ast.literal_eval(keyword.value) for keyword in call.keywords}
+    assert isinstance(removed_in, str) and homes and all(isinstance(home, str) for home in homes.values())
+    said = " ".join(doc.value.value.split())
+    assert f"removed in amppass {removed_in}" in said, f"{path}: its docstring names the release that removes it"
+    assert all(home in said for home in homes.values()), f"{path}: its docstring names {sorted(set(homes.values()))}"
+    return removed_in, homes
+
+
+def _release(version: str) -> tuple[int, int, int]:
+    """``major.minor.patch`` of a version string; a pre-release counts as its release."""
+    found = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+    assert found, f"{version!r} is not a version"
+    major, minor, patch = found.groups()
+    return int(major), int(minor), int(patch or 0)
+
+
+def _due(version: str, removed_in: str) -> bool:
+    """Whether amppass ``version`` is the release ``removed_in`` (a pre-release of it included) or later."""
+    return _release(version) >= _release(removed_in)
+
+
+@pytest.mark.parametrize("old", sorted(KEPT_PATHS))
+def test_a_kept_path_only_re_exports_and_goes_in_the_release_it_names(old):
+    removed_in, _ = _kept(old)
+    assert not _due(__version__, removed_in), (
+        f"amppass {__version__} is the release that removes {old} (kept because {KEPT_PATHS[old]}): delete it, its "
+        "KEPT_PATHS entry and its pin in tests/test_public_api.py, and say so in the release notes")
+
+
+@pytest.mark.parametrize("old", sorted(KEPT_PATHS))
+def test_the_docs_teach_the_new_homes_not_a_kept_path(old):
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md")), *sorted((ROOT / "examples").glob("*.py"))]
+    teaching = [str(page.relative_to(ROOT)) for page in pages if re.search(rf"\b{re.escape(old)}\b", page.read_text())]
+    assert not teaching, f"{teaching} show {old}, which warns and goes away: show {sorted(set(_kept(old)[1].values()))}"
+
+
+def test_the_removal_check_fires_at_the_release_it_names():
+    assert not _due("0.1.0", "0.2.0") and not _due("0.1.12", "0.2.0")
+    assert _due("0.2.0", "0.2.0") and _due("0.2.0rc1", "0.2.0") and _due("0.2.1", "0.2.0") and _due("1.0", "0.2.0")

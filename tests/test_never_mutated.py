@@ -12,7 +12,7 @@ import torch
 import amppass
 from amppass.cli import main
 from amppass.onnx.io import stream_write
-from amppass.pipelines.convert_onnx import save
+from amppass.onnx.io.save import save
 from amppass.onnx.io.weight_store import WeightStore
 from tests.test_bad_inputs import X, matmul_model
 

@@ -14,7 +14,7 @@ import amppass
 from amppass.analysis.plan import Category
 from amppass.onnx import policy
 from amppass.targets import onnxruntime_facts
-from amppass.pipelines.convert_onnx import save
+from amppass.onnx.io.save import save
 from amppass.onnx.simulate import simulated
 from amppass.onnx.view import all_nodes
 from amppass.targets import onnx_target

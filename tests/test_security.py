@@ -27,7 +27,7 @@ from onnx import TensorProto, helper, numpy_helper
 import amppass
 from amppass import CalibrationError, InputError
 from amppass.cli import main
-from amppass.pipelines.convert_onnx import save
+from amppass.onnx.io.save import save
 from amppass.onnx.io.validate import MAX_NESTING
 
 F32 = TensorProto.FLOAT

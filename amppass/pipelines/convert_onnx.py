@@ -3,7 +3,7 @@
 
 Models are read as untrusted files: structure and tensors are checked (:mod:`amppass.onnx.io.validate`) and
 external data is read only from inside the model's folder (:mod:`amppass.onnx.io.external_data`). Saving is
-:func:`amppass.onnx.io.save.save`, re-exported here.
+``amppass.save`` (:mod:`amppass.pipelines.save`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from ..report import meta
 from ..targets import onnxruntime_facts
 from ..targets.target import ONNX_TARGETS, Target, onnx_target
 
-save = saving.save
 log = logging.getLogger(__name__)
 
 IR_WITH_NODE_METADATA = 10  # NodeProto.metadata_props arrived with IR version 10
