@@ -16,6 +16,10 @@
    from it gives the new home's object and warns (tests/test_public_api.py pins both). It imports nothing but
    ``moved``, so it breaks no layer; the docs teach the new homes, not it; and this test fails once
    ``amppass.__version__`` reaches the release that removes it.
+6. Sizes: a module stays under :data:`MAX_LINES` lines and a folder holds at most :data:`MAX_MODULES` modules
+   (``__init__.py`` counted); past either it is two modules or two folders.
+7. No import cycle runs when a module is imported: the imports a module's body runs (not those inside functions,
+   which run on a call, nor those under ``if TYPE_CHECKING``) form no cycle.
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ LAYERS = (
 )
 RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
 TOP = len(LAYERS) - 1
+
+MAX_LINES = 650  # rule 6
+MAX_MODULES = 16
 
 # a subfolder -> the modules of the rest of its front end it may import (rule 4)
 BELOW_ITS_FRONT_END = {
@@ -176,6 +183,57 @@ def test_a_subfolder_takes_its_top_folders_layer_and_keeps_its_private_names():
     assert _breaks("amppass.onnx.io.save", "amppass.onnx.rewrite", "rewrite").startswith("imports from the rest")
     assert _breaks("amppass.onnx.io.validate", "amppass.onnx.view", "subgraphs") is None
     assert _breaks("amppass.onnx.rewrite", "amppass.onnx.io.weight_store", "WeightStore") is None
+
+
+def test_modules_and_folders_stay_small():
+    paths = sorted(PACKAGE.rglob("*.py"))
+    long = [f"{p.relative_to(ROOT)}: {n} lines" for p in paths if (n := len(p.read_text().splitlines())) >= MAX_LINES]
+    crowded = [f"{folder.relative_to(ROOT)}/: {n} modules" for folder in sorted({p.parent for p in paths})
+               if (n := len(list(folder.glob("*.py")))) > MAX_MODULES]
+    assert not long + crowded, f"split (rule 6): {long + crowded}"
+
+
+def _run_on_import(tree: ast.Module) -> set[int]:
+    """The lines of the imports a module runs when it is imported: its body's, those under a top-level ``if`` or
+    ``try`` included, those in functions and classes and under ``if TYPE_CHECKING`` not."""
+    lines, stack = set(), list(tree.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            lines.add(node.lineno)
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
+            stack.extend(node.body + node.orelse)
+        elif isinstance(node, ast.Try):
+            stack.extend(node.body + node.orelse + node.finalbody + [s for h in node.handlers for s in h.body])
+    return lines
+
+
+def test_no_import_cycle_runs_when_a_module_is_imported():
+    graph: dict[str, set[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        lines = _run_on_import(ast.parse(path.read_text()))
+        for importer, target, _, line in _imports(path):
+            if line in lines:
+                graph.setdefault(importer, set()).add(target)
+    done: set[str] = set()
+
+    def cycle_from(module: str, path: list[str]) -> list[str] | None:
+        if module in path:
+            return path[path.index(module):] + [module]
+        if module in done:
+            return None
+        found = next((c for t in sorted(graph.get(module, ())) if (c := cycle_from(t, path + [module]))), None)
+        done.add(module)
+        return found
+
+    cycles = [c for module in sorted(graph) if (c := cycle_from(module, []))]
+    assert not cycles, f"rule 7: {' -> '.join(cycles[0])}"
+
+
+def test_the_cycle_rule_reads_only_the_imports_that_run_on_import():
+    tree = ast.parse("import a\nif TYPE_CHECKING:\n    import b\ntry:\n    import c\nexcept ImportError:\n"
+                     "    import d\ndef f():\n    import e\n")
+    assert _run_on_import(tree) == {1, 5, 7}
 
 
 def _kept(old: str) -> tuple[str, dict[str, str]]:
