@@ -25,7 +25,7 @@ _HOMES = {
     "convert": ".pipelines.convert",
     "load": ".pipelines.serialize",
     "load_program": ".pipelines.serialize",
-    "save": ".pipelines.serialize",
+    "save": ".pipelines.save",
     "convert_onnx": ".pipelines.convert_onnx",
     "export_onnx": ".pipelines.export_onnx",
     "report": ".pipelines.report",
@@ -40,7 +40,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs read; at run time __getattr__ i
     from .pipelines.convert_onnx import convert_onnx
     from .pipelines.export_onnx import export_onnx
     from .pipelines.report import report
-    from .pipelines.serialize import load, load_program, save
+    from .pipelines.save import save
+    from .pipelines.serialize import load, load_program
     from .training import LossScaler
 
 

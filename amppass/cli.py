@@ -177,7 +177,7 @@ def _debugging(args: argparse.Namespace | None) -> bool:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from .pipelines.convert_onnx import convert_skeleton, converted_dtype
+    from .pipelines.convert_onnx import OnnxPlanOptions, convert_skeleton, converted_dtype
     from .targets import onnx_target
 
     if _is_program(args.model):
@@ -194,15 +194,14 @@ def _convert(args: argparse.Namespace) -> int:
     dtype = onnx_target(args.target, args.dtype).low.name  # "auto": fp16, what every ONNX target runs fastest
     if converted_dtype(model) is None:  # a converted model is returned unchanged or refused, saying why
         _check_target_runs(model, args.target, dtype)
-    options: dict[str, Any] = {"dtype": dtype, "target": args.target, "keep_fp32": args.keep_fp32,
-                               "force_low": args.force_low, "low_weight_tables": args.low_weight_tables,
-                               "keep_io_types": args.keep_io_types}
+    options: dict[str, Any] = {"keep_fp32": args.keep_fp32, "force_low": args.force_low,
+                               "low_weight_tables": args.low_weight_tables, "keep_io_types": args.keep_io_types}
     if feeds is not None:
         options.update(calibration=feeds, tolerance=args.tolerance, progress=sys.stderr.isatty())
     if converted_dtype(model) == dtype:  # convert_onnx returns it unchanged, with a log warning
         print(f"{args.model}: already converted by amppass to {dtype}; writing it unchanged")
     try:  # the model read once: external data memory-mapped, payloads streamed to the output
-        converted = convert_skeleton(loaded, **options)
+        converted = convert_skeleton(loaded, onnx_target(args.target, dtype), OnnxPlanOptions(**options))
     except AmpPassError as error:
         raise FileProblem(f"{args.model}: {_one_line(error)}") from error
     report = _read_report(converted.model, args.model)

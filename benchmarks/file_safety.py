@@ -53,7 +53,7 @@ _PRELUDE = textwrap.dedent('''
 
     def external(where="initializer", location="w.data", **fields):
         m = model(where)
-        from amppass.onnx.weights import tensors
+        from amppass.onnx.io.weight_store import tensors
         t = next(t for t in tensors(m.graph) if t.name == "W")
         (tmp / "w.data").write_bytes(t.raw_data)
         t.ClearField("raw_data"); t.data_location = TensorProto.EXTERNAL
@@ -64,7 +64,7 @@ _PRELUDE = textwrap.dedent('''
 
     def leaked(converted):
         """Whether the converted weight holds anything but W (rounded): bytes read from elsewhere."""
-        from amppass.onnx.weights import tensors
+        from amppass.onnx.io.weight_store import tensors
         t = next(t for t in tensors(converted.graph) if t.name.startswith("W"))
         values = numpy_helper.to_array(t).astype(np.float32)
         return not np.allclose(values, W, atol=1e-3)
@@ -154,7 +154,7 @@ PROBES: dict[str, str] = {
         names = "names r.html" if "r.html" in err.getvalue().split("No space")[0] else "names another file"
         print(f"exit {code}; previous out.onnx {'kept' if kept else 'LOST'}; message {names}")''',
     "save killed between writing the data and the model": '''
-        from amppass.pipelines.convert_onnx import save
+        from amppass.onnx.io.save import save
         old = model(); old.graph.initializer.insert(0, numpy_helper.from_array(np.zeros(4096, np.float32), "pad"))
         path = tmp / "out.onnx"
         save(old, path, external_data=True)
@@ -253,7 +253,7 @@ PROBES: dict[str, str] = {
                 "def slow(self, *a, **k):\\n"
                 "    out = real(self, *a, **k); print('saving', flush=True); time.sleep(30); return out\\n"
                 "onnx.ModelProto.SerializeToString = slow\\n"
-                "from amppass.onnx.weights import WeightStore\\n"
+                "from amppass.onnx.io.weight_store import WeightStore\\n"
                 "w = WeightStore.write\\n"
                 "def slow_w(self, *a):\\n"
                 "    w(self, *a); print('saving', flush=True); time.sleep(30)\\n"
@@ -264,7 +264,7 @@ PROBES: dict[str, str] = {
         left = sorted(x.name for x in tmp.iterdir() if x.name != "m.onnx")
         print(f"{len(left)} files left" + (f": {', '.join(left)}" if left else ""))''',
     "output model mode under umask 022": '''
-        from amppass.pipelines.convert_onnx import save
+        from amppass.onnx.io.save import save
         os.umask(0o022); save(model(), tmp / "o.onnx")
         print(oct((tmp / "o.onnx").stat().st_mode & 0o777))''',
     "CLI: 2 MB .npz expanding to 2 GiB (peak RSS)": '''

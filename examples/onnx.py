@@ -11,7 +11,6 @@ import numpy as np
 import onnxruntime as ort
 
 import amppass
-from amppass.onnx.convert import save
 from models import build
 from models.onnx_export import export
 
@@ -21,7 +20,7 @@ def main() -> None:
     export(case.model, case.example_inputs, ["image"], ["logits"], "cnn.onnx")
 
     converted = amppass.convert_onnx("cnn.onnx", dtype="fp16")     # an onnx.ModelProto, decisions in its metadata
-    save(converted, "cnn.fp16.onnx")                              # written whole, then renamed into place
+    amppass.save(converted, "cnn.fp16.onnx")                      # written whole, then renamed into place
     print(amppass.report("cnn.fp16.onnx").summary())              # read back from the file alone
 
     feed = {"image": case.make_inputs(1)[0].numpy()}              # inputs the example did not use

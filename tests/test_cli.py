@@ -226,7 +226,7 @@ def test_convert_writes_external_data_models_from_the_path(tmp_path, monkeypatch
     weights in a .data file when the model is over 2 GB; the limit is lowered here to exercise that path."""
     from onnx import TensorProto, helper, numpy_helper
 
-    from amppass.onnx import save as onnx_save
+    from amppass.onnx.io import save as onnx_save
 
     w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32), "w")
     model = helper.make_model(helper.make_graph(

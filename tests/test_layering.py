@@ -6,18 +6,31 @@
    not import each other). Only the top layer's modules import each other.
 2. ``__version__`` lives in ``amppass/_version.py``, the lowest layer, which imports nothing: every module reads it
    from there, and no module imports the package root.
-3. No module imports a private name (``_name``) from another folder.
-4. The re-exports kept at paths the docs or older installs name (:data:`KEPT_PATHS`) are the only
-   exceptions; each holds nothing but a docstring and imports from its new home, and stays only while the
-   docs or the pinned public API (tests/test_public_api.py) name it.
+3. No module imports a private name (``_name``) or private module from another folder; a subfolder (``onnx/io/``)
+   is a folder of its own here, while for rule 1 it belongs to its top folder's layer.
+4. A subfolder listed in :data:`BELOW_ITS_FRONT_END` is the lowest part of its front end: it imports from its own
+   folder, from lower layers, and from the rest of its front end only the modules listed (the ONNX files in and out
+   read the graph walkers of ``onnx/view.py``, nothing else of ``onnx/``).
+5. An old path kept after a move (:data:`KEPT_PATHS`) holds a docstring and one line,
+   ``__getattr__ = moved(__name__, "<release>", name="new home", ...)`` (:mod:`amppass.deprecation`): reading a name
+   from it gives the new home's object and warns (tests/test_public_api.py pins both). It imports nothing but
+   ``moved``, so it breaks no layer; the docs teach the new homes, not it; and this test fails once
+   ``amppass.__version__`` reaches the release that removes it.
+6. Sizes: a module stays under :data:`MAX_LINES` lines and a folder holds at most :data:`MAX_MODULES` modules
+   (``__init__.py`` counted); past either it is two modules or two folders.
+7. No import cycle runs when a module is imported: the imports a module's body runs (not those inside functions,
+   which run on a call, nor those under ``if TYPE_CHECKING``) form no cycle.
 """
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
+
+from amppass._version import __version__
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "amppass"
@@ -25,7 +38,7 @@ PACKAGE = ROOT / "amppass"
 LAYERS = (
     ("_version",),
     ("errors",),
-    ("archive", "dtypes", "files", "text"),
+    ("archive", "deprecation", "dtypes", "files", "text"),
     ("targets",),
     ("analysis",),
     ("fx", "onnx", "training"),
@@ -38,11 +51,18 @@ LAYERS = (
 RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
 TOP = len(LAYERS) - 1
 
-# old module path -> (its new home, why the old path is kept)
+MAX_LINES = 650  # rule 6
+MAX_MODULES = 16
+
+# a subfolder -> the modules of the rest of its front end it may import (rule 4)
+BELOW_ITS_FRONT_END = {
+    "amppass.onnx.io": {"amppass.onnx.view"},
+}
+
+# old module path -> why it is kept (its new homes and the release that removes it are its moved() call's)
 KEPT_PATHS = {
-    "amppass.onnx.convert": ("amppass.pipelines.convert_onnx", "README.md shows amppass.onnx.convert.save"),
-    "amppass.fx.backend": ("amppass.pipelines.backend",
-                           "installs made before the move name it in their torch_dynamo_backends entry point"),
+    "amppass.onnx.convert": "code written from the docs of amppass 0.1 imports amppass.onnx.convert.save",
+    "amppass.fx.backend": "installs made before the move name it in their torch_dynamo_backends entry point",
 }
 
 
@@ -59,6 +79,17 @@ def _unit(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
+def _folder(module: str) -> str:
+    """The package a module lives in (a package's ``__init__`` lives in the package itself)."""
+    if module.endswith(".__init__"):
+        return module[: -len(".__init__")]
+    return module if (ROOT / module.replace(".", "/") / "__init__.py").exists() else module.rsplit(".", 1)[0]
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
 def _is_module(dotted: str) -> bool:
     path = ROOT / dotted.replace(".", "/")
     return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
@@ -68,7 +99,7 @@ def _imports(path: pathlib.Path):
     """(importing module, imported module, imported name or None, line) for every amppass import in ``path``,
     function-level ones included; ``from pkg import module`` names the module itself."""
     module = _module_name(path)
-    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    package = _folder(module).split(".")
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.ImportFrom):
             if node.level:
@@ -96,19 +127,29 @@ def _all_imports():
 def _breaks(importer: str, target: str, name: str | None) -> str | None:
     """Why ``importer`` may not import ``name`` from ``target``, or None."""
     a, b = _unit(importer), _unit(target)
+    if _folder(importer) != _folder(target):
+        if name and _private(name):
+            return f"imports the private {name} from another folder"
+        if _private(target.rsplit(".", 1)[-1]) and target != "amppass._version":
+            return "imports a private module of another folder"
     if a == b:
-        return None
+        return _below_its_front_end(importer, target)
     if b == "__init__" and RANK[a] != TOP:
         return "imports the package root (rule 2: read __version__ from amppass._version)"
-    if name and name.startswith("_") and not name.startswith("__"):
-        return f"imports the private {name} from another folder"
-    if target.rsplit(".", 1)[-1].startswith("_") and not target.endswith("__") and target != "amppass._version":
-        return "imports a private module of another folder"
     if RANK[b] > RANK[a]:
         return f"imports upward ({a} is below {b})"
     if RANK[b] == RANK[a] and RANK[a] != TOP:
         return f"imports across one layer ({a} and {b} are peers)"
     return None
+
+
+def _below_its_front_end(importer: str, target: str) -> str | None:
+    """Rule 4 for an import within one folder of :data:`LAYERS`."""
+    folder = _folder(importer)
+    allowed = BELOW_ITS_FRONT_END.get(folder)
+    if allowed is None or _folder(target) == folder or target in allowed:
+        return None
+    return f"imports from the rest of its front end ({folder} is below it and reads only {sorted(allowed)})"
 
 
 def test_every_folder_has_a_layer():
@@ -119,7 +160,7 @@ def test_every_folder_has_a_layer():
 def test_no_import_breaks_the_layers():
     broken = [f"{importer}:{line} {why}: {target}" + (f".{name}" if name else "")
               for importer, target, name, line in _all_imports()
-              if importer not in KEPT_PATHS and (why := _breaks(importer, target, name))]
+              if (why := _breaks(importer, target, name))]
     assert not broken, "\n".join(broken)
 
 
@@ -132,14 +173,120 @@ def test_the_rule_catches_an_upward_and_a_private_import():
     assert _breaks("amppass.cli", "amppass.pipelines.convert", "convert") is None
 
 
-@pytest.mark.parametrize("old", sorted(KEPT_PATHS))
-def test_kept_paths_only_re_export_and_are_still_needed(old):
-    new, why = KEPT_PATHS[old]
+def test_a_subfolder_takes_its_top_folders_layer_and_keeps_its_private_names():
+    assert _unit("amppass.onnx.io.save") == "onnx" and _folder("amppass.onnx.io.save") == "amppass.onnx.io"
+    assert _folder("amppass.onnx.io") == "amppass.onnx.io" and _folder("amppass.cli") == "amppass"
+    assert _breaks("amppass.onnx.io.save", "amppass.pipelines.convert_onnx", "save").startswith("imports upward")
+    assert _breaks("amppass.onnx.io.save", "amppass.fx.view.policy", "POLICY").startswith("imports across")
+    assert _breaks("amppass.onnx.rewrite", "amppass.onnx.io.weight_store", "_entry").startswith("imports the private")
+    assert _breaks("amppass.onnx.io.save", "amppass.onnx.io.weight_store", "_entry") is None
+    assert _breaks("amppass.onnx.io.save", "amppass.onnx.rewrite", "rewrite").startswith("imports from the rest")
+    assert _breaks("amppass.onnx.io.validate", "amppass.onnx.view", "subgraphs") is None
+    assert _breaks("amppass.onnx.rewrite", "amppass.onnx.io.weight_store", "WeightStore") is None
+
+
+def test_modules_and_folders_stay_small():
+    paths = sorted(PACKAGE.rglob("*.py"))
+    long = [f"{p.relative_to(ROOT)}: {n} lines" for p in paths if (n := len(p.read_text().splitlines())) >= MAX_LINES]
+    crowded = [f"{folder.relative_to(ROOT)}/: {n} modules" for folder in sorted({p.parent for p in paths})
+               if (n := len(list(folder.glob("*.py")))) > MAX_MODULES]
+    assert not long + crowded, f"split (rule 6): {long + crowded}"
+
+
+def _run_on_import(tree: ast.Module) -> set[int]:
+    """The lines of the imports a module runs when it is imported: its body's, those under a top-level ``if`` or
+    ``try`` included, those in functions and classes and under ``if TYPE_CHECKING`` not."""
+    lines, stack = set(), list(tree.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            lines.add(node.lineno)
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
+            stack.extend(node.body + node.orelse)
+        elif isinstance(node, ast.Try):
+            stack.extend(node.body + node.orelse + node.finalbody + [s for h in node.handlers for s in h.body])
+    return lines
+
+
+def test_no_import_cycle_runs_when_a_module_is_imported():
+    graph: dict[str, set[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        lines = _run_on_import(ast.parse(path.read_text()))
+        for importer, target, _, line in _imports(path):
+            if line in lines:
+                graph.setdefault(importer, set()).add(target)
+    done: set[str] = set()
+
+    def cycle_from(module: str, path: list[str]) -> list[str] | None:
+        if module in path:
+            return path[path.index(module):] + [module]
+        if module in done:
+            return None
+        found = next((c for t in sorted(graph.get(module, ())) if (c := cycle_from(t, path + [module]))), None)
+        done.add(module)
+        return found
+
+    cycles = [c for module in sorted(graph) if (c := cycle_from(module, []))]
+    assert not cycles, f"rule 7: {' -> '.join(cycles[0])}"
+
+
+def test_the_cycle_rule_reads_only_the_imports_that_run_on_import():
+    tree = ast.parse("import a\nif TYPE_CHECKING:\n    import b\ntry:\n    import c\nexcept ImportError:\n"
+                     "    import d\ndef f():\n    import e\n")
+    assert _run_on_import(tree) == {1, 5, 7}
+
+
+def _kept(old: str) -> tuple[str, dict[str, str]]:
+    """The release that removes the kept path ``old`` and the new home of each name it gives, read from its module,
+    which holds nothing but a docstring naming them and ``__getattr__ = moved(__name__, "<release>", name="home")``."""
     path = ROOT / (old.replace(".", "/") + ".py")
     body = ast.parse(path.read_text()).body
-    assert isinstance(body[0], ast.Expr) and new in body[0].value.value, f"{path}: its docstring names {new}"
-    assert all(isinstance(node, ast.ImportFrom) for node in body[1:]), f"{path} holds more than re-exports"
-    assert {t for _, t, _, _ in _imports(path)} == {new}
-    named_in = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md")), ROOT / "tests" / "test_public_api.py"]
-    assert any(old in p.read_text() for p in named_in if p.exists()), (
-        f"{old} is named nowhere any more ({why}): delete it and its KEPT_PATHS entry")
+    assert len(body) == 3, f"{path}: a docstring, the import of moved and __getattr__ = moved(...), nothing else"
+    doc, imported, assigned = body
+    assert isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant), f"{path}: no docstring first"
+    assert isinstance(imported, ast.ImportFrom) and [alias.name for alias in imported.names] == ["moved"]
+    assert {target for _, target, _, _ in _imports(path)} == {"amppass.deprecation"}, f"{path} imports more"
+    call = assigned.value
+    assert isinstance(assigned, ast.Assign) and [ast.unparse(t) for t in assigned.targets] == ["__getattr__"]
+    assert isinstance(call, ast.Call) and ast.unparse(call.func) == "moved", f"{path}: __getattr__ = moved(...)"
+    assert len(call.args) == 2 and ast.unparse(call.args[0]) == "__name__", f"{path}: moved(__name__, release, ...)"
+    removed_in = ast.literal_eval(call.args[1])
+    homes = {keyword.arg: ast.literal_eval(keyword.value) for keyword in call.keywords}
+    assert isinstance(removed_in, str) and homes and all(isinstance(home, str) for home in homes.values())
+    said = " ".join(doc.value.value.split())
+    assert f"removed in amppass {removed_in}" in said, f"{path}: its docstring names the release that removes it"
+    assert all(home in said for home in homes.values()), f"{path}: its docstring names {sorted(set(homes.values()))}"
+    return removed_in, homes
+
+
+def _release(version: str) -> tuple[int, int, int]:
+    """``major.minor.patch`` of a version string; a pre-release counts as its release."""
+    found = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+    assert found, f"{version!r} is not a version"
+    major, minor, patch = found.groups()
+    return int(major), int(minor), int(patch or 0)
+
+
+def _due(version: str, removed_in: str) -> bool:
+    """Whether amppass ``version`` is the release ``removed_in`` (a pre-release of it included) or later."""
+    return _release(version) >= _release(removed_in)
+
+
+@pytest.mark.parametrize("old", sorted(KEPT_PATHS))
+def test_a_kept_path_only_re_exports_and_goes_in_the_release_it_names(old):
+    removed_in, _ = _kept(old)
+    assert not _due(__version__, removed_in), (
+        f"amppass {__version__} is the release that removes {old} (kept because {KEPT_PATHS[old]}): delete it, its "
+        "KEPT_PATHS entry and its pin in tests/test_public_api.py, and say so in the release notes")
+
+
+@pytest.mark.parametrize("old", sorted(KEPT_PATHS))
+def test_the_docs_teach_the_new_homes_not_a_kept_path(old):
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md")), *sorted((ROOT / "examples").glob("*.py"))]
+    teaching = [str(page.relative_to(ROOT)) for page in pages if re.search(rf"\b{re.escape(old)}\b", page.read_text())]
+    assert not teaching, f"{teaching} show {old}, which warns and goes away: show {sorted(set(_kept(old)[1].values()))}"
+
+
+def test_the_removal_check_fires_at_the_release_it_names():
+    assert not _due("0.1.0", "0.2.0") and not _due("0.1.12", "0.2.0")
+    assert _due("0.2.0", "0.2.0") and _due("0.2.0rc1", "0.2.0") and _due("0.2.1", "0.2.0") and _due("1.0", "0.2.0")

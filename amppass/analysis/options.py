@@ -2,15 +2,16 @@
 
 ``amppass.convert`` builds a :class:`PlanOptions` from its arguments, the compile backend from its ``options``, the
 integrations from theirs where the plugin, trainer or ``prepare`` call is made
-(:class:`amppass.integrations.routing.TrainConversion`); the pipeline passes the value on instead of a dict of
-keywords, so following ``calibration`` from ``convert`` to the stage that reads it is following an attribute.
+(:class:`amppass.integrations.routing.TrainConversion`), ``amppass.convert_onnx`` and the command line the ONNX
+form of it (:class:`amppass.pipelines.convert_onnx.OnnxPlanOptions`); the pipeline passes the value on
+instead of a dict of keywords, so following ``calibration`` from ``convert`` to the stage that reads it is following an attribute.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 from ..errors import InputError
 from .calibration import check_tolerance
@@ -33,6 +34,8 @@ class PlanOptions:
     progress: bool = False
     costs: Mapping[str, float] | None = None
 
+    CALIBRATION_FORM: ClassVar[str] = "[inputs, ...]"  # the form of calibration data messages show
+
     def __post_init__(self) -> None:
         if self.plan_for not in PLAN_FOR:
             raise InputError(f"plan_for={self.plan_for!r} is not one of {PLAN_FOR}: 'speed' keeps low precision only "
@@ -46,7 +49,7 @@ class PlanOptions:
         if self.costs is not None and not isinstance(self.costs, Mapping):
             raise InputError(f"costs must be the table a conversion recorded (a dict: amppass.report(m).info"
                              f"['costs']), got {type(self.costs).__name__}")
-        check_tolerance(self.tolerance, self.calibration)
+        check_tolerance(self.tolerance, self.calibration, self.CALIBRATION_FORM)
 
     def replace(self, **changes: Any) -> "PlanOptions":
         """A copy with ``changes`` (checked again)."""

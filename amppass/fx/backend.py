@@ -1,4 +1,7 @@
-"""Kept so the ``torch_dynamo_backends`` entry point of installs made before the move still imports: the
-torch.compile backend lives in :mod:`amppass.pipelines.backend`."""
+"""Deprecated, removed in amppass 0.2.0: the torch.compile backend is :mod:`amppass.pipelines.backend`'s
+``amppass_backend``, which the ``torch_dynamo_backends`` entry point names; only installs made before the move read it
+here (and warn once, when torch.compile first looks the backend up)."""
 
-from ..pipelines.backend import amppass_backend  # noqa: F401
+from ..deprecation import moved
+
+__getattr__ = moved(__name__, "0.2.0", amppass_backend="amppass.pipelines.backend")

@@ -2,7 +2,7 @@
 
 Data pass: the fp32 model (the conversion's typed skeleton, not yet rewritten) gets extra graph outputs for
 every tracked fp32 value of its main graph and goes into one session; its weights reach onnxruntime as
-arrays from the conversion's :class:`~amppass.onnx.weights.WeightStore`, never serialised (so models with
+arrays from the conversion's :class:`~amppass.onnx.io.weight_store.WeightStore`, never serialised (so models with
 external data or over protobuf's 2 GB work too). Each batch runs once and every value is folded into streaming
 :class:`~amppass.analysis.stats.CalibrationStats` before the next batch runs, so memory is one batch's
 values whatever the number of batches. Values defined inside If/Loop/Scan bodies cannot be graph outputs:
@@ -59,7 +59,7 @@ from .prefix import Checkpoints
 from .simulate import rounding, simulate
 from .view import FLOAT, NodeRef, all_nodes, subgraphs
 from .view import dims as value_dims
-from .weights import WeightStore, tensors
+from .io.weight_store import WeightStore, tensors
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ Apply = Callable[[onnx.ModelProto, PrecisionPlan], Any]
 
 @dataclass
 class Fp32Model:
-    """The typed fp32 model a conversion works on (a skeleton of :mod:`amppass.onnx.weights`), before any
+    """The typed fp32 model a conversion works on (a skeleton of :mod:`amppass.onnx.io.weight_store`), before any
     rewrite, with what :func:`amppass.onnx.view.build_view` found in it."""
 
     model: onnx.ModelProto
@@ -480,7 +480,7 @@ def _session(model: onnx.ModelProto, store: WeightStore, extra_outputs: Iterable
     """A CPU onnxruntime session of ``model`` with ``extra_outputs`` added, at an IR version it loads;
     ``optimized`` keeps onnxruntime's default graph optimisations (else basic ones only).
 
-    ``model`` is a conversion skeleton (:mod:`amppass.onnx.weights`): its large main-graph initializers are
+    ``model`` is a conversion skeleton (:mod:`amppass.onnx.io.weight_store`): its large main-graph initializers are
     handed to onnxruntime as arrays from ``store`` (no copy into the proto, nothing over protobuf's 2 GB);
     other tensors referencing the store (Constant nodes, bodies, bf16 payloads) are written in while the
     model is serialised. ``model`` is borrowed: everything is put back before this returns.

@@ -1,4 +1,6 @@
-"""Kept so ``amppass.onnx.convert.save`` still imports: the ONNX conversion pipeline lives in
-:mod:`amppass.pipelines.convert_onnx`."""
+"""Deprecated, removed in amppass 0.2.0: ``amppass.onnx.convert.convert_onnx`` and ``amppass.onnx.convert.save`` are
+:func:`amppass.convert_onnx` and :func:`amppass.save` (which takes an ``onnx.ModelProto``); reading them here warns."""
 
-from ..pipelines.convert_onnx import convert_onnx, save  # noqa: F401
+from ..deprecation import moved
+
+__getattr__ = moved(__name__, "0.2.0", convert_onnx="amppass", save="amppass")

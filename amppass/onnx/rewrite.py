@@ -6,7 +6,7 @@ Rules:
    value, right before the first reader that needs it; a body reading an outer value (a capture) shares
    the outer cast.
 2. Weights (float32 initializers, Constant nodes and ConstantOfShape fills) are converted once, through the
-   :class:`~amppass.onnx.weights.WeightStore` that holds their payloads: in place when every reader runs
+   :class:`~amppass.onnx.io.weight_store.WeightStore` that holds their payloads: in place when every reader runs
    low, as a low-precision copy beside the fp32 original when readers of both kinds share them. fp16
    values beyond 65504 are clamped and listed in the stats, never silently.
 3. A Cast to float32 already in the model is retargeted to the low dtype when the plan runs it low.
@@ -33,7 +33,7 @@ from ..analysis.plan import Decision, PrecisionPlan, Precision
 from ..analysis.record import META_KEY
 from ..dtypes import FP16_MAX, LowType
 from .view import FLOAT, NodeRef, subgraphs, weight_tensor
-from .weights import WeightStore
+from .io.weight_store import WeightStore
 
 log = logging.getLogger(__name__)
 

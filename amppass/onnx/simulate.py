@@ -33,7 +33,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .rewrite import all_names, unique_name
 from .view import FLOAT, all_nodes, clear_value_info, subgraphs, value_types
-from .weights import WeightStore
+from .io.weight_store import WeightStore
 
 LOW_TYPES = frozenset({TensorProto.FLOAT16, TensorProto.BFLOAT16})
 _TYPE_ATTRIBUTES = frozenset({"dtype", "output_dtype"})  # RandomNormal, EyeLike, DequantizeLinear, ...

@@ -1,8 +1,9 @@
-"""``amppass.convert_onnx``: load, check, analyse, paint, rewrite and re-type an ONNX model.
+"""``amppass.convert_onnx``: load, check, analyse, paint, rewrite and re-type an ONNX model, in named stages
+(:func:`convert_skeleton` lists them).
 
-Models are read as untrusted files: structure and tensors are checked (:mod:`amppass.onnx.validate`) and
-external data is read only from inside the model's folder (:mod:`amppass.onnx.external`). Saving is
-:func:`amppass.onnx.save.save`, re-exported here.
+Models are read as untrusted files: structure and tensors are checked (:mod:`amppass.onnx.io.validate`) and
+external data is read only from inside the model's folder (:mod:`amppass.onnx.io.external_data`). Saving is
+``amppass.save`` (:mod:`amppass.pipelines.save`).
 """
 
 from __future__ import annotations
@@ -13,32 +14,33 @@ import math
 import os
 import zipfile
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 import onnx
 from onnx import TensorProto
 
-from ..analysis import overrides
-from ..analysis.calibration import check_tolerance
+from ..analysis import overrides, precedence
+from ..analysis.options import PlanOptions
 from ..analysis.painting import paint
 from ..analysis.plan import Precision, PrecisionPlan
 from ..analysis.record import META_KEY, check_reconversion, summary
+from ..analysis.view import GraphView
 from ..errors import InputError, first_line
 from ..files import Staged
-from ..onnx import policy, scan, validate
-from ..onnx import save as saving
+from ..onnx import policy
 from ..onnx.calibrate import Fp32Model, calibrated_plan
+from ..onnx.io import lazy_read, validate
+from ..onnx.io import save as saving
+from ..onnx.io.weight_store import WeightStore, tensors
 from ..onnx.macs import is_heavy, node_macs, operands, value_shapes
 from ..onnx.rewrite import RewriteStats, rewrite
 from ..onnx.simplify import bypass_weight_identities, initializers_out_of_inputs
-from ..onnx.view import build_view, clear_value_info, name_nodes, opsets
-from ..onnx.weights import WeightStore, tensors
+from ..onnx.view import NodeRef, build_view, clear_value_info, name_nodes, opsets
 from ..report import meta
 from ..targets import onnxruntime_facts
 from ..targets.target import ONNX_TARGETS, Target, onnx_target
 
-save = saving.save
 log = logging.getLogger(__name__)
 
 IR_WITH_NODE_METADATA = 10  # NodeProto.metadata_props arrived with IR version 10
@@ -85,16 +87,25 @@ def convert_onnx(
     Each node's decision is stored in its ``metadata_props["amppass"]`` and the summary in the model's;
     ``amppass.report`` reads them back.
     """
-    return convert_skeleton(model, dtype, target=target, keep_io_types=keep_io_types, keep_fp32=keep_fp32, force_low=force_low,
-                            low_weight_tables=low_weight_tables, calibration=calibration, tolerance=tolerance,
-                            progress=progress).materialized()
+    options = OnnxPlanOptions(keep_io_types=keep_io_types, keep_fp32=keep_fp32, force_low=force_low,
+                              low_weight_tables=low_weight_tables, calibration=calibration, tolerance=tolerance,
+                              progress=progress)
+    return convert_skeleton(model, _target(target, dtype), options).materialized()
+
+
+class OnnxPlanOptions(PlanOptions):
+    """The :class:`~amppass.analysis.options.PlanOptions` of an ONNX conversion, checked once where it starts
+    (:func:`convert_onnx`, the command line). Calibration data is feed dicts, and the messages show that form;
+    ``plan_for`` and ``costs`` steer the torch pipeline's speed measurements, which an ONNX plan does not make."""
+
+    CALIBRATION_FORM = "[{input name: array, ...}, ...]"
 
 
 @dataclass
 class Converted:
     """A converted model whose tensor payloads are still held by its weight store."""
 
-    model: onnx.ModelProto  # a skeleton (:mod:`amppass.onnx.weights`): metadata complete, payloads in ``store``
+    model: onnx.ModelProto  # a skeleton (:mod:`amppass.onnx.io.weight_store`): metadata complete, payloads in ``store``
     store: WeightStore
 
     def materialized(self) -> onnx.ModelProto:
@@ -103,7 +114,7 @@ class Converted:
         return self.model
 
     def stage(self, staged: Staged, path: str, external_data: bool | None = None) -> None:
-        """Add the model to ``staged`` as ``path``, streamed from the store (:func:`amppass.onnx.save.stage`)."""
+        """Add the model to ``staged`` as ``path``, streamed from the store (:func:`amppass.onnx.io.save.stage`)."""
         saving.stage(staged, self.model, self.store, path, external_data)
 
 
@@ -121,7 +132,7 @@ class Loaded:
 def load(model: str | os.PathLike | onnx.ModelProto, check: bool = False) -> Loaded:
     """Read ``model`` (a path or a proto, which is only read) for :func:`convert_skeleton`, refusing what is
     not an ONNX model. ``check`` also runs ``onnx.checker`` on a stand-in of it that holds no weights
-    (:func:`amppass.onnx.validate.check_with_onnx`): the command line's promise that a file is a valid model,
+    (:func:`amppass.onnx.io.validate.check_with_onnx`): the command line's promise that a file is a valid model,
     without loading or copying the model a second time."""
     source, base_dir, where = _load(model)
     owned = source is not model
@@ -132,105 +143,199 @@ def load(model: str | os.PathLike | onnx.ModelProto, check: bool = False) -> Loa
     return Loaded(source, base_dir, where, owned)
 
 
-def convert_skeleton(
-    model: str | os.PathLike | onnx.ModelProto | Loaded,
-    dtype: str = "fp16",
-    *,
-    target: str = "cpu",
-    keep_io_types: bool = True,
-    keep_fp32: Iterable[str] = (),
-    force_low: Iterable[str] = (),
-    low_weight_tables: bool = False,
-    calibration: Iterable[Mapping[str, np.ndarray]] | None = None,
-    tolerance: float | None = None,
-    progress: bool = False,
-) -> Converted:
+def convert_skeleton(model: str | os.PathLike | onnx.ModelProto | Loaded, target: Target,
+                     options: OnnxPlanOptions) -> Converted:
     """:func:`convert_onnx` without writing the payloads into the result: what the CLI saves from, streaming
     each tensor from the store, so a conversion and its save hold no second copy of the model.
 
-    Calibration decisions, when they exist, enter as ``given`` below.
+    The stages, in order, each a function below that says what it takes and gives:
+
+    1. :func:`read_checked`: the model read and checked, as the private skeleton the stages work on (a model amppass
+       converted before comes back as it is, or is refused);
+    2. :func:`at_loadable_opset`: the opset the plan is made at, refused where the runtime cannot load it;
+    3. :func:`clean_up`: nodes named, initializers out of the inputs, weight Identities bypassed;
+    4. :func:`infer_types`: value types inferred, refused where the target runs none of the heavy ops low;
+    5. :func:`neutral_view`: the neutral view the analysis plans on;
+    6. :func:`plan_precision`: user overrides and quantized sections, calibration when given, painting;
+    7. :func:`add_evidence`: what the report shows beside each decision;
+    8. :func:`rewrite_and_retype`: casts and low weights written in, types re-inferred, IR version capped;
+    9. :func:`record`: the summary stored in the model for ``amppass.report``.
     """
-    check_tolerance(tolerance, calibration, example="[{input name: array, ...}, ...]")
-    plan_target = _target(target, dtype)
-    low = plan_target.low
-    loaded = model if isinstance(model, Loaded) else load(model)
-    source, base_dir, where = loaded.model, loaded.base_dir, loaded.where
-    store = WeightStore(base_dir, where, owns_source=loaded.owned)
-    work = store.skeleton(source)  # the private copy the conversion works on; payloads stay in the store
-    validate.check_order(work, where)
-    validate.dynamic_negative_dims(work)
-    previous = converted_dtype(work)
+    work = read_checked(model, target, options)
+    previous = converted_dtype(work.model)
     if previous is not None:
-        return _unchanged(work, store, previous, low.name, where)
-    versions = opsets(work)
-    upgraded_from = None
-    if low.onnx == TensorProto.BFLOAT16 and plan_target.name != "cpu" and \
-            13 <= versions.get("", 1) < BF16_OPSET <= onnxruntime_facts.max_opset():
-        work, upgraded_from = _upgraded(work, BF16_OPSET), versions.get("", 1)
-        versions = opsets(work)
-    if low.onnx == TensorProto.BFLOAT16 and versions.get("", 1) < 13:
-        raise InputError(f"bf16 needs opset 13 or later for Cast; this model imports opset {versions.get('', 1)}. "
+        return _unchanged(work, previous)
+    at_loadable_opset(work)
+    clean_up(work)
+    infer_types(work)
+    viewed = neutral_view(work)
+    chosen, calibration_info = plan_precision(work, viewed)
+    add_evidence(work, viewed, chosen)
+    stats = rewrite_and_retype(work, viewed, chosen)
+    record(work, viewed, chosen, stats, calibration_info)
+    return Converted(work.model, work.store)
+
+
+@dataclass
+class Work:
+    """What one conversion carries from stage to stage: the model the stages work on (the private skeleton, then
+    its typed and finally its rewritten form), the store holding its payloads, and how messages name it."""
+
+    model: onnx.ModelProto
+    store: WeightStore
+    where: str
+    target: Target
+    options: OnnxPlanOptions
+    upgraded_from: int | None = None  # the opset the model imported, where :func:`at_loadable_opset` upgraded it
+    bytes_before: int = 0  # weight bytes before the rewrite, for the summary
+
+
+@dataclass(frozen=True)
+class Viewed:
+    """The neutral view of the typed model, where each view node lives in it, and its value types."""
+
+    view: GraphView
+    refs: dict[str, NodeRef]
+    types: dict[str, int]
+
+
+def read_checked(model: str | os.PathLike | onnx.ModelProto | Loaded, target: Target, options: OnnxPlanOptions) -> Work:
+    """Stage 1, read and check: ``model`` (a path, a proto, or what :func:`load` read) gives the :class:`Work` of a
+    conversion, whose model is a private skeleton (its payloads in a weight store), single assignment and graph
+    order checked (an out-of-order graph sorted) and ``dim_value: -1`` made dynamic."""
+    loaded = model if isinstance(model, Loaded) else load(model)
+    store = WeightStore(loaded.base_dir, loaded.where, owns_source=loaded.owned)
+    skeleton = store.skeleton(loaded.model)  # the private copy the conversion works on; payloads stay in the store
+    validate.check_order(skeleton, loaded.where)
+    validate.dynamic_negative_dims(skeleton)
+    return Work(skeleton, store, loaded.where, target, options)
+
+
+def at_loadable_opset(work: Work) -> None:
+    """Stage 2: ``work.model`` at the opset the plan is made at: upgraded to :data:`BF16_OPSET` for a bf16 plan on
+    a GPU target (:func:`upgrades_for_bf16`), setting ``work.upgraded_from``; InputError for a bf16 plan below
+    opset 13 or an opset the installed onnxruntime does not load."""
+    low = work.target.low
+    opset = opsets(work.model).get("", 1)
+    if upgrades_for_bf16(low.onnx, work.target.name, opset):
+        work.model, work.upgraded_from = _upgraded(work.model, BF16_OPSET), opset
+        opset = opsets(work.model).get("", 1)
+    if low.onnx == TensorProto.BFLOAT16 and opset < 13:
+        raise InputError(f"bf16 needs opset 13 or later for Cast; this model imports opset {opset}. "
                          "Re-export it with a newer opset or use dtype='fp16'")
-    if versions.get("", 1) > onnxruntime_facts.max_opset():
-        raise InputError(f"the model imports opset {versions[''] } but the installed onnxruntime loads at most "
+    if opset > onnxruntime_facts.max_opset():
+        raise InputError(f"the model imports opset {opset} but the installed onnxruntime loads at most "
                          f"{onnxruntime_facts.max_opset()}; re-export with opset <= {onnxruntime_facts.max_opset()}")
-    name_nodes(work)
-    initializers_out_of_inputs(work)
-    bypass_weight_identities(work)
-    bytes_before = weight_bytes(work)
-    typed = _infer(work, strict=True)
-    missing = missing_low_kernels(typed, plan_target.name, low.name)
+
+
+def clean_up(work: Work) -> None:
+    """Stage 3, on ``work.model`` in place: every node named uniquely, initializers an old IR version lists among
+    the inputs taken out of them, and Identity nodes between a weight and its readers bypassed."""
+    name_nodes(work.model)
+    initializers_out_of_inputs(work.model)
+    bypass_weight_identities(work.model)
+
+
+def infer_types(work: Work) -> None:
+    """Stage 4: ``work.model`` with its value types inferred (strictly: shapes that contradict each other are an
+    InputError), and ``work.bytes_before`` counted. InputError where the target's runtime runs none of the model's
+    heavy ops in the low dtype (:func:`missing_low_kernels`)."""
+    work.bytes_before = weight_bytes(work.model)
+    work.model = _infer(work.model, strict=True)
+    target, low = work.target, work.target.low
+    missing = missing_low_kernels(work.model, target.name, low.name)
     if missing is not None:  # the command line refuses the same request (amppass.cli), in its flags' words
         ops, able = missing
         fix = " or ".join(f"target={name!r}" for name in able)
         raise InputError(
-            f"dtype={low.name!r} with target={plan_target.name!r}: {plan_target.runtime} has no {low.name} kernel for "
+            f"dtype={low.name!r} with target={target.name!r}: {target.runtime} has no {low.name} kernel for "
             f"{', '.join(ops)}, so the converted model would run all of them in fp32, with nothing in {low.name}; "
             + (f"pass {fix} to convert for where the model runs, or " if able else "")
             + f"convert with dtype={'fp16' if low.name == 'bf16' else 'bf16'!r}")
 
-    view, refs, types = build_view(typed, plan_target, None if low.wide_range else store.absmax, store.array)
-    given = {**policy.quantized_nodes(typed.graph), **overrides.resolve(view, keep_fp32, force_low, low)}
+
+def neutral_view(work: Work) -> Viewed:
+    """Stage 5: the neutral view of the typed ``work.model`` for the target (weights' largest magnitudes read from
+    the store where the low dtype's range is narrow), with each view node's place in the model and the value
+    types."""
+    store, low = work.store, work.target.low
+    return Viewed(*build_view(work.model, work.target, None if low.wide_range else store.absmax, store.array))
+
+
+def plan_precision(work: Work, viewed: Viewed) -> tuple[PrecisionPlan, dict[str, Any]]:
+    """Stage 6: the precision plan of ``viewed`` and what to record about calibration. The user's overrides over the
+    quantized (QDQ) sections (:func:`amppass.analysis.precedence.given`), then the range rules and the tolerance
+    search where calibration data is given (the search's trials rewritten by :func:`rewriter`), then painting."""
+    options, low = work.options, work.target.low
+    carried = policy.quantized_nodes(work.model.graph)
+    given = precedence.given(user=overrides.resolve(viewed.view, options.keep_fp32, options.force_low, low),
+                             carried=carried)
+    if options.calibration is None:
+        return paint(viewed.view, low, given, low_weight_tables=options.low_weight_tables), {"calibrated": False}
+    return calibrated_plan(
+        Fp32Model(work.model, viewed.view, viewed.refs, viewed.types, work.store), options.calibration, work.target,
+        given, apply=rewriter(work, viewed), tolerance=options.tolerance, progress=options.progress,
+        low_weight_tables=options.low_weight_tables)
+
+
+def add_evidence(work: Work, viewed: Viewed, chosen: PrecisionPlan) -> None:
+    """Stage 7, on ``chosen`` in place: each planned node's decision gets what the report shows beside it: the
+    policy's facts, whether its op is unknown, and its multiply-accumulates (counted on the typed model, before
+    the rewrite puts casts between the shapes)."""
+    refs = viewed.refs
+    shapes = value_shapes(work.model, {v for ref in refs.values() if is_heavy(ref.node) for v in operands(ref.node)})
+    for node in viewed.view.nodes:
+        if node.name not in chosen:
+            continue
+        chosen[node.name].evidence.update(refs[node.name].evidence)
+        if node.unknown:
+            chosen[node.name].evidence["unknown"] = True
+        macs = node_macs(refs[node.name].node, shapes)
+        if macs is not None:
+            chosen[node.name].evidence["macs"] = macs
+
+
+def rewrite_and_retype(work: Work, viewed: Viewed, chosen: PrecisionPlan) -> RewriteStats:
+    """Stage 8: ``work.model`` rewritten by ``chosen`` (:func:`rewriter`), then typed again, a new proto; the store
+    drops the payloads no tensor reads any more. Gives what the rewrite did."""
+    stats = rewriter(work, viewed)(work.model, chosen)
+    work.model = _infer(work.model)
+    work.store.release(work.model)
+    return stats
+
+
+def rewriter(work: Work, viewed: Viewed) -> Callable[[onnx.ModelProto, PrecisionPlan], RewriteStats]:
+    """The rewrite of a conversion as a function of (model, plan): it rewrites the model (the typed ``work.model``,
+    or a copy for a tolerance trial) in place by the plan, loadable as it is: casts on edges, weights stored low,
+    stale value types cleared, the IR version raised to hold node metadata and capped to what onnxruntime reads."""
+    low, keep_io_types = work.target.low, work.options.keep_io_types
 
     def apply(target: onnx.ModelProto, chosen: PrecisionPlan) -> RewriteStats:
-        """Rewrite ``target`` (``typed``, or a copy for a tolerance trial) by ``chosen``, loadable as it is."""
-        done = rewrite(target, chosen, refs, types, set(view.weights), store, low, keep_io_types)
+        done = rewrite(target, chosen, viewed.refs, viewed.types, set(viewed.view.weights), work.store, low,
+                       keep_io_types)
         clear_value_info(target.graph)
         target.ir_version = min(max(target.ir_version, IR_WITH_NODE_METADATA), onnxruntime_facts.max_ir_version())
         return done
 
-    calibration_info: dict[str, Any] = {"calibrated": False}
-    if calibration is None:
-        plan = paint(view, low, given, low_weight_tables=low_weight_tables)
-    else:
-        plan, calibration_info = calibrated_plan(
-            Fp32Model(typed, view, refs, types, store), calibration, plan_target, given, apply=apply,
-            tolerance=tolerance, progress=progress, low_weight_tables=low_weight_tables)
-    shapes = value_shapes(typed, {v for ref in refs.values() if is_heavy(ref.node) for v in operands(ref.node)})
-    for node in view.nodes:
-        if node.name not in plan:
-            continue
-        plan[node.name].evidence.update(refs[node.name].evidence)
-        if node.unknown:
-            plan[node.name].evidence["unknown"] = True
-        macs = node_macs(refs[node.name].node, shapes)  # before the rewrite puts casts between the shapes
-        if macs is not None:
-            plan[node.name].evidence["macs"] = macs
-    stats = apply(typed, plan)
-    result = _infer(typed)
-    store.release(result)
+    return apply
+
+
+def record(work: Work, viewed: Viewed, chosen: PrecisionPlan, stats: RewriteStats,
+           calibration_info: dict[str, Any]) -> None:
+    """Stage 9: the conversion's summary stored in ``work.model`` (what ``amppass.report`` reads back with each
+    node's decision); a warning where the target's missing kernels keep every heavy op fp32."""
+    target, low = work.target, work.target.low
     info = {
-        **summary("onnx", low.name, plan_target.describe(), "inference", keep_io_types, stats, bytes_before,
-                  weight_bytes(result)),
+        **summary("onnx", low.name, target.describe(), "inference", work.options.keep_io_types, stats,
+                  work.bytes_before, weight_bytes(work.model)),
         "clamped": stats.clamped,
-        **({"opset_upgraded": [upgraded_from, BF16_OPSET]} if upgraded_from is not None else {}),
+        **({"opset_upgraded": [work.upgraded_from, BF16_OPSET]} if work.upgraded_from is not None else {}),
         **calibration_info,
     }
-    _set_model_meta(result, info)
-    _warn_if_little_runs_low(plan, refs, plan_target)
-    log.info("converted ONNX model to %s for %s: %d nodes planned, %d casts", low, plan_target.name, len(plan),
+    _set_model_meta(work.model, info)
+    _warn_if_little_runs_low(chosen, viewed.refs, target)
+    log.info("converted ONNX model to %s for %s: %d nodes planned, %d casts", low, target.name, len(chosen),
              stats.casts)
-    return Converted(result, store)
 
 
 HEAVY_OPS = ("MatMul", "Gemm", "Conv", "ConvTranspose", "Attention", "LSTM", "GRU", "RNN", "Einsum")
@@ -255,14 +360,20 @@ def missing_low_kernels(model: onnx.ModelProto, target: str, dtype: str) -> tupl
 
     def runs(name: str) -> bool:
         kernels = onnx_target(name, dtype).kernels
-        at = opset  # a bf16 conversion for a GPU target upgrades the model to BF16_OPSET (convert_skeleton)
-        if elem == TensorProto.BFLOAT16 and name != "cpu" and 13 <= opset < BF16_OPSET <= onnxruntime_facts.max_opset():
-            at = BF16_OPSET
+        at = BF16_OPSET if upgrades_for_bf16(elem, name, opset) else opset  # as the conversion plans
         return any(kernels.status("", op, at, elem) != "none" for op in ops)
 
     if runs(target):
         return None
     return ops, [name for name in ONNX_TARGETS if name != target and runs(name)]
+
+
+def upgrades_for_bf16(elem: int, target: str, opset: int) -> bool:
+    """Whether a conversion to ``elem`` for ``target`` plans a model importing ``opset`` at :data:`BF16_OPSET`
+    (:func:`at_loadable_opset`): a bf16 plan for a GPU target, from opset 13 (bf16 Cast), where the installed
+    onnxruntime loads that opset."""
+    return (elem == TensorProto.BFLOAT16 and target != "cpu"
+            and 13 <= opset < BF16_OPSET <= onnxruntime_facts.max_opset())
 
 
 def weight_bytes(model: onnx.ModelProto) -> int:
@@ -310,7 +421,7 @@ def _warn_if_little_runs_low(plan: PrecisionPlan, refs: Mapping[str, Any], targe
 
 def _load(model: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.ModelProto, str | None, str]:
     """``model`` as a proto (the caller's own, to be read only, or the one read from the path without its
-    weights: :mod:`amppass.onnx.scan`), the folder its external data lives in, and how messages name it.
+    weights: :mod:`amppass.onnx.io.lazy_read`), the folder its external data lives in, and how messages name it.
     Nesting and size are checked here, before anything walks the model recursively."""
     if isinstance(model, onnx.ModelProto):
         where = "the onnx.ModelProto passed to convert_onnx"
@@ -327,7 +438,7 @@ def _load(model: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.ModelProto, 
         raise InputError(f"{path!r} is not a file (no such path); pass the path of an .onnx model")
     hint = " (it is a zip archive: a PyTorch checkpoint? use amppass.convert or amppass.export_onnx for torch models)"
     try:
-        loaded = scan.load(path)
+        loaded = lazy_read.load(path)
     except InputError as err:  # the file is damaged: the message names it, the byte and the fix
         if zipfile.is_zipfile(path):
             raise InputError(f"{err}{hint}") from None
@@ -338,7 +449,7 @@ def _load(model: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.ModelProto, 
         raise InputError(f"{path!r} could not be read as an ONNX model ({err}); is it an .onnx file?"
                          f"{hint if zipfile.is_zipfile(path) else ''}") from err
     _check_has_graph(loaded, repr(path))
-    validate.check_size(loaded, repr(path))  # the count scan.load made, exact: what it parsed whole included
+    validate.check_size(loaded, repr(path))  # the count lazy_read.load made, exact: what it parsed whole included
     validate.check_nesting(loaded, repr(path))
     return loaded, os.path.dirname(os.path.abspath(path)), repr(path)  # large tensors: references into the file
 
@@ -353,7 +464,7 @@ def _check_has_graph(model: onnx.ModelProto, where: str) -> None:
 def _infer(model: onnx.ModelProto, strict: bool = False) -> onnx.ModelProto:
     """``model`` with value_info re-inferred (a new proto; ``model`` itself is left as it was).
 
-    ``model`` is a skeleton (:mod:`amppass.onnx.weights`): its large tensors carry no bytes, so the
+    ``model`` is a skeleton (:mod:`amppass.onnx.io.weight_store`): its large tensors carry no bytes, so the
     serialisation shape inference does is cheap and stays under protobuf's 2 GB limit. ``strict`` refuses
     a model whose shapes contradict each other (a weight that does not fit its MatMul), which would
     otherwise convert into a model the checker rejects.
@@ -379,10 +490,12 @@ def converted_dtype(model: onnx.ModelProto) -> str | None:
     return None
 
 
-def _unchanged(work: onnx.ModelProto, store: WeightStore, previous: str, wanted: str, where: str) -> Converted:
-    """``work`` as it is (an already converted model), when the caller asks for the dtype it already has."""
-    check_reconversion(where, previous, wanted, f"convert the original float32 model with dtype='{wanted}'")
-    return Converted(work, store)
+def _unchanged(work: Work, previous: str) -> Converted:
+    """``work.model`` as it is (a model amppass converted to ``previous``), when the caller asks for the dtype it
+    already has; InputError otherwise (:func:`amppass.analysis.record.check_reconversion`)."""
+    wanted = work.target.low.name
+    check_reconversion(work.where, previous, wanted, f"convert the original float32 model with dtype='{wanted}'")
+    return Converted(work.model, work.store)
 
 
 def note(model: onnx.ModelProto, key: str, value: Any) -> None:

@@ -20,8 +20,9 @@ from ..errors import CaptureError, InputError, first_line
 from ..files import check_writable
 from ..fx.capture.export import capturing, size_one_dynamic
 from ..fx.capture.quiet import quiet_torch
+from ..onnx.io.save import save
 from ..onnx.rename import rename_outputs
-from .convert_onnx import convert_onnx, note, save
+from .convert_onnx import convert_onnx, note
 from .onnx_ops import translations
 
 log = logging.getLogger(__name__)

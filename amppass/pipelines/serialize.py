@@ -1,4 +1,5 @@
-"""``amppass.save`` / ``amppass.load``: a converted torch model as a torch.export program file (.pt2).
+"""``amppass.load``, and ``amppass.save`` of a torch model (:mod:`amppass.pipelines.save` sends it here): a converted
+torch model as a torch.export program file (.pt2).
 
 The converted graph is exported again (its casts and low-precision weights are plain ATen ops and
 tensors), so the file is an ordinary ``ExportedProgram``: ``torch.export.load`` reads it, AOTInductor and

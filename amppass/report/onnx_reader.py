@@ -8,7 +8,7 @@ import onnx
 
 from ..analysis.record import META_KEY
 from ..errors import InputError
-from ..onnx import scan, validate
+from ..onnx.io import lazy_read, validate
 from ..onnx.view import all_nodes
 from . import meta
 from .report import Report
@@ -23,7 +23,7 @@ def read_onnx(model: onnx.ModelProto | str | os.PathLike) -> Report:
         if not os.path.isfile(path):
             raise InputError(f"{path!r} is not a file; pass the path of an .onnx model amppass converted")
         try:
-            model = scan.load(path)  # the decisions without the weights
+            model = lazy_read.load(path)  # the decisions without the weights
         except InputError:  # the file is damaged: the message names it, the byte and the fix
             raise
         except Exception as err:  # protobuf's DecodeError and friends

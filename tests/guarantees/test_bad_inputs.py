@@ -22,7 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 import amppass
 from amppass import AmpPassError, CalibrationError, CaptureError, InputError, archive
 from amppass.errors import ScaleCollapseError, ScalerUsageError, ScalerValueError
-from amppass.onnx.validate import MAX_NODES
+from amppass.onnx.io.validate import MAX_NODES
 from amppass.serving.fp32_original import keep_original
 from amppass.targets import onnxruntime_facts, timing_cache
 from tests.helpers.ddp_harness import one_rank_group
@@ -432,6 +432,12 @@ CASES = [
          lambda tmp: amppass.save(amppass.convert(_by_parts(), (torch.randn(6, 8),), "bf16", plan_for="coverage"),
                                   tmp / "m.pt2"),
          InputError, ("converted by parts", "state_dict")),
+    Case("save-onnx-as-pt2", "amppass.save of an onnx.ModelProto to a .pt2 path",
+         lambda tmp: amppass.save(matmul_model(), tmp / "m.pt2"),
+         InputError, ("path '", "m.pt2'", "model is an onnx.ModelProto", "name the file .onnx")),
+    Case("save-torch-as-onnx", "amppass.save of a converted torch model to an .onnx path",
+         lambda tmp: amppass.save(amppass.convert(mlp(), X, "bf16", plan_for="coverage"), tmp / "m.onnx"),
+         InputError, ("path '", "m.onnx'", "torch.export program", "name the file .pt2", "amppass.export_onnx")),
     Case("pt2-plan-not-json", "a .pt2 whose amppass plan entry is not JSON", _hostile_pt2("plan-not-json"),
          InputError, ("extra/amppass.json", "not UTF-8 JSON", "save the model again")),
     Case("pt2-plan-bomb", "a .pt2 whose plan entry would inflate past its bound", _hostile_pt2("plan-bomb"),

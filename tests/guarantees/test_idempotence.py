@@ -10,7 +10,7 @@ import torch
 
 import amppass
 from amppass.cli import main
-from amppass.pipelines.convert_onnx import save
+from amppass.onnx.io.save import save
 from tests.helpers.small_models import X, matmul_model, mlp
 
 

@@ -11,9 +11,9 @@ import torch
 
 import amppass
 from amppass.cli import main
-from amppass.onnx import wire
-from amppass.pipelines.convert_onnx import save
-from amppass.onnx.weights import WeightStore
+from amppass.onnx.io import stream_write
+from amppass.onnx.io.save import save
+from amppass.onnx.io.weight_store import WeightStore
 from tests.helpers.small_models import X, matmul_model
 
 
@@ -109,7 +109,7 @@ def _partial_then_fail(out) -> None:
 def _out_of_disk(monkeypatch) -> None:
     """Both ways a model's bytes reach disk (streamed inline, or into a data file) write a few of them and
     then run out of space."""
-    monkeypatch.setattr(wire, "write", lambda parts, store, out: _partial_then_fail(out))
+    monkeypatch.setattr(stream_write, "write", lambda parts, store, out: _partial_then_fail(out))
     monkeypatch.setattr(WeightStore, "write", lambda self, model, out, location: _partial_then_fail(out))
 
 

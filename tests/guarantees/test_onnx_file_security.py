@@ -27,8 +27,8 @@ from onnx import TensorProto, helper, numpy_helper
 import amppass
 from amppass import CalibrationError, InputError
 from amppass.cli import main
-from amppass.pipelines.convert_onnx import save
-from amppass.onnx.validate import MAX_NESTING
+from amppass.onnx.io.save import save
+from amppass.onnx.io.validate import MAX_NESTING
 from tests.helpers.onnx_files import SECRET, matmul_64, secret_weight, weights_named_w
 from tests.helpers.paths import ROOT
 
@@ -355,8 +355,8 @@ def test_cycles_and_duplicate_outputs_are_refused_and_unsorted_graphs_sorted():
 _SLOW_SAVE = textwrap.dedent("""
     import os, sys, time
     import onnx
-    from amppass.onnx import save as saving
-    from amppass.onnx.weights import WeightStore
+    from amppass.onnx.io import save as saving
+    from amppass.onnx.io.weight_store import WeightStore
     real = WeightStore.write
     def slow(self, model, out, location):
         real(self, model, out, location)
@@ -547,7 +547,7 @@ def _chain(count: int) -> onnx.ModelProto:
 
 def test_a_million_node_chain_is_refused_before_any_heavy_work(tmp_path):
     """A 10**6-node chain took 3.5 GB and 120 s before this cap; now refused while the file is read."""
-    from amppass.onnx.validate import MAX_NODES
+    from amppass.onnx.io.validate import MAX_NODES
 
     model = _chain(1_000_000)
     path = tmp_path / "chain.onnx"
@@ -631,7 +631,7 @@ def test_an_output_that_is_a_fifo_is_refused_and_never_opened(tmp_path, how):
 
 def test_a_fifo_put_at_the_output_after_the_check_never_blocks_the_save(tmp_path):
     """The save looks into the model it replaces (to remove its old data files): a FIFO is not read."""
-    from amppass.onnx import save as saving
+    from amppass.onnx.io import save as saving
 
     fifo = tmp_path / "out.onnx"
     os.mkfifo(fifo)

@@ -43,6 +43,6 @@ def matmul_64(where: str = "initializer") -> onnx.ModelProto:
 
 def weights_named_w(model: onnx.ModelProto):
     """Every tensor named ``W`` in ``model``, subgraphs included."""
-    from amppass.onnx.weights import tensors
+    from amppass.onnx.io.weight_store import tensors
 
     return [t for t in tensors(model.graph) if t.name == "W"]

@@ -19,7 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 import amppass
 from amppass import CalibrationError, InputError
 from amppass.analysis.tolerance import rank_runs
-from amppass.pipelines.convert_onnx import save
+from amppass.onnx.io.save import save
 from amppass.onnx.simulate import simulated
 from models.sensor import EARLY, sensor_feed, sensor_net
 from tests.helpers.onnx_graphs import meta, model_of, session, vinfo

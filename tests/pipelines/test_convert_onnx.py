@@ -11,7 +11,7 @@ import amppass
 from amppass.analysis.plan import Category
 from amppass.onnx import policy
 from amppass.targets import onnxruntime_facts
-from amppass.pipelines.convert_onnx import save
+from amppass.onnx.io.save import save
 from amppass.targets import onnx_target
 from tests.helpers.onnx_graphs import check_converted, heavy_low_share, meta, model_of, session, vinfo, weight
 

@@ -97,7 +97,7 @@ def big_model(folder: str) -> str:
 _MEASURE = """
 import json, resource, sys, time
 import amppass
-from amppass.pipelines.convert_onnx import save
+from amppass.onnx.io.save import save
 start = time.perf_counter()
 model = amppass.convert_onnx(sys.argv[1], "fp16")
 converted = time.perf_counter()

@@ -26,11 +26,11 @@ import onnx
 import torch
 from onnx import TensorProto, external_data_helper, numpy_helper
 
-from ..dtypes import LowType
-from ..errors import InputError
+from ...dtypes import LowType
+from ...errors import InputError
+from ..view import subgraphs, tensors
 from . import validate
-from .external import RESERVED, ExternalFiles, info
-from .view import subgraphs, tensors
+from .external_data import RESERVED, ExternalFiles, info
 
 LOCATION = RESERVED  # the external-data location that names an in-memory store entry
 LIFT_BYTES = 1024  # smaller tensors stay in the proto: shape inference reads shapes and axes from them
@@ -44,8 +44,8 @@ class WeightStore:
     given as a proto with every tensor inline); ``where`` names the model in error messages; with
     ``owns_source`` (a model amppass read from a file itself) a source tensor gives up its bytes once they
     are read, so they are held once, not twice. Every tensor of
-    the source is checked as the skeleton is built (:func:`amppass.onnx.validate.check_tensor`, raw lengths),
-    and external files are read only through :class:`~amppass.onnx.external.ExternalFiles`.
+    the source is checked as the skeleton is built (:func:`amppass.onnx.io.validate.check_tensor`, raw lengths),
+    and external files are read only through :class:`~amppass.onnx.io.external_data.ExternalFiles`.
     """
 
     def __init__(self, base_dir: str | None = None, where: str = "the model", owns_source: bool = False):
@@ -252,7 +252,7 @@ class WeightStore:
 
     def _mapped(self, tensor: onnx.TensorProto) -> np.ndarray:
         """A read-only view of a tensor stored in an external file beside the source model (checked and
-        opened once by :class:`~amppass.onnx.external.ExternalFiles`)."""
+        opened once by :class:`~amppass.onnx.io.external_data.ExternalFiles`)."""
         if self._files is None:
             raise InputError(f"tensor {tensor.name!r} keeps its data in the external file "
                              f"{info(tensor).get('location')!r}, but the model was passed as a proto; pass the .onnx "

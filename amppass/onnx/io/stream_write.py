@@ -3,7 +3,7 @@
 ``ModelProto.SerializeToString()`` builds the whole encoding in memory: for a 1 GiB model that is a second
 gigabyte on top of the model. The encoding of a message is the concatenation of its fields' encodings, in
 any order, and a nested message is written as its field key, its length and its own encoding. So a model
-whose tensors reference a :class:`~amppass.onnx.weights.WeightStore` can be written as a sequence of small
+whose tensors reference a :class:`~amppass.onnx.io.weight_store.WeightStore` can be written as a sequence of small
 serialised pieces (everything but the payloads) and the payloads themselves, each written straight from the
 store; only the lengths must be known in advance, and the store knows every payload's size from its
 tensor's shape. The file read back is the model ``store.materialize`` would have made.
@@ -16,7 +16,7 @@ from typing import BinaryIO, Union
 import onnx
 from onnx import TensorProto
 
-from .weights import NESTED, WeightStore, copy_field
+from .weight_store import NESTED, WeightStore, copy_field
 
 _RAW_DATA = TensorProto.DESCRIPTOR.fields_by_name["raw_data"].number
 _PAYLOAD_FIELDS = frozenset({"raw_data", "external_data", "data_location"})

@@ -1,7 +1,7 @@
 """Saving ONNX models: streamed, atomic, and never leaving a graph that reads another save's data.
 
-A model is written from a skeleton and the :class:`~amppass.onnx.weights.WeightStore` holding its payloads
-(:mod:`amppass.onnx.wire`), so no second copy of the model is built in memory, inline or not. Models over
+A model is written from a skeleton and the :class:`~amppass.onnx.io.weight_store.WeightStore` holding its payloads
+(:mod:`amppass.onnx.io.stream_write`), so no second copy of the model is built in memory, inline or not. Models over
 protobuf's 2 GB limit (or with ``external_data=True``) keep their tensors in a data file beside the model.
 
 The model and its data switch in one step: the data goes to a fresh file, ``<name>.<random>.data``, that only
@@ -20,9 +20,9 @@ import stat
 
 import onnx
 
-from ..files import Staged, check_writable
-from . import wire
-from .weights import WeightStore, tensors
+from ...files import Staged, check_writable
+from . import stream_write
+from .weight_store import WeightStore, tensors
 
 PROTOBUF_LIMIT = 2 * 1024**3
 _OLD_MODEL_READ_LIMIT = 256 * 1024**2  # a model file with external data is small; larger ones are inline
@@ -41,9 +41,9 @@ def save(model: onnx.ModelProto, path: str | os.PathLike, external_data: bool | 
 def stage(staged: Staged, skeleton: onnx.ModelProto, store: WeightStore, path: str,
           external_data: bool | None = None) -> None:
     """Add the model ``skeleton`` (payloads in ``store``) to ``staged`` as ``path`` (see :func:`save`)."""
-    parts = wire.pieces(skeleton, store) if external_data is not True else None
+    parts = stream_write.pieces(skeleton, store) if external_data is not True else None
     if external_data is None:
-        external_data = wire.size(parts) >= PROTOBUF_LIMIT
+        external_data = stream_write.size(parts) >= PROTOBUF_LIMIT
     old = _old_data_files(path)
     if external_data:
         work = onnx.ModelProto()
@@ -56,7 +56,7 @@ def stage(staged: Staged, skeleton: onnx.ModelProto, store: WeightStore, path: s
             out.write(work.SerializeToString())
     else:
         with staged.open(path) as out:
-            wire.write(parts, store, out)
+            stream_write.write(parts, store, out)
     staged.after_commit(lambda: _remove(old))
 
 

@@ -4,7 +4,7 @@
    the model with an explicit stack, so a model nested thousands deep fails with an
    :class:`~amppass.errors.InputError`, never a ``RecursionError``.
 2. Tensors: negative dimensions, typed data fields whose length disagrees with the shape, and external-data
-   locations outside the model's folder (:func:`amppass.onnx.external.check_location`) are refused.
+   locations outside the model's folder (:func:`amppass.onnx.io.external_data.check_location`) are refused.
 3. Single assignment: a value defined twice in one graph (two nodes writing it, or a node writing a graph
    input or initializer) is refused: the converted model would be invalid.
 4. Order: nodes must read only values defined before them (graph inputs, initializers, earlier nodes, the
@@ -20,7 +20,7 @@
    50,000 to 200,000 nodes (LLMs with every layer unrolled); each node costs the conversion about 3.5 KB and
    0.1 ms (a 1,000,000-node chain took 3.5 GB and 120 s), so the cap, 2.5 times the largest real graph,
    bounds a hostile file at about 2 GB and a minute. A file is counted while it is read
-   (:mod:`amppass.onnx.scan` stops at the cap, before protobuf builds the rest); a proto given in memory
+   (:mod:`amppass.onnx.io.lazy_read` stops at the cap, before protobuf builds the rest); a proto given in memory
    before anything walks it. ``AMPPASS_MAX_NODES`` (environment) raises or lowers the cap.
 """
 
@@ -35,9 +35,9 @@ from typing import Iterator
 import onnx
 from onnx import TensorProto
 
-from ..errors import InputError
-from .external import check_location
-from .view import replace_nodes, subgraphs, tensors
+from ...errors import InputError
+from ..view import replace_nodes, subgraphs, tensors
+from .external_data import check_location
 
 MAX_NESTING = 48
 MAX_NODES = 500_000  # rule 7: nodes, and separately initializers, of a model over all its graphs
@@ -89,7 +89,7 @@ def too_large(where: str, what: str, count: int, limit: int, exact: bool = True)
     return InputError(f"{where} holds {held} {what}, and amppass reads a model of at most {limit:,} (the largest "
                       f"exported models hold about 200,000 nodes; a file far over that is damaged or made to exhaust "
                       f"memory). If the model is real, raise the cap: set the environment variable {ENV_MAX_NODES} "
-                      f"(e.g. {ENV_MAX_NODES}={raised}) or amppass.onnx.validate.MAX_NODES")
+                      f"(e.g. {ENV_MAX_NODES}={raised}) or amppass.onnx.io.validate.MAX_NODES")
 
 
 def count(message: onnx.ModelProto | onnx.GraphProto | onnx.NodeProto | onnx.AttributeProto | onnx.FunctionProto,

@@ -1,4 +1,4 @@
-"""Reading an .onnx file without its weights (amppass.onnx.scan): the same model, with large tensors as
+"""Reading an .onnx file without its weights (amppass.onnx.io.lazy_read): the same model, with large tensors as
 references into the file, and nothing but AmpPassError for damaged files."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 import amppass
 from amppass import InputError
-from amppass.onnx import scan
+from amppass.onnx.io import lazy_read
 from amppass.onnx.view import tensors
-from amppass.onnx.weights import WeightStore
+from amppass.onnx.io.weight_store import WeightStore
 
 F32 = TensorProto.FLOAT
 
@@ -44,7 +44,7 @@ def test_large_tensors_become_references_into_the_file_and_read_back_equal(tmp_p
     original = model()
     path = tmp_path / "m.onnx"
     path.write_bytes(original.SerializeToString())
-    read = scan.load(str(path))
+    read = lazy_read.load(str(path))
     by_name = {t.name: t for t in tensors(read.graph)}
     assert {n for n, t in by_name.items() if t.data_location == TensorProto.EXTERNAL} == {"W", "cv", "B"}
     assert by_name["S"].raw_data and not by_name["W"].raw_data  # small tensors stay inline
@@ -92,13 +92,13 @@ def test_a_truncated_file_names_the_damage_not_a_closing_mmap(tmp_path, cut):
         assert "m.onnx" in message and "runs past the end of its message" in message, message
         assert "cut short or damaged" in message and "exported pointers" not in message
     with pytest.raises(InputError, match="runs past the end"):
-        scan.load(str(path))
+        lazy_read.load(str(path))
 
 
 def test_the_reader_counts_nodes_and_initializers_against_the_cap_exactly(tmp_path, monkeypatch):
     """Nodes of bodies and local functions count; a model holding as many as the cap is read, one more is
-    refused while the file is read (scan.load itself), naming the count and how to raise the cap."""
-    from amppass.onnx import validate
+    refused while the file is read (lazy_read.load itself), naming the count and how to raise the cap."""
+    from amppass.onnx.io import validate
 
     with_function = model()
     body = [helper.make_node("Add", ["a", "a"], ["t"]), helper.make_node("Relu", ["t"], ["b"])]
@@ -112,7 +112,7 @@ def test_the_reader_counts_nodes_and_initializers_against_the_cap_exactly(tmp_pa
         path = tmp_path / f"{what}.onnx"
         path.write_bytes(built.SerializeToString())
         monkeypatch.setenv("AMPPASS_MAX_NODES", str(max(nodes, initializers)))
-        scan.load(str(path))
+        lazy_read.load(str(path))
         monkeypatch.setenv("AMPPASS_MAX_NODES", str(max(nodes, initializers) - 1))
         with pytest.raises(InputError, match=f"holds at least {max(nodes, initializers)} {what}.*AMPPASS_MAX_NODES"):
-            scan.load(str(path))
+            lazy_read.load(str(path))

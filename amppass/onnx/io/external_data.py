@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
-from ..errors import InputError
+from ...errors import InputError
 
 RESERVED = "amppass:weight-store"  # the location amppass's weight store uses internally; never a user's file
 

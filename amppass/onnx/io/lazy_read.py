@@ -6,7 +6,7 @@ the file is memory-mapped and its protobuf encoding walked field by field. Every
 usual, except the large tensors: a TensorProto whose ``raw_data`` is longer than :data:`INLINE_BYTES` is
 parsed without it and marked as external data whose ``location`` is the model file itself, at the offset
 the bytes sit at. The rest of amppass reads such a tensor like any external-data tensor, through
-:class:`~amppass.onnx.external.ExternalFiles` (memory-mapped, bounds-checked, inside the model's folder).
+:class:`~amppass.onnx.io.external_data.ExternalFiles` (memory-mapped, bounds-checked, inside the model's folder).
 
 Only the messages that can hold weights are walked (model, graph, node, attribute, tensor), and only when
 they are large enough to; everything else, and every small message, is parsed by protobuf in one call.
@@ -17,7 +17,7 @@ views are released before the mapping closes, whatever stops it, so the error th
 file's (it was a BufferError: "cannot close exported pointers exist").
 
 Nodes and initializers are counted as they are read, and a file holding more than the cap
-(:func:`amppass.onnx.validate.node_limit`) is refused there, before protobuf builds the rest of it.
+(:func:`amppass.onnx.io.validate.node_limit`) is refused there, before protobuf builds the rest of it.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import os
 import onnx
 from onnx import TensorProto
 
-from ..errors import InputError
+from ...errors import InputError
 from . import validate
 
 INLINE_BYTES = 4096  # tensors up to this size stay in the proto (shape inference reads small constants)
@@ -65,7 +65,7 @@ def load(path: str) -> onnx.ModelProto:
 
 
 class _Budget:
-    """Nodes and initializers read so far, against the cap (:func:`amppass.onnx.validate.node_limit`)."""
+    """Nodes and initializers read so far, against the cap (:func:`amppass.onnx.io.validate.node_limit`)."""
 
     def __init__(self, where: str):
         self.where, self.limit = where, validate.node_limit()

@@ -9,7 +9,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from amppass.dtypes import BF16, FP16
 from amppass.errors import InputError
-from amppass.onnx.weights import LIFT_BYTES, WeightStore, tensors
+from amppass.onnx.io.weight_store import LIFT_BYTES, WeightStore, tensors
 
 RNG = np.random.default_rng(3)
 
