@@ -27,7 +27,7 @@ how far each node's error travels (:mod:`amppass.analysis.propagation`).
 
 Tolerance: each trial (:class:`OnnxTrials`) rewrites a copy of the fp32 model by the trial plan (the
 conversion's own rewrite) and runs it on the kept feeds as the target computes it, from the fp32 values the
-data pass kept where its first nodes are the fp32 model's (:mod:`amppass.onnx.prefix`); the error is the largest relative error of any
+data pass kept where its first nodes are the fp32 model's (:mod:`amppass.onnx.trial_runs`); the error is the largest relative error of any
 floating output against the fp32 outputs of the data pass. For the CPU target the trial runs as it is in
 onnxruntime's CPU provider, with its default graph optimisations: what the user will run. For targets
 this machine cannot run (CUDA, TensorRT) the trial is first turned into its fp32 simulation
@@ -55,7 +55,7 @@ from ..errors import CalibrationError, first_line
 from ..targets.target import Target
 from ..targets import onnxruntime_facts
 from .rewrite import all_names, unique_name
-from .prefix import Checkpoints
+from .trial_runs import Checkpoints
 from .simulate import rounding, simulate
 from .view import FLOAT, NodeRef, all_nodes, subgraphs
 from .view import dims as value_dims
@@ -252,7 +252,7 @@ class OnnxTrials(Trials):
 
     def reused(self) -> float:
         """The share of the search's node runs that read fp32 values calibration kept instead
-        (:mod:`amppass.onnx.prefix`)."""
+        (:mod:`amppass.onnx.trial_runs`)."""
         total = self.nodes_skipped + self.nodes_run
         return self.nodes_skipped / total if total else 0.0
 

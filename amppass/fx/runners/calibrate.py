@@ -41,7 +41,7 @@ from ...analysis.view import GraphView
 from ...dtypes import LowType
 from ...errors import CalibrationError, CaptureError, first_line
 from ..capture.copies import shared_copy
-from .prefix import Checkpoints
+from .trial_runs import Checkpoints
 from ..rewrite.apply import rewrite
 from ..capture.guards import GUARDS_KEY, MAX_PLANS, matching
 
@@ -199,7 +199,7 @@ class FxTrials(Trials):
 
     def reused(self) -> float:
         """The share of the search's node runs that read fp32 values calibration kept instead
-        (:mod:`amppass.fx.runners.prefix`)."""
+        (:mod:`amppass.fx.runners.trial_runs`)."""
         kept = [g.checkpoints for g in self.data.graphs if g.checkpoints is not None]
         total = sum(c.nodes_skipped + c.nodes_run for c in kept)
         return sum(c.nodes_skipped for c in kept) / total if total else 0.0

@@ -1,6 +1,6 @@
 """Tolerance-search runs that start where the trial model first differs from the fp32 model (ONNX).
 
-The ONNX counterpart of :mod:`amppass.fx.runners.prefix`. The rewrite keeps the main graph's node order and puts
+The ONNX counterpart of :mod:`amppass.fx.runners.trial_runs`. The rewrite keeps the main graph's node order and puts
 each Cast right before its first reader, so a trial's nodes up to the first one it changes (a node run
 low, a Cast, a weight stored low) are the fp32 model's, in the same places. Rules:
 
