@@ -105,8 +105,6 @@ PERTURBATIONS = (
     Perturbation("a window", window=0.5, noise=0.05, seed=6),
 )
 MARGIN_ROUNDS = 2  # at most this many more searches, with a margin, while the held-out error misses
-CHECKPOINTS = 16  # where calibration keeps fp32 values for the search's trials to start from (fx|onnx trial_runs.py)
-CACHE_BYTES = 256 * 2**20  # at most this many bytes of those values over all batches
 
 
 class Trials(abc.ABC):

@@ -48,6 +48,7 @@ from onnx import external_data_helper, helper
 
 from ..analysis.calibration import (Perturbation, Progress, Trials, check_tolerance, plan_from_stats,
                                     relative_error)
+from ..analysis import checkpoints
 from ..analysis.plan import Category, Decision, PrecisionPlan
 from ..analysis.stats import CalibrationStats
 from ..analysis.view import GraphView
@@ -220,7 +221,6 @@ class OnnxTrials(Trials):
     def __init__(self, fp32: Fp32Model, data: Calibration, target: Target, apply: Apply):
         self.fp32, self.data, self.target, self.apply = fp32, data, target, apply
         self.calibrated = len(data.kept)
-        self.nodes_skipped = self.nodes_run = 0
 
     def count(self) -> int:
         return self.calibrated
@@ -230,17 +230,16 @@ class OnnxTrials(Trials):
         trial.CopyFrom(self.fp32.model)
         self.apply(trial, plan)
         data, kept = self.data, self.data.checkpoints
-        cut = kept.cut(trial) if kept is not None else None
+        cut = kept.trial_cut(trial) if kept is not None else None
         starts: dict[int | None, list[int]] = {}  # checkpoint position (None: the whole trial) -> feeds
         for batch in batches:
-            have = kept.values.get(batch, {}) if kept is not None else {}
-            starts.setdefault(max((p for p in have if cut is not None and p <= cut), default=None), []).append(batch)
-        worst, total = 0.0, len(trial.graph.node)
+            starts.setdefault(kept.resume(batch, cut) if kept is not None else None, []).append(batch)
+        worst = 0.0
         for start, group in starts.items():
             model = trial if start is None else kept.suffix(trial, start)
             feeds = [{**data.kept[b], **(kept.values[b][start] if start is not None else {})} for b in group]
-            self.nodes_run += len(group) * (total - (start or 0))
-            self.nodes_skipped += len(group) * (start or 0)
+            if kept is not None:
+                kept.count(start or 0, len(trial.graph.node), len(group))
             references = [data.references[b] for b in group]
             if self.target.judge == "runtime":
                 error = output_error(model, self.fp32.store, data.output_names, feeds, references, optimized=True)
@@ -253,8 +252,7 @@ class OnnxTrials(Trials):
     def reused(self) -> float:
         """The share of the search's node runs that read fp32 values calibration kept instead
         (:mod:`amppass.onnx.trial_runs`)."""
-        total = self.nodes_skipped + self.nodes_run
-        return self.nodes_skipped / total if total else 0.0
+        return checkpoints.reused([self.data.checkpoints] if self.data.checkpoints is not None else [])
 
     def perturbed(self, how: Sequence[Perturbation]) -> list[int]:
         data = self.data

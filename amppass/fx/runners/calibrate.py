@@ -34,6 +34,7 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from ...analysis.calibration import Perturbation, Progress, Trials, check_tolerance, plan_from_stats, relative_error
+from ...analysis import checkpoints
 from ...analysis.painting import paint
 from ...analysis.plan import Category, Decision, PrecisionPlan
 from ...analysis.stats import CalibrationStats
@@ -200,9 +201,7 @@ class FxTrials(Trials):
     def reused(self) -> float:
         """The share of the search's node runs that read fp32 values calibration kept instead
         (:mod:`amppass.fx.runners.trial_runs`)."""
-        kept = [g.checkpoints for g in self.data.graphs if g.checkpoints is not None]
-        total = sum(c.nodes_skipped + c.nodes_run for c in kept)
-        return sum(c.nodes_skipped for c in kept) / total if total else 0.0
+        return checkpoints.reused(g.checkpoints for g in self.data.graphs if g.checkpoints is not None)
 
     def error(self, plan: PrecisionPlan, decisions: Mapping[str, Decision], batches: Sequence[int]) -> float:
         data, worst = self.data, 0.0
