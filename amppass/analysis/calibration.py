@@ -1,11 +1,29 @@
-"""Calibration steps both front ends share, once their data pass has filled :class:`CalibrationStats`.
+"""The calibration template: each step of calibrating a model and planning from it, written once.
 
-A front end runs its fp32 model on the caller's batches (``amppass.fx.runners.calibrate`` through a torch.fx
-Interpreter, ``amppass.onnx.calibrate`` through onnxruntime), measures each candidate node's local error
-if a tolerance was asked for, and hands over to :func:`plan_from_stats`: range rules, user overrides on top,
-painting, the tolerance search and the metadata both front ends record (``calibrated``,
-``calibration_batches``, ``tolerance``, ``achieved_error``, ...). It also holds the argument check, the error
-measure and the progress bar the front ends share (calibration batches, then the tolerance search's runs).
+``amppass.convert(..., calibration=...)`` (through :func:`amppass.pipelines.convert.plan_captured`) and
+``amppass.convert_onnx(..., calibration=...)`` call their front end's ``calibrated_plan``
+(:mod:`amppass.fx.runners.calibrate`, :mod:`amppass.onnx.calibrate`), which runs these steps with its runner:
+
+1. The data pass (:func:`record`): the front end's :class:`Runner` checks each of the caller's batches against
+   the model's inputs and runs the fp32 model on it once (a torch.fx Interpreter; an onnxruntime session with
+   every tracked value added as an output), folding every value into streaming
+   :class:`~amppass.analysis.stats.CalibrationStats` (so memory does not grow with the number of batches). Where
+   a tolerance is asked for, it also measures each candidate node's local error and the values' norms on the
+   first batch, and keeps the fp32 values at the checkpoints (:mod:`amppass.analysis.checkpoints`) of every
+   batch, which the template keeps with its fp32 outputs for the search.
+2. The plan (:func:`plan_from_calibration`): range rules (:mod:`amppass.analysis.rules`), user overrides on top,
+   painting (:mod:`amppass.analysis.painting`).
+3. With a tolerance, the search (:func:`search_held_out`: the batches :func:`held_out` leaves it, the ranking and
+   bisection of :mod:`amppass.analysis.tolerance`, the gains of :mod:`amppass.analysis.propagation`). Each of its
+   runs is :meth:`Trials.error`: the front end runs the trial plan on kept batches, each from the checkpoint it
+   resumes from (:class:`Trials`' abstract methods; :mod:`amppass.fx.runners.trial_runs`,
+   :mod:`amppass.onnx.trial_runs`), and the template compares the outputs with fp32's.
+4. The decisions, each with its reason and rule (the range rules' from :mod:`amppass.analysis.rules`, the
+   search's from :mod:`amppass.analysis.tolerance`), and the metadata both front ends store (``calibrated``,
+   ``calibration_batches``, ``tolerance``, ``achieved_error``, ``tolerance_reused``, ...).
+
+It also holds the argument check, the error measure and the progress bar the front ends share (calibration
+batches, then the tolerance search's runs).
 """
 
 from __future__ import annotations
@@ -15,15 +33,15 @@ import itertools
 import logging
 import math
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generic, Iterable, Iterator, Mapping, Protocol, Sequence, TypeVar
 
 import numpy as np
 import torch
 
 from ..dtypes import LowType
-from ..errors import InputError
-from . import propagation
+from ..errors import InputError, first_line
+from . import checkpoints, propagation
 from . import tolerance as search_tolerance
 from .painting import paint
 from .plan import Decision, PrecisionPlan
@@ -56,6 +74,66 @@ def relative_error(out: Any, ref: Any) -> float:
         return math.inf
     scale = float(ref.norm())
     return diff / scale if scale > 0 else diff
+
+
+Batch = TypeVar("Batch")  # one calibration batch as a front end keeps it: (args, kwargs) in FX, a feed in ONNX
+
+
+@dataclass
+class Calibration(Generic[Batch]):
+    """What one pass over the calibration data recorded; a front end adds fields of its own."""
+
+    stats: CalibrationStats
+    seconds: float = 0.0
+    local_error: dict[str, float] = field(default_factory=dict)  # node -> relative error replayed low
+    added_error: dict[str, float] = field(default_factory=dict)  # node -> the part of it the node adds itself
+    norms: dict[str, float] = field(default_factory=dict)  # value -> L2 norm on the first batch (with replay)
+    kept: list[Batch] = field(default_factory=list)  # the batches, for the tolerance search
+    references: list[list[Any]] = field(default_factory=list)  # their fp32 floating outputs
+
+    @property
+    def batches(self) -> int:
+        """Batches folded into the statistics."""
+        return self.stats.batches
+
+
+class Runner(Protocol[Batch]):
+    """A front end's fp32 model on the caller's batches: its half of the data pass (:func:`record`)."""
+
+    data: Calibration[Batch]  # what the pass records: the front end's Calibration, filled by both halves
+
+    def batches(self, calibration: Iterable[Any]) -> Iterator[tuple[int, Batch]]:
+        """``(index, batch)`` for each of the caller's batches, checked against the model's inputs
+        (CalibrationError naming the batch, the input and the fix)."""
+
+    def run(self, index: int, batch: Batch, kept: int | None) -> list[Any] | None:
+        """Run the fp32 model on ``batch`` and fold its values into the statistics, counting the batch (all in
+        ``data.stats`` once :meth:`finish` has run); on batch 0 also the local errors and norms, where asked.
+        ``kept`` is the batch's number among the kept ones (None: not kept), under which its checkpoint values
+        are kept. Returns its floating outputs, copies the template keeps (None where not kept);
+        CalibrationError where the model rejects the batch."""
+
+    def finish(self) -> None:
+        """After the last batch: what the front end derives from all of them (other captures' statistics
+        folded in, local errors measured)."""
+
+
+def record(runner: Runner[Batch], calibration: Iterable[Any], *, keep: bool = False,
+           progress: bool = False) -> Calibration[Batch]:
+    """The data pass: every batch ``runner`` takes from ``calibration`` through its fp32 model, kept with its
+    fp32 outputs for the tolerance search with ``keep``; ``progress`` shows a progress bar on stderr."""
+    data = runner.data
+    start = time.perf_counter()
+    with Progress(progress, calibration) as advance:
+        for index, batch in runner.batches(calibration):
+            outputs = runner.run(index, batch, len(data.kept) if keep else None)
+            if keep:
+                data.kept.append(batch)
+                data.references.append(outputs)
+            advance()
+    runner.finish()
+    data.seconds = time.perf_counter() - start
+    return data
 
 
 HELD_OUT_SHARE = 4  # of two or more calibration batches, the last quarter (at least one) is held out of the search
@@ -107,26 +185,76 @@ PERTURBATIONS = (
 MARGIN_ROUNDS = 2  # at most this many more searches, with a margin, while the held-out error misses
 
 
-class Trials(abc.ABC):
-    """A front end's runs of its model, rewritten by a trial plan, on the calibration batches it kept.
+class Trials(abc.ABC, Generic[Batch]):
+    """The tolerance search's runs on the batches calibration kept: the template, whose abstract methods are the
+    front end's half (running a trial plan, from a checkpoint where it can; perturbing a batch).
 
     Batches are numbered in the order they were kept; :meth:`perturbed` may add more after them.
     """
 
-    @abc.abstractmethod
-    def count(self) -> int:
-        """Batches kept."""
+    def __init__(self, data: Calibration[Batch]):
+        self.data = data
+        self.calibrated = len(data.kept)
 
-    @abc.abstractmethod
+    def count(self) -> int:
+        """Batches kept by calibration (perturbed copies left out)."""
+        return self.calibrated
+
     def error(self, plan: PrecisionPlan, decisions: Mapping[str, Decision], batches: Sequence[int]) -> float:
         """Largest relative error of any floating output of the model rewritten by ``plan`` (painted from
-        ``decisions``, by node name) against fp32, over ``batches``."""
+        ``decisions``, by node name) against fp32, over ``batches``; inf where the trial did not run."""
+        worst = 0.0
+        for batch, outputs in self.run(plan, decisions, batches):
+            if outputs is None:
+                worst = math.inf
+                continue
+            for got, ref in zip(outputs, self.data.references[batch]):
+                worst = max(worst, relative_error(got, ref))
+        return worst
 
-    @abc.abstractmethod
     def perturbed(self, how: Sequence[Perturbation]) -> list[int]:
         """Keep a copy of batch 0 for each of ``how``, each floating input of more than one element perturbed
         by it (:meth:`Perturbation.apply`; other inputs as they are), with their fp32 outputs; their numbers,
         or [] where the batch has no such input or the fp32 model rejects a copy."""
+        batch = self.data.kept[0]
+        if not self.noisy(batch):
+            return []
+        copies = [self.perturb(batch, perturbation) for perturbation in how]
+        try:
+            references = self.references(copies)
+        except Exception as err:  # noqa: BLE001 - then the single batch gets no held-out check
+            log.info("tolerance search: the fp32 model rejects a perturbed copy of the calibration batch (%s)",
+                     first_line(err))
+            return []
+        self.data.kept += copies
+        self.data.references += references
+        return list(range(len(self.data.kept) - len(copies), len(self.data.kept)))
+
+    def reused(self) -> float:
+        """The share of the search's node runs that read fp32 values calibration kept instead."""
+        return checkpoints.reused(self.checkpoints())
+
+    @abc.abstractmethod
+    def run(self, plan: PrecisionPlan, decisions: Mapping[str, Decision],
+            batches: Sequence[int]) -> Iterator[tuple[int, list[Any] | None]]:
+        """``(batch, floating outputs)`` of the model rewritten by ``plan`` on each of ``batches``, run from the
+        checkpoint it resumes from where it has one; None for the outputs of a trial the runtime rejects."""
+
+    @abc.abstractmethod
+    def noisy(self, batch: Batch) -> bool:
+        """Whether ``batch`` holds a floating input of more than one element."""
+
+    @abc.abstractmethod
+    def perturb(self, batch: Batch, how: Perturbation) -> Batch:
+        """A copy of ``batch``, each floating input of more than one element perturbed by ``how``."""
+
+    @abc.abstractmethod
+    def references(self, batches: list[Batch]) -> list[list[Any]]:
+        """The fp32 model's floating outputs on each of ``batches`` (raises where it rejects one)."""
+
+    @abc.abstractmethod
+    def checkpoints(self) -> list[checkpoints.Checkpoints]:
+        """The checkpoints calibration kept, one per graph run."""
 
 
 def held_out(trials: Trials) -> tuple[list[int], list[int], str, bool]:
@@ -150,47 +278,44 @@ def held_out(trials: Trials) -> tuple[list[int], list[int], str, bool]:
         False
 
 
-def plan_from_stats(
+def plan_from_calibration(
     view: GraphView,
-    stats: CalibrationStats,
+    data: Calibration,
     low: LowType,
     given: Mapping[str, Decision],
     *,
-    batches: int,
-    seconds: float,
-    low_weight_tables: bool = False,
-    tolerance: float | None = None,
-    local_error: Mapping[str, float] | None = None,
-    added_error: Mapping[str, float] | None = None,
-    norms: Mapping[str, float] | None = None,
     trials: Trials | None = None,
+    tolerance: float | None = None,
+    low_weight_tables: bool = False,
     progress: bool = False,
 ) -> tuple[PrecisionPlan, dict[str, Any]]:
-    """The calibrated plan and the metadata to store with the converted model.
+    """The calibrated plan and the metadata to store with the converted model (steps 2 to 4 of the module
+    docstring).
 
     ``given`` (user overrides) wins over the range rules. With ``tolerance``, ``trials`` runs the model
-    rewritten by trial plans on the calibration data, and ``local_error`` (and ``added_error``, the part of it
-    each node adds itself) with ``norms`` (values' L2 norms on one batch, for
-    :mod:`amppass.analysis.propagation`) ranks the nodes the search of :mod:`amppass.analysis.tolerance`
+    rewritten by trial plans on the calibration data, and ``data``'s local errors (and added errors, the part
+    of it each node adds itself) with its norms (values' L2 norms on one batch, for
+    :mod:`amppass.analysis.propagation`) rank the nodes the search of :mod:`amppass.analysis.tolerance`
     moves back to fp32 (:func:`search_held_out`); ``progress`` shows each of its runs (nodes moved, error) on
     a progress bar on stderr. Every node's observed output range lands in its evidence, for the report's
     range plot.
     """
-    ranges = range_decisions(view, stats, low)
+    ranges = range_decisions(view, data.stats, low)
     merged = {**ranges, **given}  # user overrides win over calibration
     plan = paint(view, low, merged, low_weight_tables=low_weight_tables)
     info: dict[str, Any] = {
-        "calibrated": True, "calibration_batches": batches,
-        "calibration_seconds": round(seconds, 3), "calibration_decisions": len(ranges),
+        "calibrated": True, "calibration_batches": data.batches,
+        "calibration_seconds": round(data.seconds, 3), "calibration_decisions": len(ranges),
     }
     if tolerance is not None and trials is not None:
-        sensitivity = search_tolerance.Sensitivity(local_error or {}, added_error or {},
-                                                   propagation.gains(view, norms or {}))
+        sensitivity = search_tolerance.Sensitivity(data.local_error, data.added_error,
+                                                   propagation.gains(view, data.norms))
         decided, found = search_held_out(view, low, plan, merged, sensitivity, tolerance, trials,
                                          low_weight_tables=low_weight_tables, progress=progress)
         info.update(found)
+        info["tolerance_reused"] = round(trials.reused(), 3)
         plan = paint(view, low, decided, low_weight_tables=low_weight_tables)
-    return with_ranges(plan, view, stats), info
+    return with_ranges(plan, view, data.stats), info
 
 
 def max_runs(candidates: int) -> int:

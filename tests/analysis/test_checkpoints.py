@@ -1,5 +1,6 @@
-"""The checkpoint rule of :mod:`amppass.analysis.checkpoints` against a tiny front end of its own: a chain of
-numpy ops, each reading the value before it, whose trial plans round some ops' outputs to fp16."""
+"""The checkpoint rule of :mod:`amppass.analysis.checkpoints` against a tiny front end of its own
+(:mod:`tests.analysis.chain_front_end`): a chain of numpy ops, each reading the value before it, whose trial
+plans round some ops' outputs to fp16."""
 
 from __future__ import annotations
 
@@ -8,40 +9,11 @@ import pytest
 
 from amppass.analysis import checkpoints
 from amppass.analysis.checkpoints import CHECKPOINTS, Checkpoints, place, reused
-
-OPS = [np.sin, np.exp, np.tanh, np.cos, np.sqrt, np.log1p, np.arctan, np.cosh]  # node i computes OPS[i]
-
-
-class Chain(Checkpoints[int]):
-    """A front end of the rule: node ``i`` reads the value node ``i - 1`` made (the input for node 0), so the
-    value live at checkpoint ``i`` is that one value; a trial is the set of nodes it runs in fp16."""
-
-    def record(self, batch: int, x: np.ndarray) -> np.ndarray:
-        """The fp32 run of ``batch``, keeping the value live at each checkpoint as it passes it."""
-        for i, op in enumerate(OPS):
-            if i in self.order:
-                self.keep(batch, i, {"in": x}, {f"value {i - 1}": x.nbytes})
-            x = op(x)
-        return x
-
-    def run(self, low: set[int], batch: int, x: np.ndarray) -> np.ndarray:
-        """Trial ``low`` on kept ``batch`` (input ``x``), from the checkpoint it resumes from where it has one."""
-        start = self.resume(batch, self.cut((i not in low for i in range(len(OPS))), {i: i for i in self.order}))
-        if start is not None:
-            x = self.values[batch][start]["in"]
-        self.count(start or 0, len(OPS))
-        return run_from(start or 0, low, x)
-
-
-def run_from(start: int, low: set[int], x: np.ndarray) -> np.ndarray:
-    """The chain from node ``start`` on, the nodes of ``low`` rounding their outputs to fp16."""
-    for i in range(start, len(OPS)):
-        x = OPS[i](x)
-        x = x.astype(np.float16).astype(np.float32) if i in low else x
-    return x
+from tests.analysis.chain_front_end import OPS, Chain, run_from
 
 
 def _batches(count: int = 3) -> list[np.ndarray]:
+    """``count`` batches of 64 values in (0.1, 1), where every op of the chain is defined."""
     rng = np.random.default_rng(0)
     return [rng.uniform(0.1, 1.0, 64).astype(np.float32) for _ in range(count)]
 
