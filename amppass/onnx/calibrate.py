@@ -34,10 +34,11 @@ how far each node's error travels (:mod:`amppass.analysis.propagation`).
 Tolerance: each trial (:class:`OnnxTrials`) rewrites a copy of the fp32 model by the trial plan (the
 conversion's own rewrite) and runs it on the kept feeds as the target computes it, from the fp32 values the
 data pass kept where its first nodes are the fp32 model's (:mod:`amppass.onnx.trial_runs`); the template takes
-the largest relative error of any floating output against the fp32 outputs of the data pass. For the CPU target the trial runs as it is in
-onnxruntime's CPU provider, with its default graph optimisations: what the user will run. For targets
-this machine cannot run (CUDA, TensorRT) the trial is first turned into its fp32 simulation
-(:mod:`amppass.onnx.simulate`: fp16 storage of every low value, read from the trial model's own types).
+the largest relative error of any floating output against the fp32 outputs of the data pass. For the CPU
+target the trial runs as it is in onnxruntime's CPU provider, with its default graph optimisations: what the
+user will run. For targets this machine cannot run (CUDA, TensorRT) the trial is first turned into its fp32
+simulation (:mod:`amppass.onnx.simulate`: fp16 storage of every low value, read from the trial model's own
+types).
 """
 
 from __future__ import annotations
