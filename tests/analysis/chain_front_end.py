@@ -1,6 +1,6 @@
-"""A tiny front end for the calibration template (:mod:`amppass.analysis.calibration`) and the checkpoint rule
-(:mod:`amppass.analysis.checkpoints`): a chain of numpy ops, node ``n{i}`` computing ``OPS[i]`` of the value
-before it (the batch for ``n0``), whose trial plans round the outputs of the nodes they run low to fp16."""
+"""A tiny front end for the calibration template and its checkpoint rules (:mod:`amppass.analysis.calibration`):
+a chain of numpy ops, node ``n{i}`` computing ``OPS[i]`` of the value before it (the batch for ``n0``), whose
+trial plans round the outputs of the nodes they run low to fp16."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from amppass.analysis.calibration import Calibration, Perturbation, Trials
-from amppass.analysis.checkpoints import Checkpoints
+from amppass.analysis.calibration import Calibration, Checkpoints, Perturbation, Trials
 from amppass.analysis.plan import Category, Decision, Precision, PrecisionPlan
 from amppass.analysis.stats import CalibrationStats
 from amppass.analysis.view import GraphView, OpView
