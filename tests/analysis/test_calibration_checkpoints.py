@@ -1,5 +1,5 @@
 """The checkpoint rules of :mod:`amppass.analysis.calibration` against a tiny front end of its own
-(:mod:`tests.analysis.chain_front_end`): a chain of numpy ops, each reading the value before it, whose trial
+(:mod:`tests.helpers.chain_front_end`): a chain of numpy ops, each reading the value before it, whose trial
 plans round some ops' outputs to fp16."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import numpy as np
 
 from amppass.analysis import calibration
 from amppass.analysis.calibration import CHECKPOINTS, Checkpoints, place
-from tests.analysis.chain_front_end import OPS, Chain, run_from
+from tests.helpers.chain_front_end import OPS, Chain, run_from
 
 
 def _batches(count: int = 3) -> list[np.ndarray]:

@@ -1,5 +1,5 @@
 """The calibration template of :mod:`amppass.analysis.calibration` against a tiny front end that implements its
-runner protocol and trial hooks (:mod:`tests.analysis.chain_front_end`): the data pass, the trials' error and
+runner protocol and trial hooks (:mod:`tests.helpers.chain_front_end`): the data pass, the trials' error and
 perturbed copies, and the plan with the tolerance search, whose runs resume only from checkpoints before
 their first change."""
 
@@ -14,7 +14,7 @@ from amppass.analysis.calibration import PERTURBATIONS, max_runs, plan_from_cali
 from amppass.analysis.painting import paint
 from amppass.analysis.plan import Precision, Source
 from amppass.dtypes import FP16
-from tests.analysis.chain_front_end import OPS, Chain, ChainRunner, ChainTrials, run_from, view
+from tests.helpers.chain_front_end import OPS, Chain, ChainRunner, ChainTrials, run_from, view
 
 
 def _batches(count: int, size: int = 64) -> list[np.ndarray]:
