@@ -12,7 +12,7 @@ timings, so the time is calibration and search alone) without calibration, then 
 - ``runs``: runs of the model over the batches the search made; ``max_runs``: the bound the checkout
   documents (``amppass.analysis.calibration.max_runs``; ``-`` where it has none);
 - ``moved``, ``achieved_error``, ``held_out_error`` (``-`` where the checkout holds nothing out),
-  ``reused``: the share of node runs started from kept fp32 values (``amppass.fx.runners.prefix``).
+  ``reused``: the share of node runs started from kept fp32 values (``amppass.fx.runners.trial_runs``).
 
 ``python -m benchmarks.tolerance_time [--full] [--root CHECKOUT ...]`` measures each checkout's amppass in a
 fresh process (default: this one), so before/after tables come from one run; ``--quick`` (the default) uses

@@ -166,7 +166,7 @@ def test_no_import_breaks_the_layers():
 
 def test_the_rule_catches_an_upward_and_a_private_import():
     assert _breaks("amppass.fx.capture.export", "amppass.serving.serving_graph", "ServingGraph").startswith("imports upward")
-    assert _breaks("amppass.onnx.prefix", "amppass.fx.runners.prefix", "Checkpoints").startswith("imports across")
+    assert _breaks("amppass.onnx.trial_runs", "amppass.fx.runners.trial_runs", "Checkpoints").startswith("imports across")
     assert _breaks("amppass.pipelines.backend", "amppass.fx.capture.guards", "_spec").startswith("imports the private")
     assert _breaks("amppass.pipelines.convert", "amppass", "__version__").startswith("imports the package root")
     assert _breaks("amppass.analysis.record", "amppass._version", "__version__") is None

@@ -1,11 +1,48 @@
-"""Calibration steps both front ends share, once their data pass has filled :class:`CalibrationStats`.
+"""The calibration template: each step of calibrating a model and planning from it, written once.
 
-A front end runs its fp32 model on the caller's batches (``amppass.fx.runners.calibrate`` through a torch.fx
-Interpreter, ``amppass.onnx.calibrate`` through onnxruntime), measures each candidate node's local error
-if a tolerance was asked for, and hands over to :func:`plan_from_stats`: range rules, user overrides on top,
-painting, the tolerance search and the metadata both front ends record (``calibrated``,
-``calibration_batches``, ``tolerance``, ``achieved_error``, ...). It also holds the argument check, the error
-measure and the progress bar the front ends share (calibration batches, then the tolerance search's runs).
+``amppass.convert(..., calibration=...)`` (through :func:`amppass.pipelines.convert.plan_captured`) and
+``amppass.convert_onnx(..., calibration=...)`` call their front end's ``calibrated_plan``
+(:mod:`amppass.fx.runners.calibrate`, :mod:`amppass.onnx.calibrate`), which runs these steps with its runner:
+
+1. The data pass (:func:`record`): the front end's :class:`Runner` checks each of the caller's batches against
+   the model's inputs and runs the fp32 model on it once (a torch.fx Interpreter; an onnxruntime session with
+   every tracked value added as an output), folding every value into streaming
+   :class:`~amppass.analysis.stats.CalibrationStats` (so memory does not grow with the number of batches). Where
+   a tolerance is asked for, it also measures each candidate node's local error and the values' norms on the
+   first batch, and keeps the fp32 values at the checkpoints (below) of every batch, which the template keeps
+   with its fp32 outputs for the search.
+2. The plan (:func:`plan_from_calibration`): range rules (:mod:`amppass.analysis.rules`), user overrides on top,
+   painting (:mod:`amppass.analysis.painting`).
+3. With a tolerance, the search (:func:`search_held_out`: the batches :func:`held_out` leaves it, the ranking and
+   bisection of :mod:`amppass.analysis.tolerance`, the gains of :mod:`amppass.analysis.propagation`). Each of its
+   runs is :meth:`Trials.error`: the front end runs the trial plan on kept batches, each from the checkpoint it
+   resumes from (:class:`Trials`' abstract methods; :mod:`amppass.fx.runners.trial_runs`,
+   :mod:`amppass.onnx.trial_runs`), and the template compares the outputs with fp32's.
+4. The decisions, each with its reason and rule (the range rules' from :mod:`amppass.analysis.rules`, the
+   search's from :mod:`amppass.analysis.tolerance`), and the metadata both front ends store (``calibrated``,
+   ``calibration_batches``, ``tolerance``, ``achieved_error``, ``tolerance_reused``, ...).
+
+Checkpoints: a trial computes exactly what the fp32 model computed on the same batch up to the first node it
+changes (a node run in low precision, a cast, a weight stored low), so that prefix need not run again. The
+rules, front-end neutral (:class:`Checkpoints`); a front end (:mod:`amppass.fx.runners.trial_runs`,
+:mod:`amppass.onnx.trial_runs`) supplies what is its own: which values are live at a node and their sizes,
+which of its nodes a trial leaves unchanged, and how to run a trial from a checkpoint.
+
+1. Placement (:func:`place`): at most :data:`CHECKPOINTS` of the search's candidate nodes, spread evenly over
+   them in graph order. A front end leaves out the nodes it cannot resume from, before placement (FX: inside
+   an aliasing group's writes) or after it (ONNX: where a live value is untyped or a graph output).
+2. Budget (:meth:`Checkpoints.keep`): on each kept batch, the values live at a checkpoint are kept, a value
+   once for all the checkpoints of that batch it crosses, while the values kept for every batch together fit
+   :data:`CACHE_BYTES`; a checkpoint whose new values would pass it is not kept for that batch.
+3. Resume (:meth:`Checkpoints.cut`, :meth:`Checkpoints.resume`): a trial's cut is the last checkpoint at or
+   before the first node it changes; each batch resumes from its latest kept checkpoint at or before the cut,
+   or runs the whole trial where it kept none. The result is the whole trial's, to the bit: the values fed
+   are the ones the fp32 nodes computed.
+4. Reuse (:meth:`Checkpoints.count`, :meth:`Trials.reused`): the nodes each run skipped and ran, for the share
+   of the search's node runs that read kept values instead (``tolerance_reused`` in the report).
+
+It also holds the argument check, the error measure and the progress bar the front ends share (calibration
+batches, then the tolerance search's runs).
 """
 
 from __future__ import annotations
@@ -15,14 +52,14 @@ import itertools
 import logging
 import math
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generic, Hashable, Iterable, Iterator, Mapping, Protocol, Sequence, TypeVar
 
 import numpy as np
 import torch
 
 from ..dtypes import LowType
-from ..errors import InputError
+from ..errors import InputError, first_line
 from . import propagation
 from . import tolerance as search_tolerance
 from .painting import paint
@@ -56,6 +93,132 @@ def relative_error(out: Any, ref: Any) -> float:
         return math.inf
     scale = float(ref.norm())
     return diff / scale if scale > 0 else diff
+
+
+Batch = TypeVar("Batch")  # one calibration batch as a front end keeps it: (args, kwargs) in FX, a feed in ONNX
+
+
+@dataclass
+class Calibration(Generic[Batch]):
+    """What one pass over the calibration data recorded; a front end adds fields of its own."""
+
+    stats: CalibrationStats
+    seconds: float = 0.0
+    local_error: dict[str, float] = field(default_factory=dict)  # node -> relative error replayed low
+    added_error: dict[str, float] = field(default_factory=dict)  # node -> the part of it the node adds itself
+    norms: dict[str, float] = field(default_factory=dict)  # value -> L2 norm on the first batch (with replay)
+    kept: list[Batch] = field(default_factory=list)  # the batches, for the tolerance search
+    references: list[list[Any]] = field(default_factory=list)  # their fp32 floating outputs
+
+    @property
+    def batches(self) -> int:
+        """Batches folded into the statistics."""
+        return self.stats.batches
+
+
+class Runner(Protocol[Batch]):
+    """A front end's fp32 model on the caller's batches: its half of the data pass (:func:`record`)."""
+
+    data: Calibration[Batch]  # what the pass records: the front end's Calibration, filled by both halves
+
+    def batches(self, calibration: Iterable[Any]) -> Iterator[tuple[int, Batch]]:
+        """``(index, batch)`` for each of the caller's batches, checked against the model's inputs
+        (CalibrationError naming the batch, the input and the fix)."""
+
+    def run(self, index: int, batch: Batch, kept: int | None) -> list[Any] | None:
+        """Run the fp32 model on ``batch`` and fold its values into the statistics, counting the batch (all in
+        ``data.stats`` once :meth:`finish` has run); on batch 0 also the local errors and norms, where asked.
+        ``kept`` is the batch's number among the kept ones (None: not kept), under which its checkpoint values
+        are kept. Returns its floating outputs, copies the template keeps (None where not kept);
+        CalibrationError where the model rejects the batch."""
+
+    def finish(self) -> None:
+        """After the last batch: what the front end derives from all of them (other captures' statistics
+        folded in, local errors measured)."""
+
+
+def record(runner: Runner[Batch], calibration: Iterable[Any], *, keep: bool = False,
+           progress: bool = False) -> Calibration[Batch]:
+    """The data pass: every batch ``runner`` takes from ``calibration`` through its fp32 model, kept with its
+    fp32 outputs for the tolerance search with ``keep``; ``progress`` shows a progress bar on stderr."""
+    data = runner.data
+    start = time.perf_counter()
+    with Progress(progress, calibration) as advance:
+        for index, batch in runner.batches(calibration):
+            outputs = runner.run(index, batch, len(data.kept) if keep else None)
+            if keep:
+                data.kept.append(batch)
+                data.references.append(outputs)
+            advance()
+    runner.finish()
+    data.seconds = time.perf_counter() - start
+    return data
+
+
+CHECKPOINTS = 16  # at most this many places where calibration keeps fp32 values for the search's trials
+CACHE_BYTES = 256 * 2**20  # at most this many bytes of those values over all batches
+
+K = TypeVar("K", bound=Hashable)  # how a front end names a checkpoint: a node name (FX), a position (ONNX)
+
+
+def place(candidates: Sequence[K]) -> list[K]:
+    """Rule 1: at most :data:`CHECKPOINTS` of ``candidates`` (in graph order), spread evenly over them."""
+    step = max(1, len(candidates) // CHECKPOINTS)
+    return list(candidates[step // 2::step][:CHECKPOINTS])
+
+
+class Checkpoints(Generic[K]):
+    """The fp32 values kept at the checkpoints of one graph, per kept batch (the module docstring's checkpoint
+    rules)."""
+
+    def __init__(self, checkpoints: Iterable[K]):
+        self.order = {checkpoint: i for i, checkpoint in enumerate(checkpoints)}  # in graph order
+        self.values: dict[int, dict[K, dict[str, Any]]] = {}  # batch -> checkpoint -> value name -> value
+        self.bytes = 0
+        self.nodes_skipped = 0
+        self.nodes_run = 0
+        self._held: dict[int, set[Hashable]] = {}  # batch -> the values kept for it, by the keys of keep's sizes
+
+    def keep(self, batch: int, checkpoint: K, live: dict[str, Any], sizes: Mapping[Hashable, int]) -> bool:
+        """Rule 2: keep ``live`` (the values live at ``checkpoint`` on kept ``batch``) unless the ones not yet
+        kept for this batch would pass the budget; ``sizes`` gives each value's bytes, keyed by what makes two
+        values the same (a value kept at an earlier checkpoint of the batch costs nothing again). Whether it
+        was kept."""
+        held = self._held.setdefault(batch, set())
+        fresh = {key: size for key, size in sizes.items() if key not in held}
+        if self.bytes + sum(fresh.values()) > CACHE_BYTES:
+            return False
+        self.bytes += sum(fresh.values())
+        held.update(fresh)
+        self.values.setdefault(batch, {})[checkpoint] = live
+        return True
+
+    def cut(self, unchanged: Iterable[bool], position: Mapping[K, int]) -> K | None:
+        """Rule 3: the last checkpoint at or before the first node a trial changes, or None.
+
+        ``unchanged`` says for the trial's nodes in order whether each computes what the fp32 node did (read up
+        to the first that does not); ``position`` gives each checkpoint's index in that order.
+        """
+        first = 0
+        for same in unchanged:
+            if not same:
+                break
+            first += 1
+        reached = [checkpoint for checkpoint in self.order if checkpoint in position and position[checkpoint] <= first]
+        return max(reached, key=position.__getitem__, default=None)
+
+    def resume(self, batch: int, cut: K | None) -> K | None:
+        """Rule 3: the checkpoint kept ``batch`` resumes a trial from, given the trial's ``cut``: its latest kept
+        one at or before the cut, or None (the whole trial runs)."""
+        if cut is None:
+            return None
+        kept = [c for c in self.values.get(batch, {}) if self.order[c] <= self.order[cut]]
+        return max(kept, key=self.order.__getitem__, default=None)
+
+    def count(self, skipped: int, total: int, batches: int = 1) -> None:
+        """Rule 4: ``batches`` runs of a trial of ``total`` nodes, each leaving out ``skipped`` of them."""
+        self.nodes_skipped += batches * skipped
+        self.nodes_run += batches * (total - skipped)
 
 
 HELD_OUT_SHARE = 4  # of two or more calibration batches, the last quarter (at least one) is held out of the search
@@ -105,30 +268,80 @@ PERTURBATIONS = (
     Perturbation("a window", window=0.5, noise=0.05, seed=6),
 )
 MARGIN_ROUNDS = 2  # at most this many more searches, with a margin, while the held-out error misses
-CHECKPOINTS = 16  # positions where calibration keeps fp32 values for the search's trials to start from (prefix.py)
-CACHE_BYTES = 256 * 2**20  # at most this many bytes of those values over all batches
 
 
-class Trials(abc.ABC):
-    """A front end's runs of its model, rewritten by a trial plan, on the calibration batches it kept.
+class Trials(abc.ABC, Generic[Batch]):
+    """The tolerance search's runs on the batches calibration kept: the template, whose abstract methods are the
+    front end's half (running a trial plan, from a checkpoint where it can; perturbing a batch).
 
     Batches are numbered in the order they were kept; :meth:`perturbed` may add more after them.
     """
 
-    @abc.abstractmethod
-    def count(self) -> int:
-        """Batches kept."""
+    def __init__(self, data: Calibration[Batch]):
+        self.data = data
+        self.calibrated = len(data.kept)
 
-    @abc.abstractmethod
+    def count(self) -> int:
+        """Batches kept by calibration (perturbed copies left out)."""
+        return self.calibrated
+
     def error(self, plan: PrecisionPlan, decisions: Mapping[str, Decision], batches: Sequence[int]) -> float:
         """Largest relative error of any floating output of the model rewritten by ``plan`` (painted from
-        ``decisions``, by node name) against fp32, over ``batches``."""
+        ``decisions``, by node name) against fp32, over ``batches``; inf where the trial did not run."""
+        worst = 0.0
+        for batch, outputs in self.run(plan, decisions, batches):
+            if outputs is None:
+                worst = math.inf
+                continue
+            for got, ref in zip(outputs, self.data.references[batch]):
+                worst = max(worst, relative_error(got, ref))
+        return worst
 
-    @abc.abstractmethod
     def perturbed(self, how: Sequence[Perturbation]) -> list[int]:
         """Keep a copy of batch 0 for each of ``how``, each floating input of more than one element perturbed
         by it (:meth:`Perturbation.apply`; other inputs as they are), with their fp32 outputs; their numbers,
         or [] where the batch has no such input or the fp32 model rejects a copy."""
+        batch = self.data.kept[0]
+        if not self.noisy(batch):
+            return []
+        copies = [self.perturb(batch, perturbation) for perturbation in how]
+        try:
+            references = self.references(copies)
+        except Exception as err:  # noqa: BLE001 - then the single batch gets no held-out check
+            log.info("tolerance search: the fp32 model rejects a perturbed copy of the calibration batch (%s)",
+                     first_line(err))
+            return []
+        self.data.kept += copies
+        self.data.references += references
+        return list(range(len(self.data.kept) - len(copies), len(self.data.kept)))
+
+    def reused(self) -> float:
+        """The share of the search's node runs that read fp32 values calibration kept instead (rule 4)."""
+        kept = self.checkpoints()
+        total = sum(c.nodes_skipped + c.nodes_run for c in kept)
+        return sum(c.nodes_skipped for c in kept) / total if total else 0.0
+
+    @abc.abstractmethod
+    def run(self, plan: PrecisionPlan, decisions: Mapping[str, Decision],
+            batches: Sequence[int]) -> Iterator[tuple[int, list[Any] | None]]:
+        """``(batch, floating outputs)`` of the model rewritten by ``plan`` on each of ``batches``, run from the
+        checkpoint it resumes from where it has one; None for the outputs of a trial the runtime rejects."""
+
+    @abc.abstractmethod
+    def noisy(self, batch: Batch) -> bool:
+        """Whether ``batch`` holds a floating input of more than one element."""
+
+    @abc.abstractmethod
+    def perturb(self, batch: Batch, how: Perturbation) -> Batch:
+        """A copy of ``batch``, each floating input of more than one element perturbed by ``how``."""
+
+    @abc.abstractmethod
+    def references(self, batches: list[Batch]) -> list[list[Any]]:
+        """The fp32 model's floating outputs on each of ``batches`` (raises where it rejects one)."""
+
+    @abc.abstractmethod
+    def checkpoints(self) -> list[Checkpoints]:
+        """The checkpoints calibration kept, one per graph run."""
 
 
 def held_out(trials: Trials) -> tuple[list[int], list[int], str, bool]:
@@ -152,47 +365,44 @@ def held_out(trials: Trials) -> tuple[list[int], list[int], str, bool]:
         False
 
 
-def plan_from_stats(
+def plan_from_calibration(
     view: GraphView,
-    stats: CalibrationStats,
+    data: Calibration,
     low: LowType,
     given: Mapping[str, Decision],
     *,
-    batches: int,
-    seconds: float,
-    low_weight_tables: bool = False,
-    tolerance: float | None = None,
-    local_error: Mapping[str, float] | None = None,
-    added_error: Mapping[str, float] | None = None,
-    norms: Mapping[str, float] | None = None,
     trials: Trials | None = None,
+    tolerance: float | None = None,
+    low_weight_tables: bool = False,
     progress: bool = False,
 ) -> tuple[PrecisionPlan, dict[str, Any]]:
-    """The calibrated plan and the metadata to store with the converted model.
+    """The calibrated plan and the metadata to store with the converted model (steps 2 to 4 of the module
+    docstring).
 
     ``given`` (user overrides) wins over the range rules. With ``tolerance``, ``trials`` runs the model
-    rewritten by trial plans on the calibration data, and ``local_error`` (and ``added_error``, the part of it
-    each node adds itself) with ``norms`` (values' L2 norms on one batch, for
-    :mod:`amppass.analysis.propagation`) ranks the nodes the search of :mod:`amppass.analysis.tolerance`
+    rewritten by trial plans on the calibration data, and ``data``'s local errors (and added errors, the part
+    of it each node adds itself) with its norms (values' L2 norms on one batch, for
+    :mod:`amppass.analysis.propagation`) rank the nodes the search of :mod:`amppass.analysis.tolerance`
     moves back to fp32 (:func:`search_held_out`); ``progress`` shows each of its runs (nodes moved, error) on
     a progress bar on stderr. Every node's observed output range lands in its evidence, for the report's
     range plot.
     """
-    ranges = range_decisions(view, stats, low)
+    ranges = range_decisions(view, data.stats, low)
     merged = {**ranges, **given}  # user overrides win over calibration
     plan = paint(view, low, merged, low_weight_tables=low_weight_tables)
     info: dict[str, Any] = {
-        "calibrated": True, "calibration_batches": batches,
-        "calibration_seconds": round(seconds, 3), "calibration_decisions": len(ranges),
+        "calibrated": True, "calibration_batches": data.batches,
+        "calibration_seconds": round(data.seconds, 3), "calibration_decisions": len(ranges),
     }
     if tolerance is not None and trials is not None:
-        sensitivity = search_tolerance.Sensitivity(local_error or {}, added_error or {},
-                                                   propagation.gains(view, norms or {}))
+        sensitivity = search_tolerance.Sensitivity(data.local_error, data.added_error,
+                                                   propagation.gains(view, data.norms))
         decided, found = search_held_out(view, low, plan, merged, sensitivity, tolerance, trials,
                                          low_weight_tables=low_weight_tables, progress=progress)
         info.update(found)
+        info["tolerance_reused"] = round(trials.reused(), 3)
         plan = paint(view, low, decided, low_weight_tables=low_weight_tables)
-    return with_ranges(plan, view, stats), info
+    return with_ranges(plan, view, data.stats), info
 
 
 def max_runs(candidates: int) -> int:

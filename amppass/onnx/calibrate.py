@@ -1,4 +1,10 @@
-"""Calibration for the ONNX front end, run through onnxruntime (CPUExecutionProvider).
+"""Calibration for the ONNX front end, run through onnxruntime (CPUExecutionProvider): its half of the template
+of :mod:`amppass.analysis.calibration`.
+
+:func:`calibrated_plan` is where ``amppass.convert_onnx(..., calibration=...)`` plans from calibration feeds:
+:func:`calibrate` runs the template's data pass with :class:`OnnxRunner`, then
+:func:`~amppass.analysis.calibration.plan_from_calibration` applies the range rules, user overrides, painting
+and, with a tolerance, the search, whose runs are :class:`OnnxTrials`'.
 
 Data pass: the fp32 model (the conversion's typed skeleton, not yet rewritten) gets extra graph outputs for
 every tracked fp32 value of its main graph and goes into one session; its weights reach onnxruntime as
@@ -27,18 +33,17 @@ how far each node's error travels (:mod:`amppass.analysis.propagation`).
 
 Tolerance: each trial (:class:`OnnxTrials`) rewrites a copy of the fp32 model by the trial plan (the
 conversion's own rewrite) and runs it on the kept feeds as the target computes it, from the fp32 values the
-data pass kept where its first nodes are the fp32 model's (:mod:`amppass.onnx.prefix`); the error is the largest relative error of any
-floating output against the fp32 outputs of the data pass. For the CPU target the trial runs as it is in
-onnxruntime's CPU provider, with its default graph optimisations: what the user will run. For targets
-this machine cannot run (CUDA, TensorRT) the trial is first turned into its fp32 simulation
-(:mod:`amppass.onnx.simulate`: fp16 storage of every low value, read from the trial model's own types).
+data pass kept where its first nodes are the fp32 model's (:mod:`amppass.onnx.trial_runs`); the template takes
+the largest relative error of any floating output against the fp32 outputs of the data pass. For the CPU
+target the trial runs as it is in onnxruntime's CPU provider, with its default graph optimisations: what the
+user will run. For targets this machine cannot run (CUDA, TensorRT) the trial is first turned into its fp32
+simulation (:mod:`amppass.onnx.simulate`: fp16 storage of every low value, read from the trial model's own
+types).
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -46,8 +51,8 @@ import numpy as np
 import onnx
 from onnx import external_data_helper, helper
 
-from ..analysis.calibration import (Perturbation, Progress, Trials, check_tolerance, plan_from_stats,
-                                    relative_error)
+from ..analysis.calibration import (Calibration, Perturbation, Trials, check_tolerance, plan_from_calibration,
+                                    record, relative_error)
 from ..analysis.plan import Category, Decision, PrecisionPlan
 from ..analysis.stats import CalibrationStats
 from ..analysis.view import GraphView
@@ -55,7 +60,7 @@ from ..errors import CalibrationError, first_line
 from ..targets.target import Target
 from ..targets import onnxruntime_facts
 from .rewrite import all_names, unique_name
-from .prefix import Checkpoints
+from .trial_runs import Checkpoints
 from .simulate import rounding, simulate
 from .view import FLOAT, NodeRef, all_nodes, subgraphs
 from .view import dims as value_dims
@@ -68,6 +73,7 @@ _FIX = ("pass calibration=[{input name: numpy array, ...}, ...]: one dict per ba
 # element types whose store payload is the numpy array onnxruntime expects (bf16 payloads are raw uint16)
 _INJECT = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE})
 Apply = Callable[[onnx.ModelProto, PrecisionPlan], Any]
+Feed = dict[str, np.ndarray]  # a batch: input name -> array
 
 
 @dataclass
@@ -83,24 +89,12 @@ class Fp32Model:
 
 
 @dataclass
-class Calibration:
-    """What one pass over the calibration feeds recorded."""
+class OnnxCalibration(Calibration[Feed]):
+    """What one pass over the calibration feeds recorded, with what is the ONNX front end's own."""
 
-    stats: CalibrationStats
-    seconds: float = 0.0
     unobserved: list[str] = field(default_factory=list)  # fp32 values onnxruntime cannot return
-    local_error: dict[str, float] = field(default_factory=dict)  # node -> relative error replayed low
-    added_error: dict[str, float] = field(default_factory=dict)  # node -> the part of it the node adds itself
-    norms: dict[str, float] = field(default_factory=dict)  # value -> L2 norm on the first feed (with replay)
-    kept: list[dict[str, np.ndarray]] = field(default_factory=list)  # the feeds, for the tolerance search
-    references: list[list[np.ndarray]] = field(default_factory=list)  # their fp32 floating outputs
     output_names: list[str] = field(default_factory=list)  # the floating graph outputs compared
     checkpoints: Checkpoints | None = None  # fp32 values kept for the tolerance search's runs
-
-    @property
-    def batches(self) -> int:
-        """Batches folded into the statistics."""
-        return self.stats.batches
 
 
 def calibrated_plan(
@@ -123,14 +117,8 @@ def calibrated_plan(
     low = target.low
     data = calibrate(fp32, calibration, replay=low.onnx if tolerance is not None else None,
                      keep=tolerance is not None, progress=progress, casts_around=target.judge == "runtime")
-
-    trials = OnnxTrials(fp32, data, target, apply)
-    plan, info = plan_from_stats(fp32.view, data.stats, low, given, batches=data.batches,
-                                 seconds=data.seconds, low_weight_tables=low_weight_tables, tolerance=tolerance,
-                                 local_error=data.local_error, added_error=data.added_error, norms=data.norms,
-                                 trials=trials, progress=progress)
-    if tolerance is not None:
-        info["tolerance_reused"] = round(trials.reused(), 3)
+    plan, info = plan_from_calibration(fp32.view, data, low, given, trials=OnnxTrials(fp32, data, target, apply),
+                                       tolerance=tolerance, low_weight_tables=low_weight_tables, progress=progress)
     if data.unobserved:
         info["calibration_unobserved"] = len(data.unobserved)
     if tolerance is not None:
@@ -146,132 +134,142 @@ def calibrate(
     keep: bool = False,
     progress: bool = False,
     casts_around: bool = False,
-) -> Calibration:
+) -> OnnxCalibration:
     """Run ``fp32.model`` on every feed and record per-value statistics (module docstring).
 
     ``replay`` (TensorProto.FLOAT16 or BFLOAT16) also measures each LOW or FOLLOW node's local error on the
     first feed; ``casts_around`` replays the nodes onnxruntime's CPU provider runs through fp32 kernels as it
     computes them (module docstring); ``keep`` keeps the feeds and their fp32 outputs for the tolerance search.
     """
-    model, view, types, store = fp32.model, fp32.view, fp32.types, fp32.store
-    graph = model.graph
-    inputs = {i.name for i in graph.input}
-    defined = {v for node in graph.node for v in node.output if v}
-    tracked = [v for v in dict.fromkeys(v for n in view.nodes for v in n.inputs + n.outputs) if v not in view.weights]
-    result = Calibration(CalibrationStats())
-    result.unobserved = [v for v in tracked if v not in inputs and (v not in defined or v not in types)]
-    if result.unobserved:
-        log.info("calibration: %d fp32 values are not observed (inside If/Loop/Scan bodies or untyped), e.g. %s",
-                 len(result.unobserved), result.unobserved[:3])
-    observed = [v for v in tracked if v not in result.unobserved]
-    candidates = _candidates(model, view, types) if replay is not None else {}
-    if keep:
-        result.checkpoints = Checkpoints(model, (n.name for n in view.nodes if n.category in (
-            Category.LOW, Category.FOLLOW)), types)
-    kept_values = result.checkpoints.wanted() if result.checkpoints is not None else []
-    recorded = list(dict.fromkeys(v for v in observed + [v for vs in candidates.values() for v in vs] + kept_values
-                                  if v not in inputs))
-    outputs = [o.name for o in graph.output]
-    extra = [helper.make_tensor_value_info(v, types[v], None) for v in recorded if v not in outputs]
-    try:
-        session = _session(model, store, extra)
-    except Exception as err:  # noqa: BLE001 - onnxruntime's own exception types: the file is the cause
-        raise CalibrationError(f"{store.where}: onnxruntime cannot load the float32 model to calibrate it "
-                               f"({first_line(err)}); check that the model runs in onnxruntime") from err
-    first_names = list(dict.fromkeys(outputs + recorded))
-    names = list(dict.fromkeys(outputs + [v for v in observed + kept_values if v not in inputs]))
-
-    start = time.perf_counter()
-    first: dict[str, np.ndarray] = {}
-    with Progress(progress, calibration) as advance:
-        for index, feed in feeds(model, calibration):
-            wanted = first_names if index == 0 and replay is not None else names
-            try:
-                values = dict(zip(wanted, session.run(wanted, feed)))
-            except Exception as err:  # noqa: BLE001 - a feed the fp32 model rejects is the caller's data
-                raise CalibrationError(f"calibration batch {index}: the fp32 model failed on it in onnxruntime "
-                                       f"({first_line(err)}); {_FIX}") from err
-            values.update(feed)
-            for value in observed:
-                result.stats.update(value, values[value])
-            if keep:
-                floating = [o for o in outputs if np.issubdtype(values[o].dtype, np.floating)]
-                result.output_names = floating
-                result.kept.append(feed)
-                result.references.append([values[o] for o in floating])
-                result.checkpoints.record(len(result.kept) - 1, values)
-            if index == 0 and replay is not None:
-                first = values
-                result.norms = {v: _norm(values[v]) for v in observed if np.issubdtype(values[v].dtype, np.floating)}
-            result.stats.batches += 1
-            advance()
-    if replay is not None:
-        result.local_error, result.added_error = local_errors(model, fp32.refs, store, candidates, first, replay,
-                                                              casts_around)
-    result.seconds = time.perf_counter() - start
-    log.info("calibrated on %d batches in %.2fs (%d values observed)", result.batches, result.seconds, len(observed))
+    runner = OnnxRunner(fp32, replay, keep, casts_around)
+    result = record(runner, calibration, keep=keep, progress=progress)
+    log.info("calibrated on %d batches in %.2fs (%d values observed)", result.batches, result.seconds,
+             len(runner.observed))
     return result
 
 
-class OnnxTrials(Trials):
+class OnnxRunner:
+    """The data pass's ONNX half (:class:`~amppass.analysis.calibration.Runner`): one onnxruntime session of the
+    fp32 model with every observed value, the replayed nodes' inputs and the checkpoints' values added as
+    outputs (module docstring)."""
+
+    def __init__(self, fp32: Fp32Model, replay: int | None, keep: bool, casts_around: bool):
+        model, view, types, store = fp32.model, fp32.view, fp32.types, fp32.store
+        graph = model.graph
+        self.fp32, self.replay, self.casts_around = fp32, replay, casts_around
+        self.inputs = {i.name for i in graph.input}
+        defined = {v for node in graph.node for v in node.output if v}
+        tracked = [v for v in dict.fromkeys(v for n in view.nodes for v in n.inputs + n.outputs)
+                   if v not in view.weights]
+        self.data = OnnxCalibration(CalibrationStats())
+        self.data.unobserved = [v for v in tracked if v not in self.inputs and (v not in defined or v not in types)]
+        if self.data.unobserved:
+            log.info("calibration: %d fp32 values are not observed (inside If/Loop/Scan bodies or untyped), e.g. %s",
+                     len(self.data.unobserved), self.data.unobserved[:3])
+        self.observed = [v for v in tracked if v not in self.data.unobserved]
+        self.candidates = _candidates(model, view, types) if replay is not None else {}
+        if keep:
+            self.data.checkpoints = Checkpoints(model, (n.name for n in view.nodes if n.category in (
+                Category.LOW, Category.FOLLOW)), types)
+        kept_values = self.data.checkpoints.wanted() if self.data.checkpoints is not None else []
+        recorded = list(dict.fromkeys(v for v in self.observed + [v for vs in self.candidates.values() for v in vs]
+                                      + kept_values if v not in self.inputs))
+        self.outputs = [o.name for o in graph.output]
+        extra = [helper.make_tensor_value_info(v, types[v], None) for v in recorded if v not in self.outputs]
+        try:
+            self.session = _session(model, store, extra)
+        except Exception as err:  # noqa: BLE001 - onnxruntime's own exception types: the file is the cause
+            raise CalibrationError(f"{store.where}: onnxruntime cannot load the float32 model to calibrate it "
+                                   f"({first_line(err)}); check that the model runs in onnxruntime") from err
+        self.first_names = list(dict.fromkeys(self.outputs + recorded))  # batch 0 also returns the replay's inputs
+        self.names = list(dict.fromkeys(self.outputs + [v for v in self.observed + kept_values
+                                                        if v not in self.inputs]))
+        self.first: dict[str, np.ndarray] = {}  # batch 0's values, which the replay reads
+
+    def batches(self, calibration: Iterable[Mapping[str, Any]]) -> Iterator[tuple[int, Feed]]:
+        """The validated feeds (:func:`feeds`)."""
+        return feeds(self.fp32.model, calibration)
+
+    def run(self, index: int, feed: Feed, kept: int | None) -> list[np.ndarray] | None:
+        """Feed ``index`` through the session, every observed value folded into the statistics (and their
+        norms on the replayed feed 0), the checkpoints' values kept under ``kept``; the floating outputs of a
+        kept feed."""
+        data, replayed = self.data, index == 0 and self.replay is not None
+        wanted = self.first_names if replayed else self.names
+        try:
+            values = dict(zip(wanted, self.session.run(wanted, feed)))
+        except Exception as err:  # noqa: BLE001 - a feed the fp32 model rejects is the caller's data
+            raise CalibrationError(f"calibration batch {index}: the fp32 model failed on it in onnxruntime "
+                                   f"({first_line(err)}); {_FIX}") from err
+        values.update(feed)
+        for value in self.observed:
+            data.stats.update(value, values[value])
+        if replayed:
+            self.first = values
+            data.norms = {v: _norm(values[v]) for v in self.observed if np.issubdtype(values[v].dtype, np.floating)}
+        data.stats.batches += 1
+        if kept is None:
+            return None
+        data.output_names = [o for o in self.outputs if np.issubdtype(values[o].dtype, np.floating)]
+        data.checkpoints.record(kept, values)
+        return [values[o] for o in data.output_names]
+
+    def finish(self) -> None:
+        """The local errors, replayed on feed 0's recorded values (module docstring)."""
+        if self.replay is not None:
+            self.data.local_error, self.data.added_error = local_errors(
+                self.fp32.model, self.fp32.refs, self.fp32.store, self.candidates, self.first, self.replay,
+                self.casts_around)
+
+
+class OnnxTrials(Trials[Feed]):
     """The tolerance search's runs: a copy of the fp32 model rewritten by the trial plan, run as ``target``
     computes it (module docstring) on the kept feeds."""
 
-    def __init__(self, fp32: Fp32Model, data: Calibration, target: Target, apply: Apply):
-        self.fp32, self.data, self.target, self.apply = fp32, data, target, apply
-        self.calibrated = len(data.kept)
-        self.nodes_skipped = self.nodes_run = 0
+    data: OnnxCalibration
 
-    def count(self) -> int:
-        return self.calibrated
+    def __init__(self, fp32: Fp32Model, data: OnnxCalibration, target: Target, apply: Apply):
+        super().__init__(data)
+        self.fp32, self.target, self.apply = fp32, target, apply
 
-    def error(self, plan: PrecisionPlan, decisions: Mapping[str, Decision], batches: Sequence[int]) -> float:
+    def checkpoints(self) -> list[Checkpoints]:
+        """The main graph's checkpoints (:mod:`amppass.onnx.trial_runs`)."""
+        return [self.data.checkpoints] if self.data.checkpoints is not None else []
+
+    def run(self, plan: PrecisionPlan, decisions: Mapping[str, Decision],
+            batches: Sequence[int]) -> Iterator[tuple[int, list[np.ndarray] | None]]:
+        """The trial model, or its part from the checkpoint a group of feeds resumes from, in one session per
+        group (its fp16-storage simulation where this machine does not run the target)."""
         trial = onnx.ModelProto()
         trial.CopyFrom(self.fp32.model)
         self.apply(trial, plan)
         data, kept = self.data, self.data.checkpoints
-        cut = kept.cut(trial) if kept is not None else None
+        cut = kept.trial_cut(trial) if kept is not None else None
         starts: dict[int | None, list[int]] = {}  # checkpoint position (None: the whole trial) -> feeds
         for batch in batches:
-            have = kept.values.get(batch, {}) if kept is not None else {}
-            starts.setdefault(max((p for p in have if cut is not None and p <= cut), default=None), []).append(batch)
-        worst, total = 0.0, len(trial.graph.node)
+            starts.setdefault(kept.resume(batch, cut) if kept is not None else None, []).append(batch)
+        runtime = self.target.judge == "runtime"
         for start, group in starts.items():
             model = trial if start is None else kept.suffix(trial, start)
             feeds = [{**data.kept[b], **(kept.values[b][start] if start is not None else {})} for b in group]
-            self.nodes_run += len(group) * (total - (start or 0))
-            self.nodes_skipped += len(group) * (start or 0)
-            references = [data.references[b] for b in group]
-            if self.target.judge == "runtime":
-                error = output_error(model, self.fp32.store, data.output_names, feeds, references, optimized=True)
-            else:
-                error = output_error(simulate(model, self.fp32.store), self.fp32.store, data.output_names, feeds,
-                                     references)
-            worst = max(worst, error)
-        return worst
+            if kept is not None:
+                kept.count(start or 0, len(trial.graph.node), len(group))
+            outputs = trial_outputs(model if runtime else simulate(model, self.fp32.store), self.fp32.store,
+                                    data.output_names, feeds, optimized=runtime)
+            yield from zip(group, outputs)
 
-    def reused(self) -> float:
-        """The share of the search's node runs that read fp32 values calibration kept instead
-        (:mod:`amppass.onnx.prefix`)."""
-        total = self.nodes_skipped + self.nodes_run
-        return self.nodes_skipped / total if total else 0.0
+    def noisy(self, feed: Feed) -> bool:
+        """Whether an array of ``feed`` gets noise (:func:`_noisy`)."""
+        return any(_noisy(v) for v in feed.values())
 
-    def perturbed(self, how: Sequence[Perturbation]) -> list[int]:
-        data = self.data
-        feed = data.kept[0]
-        if not any(_noisy(v) for v in feed.values()):
-            return []
-        batches = [{name: p.apply(v) if _noisy(v) else v for name, v in feed.items()} for p in how]
-        try:
-            session = _session(self.fp32.model, self.fp32.store)
-            references = [session.run(data.output_names, batch) for batch in batches]
-        except Exception as err:  # noqa: BLE001 - then the single feed gets no held-out check
-            log.info("tolerance search: the fp32 model rejects a perturbed copy of the calibration feed (%s)",
-                     first_line(err))
-            return []
-        data.kept += batches
-        data.references += references
-        return list(range(len(data.kept) - len(batches), len(data.kept)))
+    def perturb(self, feed: Feed, how: Perturbation) -> Feed:
+        """``feed`` with each noisy array perturbed by ``how``."""
+        return {name: how.apply(v) if _noisy(v) else v for name, v in feed.items()}
+
+    def references(self, feeds: list[Feed]) -> list[list[np.ndarray]]:
+        """The fp32 model's floating outputs on ``feeds``, in one session."""
+        session = _session(self.fp32.model, self.fp32.store)
+        return [session.run(self.data.output_names, feed) for feed in feeds]
 
 
 def _noisy(value: np.ndarray) -> bool:
@@ -279,21 +277,16 @@ def _noisy(value: np.ndarray) -> bool:
     return value.dtype.kind == "f" and value.size > 1
 
 
-def output_error(model: onnx.ModelProto, store: WeightStore, names: list[str], feeds: list[dict[str, np.ndarray]],
-                 references: list[list[np.ndarray]], optimized: bool = False) -> float:
-    """Largest relative error of ``model``'s floating outputs ``names`` against their fp32 ``references`` on
-    ``feeds`` (inf when onnxruntime cannot run it); ``optimized`` runs it with onnxruntime's default graph
-    optimisations, as a user's session would."""
+def trial_outputs(model: onnx.ModelProto, store: WeightStore, names: list[str], feeds: list[Feed],
+                  optimized: bool = False) -> list[list[np.ndarray] | None]:
+    """``model``'s floating outputs ``names`` on each of ``feeds`` (each None when onnxruntime cannot run it);
+    ``optimized`` runs it with onnxruntime's default graph optimisations, as a user's session would."""
     try:
         session = _session(model, store, optimized=optimized)
-        worst = 0.0
-        for feed, expected in zip(feeds, references):
-            for out, ref in zip(session.run(names, feed), expected):
-                worst = max(worst, relative_error(out, ref))
+        return [session.run(names, feed) for feed in feeds]
     except Exception as err:  # noqa: BLE001 - a trial onnxruntime rejects is a failed trial, not a crash
         log.warning("tolerance search: a trial model did not run in onnxruntime (%s)", first_line(err))
-        return math.inf
-    return worst
+        return [None] * len(feeds)
 
 
 def feeds(model: onnx.ModelProto, calibration: Iterable[Mapping[str, Any]]) -> Iterator[tuple[int, dict]]:

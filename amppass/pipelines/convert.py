@@ -126,7 +126,8 @@ def convert(
             they feed fp32 work: half the bytes of those tables, at the cost of rounding them.
         calibration: an iterable of input tuples like ``example_inputs``; the fp32 model runs on each and
             the range rules of :mod:`amppass.analysis.rules` decide from what it computed. User overrides
-            (``keep_fp32``/``force_low``) still win.
+            (``keep_fp32``/``force_low``) still win. :mod:`amppass.analysis.calibration` lists the steps and
+            where each lives.
         tolerance: the largest relative error ``||out - out_fp32|| / ||out_fp32||`` allowed on any floating
             output over the calibration batches; the most sensitive nodes move back to fp32 until it is met
             (see :mod:`amppass.analysis.tolerance`). Needs ``calibration``.

@@ -1,12 +1,17 @@
-"""Calibration for the FX front end: run the captured fp32 graph on the user's batches and plan from it.
+"""Calibration for the FX front end: its half of the template of :mod:`amppass.analysis.calibration`.
 
-:func:`calibrate` runs the GraphModule (before any rewrite) under a :class:`torch.fx.Interpreter` that folds
+:func:`calibrated_plan` is where ``amppass.convert(..., calibration=...)`` plans from calibration data
+(through :func:`amppass.pipelines.convert.plan_captured`): :func:`calibrate` runs the template's data pass with
+:class:`FxRunner`, then :func:`~amppass.analysis.calibration.plan_from_calibration` applies the range rules,
+user overrides, painting and, with a tolerance, the search, whose runs are :class:`FxTrials`'.
+
+:class:`FxRunner` runs the GraphModule (before any rewrite) under a :class:`torch.fx.Interpreter` that folds
 each node's output into streaming :class:`~amppass.analysis.stats.CalibrationStats`, keyed by node name
 (the :class:`GraphView` value name). Values are freed as soon as their last reader has run, so memory is
 one forward pass whatever the number of batches. For the tolerance search it also replays candidate
 nodes in low precision on the first batch (their local error), records the norms of the values on that
-batch (how errors propagate, :mod:`amppass.analysis.propagation`) and keeps the batches and the fp32
-outputs, which the search re-runs.
+batch (how errors propagate, :mod:`amppass.analysis.propagation`) and keeps the fp32 values at the checkpoints
+(:mod:`amppass.fx.runners.trial_runs`) of the batches the template keeps for the search.
 
 Batches may have any shape the original model takes, as calls of the converted module may
 (:mod:`amppass.serving.serving_graph`). A batch the capture's guards reject (an LSTM unrolled over the example's length,
@@ -15,9 +20,6 @@ shape the guards tell apart (at most :data:`~amppass.fx.capture.guards.MAX_PLANS
 the example's graph by node name and op, as later plans take decisions over: the statistics of the values
 both graphs have are folded together, and each trial plan of the tolerance search is painted on that
 capture from the same decisions (:class:`FxTrials`).
-
-:func:`calibrated_plan` turns that into a plan: range rules, user overrides on top, painting, and the
-tolerance search when asked.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -33,7 +34,8 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from ...analysis.calibration import Perturbation, Progress, Trials, check_tolerance, plan_from_stats, relative_error
+from ...analysis.calibration import (Calibration, Perturbation, Trials, check_tolerance, plan_from_calibration,
+                                     record, relative_error)
 from ...analysis.painting import paint
 from ...analysis.plan import Category, Decision, PrecisionPlan
 from ...analysis.stats import CalibrationStats
@@ -41,7 +43,7 @@ from ...analysis.view import GraphView
 from ...dtypes import LowType
 from ...errors import CalibrationError, CaptureError, first_line
 from ..capture.copies import shared_copy
-from .prefix import Checkpoints
+from .trial_runs import Checkpoints
 from ..rewrite.apply import rewrite
 from ..capture.guards import GUARDS_KEY, MAX_PLANS, matching
 
@@ -53,6 +55,7 @@ _FIX = ("pass batches the model takes, laid out like its calls: a tuple of posit
 # captures the fp32 model for a batch's (args, kwargs): its graph and view; raises CaptureError, or the
 # original model's own error for inputs it rejects
 CaptureFp32 = Callable[[tuple, dict], tuple[fx.GraphModule, GraphView]]
+Batch = tuple[tuple, dict]  # a batch's (args, kwargs)
 
 
 @dataclass
@@ -72,22 +75,11 @@ class Graph:
 
 
 @dataclass
-class Calibration:
-    """What one pass over the calibration data recorded."""
+class FxCalibration(Calibration[Batch]):
+    """What one pass over the calibration data recorded, with the graphs its batches ran on."""
 
-    stats: CalibrationStats
-    seconds: float = 0.0
-    local_error: dict[str, float] = field(default_factory=dict)  # node -> relative error replayed low
-    norms: dict[str, float] = field(default_factory=dict)  # value -> L2 norm on the first batch (with replay)
-    kept: list[tuple[tuple, dict]] = field(default_factory=list)  # the batches, for the tolerance search
-    references: list[list[torch.Tensor]] = field(default_factory=list)  # their fp32 floating outputs
     graphs: list[Graph] = field(default_factory=list)  # the example's graph first, then other captures
     graph_of: list[int] = field(default_factory=list)  # kept batch -> the graph it ran on
-
-    @property
-    def batches(self) -> int:
-        """Batches folded into the statistics."""
-        return self.stats.batches
 
 
 def calibrate(
@@ -99,7 +91,7 @@ def calibrate(
     keep: bool = False,
     progress: bool = False,
     recapture: CaptureFp32 | None = None,
-) -> Calibration:
+) -> FxCalibration:
     """Run ``gm`` (fp32, not yet rewritten) on every batch and record per-value statistics.
 
     ``calibration`` yields input tuples (a lone tensor or a dict of keyword inputs also works).
@@ -109,47 +101,10 @@ def calibrate(
     a batch is a :class:`CalibrationError`. ``progress`` shows a progress bar on stderr (off by default: the
     library does not print).
     """
-    graphs = [Graph(gm, view)]
-    result = Calibration(graphs[0].stats, graphs=graphs)
-    recorders: dict[int, _Recorder] = {}
-    replayed_on = None
-    start = time.perf_counter()
-    with torch.no_grad(), Progress(progress, calibration) as advance:
-        for index, args, kwargs in _batches(gm, calibration):
-            which = _graph_for(graphs, args, kwargs, index, recapture)
-            graph = graphs[which]
-            if which not in recorders:
-                recorders[which] = _Recorder(graph.gm, graph.stats, _tracked(graph.view))
-                if keep:
-                    graph.checkpoints = recorders[which].checkpoints = Checkpoints(graph.gm, _candidates(graph.view))
-            recorder = recorders[which]
-            recorder.batch = len(result.kept)
-            flat = flatten_inputs(graph.gm, args, kwargs, index)
-            if replay is not None and index == 0:
-                recorder.replay = (replay, _candidates(graph.view), result.local_error)
-                recorder.norms, replayed_on = result.norms, which
-            try:
-                raw = recorder.run(*flat, enable_io_processing=False)
-            except Exception as err:  # noqa: BLE001 - a batch the fp32 model rejects is the caller's data
-                raise CalibrationError(
-                    f"calibration batch {index}: the fp32 model failed on it ({first_line(err)}); {_FIX}"
-                ) from err
-            recorder.replay, recorder.norms = None, None
-            if keep:
-                result.kept.append((args, kwargs))
-                result.references.append([t.clone() for t in _floating(raw)])
-                result.graph_of.append(which)
-            graph.stats.batches += 1
-            advance()
-    for graph in graphs[1:]:
-        result.stats.absorb(graph.stats, shared_names(gm, graph.gm))
-    if replayed_on:  # measured on another capture: kept where the example's graph has the same node
-        shared = shared_names(gm, graphs[replayed_on].gm)
-        result.local_error = {k: v for k, v in result.local_error.items() if k in shared}
-        result.norms = {k: v for k, v in result.norms.items() if k in shared}
-    result.seconds = time.perf_counter() - start
-    log.info("calibrated on %d batches (%d graph%s) in %.2fs (%d values)", result.batches, len(graphs),
-             "" if len(graphs) == 1 else "s", result.seconds, len(result.stats))
+    with torch.no_grad():
+        result = record(FxRunner(gm, view, replay, recapture), calibration, keep=keep, progress=progress)
+    log.info("calibrated on %d batches (%d graph%s) in %.2fs (%d values)", result.batches, len(result.graphs),
+             "" if len(result.graphs) == 1 else "s", result.seconds, len(result.stats))
     return result
 
 
@@ -177,35 +132,105 @@ def calibrated_plan(
     data = calibrate(gm, calibration, view, replay=low.torch if tolerance is not None else None,
                      keep=tolerance is not None, progress=progress, recapture=recapture)
     trials = FxTrials(data, low, dict(rewrite_options or {}), low_weight_tables)
-    plan, info = plan_from_stats(view, data.stats, low, given, batches=data.batches,
-                                 seconds=data.seconds, low_weight_tables=low_weight_tables, tolerance=tolerance,
-                                 local_error=data.local_error, norms=data.norms, trials=trials, progress=progress)
-    if tolerance is not None:
-        info["tolerance_reused"] = round(trials.reused(), 3)
-    return plan, info
+    return plan_from_calibration(view, data, low, given, trials=trials, tolerance=tolerance,
+                                 low_weight_tables=low_weight_tables, progress=progress)
 
 
-class FxTrials(Trials):
+class FxRunner:
+    """The data pass's FX half (:class:`~amppass.analysis.calibration.Runner`): each batch through a
+    :class:`_Recorder` on the first graph whose guards take it, or on a capture made for it."""
+
+    def __init__(self, gm: fx.GraphModule, view: GraphView, replay: torch.dtype | None,
+                 recapture: CaptureFp32 | None):
+        graphs = [Graph(gm, view)]
+        self.data = FxCalibration(graphs[0].stats, graphs=graphs)
+        self.replay, self.recapture = replay, recapture
+        self.recorders: dict[int, _Recorder] = {}  # graph -> its interpreter
+        self.replayed_on = 0  # the graph batch 0 ran on: local errors and norms were measured there
+
+    def batches(self, calibration: Iterable[Any]) -> Iterator[tuple[int, Batch]]:
+        """Batches checked against the example graph's inputs (structure, dtypes, finite values)."""
+        gm = self.data.graphs[0].gm
+        if calibration is None or isinstance(calibration, (torch.Tensor, dict, str, bytes)) or not hasattr(
+            calibration, "__iter__"
+        ):
+            raise CalibrationError(f"calibration must be an iterable of input tuples, got "
+                                   f"{type(calibration).__name__}; {_FIX}")
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        index = -1
+        for index, batch in enumerate(calibration):
+            args, kwargs = split_batch(batch)
+            flat = flatten_inputs(gm, args, kwargs, index)
+            for node, value in zip(placeholders, flat):
+                _check(node, value, index)
+            yield index, (args, kwargs)
+        if index < 0:
+            raise CalibrationError(f"calibration is empty: it yielded no batches; {_FIX}")
+
+    def run(self, index: int, batch: Batch, kept: int | None) -> list[torch.Tensor] | None:
+        """Batch ``index`` through its graph's interpreter, which folds every tracked value into that graph's
+        statistics, replays the candidates low on batch 0 (with a low dtype to replay) and keeps the values at
+        its checkpoints on a ``kept`` batch; the floating outputs, cloned, of a kept batch."""
+        args, kwargs = batch
+        graphs = self.data.graphs
+        which = _graph_for(graphs, args, kwargs, index, self.recapture)
+        graph = graphs[which]
+        if which not in self.recorders:
+            self.recorders[which] = _Recorder(graph.gm, graph.stats, _tracked(graph.view))
+            if kept is not None:
+                graph.checkpoints = self.recorders[which].checkpoints = Checkpoints(graph.gm, _candidates(graph.view))
+        recorder = self.recorders[which]
+        recorder.batch = kept
+        flat = flatten_inputs(graph.gm, args, kwargs, index)
+        if self.replay is not None and index == 0:
+            recorder.replay = (self.replay, _candidates(graph.view), self.data.local_error)
+            recorder.norms, self.replayed_on = self.data.norms, which
+        try:
+            raw = recorder.run(*flat, enable_io_processing=False)
+        except Exception as err:  # noqa: BLE001 - a batch the fp32 model rejects is the caller's data
+            raise CalibrationError(
+                f"calibration batch {index}: the fp32 model failed on it ({first_line(err)}); {_FIX}"
+            ) from err
+        recorder.replay, recorder.norms = None, None
+        graph.stats.batches += 1
+        if kept is None:
+            return None
+        self.data.graph_of.append(which)
+        return [t.clone() for t in _floating(raw)]
+
+    def finish(self) -> None:
+        """Fold the other captures' statistics into the example graph's, by the values both have; keep the
+        local errors and norms measured on another capture where the example's graph has the same node."""
+        data = self.data
+        gm = data.graphs[0].gm
+        for graph in data.graphs[1:]:
+            data.stats.absorb(graph.stats, shared_names(gm, graph.gm))
+        if self.replayed_on:
+            shared = shared_names(gm, data.graphs[self.replayed_on].gm)
+            data.local_error = {k: v for k, v in data.local_error.items() if k in shared}
+            data.norms = {k: v for k, v in data.norms.items() if k in shared}
+
+
+class FxTrials(Trials[Batch]):
     """The tolerance search's runs: each graph calibration ran batches on, rewritten by the trial plan (painted
     again from the trial's decisions, matched by node name and op, on a capture for other shapes)."""
 
-    def __init__(self, data: Calibration, low: LowType, rewrite_options: dict[str, Any], low_weight_tables: bool):
-        self.data, self.low, self.options, self.low_weight_tables = data, low, rewrite_options, low_weight_tables
-        self.calibrated = len(data.kept)
+    data: FxCalibration
+
+    def __init__(self, data: FxCalibration, low: LowType, rewrite_options: dict[str, Any], low_weight_tables: bool):
+        super().__init__(data)
+        self.low, self.options, self.low_weight_tables = low, rewrite_options, low_weight_tables
         self.targets = {n.name: n.target for n in data.graphs[0].gm.graph.nodes}
 
-    def count(self) -> int:
-        return self.calibrated
+    def checkpoints(self) -> list[Checkpoints]:
+        """Each graph's checkpoints (:mod:`amppass.fx.runners.trial_runs`)."""
+        return [g.checkpoints for g in self.data.graphs if g.checkpoints is not None]
 
-    def reused(self) -> float:
-        """The share of the search's node runs that read fp32 values calibration kept instead
-        (:mod:`amppass.fx.runners.prefix`)."""
-        kept = [g.checkpoints for g in self.data.graphs if g.checkpoints is not None]
-        total = sum(c.nodes_skipped + c.nodes_run for c in kept)
-        return sum(c.nodes_skipped for c in kept) / total if total else 0.0
-
-    def error(self, plan: PrecisionPlan, decisions: Mapping[str, Decision], batches: Sequence[int]) -> float:
-        data, worst = self.data, 0.0
+    def run(self, plan: PrecisionPlan, decisions: Mapping[str, Decision],
+            batches: Sequence[int]) -> Iterator[tuple[int, list[torch.Tensor]]]:
+        """Each graph of ``batches`` rewritten by the trial (repainted from ``decisions`` on another capture),
+        run on its batches from their checkpoints."""
+        data = self.data
         for which in sorted({data.graph_of[b] for b in batches}):
             graph = data.graphs[which]
             if which:
@@ -220,35 +245,27 @@ class FxTrials(Trials):
                 outputs = graph.checkpoints.run(trial, mine) if graph.checkpoints is not None else [
                     trial(*args, **kwargs) for _, args, kwargs, _ in mine]
             for (b, *_), out in zip(mine, outputs):
-                for got, ref in zip(_floating(out), data.references[b]):
-                    worst = max(worst, relative_error(got, ref))
-        return worst
+                yield b, _floating(out)
+
+    def noisy(self, batch: Batch) -> bool:
+        """Whether a tensor input of ``batch`` gets noise (:func:`_noisy`)."""
+        return any(_noisy(t) for t in pytree.tree_leaves(batch))
+
+    def perturb(self, batch: Batch, how: Perturbation) -> Batch:
+        """``batch`` with each noisy tensor perturbed by ``how`` (in numpy, back in its dtype and device)."""
+        return pytree.tree_map(
+            lambda t: torch.from_numpy(how.apply(t.detach().float().cpu().numpy())).to(t) if _noisy(t) else t, batch)
+
+    def references(self, batches: list[Batch]) -> list[list[torch.Tensor]]:
+        """The fp32 outputs of ``batches`` on the graph batch 0 ran on."""
+        gm = self.data.graphs[self.data.graph_of[0]].gm
+        with torch.no_grad():
+            return [[t.clone() for t in _floating(gm(*args, **kwargs))] for args, kwargs in batches]
 
     def perturbed(self, how: Sequence[Perturbation]) -> list[int]:
-        data = self.data
-        args, kwargs = data.kept[0]
-        if not any(_noisy(t) for t in pytree.tree_leaves((args, kwargs))):
-            return []
-        graph = data.graphs[data.graph_of[0]]
-        added = []
-        for perturbation in how:
-            def perturb(t: Any) -> Any:
-                if not _noisy(t):
-                    return t
-                return torch.from_numpy(perturbation.apply(t.detach().float().cpu().numpy())).to(t)
-
-            batch = pytree.tree_map(perturb, (args, kwargs))
-            try:
-                with torch.no_grad():
-                    reference = [t.clone() for t in _floating(graph.gm(*batch[0], **batch[1]))]
-            except Exception as err:  # noqa: BLE001 - then the single batch gets no held-out check
-                log.info("tolerance search: the fp32 model rejects a perturbed copy of the calibration batch (%s)",
-                         first_line(err))
-                return []
-            data.kept.append(batch)
-            data.references.append(reference)
-            data.graph_of.append(data.graph_of[0])
-            added.append(len(data.kept) - 1)
+        """The template's perturbed copies of batch 0, run on batch 0's graph."""
+        added = super().perturbed(how)
+        self.data.graph_of += [self.data.graph_of[0]] * len(added)
         return added
 
 
@@ -363,25 +380,6 @@ class _Recorder(fx.Interpreter):
 
 def _floating(value: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-
-
-def _batches(gm: fx.GraphModule, calibration: Iterable[Any]) -> Iterator[tuple[int, tuple, dict]]:
-    """Batches checked against ``gm``'s inputs (structure, dtypes, finite values): (index, args, kwargs)."""
-    if calibration is None or isinstance(calibration, (torch.Tensor, dict, str, bytes)) or not hasattr(
-        calibration, "__iter__"
-    ):
-        raise CalibrationError(f"calibration must be an iterable of input tuples, got {type(calibration).__name__}; "
-                               f"{_FIX}")
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    index = -1
-    for index, batch in enumerate(calibration):
-        args, kwargs = split_batch(batch)
-        flat = flatten_inputs(gm, args, kwargs, index)
-        for node, value in zip(placeholders, flat):
-            _check(node, value, index)
-        yield index, args, kwargs
-    if index < 0:
-        raise CalibrationError(f"calibration is empty: it yielded no batches; {_FIX}")
 
 
 def split_batch(batch: Any) -> tuple[tuple, dict]:

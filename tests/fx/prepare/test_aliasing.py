@@ -20,7 +20,7 @@ from amppass.fx.prepare.aliasing import alias_groups
 from amppass.fx.runners.calibrate import _candidates, _Recorder
 from amppass.fx.capture.export import capture
 from amppass.fx.capture.copies import shared_copy
-from amppass.fx.runners.prefix import Checkpoints
+from amppass.fx.runners.trial_runs import Checkpoints
 from amppass.fx.view.build import build_view
 from amppass.targets.target import torch_target
 from tests.helpers.aliasing_models import filled_key_model, key_input

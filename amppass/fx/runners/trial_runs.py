@@ -1,20 +1,16 @@
-"""Tolerance-search runs that start where the trial graph first differs from the fp32 graph.
+"""Tolerance-search runs of an FX graph that start where the trial graph first differs from the fp32 graph.
 
-Every run of the tolerance search rewrites the fp32 graph by a trial plan and runs it on the kept
-calibration batches. Up to the first node the trial changes (the first node run in low precision, or a
-cast or low-precision weight it reads) the trial computes exactly what the fp32 graph computed on the same
-batch during calibration: that fp32 prefix need not run again. Rules:
+The checkpoint rules of :mod:`amppass.analysis.calibration` (placement, budget, which checkpoint a trial
+resumes from) hold here with a checkpoint named by its node. What is the FX front end's:
 
-1. Checkpoints: at most :data:`~amppass.analysis.calibration.CHECKPOINTS` nodes of the graph, spread evenly
-   over the search's candidates in graph order. While calibration runs a batch, the values live at each
-   checkpoint (computed before it and read by it or after it; the interpreter has freed every other one) are
-   kept for that batch, the same tensor once for all the checkpoints it crosses, within
-   :data:`~amppass.analysis.calibration.CACHE_BYTES` over all batches (later checkpoints of a batch that
-   would pass it are not kept).
-2. A trial's cut is the last checkpoint before which every node of the trial graph is the fp32 graph's own
-   node (same name, op, arguments, and weights of the same dtype). The trial then runs from the cut: a
-   graph of the nodes from there on, fed the batch's inputs and the kept values; a batch without that
-   checkpoint uses its latest one before it, or the whole trial.
+1. Placement: the candidates are the search's, in graph order, less rule 4's nodes. While calibration's
+   interpreter (:mod:`amppass.fx.runners.calibrate`) reaches a checkpoint on a kept batch, the values live
+   there are the ones in its environment (computed before the node and read by it or after it: the
+   interpreter has freed every other one), kept by tensor: a tensor once for all the checkpoints it crosses.
+   A checkpoint the budget refuses is left out for that batch; later ones may still fit.
+2. A trial's nodes are unchanged up to the first whose signature differs from the fp32 graph's node of the
+   same name (op, arguments, and weights of the same dtype). The trial then runs from the cut: a graph of the
+   nodes from there on, fed the batch's inputs and the kept values.
 3. The result is the whole trial's, to the bit: the values fed are the ones the fp32 nodes computed.
 4. No checkpoint lies after a value of an aliasing group (:mod:`amppass.fx.prepare.aliasing`) and at or before a
    write into that group: a kept value is the tensor itself, which the rest of the fp32 run goes on writing,
@@ -23,83 +19,56 @@ batch during calibration: that fp32 prefix need not run again. Rules:
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from ...analysis.calibration import CACHE_BYTES, CHECKPOINTS
+from ...analysis import calibration
 from ..prepare.aliasing import alias_groups
 from ..view.build import fetch_attr
-
-log = logging.getLogger(__name__)
 
 _FREE = ("placeholder", "get_attr", "output")  # nodes that compute nothing
 
 
-class Checkpoints:
-    """The fp32 values live at the checkpoints of one graph, per kept batch (module docstring, rule 1)."""
+class Checkpoints(calibration.Checkpoints[str]):
+    """The fp32 values live at the checkpoints of one graph, per kept batch (module docstring)."""
 
     def __init__(self, gm: fx.GraphModule, candidates: set[str]):
         within = _within_writes(gm)
-        ordered = [n.name for n in gm.graph.nodes if n.name in candidates and n.name not in within]
-        step = max(1, len(ordered) // CHECKPOINTS)
-        self.order = {name: i for i, name in enumerate(ordered[step // 2::step][:CHECKPOINTS])}
+        super().__init__(calibration.place(
+            [n.name for n in gm.graph.nodes if n.name in candidates and n.name not in within]))
         self.signatures = {n.name: _signature(gm, n) for n in gm.graph.nodes if n.op not in _FREE}
-        self.values: dict[int, dict[str, dict[str, Any]]] = {}  # batch -> checkpoint -> value name -> value
-        self.bytes = 0
-        self.nodes_skipped = 0
-        self.nodes_run = 0
-        self._held: dict[int, set[int]] = {}  # batch -> ids of the tensors kept for it
 
     def record(self, batch: int, checkpoint: str, env: dict[fx.Node, Any]) -> None:
         """Keep the values live in an interpreter's ``env`` as it reaches ``checkpoint`` on kept ``batch``."""
         live = {node.name: value for node, value in env.items() if node.op not in _FREE}
-        held = self._held.setdefault(batch, set())
-        fresh = {id(t): t.numel() * t.element_size() for t in pytree.tree_leaves(list(live.values()))
-                 if isinstance(t, torch.Tensor) and id(t) not in held}
-        if self.bytes + sum(fresh.values()) > CACHE_BYTES:
-            return
-        self.bytes += sum(fresh.values())
-        held.update(fresh)
-        self.values.setdefault(batch, {})[checkpoint] = live
+        sizes = {id(t): t.numel() * t.element_size() for t in pytree.tree_leaves(list(live.values()))
+                 if isinstance(t, torch.Tensor)}
+        self.keep(batch, checkpoint, live, sizes)
 
     def run(self, trial: fx.GraphModule, batches: list[tuple[int, tuple, dict, list]]) -> list[Any]:
-        """The outputs of ``trial`` (their floating leaves in the graph's order) on each ``(kept batch, args,
-        kwargs, flat inputs)``, run from its cut where it has one."""
-        cut = self.cut(trial)
-        total = sum(n.op not in _FREE for n in trial.graph.nodes)
+        """The outputs of ``trial`` on each ``(kept batch, args, kwargs, flat inputs)``, run from the checkpoint
+        it resumes from where it has one."""
+        computing = [n for n in trial.graph.nodes if n.op not in _FREE]
+        cut = self.cut((self.signatures.get(n.name) == _signature(trial, n) for n in computing),
+                       {n.name: i for i, n in enumerate(computing)})
         suffixes: dict[str, tuple[fx.GraphModule, list[str], int]] = {}
         outputs = []
         for batch, args, kwargs, flat in batches:
-            kept = self.values.get(batch, {})
-            usable = [c for c in kept if cut is not None and self.order[c] <= self.order[cut]]
-            if not usable:
+            start = self.resume(batch, cut)
+            if start is None:
                 outputs.append(trial(*args, **kwargs))
-                self.nodes_run += total
+                self.count(0, len(computing))
                 continue
-            start = max(usable, key=self.order.__getitem__)
+            kept = self.values[batch][start]
             if start not in suffixes:
-                suffixes[start] = _suffix(trial, start, list(kept[start]))
+                suffixes[start] = _suffix(trial, start, list(kept))
             suffix, fed, skipped = suffixes[start]
-            outputs.append(suffix(*flat, *(kept[start][name] for name in fed)))
-            self.nodes_skipped += skipped
-            self.nodes_run += total - skipped
+            outputs.append(suffix(*flat, *(kept[name] for name in fed)))
+            self.count(skipped, len(computing))
         return outputs
-
-    def cut(self, trial: fx.GraphModule) -> str | None:
-        """Rule 2: the last checkpoint the trial graph reaches unchanged, or None."""
-        found = None
-        for node in trial.graph.nodes:
-            if node.op in _FREE:
-                continue
-            if node.name in self.order:
-                found = node.name
-            if self.signatures.get(node.name) != _signature(trial, node):
-                break
-        return found
 
 
 def _within_writes(gm: fx.GraphModule) -> set[str]:

@@ -1,5 +1,5 @@
 """Tolerance search time: at most the runs it documents, and each run starts where its
-trial graph first differs from the fp32 graph, from fp32 values calibration kept (amppass.fx.runners.prefix),
+trial graph first differs from the fp32 graph, from fp32 values calibration kept (amppass.fx.runners.trial_runs),
 with the same result as the whole trial."""
 
 from __future__ import annotations

@@ -1,81 +1,68 @@
-"""Tolerance-search runs that start where the trial model first differs from the fp32 model (ONNX).
+"""Tolerance-search runs of an ONNX model that start where the trial model first differs from the fp32 model.
 
-The ONNX counterpart of :mod:`amppass.fx.runners.prefix`. The rewrite keeps the main graph's node order and puts
-each Cast right before its first reader, so a trial's nodes up to the first one it changes (a node run
-low, a Cast, a weight stored low) are the fp32 model's, in the same places. Rules:
+The checkpoint rules of :mod:`amppass.analysis.calibration` (placement, budget, which checkpoint a trial
+resumes from) hold here with a checkpoint named by its position in the main graph. The rewrite keeps the main graph's
+node order and puts each Cast right before its first reader, so a trial's nodes up to the first one it changes
+(a node run low, a Cast, a weight stored low) are the fp32 model's, in the same places. What is the ONNX
+front end's:
 
-1. Checkpoints: at most :data:`~amppass.analysis.calibration.CHECKPOINTS` positions in the main graph,
-   spread evenly over the search's candidates. At each, the values live there (made by earlier nodes, read
-   by later ones or their bodies) are returned by the calibration pass as extra outputs and kept per feed,
-   within :data:`~amppass.analysis.calibration.CACHE_BYTES`; a position whose live values are untyped or
-   graph outputs is not used.
-2. A trial's cut is the last checkpoint before which its nodes equal the fp32 model's (op, inputs, outputs,
-   attributes, and the element type of each initializer read). The trial then runs as a model of the nodes
-   from the cut on, fed the feed's inputs and the kept values (initializers only the cut-off nodes read are
-   left out); a feed without that checkpoint runs the whole trial.
+1. Placement: of the positions placed over the search's candidates, those whose live values (made by earlier
+   nodes, read by later ones or their bodies) are all typed and none a graph output. The calibration pass
+   returns the live values as extra outputs (:meth:`Checkpoints.wanted`) and keeps them per feed, by value
+   name; a feed's checkpoints are offered to the budget in order, and the first it refuses ends them.
+2. A trial's nodes are unchanged up to the first that differs from the fp32 model's node at the same position
+   (op, inputs, outputs, attributes, and the element type of each initializer read). The trial then runs as a
+   model of the nodes from the cut on, fed the feed's inputs and the kept values (initializers only the
+   cut-off nodes read are left out).
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Iterable, Mapping
 
 import numpy as np
 import onnx
 from onnx import helper
 
-from ..analysis.calibration import CACHE_BYTES, CHECKPOINTS
+from ..analysis import calibration
 from .view import subgraphs
 
-log = logging.getLogger(__name__)
 
-
-class Checkpoints:
+class Checkpoints(calibration.Checkpoints[int]):
     """The fp32 values live at the checkpoints of a model's main graph, per kept feed (module docstring)."""
 
     def __init__(self, model: onnx.ModelProto, candidates: Iterable[str], types: Mapping[str, int]):
         graph = model.graph
         nodes = list(graph.node)
         where = {n.name: i for i, n in enumerate(nodes)}
-        positions = sorted(where[c] for c in candidates if c in where)
-        step = max(1, len(positions) // CHECKPOINTS)
         outputs = {o.name for o in graph.output}
         reads = [_reads(n) for n in nodes]
-        self.live: dict[int, list[str]] = {}
-        for position in positions[step // 2::step][:CHECKPOINTS]:
+        self.live: dict[int, list[str]] = {}  # checkpoint position -> the values live there
+        for position in calibration.place(sorted(where[c] for c in candidates if c in where)):
             later = set().union(*reads[position:]) | outputs
             live = [v for n in nodes[:position] for v in n.output if v and v in later]
             if live and all(v in types and v not in outputs for v in live):
                 self.live[position] = live
+        super().__init__(self.live)
         self.types = dict(types)
         self.signatures = [_signature(n, _initializer_types(graph)) for n in nodes]
-        self.values: dict[int, dict[int, dict[str, np.ndarray]]] = {}  # feed -> position -> value -> array
-        self.bytes = 0
 
     def wanted(self) -> list[str]:
         """Every value some checkpoint keeps: outputs the calibration pass adds."""
         return list(dict.fromkeys(v for live in self.live.values() for v in live))
 
     def record(self, feed: int, values: Mapping[str, np.ndarray]) -> None:
-        """Keep, for kept ``feed``, the live values of each checkpoint while they fit the budget."""
-        held: set[str] = set()
+        """Keep, for kept ``feed``, the live values of each checkpoint in order until the budget refuses one."""
         for position, live in self.live.items():
-            fresh = sum(values[v].nbytes for v in live if v not in held)
-            if self.bytes + fresh > CACHE_BYTES:
+            if not self.keep(feed, position, {v: values[v] for v in live}, {v: values[v].nbytes for v in live}):
                 return
-            self.bytes += fresh
-            held.update(live)
-            self.values.setdefault(feed, {})[position] = {v: values[v] for v in live}
 
-    def cut(self, trial: onnx.ModelProto) -> int | None:
-        """Rule 2: the last checkpoint position the trial reaches unchanged, or None."""
+    def trial_cut(self, trial: onnx.ModelProto) -> int | None:
+        """The last checkpoint position ``trial`` reaches unchanged (rule 2), or None."""
         inits = _initializer_types(trial.graph)
-        same = 0
-        for node, signature in zip(trial.graph.node, self.signatures):
-            if _signature(node, inits) != signature:
-                break
-            same += 1
-        return max((p for p in self.live if p <= same), default=None)
+        return self.cut((_signature(node, inits) == signature for node, signature in zip(trial.graph.node,
+                                                                                        self.signatures)),
+                        {p: p for p in self.order})
 
     def suffix(self, trial: onnx.ModelProto, position: int) -> onnx.ModelProto:
         """The trial from the node at ``position`` on, taking the values live there as inputs (rule 2)."""
@@ -101,6 +88,7 @@ def _reads(node: onnx.NodeProto) -> set[str]:
 
 
 def _initializer_types(graph: onnx.GraphProto) -> dict[str, int]:
+    """Initializer name -> its element type."""
     return {t.name: t.data_type for t in graph.initializer}
 
 
