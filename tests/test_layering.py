@@ -18,22 +18,21 @@
    ``amppass.__version__`` reaches the release that removes it.
 6. Sizes: a module stays under :data:`MAX_LINES` lines and a folder holds at most :data:`MAX_MODULES` modules
    (``__init__.py`` counted); past either it is two modules or two folders.
-7. No import cycle runs when a module is imported: the imports a module's body runs (not those inside functions,
-   which run on a call, nor those under ``if TYPE_CHECKING``) form no cycle.
+7. No import cycle, at any level: tests/test_imports.py holds it, with the rules on graph types in ``analysis/``
+   and private attributes.
 """
 
 from __future__ import annotations
 
 import ast
-import pathlib
 import re
 
 import pytest
 
 from amppass._version import __version__
+from tests.helpers.package_imports import PACKAGE, all_imports, folder, imports, module_name
+from tests.helpers.paths import ROOT
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-PACKAGE = ROOT / "amppass"
 
 LAYERS = (
     ("_version",),
@@ -66,68 +65,20 @@ KEPT_PATHS = {
 }
 
 
-def _module_name(path: pathlib.Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    if parts[-1] == "__init__" and len(parts) > 2:
-        parts.pop()
-    return ".".join(parts)
-
-
 def _unit(module: str) -> str:
     """The folder (or top-level module) of ``amppass.x.y``: ``x``; the package itself is ``__init__``."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
 
 
-def _folder(module: str) -> str:
-    """The package a module lives in (a package's ``__init__`` lives in the package itself)."""
-    if module.endswith(".__init__"):
-        return module[: -len(".__init__")]
-    return module if (ROOT / module.replace(".", "/") / "__init__.py").exists() else module.rsplit(".", 1)[0]
-
-
 def _private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
-
-
-def _is_module(dotted: str) -> bool:
-    path = ROOT / dotted.replace(".", "/")
-    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
-
-
-def _imports(path: pathlib.Path):
-    """(importing module, imported module, imported name or None, line) for every amppass import in ``path``,
-    function-level ones included; ``from pkg import module`` names the module itself."""
-    module = _module_name(path)
-    package = _folder(module).split(".")
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package[: len(package) - node.level + 1]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
-            if target.split(".")[0] != "amppass":
-                continue
-            for alias in node.names:
-                if _is_module(f"{target}.{alias.name}"):
-                    yield module, f"{target}.{alias.name}", None, node.lineno
-                else:
-                    yield module, target, alias.name, node.lineno
-        elif isinstance(node, ast.Import):
-            for alias in node.names:
-                if alias.name.split(".")[0] == "amppass":
-                    yield module, alias.name, None, node.lineno
-
-
-def _all_imports():
-    return [edge for path in sorted(PACKAGE.rglob("*.py")) for edge in _imports(path)]
 
 
 def _breaks(importer: str, target: str, name: str | None) -> str | None:
     """Why ``importer`` may not import ``name`` from ``target``, or None."""
     a, b = _unit(importer), _unit(target)
-    if _folder(importer) != _folder(target):
+    if folder(importer) != folder(target):
         if name and _private(name):
             return f"imports the private {name} from another folder"
         if _private(target.rsplit(".", 1)[-1]) and target != "amppass._version":
@@ -145,21 +96,21 @@ def _breaks(importer: str, target: str, name: str | None) -> str | None:
 
 def _below_its_front_end(importer: str, target: str) -> str | None:
     """Rule 4 for an import within one folder of :data:`LAYERS`."""
-    folder = _folder(importer)
-    allowed = BELOW_ITS_FRONT_END.get(folder)
-    if allowed is None or _folder(target) == folder or target in allowed:
+    home = folder(importer)
+    allowed = BELOW_ITS_FRONT_END.get(home)
+    if allowed is None or folder(target) == home or target in allowed:
         return None
-    return f"imports from the rest of its front end ({folder} is below it and reads only {sorted(allowed)})"
+    return f"imports from the rest of its front end ({home} is below it and reads only {sorted(allowed)})"
 
 
 def test_every_folder_has_a_layer():
-    units = {_unit(_module_name(p)) for p in PACKAGE.rglob("*.py")}
+    units = {_unit(module_name(p)) for p in PACKAGE.rglob("*.py")}
     assert units <= set(RANK), f"place {sorted(units - set(RANK))} in LAYERS and docs/architecture.md"
 
 
 def test_no_import_breaks_the_layers():
     broken = [f"{importer}:{line} {why}: {target}" + (f".{name}" if name else "")
-              for importer, target, name, line in _all_imports()
+              for importer, target, name, line in all_imports()
               if (why := _breaks(importer, target, name))]
     assert not broken, "\n".join(broken)
 
@@ -174,8 +125,8 @@ def test_the_rule_catches_an_upward_and_a_private_import():
 
 
 def test_a_subfolder_takes_its_top_folders_layer_and_keeps_its_private_names():
-    assert _unit("amppass.onnx.io.save") == "onnx" and _folder("amppass.onnx.io.save") == "amppass.onnx.io"
-    assert _folder("amppass.onnx.io") == "amppass.onnx.io" and _folder("amppass.cli") == "amppass"
+    assert _unit("amppass.onnx.io.save") == "onnx" and folder("amppass.onnx.io.save") == "amppass.onnx.io"
+    assert folder("amppass.onnx.io") == "amppass.onnx.io" and folder("amppass.cli") == "amppass"
     assert _breaks("amppass.onnx.io.save", "amppass.pipelines.convert_onnx", "save").startswith("imports upward")
     assert _breaks("amppass.onnx.io.save", "amppass.fx.view.policy", "POLICY").startswith("imports across")
     assert _breaks("amppass.onnx.rewrite", "amppass.onnx.io.weight_store", "_entry").startswith("imports the private")
@@ -193,49 +144,6 @@ def test_modules_and_folders_stay_small():
     assert not long + crowded, f"split (rule 6): {long + crowded}"
 
 
-def _run_on_import(tree: ast.Module) -> set[int]:
-    """The lines of the imports a module runs when it is imported: its body's, those under a top-level ``if`` or
-    ``try`` included, those in functions and classes and under ``if TYPE_CHECKING`` not."""
-    lines, stack = set(), list(tree.body)
-    while stack:
-        node = stack.pop()
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            lines.add(node.lineno)
-        elif isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
-            stack.extend(node.body + node.orelse)
-        elif isinstance(node, ast.Try):
-            stack.extend(node.body + node.orelse + node.finalbody + [s for h in node.handlers for s in h.body])
-    return lines
-
-
-def test_no_import_cycle_runs_when_a_module_is_imported():
-    graph: dict[str, set[str]] = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        lines = _run_on_import(ast.parse(path.read_text()))
-        for importer, target, _, line in _imports(path):
-            if line in lines:
-                graph.setdefault(importer, set()).add(target)
-    done: set[str] = set()
-
-    def cycle_from(module: str, path: list[str]) -> list[str] | None:
-        if module in path:
-            return path[path.index(module):] + [module]
-        if module in done:
-            return None
-        found = next((c for t in sorted(graph.get(module, ())) if (c := cycle_from(t, path + [module]))), None)
-        done.add(module)
-        return found
-
-    cycles = [c for module in sorted(graph) if (c := cycle_from(module, []))]
-    assert not cycles, f"rule 7: {' -> '.join(cycles[0])}"
-
-
-def test_the_cycle_rule_reads_only_the_imports_that_run_on_import():
-    tree = ast.parse("import a\nif TYPE_CHECKING:\n    import b\ntry:\n    import c\nexcept ImportError:\n"
-                     "    import d\ndef f():\n    import e\n")
-    assert _run_on_import(tree) == {1, 5, 7}
-
-
 def _kept(old: str) -> tuple[str, dict[str, str]]:
     """The release that removes the kept path ``old`` and the new home of each name it gives, read from its module,
     which holds nothing but a docstring naming them and ``__getattr__ = moved(__name__, "<release>", name="home")``."""
@@ -245,7 +153,7 @@ def _kept(old: str) -> tuple[str, dict[str, str]]:
     doc, imported, assigned = body
     assert isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant), f"{path}: no docstring first"
     assert isinstance(imported, ast.ImportFrom) and [alias.name for alias in imported.names] == ["moved"]
-    assert {target for _, target, _, _ in _imports(path)} == {"amppass.deprecation"}, f"{path} imports more"
+    assert {target for _, target, _, _ in imports(path)} == {"amppass.deprecation"}, f"{path} imports more"
     call = assigned.value
     assert isinstance(assigned, ast.Assign) and [ast.unparse(t) for t in assigned.targets] == ["__getattr__"]
     assert isinstance(call, ast.Call) and ast.unparse(call.func) == "moved", f"{path}: __getattr__ = moved(...)"

@@ -27,7 +27,8 @@ from ..fx.capture.function_backward import check_backward
 from ..fx.rewrite.device_literals import module_device
 from ..fx.capture.fidelity import check_fidelity
 from ..fx.rewrite.low_backward import annotate_backward
-from ..fx.runners.calibrate import CaptureFp32, calibrated_plan, flatten_inputs, split_batch
+from ..fx.capture.inputs import flatten_inputs
+from ..fx.runners.calibrate import CaptureFp32, calibrated_plan, split_batch
 from ..fx.capture.export import capture, capture_program
 from ..fx.prepare.gelu import FUSED_KEY, fuse_tanh_gelu
 from ..fx.capture.guards import GUARDS_KEY, carried_decisions, matching, plain_inputs

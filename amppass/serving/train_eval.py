@@ -57,7 +57,7 @@ from torch.utils import _pytree as pytree
 from ..analysis.record import META_KEY
 from ..errors import InputError
 from ..fx.rewrite.low_backward import record_saved_bytes
-from ..fx.runners.calibrate import flatten_inputs
+from ..fx.capture.inputs import flatten_inputs
 from ..fx.capture.guards import GUARDS_KEY, call_layout
 from ..fx.capture.modes import captured_flags
 from .plan_dtypes import PlanDtypes

@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 
 from ...errors import CaptureError, first_line
 from ..prepare.aliasing import writes_an_input
-from ..runners.calibrate import flatten_inputs
+from .inputs import flatten_inputs
 from .modes import module_mode
 from ..arguments import argument
 

@@ -24,7 +24,6 @@ capture from the same decisions (:class:`FxTrials`).
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 from dataclasses import dataclass, field
@@ -46,11 +45,10 @@ from ..capture.copies import shared_copy
 from .trial_runs import Checkpoints
 from ..rewrite.apply import rewrite
 from ..capture.guards import GUARDS_KEY, MAX_PLANS, matching
+from ..capture.inputs import BATCH_FIX, flatten_inputs
 
 log = logging.getLogger(__name__)
 
-_FIX = ("pass batches the model takes, laid out like its calls: a tuple of positional inputs, or a dict of keyword inputs, "
-        "e.g. calibration=[(x,) for x in batches] or calibration=[tokenizer(text, return_tensors=\"pt\") ...]")
 
 # captures the fp32 model for a batch's (args, kwargs): its graph and view; raises CaptureError, or the
 # original model's own error for inputs it rejects
@@ -155,7 +153,7 @@ class FxRunner:
             calibration, "__iter__"
         ):
             raise CalibrationError(f"calibration must be an iterable of input tuples, got "
-                                   f"{type(calibration).__name__}; {_FIX}")
+                                   f"{type(calibration).__name__}; {BATCH_FIX}")
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         index = -1
         for index, batch in enumerate(calibration):
@@ -165,7 +163,7 @@ class FxRunner:
                 _check(node, value, index)
             yield index, (args, kwargs)
         if index < 0:
-            raise CalibrationError(f"calibration is empty: it yielded no batches; {_FIX}")
+            raise CalibrationError(f"calibration is empty: it yielded no batches; {BATCH_FIX}")
 
     def run(self, index: int, batch: Batch, kept: int | None) -> list[torch.Tensor] | None:
         """Batch ``index`` through its graph's interpreter, which folds every tracked value into that graph's
@@ -189,7 +187,7 @@ class FxRunner:
             raw = recorder.run(*flat, enable_io_processing=False)
         except Exception as err:  # noqa: BLE001 - a batch the fp32 model rejects is the caller's data
             raise CalibrationError(
-                f"calibration batch {index}: the fp32 model failed on it ({first_line(err)}); {_FIX}"
+                f"calibration batch {index}: the fp32 model failed on it ({first_line(err)}); {BATCH_FIX}"
             ) from err
         recorder.replay, recorder.norms = None, None
         graph.stats.batches += 1
@@ -311,10 +309,10 @@ def _graph_for(graphs: list[Graph], args: tuple, kwargs: dict, index: int, recap
         gm, view = recapture(args, kwargs)
     except CaptureError as err:
         raise CalibrationError(f"{where}, and torch.export cannot capture the model for it ({first_line(err)}); "
-                               f"{_FIX}") from err
+                               f"{BATCH_FIX}") from err
     except Exception as err:  # noqa: BLE001 - the original model rejects the batch: the caller's data
         raise CalibrationError(f"calibration batch {index}: the fp32 model failed on it ({first_line(err)}); "
-                               f"{_FIX}") from err
+                               f"{BATCH_FIX}") from err
     log.info("%s: captured the model for it too", where)
     graphs.append(Graph(gm, view))
     return len(graphs) - 1
@@ -390,43 +388,16 @@ def split_batch(batch: Any) -> tuple[tuple, dict]:
     return (batch,), {}
 
 
-def flatten_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict, index: int) -> list:
-    """The graph's placeholder values for one batch of ``args``/``kwargs``; CalibrationError naming batch ``index``
-    when its structure is not the captured one."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    codegen = gm.graph._codegen
-    spec = getattr(getattr(codegen, "pytree_info", None), "in_spec", None)
-    if spec is not None:
-        flat, got = pytree.tree_flatten((args, kwargs))
-        guards = gm.meta.get(GUARDS_KEY)
-        if got != spec and guards is not None:  # keywords in another order, a positional input by name
-            flat = guards.flatten(args, kwargs)
-            got = spec if flat is not None else got
-        if got != spec:
-            raise CalibrationError(
-                f"calibration batch {index}: it holds {len(args)} positional and {sorted(kwargs)} keyword inputs "
-                f"({got.num_leaves} values), but the model was captured with {spec.num_leaves} input values in "
-                f"another structure; {_FIX}"
-            )
-        return flat
-    try:
-        bound = inspect.signature(gm.forward).bind(*args, **kwargs)
-    except TypeError as err:
-        raise CalibrationError(f"calibration batch {index}: {err} (the model takes "
-                               f"{[p.name for p in placeholders]}); {_FIX}") from err
-    return [bound.arguments[str(p.target)] for p in placeholders if str(p.target) in bound.arguments]
-
-
 def _check(node: fx.Node, value: Any, index: int) -> None:
     """Dtype and finiteness of one input against what capture recorded (its shape is the guards' business)."""
     where = f"calibration batch {index}, input {node.name!r}"
     expected = node.meta.get("val")
     if isinstance(expected, torch.Tensor):
         if not isinstance(value, torch.Tensor):
-            raise CalibrationError(f"{where}: expected a tensor, got {type(value).__name__}; {_FIX}")
+            raise CalibrationError(f"{where}: expected a tensor, got {type(value).__name__}; {BATCH_FIX}")
         if value.dtype != expected.dtype:
             raise CalibrationError(f"{where}: dtype {value.dtype}, but the model was captured with "
-                                   f"{expected.dtype}; convert it (e.g. .to({expected.dtype})); {_FIX}")
+                                   f"{expected.dtype}; convert it (e.g. .to({expected.dtype})); {BATCH_FIX}")
     if isinstance(value, torch.Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
         kind = "NaN" if bool(torch.isnan(value).any()) else "inf"
         raise CalibrationError(f"{where}: holds {kind}; calibration data must be finite, drop or clean that "
