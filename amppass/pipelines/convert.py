@@ -27,8 +27,8 @@ from ..fx.capture.function_backward import check_backward
 from ..fx.rewrite.device_literals import module_device
 from ..fx.capture.fidelity import check_fidelity
 from ..fx.rewrite.low_backward import annotate_backward
-from ..fx.capture.inputs import flatten_inputs
-from ..fx.runners.calibrate import CaptureFp32, calibrated_plan, split_batch
+from ..fx.capture.inputs import example_call, flatten_inputs, split_batch
+from ..fx.runners.calibrate import CaptureFp32, calibrated_plan
 from ..fx.capture.export import capture, capture_program
 from ..fx.prepare.gelu import FUSED_KEY, fuse_tanh_gelu
 from ..fx.capture.guards import GUARDS_KEY, carried_decisions, matching, plain_inputs
@@ -43,7 +43,6 @@ from ..serving.fp32_original import keep_original
 from ..serving.serving_graph import ServingGraph
 from ..serving.traced import TracedGraph
 from ..serving.train_eval import TrainEvalGraphs
-from ..serving.tree import example_call
 from ..targets.cost_model import CostModel, DeviceFacts
 from ..targets.device import fingerprint
 from ..targets.target import Target, torch_target

@@ -57,12 +57,12 @@ from torch.utils import _pytree as pytree
 from ..analysis.record import META_KEY
 from ..errors import InputError
 from ..fx.rewrite.low_backward import record_saved_bytes
-from ..fx.capture.inputs import flatten_inputs
+from ..fx.capture.inputs import example_call, flatten_inputs
 from ..fx.capture.guards import GUARDS_KEY, call_layout
 from ..fx.capture.modes import captured_flags
 from .plan_dtypes import PlanDtypes
 from .serving_graph import set_state
-from .tree import Children, Mode, Outline, build_tree, example_call, install, named_state, outline, sharded, stand_in, unfit
+from .tree import Children, Mode, Outline, build_tree, install, named_state, outline, sharded, stand_in, unfit
 
 log = logging.getLogger(__name__)
 

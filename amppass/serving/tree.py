@@ -54,10 +54,10 @@ from torch.export.unflatten import InterpreterModule
 from torch.utils import _pytree as pytree
 
 from ..errors import InputError
-from ..fx.runners.calibrate import split_batch
 from ..fx.capture.export import auto_dims, size_one_dynamic, without_dtype_asserts
 from ..fx.rewrite.device_literals import retarget_graph
 from ..fx.capture.guards import GUARDS_KEY
+from ..fx.capture.inputs import example_call
 from ..fx.capture.quiet import quiet_torch
 from .serving_graph import set_state
 
@@ -446,12 +446,6 @@ def _unshadow_self(gm: fx.GraphModule) -> None:
             node.target = node.name
     if clashing:
         gm.recompile()
-
-
-def example_call(example: tuple[Any, dict]) -> tuple[tuple, dict]:
-    """The conversion's example as ``(args, kwargs)`` of one call."""
-    args, kwargs = example
-    return (split_batch(args)[0] if args is not None else ()), dict(kwargs or {})
 
 
 def _place_new_nodes(gm: fx.GraphModule) -> None:

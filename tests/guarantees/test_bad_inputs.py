@@ -25,10 +25,11 @@ from amppass.errors import ScaleCollapseError, ScalerUsageError, ScalerValueErro
 from amppass.onnx.io.validate import MAX_NODES
 from amppass.serving.fp32_original import keep_original
 from amppass.targets import onnxruntime_facts, timing_cache
-from tests.helpers.ddp_harness import one_rank_group
 from tests.helpers.autograd_functions import RoundSTE
-from tests.helpers.small_models import X, matmul_model, mlp
+from tests.helpers.ddp_harness import one_rank_group
+from tests.helpers.onnx_graphs import relu_chain
 from tests.helpers.paths import ROOT
+from tests.helpers.small_models import X, matmul_model, mlp
 
 F32 = TensorProto.FLOAT
 
@@ -157,16 +158,6 @@ def _deep_report(tmp: Path) -> object:
     entry = next(p for p in model.metadata_props if p.key == "amppass")
     entry.value = entry.value[:-1] + ', "x": ' + "[" * 100_000 + "]" * 100_000 + "}"
     return amppass.report(model)
-
-
-def _chain(count: int) -> onnx.ModelProto:
-    """x -> Relu -> ... (``count`` nodes) -> y."""
-    graph = onnx.GraphProto(name="chain")
-    for i in range(count):
-        graph.node.add(op_type="Relu", input=[f"v{i}"], output=[f"v{i + 1}"], name=f"r{i}")
-    graph.input.append(helper.make_tensor_value_info("v0", F32, [2]))
-    graph.output.append(helper.make_tensor_value_info(f"v{count}", F32, [2]))
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
 def _fifo(tmp: Path) -> Path:
@@ -311,7 +302,7 @@ CASES = [
     Case("onnx-deep-metadata", "amppass.report of a model whose metadata nests 100,000 deep", _deep_report,
          InputError, ("metadata_props['amppass']", "nests deeper than 64 levels", "convert the original model again")),
     Case("onnx-too-many-nodes", "an ONNX model of more nodes than amppass reads (500,000)",
-         _onnx(lambda tmp: _chain(MAX_NODES + 1)), InputError,
+         _onnx(lambda tmp: relu_chain(MAX_NODES + 1)), InputError,
          ("500,001 nodes", "at most 500,000", "AMPPASS_MAX_NODES")),
     Case("output-fifo", "an output path that is a FIFO", lambda tmp: amppass.export_onnx(mlp(), X, _fifo(tmp)),
          InputError, ("out.onnx", "a FIFO", "not a regular file", "choose another path")),

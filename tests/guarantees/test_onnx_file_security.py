@@ -30,6 +30,7 @@ from amppass.cli import main
 from amppass.onnx.io.save import save
 from amppass.onnx.io.validate import MAX_NESTING
 from tests.helpers.onnx_files import SECRET, matmul_64, secret_weight, weights_named_w
+from tests.helpers.onnx_graphs import relu_chain
 from tests.helpers.paths import ROOT
 
 F32 = TensorProto.FLOAT
@@ -535,21 +536,11 @@ def test_a_huge_stored_node_number_is_not_counted(tmp_path, key):
     assert done.returncode == 0, done.stderr
 
 
-def _chain(count: int) -> onnx.ModelProto:
-    """x -> Relu -> Relu -> ... (``count`` nodes) -> y."""
-    graph = onnx.GraphProto(name="chain")
-    for i in range(count):
-        graph.node.add(op_type="Relu", input=[f"v{i}"], output=[f"v{i + 1}"], name=f"r{i}")
-    graph.input.append(helper.make_tensor_value_info("v0", F32, [2]))
-    graph.output.append(helper.make_tensor_value_info(f"v{count}", F32, [2]))
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-
-
 def test_a_million_node_chain_is_refused_before_any_heavy_work(tmp_path):
     """A 10**6-node chain took 3.5 GB and 120 s before this cap; now refused while the file is read."""
     from amppass.onnx.io.validate import MAX_NODES
 
-    model = _chain(1_000_000)
+    model = relu_chain(1_000_000)
     path = tmp_path / "chain.onnx"
     path.write_bytes(model.SerializeToString())
     for source, count in ((str(path), f"at least {MAX_NODES + 1:,}"), (model, "1,000,000")):
@@ -575,10 +566,10 @@ def test_the_node_cap_counts_subgraphs_and_initializers_and_can_be_raised(tmp_pa
 
     monkeypatch.setenv("AMPPASS_MAX_NODES", "40")
     with pytest.raises(InputError, match="holds (at least )?41 nodes"):
-        amppass.convert_onnx(given(_chain(41)))
-    amppass.convert_onnx(given(_chain(40)))
+        amppass.convert_onnx(given(relu_chain(41)))
+    amppass.convert_onnx(given(relu_chain(40)))
     nested = _nested(3)
-    nested.graph.node[0].attribute[1].g.node.extend(_chain(40).graph.node)  # 40 more nodes in a branch
+    nested.graph.node[0].attribute[1].g.node.extend(relu_chain(40).graph.node)  # 40 more nodes in a branch
     with pytest.raises(InputError, match="nodes"):
         amppass.convert_onnx(given(nested))
     many = matmul_64()

@@ -87,3 +87,13 @@ def model_of(nodes, inputs, outputs, initializers=(), opset: int = 17) -> onnx.M
 
 def vinfo(name: str, elem=F32, shape=(2, 8)) -> onnx.ValueInfoProto:
     return helper.make_tensor_value_info(name, elem, list(shape))
+
+
+def relu_chain(count: int) -> onnx.ModelProto:
+    """x -> Relu -> Relu -> ... (``count`` nodes) -> y."""
+    graph = onnx.GraphProto(name="chain")
+    for i in range(count):
+        graph.node.add(op_type="Relu", input=[f"v{i}"], output=[f"v{i + 1}"], name=f"r{i}")
+    graph.input.append(helper.make_tensor_value_info("v0", F32, [2]))
+    graph.output.append(helper.make_tensor_value_info(f"v{count}", F32, [2]))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])

@@ -13,8 +13,8 @@ from torch import nn
 
 import amppass
 from amppass.pipelines.backend import amppass_backend
-from tests.helpers.shape_models import detector
 from tests.helpers.paths import ROOT
+from tests.helpers.shape_models import detector
 
 
 

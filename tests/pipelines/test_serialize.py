@@ -14,8 +14,8 @@ import amppass
 from amppass.cli import main
 from amppass.pipelines import serialize
 from models import build
-from tests.helpers.shape_models import Recurrent
 from tests.helpers.paths import ROOT
+from tests.helpers.shape_models import Recurrent
 
 
 def floats(*shape: int, seed: int = 1) -> torch.Tensor:

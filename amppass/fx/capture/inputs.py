@@ -1,4 +1,5 @@
-"""A call's inputs as a captured graph's placeholders take them, for every runner of the graph (calibration, the
+"""A call's inputs: a batch or the conversion's example as one call's ``(args, kwargs)``, and those inputs as a captured
+graph's placeholders take them, for every runner of the graph (calibration, the
 finite check, the fidelity check, train mode's saved-bytes count).
 
 A graph torch.export captured flattens ``(args, kwargs)`` by the pytree spec it recorded; keywords in another order,
@@ -10,6 +11,7 @@ naming the batch and how to lay batches out.
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 from torch import fx
 from torch.utils import _pytree as pytree
@@ -47,3 +49,19 @@ def flatten_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict, index: int) ->
         raise CalibrationError(f"calibration batch {index}: {err} (the model takes "
                                f"{[p.name for p in placeholders]}); {BATCH_FIX}") from err
     return [bound.arguments[str(p.target)] for p in placeholders if str(p.target) in bound.arguments]
+
+
+def split_batch(batch: Any) -> tuple[tuple, dict]:
+    """One calibration batch (a dict of keyword inputs, a tuple or list of positional ones, or one input) as
+    ``(args, kwargs)``."""
+    if isinstance(batch, dict):
+        return (), dict(batch)
+    if isinstance(batch, (tuple, list)):
+        return tuple(batch), {}
+    return (batch,), {}
+
+
+def example_call(example: tuple[Any, dict]) -> tuple[tuple, dict]:
+    """The conversion's example as ``(args, kwargs)`` of one call."""
+    args, kwargs = example
+    return (split_batch(args)[0] if args is not None else ()), dict(kwargs or {})

@@ -45,7 +45,7 @@ from ..capture.copies import shared_copy
 from .trial_runs import Checkpoints
 from ..rewrite.apply import rewrite
 from ..capture.guards import GUARDS_KEY, MAX_PLANS, matching
-from ..capture.inputs import BATCH_FIX, flatten_inputs
+from ..capture.inputs import BATCH_FIX, flatten_inputs, split_batch
 
 log = logging.getLogger(__name__)
 
@@ -378,14 +378,6 @@ class _Recorder(fx.Interpreter):
 
 def _floating(value: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-
-
-def split_batch(batch: Any) -> tuple[tuple, dict]:
-    if isinstance(batch, dict):
-        return (), dict(batch)
-    if isinstance(batch, (tuple, list)):
-        return tuple(batch), {}
-    return (batch,), {}
 
 
 def _check(node: fx.Node, value: Any, index: int) -> None:
