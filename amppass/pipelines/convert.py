@@ -378,7 +378,8 @@ def plan_captured(
     fuse_tanh_gelu(gm)
     # a mask the graph fixes as all-true (or causal) keeps SDPA off its fused kernels on CUDA (fx.masks)
     fold_constant_masks(gm)
-    view, _ = build_view(gm, target)
+    # plan_for="speed" keeps fp32 what trains tens of times slower low (targets.target: slow_backward)
+    view, _ = build_view(gm, target, avoid_slow_backward=mode == "train" and options.plan_for == "speed")
     user = overrides.resolve(view, options.keep_fp32, options.force_low, low)
     given = precedence.given(user=user, carried=carried)
     profit_info: dict[str, Any] = {}

@@ -24,6 +24,12 @@ A :class:`Target` carries everything about the deployment that changes a plan:
   fp32 by the plan whatever is measured. On CPUs torch has oneDNN's fused low-precision LSTM, but GRU and
   plain RNN layers and cells run bf16 through unfused code, several times slower than fp32 and less
   accurate (torch.autocast on CPU keeps them fp32 too).
+- ``slow_backward`` (torch, train mode): ATen ops whose low-precision backward the device runs only through a slow
+  reference path, kept fp32 in a train-mode plan for speed (``plan_for="coverage"`` keeps them low). On CPUs
+  torch computes an fp16 convolution's backward (1-D, 2-D, 3-D, transposed) with a reference loop: a 64-channel
+  3x3 convolution on 8x64x32x32 took 1.04 s forward and backward in fp16 against 11 ms in fp32 and 12 ms in bf16
+  (2-core Xeon with avx512_fp16, torch 2.13), while its fp16 forward alone is fast, so timing forwards would not
+  see it.
 
 Targets are made by :func:`onnx_target` and :func:`torch_target` and are recorded in the converted model
 (``describe()``) and shown in its report.
@@ -69,6 +75,7 @@ class Target:
     conditions: KernelConditions = NO_CONDITIONS  # ONNX: attribute values its kernels refuse at run time
     profitable: bool = False  # torch on this machine's device: profitability measured
     slow_low: frozenset[str] = frozenset()  # torch: ATen packets without a fast low-precision kernel
+    slow_backward: frozenset[str] = frozenset()  # torch, train mode: ATen packets without a fast low backward
 
     def describe(self) -> dict[str, Any]:
         """What the converted model's metadata and report say about the target."""
@@ -160,11 +167,14 @@ def torch_target(name: str, dtype: object) -> Target:
     local = name == "cpu" or torch.cuda.is_available()
     return Target(name, "fx", low, f"torch {torch.__version__.split('+')[0]} on {name}",
                   "runtime" if local else "simulation", profitable=local,
-                  slow_low=_CPU_SLOW_LOW if name == "cpu" else frozenset())
+                  slow_low=_CPU_SLOW_LOW if name == "cpu" else frozenset(),
+                  slow_backward=_CPU_SLOW_FP16_BACKWARD if name == "cpu" and low.name == "fp16" else frozenset())
 
 
 _CPU_SLOW_LOW = frozenset({"gru", "rnn_tanh", "rnn_relu", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
                            "_thnn_fused_gru_cell"})
+_CPU_SLOW_FP16_BACKWARD = frozenset({"convolution", "_convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d",
+                                     "conv_transpose2d", "conv_transpose3d"})
 
 
 def _checked(name: object, choices: tuple[str, ...], function: str) -> str:

@@ -34,7 +34,10 @@ def snapshot(original) -> dict[str, torch.Tensor]:
 
 @pytest.fixture
 def converted(original, snapshot) -> TrainEvalGraphs:
-    model = amppass.convert(original, (torch.randn(4, 1, 8, 8),), dtype=torch.float16, mode="train")
+    # coverage: every op numerics allow trains in fp16, the convolution included (a plan for speed keeps a CPU's
+    # convolutions fp32 in training: tests/fx/view/test_build.py)
+    model = amppass.convert(original, (torch.randn(4, 1, 8, 8),), dtype=torch.float16, mode="train",
+                            plan_for="coverage")
     yield model
     # whatever the test did to the converted module, the caller's model is as it was
     for key, value in original.state_dict().items():

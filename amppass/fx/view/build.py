@@ -69,9 +69,11 @@ def cast_target(node: fx.Node) -> torch.dtype | None:
     return val.dtype if isinstance(val, torch.Tensor) else None
 
 
-def build_view(gm: fx.GraphModule, target: Target) -> tuple[GraphView, dict[str, fx.Node]]:
+def build_view(gm: fx.GraphModule, target: Target,
+               avoid_slow_backward: bool = False) -> tuple[GraphView, dict[str, fx.Node]]:
     """The neutral view of ``gm`` for ``target`` (its low dtype and the ops it has no fast low-precision
-    kernel for) and a map from view names back to FX nodes.
+    kernel for; with ``avoid_slow_backward``, a train-mode plan for speed, also those whose low backward is slow)
+    and a map from view names back to FX nodes.
 
     Each fp32 weight's absmax is measured where the low dtype's range needs the check (fp16).
     """
@@ -99,6 +101,10 @@ def build_view(gm: fx.GraphModule, target: Target) -> tuple[GraphView, dict[str,
                     f"{ops.op_name(node, gm)}: torch on {target.name} runs it in {low} only through an unfused "
                     "reference path, slower and less accurate than fp32 (only LSTM has a fused low-precision "
                     "kernel there); kept fp32")
+            elif category is Category.LOW and avoid_slow_backward and ops.op_name(node, gm) in target.slow_backward:
+                category, reason = Category.FP32, (
+                    f"{ops.op_name(node, gm)}: torch on {target.name} computes its {low} backward with a reference "
+                    "loop, tens of times slower than fp32 (bf16 has a fast kernel there); kept fp32 in training")
             kept, kept_state = policy.kept_arguments(node, gm)  # fed as they are: not the plan's to convert
             inputs = [a.name for a in node.all_input_nodes if fp32[a] and a not in kept]
             for state_name, tensor in module_state(gm, node):
