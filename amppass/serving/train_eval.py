@@ -62,7 +62,8 @@ from ..fx.capture.guards import GUARDS_KEY, call_layout
 from ..fx.capture.modes import captured_flags
 from .plan_dtypes import PlanDtypes
 from .serving_graph import set_state
-from .tree import Children, Mode, Outline, build_tree, install, named_state, outline, sharded, stand_in, unfit
+from .module_parts import Children, Mode
+from .tree import Outline, build_tree, install, named_state, outline, sharded, stand_in, unfit
 
 log = logging.getLogger(__name__)
 
