@@ -386,8 +386,9 @@ def _same_dynamism(program: torch.export.ExportedProgram, guards: Any) -> bool:
 
 def build_tree(root: nn.Module, original: nn.Module, mode: Mode, outlines: dict[bool, Outline],
                state: dict[str, torch.Tensor], persistent: set[str]) -> None:
-    """Give ``root`` the original's module tree (rule 3): a :class:`~amppass.serving.module_parts.ModulePart` per module, each holding the
-    tensors of ``state`` under the original's names (tied names share one tensor) and its part of each graph.
+    """Give ``root`` the original's module tree (rule 3): a :class:`~amppass.serving.module_parts.ModulePart` per
+    module, each holding the tensors of ``state`` under the original's names (tied names share one tensor) and its
+    part of each graph.
 
     Args:
         root: the converted module; it becomes the tree's root.
