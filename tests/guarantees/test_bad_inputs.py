@@ -660,26 +660,32 @@ def custom_op_row() -> str:
     return next(r for r in amppass.report(converted).rows if r.name == "foo").reason
 
 
-def cache_warning() -> str:
-    """The warning a timing-cache file amppass cannot use gives (the cache reads as empty; <tmp> for its folder)."""
+def _first_timing_cache_warning(open_cache: Callable[[], object]) -> str:
+    """The first warning the timing cache logs while ``open_cache`` runs (the table's generator silences warnings)."""
     import logging
 
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logger, disabled = logging.getLogger(timing_cache.__name__), logging.root.manager.disable
+    logger.addHandler(handler)
+    logging.disable(logging.NOTSET)
+    try:
+        open_cache()
+    finally:
+        logger.removeHandler(handler)
+        logging.disable(disabled)
+    return said[0]
+
+
+def cache_warning() -> str:
+    """The warning a timing-cache file amppass cannot use gives (the cache reads as empty; <tmp> for its folder)."""
     with tempfile.TemporaryDirectory() as folder:
         cache = timing_cache.TimingCache({"device": "cpu"}, Path(folder))
         cache.path.write_text("[" * 100_000)
         timing_cache._WARNED.discard(cache.path)
-        said: list[str] = []
-        handler = logging.Handler()
-        handler.emit = lambda record: said.append(record.getMessage())
-        logger, disabled = logging.getLogger(timing_cache.__name__), logging.root.manager.disable
-        logger.addHandler(handler)
-        logging.disable(logging.NOTSET)  # the table's generator silences warnings
-        try:
-            timing_cache.TimingCache({"device": "cpu"}, Path(folder))
-        finally:
-            logger.removeHandler(handler)
-            logging.disable(disabled)
-        return said[0].replace(folder, "<tmp>")
+        said = _first_timing_cache_warning(lambda: timing_cache.TimingCache({"device": "cpu"}, Path(folder)))
+        return said.replace(folder, "<tmp>")
 
 
 def test_a_cache_file_amppass_cannot_use_is_one_warning():
@@ -688,24 +694,12 @@ def test_a_cache_file_amppass_cannot_use_is_one_warning():
 
 def cache_folder_warning() -> str:
     """The warning a timing-cache folder every user may write gives (neither read nor written; <tmp>)."""
-    import logging
-
     with tempfile.TemporaryDirectory() as folder:
         shared = Path(folder) / "shared"
         shared.mkdir()
         os.chmod(shared, 0o777)
-        said: list[str] = []
-        handler = logging.Handler()
-        handler.emit = lambda record: said.append(record.getMessage())
-        logger, disabled = logging.getLogger(timing_cache.__name__), logging.root.manager.disable
-        logger.addHandler(handler)
-        logging.disable(logging.NOTSET)  # the table's generator silences warnings
-        try:
-            timing_cache.TimingCache({"device": "cpu"}, shared)
-        finally:
-            logger.removeHandler(handler)
-            logging.disable(disabled)
-        return said[0].replace(folder, "<tmp>")
+        said = _first_timing_cache_warning(lambda: timing_cache.TimingCache({"device": "cpu"}, shared))
+        return said.replace(folder, "<tmp>")
 
 
 def test_a_cache_folder_others_may_write_is_one_warning():
