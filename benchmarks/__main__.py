@@ -283,6 +283,9 @@ SECTIONS: dict[str, Callable[[bool, Path], Section]] = {
                                lambda m, quick: m.against(m.BEFORE, not quick)),
     "startup": _external("startup", "Start-up: `amppass --help` and `import amppass` (wall time of a fresh process, "
                          "median of 7): amppass at e70efd1 and now", lambda m, quick: m.against(m.BEFORE, not quick)),
+    "conversion_time": _external("conversion_time", "Conversion time and plan digest (coverage plans, calibration "
+                                 "and tolerance on both front ends): amppass at 71b06f8 and now",
+                                 lambda m, quick: m.against(m.BEFORE, not quick)),
     "gpu": _gpu,
 }
 
