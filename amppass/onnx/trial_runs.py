@@ -45,7 +45,8 @@ class Checkpoints(calibration.Checkpoints[int]):
                 self.live[position] = live
         super().__init__(self.live)
         self.types = dict(types)
-        self.signatures = [_signature(n, _initializer_types(graph)) for n in nodes]
+        inits = _initializer_types(graph)
+        self.signatures = [_signature(n, inits) for n in nodes]
 
     def wanted(self) -> list[str]:
         """Every value some checkpoint keeps: outputs the calibration pass adds."""
