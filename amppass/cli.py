@@ -191,17 +191,18 @@ def _convert(args: argparse.Namespace) -> int:
     feeds = _load_feeds(args.calib, model) if args.calib else None
     if args.tolerance is not None and feeds is None:
         raise UsageError("--tolerance needs --calib FEEDS.npz: the output error is measured on those feeds")
-    dtype = onnx_target(args.target, args.dtype).low.name  # "auto": fp16, what every ONNX target runs fastest
-    if converted_dtype(model) is None:  # a converted model is returned unchanged or refused, saying why
+    target = onnx_target(args.target, args.dtype)  # "auto": fp16, what every ONNX target runs fastest
+    dtype, previous = target.low.name, converted_dtype(model)
+    if previous is None:  # a converted model is returned unchanged or refused, saying why
         _check_target_runs(model, args.target, dtype)
-    options: dict[str, Any] = {"keep_fp32": args.keep_fp32, "force_low": args.force_low,
-                               "low_weight_tables": args.low_weight_tables, "keep_io_types": args.keep_io_types}
-    if feeds is not None:
-        options.update(calibration=feeds, tolerance=args.tolerance, progress=sys.stderr.isatty())
-    if converted_dtype(model) == dtype:  # convert_onnx returns it unchanged, with a log warning
+    options = OnnxPlanOptions(keep_fp32=args.keep_fp32, force_low=args.force_low,
+                              low_weight_tables=args.low_weight_tables, keep_io_types=args.keep_io_types,
+                              calibration=feeds, tolerance=args.tolerance,
+                              progress=feeds is not None and sys.stderr.isatty())
+    if previous == dtype:  # convert_onnx returns it unchanged, with a log warning
         print(f"{args.model}: already converted by amppass to {dtype}; writing it unchanged")
     try:  # the model read once: external data memory-mapped, payloads streamed to the output
-        converted = convert_skeleton(loaded, onnx_target(args.target, dtype), OnnxPlanOptions(**options))
+        converted = convert_skeleton(loaded, target, options)
     except AmpPassError as error:
         raise FileProblem(f"{args.model}: {_one_line(error)}") from error
     report = _read_report(converted.model, args.model)

@@ -45,7 +45,7 @@ __all__ = ["Route", "TrainConversion", "converted", "route", "unroute"]
 
 
 _PLAN_OPTIONS = frozenset(field.name for field in dataclasses.fields(PlanOptions))
-_CAPTURE_OPTIONS = ("target", "dynamic_shapes")  # convert's options of the capture, not of the plan
+_CAPTURE_OPTIONS = frozenset({"target", "dynamic_shapes"})  # convert's options of the capture, not of the plan
 
 
 @dataclass(frozen=True)
@@ -74,10 +74,10 @@ class TrainConversion:
         if taken:
             raise InputError(f"convert options {sorted(taken)} are set by the integration itself (a train-mode "
                              "conversion in the integration's dtype, with the first call as the example); leave them out")
-        unknown = set(options) - _PLAN_OPTIONS - set(_CAPTURE_OPTIONS)
+        unknown = set(options) - _PLAN_OPTIONS - _CAPTURE_OPTIONS
         if unknown:
             raise InputError(f"convert options {sorted(unknown)} are not options of amppass.convert; an integration "
-                             f"takes {sorted(_PLAN_OPTIONS | set(_CAPTURE_OPTIONS))}")
+                             f"takes {sorted(_PLAN_OPTIONS | _CAPTURE_OPTIONS)}")
         captured = {name: options.pop(name) for name in _CAPTURE_OPTIONS if name in options}
         return cls(low_type(dtype).torch, plan_options("train", **options), **captured)
 

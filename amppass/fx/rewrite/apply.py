@@ -172,7 +172,7 @@ class _Rewriter:
                 casts.append(new_arg.name)
             return new_arg
 
-        names = self._arg_names(node)
+        names = argument_names(node)
         args = tuple(
             torch.utils._pytree.tree_map(lambda a, s=names[i] if i < len(names) else None: convert(a, s), arg)
             for i, arg in enumerate(node.args)
@@ -305,10 +305,6 @@ class _Rewriter:
     def _slots(self, node: fx.Node) -> dict[str, str]:
         row = policy.lookup(ops.op_name(node, self.gm), policy.in_training(node, self.gm))
         return dict(row.slots) if row is not None else {}
-
-    @staticmethod
-    def _arg_names(node: fx.Node) -> list[str]:
-        return argument_names(node)
 
 
 def rewrite(

@@ -96,14 +96,15 @@ def build_view(gm: fx.GraphModule, target: Target,
         elif node.op in ("call_function", "call_method", "call_module"):
             category, reason, unknown = _category(node, gm, typed, wide_range=low.wide_range)
             reason = for_target(reason, target.name, low.name)
-            if category is Category.LOW and ops.op_name(node, gm) in target.slow_low:
+            name = ops.op_name(node, gm)
+            if category is Category.LOW and name in target.slow_low:
                 category, reason = Category.FP32, (
-                    f"{ops.op_name(node, gm)}: torch on {target.name} runs it in {low} only through an unfused "
+                    f"{name}: torch on {target.name} runs it in {low} only through an unfused "
                     "reference path, slower and less accurate than fp32 (only LSTM has a fused low-precision "
                     "kernel there); kept fp32")
-            elif category is Category.LOW and avoid_slow_backward and ops.op_name(node, gm) in target.slow_backward:
+            elif category is Category.LOW and avoid_slow_backward and name in target.slow_backward:
                 category, reason = Category.FP32, (
-                    f"{ops.op_name(node, gm)}: torch on {target.name} computes its {low} backward with a reference "
+                    f"{name}: torch on {target.name} computes its {low} backward with a reference "
                     "loop, tens of times slower than fp32 (bf16 has a fast kernel there); kept fp32 in training")
             kept, kept_state = policy.kept_arguments(node, gm)  # fed as they are: not the plan's to convert
             inputs = [a.name for a in node.all_input_nodes if fp32[a] and a not in kept]
