@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import logging
 import os
 import re
@@ -53,6 +52,7 @@ import tempfile
 import zipfile
 from typing import Any, Iterator
 
+from ..json_input import read_json
 from ..errors import InputError, first_line
 from .layout import MAX_EXTRA, MAX_HELD, MAX_INFLATED, MAX_JSON, check_one_reading, check_sizes
 from .payloads import MAX_DEPTH, check_config, check_sample_inputs
@@ -215,20 +215,8 @@ class Pt2Archive:
 
 
 def parse_json(data: bytes, where: str) -> Any:
-    """``data`` as UTF-8 JSON at most :data:`MAX_DEPTH` deep; InputError naming ``where`` otherwise."""
-    try:
-        value = json.loads(data.decode("utf-8"))
-    except (ValueError, RecursionError) as err:  # UnicodeDecodeError is a ValueError
-        raise InputError(f"{where} is not UTF-8 JSON ({type(err).__name__}: {first_line(err, 80)}); the file is "
-                         "damaged or was edited: save the model again") from None
-    pending = [(value, 1)]
-    while pending:
-        item, depth = pending.pop()
-        if depth > MAX_DEPTH:
-            raise InputError(f"{where} nests deeper than {MAX_DEPTH} levels; the file is damaged or crafted")
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
-        pending.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
-    return value
+    """``data`` as UTF-8 JSON, bounded as :func:`amppass.json_input.read_json` bounds it; InputError naming ``where``."""
+    return read_json(data, where, max_bytes=MAX_JSON)
 
 
 def _private_copy(path: str) -> io.BufferedRandom:

@@ -1,7 +1,7 @@
 """The decisions a converted model carries, read as untrusted data.
 
 A converted model can be edited or forged like any file, so what the readers take from its metadata is
-checked here: every entry is JSON nested at most :data:`~amppass.archive.MAX_DEPTH` deep (the limit a .pt2's
+checked here: every entry is JSON nested at most :data:`~amppass.json_input.MAX_DEPTH` deep (the limit a .pt2's
 plan is read with; the report's views walk what they are given recursively), the model-level summary must be
 a JSON object whose counts are finite numbers, and every node's entry must name a known precision with
 string reasons. Anything else raises an :class:`~amppass.errors.InputError` naming the node or field, never a
@@ -10,11 +10,11 @@ string reasons. Anything else raises an :class:`~amppass.errors.InputError` nami
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from ..archive import MAX_DEPTH
+from ..archive import MAX_JSON
 from ..errors import InputError
+from ..json_input import read_json
 from .report import Row
 from .rows import finite
 
@@ -27,21 +27,8 @@ _FIX = "the model's amppass metadata is damaged or was edited: convert the origi
 
 
 def parse(text: str, what: str) -> Any:
-    """JSON ``text`` stored as ``what``; InputError when it is not JSON or nests deeper than MAX_DEPTH."""
-    try:
-        value = json.loads(text)
-    except RecursionError:  # json's parser recurses: thousands of levels stop it first
-        raise InputError(f"{what} is not valid JSON (it nests deeper than {MAX_DEPTH} levels); {_FIX}") from None
-    except ValueError as err:
-        raise InputError(f"{what} is not valid JSON ({str(err)[:80]}); {_FIX}") from None
-    pending = [(value, 1)]
-    while pending:
-        item, depth = pending.pop()
-        if depth > MAX_DEPTH:
-            raise InputError(f"{what} nests deeper than {MAX_DEPTH} levels; {_FIX}")
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
-        pending.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
-    return value
+    """JSON ``text`` stored as ``what``, bounded (:func:`amppass.json_input.read_json`); InputError otherwise."""
+    return read_json(text, what, max_bytes=MAX_JSON, fix=_FIX)
 
 
 def model_info(raw: Any, what: str) -> dict[str, Any]:
