@@ -5,10 +5,9 @@ the decisions stored on nodes) comes through :func:`read_json`:
 
 1. The text is bounded in size before ``json`` sees it: the caller names the largest size that entry can
    honestly have, so a file never makes the parser build more than that.
-2. The value is bounded in the number of values it holds (``max_values``) before the parser runs, from the
-   text's commas and opening brackets (a value is one of those or the first of its container: the count never
-   falls short), and in nesting (:data:`MAX_DEPTH`) after it: the readers after this one walk what they are
-   given, some of them recursively.
+2. The value is bounded in the number of values it holds (``max_values``) before the parser runs, counted
+   from the text (:func:`_most_values`: never fewer than json would build), and in nesting
+   (:data:`MAX_DEPTH`) after it: the readers after this one walk what they are given, some of them recursively.
 3. Every failure is an :class:`~amppass.errors.InputError` naming ``where`` and ending with ``fix``; never a
    ``ValueError``, ``RecursionError`` or ``MemoryError`` from the parser.
 """
@@ -36,8 +35,7 @@ def read_json(data: bytes | str, where: str, *, max_bytes: int, max_values: int 
         raise InputError(f"{where} holds {size:,} {'bytes' if isinstance(data, bytes) else 'characters'} of "
                          f"JSON, more than the {max_bytes:,} amppass reads there; {fix}")
     limit = max_bytes // 2 if max_values is None else max_values
-    marks = (b",", b"[", b"{") if isinstance(data, bytes) else (",", "[", "{")
-    most = 1 + sum(data.count(mark) for mark in marks)  # values, strings' commas and brackets counted too
+    most = _most_values(data)
     if most > limit:
         raise InputError(f"{where} may hold {most:,} JSON values (its commas and opening brackets), more than the "
                          f"{limit:,} amppass reads there; {fix}")
@@ -57,3 +55,14 @@ def read_json(data: bytes | str, where: str, *, max_bytes: int, max_values: int 
         children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
         pending.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
     return value
+
+
+def _most_values(data: bytes | str) -> int:
+    """The most values JSON ``data`` can hold, counted without parsing: the top value, then one for each comma
+    and each opening bracket (a container's first value) but those of empty containers (``[]``, ``{}``). Commas
+    and brackets inside strings only raise the count (a ``[]`` in a string takes back its own ``[``), so it
+    never falls short, and it is exact for compact JSON whose strings hold none."""
+    marks = (b",", b"[", b"{", b"[]", b"{}") if isinstance(data, bytes) else (",", "[", "{", "[]", "{}")
+    counts = [data.count(mark) for mark in marks]
+    return 1 + sum(counts[:3]) - sum(counts[3:])
+

@@ -144,3 +144,62 @@ def test_archives_torch_and_amppass_write_still_load(saved, tmp_path):
         assert torch.equal(program.module()(*X), torch.export.load(path).module()(*X))
     plan = json.loads(zipfile.ZipFile(saved["converted"]).read(f"archive/{PLAN}"))
     assert plan["dtype"] == "bf16"
+
+
+def _no_copy(monkeypatch) -> None:
+    """Fail the test if amppass makes its private copy."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", lambda *a, **k: pytest.fail("the file was copied"))
+
+
+def test_bytes_no_entry_holds_are_refused_before_the_copy(saved, tmp_path, monkeypatch):
+    """2 MiB of real bytes in front of the archive (Python's zipfile reads past them): no entry holds them."""
+    _no_copy(monkeypatch)
+    padded = tmp_path / "padded.pt2"
+    padded.write_bytes(os.urandom(2 << 20) + saved["converted"].read_bytes())
+    with pytest.raises(InputError, match=r"padded.pt2: 2,097,152 bytes of the file belong to no entry of its zip "
+                                         r"directory \(at most 1,048,576\)"):
+        amppass.load(padded)
+
+
+def test_holes_inside_an_entry_are_refused_before_the_copy(saved, tmp_path, monkeypatch):
+    """An extra file of 12 MiB whose bytes are a hole: the directory holds the file, the disk does not."""
+    _no_copy(monkeypatch)
+    entries = entries_of(saved["converted"])
+    root = entries[0].name.partition("/")[0]
+    hole = 12 << 20
+    entries.insert(0, Entry(f"{root}/extra/zeros.bin", bytes(hole)))
+    data = write(entries)
+    start = data.index(bytes(hole))
+    path = tmp_path / "holed.pt2"
+    with open(path, "wb") as out:
+        out.write(data[:start])
+        out.seek(start + hole)  # leaves the entry's bytes a hole
+        out.write(data[start + hole:])
+    assert path.stat().st_size == len(data) and path.stat().st_blocks * 512 < 4 << 20
+    with pytest.raises(InputError, match="holed.pt2: the file is sparse: at least 1[12],.* bytes are holes"):
+        amppass.load(path)
+
+
+@pytest.mark.parametrize("trick, words", [
+    ("case-twin", "entry 'archive/DATA.PKL' is in the archive twice"),
+    ("outside-root", "entry 'other/x' is not a file under the archive's folder"),
+    ("shared-bytes", "entry 'twin' has a local header that does not name it"),
+], ids=["case-twin", "outside-root", "shared-bytes"])
+def test_the_sample_inputs_zip_is_held_to_the_archive_s_rules(saved, tmp_path, trick, words):
+    import io
+
+    def edit(entries):
+        inner = entries_of(io.BytesIO(entries["data/sample_inputs/model.pt"]))
+        root = inner[0].name.partition("/")[0]
+        if trick == "case-twin":
+            inner.append(Entry(f"{root}/DATA.PKL", b"\x80\x02N."))
+        elif trick == "outside-root":
+            inner.append(Entry("other/x", b"x"))
+        else:
+            inner.append(Entry(f"{root}/twin", b"", local=False, points_at=f"{root}/data/0"))
+        entries["data/sample_inputs/model.pt"] = write(inner)
+
+    with pytest.raises(InputError, match=f"entry 'data/sample_inputs/model.pt'.*{words}"):
+        amppass.load(rewrite(saved["converted"], tmp_path / "inner.pt2", edit))

@@ -74,3 +74,77 @@ def test_sample_inputs_torch_would_paste_into_guards_are_refused(saved, tmp_path
 
     with pytest.raises(InputError, match=words):
         amppass.load(rewrite(saved["converted"], tmp_path / "samples.pt2", edit))
+
+
+def _pickle_of(value) -> bytes:
+    """The data.pkl torch.save writes for ``value``."""
+    import io
+    import zipfile
+
+    archive = zipfile.ZipFile(io.BytesIO(pickled(value)))
+    return archive.read(next(n for n in archive.namelist() if n.endswith("data.pkl")))
+
+
+class _Reduced:
+    """Pickled as ``call(*args)``: what a file may ask torch's weights-only unpickler to build."""
+
+    def __init__(self, call, *args):
+        self.call, self.args = call, args
+
+    def __reduce__(self):
+        return self.call, self.args
+
+
+def test_the_sample_inputs_torch_export_writes_pass_the_pickle_reader():
+    """Tensors of every kind a model takes, and the numbers, strings and containers export stores beside them."""
+    from collections import OrderedDict
+
+    from amppass.archive.payloads import check_pickle
+
+    value = ((torch.ones(2, 8), torch.ones(3, dtype=torch.bfloat16), torch.arange(4), torch.zeros(0, 5),
+              torch.ones(4, 4).t(), torch.ones(2)[1:], [1, 2.5, None, True], 1 << 40),
+             {"mask": torch.ones(2, dtype=torch.bool), "dtype": torch.float16, "device": torch.device("cpu"),
+              "size": torch.Size([2, 3]), "ordered": OrderedDict(a=torch.ones(1)), "name": "text"})
+    check_pickle(_pickle_of(value), "samples")
+
+
+@pytest.mark.parametrize("value, words", [
+    (_Reduced(bytearray, 1 << 30), "names '__builtin__.bytearray'"),
+    (_Reduced(torch.Tensor, 1 << 28), "names 'torch.Tensor'"),
+    (_Reduced(set, [1, 2]), "names '__builtin__.set'"),
+    (_Reduced(print, "x"), "names '__builtin__.print'"),
+    ({1, 2}, "names '__builtin__.set'"),
+], ids=["bytearray", "legacy-tensor", "set", "builtin", "set-literal"])
+def test_a_pickle_naming_what_torch_save_does_not_write_for_inputs_is_refused(value, words):
+    from amppass.archive.payloads import check_pickle
+
+    with pytest.raises(InputError, match=f"samples {words} at byte .*trusted=True"):
+        check_pickle(_pickle_of(((torch.ones(1),), {"x": value})), "samples")
+
+
+@pytest.mark.parametrize("data, words", [
+    (b"\x80\x02cbuiltins\nbytearray\n.", "names 'builtins.bytearray'"),
+    (b"\x80\x04\x95\x05\x00\x00\x00\x00\x00\x00\x00N.", "uses opcode FRAME at byte 2"),
+    (b"\x80\x02(X\x00\x00\x00\x10", "not a pickle amppass can read"),
+    (b"\x80\x02}\x81.", "uses opcode NEWOBJ"),
+    (b"\x80\x02)b.", "uses opcode BUILD"),
+], ids=["builtins-global", "protocol-4", "cut", "newobj", "build"])
+def test_pickle_opcodes_outside_the_allowlist_are_refused_before_torch_reads_them(data, words):
+    from amppass.archive.payloads import check_pickle
+
+    with pytest.raises(InputError, match=words):
+        check_pickle(data, "samples")
+
+
+def test_sample_inputs_with_an_oversized_pickle_or_none_are_refused(saved, tmp_path, monkeypatch):
+    from amppass.archive import payloads
+
+    monkeypatch.setattr(payloads, "MAX_PICKLE", 64)
+    with pytest.raises(InputError, match="model.pt': its pickle 'data.pkl' is missing or over 64 bytes"):
+        amppass.load(saved["converted"])
+
+    def edit(entries):
+        entries["data/sample_inputs/model.pt"] = b"\x80\x02N." + entries["data/sample_inputs/model.pt"]
+
+    with pytest.raises(InputError, match="model.pt' is not a torch.save archive \\(it does not start as a zip"):
+        amppass.load(rewrite(saved["converted"], tmp_path / "legacy.pt2", edit))
