@@ -5,7 +5,9 @@ Hypothesis edits an archive amppass.save wrote the ways tests/guarantees/test_fu
 manifest (payload configs flagged as pickles, payload files renamed to the prefixes torch unpickles, tensor
 descriptions missing), its entries (pickles that write a marker file, compiled-code and legacy entries, names
 that differ only in case, climb out or are not ASCII, compressed entries), its JSON (cut short, nested deep,
-bytes that are not text, symbolic sizes that are Python) and the plan entry; and its zip structure byte by
+bytes that are not text, symbolic sizes that are Python, padded with values and deflated) and the plan entry;
+the zip inside it (sample inputs whose pickle allocates, a second directory naming a deflated record, a name
+twice ignoring case, an entry before the honest one of the same name); and its zip structure byte by
 byte (a second directory only torch's reader finds, records that share bytes, contradicting zip64 sizes, NULs
 in names, flipped bytes, a cut). Whatever comes out,
 ``amppass.load`` returns a module whose report renders, or raises :class:`amppass.AmpPassError`, and the
@@ -15,6 +17,7 @@ of finite times (often empty) and updates without raising or touching anything o
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -31,7 +34,9 @@ import amppass
 from amppass import AmpPassError
 from amppass.targets.timing_cache import TimingCache
 from amppass.report.terminal import render_text
-from tests.helpers.pt2_files import X, Payload, mlp, pickled, rewrite
+from tests.helpers.pt2_files import (SAMPLES, X, Payload, bytearray_samples, json_padding, mlp, nested_bomb, pickled,
+                                     rewrite)
+from tests.helpers.zipbytes import ZIP64, Entry, entries_of, write, zip64_extra
 
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -64,13 +69,16 @@ def edits(draw):
     damaged = (draw(st.sampled_from(JSONS)), draw(st.sampled_from(["cut", "deep", "bytes", "list"]))) \
         if draw(st.booleans()) else None
     expression = draw(st.sampled_from(EXPRESSIONS)) if draw(st.booleans()) else None
-    samples = draw(st.sampled_from([None, "pickle", "junk", "empty"]))
-    compress = draw(st.lists(st.sampled_from(JSONS + ["data/weights/weight_0"]), max_size=2))
-    return config, added, damaged, expression, samples, compress
+    samples = draw(st.sampled_from([None, "pickle", "junk", "empty", "bytearray", "nested-bomb", "nested-case-twin",
+                                    "nested-junk"]))
+    compress = draw(st.lists(st.sampled_from(JSONS + ["data/weights/weight_0", SAMPLES]), max_size=2))
+    padding = (draw(st.sampled_from(JSONS)), draw(st.sampled_from([10, 1000, 400_000]))) \
+        if draw(st.booleans()) else None
+    return config, added, damaged, expression, samples, compress, padding
 
 
 def _apply(entries: dict[str, bytes], case, marker: Path) -> None:
-    config, added, damaged, expression, samples, _ = case
+    config, added, damaged, expression, samples, _, padding = case
     evil = pickled(Payload(marker, [8, 8], "bfloat16"))
     if config is not None:
         table = json.loads(entries[config["which"]])
@@ -100,9 +108,18 @@ def _apply(entries: dict[str, bytes], case, marker: Path) -> None:
         data = entries[name]
         entries[name] = {"cut": data[:len(data) // 2], "deep": b"[" * 50_000 + b"]" * 50_000,
                          "bytes": b"\xff\xfe\xfa" + data, "list": b"[]"}[how]
-    if samples is not None:
-        entries["data/sample_inputs/model.pt"] = {"pickle": pickled(((Payload(marker, [2, 8], "float32"),), {})),
-                                                  "junk": b"PK\x03\x04junk", "empty": b""}[samples]
+    if padding is not None and entries.get(padding[0], b"").rstrip().endswith(b"}"):
+        json_padding(*padding)(entries)  # deflated too when compress names it: JSON that inflates
+    if samples in ("bytearray", "nested-bomb"):
+        (bytearray_samples(64 << 20) if samples == "bytearray" else nested_bomb(64 << 20))(entries)
+    elif samples in ("nested-case-twin", "nested-junk"):
+        inner = entries_of(io.BytesIO(entries[SAMPLES]))
+        extra = "DATA.PKL" if samples == "nested-case-twin" else "data/0"
+        inner.insert(0, Entry(f"{inner[0].name.partition('/')[0]}/{extra}", pickled(Payload(marker, [1], "float32"))))
+        entries[SAMPLES] = write(inner)
+    elif samples is not None:
+        entries[SAMPLES] = {"pickle": pickled(((Payload(marker, [2, 8], "float32"),), {})),
+                            "junk": b"PK\x03\x04junk", "empty": b""}[samples]
 
 
 @SETTINGS
@@ -133,8 +150,6 @@ def zip_tricks(draw):
 
 
 def _zip_bytes(archive: Path, tricks, marker: Path) -> bytes:
-    from tests.helpers.zipbytes import ZIP64, Entry, entries_of, write, zip64_extra
-
     entries = entries_of(archive)
     weights = next(e for e in entries if e.name.endswith("model_weights_config.json"))
     config = json.loads(weights.data)
