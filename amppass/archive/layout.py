@@ -8,7 +8,8 @@ amppass lets torch read, at any depth (:func:`read_zip`):
 
 1. **Bounded.** Each entry's bytes lie inside the file; a stored entry is as long as its data; a compressed one
    inflates to at most :data:`MAX_INFLATED`; a JSON entry is at most :data:`MAX_JSON` and an extra file
-   :data:`MAX_EXTRA` (torch reads every extra file); compressed entries together, and extra files together,
+   :data:`MAX_EXTRA` (torch reads every extra file); compressed entries together inflate to at most
+   :data:`MAX_DEFLATED` (a 1 MB file holds the archive's and its nested zip's: 256 MiB), extra files together
    at most :data:`MAX_HELD`; compressed JSON entries together at most :data:`MAX_COMPRESSED_JSON` (parsing
    costs about 60 times the text: torch.export.save stores JSON uncompressed, so an honest large program's
    JSON is bounded by the file's own bytes instead).
@@ -40,7 +41,8 @@ from .program import TRUST_HINT
 MAX_INFLATED = 64 << 20  # a compressed entry (torch.export.save stores every entry uncompressed)
 MAX_JSON = 256 << 20  # the program's JSON and the payload configs: parsing takes several times this
 MAX_EXTRA = 16 << 20  # each extra file: torch reads every one into memory
-MAX_HELD = 256 << 20  # all compressed entries, and all extra files, together: torch holds them at once
+MAX_HELD = 256 << 20  # all extra files together: torch holds them at once
+MAX_DEFLATED = 128 << 20  # all compressed entries, inflated, together: with the nested zip's, under 500 MB in all
 MAX_COMPRESSED_JSON = 1 << 20  # compressed JSON entries, inflated, together: 1 MiB parses in about a second
 MAX_SLACK = 1 << 20  # bytes of a file that neither an entry nor the directory holds (torch.save leaves none)
 MAX_FILE = 64 << 30  # bytes of a .pt2 file amppass copies and reads (a 30B-parameter model in bf16 is 60 GB)
@@ -207,7 +209,7 @@ def check_sizes(archive: zipfile.ZipFile, where: str) -> None:
     archive.fp.seek(0, os.SEEK_END)
     total = archive.fp.tell()
     held = {"compressed entries": 0, "extra files": 0, "compressed JSON entries": 0}
-    bounds = {"compressed entries": MAX_HELD, "extra files": MAX_HELD, "compressed JSON entries": MAX_COMPRESSED_JSON}
+    bounds = {"compressed entries": MAX_DEFLATED, "extra files": MAX_HELD, "compressed JSON entries": MAX_COMPRESSED_JSON}
     for info in archive.infolist():
         problem = None
         if info.flag_bits & 0x1:

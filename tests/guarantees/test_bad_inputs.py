@@ -729,7 +729,19 @@ def table() -> str:
                  f"{_cell(cache_warning())} |")
     lines.append(f"| a timing-cache folder another user may write or owns (AMPPASS_CACHE in a shared folder) | "
                  f"converts; one warning, cache neither read nor written | {_cell(cache_folder_warning())} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + ["", *PRINCIPLE]) + "\n"
+
+
+PRINCIPLE = [  # the section after the table: why a file's messages look as they do
+    "## Reading a file",
+    "",
+    "Every value amppass reads from a model file passes a validating reader with a size, a count and a depth bound",
+    "before any library (torch, sympy, json, zipfile, numpy) sees it: a zip's directory before anything is",
+    "inflated, a pickle's opcodes before an unpickler runs, JSON's size and value count before it is parsed.",
+    "Every failure is an `AmpPassError` naming the file and the entry, value or node. A hostile file under 1 MB",
+    "costs at most 500 MB more memory and 10 s more CPU than an honest file of its kind, to load, report, convert",
+    "or call (`tests/guarantees/test_pt2_containers_round3.py` measures the `.pt2` containers).",
+]
 
 
 def _cell(text: str) -> str:

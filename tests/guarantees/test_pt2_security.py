@@ -135,7 +135,7 @@ def test_an_entry_that_inflates_past_its_bound_is_refused_before_it_is_read(save
 
 def test_many_inflating_entries_are_bounded_together(saved, tmp_path, monkeypatch):
     """Each extra file under its own bound, but torch holds every one at once: their sum is bounded too."""
-    monkeypatch.setattr(archive.layout, "MAX_HELD", 1 << 20)
+    monkeypatch.setattr(archive.layout, "MAX_DEFLATED", 1 << 20)
     extras = {f"extra/x{i}.txt": b" " * (600 << 10) for i in range(3)}
     many = rewrite(saved["converted"], tmp_path / "many.pt2", lambda e: e.update(extras), compress=tuple(extras))
     with pytest.raises(InputError, match="extra/x1.txt' brings its compressed entries past 1,048,576 bytes"):
