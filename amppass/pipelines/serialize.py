@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import json
+import keyword
 import logging
 import os
 from typing import Any
@@ -49,6 +50,7 @@ MAX_PLAN = 16 << 20  # bytes of the plan entry amppass reads (a BERT's is about 
 MAX_TYPES = 64  # pytree types a saved program registers (a transformers model's inputs and outputs use a few)
 _NODE_KEY = "amppass"  # node.meta["custom"] entry holding a node's decision, as JSON
 _NAME_KEY = "amppass_name"  # node.meta["custom"] entry holding the node's name in the converted graph
+MAX_NAME = 512  # characters of a stored node name (a transformers model's longest are about 80)
 
 
 def exported_program(converted: nn.Module) -> torch.export.ExportedProgram:
@@ -130,7 +132,7 @@ def from_program(program: torch.export.ExportedProgram, info: dict[str, Any], na
         decision = stored_decision(node, name)
         if decision is not None:
             node.meta[META_KEY] = decision
-    _restore_names(gm)
+    _restore_names(gm, name)
     gm.meta[META_KEY] = info
     return ServingGraph(gm, gm.meta[GUARDS_KEY], name=name)
 
@@ -314,11 +316,23 @@ def _hint(size: Any) -> int:
     return int(hint) if hint is not None else 2
 
 
-def _restore_names(gm: fx.GraphModule) -> None:
+def _restore_names(gm: fx.GraphModule, file: str) -> None:
     """Give each node the name it had in the converted graph (export renames nodes after their ops), so the
-    loaded model's report, and the casts each decision names, read as the converted model's did."""
+    loaded model's report, and the casts each decision names, read as the converted model's did.
+
+    The names are read from the file: each must be a Python identifier of at most :data:`MAX_NAME` characters,
+    not a keyword, and no two nodes may share one; InputError naming the node otherwise."""
     wanted = {n: n.meta["custom"][_NAME_KEY] for n in gm.graph.nodes if _NAME_KEY in n.meta.get("custom", {})}
-    taken = set(wanted.values())
+    taken: set[str] = set()
+    for node, name in wanted.items():
+        where = f"{file}: node {node.name!r}: its stored name {_NAME_KEY!r}"
+        if not isinstance(name, str) or len(name) > MAX_NAME or not name.isidentifier() or keyword.iskeyword(name):
+            raise InputError(f"{where} is {str(name)[:60]!r}, not a Python identifier of at most {MAX_NAME} "
+                             "characters; the file is damaged or was edited: convert the original again")
+        if name in taken:
+            raise InputError(f"{where} is {name!r}, which another node of the file also names itself; the file is "
+                             "damaged or was edited: convert the original again")
+        taken.add(name)
     namespace = gm.graph._graph_namespace
     for node in gm.graph.nodes:
         if node not in wanted and node.name in taken:
