@@ -25,6 +25,7 @@ import copy
 import json
 import keyword
 import logging
+import operator
 import os
 from typing import Any
 
@@ -37,6 +38,7 @@ from ..analysis.record import META_KEY
 from ..archive import Pt2Archive, parse_json
 from ..errors import InputError
 from ..files import Staged, check_writable
+from ..report import meta
 from ..fx.capture.export import capture_program, capturing, size_one_dynamic
 from ..fx.capture.guards import GUARDS_KEY, ShapeGuards
 from ..serving.artifact import Kind, record_of
@@ -129,7 +131,7 @@ def from_program(program: torch.export.ExportedProgram, info: dict[str, Any], na
     """The served module of a program amppass converted: decisions back in ``node.meta``, summary in ``meta``."""
     gm = capture_program(program)
     for node in gm.graph.nodes:
-        decision = stored_decision(node, name)
+        decision = None if _inherited(node) else stored_decision(node, name)
         if decision is not None:
             node.meta[META_KEY] = decision
     _restore_names(gm, name)
@@ -154,13 +156,14 @@ def _custom_types(program: torch.export.ExportedProgram) -> list[str]:
 
 def _plan(archive: Pt2Archive, path: str) -> dict[str, Any]:
     """The plan entry, read once and bounded (:data:`MAX_PLAN` bytes), checked to be an object whose
-    ``pytree_types`` are names."""
+    ``pytree_types`` are names and whose every field the report reads is as amppass writes it
+    (:func:`amppass.report.meta.model_info`)."""
     info = archive.read_json(_PLAN_ENTRY, MAX_PLAN)
     types = info.get("pytree_types", []) if isinstance(info, dict) else None
     if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
         raise InputError(f"{path}: entry {_PLAN_ENTRY!r} is not the object amppass.save writes (a summary with a "
                          "list of type names); the file is damaged or was edited: save the model again")
-    return info
+    return meta.model_info(info, f"{path}: entry {_PLAN_ENTRY!r}")
 
 
 def _register_types(names: list[str], used: set[str], path: str) -> None:
@@ -208,7 +211,7 @@ def stored_decision(node: fx.Node, name: str) -> dict[str, Any] | None:
     if not isinstance(decision, dict):
         raise InputError(f"{where} is a JSON {type(decision).__name__}, not the object amppass writes; the file is "
                          "damaged or was edited: convert the original again")
-    return decision
+    return meta.checked(decision, meta.DECISION, where)
 
 
 def is_converted(program: torch.export.ExportedProgram) -> bool:
@@ -316,13 +319,23 @@ def _hint(size: Any) -> int:
     return int(hint) if hint is not None else 2
 
 
+def _inherited(node: fx.Node) -> bool:
+    """Whether ``node`` picks one output of a multi-output node (an LSTM's) and carries that node's ``custom``
+    metadata only because torch.export's loader copies it to the outputs it makes: it has no name or decision
+    of its own in the file."""
+    source = node.args[0] if node.target is operator.getitem and node.args else None
+    return isinstance(source, fx.Node) and _NAME_KEY in node.meta.get("custom", {}) and \
+        source.meta.get("custom", {}).get(_NAME_KEY) == node.meta["custom"][_NAME_KEY]
+
+
 def _restore_names(gm: fx.GraphModule, file: str) -> None:
     """Give each node the name it had in the converted graph (export renames nodes after their ops), so the
     loaded model's report, and the casts each decision names, read as the converted model's did.
 
     The names are read from the file: each must be a Python identifier of at most :data:`MAX_NAME` characters,
     not a keyword, and no two nodes may share one; InputError naming the node otherwise."""
-    wanted = {n: n.meta["custom"][_NAME_KEY] for n in gm.graph.nodes if _NAME_KEY in n.meta.get("custom", {})}
+    wanted = {n: n.meta["custom"][_NAME_KEY] for n in gm.graph.nodes
+              if _NAME_KEY in n.meta.get("custom", {}) and not _inherited(n)}
     taken: set[str] = set()
     for node, name in wanted.items():
         where = f"{file}: node {node.name!r}: its stored name {_NAME_KEY!r}"
