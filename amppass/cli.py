@@ -3,8 +3,10 @@
 Both commands write report files with ``--report FILE``, HTML or JSON by the file's extension.
 Exit codes: 0 done; 1 a file or model amppass cannot use, or a conversion that failed; 2 a command line
 that does not parse (unknown option or dtype, a report file that is neither .html nor .json, output path
-equal to the input path without ``--force``). Every error is one line on stderr naming the file and the
-problem; no output file is left behind.
+equal to the input path without ``--force``, two outputs naming one file, a report file that is the input).
+Every error is one line on stderr naming the file and the problem; no output file is left behind. An output
+that is a symbolic link is followed: the file it points to is replaced, the link stays
+(:mod:`amppass.files`, rule 6).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Iterator, NoReturn, Sequence
 
 from ._version import __version__
 from .errors import AmpPassError
-from .files import Staged, check_writable
+from .files import Staged, check_writable, resolved
 from .report.rows import PRECISION_FILTERS
 
 # numpy, onnx, torch and everything that imports them load inside the commands, so that ``amppass --help``
@@ -182,7 +184,7 @@ def _convert(args: argparse.Namespace) -> int:
 
     if _is_program(args.model):
         return _convert_program(args)
-    _check_not_input(args.model, args.output, args.force)
+    _check_outputs(args.model, args.output, args.report, args.force)
     _check_report_formats(args.report)
     for path in (args.output, *args.report):
         _check_writable(path)
@@ -219,6 +221,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
+    _check_outputs(args.model, None, args.report, False)
     _check_report_formats(args.report)
     for path in args.report:
         _check_writable(path)
@@ -239,7 +242,7 @@ def _convert_program(args: argparse.Namespace) -> int:
     """``amppass convert model.pt2 -o out.pt2``: a torch.export program through amppass.convert and amppass.save."""
     import amppass
 
-    _check_not_input(args.model, args.output, args.force)
+    _check_outputs(args.model, args.output, args.report, args.force)
     if not args.output.endswith(".pt2"):
         raise UsageError(f"{args.output}: a converted program is written as a torch.export program; name it .pt2")
     if args.calib or args.tolerance is not None:
@@ -354,12 +357,32 @@ def _check_target_runs(model: onnx.ModelProto, target: str, dtype: str) -> None:
                      f"convert with --dtype {other}")
 
 
-def _check_not_input(model: str, output: str, force: bool) -> None:
-    same = os.path.realpath(model) == os.path.realpath(output) or (
-        os.path.exists(output) and os.path.exists(model) and os.path.samefile(model, output)
-    )
-    if same and not force:
+def _check_outputs(model: str, output: str | None, reports: Sequence[str], force: bool) -> None:
+    """Refuse, before any work, outputs that name one file (the same path once links are followed, or one file
+    under two names), a report file that is the input model, and ``-o`` naming the input without ``--force``."""
+    named = [("-o", output)] * (output is not None) + [("--report", path) for path in reports]
+    if output is not None and _file_key(output) == _file_key(model) and not force:
         raise UsageError(f"{output}: output path is the input model; choose another -o or pass --force to overwrite it")
+    for option, path in named[output is not None:]:
+        if _file_key(path) == _file_key(model):
+            raise UsageError(f"{option} {path}: that is the input model; the report would replace it. Name the "
+                             "report file report.html or report.json")
+    seen: dict[tuple, tuple[str, str]] = {}
+    for option, path in named:
+        first = seen.setdefault(_file_key(path), (option, path))
+        if first != (option, path):
+            raise UsageError(f"{first[0]} {first[1]} and {option} {path} name one file, and one would replace the "
+                             "other; give each output its own file name")
+
+
+def _file_key(path: str) -> tuple:
+    """What tells two paths apart as files: device and inode where the file exists (a hard link is the same
+    file), else the path with its links followed."""
+    try:
+        found = os.stat(path)
+    except OSError:
+        return ("path", resolved(path))
+    return ("file", found.st_dev, found.st_ino)
 
 
 def _check_writable(path: str | None) -> None:
