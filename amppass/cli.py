@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import os
 import re
 import sys
@@ -58,6 +59,10 @@ _EPILOG = (
     "exit codes: 0 done, 1 a file or model that cannot be used or a failed conversion, 2 a bad command line"
 )
 _FORMATS = {".html": "html", ".htm": "html", ".json": "json"}
+# what the compressed arrays of a --calib file may inflate to: this many bytes, or this many times their compressed
+# size, whichever is more (numpy.savez stores arrays uncompressed; savez_compressed of real data shrinks them a
+# few times, of masks and padding far more)
+MAX_FEEDS_INFLATED, MAX_FEEDS_RATIO = 64 << 20, 100
 
 
 class UsageError(Exception):
@@ -413,8 +418,9 @@ def _load_onnx(path: str) -> Any:
 def _load_feeds(path: str, model: onnx.ModelProto) -> list[dict[str, np.ndarray]]:
     """Calibration batches from a .npz, checked against the model's inputs (see ``--calib``).
 
-    Every array's shape and dtype are checked from its .npy header before any array is read, so a small
-    file that would expand to gigabytes is refused without reading it."""
+    The file's sizes are checked from its zip directory, then every array's shape and dtype from its .npy header
+    (bounded bytes), before any array is read, so a small file that would expand to gigabytes is refused without
+    reading it; Python objects (pickles) are refused."""
     import numpy as np
 
     if not os.path.isfile(path):
@@ -446,12 +452,14 @@ def _load_feeds(path: str, model: onnx.ModelProto) -> list[dict[str, np.ndarray]
 
 
 def _declared(path: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """Array name -> (shape, dtype) from each member's .npy header; no array data is read."""
+    """Array name -> (shape, dtype) from each member's .npy header; no array data is read, and the file's sizes
+    are checked before any header is (:func:`_check_feed_sizes`)."""
     import numpy as np
 
     found = {}
     try:
         with zipfile.ZipFile(path) as archive:
+            _check_feed_sizes(path, archive)
             for member in archive.infolist():
                 name = member.filename[:-4] if member.filename.endswith(".npy") else member.filename
                 with archive.open(member) as stream:
@@ -462,12 +470,47 @@ def _declared(path: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
                         raise ValueError(f"array {name}: .npy format {version} is not one numpy.savez writes "
                                          "for numeric arrays")
                     shape, _, dtype = read(stream)
+                    header = stream.tell()
                 if dtype.hasobject:
                     raise ValueError(f"array {name} holds Python objects")
+                if header + math.prod(shape) * dtype.itemsize != member.file_size:
+                    raise ValueError(f"array {name} declares {math.prod(shape) * dtype.itemsize:,} bytes of shape "
+                                     f"{tuple(shape)}, but its entry holds {member.file_size - header:,}")
                 found[name] = (tuple(shape), dtype)
+    except FileProblem:
+        raise
     except Exception as error:  # not a zip of .npy files, a pickled object, a truncated header
         raise FileProblem(f"{path}: not a .npz of arrays written by numpy.savez ({_one_line(error)})") from error
     return found
+
+
+def _check_feed_sizes(path: str, archive: zipfile.ZipFile) -> None:
+    """The sizes a .npz declares, checked from its directory before anything is inflated: every entry stored or
+    deflated, not encrypted, its bytes inside the file, stored ones as long as their data, all of them together no
+    more bytes than the file holds (so no byte is read twice), and what compressed entries inflate to at most
+    :data:`MAX_FEEDS_INFLATED` or :data:`MAX_FEEDS_RATIO` times their compressed bytes, whichever is more."""
+    size = os.path.getsize(path)
+    members = archive.infolist()
+    for member in members:
+        problem = ("is encrypted" if member.flag_bits & 0x1 else
+                   f"uses compression method {member.compress_type}, not one numpy.savez writes"
+                   if member.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED) else
+                   "claims more bytes than the file holds" if member.header_offset + member.compress_size > size else
+                   "is stored with two different sizes" if member.compress_type == zipfile.ZIP_STORED and
+                   member.compress_size != member.file_size else None)
+        if problem:
+            raise FileProblem(f"{path}: entry {member.filename[:100]!r} {problem}; write the feeds again with "
+                              "numpy.savez")
+    if sum(m.compress_size for m in members) > size:
+        raise FileProblem(f"{path}: its entries claim more bytes than the file holds (entries that share bytes); "
+                          "write the feeds again with numpy.savez")
+    packed = [m for m in members if m.compress_type == zipfile.ZIP_DEFLATED]
+    inflated, limit = sum(m.file_size for m in packed), max(MAX_FEEDS_INFLATED,
+                                                            MAX_FEEDS_RATIO * sum(m.compress_size for m in packed))
+    if inflated > limit:
+        raise FileProblem(f"{path}: its compressed arrays would inflate to {inflated:,} bytes, more than the "
+                          f"{limit:,} amppass reads from {sum(m.compress_size for m in packed):,} compressed bytes; "
+                          "write the feeds with numpy.savez (uncompressed) instead of numpy.savez_compressed")
 
 
 def _batch_count(path: str, value: onnx.ValueInfoProto, shape: tuple[int, ...], dtype: np.dtype) -> int:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
 import sys
+import zipfile
 
 import numpy as np
 import onnx
@@ -252,6 +254,49 @@ def test_calibration_file_that_is_not_npz(capsys, folder):
 
 
 @needs_onnx
+def _bomb(path, name: str, rows: int, compress: int = zipfile.ZIP_DEFLATED, shape: tuple | None = None) -> str:
+    """A .npz whose one array ``name`` of float32 zeros, ``rows`` x 64, is compressed (zeros deflate a
+    thousandfold); its header declares ``shape`` when given."""
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False,
+                                                  "shape": shape or (rows, 64)})
+    with zipfile.ZipFile(path, "w", compress) as archive, archive.open(f"{name}.npy", "w", force_zip64=True) as out:
+        out.write(header.getvalue())
+        chunk, left = memoryview(bytes(1 << 20)), rows * 64 * 4
+        while left:
+            out.write(chunk[:min(left, len(chunk))])
+            left -= min(left, len(chunk))
+    return str(path)
+
+
+def test_calibration_feeds_that_inflate_past_the_bound_are_refused_unread(capsys, folder):
+    """A 200 KB file of arrays that inflate to 256 MiB: refused from its zip directory, nothing inflated."""
+    feeds = _bomb(folder / "feeds.npz", "x", 1 << 20)
+    assert os.path.getsize(feeds) < 1 << 20
+    code, err = _convert(capsys, folder, "--calib", feeds)
+    assert code == 1
+    _one_error_line(err, "feeds.npz", "would inflate to 268,435,", "numpy.savez (uncompressed)")
+    assert _leftovers(folder) == []
+
+
+@pytest.mark.parametrize("shape, words", [
+    ((1 << 40, 64), ["declares 281,474,976,710,656 bytes", "entry holds 4,096"]),
+    ((8, 64), ["declares 2,048 bytes", "entry holds 4,096"]),
+], ids=["larger", "smaller"])
+def test_an_array_whose_header_disagrees_with_its_entry_is_refused(capsys, folder, shape, words):
+    feeds = _bomb(folder / "feeds.npz", "x", 16, zipfile.ZIP_STORED, shape=shape)
+    code, err = _convert(capsys, folder, "--calib", feeds)
+    assert code == 1
+    _one_error_line(err, "feeds.npz", "array x", *words)
+
+
+def test_compressed_feeds_within_the_bound_calibrate(capsys, folder):
+    np.savez_compressed(folder / "feeds.npz", x=np.random.default_rng(0).standard_normal((3, 2, 64), np.float32))
+    code, err = _convert(capsys, folder, "--calib", str(folder / "feeds.npz"), "--report", str(folder / "r.json"))
+    assert code == 0, err
+    assert json.loads((folder / "r.json").read_text())["info"]["calibration_batches"] == 3
+
+
 def test_matching_calibration_feeds_calibrate_and_meet_the_tolerance(capsys, folder):
     feeds = _feeds(folder, x=np.random.default_rng(0).standard_normal((3, 2, 64)).astype(np.float32))
     code, err = _convert(capsys, folder, "--calib", feeds, "--tolerance", "1e-2")
