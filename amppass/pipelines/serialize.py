@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import copy
 import json
+import keyword
 import logging
+import operator
 import os
 import re
 from typing import Any
@@ -37,6 +39,7 @@ from ..analysis.record import META_KEY
 from ..archive import Pt2Archive, parse_json
 from ..errors import InputError
 from ..files import Staged, check_writable
+from ..report import meta
 from ..fx.capture.export import capture_program, capturing, size_one_dynamic
 from ..fx.capture.guards import GUARDS_KEY, ShapeGuards
 from ..serving.artifact import Kind, record_of
@@ -50,6 +53,7 @@ MAX_PLAN = 16 << 20  # bytes of the plan entry amppass reads (a BERT's is about 
 MAX_TYPES = 64  # pytree types a saved program registers (a transformers model's inputs and outputs use a few)
 _NODE_KEY = "amppass"  # node.meta["custom"] entry holding a node's decision, as JSON
 _NAME_KEY = "amppass_name"  # node.meta["custom"] entry holding the node's name in the converted graph
+MAX_NAME = 512  # characters of a stored node name (a transformers model's longest are about 80)
 
 
 def exported_program(converted: nn.Module) -> torch.export.ExportedProgram:
@@ -128,10 +132,10 @@ def from_program(program: torch.export.ExportedProgram, info: dict[str, Any], na
     """The served module of a program amppass converted: decisions back in ``node.meta``, summary in ``meta``."""
     gm = capture_program(program)
     for node in gm.graph.nodes:
-        decision = stored_decision(node, name)
+        decision = None if _inherited(node) else stored_decision(node, name)
         if decision is not None:
             node.meta[META_KEY] = decision
-    _restore_names(gm)
+    _restore_names(gm, name)
     gm.meta[META_KEY] = info
     return ServingGraph(gm, gm.meta[GUARDS_KEY], name=name)
 
@@ -153,13 +157,14 @@ def _custom_types(program: torch.export.ExportedProgram) -> list[str]:
 
 def _plan(archive: Pt2Archive, path: str) -> dict[str, Any]:
     """The plan entry, read once and bounded (:data:`MAX_PLAN` bytes), checked to be an object whose
-    ``pytree_types`` are names."""
+    ``pytree_types`` are names and whose every field the report reads is as amppass writes it
+    (:func:`amppass.report.meta.model_info`)."""
     info = archive.read_json(_PLAN_ENTRY, MAX_PLAN)
     types = info.get("pytree_types", []) if isinstance(info, dict) else None
     if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
         raise InputError(f"{path}: entry {_PLAN_ENTRY!r} is not the object amppass.save writes (a summary with a "
                          "list of type names); the file is damaged or was edited: save the model again")
-    return info
+    return meta.model_info(info, f"{path}: entry {_PLAN_ENTRY!r}")
 
 
 def _register_types(names: list[str], used: set[str], path: str) -> None:
@@ -228,7 +233,7 @@ def stored_decision(node: fx.Node, name: str) -> dict[str, Any] | None:
     if not isinstance(decision, dict):
         raise InputError(f"{where} is a JSON {type(decision).__name__}, not the object amppass writes; the file is "
                          "damaged or was edited: convert the original again")
-    return decision
+    return meta.checked(decision, meta.DECISION, where)
 
 
 def is_converted(program: torch.export.ExportedProgram) -> bool:
@@ -336,11 +341,33 @@ def _hint(size: Any) -> int:
     return int(hint) if hint is not None else 2
 
 
-def _restore_names(gm: fx.GraphModule) -> None:
+def _inherited(node: fx.Node) -> bool:
+    """Whether ``node`` picks one output of a multi-output node (an LSTM's) and carries that node's ``custom``
+    metadata only because torch.export's loader copies it to the outputs it makes: it has no name or decision
+    of its own in the file."""
+    source = node.args[0] if node.target is operator.getitem and node.args else None
+    return isinstance(source, fx.Node) and _NAME_KEY in node.meta.get("custom", {}) and \
+        source.meta.get("custom", {}).get(_NAME_KEY) == node.meta["custom"][_NAME_KEY]
+
+
+def _restore_names(gm: fx.GraphModule, file: str) -> None:
     """Give each node the name it had in the converted graph (export renames nodes after their ops), so the
-    loaded model's report, and the casts each decision names, read as the converted model's did."""
-    wanted = {n: n.meta["custom"][_NAME_KEY] for n in gm.graph.nodes if _NAME_KEY in n.meta.get("custom", {})}
-    taken = set(wanted.values())
+    loaded model's report, and the casts each decision names, read as the converted model's did.
+
+    The names are read from the file: each must be a Python identifier of at most :data:`MAX_NAME` characters,
+    not a keyword, and no two nodes may share one; InputError naming the node otherwise."""
+    wanted = {n: n.meta["custom"][_NAME_KEY] for n in gm.graph.nodes
+              if _NAME_KEY in n.meta.get("custom", {}) and not _inherited(n)}
+    taken: set[str] = set()
+    for node, name in wanted.items():
+        where = f"{file}: node {node.name!r}: its stored name {_NAME_KEY!r}"
+        if not isinstance(name, str) or len(name) > MAX_NAME or not name.isidentifier() or keyword.iskeyword(name):
+            raise InputError(f"{where} is {str(name)[:60]!r}, not a Python identifier of at most {MAX_NAME} "
+                             "characters; the file is damaged or was edited: convert the original again")
+        if name in taken:
+            raise InputError(f"{where} is {name!r}, which another node of the file also names itself; the file is "
+                             "damaged or was edited: convert the original again")
+        taken.add(name)
     namespace = gm.graph._graph_namespace
     for node in gm.graph.nodes:
         if node not in wanted and node.name in taken:

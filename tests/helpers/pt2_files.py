@@ -269,3 +269,22 @@ def sparse_copy(source: Path, target: Path, hole: int) -> Path:
         out.seek(hole)
         out.write(source.read_bytes())
     return target
+
+
+def stored_name(value, node: int = 0) -> Callable[[dict], None]:
+    """The ``node``-th named node's stored ``amppass_name`` (the name it had in the converted graph) set to
+    ``value``."""
+    def change(tree):
+        named = [n for n in tree["graph_module"]["graph"]["nodes"]
+                 if "amppass_name" in json.loads(n["metadata"].get("custom", "{}"))]
+        custom = json.loads(named[node]["metadata"]["custom"])
+        custom["amppass_name"] = value
+        named[node]["metadata"]["custom"] = json.dumps(custom)
+    return change
+
+
+def stored_names(entries: dict[str, bytes]) -> list[str]:
+    """The ``amppass_name`` of every named node of an archive, in graph order."""
+    tree = json.loads(entries[MODEL_JSON])
+    return [json.loads(n["metadata"]["custom"])["amppass_name"] for n in tree["graph_module"]["graph"]["nodes"]
+            if "amppass_name" in json.loads(n["metadata"].get("custom", "{}"))]
