@@ -3,8 +3,10 @@
 Both commands write report files with ``--report FILE``, HTML or JSON by the file's extension.
 Exit codes: 0 done; 1 a file or model amppass cannot use, or a conversion that failed; 2 a command line
 that does not parse (unknown option or dtype, a report file that is neither .html nor .json, output path
-equal to the input path without ``--force``). Every error is one line on stderr naming the file and the
-problem; no output file is left behind.
+equal to the input path without ``--force``, two outputs naming one file, a report file that is the input).
+Every error is one line on stderr naming the file and the problem; no output file is left behind. An output
+that is a symbolic link is followed: the file it points to is replaced, the link stays
+(:mod:`amppass.files`, rule 6).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import os
 import re
 import sys
@@ -21,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Iterator, NoReturn, Sequence
 
 from ._version import __version__
 from .errors import AmpPassError
-from .files import Staged, check_writable
+from .files import Staged, check_writable, resolved
 from .report.rows import PRECISION_FILTERS
 
 # numpy, onnx, torch and everything that imports them load inside the commands, so that ``amppass --help``
@@ -56,6 +59,10 @@ _EPILOG = (
     "exit codes: 0 done, 1 a file or model that cannot be used or a failed conversion, 2 a bad command line"
 )
 _FORMATS = {".html": "html", ".htm": "html", ".json": "json"}
+# what the compressed arrays of a --calib file may inflate to: this many bytes, or this many times their compressed
+# size, whichever is more (numpy.savez stores arrays uncompressed; savez_compressed of real data shrinks them a
+# few times, of masks and padding far more)
+MAX_FEEDS_INFLATED, MAX_FEEDS_RATIO = 64 << 20, 100
 
 
 class UsageError(Exception):
@@ -182,7 +189,7 @@ def _convert(args: argparse.Namespace) -> int:
 
     if _is_program(args.model):
         return _convert_program(args)
-    _check_not_input(args.model, args.output, args.force)
+    _check_outputs(args.model, args.output, args.report, args.force)
     _check_report_formats(args.report)
     for path in (args.output, *args.report):
         _check_writable(path)
@@ -219,6 +226,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
+    _check_outputs(args.model, None, args.report, False)
     _check_report_formats(args.report)
     for path in args.report:
         _check_writable(path)
@@ -239,7 +247,7 @@ def _convert_program(args: argparse.Namespace) -> int:
     """``amppass convert model.pt2 -o out.pt2``: a torch.export program through amppass.convert and amppass.save."""
     import amppass
 
-    _check_not_input(args.model, args.output, args.force)
+    _check_outputs(args.model, args.output, args.report, args.force)
     if not args.output.endswith(".pt2"):
         raise UsageError(f"{args.output}: a converted program is written as a torch.export program; name it .pt2")
     if args.calib or args.tolerance is not None:
@@ -354,12 +362,32 @@ def _check_target_runs(model: onnx.ModelProto, target: str, dtype: str) -> None:
                      f"convert with --dtype {other}")
 
 
-def _check_not_input(model: str, output: str, force: bool) -> None:
-    same = os.path.realpath(model) == os.path.realpath(output) or (
-        os.path.exists(output) and os.path.exists(model) and os.path.samefile(model, output)
-    )
-    if same and not force:
+def _check_outputs(model: str, output: str | None, reports: Sequence[str], force: bool) -> None:
+    """Refuse, before any work, outputs that name one file (the same path once links are followed, or one file
+    under two names), a report file that is the input model, and ``-o`` naming the input without ``--force``."""
+    named = [("-o", output)] * (output is not None) + [("--report", path) for path in reports]
+    if output is not None and _file_key(output) == _file_key(model) and not force:
         raise UsageError(f"{output}: output path is the input model; choose another -o or pass --force to overwrite it")
+    for option, path in named[output is not None:]:
+        if _file_key(path) == _file_key(model):
+            raise UsageError(f"{option} {path}: that is the input model; the report would replace it. Name the "
+                             "report file report.html or report.json")
+    seen: dict[tuple, tuple[str, str]] = {}
+    for option, path in named:
+        first = seen.setdefault(_file_key(path), (option, path))
+        if first != (option, path):
+            raise UsageError(f"{first[0]} {first[1]} and {option} {path} name one file, and one would replace the "
+                             "other; give each output its own file name")
+
+
+def _file_key(path: str) -> tuple:
+    """What tells two paths apart as files: device and inode where the file exists (a hard link is the same
+    file), else the path with its links followed."""
+    try:
+        found = os.stat(path)
+    except OSError:
+        return ("path", resolved(path))
+    return ("file", found.st_dev, found.st_ino)
 
 
 def _check_writable(path: str | None) -> None:
@@ -390,8 +418,9 @@ def _load_onnx(path: str) -> Any:
 def _load_feeds(path: str, model: onnx.ModelProto) -> list[dict[str, np.ndarray]]:
     """Calibration batches from a .npz, checked against the model's inputs (see ``--calib``).
 
-    Every array's shape and dtype are checked from its .npy header before any array is read, so a small
-    file that would expand to gigabytes is refused without reading it."""
+    The file's sizes are checked from its zip directory, then every array's shape and dtype from its .npy header
+    (bounded bytes), before any array is read, so a small file that would expand to gigabytes is refused without
+    reading it; Python objects (pickles) are refused."""
     import numpy as np
 
     if not os.path.isfile(path):
@@ -423,12 +452,14 @@ def _load_feeds(path: str, model: onnx.ModelProto) -> list[dict[str, np.ndarray]
 
 
 def _declared(path: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """Array name -> (shape, dtype) from each member's .npy header; no array data is read."""
+    """Array name -> (shape, dtype) from each member's .npy header; no array data is read, and the file's sizes
+    are checked before any header is (:func:`_check_feed_sizes`)."""
     import numpy as np
 
     found = {}
     try:
         with zipfile.ZipFile(path) as archive:
+            _check_feed_sizes(path, archive)
             for member in archive.infolist():
                 name = member.filename[:-4] if member.filename.endswith(".npy") else member.filename
                 with archive.open(member) as stream:
@@ -439,12 +470,47 @@ def _declared(path: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
                         raise ValueError(f"array {name}: .npy format {version} is not one numpy.savez writes "
                                          "for numeric arrays")
                     shape, _, dtype = read(stream)
+                    header = stream.tell()
                 if dtype.hasobject:
                     raise ValueError(f"array {name} holds Python objects")
+                if header + math.prod(shape) * dtype.itemsize != member.file_size:
+                    raise ValueError(f"array {name} declares {math.prod(shape) * dtype.itemsize:,} bytes of shape "
+                                     f"{tuple(shape)}, but its entry holds {member.file_size - header:,}")
                 found[name] = (tuple(shape), dtype)
+    except FileProblem:
+        raise
     except Exception as error:  # not a zip of .npy files, a pickled object, a truncated header
         raise FileProblem(f"{path}: not a .npz of arrays written by numpy.savez ({_one_line(error)})") from error
     return found
+
+
+def _check_feed_sizes(path: str, archive: zipfile.ZipFile) -> None:
+    """The sizes a .npz declares, checked from its directory before anything is inflated: every entry stored or
+    deflated, not encrypted, its bytes inside the file, stored ones as long as their data, all of them together no
+    more bytes than the file holds (so no byte is read twice), and what compressed entries inflate to at most
+    :data:`MAX_FEEDS_INFLATED` or :data:`MAX_FEEDS_RATIO` times their compressed bytes, whichever is more."""
+    size = os.path.getsize(path)
+    members = archive.infolist()
+    for member in members:
+        problem = ("is encrypted" if member.flag_bits & 0x1 else
+                   f"uses compression method {member.compress_type}, not one numpy.savez writes"
+                   if member.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED) else
+                   "claims more bytes than the file holds" if member.header_offset + member.compress_size > size else
+                   "is stored with two different sizes" if member.compress_type == zipfile.ZIP_STORED and
+                   member.compress_size != member.file_size else None)
+        if problem:
+            raise FileProblem(f"{path}: entry {member.filename[:100]!r} {problem}; write the feeds again with "
+                              "numpy.savez")
+    if sum(m.compress_size for m in members) > size:
+        raise FileProblem(f"{path}: its entries claim more bytes than the file holds (entries that share bytes); "
+                          "write the feeds again with numpy.savez")
+    packed = [m for m in members if m.compress_type == zipfile.ZIP_DEFLATED]
+    inflated, limit = sum(m.file_size for m in packed), max(MAX_FEEDS_INFLATED,
+                                                            MAX_FEEDS_RATIO * sum(m.compress_size for m in packed))
+    if inflated > limit:
+        raise FileProblem(f"{path}: its compressed arrays would inflate to {inflated:,} bytes, more than the "
+                          f"{limit:,} amppass reads from {sum(m.compress_size for m in packed):,} compressed bytes; "
+                          "write the feeds with numpy.savez (uncompressed) instead of numpy.savez_compressed")
 
 
 def _batch_count(path: str, value: onnx.ValueInfoProto, shape: tuple[int, ...], dtype: np.dtype) -> int:

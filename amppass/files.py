@@ -17,6 +17,11 @@ Every file amppass writes goes through a :class:`Staged` set of writes:
    regular file (or a link to one). A FIFO, device or socket is refused, never opened: reading a FIFO
    (the save looks into the model it replaces) blocks until someone writes to it, and renaming a file over
    a device node replaces it.
+6. An output path that is a symbolic link is followed: the file it points to is replaced (through a temporary
+   beside that file, so atomically) and the link stays as it was, as a shell's ``>`` would leave it
+   (:func:`resolved`). Two outputs of one set that name one file once links are followed are refused before
+   anything is written (:meth:`Staged.open` raises at the second, and the set aborts).
+7. Every failure to write names the file it could not write (the final path, never a temporary).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ class Staged:
 
     def __init__(self) -> None:
         self._pending: list[tuple[str, str]] = []  # (temporary, final path), in commit order
+        self._named: set[str] = set()  # every final path of the set, links followed (rule 6)
         self._created: list[str] = []  # files written under their final (fresh) name, removed on abort
         self._after: list[Callable[[], None]] = []
         self._signals = _TermGuard()
@@ -79,22 +85,33 @@ class Staged:
     @contextlib.contextmanager
     def open(self, path: str | os.PathLike, mode: int | None = None) -> Iterator[BinaryIO]:
         """A binary file that becomes ``path`` when the set commits; with the permission bits ``mode`` when
-        given (rule 3)."""
-        final = os.path.abspath(os.fspath(path))
+        given (rule 3); a link at ``path`` is followed (rule 6)."""
+        final = self._name(path)
         folder, base = os.path.split(final)
         temp = os.path.join(folder, f"{TEMP_PREFIX}{base}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
         self._pending.append((temp, final))
-        with _create(temp, _mode_for(final) if mode is None else mode) as out:
+        with _naming(final), _create(temp, _mode_for(final) if mode is None else mode) as out:
             yield out
 
     @contextlib.contextmanager
     def create(self, path: str | os.PathLike) -> Iterator[BinaryIO]:
         """A binary file written directly at a fresh ``path`` that must not exist yet (an external-data file
         only the new model names); removed if the set aborts."""
-        final = os.path.abspath(os.fspath(path))
+        final = self._name(path)
         self._created.append(final)
-        with _create(final, _mode_for(final)) as out:
+        with _naming(final), _create(final, _mode_for(final)) as out:
             yield out
+
+    def _name(self, path: str | os.PathLike) -> str:
+        """The file ``path`` names (:func:`resolved`), refused where another output of the set names it too."""
+        final = resolved(path)
+        if final in self._named:
+            shown = os.fspath(path)
+            raise InputError(f"two outputs name one file, {shown!r}" + ("" if final == os.path.abspath(shown) else
+                             f" (through a link, {final!r})") + "; nothing was written: give each output its own "
+                             "file name")
+        self._named.add(final)
+        return final
 
     def write(self, path: str | os.PathLike, data: str | bytes, mode: int | None = None) -> None:
         """Stage ``data`` (text is UTF-8 encoded) for ``path`` (with the permission bits ``mode``, when given)."""
@@ -136,6 +153,11 @@ def write_atomic(path: str | os.PathLike, data: str | bytes, mode: int | None = 
         staged.write(path, data, mode)
 
 
+def resolved(path: str | os.PathLike) -> str:
+    """The file a write to ``path`` replaces: ``path`` made absolute, its symbolic links followed (rule 6)."""
+    return os.path.realpath(os.path.abspath(os.fspath(path)))
+
+
 _SPECIAL = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
@@ -169,6 +191,19 @@ def check_regular(path: str | os.PathLike) -> None:
         kind = next((name for test, name in _SPECIAL if test(found)), "not a file")
         raise InputError(f"cannot write {path!r}: it is {kind}, not a regular file, and amppass never opens one as "
                          "an output (it would block or replace it); remove it or choose another path")
+
+
+@contextlib.contextmanager
+def _naming(final: str) -> Iterator[None]:
+    """An ``OSError`` that names no file, or a temporary, while ``final`` is written: a :class:`WriteError`
+    naming ``final`` (rule 7)."""
+    try:
+        yield
+    except OSError as error:
+        if isinstance(error, WriteError) or (error.filename is not None and
+                                             not os.path.basename(str(error.filename)).startswith(TEMP_PREFIX)):
+            raise
+        raise WriteError(_describe(error, final)) from error
 
 
 @contextlib.contextmanager
@@ -224,8 +259,10 @@ def _fsync_folder(folder: str) -> None:
         os.close(fd)
 
 
-def _describe(error: OSError) -> str:
-    name = error.filename or "output"
+def _describe(error: OSError, final: str | None = None) -> str:
+    """The message of a failed write: the file (``final``, else the error's own, a temporary as its final
+    path), why, and that nothing changed."""
+    name = final or error.filename or "an output file"
     if isinstance(name, str) and os.path.basename(name).startswith(TEMP_PREFIX):
         name = _final_name(name)
     return (f"cannot write {name}: {error.strerror or error}; nothing was changed (files already there are as "

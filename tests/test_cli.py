@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
 import sys
+import zipfile
 
 import numpy as np
 import onnx
@@ -16,6 +18,7 @@ import amppass
 from amppass.cli import main
 from amppass.report.report import load_schema
 from models import build
+from tests.helpers.paths import ROOT
 
 needs_onnx = pytest.mark.skipif(not hasattr(amppass, "convert_onnx"), reason="amppass.convert_onnx has not landed")
 
@@ -157,6 +160,66 @@ def test_output_equal_to_input_needs_force(capsys, folder):
     assert (folder / "mlp.onnx").read_bytes() == before
 
 
+@pytest.mark.parametrize("outputs", [
+    ["-o", "r.html", "--report", "r.html"],
+    ["-o", "out.onnx", "--report", "r.json", "./r.json"],
+    ["-o", "out.onnx", "--report", "r.html", "link.html"],  # link.html -> r.html
+    ["-o", "link.html", "--report", "r.html"],
+], ids=["output-and-report", "two-reports", "report-through-a-link", "output-through-a-link"])
+def test_two_outputs_that_name_one_file_are_refused_before_anything_is_written(capsys, folder, outputs, monkeypatch):
+    (folder / "r.html").write_text("mine")
+    os.symlink("r.html", folder / "link.html")
+    monkeypatch.chdir(folder)
+    code = main(["convert", "mlp.onnx", *outputs])
+    assert code == 2
+    _one_error_line(capsys.readouterr().err, "name one file", "its own file name")
+    assert (folder / "r.html").read_text() == "mine" and os.path.islink(folder / "link.html")
+    assert sorted(os.listdir(folder)) == ["link.html", "mlp.onnx", "r.html"]
+
+
+def test_a_report_that_is_the_input_model_is_refused(capsys, folder):
+    os.symlink("mlp.onnx", folder / "model.html")
+    before = (folder / "mlp.onnx").read_bytes()
+    for command in (["report", str(folder / "mlp.onnx")], ["convert", str(folder / "mlp.onnx"), "-o",
+                                                           str(folder / "out.onnx"), "--force"]):
+        assert main([*command, "--report", str(folder / "model.html")]) == 2
+        _one_error_line(capsys.readouterr().err, "model.html", "the input model")
+    assert (folder / "mlp.onnx").read_bytes() == before and not (folder / "out.onnx").exists()
+
+
+@needs_onnx
+def test_an_output_that_is_a_link_replaces_the_file_it_points_to(capsys, folder):
+    """The link is followed (as a shell's > does): its target gets the converted model, atomically, and the link
+    stays a link."""
+    (folder / "models").mkdir()
+    (folder / "models" / "v2.onnx").write_bytes(b"old")
+    (folder / "models" / "v2.html").write_bytes(b"old")
+    os.symlink(os.path.join("models", "v2.onnx"), folder / "current.onnx")
+    os.symlink(os.path.join("models", "v2.html"), folder / "current.html")
+    code = main(["convert", str(folder / "mlp.onnx"), "-o", str(folder / "current.onnx"),
+                 "--report", str(folder / "current.html")])
+    assert code == 0, capsys.readouterr().err
+    assert os.path.islink(folder / "current.onnx") and os.path.islink(folder / "current.html")
+    converted = onnx.load(str(folder / "models" / "v2.onnx"))
+    assert any(p.key == "amppass" for p in converted.metadata_props)
+    assert "<html" in (folder / "models" / "v2.html").read_text()
+    assert amppass.report(str(folder / "current.onnx")).info["dtype"] == "fp16"
+
+
+def test_a_failed_write_names_its_file(folder):
+    """A write that fails halfway (here the file-size limit, as a full disk would) names the output it could not
+    write, and leaves nothing behind."""
+    code = ("import resource, signal, sys\nfrom amppass.cli import main\n"
+            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))\nsys.exit(main(sys.argv[1:]))")
+    done = subprocess.run([sys.executable, "-c", code, "convert", str(folder / "mlp.onnx"), "-o",
+                           str(folder / "out.onnx")], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 1
+    line = _one_error_line(done.stderr, f"cannot write {folder / 'out.onnx'}", "nothing was changed")
+    assert ".amppass-" not in line and _leftovers(folder) == []
+
+
 def test_output_folder_must_exist(capsys, folder):
     code = main(["convert", str(folder / "mlp.onnx"), "-o", str(folder / "no" / "out.onnx")])
     assert code == 1
@@ -191,6 +254,49 @@ def test_calibration_file_that_is_not_npz(capsys, folder):
 
 
 @needs_onnx
+def _bomb(path, name: str, rows: int, compress: int = zipfile.ZIP_DEFLATED, shape: tuple | None = None) -> str:
+    """A .npz whose one array ``name`` of float32 zeros, ``rows`` x 64, is compressed (zeros deflate a
+    thousandfold); its header declares ``shape`` when given."""
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False,
+                                                  "shape": shape or (rows, 64)})
+    with zipfile.ZipFile(path, "w", compress) as archive, archive.open(f"{name}.npy", "w", force_zip64=True) as out:
+        out.write(header.getvalue())
+        chunk, left = memoryview(bytes(1 << 20)), rows * 64 * 4
+        while left:
+            out.write(chunk[:min(left, len(chunk))])
+            left -= min(left, len(chunk))
+    return str(path)
+
+
+def test_calibration_feeds_that_inflate_past_the_bound_are_refused_unread(capsys, folder):
+    """A 200 KB file of arrays that inflate to 256 MiB: refused from its zip directory, nothing inflated."""
+    feeds = _bomb(folder / "feeds.npz", "x", 1 << 20)
+    assert os.path.getsize(feeds) < 1 << 20
+    code, err = _convert(capsys, folder, "--calib", feeds)
+    assert code == 1
+    _one_error_line(err, "feeds.npz", "would inflate to 268,435,", "numpy.savez (uncompressed)")
+    assert _leftovers(folder) == []
+
+
+@pytest.mark.parametrize("shape, words", [
+    ((1 << 40, 64), ["declares 281,474,976,710,656 bytes", "entry holds 4,096"]),
+    ((8, 64), ["declares 2,048 bytes", "entry holds 4,096"]),
+], ids=["larger", "smaller"])
+def test_an_array_whose_header_disagrees_with_its_entry_is_refused(capsys, folder, shape, words):
+    feeds = _bomb(folder / "feeds.npz", "x", 16, zipfile.ZIP_STORED, shape=shape)
+    code, err = _convert(capsys, folder, "--calib", feeds)
+    assert code == 1
+    _one_error_line(err, "feeds.npz", "array x", *words)
+
+
+def test_compressed_feeds_within_the_bound_calibrate(capsys, folder):
+    np.savez_compressed(folder / "feeds.npz", x=np.random.default_rng(0).standard_normal((3, 2, 64), np.float32))
+    code, err = _convert(capsys, folder, "--calib", str(folder / "feeds.npz"), "--report", str(folder / "r.json"))
+    assert code == 0, err
+    assert json.loads((folder / "r.json").read_text())["info"]["calibration_batches"] == 3
+
+
 def test_matching_calibration_feeds_calibrate_and_meet_the_tolerance(capsys, folder):
     feeds = _feeds(folder, x=np.random.default_rng(0).standard_normal((3, 2, 64)).astype(np.float32))
     code, err = _convert(capsys, folder, "--calib", feeds, "--tolerance", "1e-2")

@@ -1,7 +1,7 @@
 """A .pt2 archive (a torch.export program) read as untrusted input: nothing in it runs, nothing unbounded inflates.
 
 ``torch.export.load`` (torch 2.13, ``torch/export/pt2_archive/_package.py`` and ``torch/_export/serde/``) and
-``ExportedProgram.module()`` run code from the file in four ways, and :class:`Pt2Archive` refuses each before
+``ExportedProgram.module()`` run code from the file in five ways, and :class:`Pt2Archive` refuses each before
 torch reads the file:
 
 - pickles: a weight or tensor constant flagged ``use_pickle`` in ``data/weights/model_weights_config.json`` or
@@ -15,9 +15,9 @@ torch reads the file:
   ``sympy.sympify``, which evaluates it.
 - Python source: guards, argument names, attribute names and string constants are pasted into the source of
   functions torch generates and runs (:mod:`amppass.archive.program`).
-
-(A node's call target is looked up by name from ``torch``, ``math`` or ``operator``; torch's own verifier then
-refuses any that is not an operator, when the program is built.)
+- Python functions by name: a node's target and every operator argument are looked up by ``getattr`` from
+  ``torch``, ``math`` or ``operator`` (``torch.os.system`` is :func:`os.system`), and the graph calls them
+  (:mod:`amppass.archive.operators`).
 
 Rules:
 

@@ -23,8 +23,11 @@ from __future__ import annotations
 
 import copy
 import json
+import keyword
 import logging
+import operator
 import os
+import re
 from typing import Any
 
 import torch
@@ -36,6 +39,7 @@ from ..analysis.record import META_KEY
 from ..archive import Pt2Archive, parse_json
 from ..errors import InputError
 from ..files import Staged, check_writable
+from ..report import meta
 from ..fx.capture.export import capture_program, capturing, size_one_dynamic
 from ..fx.capture.guards import GUARDS_KEY, ShapeGuards
 from ..serving.artifact import Kind, record_of
@@ -49,6 +53,7 @@ MAX_PLAN = 16 << 20  # bytes of the plan entry amppass reads (a BERT's is about 
 MAX_TYPES = 64  # pytree types a saved program registers (a transformers model's inputs and outputs use a few)
 _NODE_KEY = "amppass"  # node.meta["custom"] entry holding a node's decision, as JSON
 _NAME_KEY = "amppass_name"  # node.meta["custom"] entry holding the node's name in the converted graph
+MAX_NAME = 512  # characters of a stored node name (a transformers model's longest are about 80)
 
 
 def exported_program(converted: nn.Module) -> torch.export.ExportedProgram:
@@ -127,10 +132,10 @@ def from_program(program: torch.export.ExportedProgram, info: dict[str, Any], na
     """The served module of a program amppass converted: decisions back in ``node.meta``, summary in ``meta``."""
     gm = capture_program(program)
     for node in gm.graph.nodes:
-        decision = stored_decision(node, name)
+        decision = None if _inherited(node) else stored_decision(node, name)
         if decision is not None:
             node.meta[META_KEY] = decision
-    _restore_names(gm)
+    _restore_names(gm, name)
     gm.meta[META_KEY] = info
     return ServingGraph(gm, gm.meta[GUARDS_KEY], name=name)
 
@@ -152,22 +157,26 @@ def _custom_types(program: torch.export.ExportedProgram) -> list[str]:
 
 def _plan(archive: Pt2Archive, path: str) -> dict[str, Any]:
     """The plan entry, read once and bounded (:data:`MAX_PLAN` bytes), checked to be an object whose
-    ``pytree_types`` are names."""
+    ``pytree_types`` are names and whose every field the report reads is as amppass writes it
+    (:func:`amppass.report.meta.model_info`)."""
     info = archive.read_json(_PLAN_ENTRY, MAX_PLAN)
     types = info.get("pytree_types", []) if isinstance(info, dict) else None
     if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
         raise InputError(f"{path}: entry {_PLAN_ENTRY!r} is not the object amppass.save writes (a summary with a "
                          "list of type names); the file is damaged or was edited: save the model again")
-    return info
+    return meta.model_info(info, f"{path}: entry {_PLAN_ENTRY!r}")
 
 
 def _register_types(names: list[str], used: set[str], path: str) -> None:
     """Register the pytree types a saved program's inputs and outputs use, before torch.export reads it.
 
     Only the names the program's own input and output specs use (``used``) are registered, at most
-    :data:`MAX_TYPES`: registering a type changes how every later pytree walk in the process treats it.
-    transformers' output classes register themselves when their module is imported; its cache classes are
-    registered by the same call capture makes. Only transformers' own modules are imported.
+    :data:`MAX_TYPES`: registering a type changes how every later pytree walk in the process treats it. Only
+    the containers amppass writes are registered: transformers' model outputs (a class of
+    ``transformers.modeling_outputs`` or of a model's ``transformers.models.<name>.modeling_<name>``, which
+    registers itself when its module is imported) and caches (``transformers.cache_utils``). Any other name is
+    refused before anything is imported (:data:`_CONTAINER_MODULE`), and a class that turns out to be neither
+    an output nor a cache is refused without being registered.
     """
     import importlib
 
@@ -176,21 +185,39 @@ def _register_types(names: list[str], used: set[str], path: str) -> None:
         raise InputError(f"{path}: the saved program's inputs and outputs name {len(names)} types, more than the "
                          f"{MAX_TYPES} amppass registers; the file is damaged or crafted: save the model again")
     for name in names:
-        module_name, _, class_name = name.partition(":") if ":" in name else name.rpartition(".")
-        if not module_name.startswith("transformers.") or name in pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE:
+        if name in pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE:
             continue
+        module_name, _, class_name = name.partition(":") if ":" in name else name.rpartition(".")
+        if _CONTAINER_MODULE.fullmatch(module_name) is None or not class_name.isidentifier():
+            raise InputError(f"{path}: the saved program's inputs or outputs name the type {name[:200]!r}, which is "
+                             "not a container amppass writes (a transformers model output or cache); amppass "
+                             "imports and registers no other class. The file is damaged or crafted: save the model "
+                             "again, or load it with trusted=True and register the type yourself first")
         try:
             cls = getattr(importlib.import_module(module_name), class_name)
         except (ImportError, AttributeError, ValueError) as err:
             raise InputError(f"the saved program returns or takes {name[:200]!r}, which this environment cannot "
                              f"import ({err}); install the transformers version the model was saved with") from err
-        if not isinstance(cls, type):
-            raise InputError(f"the saved program names {name[:200]!r} as a type of its inputs or outputs, but it "
-                             "is not a class; the file is damaged or was edited: save the model again")
+        if not _is_container(cls):
+            raise InputError(f"{path}: the saved program names {name[:200]!r} as a type of its inputs or outputs, "
+                             "but it is not a transformers model output or cache; the file is damaged or was edited: "
+                             "save the model again")
         if cls not in pytree.SUPPORTED_NODES:
             from transformers.exporters.exporter_dynamo import register_pytree_node
 
             register_pytree_node(cls)
+
+
+# the modules whose classes amppass registers: transformers' outputs, a model's own outputs, its caches
+_CONTAINER_MODULE = re.compile(r"transformers\.(modeling_outputs|cache_utils|models(\.\w+)+\.modeling_\w+)")
+
+
+def _is_container(cls: Any) -> bool:
+    """Whether ``cls`` is a transformers model output or cache class."""
+    from transformers.cache_utils import Cache
+    from transformers.utils import ModelOutput
+
+    return isinstance(cls, type) and issubclass(cls, (ModelOutput, Cache))
 
 
 def stored_decision(node: fx.Node, name: str) -> dict[str, Any] | None:
@@ -206,7 +233,7 @@ def stored_decision(node: fx.Node, name: str) -> dict[str, Any] | None:
     if not isinstance(decision, dict):
         raise InputError(f"{where} is a JSON {type(decision).__name__}, not the object amppass writes; the file is "
                          "damaged or was edited: convert the original again")
-    return decision
+    return meta.checked(decision, meta.DECISION, where)
 
 
 def is_converted(program: torch.export.ExportedProgram) -> bool:
@@ -314,11 +341,33 @@ def _hint(size: Any) -> int:
     return int(hint) if hint is not None else 2
 
 
-def _restore_names(gm: fx.GraphModule) -> None:
+def _inherited(node: fx.Node) -> bool:
+    """Whether ``node`` picks one output of a multi-output node (an LSTM's) and carries that node's ``custom``
+    metadata only because torch.export's loader copies it to the outputs it makes: it has no name or decision
+    of its own in the file."""
+    source = node.args[0] if node.target is operator.getitem and node.args else None
+    return isinstance(source, fx.Node) and _NAME_KEY in node.meta.get("custom", {}) and \
+        source.meta.get("custom", {}).get(_NAME_KEY) == node.meta["custom"][_NAME_KEY]
+
+
+def _restore_names(gm: fx.GraphModule, file: str) -> None:
     """Give each node the name it had in the converted graph (export renames nodes after their ops), so the
-    loaded model's report, and the casts each decision names, read as the converted model's did."""
-    wanted = {n: n.meta["custom"][_NAME_KEY] for n in gm.graph.nodes if _NAME_KEY in n.meta.get("custom", {})}
-    taken = set(wanted.values())
+    loaded model's report, and the casts each decision names, read as the converted model's did.
+
+    The names are read from the file: each must be a Python identifier of at most :data:`MAX_NAME` characters,
+    not a keyword, and no two nodes may share one; InputError naming the node otherwise."""
+    wanted = {n: n.meta["custom"][_NAME_KEY] for n in gm.graph.nodes
+              if _NAME_KEY in n.meta.get("custom", {}) and not _inherited(n)}
+    taken: set[str] = set()
+    for node, name in wanted.items():
+        where = f"{file}: node {node.name!r}: its stored name {_NAME_KEY!r}"
+        if not isinstance(name, str) or len(name) > MAX_NAME or not name.isidentifier() or keyword.iskeyword(name):
+            raise InputError(f"{where} is {str(name)[:60]!r}, not a Python identifier of at most {MAX_NAME} "
+                             "characters; the file is damaged or was edited: convert the original again")
+        if name in taken:
+            raise InputError(f"{where} is {name!r}, which another node of the file also names itself; the file is "
+                             "damaged or was edited: convert the original again")
+        taken.add(name)
     namespace = gm.graph._graph_namespace
     for node in gm.graph.nodes:
         if node not in wanted and node.name in taken:

@@ -176,6 +176,14 @@ _TIMING_WORDS = {
     "unmeasured": "not timed, as their ops cannot run on their own: kept as planned",
     "low kernel failed": "not timed: their {dtype} kernel failed, so they run fp32",
 }
+
+
+def _timing_words(how: str, dtype: str) -> str:
+    """How a group's speed was known, in words: a kind this amppass knows in its words (with ``dtype`` filled
+    in), any other kind (a file's own text) as it is, never as a format string."""
+    return _TIMING_WORDS[how].replace("{dtype}", dtype) if how in _TIMING_WORDS else how
+
+
 def _count(n: Any, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
@@ -192,7 +200,7 @@ def _speed_lines(profit: dict[str, Any], dtype: str) -> list[str]:
                  "machine wherever it was checked"]
     timing = profit.get("timing")
     if isinstance(timing, dict) and timing:
-        said = [f"{_count(n, 'group')} {_TIMING_WORDS.get(how, how).format(dtype=dtype)}" for how, n in timing.items()]
+        said = [f"{_count(n, 'group')} {_timing_words(how, dtype)}" for how, n in timing.items()]
         lines.append("how the speed of each group of connected ops was known: " + "; ".join(said))
     device = profit.get("device")
     if isinstance(device, dict) and device.get("native_low") is False:
@@ -206,7 +214,7 @@ def _parts_lines(parts: dict[str, Any]) -> list[str]:
     lines = [f"converted by parts (the whole model does not capture: {parts.get('why_whole')}): "
              f"{len(converted)} part{'' if len(converted) == 1 else 's'}: {', '.join(map(str, converted))}"]
     total, low = finite(parts.get("macs_total")), finite(parts.get("macs_low"))
-    if total:
+    if total and low is not None:
         lines.append(f"heavy compute of the whole model, eager code included: {low / total:.1%} of "
                      f"{int(total):,} MACs in low precision")
     lines.extend(f"runs as the model's own code, in fp32: {path} ({why})" for path, why in eager.items())

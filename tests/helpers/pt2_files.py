@@ -15,6 +15,7 @@ from typing import Callable
 
 import pytest
 import torch
+from hypothesis import strategies as st
 
 import amppass
 
@@ -180,6 +181,40 @@ def shared_branches(entries: dict[str, bytes]) -> None:
     entries["data/sample_inputs/model.pt"] = pickled(((level,), {}))
 
 
+def calling_node(target: str, operator: str, command: str) -> Callable[[dict], None]:
+    """A first node ``target`` (a higher-order op) whose first argument names ``operator`` as the callable it
+    calls with ``command``: ``wrap(torch.os.system, "touch marker")`` runs the command when the graph runs."""
+    def change(tree):
+        graph = tree["graph_module"]["graph"]
+        graph["tensor_values"]["evil"] = next(iter(graph["tensor_values"].values()))
+        graph["nodes"].insert(0, {"target": target, "name": "evil", "metadata": {}, "is_hop_single_tensor_return": True,
+                                  "inputs": [{"name": "", "arg": {"as_operator": operator}, "kind": 1},
+                                             {"name": "", "arg": {"as_string": command}, "kind": 1}],
+                                  "outputs": [{"as_tensor": {"name": "evil"}}]})
+    return change
+
+
+# guard arithmetic: atoms and the ways torch's printer (or an attacker) combines them
+GUARD_ATOMS = ["L['input'].size()[0]", "L['input'].size()[1]", "L['input'].numel()", "L['input'].size()", "L['input']",
+               "0", "2", "16", "99", "10**9", "9**9**9", "1e-999999999", "'x'", "'1' * 5000", "math.inf"]
+GUARD_CALLS = ["math.log", "int", "float", "round", "abs", "math.sqrt", "math.floor", "torch.sym_float"]
+GUARD_OPERATORS = [" + ", " - ", " * ", " ** ", " // ", " % ", " << ", " / "]
+
+
+@st.composite
+def guards(draw) -> str:
+    """A guard of sizes, constants and text combined by arithmetic and the functions torch's printer writes."""
+    def term(depth: int) -> str:
+        shape = draw(st.sampled_from(["atom", "call", "binary"] if depth < 3 else ["atom"]))
+        if shape == "atom":
+            return draw(st.sampled_from(GUARD_ATOMS))
+        if shape == "call":
+            return f"{draw(st.sampled_from(GUARD_CALLS))}({term(depth + 1)})"
+        return f"({term(depth + 1)}{draw(st.sampled_from(GUARD_OPERATORS))}{term(depth + 1)})"
+
+    return f"{term(0)} {draw(st.sampled_from(['!=', '>=', '==']))} {draw(st.sampled_from(GUARD_ATOMS))}"
+
+
 # -- containers: what torch reads inside the archive, and the file itself ---------------------------------------
 SAMPLES = "data/sample_inputs/model.pt"
 
@@ -234,3 +269,22 @@ def sparse_copy(source: Path, target: Path, hole: int) -> Path:
         out.seek(hole)
         out.write(source.read_bytes())
     return target
+
+
+def stored_name(value, node: int = 0) -> Callable[[dict], None]:
+    """The ``node``-th named node's stored ``amppass_name`` (the name it had in the converted graph) set to
+    ``value``."""
+    def change(tree):
+        named = [n for n in tree["graph_module"]["graph"]["nodes"]
+                 if "amppass_name" in json.loads(n["metadata"].get("custom", "{}"))]
+        custom = json.loads(named[node]["metadata"]["custom"])
+        custom["amppass_name"] = value
+        named[node]["metadata"]["custom"] = json.dumps(custom)
+    return change
+
+
+def stored_names(entries: dict[str, bytes]) -> list[str]:
+    """The ``amppass_name`` of every named node of an archive, in graph order."""
+    tree = json.loads(entries[MODEL_JSON])
+    return [json.loads(n["metadata"]["custom"])["amppass_name"] for n in tree["graph_module"]["graph"]["nodes"]
+            if "amppass_name" in json.loads(n["metadata"].get("custom", "{}"))]

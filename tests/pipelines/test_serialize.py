@@ -87,6 +87,8 @@ def test_loaded_model_keeps_the_guards_and_names_the_dim_it_cannot_take(tmp_path
     path = tmp_path / "lstm.pt2"
     amppass.save(fast, path)
     loaded = amppass.load(path)
+    names = [row.name for row in amppass.report(loaded).rows]  # the LSTM's outputs carry no copy of its name
+    assert names.count("lstm") == 1 and len(names) == len(set(names))
     with torch.no_grad():
         for x in (floats(3, 8, 16, seed=2), floats(7, 8, 16, seed=3)):
             assert torch.equal(loaded(x), fast(x))

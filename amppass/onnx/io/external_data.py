@@ -9,8 +9,9 @@ or a pipe is refused with an :class:`~amppass.errors.InputError` naming the tens
 Each file is opened once (:class:`ExternalFiles`), and the *opened* file is what is checked: its resolved
 path (``/proc/self/fd`` on Linux, else its device and inode against the checked path) must lie inside the
 folder and it must be a regular file. Every later read goes through that descriptor's memory map, so a file
-swapped for a link after the check cannot be read. Offsets and lengths are checked against the file's
-size and the tensor's shape before any byte is read.
+swapped for a link after the check cannot be read. Offsets and lengths are whole numbers of at most
+:data:`MAX_DIGITS` digits (checked before the text is converted), then checked against the file's size and the
+tensor's shape before any byte is read.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import onnx
 
 from ...errors import InputError
 
+MAX_DIGITS = 19  # digits of an external-data offset or length: 2**63 bytes has 19
 RESERVED = "amppass:weight-store"  # the location amppass's weight store uses internally; never a user's file
 
 
@@ -97,9 +99,8 @@ class ExternalFiles:
         if opened is None or not isinstance(opened.buffer, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED"):
             return
         fields = info(tensor)
-        try:
-            offset, length = int(fields.get("offset", 0)), int(fields.get("length", 0))
-        except ValueError:
+        offset, length = _whole(fields.get("offset", "0")), _whole(fields.get("length", "0"))
+        if offset is None or length is None:
             return
         page = mmap.PAGESIZE
         start, end = offset // page * page, min(opened.size, offset + length)
@@ -156,10 +157,20 @@ class ExternalFiles:
         text = fields.get(key)
         if text is None:
             return default
-        if not text.strip().isdigit() or not text.strip().isascii():
-            raise InputError(f"{self.where}: tensor {tensor.name!r}: external-data {key} {text!r} is not a "
-                             "non-negative whole number; the model file is damaged: re-export it")
-        return int(text)
+        number = _whole(text)
+        if number is None:
+            shown = text if len(text) <= 40 else f"{text[:40]}… ({len(text):,} characters)"
+            raise InputError(f"{self.where}: tensor {tensor.name!r}: external-data {key} {shown!r} is not a "
+                             f"whole number of at most {MAX_DIGITS} digits; the model file is damaged: re-export it")
+        return number
+
+
+def _whole(text: str) -> int | None:
+    """``text`` (from the file) as a non-negative whole number when it is at most :data:`MAX_DIGITS` ASCII digits
+    (spaces around them aside), else None: the length is checked before ``int`` sees the text, whose own limit
+    is a ValueError after thousands of digits."""
+    text = text.strip()
+    return int(text) if 0 < len(text) <= MAX_DIGITS and text.isascii() and text.isdigit() else None
 
 
 def _inside(path: str, folder: str) -> bool:

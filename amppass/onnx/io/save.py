@@ -20,7 +20,7 @@ import stat
 
 import onnx
 
-from ...files import Staged, check_writable
+from ...files import Staged, check_writable, resolved
 from . import stream_write
 from .weight_store import WeightStore, tensors
 
@@ -40,7 +40,9 @@ def save(model: onnx.ModelProto, path: str | os.PathLike, external_data: bool | 
 
 def stage(staged: Staged, skeleton: onnx.ModelProto, store: WeightStore, path: str,
           external_data: bool | None = None) -> None:
-    """Add the model ``skeleton`` (payloads in ``store``) to ``staged`` as ``path`` (see :func:`save`)."""
+    """Add the model ``skeleton`` (payloads in ``store``) to ``staged`` as ``path`` (see :func:`save`); a link at
+    ``path`` is followed, and the data file goes beside the file it names (:func:`amppass.files.resolved`)."""
+    path = resolved(path)
     parts = stream_write.pieces(skeleton, store) if external_data is not True else None
     if external_data is None:
         external_data = stream_write.size(parts) >= PROTOBUF_LIMIT
