@@ -29,6 +29,7 @@ costs what the file's bytes on disk cost.
 
 from __future__ import annotations
 
+import errno
 import os
 import struct
 import zipfile
@@ -135,11 +136,13 @@ def _hole_bytes(fd: int, size: int, bound: int) -> int:
         while at < size and holes <= bound:
             try:
                 data = os.lseek(fd, at, os.SEEK_DATA)
-            except OSError:  # ENXIO: only a hole from here to the end
-                return holes + size - at
+            except OSError as err:
+                if err.errno != errno.ENXIO:
+                    raise
+                return holes + size - at  # ENXIO: only a hole from here to the end
             holes += data - at
             at = os.lseek(fd, data, os.SEEK_HOLE)
-    except OSError:  # a filesystem without SEEK_DATA
+    except OSError:  # a filesystem that cannot tell (EINVAL): the copy is still bounded by the size cap
         return 0
     finally:
         os.lseek(fd, 0, os.SEEK_SET)
@@ -209,7 +212,8 @@ def check_sizes(archive: zipfile.ZipFile, where: str) -> None:
     archive.fp.seek(0, os.SEEK_END)
     total = archive.fp.tell()
     held = {"compressed entries": 0, "extra files": 0, "compressed JSON entries": 0}
-    bounds = {"compressed entries": MAX_DEFLATED, "extra files": MAX_HELD, "compressed JSON entries": MAX_COMPRESSED_JSON}
+    bounds = {"compressed entries": MAX_DEFLATED, "extra files": MAX_HELD,
+              "compressed JSON entries": MAX_COMPRESSED_JSON}
     for info in archive.infolist():
         problem = None
         if info.flag_bits & 0x1:

@@ -203,3 +203,18 @@ def test_the_sample_inputs_zip_is_held_to_the_archive_s_rules(saved, tmp_path, t
 
     with pytest.raises(InputError, match=f"entry 'data/sample_inputs/model.pt'.*{words}"):
         amppass.load(rewrite(saved["converted"], tmp_path / "inner.pt2", edit))
+
+
+def test_a_filesystem_that_cannot_tell_holes_reads_the_file(saved, monkeypatch):
+    """SEEK_DATA refused (EINVAL, as some network filesystems do): no hole is counted, and the file loads."""
+    import errno
+
+    real = os.lseek
+
+    def lseek(fd, at, how):
+        if how == os.SEEK_DATA:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, at, how)
+
+    monkeypatch.setattr(archive_layout.os, "lseek", lseek)
+    assert isinstance(amppass.load_program(saved["converted"]), torch.export.ExportedProgram)
