@@ -47,6 +47,19 @@ def _expression(text: str):
     return edit
 
 
+def _many_maxes(count: int):
+    """``count`` more tensor values, each of one size that is the Max of 16 symbols (each under the bound on
+    one Max; together, without a bound on all of them, a 1 MB file takes torch a minute to read)."""
+    def change(tree):
+        values = tree["graph_module"]["graph"]["tensor_values"]
+        base = next(iter(values.values()))
+        for i in range(count):
+            text = "Max(" + ", ".join(f"s{i + k}" for k in range(16)) + ")"
+            values[f"t{i}"] = {**base, "sizes": [{"as_expr": {"expr_str": text, "hint": {"as_int": 2}}}],
+                               "strides": [{"as_int": 1}]}
+    return edit_program(change)
+
+
 def _guard(text: str):
     def change(tree):
         tree["guards_code"].append(text)
@@ -150,6 +163,13 @@ def test_a_symbolic_size_is_bounded_as_sympy_sees_it(saved, tmp_path, text):
     assert "flattened" in str(caught.value) or "exponent of at most three" in str(caught.value)
 
 
+def test_the_maxes_of_a_whole_program_are_bounded_together(saved, tmp_path):
+    evil = rewrite(saved["converted"], tmp_path / "evil.pt2", _many_maxes(2500))
+    assert evil.stat().st_size < 1 << 20
+    with pytest.raises(InputError, match="Max and Min calls of more than 131,072 argument pairs in all"):
+        amppass.load_program(evil)
+
+
 def test_only_container_types_are_imported_and_registered(saved, tmp_path):
     """An output spec naming transformers' Trainer (or any class outside the output and cache modules) is
     refused before its module is imported; one naming a model class of an allowed module is refused without
@@ -200,7 +220,8 @@ def test_hostile_programs_stay_within_the_budget(saved, tmp_path):
     a CPU limit, so a file that hangs fails the test instead of hanging it."""
     edits = [edit_program(calling_node("torch.ops.higher_order.wrap", "torch.os.system", "true"))]
     edits += [_guard(g) for g in COSTLY_GUARDS] + [_expression(t) for t in COSTLY_EXPRESSIONS]
-    edits += [_guard("math.log(L['input'].size()[0] - 2) > -100"), _output_type("transformers.trainer.Trainer")]
+    edits += [_guard("math.log(L['input'].size()[0] - 2) > -100"), _output_type("transformers.trainer.Trainer"),
+              _many_maxes(2500), _many_maxes(500)]  # refused; and just under the bound, read by torch
     files = [str(rewrite(saved["converted"], tmp_path / f"evil{i}.pt2", edit)) for i, edit in enumerate(edits)]
     assert all(Path(f).stat().st_size < 1 << 20 for f in files)
     limit = f"import resource; resource.setrlimit(resource.RLIMIT_CPU, ({60 + 20 * len(files)},) * 2)\n"
