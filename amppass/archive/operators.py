@@ -15,6 +15,8 @@ runs it, and so does the module torch generates). So every name must be one of (
   (``_operator.add``, ``torch.sym_max``; torch's ``_SYM_OPS``).
 
 Anything else is refused (:func:`amppass.archive.program.check_program` names the node) before torch reads the file.
+The functions a node's ``source_fn_stack`` metadata names are resolved the same way and stored in the node's
+``meta``: each must stay text or be an operator, a ``torch.nn.Module`` class or a function of torch (:func:`source_refusal`).
 """
 
 from __future__ import annotations
@@ -70,6 +72,43 @@ def _refusal(text: str, target: bool) -> str | None:
     return None
 
 
+def source_refusal(text: Any) -> str | None:
+    """Why a ``source_fn_stack`` entry's function (node metadata: what the node came from, which torch resolves
+    as it resolves operators but from ``torch.nn`` too) is refused, or None: it must stay text, or be an
+    operator, a ``torch.nn.Module`` class or a function of torch, ``operator`` or ``math``, never
+    :func:`os.system` or a module."""
+    if not isinstance(text, str) or len(text) > 512:
+        return "is not a function's name"
+    return None if operator_refusal(text, target=True) is None else _source_refusal(text)
+
+
+@functools.lru_cache(maxsize=4096)
+def _source_refusal(text: str) -> str | None:
+    import math
+    import operator
+
+    import torch
+
+    if text.startswith("#"):
+        return "is an extension operator"
+    # torch's GraphModuleDeserializer.deserialize_metadata: the same prefixes, the same getattr walk
+    start = {"torch.nn": (torch.nn, 2), "torch": (torch, 1), "_operator": (operator, 1), "math": (math, 1)}
+    prefix = next((p for p in start if text.startswith(p)), None)
+    if prefix is None:
+        return None  # torch keeps it as text
+    found, skip = start[prefix]
+    for name in text.split(".")[skip:]:
+        if name.startswith("__") or not hasattr(found, name):
+            return None if not name.startswith("__") else "reaches a dunder attribute"
+        found = getattr(found, name)
+    if isinstance(found, type):
+        return None if issubclass(found, torch.nn.Module) else "is a class other than a torch.nn.Module"
+    module = getattr(found, "__module__", None) or ""
+    if callable(found) and module.partition(".")[0] in ("torch", "_operator", "operator", "math"):
+        return None
+    return f"resolves to {type(found).__name__} of {module or 'no module'!r}, not a function of torch"
+
+
 @functools.cache
 def _size_arithmetic() -> frozenset[str]:
     """The names torch's serializer writes for the arithmetic of symbolic sizes (``_operator.add``)."""
@@ -78,16 +117,21 @@ def _size_arithmetic() -> frozenset[str]:
     return frozenset(f"{op.__module__}.{op.__name__}" for op in _SYM_OPS)
 
 
-def graph_operators(graph: Any) -> Iterator[tuple[str, Any, bool]]:
-    """(node name, operator name, whether it is the node's target) for each node of ``graph`` (a serialised
-    graph): its target and every ``as_operator`` of its arguments; node metadata and subgraphs left out (the
-    caller walks each subgraph as a graph of its own)."""
+def graph_operators(graph: Any) -> Iterator[tuple[str, Any, bool | None]]:
+    """(node name, operator name, whether it is the node's target: None for the functions of its
+    ``source_fn_stack``) for each node of ``graph`` (a serialised graph): its target, every ``as_operator`` of
+    its arguments and the functions its metadata names; subgraphs left out (the caller walks each subgraph as a
+    graph of its own)."""
     nodes = graph.get("nodes") if isinstance(graph, dict) else None
     for index, node in enumerate(nodes if isinstance(nodes, list) else []):
         if not isinstance(node, dict):
             continue
         name = node["name"] if isinstance(node.get("name"), str) else f"#{index}"
         yield name, node.get("target"), True
+        metadata = node.get("metadata")
+        stack = metadata.get("source_fn_stack") if isinstance(metadata, dict) else None
+        for entry in stack.split(";") if isinstance(stack, str) else []:  # "name,function;name,function"
+            yield name, entry.rpartition(",")[2], None
         pending = [node.get("inputs")]
         while pending:
             item = pending.pop()

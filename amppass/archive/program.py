@@ -38,7 +38,7 @@ import re
 from typing import Any, Callable, Iterator
 
 from ..errors import InputError
-from .operators import graph_operators, operator_refusal
+from .operators import graph_operators, operator_refusal, source_refusal
 
 MAX_EXPRESSION = 4096  # characters of one symbolic-size expression or guard
 MAX_EXPRESSIONS = 200_000  # symbolic sizes in one program: torch runs sympify on each (about 50 us apiece)
@@ -134,11 +134,13 @@ def _check_operators(graph: Any, where: str) -> None:
         _check_operator(text, f"{where}: node {name[:80]!r}", target)
 
 
-def _check_operator(text: Any, where: str, target: bool) -> None:
-    why = operator_refusal(text, target)
+def _check_operator(text: Any, where: str, target: bool | None) -> None:
+    """``target``: a node's target (True), an operator argument (False) or a function its metadata names (None)."""
+    why = source_refusal(text) if target is None else operator_refusal(text, target)
     if why is not None:
-        raise InputError(f"{where}: operator {_shown(text)} {why}; torch would look it up by name and the graph "
-                         f"would call it, and amppass reads only the operators torch.export writes. {TRUST_HINT}")
+        use = "keep it in the node's metadata" if target is None else "the graph would call it"
+        raise InputError(f"{where}: operator {_shown(text)} {why}; torch would look it up by name and {use}, and "
+                         f"amppass reads only the operators torch.export writes. {TRUST_HINT}")
 
 
 def _items(tree: Any) -> Iterator[tuple[str, Any]]:

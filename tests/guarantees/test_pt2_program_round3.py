@@ -107,6 +107,24 @@ def test_an_operator_that_is_not_torchs_is_refused_on_every_way_in(saved, tmp_pa
     assert not marker.exists() and not (tmp_path / "out.pt2").exists()
 
 
+@pytest.mark.parametrize("function, refused", [
+    ("torch.os.system", "'posix'"), ("torch.serialization.pickle.loads", "'_pickle'"), ("_operator.__builtins__", "dunder"),
+    ("torch.nn.modules.linear.Linear", None), ("torch.nn.functional.relu", None), ("_operator.add", None),
+])
+def test_a_function_the_metadata_names_is_torchs_or_stays_text(saved, tmp_path, function, refused):
+    """A node's source_fn_stack, which torch resolves by getattr as it resolves operators and stores in the
+    node's meta: os.system or pickle.loads there is refused; the classes and functions torch records pass."""
+    def change(tree):
+        tree["graph_module"]["graph"]["nodes"][1]["metadata"]["source_fn_stack"] = f"linear,{function}"
+
+    path = rewrite(saved["converted"], tmp_path / "meta.pt2", edit_program(change))
+    if refused is None:
+        assert any(n.meta.get("source_fn_stack") for n in amppass.load_program(path).graph.nodes)
+        return
+    with pytest.raises(InputError, match=f"node 'linear': operator '{function}' .*{refused}"):
+        amppass.load_program(path)
+
+
 def test_the_operator_attack_is_real_without_the_check(saved, tmp_path):
     """What the check stops: torch.export.load resolves ``torch.os.system`` by name, and running the graph with
     torch.fx.Interpreter calls it."""
