@@ -15,7 +15,8 @@ runs it, and so does the module torch generates). So every name must be one of (
   (``_operator.add``, ``torch.sym_max``; torch's ``_SYM_OPS``).
 
 Anything else is refused (:func:`amppass.archive.program.check_program` names the node) before torch reads the file.
-The functions a node's ``source_fn_stack`` metadata names are resolved the same way and stored in the node's
+A node of size arithmetic that raises to or shifts by a constant beyond :data:`MAX_SHIFT` is refused too
+(:func:`growing_constants`): each call would compute it. The functions a node's ``source_fn_stack`` metadata names are resolved the same way and stored in the node's
 ``meta``: each must stay text or be an operator, a ``torch.nn.Module`` class or a function of torch (:func:`source_refusal`).
 """
 
@@ -35,6 +36,8 @@ HIGHER_ORDER_OPS = frozenset({
 _NAME = r"[A-Za-z_][A-Za-z0-9_]{0,127}"
 _OPERATOR = re.compile(rf"torch\.ops\.({_NAME})\.({_NAME})\.({_NAME})")
 _HIGHER_ORDER = re.compile(rf"torch\.ops\.higher_order\.({_NAME})")
+MAX_SHIFT = 64  # a constant exponent or shift of torch's size arithmetic (_operator.pow(9, 10**9) hangs a call)
+_GROWING = ("_operator.pow", "_operator.lshift")
 _FILE_ARGUMENTS = ("file", "path")  # a str argument so named reads or writes a file (aten.from_file, aten.save)
 
 
@@ -122,11 +125,7 @@ def graph_operators(graph: Any) -> Iterator[tuple[str, Any, bool | None]]:
     ``source_fn_stack``) for each node of ``graph`` (a serialised graph): its target, every ``as_operator`` of
     its arguments and the functions its metadata names; subgraphs left out (the caller walks each subgraph as a
     graph of its own)."""
-    nodes = graph.get("nodes") if isinstance(graph, dict) else None
-    for index, node in enumerate(nodes if isinstance(nodes, list) else []):
-        if not isinstance(node, dict):
-            continue
-        name = node["name"] if isinstance(node.get("name"), str) else f"#{index}"
+    for name, node in _nodes(graph):
         yield name, node.get("target"), True
         metadata = node.get("metadata")
         stack = metadata.get("source_fn_stack") if isinstance(metadata, dict) else None
@@ -141,3 +140,30 @@ def graph_operators(graph: Any) -> Iterator[tuple[str, Any, bool | None]]:
                 pending.extend(v for k, v in item.items() if k != "graph")
             elif isinstance(item, list):
                 pending.extend(item)
+
+
+def growing_constants(graph: Any) -> Iterator[tuple[str, str]]:
+    """(node name, target) of each node of ``graph`` that raises to or shifts by a constant beyond
+    :data:`MAX_SHIFT` (``_operator.pow(s0, 10**9)``), which a call would compute."""
+    for name, node in _nodes(graph):
+        if node.get("target") in _GROWING and _constant_beyond(node.get("inputs"), MAX_SHIFT):
+            yield name, node["target"]
+
+
+def _nodes(graph: Any) -> Iterator[tuple[str, dict]]:
+    """(name, node) of each node object of a serialised graph; a node without a name is named by its index."""
+    nodes = graph.get("nodes") if isinstance(graph, dict) else None
+    for index, node in enumerate(nodes if isinstance(nodes, list) else []):
+        if isinstance(node, dict):
+            yield (node["name"] if isinstance(node.get("name"), str) else f"#{index}"), node
+
+
+def _constant_beyond(inputs: Any, limit: int) -> bool:
+    """Whether the second argument of a size-arithmetic node is a constant (``as_int``, or a symbolic int
+    written as one) beyond ``limit``."""
+    if not isinstance(inputs, list) or len(inputs) < 2 or not isinstance(inputs[1], dict):
+        return False
+    argument = inputs[1].get("arg")
+    argument = argument.get("as_sym_int", argument) if isinstance(argument, dict) else None
+    value = argument.get("as_int") if isinstance(argument, dict) else None
+    return isinstance(value, int) and abs(value) > limit

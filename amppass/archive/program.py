@@ -38,7 +38,7 @@ import re
 from typing import Any, Callable, Iterator
 
 from ..errors import InputError
-from .operators import graph_operators, operator_refusal, source_refusal
+from .operators import MAX_SHIFT, graph_operators, growing_constants, operator_refusal, source_refusal
 
 MAX_EXPRESSION = 4096  # characters of one symbolic-size expression or guard
 MAX_EXPRESSIONS = 200_000  # symbolic sizes in one program: torch runs sympify on each (about 50 us apiece)
@@ -132,6 +132,9 @@ def _check_operators(graph: Any, where: str) -> None:
     """Every operator a serialised graph's nodes name (:mod:`amppass.archive.operators`), by node."""
     for name, text, target in graph_operators(graph):
         _check_operator(text, f"{where}: node {name[:80]!r}", target)
+    for name, target in growing_constants(graph):
+        raise InputError(f"{where}: node {name[:80]!r}: {target} by a constant beyond {MAX_SHIFT}, a number a call "
+                         f"would spend minutes and gigabytes on; torch.export writes no such node. {TRUST_HINT}")
 
 
 def _check_operator(text: Any, where: str, target: bool | None) -> None:
