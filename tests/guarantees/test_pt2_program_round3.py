@@ -152,6 +152,28 @@ def test_a_program_with_control_flow_loads_and_runs(tmp_path):
         assert torch.equal(loaded.module()(value), Branchy()(value))
 
 
+def test_a_strict_export_with_its_metadata_loads_and_runs(tmp_path):
+    """What strict export records in source_fn_stack (torch.nn classes, torch._C._nn.gelu, torch.add,
+    _operator.matmul, builtins.getattr) passes the metadata check."""
+    class Mixed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear, self.norm = torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)
+
+        def forward(self, x):
+            y = torch.add(torch.nn.functional.gelu(self.linear(x)), x) * 2
+            return torch.softmax(self.norm(y) @ y.T, -1), y[0] - x.mean()
+
+    torch.manual_seed(0)
+    model, x = Mixed().eval(), torch.randn(4, 4)
+    torch.export.save(torch.export.export(model, (x,), strict=True), tmp_path / "strict.pt2")
+    loaded = amppass.load_program(tmp_path / "strict.pt2")
+    assert any("source_fn_stack" in n.meta for n in loaded.graph.nodes)
+    with torch.no_grad():
+        for ours, theirs in zip(loaded.module()(x), model(x)):
+            assert torch.allclose(ours, theirs)
+
+
 @pytest.mark.parametrize("guard", COSTLY_GUARDS)
 def test_a_guard_that_costs_or_raises_is_refused_at_load(saved, tmp_path, guard, capsys):
     evil = rewrite(saved["converted"], tmp_path / "evil.pt2", _guard(guard))
