@@ -38,7 +38,7 @@ import re
 from typing import Any, Callable, Iterator
 
 from ..errors import InputError
-from .operators import graph_operators, operator_refusal
+from .operators import MAX_SHIFT, graph_operators, growing_constants, operator_refusal, source_refusal
 
 MAX_EXPRESSION = 4096  # characters of one symbolic-size expression or guard
 MAX_EXPRESSIONS = 200_000  # symbolic sizes in one program: torch runs sympify on each (about 50 us apiece)
@@ -46,6 +46,7 @@ MAX_SYMBOL_INDEX = 999_999  # s0 ... s999999: torch's reader counts up to the la
 MAX_RANGES = 100_000  # range-constraint entries
 MAX_ARGUMENTS = 32  # arguments of one call in an expression (Max(s0, ..., s599) takes sympy minutes)
 MAX_EXTREMA = 16  # arguments of a Max or Min once nested ones are flattened, as sympy does (16: 0.1 s, 128: 12 s)
+MAX_EXTREMA_WORK = 1 << 17  # squared arguments of every Max and Min of a program together (about 25 us apiece)
 MAX_TERMS = 4096  # terms of an expression multiplied out ((s0 + ... + s11)**16 has millions)
 MAX_EXPONENT, MAX_POWERS, MAX_DIGITS = 16, 3, 40  # a number's exponent, powers, digits of a number
 MAX_PRECISION = 1024  # bits of a sympy Float
@@ -92,7 +93,7 @@ _TEXT = re.compile(r"[ !#-&(-\[\]-~]*")  # printable ASCII but the quotes and th
 def check_program(tree: Any, where: str) -> None:
     """Every string of a parsed ``models/model.json`` that torch evaluates or pastes into source (module
     docstring), in one walk; InputError naming ``where`` and the string otherwise."""
-    expressions = 0
+    expressions = extrema = 0
     guards = tree.get("guards_code", []) if isinstance(tree, dict) else []
     for text in guards if isinstance(guards, list) else [guards]:
         check_guard(text, where)
@@ -116,7 +117,10 @@ def check_program(tree: Any, where: str) -> None:
             expressions += 1
             if expressions > MAX_EXPRESSIONS:
                 raise _refuse(where, f"holds more than {MAX_EXPRESSIONS:,} symbolic sizes")
-            check_expression(value, where)
+            extrema += check_expression(value, where)
+            if extrema > MAX_EXTREMA_WORK:
+                raise _refuse(where, f"holds Max and Min calls of more than {MAX_EXTREMA_WORK:,} argument pairs in "
+                                     "all (sympy compares every pair)")
         elif key == "as_graph" and isinstance(value, dict):
             check_identifier(value.get("name"), f"{where}: subgraph name")
             _check_operators(value.get("graph"), where)
@@ -128,13 +132,18 @@ def _check_operators(graph: Any, where: str) -> None:
     """Every operator a serialised graph's nodes name (:mod:`amppass.archive.operators`), by node."""
     for name, text, target in graph_operators(graph):
         _check_operator(text, f"{where}: node {name[:80]!r}", target)
+    for name, target in growing_constants(graph):
+        raise InputError(f"{where}: node {name[:80]!r}: {target} by a constant beyond {MAX_SHIFT}, a number a call "
+                         f"would spend minutes and gigabytes on; torch.export writes no such node. {TRUST_HINT}")
 
 
-def _check_operator(text: Any, where: str, target: bool) -> None:
-    why = operator_refusal(text, target)
+def _check_operator(text: Any, where: str, target: bool | None) -> None:
+    """``target``: a node's target (True), an operator argument (False) or a function its metadata names (None)."""
+    why = source_refusal(text) if target is None else operator_refusal(text, target)
     if why is not None:
-        raise InputError(f"{where}: operator {_shown(text)} {why}; torch would look it up by name and the graph "
-                         f"would call it, and amppass reads only the operators torch.export writes. {TRUST_HINT}")
+        use = "keep it in the node's metadata" if target is None else "the graph would call it"
+        raise InputError(f"{where}: operator {_shown(text)} {why}; torch would look it up by name and {use}, and "
+                         f"amppass reads only the operators torch.export writes. {TRUST_HINT}")
 
 
 def _items(tree: Any) -> Iterator[tuple[str, Any]]:
@@ -438,9 +447,10 @@ def _parse(text: str, refuse: Callable[[str], InputError]) -> ast.Expression:
         raise refuse("is not an expression") from None
 
 
-def check_expression(text: Any, where: str) -> None:
+def check_expression(text: Any, where: str) -> int:
     """A symbolic size sympify may evaluate: arithmetic on size symbols with the functions torch's serializer
     writes (:data:`SYMPY_NAMES`), bounded so that evaluating it is cheap; InputError naming it otherwise.
+    Returns its share of the program's :data:`MAX_EXTREMA_WORK`.
 
     The text is parsed (never run) as a Python expression: no attribute access, subscripts or other names;
     at most :data:`MAX_ARGUMENTS` arguments a call, :data:`MAX_POWERS` powers of exponent at most
@@ -456,7 +466,7 @@ def check_expression(text: Any, where: str) -> None:
     tree = _parse(text, refuse)
     operators = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Compare, ast.BoolOp, ast.Tuple, ast.operator,
                  ast.unaryop, ast.cmpop, ast.boolop, ast.Load)
-    powers = 0
+    powers = extrema = 0
     for node in ast.walk(tree):
         powers += (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow)) or (
             isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _POWERS)
@@ -466,7 +476,7 @@ def check_expression(text: Any, where: str) -> None:
             if node.id not in SYMPY_NAMES and not _is_symbol(node.id):
                 raise refuse(f"names {node.id!r}, neither a size symbol nor a function torch's serializer writes")
         elif isinstance(node, ast.Call):
-            _check_call(node, refuse)
+            extrema += _check_call(node, refuse)
         elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow) and not _small_exponent(node.right):
             raise refuse(f"raises to a power beyond {MAX_EXPONENT}")
         elif isinstance(node, ast.Constant):
@@ -480,9 +490,12 @@ def check_expression(text: Any, where: str) -> None:
         raise refuse("nests deeper than torch's serializer writes") from None
     if terms > MAX_TERMS:
         raise refuse(f"multiplies out to more than {MAX_TERMS:,} terms")
+    return extrema
 
 
-def _check_call(node: ast.Call, refuse: Callable[[str], InputError]) -> None:
+def _check_call(node: ast.Call, refuse: Callable[[str], InputError]) -> int:
+    """Refuses a call sympify would spend long on; returns its share of :data:`MAX_EXTREMA_WORK` (the square
+    of a Max's or Min's flattened arguments, 0 for any other call)."""
     if not isinstance(node.func, ast.Name):
         raise refuse("calls something other than a named function")
     if len(node.args) > MAX_ARGUMENTS:
@@ -496,9 +509,13 @@ def _check_call(node: ast.Call, refuse: Callable[[str], InputError]) -> None:
             raise refuse(f"passes {item.arg!r}=..., not a symbol assumption")
     if node.func.id in _POWERS and len(node.args) == 2 and not _small_exponent(node.args[1]):
         raise refuse(f"raises to a power beyond {MAX_EXPONENT}")
-    if node.func.id in ("Max", "Min") and _flattened(node, node.func.id) > MAX_EXTREMA:
+    if node.func.id not in ("Max", "Min"):
+        return 0
+    flattened = _flattened(node, node.func.id)
+    if flattened > MAX_EXTREMA:
         raise refuse(f"takes the {node.func.id} of more than {MAX_EXTREMA} values once nested {node.func.id}s are "
                      "flattened, as sympy does")
+    return flattened * flattened
 
 
 def _flattened(node: ast.AST, name: str) -> int:

@@ -243,3 +243,19 @@ def test_a_guard_the_check_passes_is_cheap_to_evaluate(guard, sizes):
         pass
     assert all(not isinstance(v, int) or v.bit_length() <= MAX_GUARD_BITS for v in values), guard
     assert all(not isinstance(v, (str, tuple)) or len(v) <= 1 << 16 for v in values), guard
+
+
+@pytest.mark.parametrize("target, constant, refused", [
+    ("_operator.pow", 999_999_999, True), ("_operator.lshift", 10**6, True), ("_operator.pow", 2, False),
+    ("_operator.mul", 10**6, False),
+])
+def test_size_arithmetic_that_grows_without_bound_is_refused(target, constant, refused):
+    """A size-arithmetic node raising to or shifting by a huge constant: every call would compute it."""
+    node = {"target": target, "name": "p", "inputs": [{"name": "a", "arg": {"as_sym_int": {"as_name": "s0"}}},
+                                                      {"name": "b", "arg": {"as_sym_int": {"as_int": constant}}}]}
+    tree = {"graph_module": {"graph": {"inputs": [], "nodes": [node]}, "signature": {}, "module_call_graph": []}}
+    if not refused:
+        check_program(tree, "m.pt2")
+        return
+    with pytest.raises(InputError, match=f"m.pt2: node 'p': {target} by a constant beyond 64"):
+        check_program(tree, "m.pt2")

@@ -47,6 +47,19 @@ def _expression(text: str):
     return edit
 
 
+def _many_maxes(count: int):
+    """``count`` more tensor values, each of one size that is the Max of 16 symbols (each under the bound on
+    one Max; together, without a bound on all of them, a 1 MB file takes torch a minute to read)."""
+    def change(tree):
+        values = tree["graph_module"]["graph"]["tensor_values"]
+        base = next(iter(values.values()))
+        for i in range(count):
+            text = "Max(" + ", ".join(f"s{i + k}" for k in range(16)) + ")"
+            values[f"t{i}"] = {**base, "sizes": [{"as_expr": {"expr_str": text, "hint": {"as_int": 2}}}],
+                               "strides": [{"as_int": 1}]}
+    return edit_program(change)
+
+
 def _guard(text: str):
     def change(tree):
         tree["guards_code"].append(text)
@@ -94,6 +107,24 @@ def test_an_operator_that_is_not_torchs_is_refused_on_every_way_in(saved, tmp_pa
     assert not marker.exists() and not (tmp_path / "out.pt2").exists()
 
 
+@pytest.mark.parametrize("function, refused", [
+    ("torch.os.system", "'posix'"), ("torch.serialization.pickle.loads", "'_pickle'"), ("_operator.__builtins__", "dunder"),
+    ("torch.nn.modules.linear.Linear", None), ("torch.nn.functional.relu", None), ("_operator.add", None),
+])
+def test_a_function_the_metadata_names_is_torchs_or_stays_text(saved, tmp_path, function, refused):
+    """A node's source_fn_stack, which torch resolves by getattr as it resolves operators and stores in the
+    node's meta: os.system or pickle.loads there is refused; the classes and functions torch records pass."""
+    def change(tree):
+        tree["graph_module"]["graph"]["nodes"][1]["metadata"]["source_fn_stack"] = f"linear,{function}"
+
+    path = rewrite(saved["converted"], tmp_path / "meta.pt2", edit_program(change))
+    if refused is None:
+        assert any(n.meta.get("source_fn_stack") for n in amppass.load_program(path).graph.nodes)
+        return
+    with pytest.raises(InputError, match=f"node 'linear': operator '{function}' .*{refused}"):
+        amppass.load_program(path)
+
+
 def test_the_operator_attack_is_real_without_the_check(saved, tmp_path):
     """What the check stops: torch.export.load resolves ``torch.os.system`` by name, and running the graph with
     torch.fx.Interpreter calls it."""
@@ -119,6 +150,28 @@ def test_a_program_with_control_flow_loads_and_runs(tmp_path):
     assert any(isinstance(n.target, torch._ops.HigherOrderOperator) for n in loaded.graph.nodes)
     for value in (x.abs(), -x.abs()):
         assert torch.equal(loaded.module()(value), Branchy()(value))
+
+
+def test_a_strict_export_with_its_metadata_loads_and_runs(tmp_path):
+    """What strict export records in source_fn_stack (torch.nn classes, torch._C._nn.gelu, torch.add,
+    _operator.matmul, builtins.getattr) passes the metadata check."""
+    class Mixed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear, self.norm = torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)
+
+        def forward(self, x):
+            y = torch.add(torch.nn.functional.gelu(self.linear(x)), x) * 2
+            return torch.softmax(self.norm(y) @ y.T, -1), y[0] - x.mean()
+
+    torch.manual_seed(0)
+    model, x = Mixed().eval(), torch.randn(4, 4)
+    torch.export.save(torch.export.export(model, (x,), strict=True), tmp_path / "strict.pt2")
+    loaded = amppass.load_program(tmp_path / "strict.pt2")
+    assert any("source_fn_stack" in n.meta for n in loaded.graph.nodes)
+    with torch.no_grad():
+        for ours, theirs in zip(loaded.module()(x), model(x)):
+            assert torch.allclose(ours, theirs)
 
 
 @pytest.mark.parametrize("guard", COSTLY_GUARDS)
@@ -148,6 +201,13 @@ def test_a_symbolic_size_is_bounded_as_sympy_sees_it(saved, tmp_path, text):
     with pytest.raises(InputError, match="sympy.sympify") as caught:
         amppass.load_program(evil)
     assert "flattened" in str(caught.value) or "exponent of at most three" in str(caught.value)
+
+
+def test_the_maxes_of_a_whole_program_are_bounded_together(saved, tmp_path):
+    evil = rewrite(saved["converted"], tmp_path / "evil.pt2", _many_maxes(2500))
+    assert evil.stat().st_size < 1 << 20
+    with pytest.raises(InputError, match="Max and Min calls of more than 131,072 argument pairs in all"):
+        amppass.load_program(evil)
 
 
 def test_only_container_types_are_imported_and_registered(saved, tmp_path):
@@ -200,7 +260,8 @@ def test_hostile_programs_stay_within_the_budget(saved, tmp_path):
     a CPU limit, so a file that hangs fails the test instead of hanging it."""
     edits = [edit_program(calling_node("torch.ops.higher_order.wrap", "torch.os.system", "true"))]
     edits += [_guard(g) for g in COSTLY_GUARDS] + [_expression(t) for t in COSTLY_EXPRESSIONS]
-    edits += [_guard("math.log(L['input'].size()[0] - 2) > -100"), _output_type("transformers.trainer.Trainer")]
+    edits += [_guard("math.log(L['input'].size()[0] - 2) > -100"), _output_type("transformers.trainer.Trainer"),
+              _many_maxes(2500), _many_maxes(500)]  # refused; and just under the bound, read by torch
     files = [str(rewrite(saved["converted"], tmp_path / f"evil{i}.pt2", edit)) for i, edit in enumerate(edits)]
     assert all(Path(f).stat().st_size < 1 << 20 for f in files)
     limit = f"import resource; resource.setrlimit(resource.RLIMIT_CPU, ({60 + 20 * len(files)},) * 2)\n"
