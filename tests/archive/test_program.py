@@ -216,7 +216,7 @@ def test_only_the_types_the_program_uses_are_registered(saved, tmp_path):
     assert set(pytree.SUPPORTED_NODES) == before
 
 
-@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@settings(max_examples=100, deadline=None, derandomize=True, database=None)
 @given(guard=guards(), sizes=st.tuples(st.integers(0, 1 << 20), st.integers(0, 1 << 20)))
 def test_a_guard_the_check_passes_is_cheap_to_evaluate(guard, sizes):
     """Whatever guard arithmetic the check passes evaluates on any sizes to a value or an arithmetic error (a
