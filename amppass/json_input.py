@@ -5,8 +5,10 @@ the decisions stored on nodes) comes through :func:`read_json`:
 
 1. The text is bounded in size before ``json`` sees it: the caller names the largest size that entry can
    honestly have, so a file never makes the parser build more than that.
-2. The value is bounded in nesting (:data:`MAX_DEPTH`) and in the number of values it holds (``max_values``):
-   the readers after this one walk what they are given, some of them recursively.
+2. The value is bounded in the number of values it holds (``max_values``) before the parser runs, from the
+   text's commas and opening brackets (a value is one of those or the first of its container: the count never
+   falls short), and in nesting (:data:`MAX_DEPTH`) after it: the readers after this one walk what they are
+   given, some of them recursively.
 3. Every failure is an :class:`~amppass.errors.InputError` naming ``where`` and ending with ``fix``; never a
    ``ValueError``, ``RecursionError`` or ``MemoryError`` from the parser.
 """
@@ -27,12 +29,18 @@ def read_json(data: bytes | str, where: str, *, max_bytes: int, max_values: int 
     """``data`` (UTF-8 bytes or text) parsed as JSON within the bounds of the module docstring.
 
     ``max_values`` defaults to ``max_bytes // 2``: a JSON value takes at least two characters with its separator,
-    so the default bounds nothing an honest file holds.
+    so the default bounds nothing an honest file holds; a caller whose entry holds few values names fewer.
     """
     size = len(data)
     if size > max_bytes:
         raise InputError(f"{where} holds {size:,} {'bytes' if isinstance(data, bytes) else 'characters'} of "
                          f"JSON, more than the {max_bytes:,} amppass reads there; {fix}")
+    limit = max_bytes // 2 if max_values is None else max_values
+    marks = (b",", b"[", b"{") if isinstance(data, bytes) else (",", "[", "{")
+    most = 1 + sum(data.count(mark) for mark in marks)  # values, strings' commas and brackets counted too
+    if most > limit:
+        raise InputError(f"{where} may hold {most:,} JSON values (its commas and opening brackets), more than the "
+                         f"{limit:,} amppass reads there; {fix}")
     kind = "UTF-8 JSON" if isinstance(data, bytes) else "valid JSON"
     try:
         value = json.loads(data.decode("utf-8") if isinstance(data, bytes) else data)
@@ -41,17 +49,11 @@ def read_json(data: bytes | str, where: str, *, max_bytes: int, max_values: int 
                          f"{fix}") from None
     except ValueError as err:  # UnicodeDecodeError is a ValueError
         raise InputError(f"{where} is not {kind} ({type(err).__name__}: {str(err)[:80]}); {fix}") from None
-    limit = max_bytes // 2 if max_values is None else max_values
-    count = 0
     pending = [(value, 1)]
     while pending:
         item, depth = pending.pop()
-        count += 1
-        if count > limit:
-            raise InputError(f"{where} holds more than {limit:,} JSON values; {fix}")
         if depth > MAX_DEPTH:
             raise InputError(f"{where} nests deeper than {MAX_DEPTH} levels; {fix}")
         children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
         pending.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
-        count += sum(1 for child in children if not isinstance(child, (dict, list)))
     return value

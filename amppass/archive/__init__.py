@@ -1,7 +1,7 @@
 """A .pt2 archive (a torch.export program) read as untrusted input: nothing in it runs, nothing unbounded inflates.
 
 ``torch.export.load`` (torch 2.13, ``torch/export/pt2_archive/_package.py`` and ``torch/_export/serde/``) and
-``ExportedProgram.module()`` run code from the file in four ways, and :class:`Pt2Archive` refuses each before
+``ExportedProgram.module()`` run code from the file in five ways, and :class:`Pt2Archive` refuses each before
 torch reads the file:
 
 - pickles: a weight or tensor constant flagged ``use_pickle`` in ``data/weights/model_weights_config.json`` or
@@ -15,18 +15,21 @@ torch reads the file:
   ``sympy.sympify``, which evaluates it.
 - Python source: guards, argument names, attribute names and string constants are pasted into the source of
   functions torch generates and runs (:mod:`amppass.archive.program`).
-
-(A node's call target is looked up by name from ``torch``, ``math`` or ``operator``; torch's own verifier then
-refuses any that is not an operator, when the program is built.)
+- Python functions by name: a node's target and every operator argument are looked up by ``getattr`` from
+  ``torch``, ``math`` or ``operator`` (``torch.os.system`` is :func:`os.system`), and the graph calls them
+  (:mod:`amppass.archive.operators`).
 
 Rules:
 
 1. **One private copy.** The file is opened once (without blocking, a regular file only) and its bytes, as many
    as it held when opened, are copied into an unnamed temporary file that nothing else can open; the checks and
-   torch both read that copy, so a file rewritten or renamed in between is never read.
+   torch both read that copy, so a file rewritten or renamed in between is never read. Before the copy, the
+   file's size is capped (``$AMPPASS_MAX_PT2_BYTES``), its holes bounded and its zip directory checked to
+   hold its bytes (:func:`amppass.archive.layout.check_file`): a sparse file is not copied whole.
 2. **One reading, bounded.** torch's own zip reader (which looks names up ignoring case) and Python's zipfile
    list the same entries, at the same offsets, with the same sizes; no two entries share a byte; every size is
-   bounded before anything is inflated (:mod:`amppass.archive.layout`).
+   bounded before anything is inflated (:mod:`amppass.archive.layout`). The zip torch reads inside the
+   archive (the sample inputs) is held to the same rule.
 3. **Names.** One root folder, printable ASCII, no two names equal ignoring case, and every entry one that
    ``torch.export.save`` writes for a single program: the program's JSON, weight and tensor-constant files,
    their configs, the sample inputs, extra files and the format markers. Anything else is refused.
@@ -37,7 +40,10 @@ Rules:
 6. **Trusted files.** ``trusted=True`` (CLI ``--trust-pickle``), which only the user can type, skips rules 3-5:
    torch then reads the file as ``torch.export.load`` does, pickles included.
 
-Every failure is an :class:`~amppass.errors.InputError` naming the file and the entry.
+The principle behind every rule: each value read from the file passes a validating reader with a size, count
+and depth bound (the zip's directory, :func:`amppass.json_input.read_json`, the pickle's opcodes, the program
+text) before any library (torch, sympy, json, zipfile) builds anything from it, and every failure is an
+:class:`~amppass.errors.InputError` naming the file and the entry.
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ from typing import Any, Iterator
 
 from ..json_input import read_json
 from ..errors import InputError, first_line
-from .layout import MAX_EXTRA, MAX_HELD, MAX_INFLATED, MAX_JSON, check_one_reading, check_sizes
+from .layout import MAX_EXTRA, MAX_HELD, MAX_INFLATED, MAX_JSON, check_file, read_zip
 from .payloads import MAX_DEPTH, check_config, check_sample_inputs
 from .program import TRUST_HINT, check_expression, check_program, spec_types
 
@@ -85,11 +91,8 @@ class Pt2Archive:
         self._program: Any = None
         self.handle = _private_copy(self.path)
         try:
-            self._zip = self._python_zip()
-            check_sizes(self._zip, self.path)
-            self.root, self.entries = self._names()
-            self._reader = self._torch_reader()
-            check_one_reading(self._zip, self._reader, self.path)
+            reading = read_zip(self.handle, self.path)
+            self._reader, self.root, self.entries = reading.reader, reading.root, reading.entries
             if not trusted:
                 self._check_manifest()
         except BaseException:
@@ -142,50 +145,6 @@ class Pt2Archive:
 
     # -- checks ----------------------------------------------------------------------------------------
 
-    def _python_zip(self) -> zipfile.ZipFile:
-        try:
-            return zipfile.ZipFile(self.handle)
-        except (zipfile.BadZipFile, OSError, ValueError, EOFError) as err:
-            raise InputError(f"{self.path}: not a torch.export program file (not a zip archive: {first_line(err, 300)}); "
-                             "give a .pt2 file torch.export.save or amppass.save wrote") from None
-
-    def _names(self) -> tuple[str, dict[str, zipfile.ZipInfo]]:
-        """The root folder and the entries under it, by name (rule 3's form checks)."""
-        infos = self._zip.infolist()
-        if not infos:
-            raise InputError(f"{self.path}: an empty zip archive, not a torch.export program")
-        root = infos[0].filename.partition("/")[0]
-        entries, folded = {}, set()
-        for info in infos:
-            name = info.orig_filename  # Python's zipfile cuts a name at a NUL; torch's reader does not
-            head, slash, rest = name.partition("/")
-            if not name.isascii() or not name.isprintable() or head != root or not slash or not rest:
-                raise InputError(f"{self.path}: entry {name[:100]!r} is not a file under the archive's folder "
-                                 f"{root[:100]!r}; torch.export.save writes every entry there. {TRUST_HINT}")
-            if name.lower() in folded:
-                raise InputError(f"{self.path}: entry {name[:100]!r} is in the archive twice (names compared "
-                                 "ignoring case, as torch's reader looks them up); the file is crafted: save the "
-                                 "model again")
-            folded.add(name.lower())
-            entries[rest] = info
-        return root, entries
-
-    def _torch_reader(self) -> Any:
-        import torch
-
-        self.handle.seek(0)
-        try:
-            reader = torch._C.PyTorchFileReader(self.handle)
-            listed = set(reader.get_all_records())
-        except Exception as err:  # noqa: BLE001 - torch's reader refuses the zip
-            raise InputError(f"{self.path}: torch cannot read it as an archive ({first_line(err, 300)}); give a .pt2 "
-                             "file torch.export.save or amppass.save wrote") from None
-        if listed != set(self.entries):
-            differ = sorted(listed.symmetric_difference(self.entries))[:3]
-            raise InputError(f"{self.path}: torch's zip reader and Python's list different entries ({differ}); "
-                             "the file is crafted: save the model again")
-        return reader
-
     def _check_manifest(self) -> None:
         """Rules 3-5: only entries torch.export.save writes, tensors that fit their bytes, plain program text."""
         for name in self.entries:
@@ -223,6 +182,8 @@ def _private_copy(path: str) -> io.BufferedRandom:
     """Rule 1: the bytes ``path`` holds when opened, copied into an unnamed temporary file read from the start."""
     with _open_regular(path) as source:
         size = os.fstat(source.fileno()).st_size
+        check_file(source, size, path)
+        source.seek(0)
         copy = tempfile.TemporaryFile(prefix="amppass-pt2-")
         try:
             left = size

@@ -8,25 +8,40 @@ leaves. So:
 1. Every config entry is a tensor (``use_pickle`` false, a tensor description, a tensor file of the archive).
 2. Every tensor's declared extent (sizes, strides, storage offset, element size) fits in its file's bytes, and
    a file with no bytes holds only empty tensors.
-3. The sample inputs load with ``weights_only=True``; their tree has at most :data:`MAX_VALUES` values and
+3. The sample inputs are a ``torch.save`` zip read once by both zip readers (the archive's own layout rules,
+   :func:`amppass.archive.layout.read_zip`), whose pickle ``data.pkl`` is at most :data:`MAX_PICKLE` bytes and,
+   read opcode by opcode (``pickletools.genops``) before any unpickler runs, uses only the opcodes
+   ``torch.save`` writes for tensors, numbers, strings, tuples, lists and dicts, and names only the globals
+   those need (:func:`pickle_globals`). torch's weights-only unpickler allows more, some of which allocate what
+   their argument says (``bytearray(N)``, ``torch.Tensor(N)``, quantized tensors of any size); the ones left
+   either allocate nothing or check their size against the bytes of a record of the zip.
+4. They then load with ``weights_only=True``; their tree has at most :data:`MAX_VALUES` values and
    :data:`MAX_DEPTH` levels, counted with every shared branch counted again (as torch walks it), and their
    keys and strings are plain text (torch pastes them into the guards' source).
 """
 
 from __future__ import annotations
 
+import functools
 import io
+import pickletools
 import re
-import zipfile
 from typing import Any, Callable
 
-from ..errors import InputError
-from .layout import check_sizes
+from ..errors import InputError, first_line
+from .layout import read_zip
 from .program import TRUST_HINT, check_text
 
 MAX_DIMS = 64  # dimensions of one tensor description
 MAX_VALUES = 100_000  # values (containers and leaves) of the sample inputs' tree, shared branches counted each time
 MAX_DEPTH = 64  # nesting of the sample inputs' tree, and of JSON amppass reads itself
+MAX_PICKLE = 4 << 20  # bytes of the sample inputs' pickle (the tensors' bytes are records of their own)
+# rule 3: the opcodes torch.save (pickle protocol 2) writes for tensors, numbers, strings and containers
+_PICKLE_OPCODES = frozenset({
+    "PROTO", "STOP", "MARK", "GLOBAL", "REDUCE", "BINPERSID", "BINPUT", "LONG_BINPUT", "BINGET", "LONG_BINGET",
+    "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "EMPTY_LIST", "APPEND", "APPENDS", "EMPTY_DICT",
+    "SETITEM", "SETITEMS", "NONE", "NEWTRUE", "NEWFALSE", "BININT", "BININT1", "BININT2", "LONG1", "BINFLOAT",
+    "BINUNICODE"})
 
 
 def check_config(payloads: Any, where: str, prefix: str, folder: str, size_of: Callable[[str], int | None]) -> None:
@@ -84,14 +99,18 @@ def _ints(values: Any) -> list[int] | None:
 
 
 def check_sample_inputs(data: bytes, where: str) -> None:
-    """Rule 3: the sample inputs' bytes load as tensors with ``weights_only=True`` into a small plain tree."""
+    """Rules 3 and 4: the sample inputs' bytes are a zip read once, whose pickle names only tensors, and which
+    loads with ``weights_only=True`` into a small plain tree."""
     import torch
 
-    try:
-        nested = zipfile.ZipFile(io.BytesIO(data))
-    except (zipfile.BadZipFile, ValueError, EOFError) as err:
-        raise InputError(f"{where} is not a torch.save archive ({str(err)[:300]}); the file is damaged") from None
-    check_sizes(nested, where)
+    if not data.startswith(b"PK\x03\x04"):  # torch.load reads anything else as a legacy pickle
+        raise InputError(f"{where} is not a torch.save archive (it does not start as a zip); the file is damaged")
+    nested = read_zip(io.BytesIO(data), where)
+    pickle = nested.entries.get("data.pkl")
+    if pickle is None or pickle.file_size > MAX_PICKLE:
+        raise InputError(f"{where}: its pickle 'data.pkl' is missing or over {MAX_PICKLE:,} bytes; the file is damaged "
+                         "or crafted: save the model again")
+    check_pickle(nested.reader.get_record("data.pkl"), f"{where}: pickle 'data.pkl'")
     try:
         value = torch.load(io.BytesIO(data), weights_only=True)
     except Exception as err:  # noqa: BLE001 - torch would retry this with weights_only=False
@@ -100,6 +119,35 @@ def check_sample_inputs(data: bytes, where: str) -> None:
         raise InputError(f"{where} holds objects other than tensors ({what}), which torch would unpickle with "
                          f"weights_only=False. {TRUST_HINT}") from None
     _check_tree(value, where)
+
+
+def check_pickle(data: bytes, where: str) -> None:
+    """Rule 3 on a pickle's bytes, read opcode by opcode without building anything; InputError naming ``where``."""
+    try:
+        for opcode, arg, position in pickletools.genops(data):
+            if opcode.name not in _PICKLE_OPCODES:
+                problem = f"uses opcode {opcode.name} at byte {position:,}"
+            elif opcode.name == "GLOBAL" and arg not in pickle_globals():
+                problem = f"names {str(arg).replace(' ', '.')[:100]!r} at byte {position:,}"
+            else:
+                continue
+            raise InputError(f"{where} {problem}, which torch.save does not write for tensors and numbers and which "
+                             f"could build other objects than sample inputs. {TRUST_HINT}")
+    except ValueError as err:  # a cut or malformed opcode argument
+        raise InputError(f"{where} is not a pickle amppass can read ({first_line(err, 200)}); the file is damaged or "
+                         "crafted: save the model again") from None
+
+
+@functools.lru_cache(maxsize=1)
+def pickle_globals() -> frozenset[str]:
+    """The globals ``torch.save`` names for sample inputs (as ``pickletools`` gives them, "module name"): the
+    tensor rebuild function, the storage classes, dtypes, devices, sizes and OrderedDict (a tensor's hooks)."""
+    import torch
+
+    dtypes = {str(value).replace(".", " ", 1) for value in vars(torch).values() if isinstance(value, torch.dtype)}
+    storages = {f"{cls.__module__} {cls.__name__}" for cls in torch._storage_classes}
+    return frozenset({"torch._utils _rebuild_tensor_v2", "collections OrderedDict", "torch device", "torch Size",
+                      *dtypes, *storages})
 
 
 def _check_tree(value: Any, where: str) -> None:

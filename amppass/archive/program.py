@@ -13,11 +13,16 @@ torch 2.13 turns strings of the file into code in four places:
 4. **String constants.** A string graph input is pasted between quotes into a guard; keys of the sample
    inputs become subscripts of the guards.
 
+It also looks up every operator the program names by ``getattr`` (``torch.os.system`` is :func:`os.system`),
+and the graph calls it: each must be one :mod:`amppass.archive.operators` vouches for.
+
 So before torch reads the file, every such string must have the one form torch writes:
 
 - an expression is arithmetic on size symbols (:func:`check_expression`), small enough that evaluating it is
-  cheap: a bounded number of calls, arguments, powers and terms once multiplied out, finite numbers;
-- a guard is a comparison of sizes of the inputs (:func:`check_guard`): ``L['x'].size()[0] != 1``;
+  cheap: a bounded number of calls, arguments (a ``Max`` or ``Min`` counted once nested ones are flattened,
+  as sympy does), powers and terms once multiplied out, finite numbers whose text is short;
+- a guard is a comparison of sizes of the inputs (:func:`check_guard`): ``L['x'].size()[0] != 1``, bounded in
+  what it computes (no arithmetic on constants alone or on text, small numbers only);
 - an argument or subgraph name is an identifier, an attribute path is dotted identifiers or indices, and
   any other string (op arguments, dict keys, type names) is printable ASCII without quotes or backslashes;
 - a range key is a size symbol whose index is at most :data:`MAX_SYMBOL_INDEX` (torch counts up to it).
@@ -33,12 +38,14 @@ import re
 from typing import Any, Callable, Iterator
 
 from ..errors import InputError
+from .operators import graph_operators, operator_refusal
 
 MAX_EXPRESSION = 4096  # characters of one symbolic-size expression or guard
 MAX_EXPRESSIONS = 200_000  # symbolic sizes in one program: torch runs sympify on each (about 50 us apiece)
 MAX_SYMBOL_INDEX = 999_999  # s0 ... s999999: torch's reader counts up to the largest unbacked index
 MAX_RANGES = 100_000  # range-constraint entries
 MAX_ARGUMENTS = 32  # arguments of one call in an expression (Max(s0, ..., s599) takes sympy minutes)
+MAX_EXTREMA = 16  # arguments of a Max or Min once nested ones are flattened, as sympy does (16: 0.1 s, 128: 12 s)
 MAX_TERMS = 4096  # terms of an expression multiplied out ((s0 + ... + s11)**16 has millions)
 MAX_EXPONENT, MAX_POWERS, MAX_DIGITS = 16, 3, 40  # a number's exponent, powers, digits of a number
 MAX_PRECISION = 1024  # bits of a sympy Float
@@ -63,6 +70,7 @@ _ASSUMPTIONS = frozenset({"positive", "negative", "nonnegative", "nonpositive", 
                           "infinite", "zero", "nonzero", "even", "odd", "rational", "extended_real", "commutative",
                           "evaluate"})
 _SYMBOL = re.compile(r"[a-z]+(\d+)")
+_LITERAL = re.compile(r"(\d+\.?\d*|\.\d+)([eE][-+]?\d{1,3})?|True|False")  # a number as torch writes it
 _NUMBER_TEXT = re.compile(r"[-+]?\d{1,40}(\.\d{0,40})?(e[-+]?\d{1,3})?")
 _POWERS = ("Pow", "PowByNatural", "FloatPow")
 _PRODUCTS = ("Mul",)
@@ -98,6 +106,7 @@ def check_program(tree: Any, where: str) -> None:
     if isinstance(module, dict):
         _check_signature(module.get("signature"), where)
         _check_call_graph(module.get("module_call_graph"), where)
+        _check_operators(module.get("graph"), where)
     for key, value in _items(tree):
         if key == "inputs" and isinstance(value, list):  # a graph's inputs, or a node's named arguments
             for argument in value:
@@ -110,6 +119,22 @@ def check_program(tree: Any, where: str) -> None:
             check_expression(value, where)
         elif key == "as_graph" and isinstance(value, dict):
             check_identifier(value.get("name"), f"{where}: subgraph name")
+            _check_operators(value.get("graph"), where)
+        elif key == "as_operator":
+            _check_operator(value, f"{where}: an argument", target=False)
+
+
+def _check_operators(graph: Any, where: str) -> None:
+    """Every operator a serialised graph's nodes name (:mod:`amppass.archive.operators`), by node."""
+    for name, text, target in graph_operators(graph):
+        _check_operator(text, f"{where}: node {name[:80]!r}", target)
+
+
+def _check_operator(text: Any, where: str, target: bool) -> None:
+    why = operator_refusal(text, target)
+    if why is not None:
+        raise InputError(f"{where}: operator {_shown(text)} {why}; torch would look it up by name and the graph "
+                         f"would call it, and amppass reads only the operators torch.export writes. {TRUST_HINT}")
 
 
 def _items(tree: Any) -> Iterator[tuple[str, Any]]:
@@ -274,6 +299,108 @@ def check_guard(text: Any, where: str) -> None:
             _check_guard_call(node, refuse)
         else:
             raise refuse(f"holds Python syntax torch's guards do not ({type(node).__name__})")
+        if isinstance(node, ast.Constant):
+            _check_literal(text, node, refuse)
+    try:
+        _guard_value(tree.body, refuse)
+    except RecursionError:
+        raise refuse("nests deeper than torch's guards do") from None
+
+
+# what a guard's arithmetic may compute: numbers of at most this many bits (a size is 64; ``x**16`` of one is
+# 1,024), so that no guard costs more than microseconds; text only as a key or compared
+MAX_GUARD_BITS = 1 << 16
+_FLOAT_BITS = 1024  # int() of a float: at most 2**1024
+_NUMBER, _INPUT, _TEXT_VALUE = "number", "input", "text"  # what a guard's subexpression computes
+
+
+def _guard_value(node: ast.AST, refuse: Callable[[str], InputError]) -> tuple[str, int]:
+    """(what ``node`` computes: a number, an input's own value or text; an upper bound of its bits) for a guard
+    the syntax check passed; InputError where it computes on constants alone (torch folds those), computes with
+    text, repeats an input's value, raises to a power or shifts by other than a small constant, or reaches
+    :data:`MAX_GUARD_BITS`."""
+    def value(item: ast.AST) -> tuple[str, int]:
+        return _guard_value(item, refuse)
+
+    def number(item: ast.AST) -> int:
+        kind, bits = value(item)
+        if kind == _TEXT_VALUE:
+            raise refuse("computes with text")
+        return bits
+
+    if isinstance(node, ast.Constant):
+        if isinstance(node.value, str):
+            return _TEXT_VALUE, 0
+        return _NUMBER, _FLOAT_BITS if isinstance(node.value, float) else max(int(node.value).bit_length(), 1)
+    if isinstance(node, (ast.Compare, ast.BoolOp)):
+        parts = [node.left, *node.comparators] if isinstance(node, ast.Compare) else node.values
+        bits = max(value(p)[1] for p in parts)
+        return _NUMBER, 1 if isinstance(node, ast.Compare) else bits
+    if _rooted_at_input(node) or (isinstance(node, ast.Call) and _rooted_at_input(node.func)):
+        sized = (isinstance(node, ast.Call) and node.func.attr not in ("size", "stride")) or (  # type: ignore[attr-defined]
+            isinstance(node, ast.Subscript) and isinstance(node.value, ast.Call))  # x.size()[0], x.numel()
+        return (_NUMBER, 64) if sized else (_INPUT, 64)
+    if isinstance(node, ast.Attribute):  # math.inf, math.nan
+        return _NUMBER, _FLOAT_BITS
+    if not _has_input(node) and not (isinstance(node, ast.UnaryOp) and isinstance(node.operand, (ast.Constant,
+                                                                                                   ast.Attribute))):
+        raise refuse("computes on constants alone, which torch's guards never do")
+    if isinstance(node, ast.UnaryOp):
+        return _NUMBER, 1 if isinstance(node.op, ast.Not) else number(node.operand)
+    if isinstance(node, ast.BinOp):
+        return _NUMBER, _bounded(_binary_bits(node, value, number, refuse), refuse)
+    assert isinstance(node, ast.Call)  # the syntax check admits nothing else
+    name = ast.unparse(node.func)
+    bits = [number(a) for a in node.args] or [1]
+    if name in ("round", "int", "math.floor", "math.ceil", "math.trunc", "torch.sym_int"):
+        if name == "round" and len(node.args) == 2 and not _small_constant(node.args[1], MAX_DIGITS):
+            raise refuse(f"rounds to other than at most {MAX_DIGITS} digits")
+        return _NUMBER, max(bits[0], _FLOAT_BITS)
+    if name in ("max", "min", "abs", "torch.sym_max", "torch.sym_min", "torch.sym_ite"):
+        return _NUMBER, max(bits)
+    return _NUMBER, 1 if name == "torch.sym_not" else _FLOAT_BITS  # float(), math.*, torch.sym_float, sqrt
+
+
+def _binary_bits(node: ast.BinOp, value: Callable[[ast.AST], tuple[str, int]], number: Callable[[ast.AST], int],
+                 refuse: Callable[[str], InputError]) -> int:
+    """An upper bound of the bits ``node`` computes (:func:`_guard_value`)."""
+    (left_kind, left), (right_kind, right) = value(node.left), value(node.right)
+    op = node.op
+    if _TEXT_VALUE in (left_kind, right_kind) or isinstance(op, ast.MatMult):
+        raise refuse("computes with text")
+    if _INPUT in (left_kind, right_kind) and isinstance(op, (ast.Mult, ast.Pow, ast.LShift, ast.Mod)):
+        other = node.right if left_kind == _INPUT else node.left
+        if isinstance(op, ast.Mod) or not _small_constant(other, 1024):
+            raise refuse("repeats, raises or formats an input's own value, which torch's guards never do")
+    if isinstance(op, ast.Pow):
+        if not _small_constant(node.right, MAX_EXPONENT):
+            raise refuse(f"raises to a power other than a constant of at most {MAX_EXPONENT}")
+        return left * max(int(abs(_number(node.right) or 0)), 1)
+    if isinstance(op, ast.LShift):
+        if not _small_constant(node.right, 64):
+            raise refuse("shifts by other than a constant of at most 64")
+        return left + 64
+    if isinstance(op, ast.Mult):
+        return left + right
+    if isinstance(op, ast.Div):
+        return _FLOAT_BITS
+    return right if isinstance(op, ast.Mod) else max(left, right) + 1
+
+
+def _bounded(bits: int, refuse: Callable[[str], InputError]) -> int:
+    if bits > MAX_GUARD_BITS:
+        raise refuse(f"computes numbers of more than {MAX_GUARD_BITS:,} bits")
+    return bits
+
+
+def _small_constant(node: ast.AST, limit: int) -> bool:
+    """Whether ``node`` is a number (``3``, ``-2``, ``0.5``) of absolute value at most ``limit``."""
+    found = _number(node)
+    return found is not None and abs(found) <= limit
+
+
+def _has_input(node: ast.AST) -> bool:
+    return any(isinstance(n, ast.Name) and n.id == "L" for n in ast.walk(node))
 
 
 def _check_guard_call(node: ast.Call, refuse: Callable[[str], InputError]) -> None:
@@ -343,10 +470,15 @@ def check_expression(text: Any, where: str) -> None:
         elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow) and not _small_exponent(node.right):
             raise refuse(f"raises to a power beyond {MAX_EXPONENT}")
         elif isinstance(node, ast.Constant):
+            _check_literal(text, node, refuse)
             _check_constant(node.value, refuse)
         elif not isinstance(node, (*operators, ast.keyword)):
             raise refuse(f"holds Python syntax other than arithmetic ({type(node).__name__})")
-    if _terms(tree.body) > MAX_TERMS:
+    try:
+        terms = _terms(tree.body)
+    except RecursionError:
+        raise refuse("nests deeper than torch's serializer writes") from None
+    if terms > MAX_TERMS:
         raise refuse(f"multiplies out to more than {MAX_TERMS:,} terms")
 
 
@@ -364,6 +496,33 @@ def _check_call(node: ast.Call, refuse: Callable[[str], InputError]) -> None:
             raise refuse(f"passes {item.arg!r}=..., not a symbol assumption")
     if node.func.id in _POWERS and len(node.args) == 2 and not _small_exponent(node.args[1]):
         raise refuse(f"raises to a power beyond {MAX_EXPONENT}")
+    if node.func.id in ("Max", "Min") and _flattened(node, node.func.id) > MAX_EXTREMA:
+        raise refuse(f"takes the {node.func.id} of more than {MAX_EXTREMA} values once nested {node.func.id}s are "
+                     "flattened, as sympy does")
+
+
+def _flattened(node: ast.AST, name: str) -> int:
+    """How many arguments a call of ``name`` has once the calls of ``name`` among them are flattened into it."""
+    count, pending = 0, [node]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, ast.Call) and isinstance(item.func, ast.Name) and item.func.id == name:
+            pending.extend(item.args)
+        else:
+            count += 1
+    return count
+
+
+def _check_literal(text: str, node: ast.Constant, refuse: Callable[[str], InputError]) -> None:
+    """A number written in ``text`` has at most :data:`MAX_DIGITS` digits and an exponent of at most three
+    (``1e-999999999`` parses as 0.0, but sympy reads its text and works out the power exactly)."""
+    if isinstance(node.value, str):
+        return
+    written = ast.get_source_segment(text, node) or ""
+    if not _LITERAL.fullmatch(written) or sum(c.isdigit() for c in written.partition("e")[0].partition("E")[0]) \
+            > MAX_DIGITS:
+        raise refuse(f"writes the number {written[:40]!r} other than as torch does (at most {MAX_DIGITS} decimal "
+                     "digits and an exponent of at most three)")
 
 
 def _check_constant(value: Any, refuse: Callable[[str], InputError]) -> None:

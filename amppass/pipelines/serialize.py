@@ -27,6 +27,7 @@ import keyword
 import logging
 import operator
 import os
+import re
 from typing import Any
 
 import torch
@@ -170,9 +171,12 @@ def _register_types(names: list[str], used: set[str], path: str) -> None:
     """Register the pytree types a saved program's inputs and outputs use, before torch.export reads it.
 
     Only the names the program's own input and output specs use (``used``) are registered, at most
-    :data:`MAX_TYPES`: registering a type changes how every later pytree walk in the process treats it.
-    transformers' output classes register themselves when their module is imported; its cache classes are
-    registered by the same call capture makes. Only transformers' own modules are imported.
+    :data:`MAX_TYPES`: registering a type changes how every later pytree walk in the process treats it. Only
+    the containers amppass writes are registered: transformers' model outputs (a class of
+    ``transformers.modeling_outputs`` or of a model's ``transformers.models.<name>.modeling_<name>``, which
+    registers itself when its module is imported) and caches (``transformers.cache_utils``). Any other name is
+    refused before anything is imported (:data:`_CONTAINER_MODULE`), and a class that turns out to be neither
+    an output nor a cache is refused without being registered.
     """
     import importlib
 
@@ -181,21 +185,39 @@ def _register_types(names: list[str], used: set[str], path: str) -> None:
         raise InputError(f"{path}: the saved program's inputs and outputs name {len(names)} types, more than the "
                          f"{MAX_TYPES} amppass registers; the file is damaged or crafted: save the model again")
     for name in names:
-        module_name, _, class_name = name.partition(":") if ":" in name else name.rpartition(".")
-        if not module_name.startswith("transformers.") or name in pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE:
+        if name in pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE:
             continue
+        module_name, _, class_name = name.partition(":") if ":" in name else name.rpartition(".")
+        if _CONTAINER_MODULE.fullmatch(module_name) is None or not class_name.isidentifier():
+            raise InputError(f"{path}: the saved program's inputs or outputs name the type {name[:200]!r}, which is "
+                             "not a container amppass writes (a transformers model output or cache); amppass "
+                             "imports and registers no other class. The file is damaged or crafted: save the model "
+                             "again, or load it with trusted=True and register the type yourself first")
         try:
             cls = getattr(importlib.import_module(module_name), class_name)
         except (ImportError, AttributeError, ValueError) as err:
             raise InputError(f"the saved program returns or takes {name[:200]!r}, which this environment cannot "
                              f"import ({err}); install the transformers version the model was saved with") from err
-        if not isinstance(cls, type):
-            raise InputError(f"the saved program names {name[:200]!r} as a type of its inputs or outputs, but it "
-                             "is not a class; the file is damaged or was edited: save the model again")
+        if not _is_container(cls):
+            raise InputError(f"{path}: the saved program names {name[:200]!r} as a type of its inputs or outputs, "
+                             "but it is not a transformers model output or cache; the file is damaged or was edited: "
+                             "save the model again")
         if cls not in pytree.SUPPORTED_NODES:
             from transformers.exporters.exporter_dynamo import register_pytree_node
 
             register_pytree_node(cls)
+
+
+# the modules whose classes amppass registers: transformers' outputs, a model's own outputs, its caches
+_CONTAINER_MODULE = re.compile(r"transformers\.(modeling_outputs|cache_utils|models(\.\w+)+\.modeling_\w+)")
+
+
+def _is_container(cls: Any) -> bool:
+    """Whether ``cls`` is a transformers model output or cache class."""
+    from transformers.cache_utils import Cache
+    from transformers.utils import ModelOutput
+
+    return isinstance(cls, type) and issubclass(cls, (ModelOutput, Cache))
 
 
 def stored_decision(node: fx.Node, name: str) -> dict[str, Any] | None:

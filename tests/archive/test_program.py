@@ -8,6 +8,7 @@ Where code could run, the model is also called (torch runs a guard on each call)
 
 from __future__ import annotations
 
+import ast
 import json
 import time
 import zipfile
@@ -16,13 +17,15 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils import _pytree as pytree
 
 import amppass
 from amppass import InputError
-from amppass.archive.program import check_expression, check_guard, check_program
+from amppass.archive.program import MAX_GUARD_BITS, check_expression, check_guard, check_program
 from amppass.cli import main
-from tests.helpers.pt2_files import MODEL_JSON, X, edit_program, guard_with_statements, rewrite, saved  # noqa: F401 - saved is a fixture
+from tests.helpers.pt2_files import MODEL_JSON, X, edit_program, guard_with_statements, guards, rewrite, saved  # noqa: F401 - saved is a fixture
 
 
 def _signature(tree: dict) -> dict:
@@ -175,7 +178,8 @@ def test_names_and_strings_torch_pastes_into_source_are_refused(where, value):
     elif where == "string input":
         tree["graph_module"]["graph"]["inputs"].append({"as_string": value})
     else:
-        tree["graph_module"]["graph"]["nodes"].append({"inputs": [{"arg": {"as_graph": {"name": value}}}]})
+        tree["graph_module"]["graph"]["nodes"].append({"target": "torch.ops.higher_order.cond",
+                                                      "inputs": [{"arg": {"as_graph": {"name": value}}}]})
     with pytest.raises(InputError, match="Python"):
         check_program(tree, "m.pt2")
 
@@ -210,3 +214,32 @@ def test_only_the_types_the_program_uses_are_registered(saved, tmp_path):
     before = set(pytree.SUPPORTED_NODES)
     assert torch.equal(amppass.load(many)(*X), amppass.load(saved["converted"])(*X))
     assert set(pytree.SUPPORTED_NODES) == before
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(guard=guards(), sizes=st.tuples(st.integers(0, 1 << 20), st.integers(0, 1 << 20)))
+def test_a_guard_the_check_passes_is_cheap_to_evaluate(guard, sizes):
+    """Whatever guard arithmetic the check passes evaluates on any sizes to a value or an arithmetic error (a
+    mismatch at a call), computing no number past MAX_GUARD_BITS; the rest is refused with an InputError."""
+    import math
+
+    try:
+        check_guard(guard, "m.pt2")
+    except InputError:
+        return
+    inputs = {"input": torch.empty(sizes, device="meta")}
+    values: list[Any] = []
+
+    class Watch(ast.NodeTransformer):  # every value a subexpression computes, checked by size
+        def visit_BinOp(self, node):
+            self.generic_visit(node)
+            return ast.Call(ast.Name("_seen", ast.Load()), [node], [])
+
+    tree = ast.fix_missing_locations(Watch().visit(ast.parse(guard, mode="eval")))
+    try:
+        eval(compile(tree, "guard", "eval"), {"L": inputs, "math": math, "torch": torch,  # noqa: S307 - checked text
+                                              "_seen": lambda v: values.append(v) or v})
+    except (ArithmeticError, ValueError, TypeError):
+        pass
+    assert all(not isinstance(v, int) or v.bit_length() <= MAX_GUARD_BITS for v in values), guard
+    assert all(not isinstance(v, (str, tuple)) or len(v) <= 1 << 16 for v in values), guard

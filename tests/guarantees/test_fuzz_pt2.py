@@ -2,6 +2,7 @@
 and never runs code from the file.
 
 Hypothesis edits an archive amppass.save wrote the ways tests/guarantees/test_fuzz_hostile.py edits ONNX files: its
+program (a node handed a Python function or an op that is not torch's to call, guards of costly arithmetic), its
 manifest (payload configs flagged as pickles, payload files renamed to the prefixes torch unpickles, tensor
 descriptions missing), its entries (pickles that write a marker file, compiled-code and legacy entries, names
 that differ only in case, climb out or are not ASCII, compressed entries), its JSON (cut short, nested deep,
@@ -15,6 +16,7 @@ of finite times (often empty) and updates without raising or touching anything o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -31,7 +33,7 @@ import amppass
 from amppass import AmpPassError
 from amppass.targets.timing_cache import TimingCache
 from amppass.report.terminal import render_text
-from tests.helpers.pt2_files import X, Payload, mlp, pickled, rewrite
+from tests.helpers.pt2_files import X, Payload, calling_node, guards, mlp, pickled, rewrite
 
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -44,6 +46,12 @@ EXPRESSIONS = ["open({marker!r}, 'w').write('x')", "__import__('os').system('tou
                "Symbol('s0', positive=True, integer=True)", "s0 + 1", "Pow(Integer(9), Integer(9999))", "", "(((",
                "().__class__"]
 JSONS = ["models/model.json", *CONFIGS, "extra/amppass.json"]
+# a node inserted first: (its target, the operator it is handed); torch resolves both by name
+TARGETS = ["torch.ops.higher_order.wrap", "torch.ops.higher_order.cond", "torch.ops.higher_order.map_impl",
+           "torch.ops.higher_order.call_torchbind", "torch.os.system", "builtins.eval", "_operator.add", "#x:y"]
+OPERATORS = ["torch.os.system", "math.os.system", "_operator.attrgetter", "torch.ops.aten.relu.default",
+             "torch.ops.aten.from_file.default", "torch.ops.aten.__class__.__init__", "torch.ops.load_library",
+             "torch.ops.higher_order.wrap", "torch._C._get_tracing_state", "eval"]
 
 
 @pytest.fixture(scope="module")
@@ -66,11 +74,13 @@ def edits(draw):
     expression = draw(st.sampled_from(EXPRESSIONS)) if draw(st.booleans()) else None
     samples = draw(st.sampled_from([None, "pickle", "junk", "empty"]))
     compress = draw(st.lists(st.sampled_from(JSONS + ["data/weights/weight_0"]), max_size=2))
-    return config, added, damaged, expression, samples, compress
+    operator = (draw(st.sampled_from(TARGETS)), draw(st.sampled_from(OPERATORS))) if draw(st.booleans()) else None
+    guard = draw(guards()) if draw(st.booleans()) else None
+    return config, added, damaged, expression, samples, compress, operator, guard
 
 
 def _apply(entries: dict[str, bytes], case, marker: Path) -> None:
-    config, added, damaged, expression, samples, _ = case
+    config, added, damaged, expression, samples, _, operator, guard = case
     evil = pickled(Payload(marker, [8, 8], "bfloat16"))
     if config is not None:
         table = json.loads(entries[config["which"]])
@@ -95,6 +105,13 @@ def _apply(entries: dict[str, bytes], case, marker: Path) -> None:
             end = text.index('"', start + 13)
             text = text[:start + 12] + json.dumps(expression.format(marker=str(marker))) + text[end + 1:]
         entries["models/model.json"] = text.encode()
+    if operator is not None or guard is not None:
+        tree = json.loads(entries["models/model.json"])
+        if operator is not None:
+            calling_node(*operator, f"touch {marker}")(tree)
+        if guard is not None:
+            tree["guards_code"].append(guard)
+        entries["models/model.json"] = json.dumps(tree).encode()
     if damaged is not None:
         name, how = damaged
         data = entries[name]
@@ -118,8 +135,9 @@ def test_hostile_archives_load_validly_or_raise_amppass_errors(archive, case):
             loaded = None
         assert not marker.exists(), f"code from the file ran: {case}"
         if loaded is not None:
-            with torch.no_grad():
+            with torch.no_grad(), contextlib.suppress(AmpPassError):  # a guard the call fails: a mismatch
                 loaded(X[0])
+            assert not marker.exists(), f"code from the file ran: {case}"
             render_text(amppass.report(loaded), width=80)
 
 

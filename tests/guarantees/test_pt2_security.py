@@ -157,10 +157,12 @@ def test_entries_torch_save_does_not_write_are_refused(saved, tmp_path, edit, wo
 
 
 def test_the_cli_prints_one_line_and_the_traceback_only_under_AMPPASS_DEBUG(saved, tmp_path):
-    """A program torch cannot deserialize: torch logs a long traceback before giving up; the CLI says one line."""
+    """A program torch cannot deserialize (a node reads a value no node makes): torch logs a long traceback
+    before giving up; the CLI says one line."""
     def edit(entries):
         entries["models/model.json"] = entries["models/model.json"].replace(
-            b'"torch.ops.aten.relu.default"', b'"torch.ops.aten.no_such_op.default"', 1)
+            b'"torch.ops.aten.relu.default", "inputs": [{"name": "self", "arg": {"as_tensor": {"name": "linear"',
+            b'"torch.ops.aten.relu.default", "inputs": [{"name": "self", "arg": {"as_tensor": {"name": "no_such_op"', 1)
 
     broken = rewrite(saved["converted"], tmp_path / "broken.pt2", edit)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}

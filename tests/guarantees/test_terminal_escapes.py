@@ -61,6 +61,7 @@ def test_shortened_cells_never_cut_an_escape(tmp_path, width):
     report = amppass.report(load(str(forged(tmp_path))).model)
     text = render_text(report, width=width)
     _no_controls(text)
+    assert "mm\\x1b" in text, "the forged node's row is printed, its name escaped"
     assert "\\\\" not in text, "escaped twice"
     for line in text.splitlines():
         units = re.findall(r"\\\\|\\x..|\\u....|\\U........|\\.?|[^\\]", line, re.S)
@@ -91,6 +92,10 @@ def test_cli_errors_quote_file_text_escaped(tmp_path, capsys):
     model.opset_import.append(helper.make_opsetid("evil", 1))
     path = tmp_path / "m.onnx"
     path.write_bytes(model.SerializeToString())
-    main(["convert", str(path), "-o", str(tmp_path / "o.onnx"), "--keep-fp32", "nothing-matches"])
+    assert main(["convert", str(path), "-o", str(tmp_path / "o.onnx"), "--keep-fp32", "nothing-matches"]) == 1
     captured = capsys.readouterr()
     _no_controls(captured.out + captured.err)
+    # the error is printed, and it names the op with its controls as visible escapes (not left out)
+    assert "'nothing-matches' matches no node name" in captured.err
+    assert "evil.Foo\\x1b]0;owned\\x07" in captured.err
+    assert not (tmp_path / "o.onnx").exists()

@@ -15,6 +15,7 @@ from typing import Callable
 
 import pytest
 import torch
+from hypothesis import strategies as st
 
 import amppass
 
@@ -178,6 +179,96 @@ def shared_branches(entries: dict[str, bytes]) -> None:
     for _ in range(7):
         level = [level] * 8
     entries["data/sample_inputs/model.pt"] = pickled(((level,), {}))
+
+
+def calling_node(target: str, operator: str, command: str) -> Callable[[dict], None]:
+    """A first node ``target`` (a higher-order op) whose first argument names ``operator`` as the callable it
+    calls with ``command``: ``wrap(torch.os.system, "touch marker")`` runs the command when the graph runs."""
+    def change(tree):
+        graph = tree["graph_module"]["graph"]
+        graph["tensor_values"]["evil"] = next(iter(graph["tensor_values"].values()))
+        graph["nodes"].insert(0, {"target": target, "name": "evil", "metadata": {}, "is_hop_single_tensor_return": True,
+                                  "inputs": [{"name": "", "arg": {"as_operator": operator}, "kind": 1},
+                                             {"name": "", "arg": {"as_string": command}, "kind": 1}],
+                                  "outputs": [{"as_tensor": {"name": "evil"}}]})
+    return change
+
+
+# guard arithmetic: atoms and the ways torch's printer (or an attacker) combines them
+GUARD_ATOMS = ["L['input'].size()[0]", "L['input'].size()[1]", "L['input'].numel()", "L['input'].size()", "L['input']",
+               "0", "2", "16", "99", "10**9", "9**9**9", "1e-999999999", "'x'", "'1' * 5000", "math.inf"]
+GUARD_CALLS = ["math.log", "int", "float", "round", "abs", "math.sqrt", "math.floor", "torch.sym_float"]
+GUARD_OPERATORS = [" + ", " - ", " * ", " ** ", " // ", " % ", " << ", " / "]
+
+
+@st.composite
+def guards(draw) -> str:
+    """A guard of sizes, constants and text combined by arithmetic and the functions torch's printer writes."""
+    def term(depth: int) -> str:
+        shape = draw(st.sampled_from(["atom", "call", "binary"] if depth < 3 else ["atom"]))
+        if shape == "atom":
+            return draw(st.sampled_from(GUARD_ATOMS))
+        if shape == "call":
+            return f"{draw(st.sampled_from(GUARD_CALLS))}({term(depth + 1)})"
+        return f"({term(depth + 1)}{draw(st.sampled_from(GUARD_OPERATORS))}{term(depth + 1)})"
+
+    return f"{term(0)} {draw(st.sampled_from(['!=', '>=', '==']))} {draw(st.sampled_from(GUARD_ATOMS))}"
+
+
+# -- containers: what torch reads inside the archive, and the file itself ---------------------------------------
+SAMPLES = "data/sample_inputs/model.pt"
+
+
+class Allocation:
+    """Pickled as ``bytearray(size)``: torch's weights-only unpickler allows the call."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def __reduce__(self):
+        return bytearray, (self.size,)
+
+
+def bytearray_samples(size: int) -> Callable[[dict[str, bytes]], None]:
+    """Sample inputs whose pickle asks for a ``size``-byte bytearray beside the real input."""
+    def edit(entries):
+        entries[SAMPLES] = pickled(((X[0],), {"pad": Allocation(size)}))
+    return edit
+
+
+def nested_bomb(inflated: int) -> Callable[[dict[str, bytes]], None]:
+    """Sample inputs as two directories: Python's lists the honest records and a small ``extra.bin``; the one torch's
+    reader finds says the first tensor's record (``data/0``) is that stream deflated, ``inflated`` bytes of it."""
+    from tests.helpers.zipbytes import Entry, deflated, write
+
+    def edit(entries):
+        honest = zipfile.ZipFile(io.BytesIO(entries[SAMPLES]))
+        ours = [Entry(info.filename, honest.read(info)) for info in honest.infolist()]
+        root = ours[0].name.partition("/")[0]
+        stream = deflated(bytes(inflated))
+        ours.append(Entry(f"{root}/extra.bin", stream))
+        theirs = [Entry(e.name, stream, central_sizes=(len(stream), inflated), method=8,
+                        points_at=f"{root}/extra.bin") if e.name == f"{root}/data/0" else e for e in ours]
+        entries[SAMPLES] = write(ours, theirs)
+    return edit
+
+
+def json_padding(name: str, values: int) -> Callable[[dict[str, bytes]], None]:
+    """JSON entry ``name`` (an object) given one more field: a list of ``values`` empty objects (rewrite it with
+    ``compress=(name,)`` and it deflates about 200 to 1)."""
+    def edit(entries):
+        entries[name] = entries[name].rstrip()[:-1] + b', "pad": [' + b"{}," * (values - 1) + b"{}]}"
+    return edit
+
+
+def sparse_copy(source: Path, target: Path, hole: int) -> Path:
+    """``source``'s bytes after a hole of ``hole`` bytes that the disk does not hold (Python's zipfile still finds
+    the archive, as it reads a zip with bytes in front of it)."""
+    with open(target, "wb") as out:
+        out.truncate(hole)
+        out.seek(hole)
+        out.write(source.read_bytes())
+    return target
 
 
 def stored_name(value, node: int = 0) -> Callable[[dict], None]:

@@ -1,5 +1,6 @@
 """A zip archive written byte by byte, so a test can build what no zip library writes: two zip64 extras in one
-header, entries that share bytes, a central directory that names another local header, a torn file."""
+header, entries that share bytes, a central directory that names another local header (compressed, in one
+directory only), a torn file."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ class Entry:
     header_offset: int | None = None  # where the record says the local header is; None: where it was written
     local: bool = True  # write a local header and the data (False: the record points at another's)
     points_at: str | None = None  # the record points at the local header written for this other name
+    method: int = 0  # the compression method the record names (8: deflate; the local header says stored)
 
 
 def zip64_extra(uncompressed: int, compressed: int) -> bytes:
@@ -66,8 +68,8 @@ def _directory(out: bytearray, entries: list[Entry], offsets: dict[str, int]) ->
         name = entry.name.encode()
         compressed, uncompressed = entry.central_sizes or (len(entry.data), len(entry.data))
         offset = entry.header_offset if entry.header_offset is not None else offsets.get(entry.points_at or entry.name, 0)
-        out += struct.pack("<4sHHHHHHIIIHHHHHII", b"PK\x01\x02", 20, 20, 0, 0, 0, 0, zlib.crc32(entry.data),
-                           compressed, uncompressed, len(name), len(entry.central_extra), 0, 0, 0, 0, offset)
+        out += struct.pack("<4sHHHHHHIIIHHHHHII", b"PK\x01\x02", 20, 20, 0, entry.method, 0, 0,
+                           zlib.crc32(entry.data), compressed, uncompressed, len(name), len(entry.central_extra), 0, 0, 0, 0, offset)
         out += name + entry.central_extra
     return start, len(out) - start
 
@@ -83,3 +85,9 @@ def entries_of(path) -> list[Entry]:
 
     with zipfile.ZipFile(path) as archive:
         return [Entry(info.filename, archive.read(info)) for info in archive.infolist()]
+
+
+def deflated(data: bytes) -> bytes:
+    """``data`` as a zip entry's raw deflate stream."""
+    packer = zlib.compressobj(9, zlib.DEFLATED, -15)
+    return packer.compress(data) + packer.flush()

@@ -139,6 +139,9 @@ class ShapeGuards:
                 self.guard_fn(*leaves)
             except AssertionError as err:
                 return self._from_guard(str(err), leaves)
+            except Exception as err:  # noqa: BLE001 - a guard that cannot be evaluated on this call fails it
+                return Mismatch("arguments", f"a value the capture's guards cannot check ({type(err).__name__}: "
+                                f"{first_line(err, 100)})", "the sizes the capture's guards accept")
         return None
 
     def conform(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, list[str]]:
