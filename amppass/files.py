@@ -19,7 +19,8 @@ Every file amppass writes goes through a :class:`Staged` set of writes:
    a device node replaces it.
 6. An output path that is a symbolic link is followed: the file it points to is replaced (through a temporary
    beside that file, so atomically) and the link stays as it was, as a shell's ``>`` would leave it
-   (:func:`resolved`). Two outputs of one set that name one file once links are followed are refused before
+   (:func:`resolved`). amppass's own files (the timing cache) pass ``follow_links=False``: a link there is
+   replaced, never written through. Two outputs of one set that name one file once links are followed are refused before
    anything is written (:meth:`Staged.open` raises at the second, and the set aborts).
 7. Every failure to write names the file it could not write (the final path, never a temporary).
 """
@@ -54,7 +55,8 @@ class Staged:
     :class:`WriteError` naming the file).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, follow_links: bool = True) -> None:
+        self._follow = follow_links  # rule 6; amppass's own files (the timing cache) replace a link instead
         self._pending: list[tuple[str, str]] = []  # (temporary, final path), in commit order
         self._named: set[str] = set()  # every final path of the set, links followed (rule 6)
         self._created: list[str] = []  # files written under their final (fresh) name, removed on abort
@@ -103,8 +105,9 @@ class Staged:
             yield out
 
     def _name(self, path: str | os.PathLike) -> str:
-        """The file ``path`` names (:func:`resolved`), refused where another output of the set names it too."""
-        final = resolved(path)
+        """The file ``path`` names (:func:`resolved`, or the link itself where links are not followed), refused
+        where another output of the set names it too."""
+        final = resolved(path) if self._follow else os.path.abspath(os.fspath(path))
         if final in self._named:
             shown = os.fspath(path)
             raise InputError(f"two outputs name one file, {shown!r}" + ("" if final == os.path.abspath(shown) else
@@ -146,10 +149,11 @@ class Staged:
         self._created.clear()
 
 
-def write_atomic(path: str | os.PathLike, data: str | bytes, mode: int | None = None) -> None:
+def write_atomic(path: str | os.PathLike, data: str | bytes, mode: int | None = None,
+                 follow_links: bool = True) -> None:
     """Write ``data`` to ``path`` through a temporary file in the same folder (see :class:`Staged`), with the
-    permission bits ``mode`` when given."""
-    with Staged() as staged:
+    permission bits ``mode`` when given; a link at ``path`` is replaced itself unless ``follow_links``."""
+    with Staged(follow_links) as staged:
         staged.write(path, data, mode)
 
 

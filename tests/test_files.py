@@ -42,3 +42,11 @@ def test_a_write_that_fails_without_a_file_name_names_the_output(tmp_path, monke
         write_atomic(tmp_path / "r.json", "text")
     assert str(caught.value).startswith(f"cannot write {tmp_path / 'r.json'}: No space left on device")
     assert os.listdir(tmp_path) == []
+
+
+def test_amppass_own_files_replace_a_link_instead_of_writing_through_it(tmp_path):
+    (tmp_path / "target.json").write_text("theirs")
+    os.symlink("target.json", tmp_path / "cache.json")
+    write_atomic(tmp_path / "cache.json", "times", mode=0o600, follow_links=False)
+    assert not os.path.islink(tmp_path / "cache.json") and (tmp_path / "cache.json").read_text() == "times"
+    assert (tmp_path / "target.json").read_text() == "theirs"

@@ -41,10 +41,10 @@ class Number:
     finite: bool = True
 
     def fault(self, value: Any) -> str | None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (self.integer and not isinstance(value, int)):
-            return f"not {'an integer' if self.integer else 'a number'}"
         if isinstance(value, float) and not math.isfinite(value):
             return None if not self.finite else "not a finite number"
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (self.integer and not isinstance(value, int)):
+            return f"not {'an integer' if self.integer else 'a number'}"
         return None if self.low <= value <= self.high else f"outside [{self.low:g}, {self.high:g}]"
 
 
@@ -111,8 +111,9 @@ INFO = Fields({  # the model-level summary: every field the summary, the HTML pa
     "fixed_dims": Items(TEXT),
     "pytree_types": Items(NAME),
 })
-EVIDENCE = Fields({  # what a node's decision rested on (Row's docstring)
-    "macs": BYTES, "absmax": Number(0, math.inf, finite=False), "min_nonzero": Number(0, math.inf, finite=False),
+EVIDENCE = Fields({  # what a node's decision rested on (Row's docstring); numbers only shown, and a non-finite
+    # one or one past float's range left out of the views (Row.macs, Row.observed), so only their sign is bounded
+    "macs": Number(0, math.inf, finite=False), "absmax": Number(0, math.inf, finite=False), "min_nonzero": Number(0, math.inf, finite=False),
     "local_error": Number(0, math.inf, finite=False), "unknown": BOOL, "backward": NAME, "saved_bytes": BYTES,
     "saved_dtypes": Items(NAME), "fused": TEXT, "accumulate": TEXT,
 })

@@ -135,7 +135,8 @@ class TimingCache:
                 merged.update(entries)  # written last, kept longest (rule 4)
                 merged = dict(list(merged.items())[-MAX_ENTRIES:])
                 write_atomic(self.path, json.dumps({"format": FORMAT, "fingerprint": self.fingerprint,
-                                                    "entries": merged}, indent=0), mode=_PRIVATE)
+                                                    "entries": merged}, indent=0), mode=_PRIVATE,
+                             follow_links=False)  # a link planted in the folder is replaced, never written through
             self.entries = merged
             _delete_stale(self.path)
         except OSError as error:

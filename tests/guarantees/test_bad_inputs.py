@@ -144,6 +144,13 @@ def _forged_report(tmp: Path) -> object:
     return amppass.report(model)
 
 
+def _forged_timing(tmp: Path) -> object:
+    model = amppass.convert_onnx(matmul_model())
+    entry = next(p for p in model.metadata_props if p.key == "amppass")
+    entry.value = entry.value[:-1] + ', "profitability": {"nodes_fp32": 1, "timing": {"{dtype:>999999999}": "x"}}}'
+    return amppass.report(model)
+
+
 def _cut_short(tmp: Path) -> str:
     """matmul_model with a 64 KiB weight, saved and cut in half (a copy that stopped early)."""
     model = matmul_model()
@@ -196,7 +203,8 @@ def _hostile_pt2(attack: str) -> Callable[[Path], object]:
                     "range-escape": lambda marker: attacks.edit_program(
                         lambda tree: tree["range_constraints"].update({"s1\x1b]0;pwned\x07": {"min_val": 2}})),
                     "empty-weight": lambda marker: attacks.empty_weight,
-                    "shared-samples": lambda marker: attacks.shared_branches}[attack](tmp / "marker")
+                    "shared-samples": lambda marker: attacks.shared_branches,
+                    "stored-name": lambda marker: attacks.edit_program(attacks.stored_name(7))}[attack](tmp / "marker")
         else:
             edit = lambda entries: entries.update({"extra/amppass.json": plan})  # noqa: E731
         return amppass.load(attacks.rewrite(_saved_pt2(), tmp / "model.pt2", edit, compress=("extra/amppass.json",)))
@@ -291,11 +299,17 @@ CASES = [
          _onnx(_external("w.data", offset="999999")), InputError, ("'W'", "would end at byte", "truncated")),
     Case("onnx-external-offset-text", "an external-data offset that is not a number",
          _onnx(_external("w.data", offset="-8")), InputError, ("'W'", "offset '-8'", "non-negative whole number")),
+    Case("onnx-external-offset-digits", "an external-data offset of 5,000 digits",
+         _onnx(_external("w.data", offset="9" * 5000)), InputError,
+         ("'W'", "external-data offset", "(5,000 characters)", "at most 19 digits")),
     Case("onnx-raw-data-short", "raw data shorter than the tensor's shape",
          _onnx(lambda tmp: _truncated(matmul_model())), InputError, ("'W'", "bytes of raw data", "needs 256")),
     Case("onnx-cycle", "a graph with a cycle", _onnx(_cycle), InputError, ("in a cycle", "acyclic")),
     Case("onnx-forged-metadata", "amppass.report of a model with forged metadata", _forged_report,
          InputError, ("'casts'", "not a finite number", "convert the original model again")),
+    Case("onnx-forged-timing", "amppass.report of a model whose speed-check record counts groups with a text",
+         _forged_timing, InputError, ('profitability.timing["{dtype:>999999999}"]', "not an integer",
+                                      "convert the original model again")),
     Case("onnx-cut-short", "an .onnx file cut short (a copy that stopped early)", _onnx(_cut_short),
          InputError, ("cut.onnx", "runs past the end of its message", "cut short or damaged",
                       "copy or export it again")),
@@ -405,7 +419,7 @@ CASES = [
     Case("pt2-pickle", "a .pt2 whose weight is a pickle (use_pickle in its config)", _hostile_pt2("pickle"),
          InputError, ("model_weights_config.json", "weights_only=False", "trusted=True", "--trust-pickle")),
     Case("pt2-sample-inputs", "a .pt2 whose sample inputs are not tensors only", _hostile_pt2("samples"),
-         InputError, ("data/sample_inputs/model.pt", "weights_only=False", "trusted=True")),
+         InputError, ("data/sample_inputs/model.pt", "pickle", "trusted=True")),
     Case("pt2-sympy", "a .pt2 whose symbolic size is Python code", _hostile_pt2("sympy"),
          InputError, ("models/model.json", "sympy.sympify", "trusted=True")),
     Case("pt2-aoti", "a .pt2 holding an AOTInductor library", _hostile_pt2("aoti"),
@@ -429,6 +443,9 @@ CASES = [
     Case("save-torch-as-onnx", "amppass.save of a converted torch model to an .onnx path",
          lambda tmp: amppass.save(amppass.convert(mlp(), X, "bf16", plan_for="coverage"), tmp / "m.onnx"),
          InputError, ("path '", "m.onnx'", "torch.export program", "name the file .pt2", "amppass.export_onnx")),
+    Case("pt2-stored-name", "a .pt2 whose node's stored name is not an identifier (an int)",
+         _hostile_pt2("stored-name"), InputError, ("node '_to_copy'", "'amppass_name'", "not a Python identifier",
+                                                   "convert the original again")),
     Case("pt2-plan-not-json", "a .pt2 whose amppass plan entry is not JSON", _hostile_pt2("plan-not-json"),
          InputError, ("extra/amppass.json", "not UTF-8 JSON", "save the model again")),
     Case("pt2-plan-bomb", "a .pt2 whose plan entry would inflate past its bound", _hostile_pt2("plan-bomb"),

@@ -5,16 +5,21 @@ kept in an external data file) and damages them the ways an attacker or a broken
 data locations (absolute, climbing out, links pointing out or in, folders, devices, the store's reserved
 name), offsets and lengths (negative, huge, not numbers, past the end), shapes (negative, disagreeing with
 the bytes), nesting depth, node order (shuffled, cycles, a value written twice) and the report metadata of
-converted models. Whatever comes out: ``convert_onnx`` returns a model that passes the full checker and runs
+converted models (every field the summary reads, texts a format string would inflate). Whatever comes out: ``convert_onnx`` returns a model that passes the full checker and runs
 in onnxruntime, or raises :class:`amppass.AmpPassError`; a weight whose data resolves outside the model's
-folder never converts; ``amppass.report`` returns a report that renders, or raises AmpPassError.
+folder never converts; ``amppass.report`` returns a report that renders no larger than the file, or raises
+AmpPassError. Calibration files (``amppass convert --calib``) whose headers, dtypes or zip directory lie feed the
+conversion or are refused in one line.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import tempfile
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +31,7 @@ from onnx import TensorProto, helper
 
 import amppass
 from amppass import AmpPassError
+from amppass.cli import main
 from amppass.targets import onnxruntime_facts
 from amppass.report.terminal import render_text
 from tests.helpers.onnx_files import SECRET, matmul_64, weights_named_w
@@ -138,10 +144,20 @@ def test_hostile_files_convert_validly_or_raise_amppass_errors(case):
 
 
 FIELDS = ["dtype", "casts", "weight_bytes_before", "weight_bytes_after", "tolerance", "achieved_error",
-          "moved_by_tolerance", "calibrated", "front_end"]
-VALUES = st.one_of(st.none(), st.booleans(), st.integers(-2**80, 2**80), st.floats(allow_nan=True),
-                   st.text(max_size=5), st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=3),
-                                                                                             st.integers(), max_size=2))
+          "moved_by_tolerance", "calibrated", "front_end", "mode", "target", "profitability", "parts", "backward",
+          "whole_model", "fixed_dims", "held_out_error", "tolerance_met"]
+# texts that cost gigabytes if a view used them as format strings
+FORMATS = st.sampled_from(["{dtype:>99999999}", "{0:>99999999}", "%s%s%n", "{dtype.__class__.__mro__}", "{}"])
+TEXTS = st.one_of(st.text(max_size=5), FORMATS, st.sampled_from(["measured", "prior", "device", "fp32"]))
+LEAVES = st.one_of(st.none(), st.booleans(), st.integers(-2**80, 2**80), st.floats(allow_nan=True), TEXTS)
+# the fields inside the summary's objects (profitability, parts, backward, whole_model, target)
+INNER = ["nodes_fp32", "regions_fp32", "timing", "device", "native_low", "why", "converted", "eager", "why_whole",
+         "macs_total", "macs_low", "saved_bytes", "saved_bytes_by_dtype", "skipped", "converted_ms", "original_ms",
+         "name", "runtime", "error_judged_by"]
+NESTED = st.dictionaries(st.sampled_from(INNER), st.one_of(LEAVES, st.lists(LEAVES, max_size=3),
+                                                           st.dictionaries(TEXTS, LEAVES, max_size=3)), max_size=4)
+VALUES = st.one_of(LEAVES, st.lists(st.one_of(st.integers(), TEXTS), max_size=3),
+                   st.dictionaries(TEXTS, st.integers(), max_size=2), NESTED)
 NODE_FIELDS = ["precision", "op", "reason", "source", "casts_in", "evidence"]
 
 
@@ -167,6 +183,41 @@ def test_forged_metadata_reports_or_raises_amppass_errors(model_edits, node_edit
         report = amppass.report(model)
     except AmpPassError:
         return
-    render_text(report, width=80)
-    report.to_json()
-    report.to_html()
+    # nothing the file holds is a format string or sizes anything: the views stay about as small as the file
+    assert len(render_text(report, width=80)) < 1 << 20
+    assert len(report.to_json()) < 1 << 20
+    assert len(report.to_html()) < 1 << 20
+
+
+def _feeds_file(path: Path, compressed: bool, descr: str, shape: tuple, declared: int | None) -> None:
+    """A .npz of one array "x" whose header says ``descr`` and ``shape``, holding the bytes of 2 x 64 float32
+    zeros; its zip directory says the entry inflates to ``declared`` bytes when given."""
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": descr, "fortran_order": False, "shape": shape})
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED if compressed else zipfile.ZIP_STORED) as archive:
+        archive.writestr("x.npy", header.getvalue() + bytes(2 * 64 * 4))
+    if declared is not None:  # the central directory's uncompressed size field
+        data = bytearray(path.read_bytes())
+        central = data.rindex(b"PK\x01\x02")
+        data[central + 24:central + 28] = (declared % 2**32).to_bytes(4, "little")
+        path.write_bytes(bytes(data))
+
+
+@SETTINGS
+@given(compressed=st.booleans(), descr=st.sampled_from(["<f4", "<f8", "<i8", "|O", "|V8", "<U4"]),
+       shape=st.one_of(st.just((2, 64)), st.lists(st.integers(0, 2**40), max_size=3).map(tuple)),
+       declared=st.one_of(st.none(), st.integers(0, 2**32 - 1)))
+def test_hostile_calibration_files_feed_or_are_refused(compressed, descr, shape, declared):
+    """``amppass convert --calib``: a .npz whose header, dtype or directory lies converts or is refused in one line
+    (exit 1 or 2), never an unexpected error, whatever it declares."""
+    with tempfile.TemporaryDirectory() as root:
+        folder = Path(root)
+        onnx.save(matmul_64(), folder / "m.onnx")
+        _feeds_file(folder / "feeds.npz", compressed, descr, shape, declared)
+        said = io.StringIO()
+        with contextlib.redirect_stderr(said):
+            code = main(["convert", str(folder / "m.onnx"), "-o", str(folder / "out.onnx"), "--calib",
+                         str(folder / "feeds.npz")])
+        assert code in (0, 1), said.getvalue()
+        assert "unexpected" not in said.getvalue() and said.getvalue().count("\n") <= 1, said.getvalue()
+        assert (code == 0) == (folder / "out.onnx").exists()

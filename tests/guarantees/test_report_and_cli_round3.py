@@ -8,11 +8,15 @@ Every value must come through a reader that checks its type and bounds it, and e
 from __future__ import annotations
 
 import copy
+import io
 import json
+import math
 import os
 import subprocess
 import sys
+import zipfile
 
+import numpy as np
 import onnx
 import pytest
 import torch
@@ -119,7 +123,7 @@ FORGED_DECISION = {
     "casts-in": ({"casts_in": [1]}, ("casts_in[0]", "not text")),
     "evidence": ({"evidence": []}, ("'evidence'", "not an object")),
     "macs": ({"evidence": {"macs": -5}}, ("evidence.macs", "outside")),
-    "macs-float": ({"evidence": {"macs": 1e300}}, ("evidence.macs", "not an integer")),
+    "macs-text": ({"evidence": {"macs": "1e300"}}, ("evidence.macs", "not a number")),
     "absmax": ({"evidence": {"absmax": "big"}}, ("evidence.absmax", "not a number")),
     "rule": ({"rule": ["r"]}, ("'rule'", "not text")),
 }
@@ -176,3 +180,30 @@ def test_a_hostile_summary_costs_what_an_honest_one_does(converted_onnx, tmp_pat
     assert honest[2] == evil[2] == 0
     assert evil[0] < honest[0] + 500 and evil[1] < honest[1] + 10, (honest, evil)
     assert (tmp_path / "evil.html").stat().st_size < 200_000
+
+
+def _zeros_npz(path, name: str, shape: tuple[int, ...]) -> None:
+    """A compressed .npz of one float32 array of zeros, written a megabyte at a time (zeros deflate a
+    thousandfold, so the file is small whatever ``shape`` says)."""
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": shape})
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive, \
+            archive.open(f"{name}.npy", "w", force_zip64=True) as out:
+        out.write(header.getvalue())
+        chunk, left = memoryview(bytes(1 << 20)), math.prod(shape) * 4
+        while left:
+            out.write(chunk[:min(left, len(chunk))])
+            left -= min(left, len(chunk))
+
+
+def test_a_calibration_bomb_costs_what_honest_feeds_do(tmp_path):
+    """``amppass convert --calib`` of a file under 1 MB whose array inflates to 896 MiB (2.1 GB peak before):
+    refused from its zip directory, within the budget of an honest calibrated conversion."""
+    onnx.save(matmul_model(), tmp_path / "m.onnx")
+    _zeros_npz(tmp_path / "evil.npz", "x", (896 * (1 << 20) // (2 * 8 * 4), 2, 8))  # that many batches of x[2, 8]
+    np.savez(tmp_path / "honest.npz", x=np.ones((3, 2, 8), np.float32))
+    assert (tmp_path / "evil.npz").stat().st_size < 1 << 20
+    honest = _cost(["convert", "m.onnx", "-o", "honest.onnx", "--calib", "honest.npz"], tmp_path)
+    evil = _cost(["convert", "m.onnx", "-o", "evil.onnx", "--calib", "evil.npz"], tmp_path)
+    assert honest[2] == 0 and evil[2] == 1 and not (tmp_path / "evil.onnx").exists()
+    assert evil[0] < honest[0] + 500 and evil[1] < honest[1] + 10, (honest, evil)

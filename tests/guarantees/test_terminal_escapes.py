@@ -27,7 +27,8 @@ ESCAPE = re.compile(r"\\\\|\\x[0-9a-f]{2}|\\u[0-9a-f]{4}|\\U[0-9a-f]{8}")
 
 
 def forged(tmp_path):
-    """A converted model whose MatMul decision holds hostile text in its name, op and reason."""
+    """A converted model whose MatMul decision holds hostile text in its name, op and reason, and whose summary
+    in its front end (the panel's title)."""
     model = amppass.convert_onnx(matmul_64())
     node = next(n for n in model.graph.node if n.op_type == "MatMul")
     node.name = f"mm{HOSTILE}"
@@ -36,7 +37,7 @@ def forged(tmp_path):
     decision.update(op=f"MatMul{HOSTILE}", reason=f"because {HOSTILE} " * 4)
     stored.value = json.dumps(decision)
     info = next(p for p in model.metadata_props if p.key == "amppass")
-    info.value = json.dumps({**json.loads(info.value), "dtype": f"fp16{TITLE}"})
+    info.value = json.dumps({**json.loads(info.value), "front_end": f"onnx{TITLE}"})  # the dtype is fp16 or bf16
     path = tmp_path / "forged.onnx"
     save(model, str(path))
     return path

@@ -161,7 +161,7 @@ class ExternalFiles:
         if number is None:
             shown = text if len(text) <= 40 else f"{text[:40]}… ({len(text):,} characters)"
             raise InputError(f"{self.where}: tensor {tensor.name!r}: external-data {key} {shown!r} is not a "
-                             f"whole number of at most {MAX_DIGITS} digits; the model file is damaged: re-export it")
+                             f"non-negative whole number of at most {MAX_DIGITS} digits; the model file is damaged: re-export it")
         return number
 
 
