@@ -48,13 +48,18 @@ def test_a_tokenizers_output_as_example_kwargs_exports_named_inputs_that_run_at_
         assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2  # fp16 against fp32
 
 
-def test_keyword_inputs_in_another_order_and_with_positional_ones_take_forwards_order(tokenizer, bert, tmp_path):
-    """Keywords are placed at their parameters' positions: ids positional, the mask by keyword, token_type_ids
-    left out (BERT's default); the file's inputs follow forward()."""
+def test_keyword_inputs_take_their_parameters_places_in_forwards_order(tokenizer, bert):
+    """Keywords in any order, after positional inputs or not, land at their parameters' positions; a parameter
+    skipped between them takes its default (None for BERT's attention_mask), and return_dict, which the exported
+    graph does not take, is left out as convert leaves it."""
+    from amppass.pipelines.export_onnx import forward_inputs
+
     encoded = tokenizer(["hello world"], return_tensors="pt")
-    model = amppass.export_onnx(bert, (encoded["input_ids"],), tmp_path / "b.onnx",
-                                example_kwargs={"attention_mask": encoded["attention_mask"], "return_dict": True})
-    assert [i.name for i in model.graph.input] == ["input_ids", "attention_mask"]
+    ids, mask, types = encoded["input_ids"], encoded["attention_mask"], encoded["token_type_ids"]
+    placed = forward_inputs(bert, None, {"token_type_ids": types, "input_ids": ids, "attention_mask": mask})
+    assert [id(value) for value in placed] == [id(ids), id(mask), id(types)]
+    placed = forward_inputs(bert, (ids,), {"token_type_ids": types, "return_dict": True})
+    assert len(placed) == 3 and placed[0] is ids and placed[1] is None and placed[2] is types
 
 
 @pytest.mark.parametrize("call, words", [
