@@ -8,21 +8,24 @@ import logging
 import os
 import re
 import tempfile
-from typing import Any, Callable, Collection, Mapping
+from typing import Any, Collection, Mapping
 
 import numpy as np
 import onnx
 import torch
-from torch.export import Dim
 from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError, InputError, first_line
 from ..files import check_writable
+from ..fx.capture.copies import private_copy
 from ..fx.capture.export import capturing, size_one_dynamic
+from ..fx.capture.guards import plain_inputs
 from ..fx.capture.quiet import quiet_torch
 from ..onnx.io.save import save
 from ..onnx.rename import rename_outputs
 from .convert_onnx import convert_onnx, note
+from .export_shapes import (attempts, axes, batch_and_sequence, cannot_vary, fixed_dims, input_names, named_leaves,
+                            unshared, without)
 from .onnx_ops import translations
 
 log = logging.getLogger(__name__)
@@ -30,20 +33,33 @@ log = logging.getLogger(__name__)
 
 def export_onnx(
     torch_model: torch.nn.Module,
-    example_inputs: Any,
-    path: str | os.PathLike,
+    example_inputs: Any = None,
+    path: str | os.PathLike | None = None,
     dtype: str = "fp16",
     *,
+    example_kwargs: Mapping[str, Any] | None = None,
     dynamic_shapes: Any = "auto",
     output_names: list[str] | None = None,
     **convert_kwargs: Any,
 ) -> onnx.ModelProto:
     """Export ``torch_model`` to ONNX, convert it with :func:`convert_onnx` and save it atomically at ``path``.
 
+    ``example_inputs`` are forward's positional inputs (a tuple, or one tensor); ``example_kwargs`` its keyword
+    inputs, as :func:`amppass.convert` takes them: a tokenizer's output (a ``BatchEncoding`` or a dict), e.g.
+    ``export_onnx(model, "model.onnx", example_kwargs=tokenizer(texts, return_tensors="pt"))`` (the path may come
+    second when only ``example_kwargs`` are given). Keyword inputs are passed to forward() in its parameters'
+    order, so the file's inputs are named as forward names them (``input_ids``, ``attention_mask``,
+    ``token_type_ids``).
+
+    The model itself is never exported: each exporter traces a private copy (its own module objects, the
+    model's tensors), so what the model's code stores on itself while traced (ultralytics' Detect head caches
+    its anchors) never reaches the caller's model.
+
     The model is exported in eval mode (its own training flags are restored afterwards), without autograd,
     and with torch's exporter quiet (its log lines and warnings; ``AMPPASS_DEBUG=1`` shows them, see
     :mod:`amppass.fx.capture.quiet`). The dynamo exporter (``torch.onnx.export(dynamo=True)``) is tried first; if it fails, the
-    TorchScript exporter (``dynamo=False``), with a warning. ``dynamic_shapes`` is what torch.export takes;
+    TorchScript exporter (``dynamo=False``), with a warning: where it raises, and where the file it wrote is not
+    valid (``onnx.checker`` refuses it, or onnxruntime cannot load it). ``dynamic_shapes`` is what torch.export takes;
     by default (``"auto"``) the batch dimension of every input, the sequence dimension (dim 1 of integer
     rank-2 inputs and of rank-3 inputs) and the spatial dimensions of channels-first images and volumes
     (dims 2 and up of rank-4 and rank-5 inputs) stay dynamic where the model allows it, a batch of 1 included;
@@ -63,13 +79,19 @@ def export_onnx(
         raise InputError(f"export_onnx takes a torch.nn.Module, got {type(torch_model).__name__}; for an ONNX "
                          "model already on disk use amppass.convert_onnx")
     _refuse_converted(torch_model)
+    if path is None and isinstance(example_inputs, (str, os.PathLike)):  # export_onnx(model, path, example_kwargs=)
+        example_inputs, path = None, example_inputs
+    if path is None:
+        raise InputError("export_onnx needs the path to write the ONNX file to: export_onnx(model, example_inputs, "
+                         "'model.onnx'), or export_onnx(model, 'model.onnx', example_kwargs=inputs)")
     _check_output_names(output_names)
     check_writable(path)
+    args = forward_inputs(torch_model, example_inputs, example_kwargs)
     with capturing(torch_model, train=False):  # an inference export: dropout off, BN running stats
-        fp32 = export_fp32(torch_model, example_inputs, dynamic_shapes=dynamic_shapes)
-        outputs = _outputs(torch_model, example_inputs)
+        outputs = _outputs(private_copy(torch_model), args)  # a copy: what forward stores on the model stays there
+        fp32 = export_fp32(torch_model, args, dynamic_shapes=dynamic_shapes)
         _name_outputs(fp32, output_names, outputs, type(torch_model).__name__)
-        _say_if_the_export_differs(fp32, torch_model, example_inputs, outputs=outputs)
+        _say_if_the_export_differs(fp32, torch_model, args, outputs=outputs)
     fixed = [entry.value for entry in fp32.metadata_props if entry.key == FIXED_KEY]
     del fp32.metadata_props[:]  # the summary convert_onnx stores is the file's only metadata of amppass's
     converted = convert_onnx(fp32, dtype, **convert_kwargs)
@@ -81,6 +103,52 @@ def export_onnx(
 
 FIXED_KEY = "amppass_fixed_dims"  # metadata_props entry: the dimensions the export fixed at the example's size
 EXPORT_TOLERANCE = 1e-4  # relative L2: a float32 export differs from torch by its kernels' rounding, far below this
+
+
+def forward_inputs(model: torch.nn.Module, example_inputs: Any, example_kwargs: Any) -> tuple:
+    """The example as forward()'s positional inputs: ``example_inputs`` (a tuple, or one value), then each of
+    ``example_kwargs`` at its parameter's position in forward's order, the parameters between at their defaults,
+    so the exporters name each input as forward names it. Mappings torch's pytree does not know (a tokenizer's
+    ``BatchEncoding``) are taken as dicts, and a transformers model's ``None`` inputs and ``return_dict`` are left
+    out, as :func:`amppass.convert` takes them."""
+    from ..serving.dropin import transformers_call
+
+    example_inputs, example_kwargs = plain_inputs(example_inputs), plain_inputs(example_kwargs)
+    if isinstance(example_inputs, dict):
+        raise InputError("export_onnx's example_inputs is a dict; pass keyword inputs (a tokenizer's output) as "
+                         "example_kwargs=inputs, or example_inputs=(inputs,) for a forward() that takes the dict "
+                         "itself as its first argument")
+    if example_kwargs is not None and not isinstance(example_kwargs, dict):
+        raise InputError(f"export_onnx's example_kwargs must be a dict of keyword inputs, got "
+                         f"{type(example_kwargs).__name__}; e.g. example_kwargs=tokenizer(texts, return_tensors='pt')")
+    if example_inputs is None and not example_kwargs:
+        raise InputError("export_onnx needs example inputs to trace the model with: example_inputs (a tuple of "
+                         "forward's positional inputs) or example_kwargs (a dict of its keyword inputs)")
+    args = () if example_inputs is None else example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    kwargs = transformers_call(model, example_kwargs) or {}
+    if not kwargs:
+        return args
+    name = type(model).__name__
+    try:
+        parameters = [p for p in inspect.signature(model.forward).parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][len(args):]
+    except (TypeError, ValueError) as err:
+        raise InputError(f"export_onnx cannot read {name}.forward's parameters ({err}), so it cannot place "
+                         "example_kwargs: pass them in example_inputs, in forward's order") from None
+    names = [p.name for p in parameters]
+    stray = [key for key in kwargs if key not in names]
+    if stray:
+        raise InputError(f"export_onnx passes example_kwargs to {name}.forward by position, and {stray[0]!r} is not "
+                         f"one of its positional parameters after the {len(args)} positional example input(s) "
+                         f"({', '.join(names) or 'there are none'}): a keyword-only parameter or one forward's "
+                         "**kwargs takes cannot be placed; pass only the inputs forward names, or leave that one out")
+    last = max(names.index(key) for key in kwargs)
+    given = [kwargs.get(p.name, p.default) for p in parameters[:last + 1]]
+    missing = [p.name for p, value in zip(parameters, given) if value is inspect.Parameter.empty]
+    if missing:
+        raise InputError(f"export_onnx: {name}.forward's parameter {missing[0]!r} has no default and is not in "
+                         "example_kwargs: pass it too")
+    return args + tuple(given)
 
 
 def _outputs(torch_model: torch.nn.Module, example_inputs: Any) -> Any:
@@ -190,7 +258,7 @@ def _say_if_the_export_differs(fp32: onnx.ModelProto, torch_model: torch.nn.Modu
     import onnxruntime as ort
 
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    leaves = _named_leaves(_input_names(torch_model, args), args)
+    leaves = named_leaves(input_names(torch_model, args), args)
     options = ort.SessionOptions()
     options.log_severity_level = 4
     try:
@@ -201,7 +269,7 @@ def _say_if_the_export_differs(fp32: onnx.ModelProto, torch_model: torch.nn.Modu
         log.info("the float32 export was not compared with the model on the example: %s", first_line(err, 200))
         return None
     if outputs is None:
-        outputs = _outputs(torch_model, args)
+        outputs = _outputs(private_copy(torch_model), args)
     want = [t for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor)]
     if len(want) != len(got):  # the exporter flattened a cache its own way: the first output still pairs
         got, want = got[:1], want[:1]
@@ -249,44 +317,57 @@ def export_fp32(torch_model: torch.nn.Module, example_inputs: Any, opset: int | 
     """The float32 ONNX export of ``torch_model``: dynamo exporter first, TorchScript exporter second.
 
     Exported under ``torch.no_grad()``: with autograd on, the dynamo exporter fails on some models (T5)
-    that it exports without it. ``dynamic_shapes`` as in :func:`export_onnx`.
+    that it exports without it. ``dynamic_shapes`` as in :func:`export_onnx`. Each export traces a fresh private
+    copy of the model (:func:`~amppass.fx.capture.copies.private_copy`), so what one attempt leaves on the module
+    it traced (fake tensors a forward cached on itself) reaches neither the next attempt nor the model. A file
+    ``onnx.checker`` refuses or onnxruntime cannot load (:func:`_session`) counts as that exporter failing.
     """
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    names = _input_names(torch_model, args)
-    shapes = _batch_and_sequence(names, args) if dynamic_shapes == "auto" else dynamic_shapes
+    names = input_names(torch_model, args)
+    shapes = batch_and_sequence(names, args) if dynamic_shapes == "auto" else dynamic_shapes
     errors = []
     with tempfile.TemporaryDirectory(prefix="amppass-export-") as folder, torch.no_grad():
         target = os.path.join(folder, "model.onnx")
         kwargs = {"opset_version": opset} if opset is not None else {}
 
-        def dynamo_export(attempt: Any, size_one: bool) -> None:
-            with size_one_dynamic(size_one), quiet_torch():
-                torch.onnx.export(torch_model, args, target, dynamo=True, verbose=False, dynamic_shapes=attempt,
-                                  custom_translation_table=translations(), **kwargs)
+        def export(dynamo: bool, attempt: Any, size_one: bool) -> Any:
+            """Write ``target`` with the dynamic shapes ``attempt``; returns those used: with dynamo, a symbol for
+            each dimension where the model's code refuses shared ones."""
+            if not dynamo:
+                with quiet_torch():
+                    torch.onnx.export(private_copy(torch_model), args, target, dynamo=False, verbose=False,
+                                      input_names=list(named_leaves(names, args)), dynamic_axes=axes(names, attempt),
+                                      **kwargs)
+                return attempt
+            try:
+                with size_one_dynamic(size_one), quiet_torch():
+                    torch.onnx.export(private_copy(torch_model), args, target, dynamo=True, verbose=False,
+                                      dynamic_shapes=attempt, custom_translation_table=translations(), **kwargs)
+                return attempt
+            except Exception as err:  # a shared Dim the model's code refuses: each dimension its own
+                if unshared(attempt) == attempt:
+                    raise
+                log.info("the export with shared batch/sequence dimensions failed (%s); exporting with a symbol "
+                         "for each", _why(err))
+            return export(dynamo, unshared(attempt), size_one)
 
         def exported(dynamo: bool, size_one: bool = False) -> onnx.ModelProto:
-            """Export with ``shapes``; again with fewer dynamic dimensions where the file does not run at another
-            size on those it declares (:func:`_attempts`)."""
-            for attempt in _attempts(shapes) if dynamic_shapes == "auto" else (shapes,):
-                if dynamo:
-                    try:
-                        dynamo_export(attempt, size_one)
-                    except Exception as err:  # a shared Dim the model's code refuses: each dimension its own
-                        if _unshared(attempt) == attempt:
-                            raise
-                        log.info("the export with shared batch/sequence dimensions failed (%s); exporting "
-                                 "with a symbol for each", _why(err))
-                        attempt = _unshared(attempt)
-                        dynamo_export(attempt, size_one)
-                else:
-                    with quiet_torch():
-                        torch.onnx.export(torch_model, args, target, dynamo=False, verbose=False,
-                                          input_names=list(_named_leaves(names, args)),
-                                          dynamic_axes=_axes(names, attempt), **kwargs)
-                if dynamic_shapes != "auto" or _runs_at_another_size(target, names, args, attempt):
+            """Export with ``shapes``; where the file does not run at another size on some of the dimensions it
+            declares dynamic (:func:`cannot_vary`), again with those fixed, then with fewer kinds of dimension
+            (:func:`attempts`), the last with none."""
+            tried, attempt = [], shapes
+            while True:
+                tried.append(attempt)
+                attempt = export(dynamo, attempt, size_one)
+                session = _session(target)
+                stuck = cannot_vary(session, names, args, attempt) if dynamic_shapes == "auto" else set()
+                if not stuck:
                     break
+                log.info("the exported model does not run at another size on %s; exported again with those fixed",
+                         sorted(stuck))
+                attempt = next(c for c in (without(attempt, stuck), *attempts(shapes)) if c not in tried)
             model = onnx.load(target)
-            fixed = _fixed_dims(names, args, shapes, attempt) if dynamic_shapes == "auto" else []
+            fixed = fixed_dims(names, args, shapes, model) if dynamic_shapes == "auto" else []
             if fixed:
                 log.warning("%s: the exported model does not run at another %s; fixed at the example's size in the "
                             "file", type(torch_model).__name__, ", ".join(fixed))
@@ -305,11 +386,39 @@ def export_fp32(torch_model: torch.nn.Module, example_inputs: Any, opset: int | 
             log.info("torch.onnx.export(dynamo=False) failed: %s", err)
             errors.append(f"dynamo=False: {_why(err)}")
         else:
-            log.warning("%s: the dynamo ONNX exporter failed (%s); exported with the TorchScript exporter instead",
-                        type(torch_model).__name__, errors[-1].split(": ", 1)[-1][:200])
+            log.warning("%s: the dynamo ONNX exporter failed (%s); exported with the TorchScript exporter instead%s",
+                        type(torch_model).__name__, errors[-1].split(": ", 1)[-1][:300], _install_hint(errors))
             return model
     raise CaptureError(f"{type(torch_model).__name__} could not be exported to ONNX by either exporter ("
-                       + "; ".join(errors) + "); try amppass.convert for a torch.fx graph instead")
+                       + "; ".join(errors) + ")" + (_install_hint(errors)
+                                                    or "; try amppass.convert for a torch.fx graph instead"))
+
+
+def _install_hint(errors: list[str]) -> str:
+    """Where the dynamo exporter failed for want of onnxscript (an install with --no-deps, or one pip changed
+    after): how to install it. amppass requires it (pyproject.toml), so ``pip install amppass`` brings it."""
+    if not any("No module named 'onnxscript" in error for error in errors):
+        return ""
+    return ("; the dynamo exporter needs onnxscript, a dependency of amppass that this environment lacks: "
+            "pip install 'onnxscript>=0.6,<0.8', then export again")
+
+
+def _session(path: str) -> Any:
+    """An onnxruntime session of the exported file at ``path``, once ``onnx.checker`` has passed it. A file either
+    refuses (torch's dynamo exporter wrote a Squeeze onnxruntime cannot load for an LSTM speech model, without
+    raising) is the exporter's failure: a RuntimeError saying which refused it and why."""
+    import onnxruntime as ort
+
+    try:
+        onnx.checker.check_model(path)
+    except Exception as err:  # noqa: BLE001 - onnx's checker raises its own ValidationError and others
+        raise RuntimeError(f"the exported file is not valid ONNX (onnx.checker: {first_line(err, 300)})") from None
+    options = ort.SessionOptions()
+    options.log_severity_level = 4
+    try:
+        return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    except Exception as err:  # noqa: BLE001 - onnxruntime's own types
+        raise RuntimeError(f"onnxruntime cannot load the exported file ({first_line(err, 300)})") from None
 
 
 _ESCAPES = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # the colours torch's exporter writes into its messages
@@ -324,195 +433,3 @@ def _why(err: BaseException) -> str:
     return f"{type(cause).__name__}: {_ESCAPES.sub('', first_line(cause, 300))}"
 
 
-def _input_names(model: torch.nn.Module, args: tuple) -> list[str]:
-    """forward()'s names for the positional example inputs (``input_<i>`` past them or for ``*args``)."""
-    try:
-        parameters = [p for p in inspect.signature(model.forward).parameters.values()
-                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    except (TypeError, ValueError):
-        parameters = []
-    return [parameters[i].name if i < len(parameters) else f"input_{i}" for i in range(len(args))]
-
-
-TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")  # transformers' names
-
-
-def _batch_and_sequence(names: list[str], args: tuple) -> dict[str, Any] | None:
-    """Dim.AUTO on dim 0 of every tensor input, on dim 1 of sequences (integer inputs of rank 2: token ids,
-    masks; inputs of rank 3: a rank-2 float input's dim 1 is its features), and on every dimension but the
-    channels (dim 1) of inputs of rank 4 and more: channels-first images and volumes, whose spatial sizes a
-    convolutional model takes at any size. The dynamo exporter keeps a Dim.AUTO dimension symbolic in the ONNX
-    model even where the model fixes it (channels read by a convolution): naming channels would promise a
-    size the model cannot take.
-
-    Dimensions that are one size for the model's caller share a named Dim (:func:`_shared`): Dim.AUTO gives each
-    its own symbol unless the model's code ties them, and a mask only broadcast against the ids does not."""
-    shapes: dict[str, Any] = {}
-    for name, value in zip(names, args):
-        if not isinstance(value, torch.Tensor) or value.dim() == 0:
-            shapes[name] = None
-            continue
-        if value.dim() >= 4:
-            dynamic = [0, *range(2, value.dim())]
-        else:
-            dynamic = [0, 1] if value.dim() == 3 or (value.dim() == 2 and not value.is_floating_point()) else [0]
-        shapes[name] = {dim: Dim.AUTO for dim in dynamic}
-    if not any(shapes.values()):
-        return None
-    return _shared(shapes, dict(zip(names, args)))
-
-
-def _shared(shapes: dict[str, Any], values: Mapping[str, Any]) -> dict[str, Any]:
-    """``shapes`` with one named Dim for each group of two or more dimensions that are the same size in the example
-    and mean the same: ``batch`` for dim 0 of the inputs whose dim 0 is the first tensor input's; ``sequence`` for
-    dim 1 of the token inputs (:data:`TOKEN_INPUTS`) of the same length. A lone dimension keeps Dim.AUTO."""
-    dynamic = {name: spec for name, spec in shapes.items() if spec}
-    if not dynamic:
-        return shapes
-    batch = values[next(iter(dynamic))].shape[0]
-    groups = {
-        "batch": [(name, 0) for name, spec in dynamic.items() if 0 in spec and values[name].shape[0] == batch],
-        "sequence": [(name, 1) for name, spec in dynamic.items() if name in TOKEN_INPUTS and 1 in spec],
-    }
-    if groups["sequence"]:
-        length = values[groups["sequence"][0][0]].shape[1]
-        groups["sequence"] = [(name, 1) for name, _ in groups["sequence"] if values[name].shape[1] == length]
-    shared = {name: dict(spec) if spec else spec for name, spec in shapes.items()}
-    for symbol, members in groups.items():
-        if len(members) > 1:
-            dim = Dim(symbol)
-            for name, index in members:
-                shared[name][index] = dim
-    return shared
-
-
-def _unshared(shapes: Any) -> Any:
-    """``shapes`` with every named Dim back to Dim.AUTO: for a model whose export refuses to tie them."""
-    if not isinstance(shapes, dict):
-        return shapes
-    return {name: {d: Dim.AUTO for d in spec} if isinstance(spec, dict) else spec for name, spec in shapes.items()}
-
-
-def _dynamic(shapes: Any) -> dict[str, list[int]]:
-    """The dimensions ``shapes`` makes dynamic, by input name."""
-    if not isinstance(shapes, dict):
-        return {}
-    return {name: sorted(spec) for name, spec in shapes.items() if isinstance(spec, dict) and spec}
-
-
-def _keeping(shapes: Any, keep: Callable[[int, int], bool]) -> Any:
-    """``shapes`` with the dynamic dimensions ``keep(dim, rank-guess)`` refuses fixed (None where none is left)."""
-    if not isinstance(shapes, dict):
-        return shapes
-    kept = {name: {d: v for d, v in spec.items() if keep(d, max(spec) + 1)} if isinstance(spec, dict) else spec
-            for name, spec in shapes.items()}
-    return kept if any(kept.values()) else None
-
-
-def _attempts(shapes: Any) -> list[Any]:
-    """The dynamic shapes to export with, most dynamic first: every dimension :func:`_batch_and_sequence` names;
-    without the spatial ones (dims 2 and up); the batch alone; none. The first whose file runs at other sizes
-    (:func:`_runs_at_another_size`) is kept."""
-    found: list[Any] = []
-    for attempt in (shapes, _keeping(shapes, lambda d, rank: d < 2), _keeping(shapes, lambda d, rank: d == 0), None):
-        if attempt not in found:
-            found.append(attempt)
-    return found
-
-
-def _fixed_dims(names: list[str], args: tuple, wanted: Any, got: Any) -> list[str]:
-    """The dimensions asked dynamic in ``wanted`` that the export ``got`` fixed: "input_values dim 1 (16000)"."""
-    asked, kept = _dynamic(wanted), _dynamic(got)
-    values = dict(zip(names, args))
-    return [f"{name} dim {dim} ({values[name].shape[dim]})" for name, dims in asked.items() for dim in dims
-            if dim not in kept.get(name, ()) and isinstance(values.get(name), torch.Tensor)]
-
-
-def _runs_at_another_size(path: str, names: list[str], args: tuple, shapes: Any) -> bool:
-    """Whether the exported float32 model runs in onnxruntime with the dimensions it declares dynamic grown by
-    :func:`_grown`, all together and by kind (:func:`_growths`; True when it declares none). The dynamo exporter defers the model's own size checks to run
-    time, so a net whose Linear reads a flattened feature map exports with free image sizes it cannot take, and
-    a reshape the model computes from the example's batch (LeViT, SD3, Flux) exports a dynamic batch that only
-    runs at the example's.
-
-    onnxruntime's inputs are fed by name (:func:`_named_leaves`): the exporters drop None arguments and the
-    dynamo exporter bakes Python numbers in, so position in ``args`` is not position in the model's inputs."""
-    dynamic = _dynamic(shapes)
-    if not dynamic:
-        return True
-    import onnxruntime as ort
-
-    leaves = _named_leaves(names, args)
-    options = ort.SessionOptions()
-    options.log_severity_level = 4
-    try:
-        session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
-        unknown = [info.name for info in session.get_inputs() if info.name not in leaves]
-        if unknown:
-            log.info("the exported model's inputs %s are none of the example's arguments %s, so its dynamic "
-                     "dimensions cannot be tried at another size; they are fixed", unknown, list(leaves))
-            return False
-        for which in _growths(dynamic):
-            feeds = {}
-            for info in session.get_inputs():
-                array = leaves[info.name].detach().cpu().numpy()
-                grown = [d for d in dynamic.get(info.name, ()) if which(d)]
-                if grown:
-                    array = np.resize(array, [_grown(n) if d in grown else n for d, n in enumerate(array.shape)])
-                feeds[info.name] = array
-            session.run(None, feeds)
-    except Exception as err:  # noqa: BLE001 - onnxruntime's own types: the size is not one the model takes
-        log.info("the exported model does not run at sizes other than its example's on %s (%s); fewer are left "
-                 "dynamic", dynamic, first_line(err))
-        return False
-    return True
-
-
-def _growths(dynamic: Mapping[str, list[int]]) -> list[Callable[[int], bool]]:
-    """Which dynamic dimensions each run grows: all of them; then, where both kinds are dynamic, the batch
-    alone and the others alone. A size the export baked in from the example can hide behind growing every
-    dimension at once: timm's Swin ran at batch 4 and 192x192 from an example of 2x128x128, but not at batch 2
-    and 192x192."""
-    dims = {d for found in dynamic.values() for d in found}
-    runs: list[Callable[[int], bool]] = [lambda d: True]
-    if 0 in dims and len(dims) > 1:
-        runs += [lambda d: d == 0, lambda d: d != 0]
-    return runs
-
-
-def _grown(size: int) -> int:
-    """A size other than ``size`` that a model takes if it takes sizes other than the example's.
-
-    ``size`` plus its largest power-of-two divisor, kept within [1, 64] and at least 32 past 16: the sum keeps
-    every power-of-two divisor of ``size`` up to 64, so an encoder-decoder that needs sizes divisible by its total
-    stride (32 for five stride-2 stages: ResNet, U-Net, ConvNeXt; 64 for six) runs, and at least 32 more pixels
-    change the final feature map of a net with stride up to 32 even where the stages round down, so a Linear
-    head reading it fails as it should. A batch or a short sequence (16 or less) grows by its largest
-    power-of-two divisor: a batch of 1 becomes 2, of 2 becomes 4. Doubling does all of this too, but costs four
-    times the example's pixels (eight for a volume); this costs at most 1.3x an image of 224 or more."""
-    step = size & -size if size else 1
-    return size + (min(step, 64) if size <= 16 else min(max(step, 32), 64))
-
-
-def _named_leaves(names: list[str], args: tuple) -> dict[str, torch.Tensor]:
-    """The example's tensors as the exported model names them: a tensor argument by its forward() name, the
-    tensors of a list/tuple argument as ``<name>_<i>`` (the dynamo exporter's names). Neither exporter makes
-    None an input; the dynamo exporter bakes Python numbers in as constants (the TorchScript exporter may make
-    them inputs, which then match no name here)."""
-    named: dict[str, torch.Tensor] = {}
-    for name, value in zip(names, args):
-        if isinstance(value, torch.Tensor):
-            named[name] = value
-        else:
-            tensors = [leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
-            named.update((f"{name}_{i}", tensor) for i, tensor in enumerate(tensors))
-    return named
-
-
-def _axes(names: list[str], shapes: Any) -> dict[str, dict[int, str]] | None:
-    """The TorchScript exporter's dynamic_axes for the same dimensions: a shared Dim's name (``batch``), or
-    ``<input>_<dim>``."""
-    if not isinstance(shapes, dict):
-        return None
-    return {name: {dim: getattr(spec[dim], "__name__", None) or f"{name}_{dim}" for dim in spec}
-            for name, spec in shapes.items() if name in names and isinstance(spec, dict) and spec}

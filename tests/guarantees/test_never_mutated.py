@@ -1,4 +1,6 @@
-"""The caller's model is never changed, even when a conversion fails midway; a failed save loses nothing."""
+"""The caller's model is never changed by any entry point (convert, export_onnx, convert_onnx, report, the
+compile backend), even when a conversion fails midway or the model's code stores tensors on itself while traced;
+a failed save loses nothing."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import torch
 
 import amppass
 from amppass.cli import main
+from amppass.pipelines.backend import amppass_backend
 from amppass.onnx.io import stream_write
 from amppass.onnx.io.save import save
 from amppass.onnx.io.weight_store import WeightStore
@@ -49,7 +52,17 @@ def _snapshot(net: torch.nn.Module) -> dict:
         "params": [(name, p.dtype, p.requires_grad, p.data_ptr()) for name, p in net.named_parameters()],
         "hooks": [(name, len(m._forward_hooks), len(m._forward_pre_hooks)) for name, m in net.named_modules()],
         "grad_hooks": [(name, len(p._backward_hooks or {})) for name, p in net.named_parameters()],
+        "attributes": [(name, key, _value(value)) for name, m in net.named_modules() for key, value in vars(m).items()
+                       if not key.startswith("_") and key != "training"],
     }
+
+
+def _value(value) -> object:
+    """An attribute as the snapshot compares it: a tensor by its type and values (a FakeTensor has none), anything
+    else by its repr (a torch.Size of symbolic sizes reads otherwise than one of ints)."""
+    if isinstance(value, torch.Tensor):
+        return (type(value).__name__, value.tolist() if type(value) is torch.Tensor else None)
+    return repr(value)
 
 
 CALLS = {
@@ -57,6 +70,7 @@ CALLS = {
     "fx-bf16-calibrated": lambda net, tmp: amppass.convert(net, X, "bf16", calibration=[X, (X[0] * 3,)], plan_for="coverage"),
     "fx-train": lambda net, tmp: amppass.convert(net, X, "fp16", mode="train", plan_for="coverage"),
     "export-onnx": lambda net, tmp: amppass.export_onnx(net, X, tmp / "net.onnx"),
+    "report": lambda net, tmp: amppass.report(amppass.convert(net, X, "fp16", plan_for="coverage")).summary(),
     # failures after capture: the override matches nothing; a calibration batch is bad halfway through
     "fx-fails-on-override": lambda net, tmp: amppass.convert(net, X, "fp16", keep_fp32=["nothing_here"], plan_for="coverage"),
     "fx-fails-in-calibration": lambda net, tmp: amppass.convert(
@@ -77,6 +91,55 @@ def test_torch_module_unchanged(call, tmp_path):
     assert _snapshot(net) == before
 
 
+class Caching(torch.nn.Module):
+    """Stores a tensor computed from the input's shape on itself at the first call of each shape, as ultralytics'
+    Detect head caches its anchors: traced on the caller's model, the cache would hold fake tensors and symbolic
+    sizes, and the next eager call would fail."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.shape = torch.nn.Linear(4, 4), None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shape != x.shape:
+            self.anchors, self.shape = torch.arange(x.shape[0], dtype=x.dtype)[:, None], x.shape
+        return self.fc(x) + self.anchors
+
+
+def _compiled(net, tmp):
+    torch._dynamo.reset()
+    try:
+        return torch.compile(net, backend=amppass_backend)(*X)
+    finally:
+        torch._dynamo.reset()
+
+
+ENTRY_POINTS = {
+    "convert": lambda net, tmp: amppass.convert(net, X, "fp16", plan_for="coverage"),
+    "convert-train": lambda net, tmp: amppass.convert(net, X, "fp16", mode="train", plan_for="coverage"),
+    "export-onnx": lambda net, tmp: amppass.export_onnx(net, X, tmp / "net.onnx"),
+    "report": lambda net, tmp: amppass.report(amppass.export_onnx(net, X, tmp / "net.onnx")).summary(),
+    "compile-backend": _compiled,
+}
+
+
+@pytest.mark.parametrize("call", ENTRY_POINTS, ids=list(ENTRY_POINTS))
+def test_what_the_models_code_stores_on_itself_while_traced_stays_off_the_callers_model(call, tmp_path):
+    """main: export_onnx traced the caller's model, leaving FakeTensors in its cache (a freshly built YOLOv8n's
+    Detect head), and the next call raised GuardOnDataDependentSymNode. The compile backend runs the model's
+    code as the call it compiles: the cache is then what an eager call leaves, real tensors."""
+    torch.manual_seed(0)
+    net, twin = Caching().eval(), Caching().eval()
+    twin.load_state_dict(net.state_dict())
+    expected = _snapshot(net)
+    if call == "compile-backend":
+        twin(*X)
+        expected["attributes"] = _snapshot(twin)["attributes"]  # what the eager call stores
+    ENTRY_POINTS[call](net, tmp_path)
+    assert _snapshot(net) == expected
+    assert torch.equal(net(*X), twin(*X))  # and the model still runs
+
+
 @pytest.mark.parametrize("kwargs", [
     {"dtype": "fp16"}, {"dtype": "bf16", "keep_io_types": False, "target": "cuda"}, {"force_low": ["mm"]},
     {"dtype": "bf16"},  # refused: the CPU provider has no bf16 MatMul
@@ -87,9 +150,13 @@ def test_model_proto_unchanged(kwargs):
     model = matmul_model()
     before = model.SerializeToString()
     try:
-        amppass.convert_onnx(model, **kwargs)
+        converted = amppass.convert_onnx(model, **kwargs)
     except amppass.InputError:
         assert kwargs.get("dtype") in ("int8", "bf16") or "keep_fp32" in kwargs
+    else:
+        stored = converted.SerializeToString()
+        amppass.report(converted).summary()
+        assert converted.SerializeToString() == stored
     assert model.SerializeToString() == before
 
 

@@ -14,6 +14,7 @@ import torch
 
 import amppass
 from amppass.pipelines import export_onnx as export
+from amppass.pipelines import export_shapes
 from models import build
 from tests.helpers.paths import ROOT
 
@@ -192,7 +193,7 @@ def test_the_size_check_runs_a_modest_size_change_that_keeps_the_stride(tmp_path
     with torch.no_grad():
         assert rel(run(tmp_path / "unet.onnx", model, image), net(image)) < 1e-2
     # a batch or short sequence grows by its power-of-two divisor (1 -> 2, 2 -> 4), an image past 16 by 32 to 64
-    assert [export._grown(n) for n in (1, 2, 7, 16, 224, 256, 512, 1024)] == [2, 4, 8, 32, 256, 320, 576, 1088]
+    assert [export_shapes.grown(n) for n in (1, 2, 7, 16, 224, 256, 512, 1024)] == [2, 4, 8, 32, 256, 320, 576, 1088]
 
 
 def test_export_is_quiet(tmp_path):
@@ -270,8 +271,8 @@ def test_a_declared_dynamic_batch_the_file_cannot_run_is_found(tmp_path):
     example = (torch.randn(1, 8),)
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])  # it takes the file
     assert session.run(None, {"x": example[0].numpy()})[0].shape == (1, 2, 4)
-    assert not export._runs_at_another_size(str(path), ["x"], example, {"x": {0: torch.export.Dim.AUTO}})
-    assert export._runs_at_another_size(str(path), ["x"], example, None)
+    assert export_shapes.cannot_vary(session, ["x"], example, {"x": {0: torch.export.Dim.AUTO}}) == {("x", 0)}
+    assert export_shapes.cannot_vary(session, ["x"], example, None) == set()
 
 
 def test_the_export_keeps_the_most_dynamic_shapes_the_file_runs_and_the_report_names_the_fixed(tmp_path):
@@ -279,7 +280,7 @@ def test_the_export_keeps_the_most_dynamic_shapes_the_file_runs_and_the_report_n
     from torch.export import Dim
 
     shapes = {"image": {0: Dim.AUTO, 2: Dim.AUTO, 3: Dim.AUTO}, "mask": None}
-    assert export._attempts(shapes) == [shapes, {"image": {0: Dim.AUTO}, "mask": None}, None]
+    assert export_shapes.attempts(shapes) == [shapes, {"image": {0: Dim.AUTO}, "mask": None}, None]
 
     class Head(torch.nn.Module):
         def __init__(self):
@@ -321,10 +322,46 @@ def test_the_size_check_grows_the_batch_and_the_other_dims_apart_too(tmp_path, m
     monkeypatch.setattr(ort.InferenceSession, "run", run_unless_refused)
     both = {"x": {0: torch.export.Dim.AUTO, 1: torch.export.Dim.AUTO}}
     example = (torch.randn(2, 6),)
-    assert export._runs_at_another_size(str(path), ["x"], example, both)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert export_shapes.cannot_vary(session, ["x"], example, both) == set()
     assert fed == [(4, 8), (4, 6), (2, 8)]
     refused.add((2, 8))
-    assert not export._runs_at_another_size(str(path), ["x"], example, both)
+    fed.clear()  # the length alone is what fails: the batch stays dynamic
+    assert export_shapes.cannot_vary(session, ["x"], example, both) == {("x", 1)}
+    assert fed == [(4, 8), (4, 6), (2, 8), (4, 6), (4, 8), (4, 6), (2, 8)]
     fed.clear()
-    assert export._runs_at_another_size(str(path), ["x"], example, {"x": {0: torch.export.Dim.AUTO}})
+    assert export_shapes.cannot_vary(session, ["x"], example, {"x": {0: torch.export.Dim.AUTO}}) == set()
     assert fed == [(4, 6)]  # one kind declared: one run
+
+
+class _EdgeScorer(torch.nn.Module):
+    """A graph net's edge scores: node features [nodes, 8] and ``edge_index`` [2, edges], whose leading 2 (source and
+    destination rows) cannot vary while the node and edge counts can."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.out = torch.nn.Linear(8, 8), torch.nn.Linear(8, 3)
+
+    def forward(self, x, edge_index):
+        src, dst = edge_index
+        return self.out(torch.relu(self.lin(x)[src] + x[dst]))
+
+
+def test_only_the_dimension_that_cannot_vary_is_fixed_and_the_report_names_it(tmp_path, monkeypatch):
+    """main fixed every input's size when edge_index's leading 2 could not vary (the TorchScript exporter writes
+    the unpacking as a Split into two rows): the nodes and edges were fixed too, and the file took one graph size."""
+    real = torch.onnx.export
+    monkeypatch.setattr(torch.onnx, "export", lambda *a, dynamo=True, **k: real(*a, dynamo=False, **k)
+                        if not dynamo else (_ for _ in ()).throw(RuntimeError("dynamo off in this test")))
+    torch.manual_seed(0)
+    net = _EdgeScorer().eval()
+    model = amppass.export_onnx(net, (torch.randn(5, 8), torch.randint(0, 5, (2, 12))), tmp_path / "edges.onnx")
+    assert [i.name for i in model.graph.input] == ["x", "edge_index"]
+    nodes, edges = dims(model)
+    assert isinstance(nodes[0], str) and nodes[1] == 8 and edges[0] == 2 and isinstance(edges[1], str), dims(model)
+    assert amppass.report(model).info["fixed_dims"] == ["edge_index dim 0 (2)"]
+    assert "sizes fixed at the example's in the file (the export does not run at others): edge_index dim 0 (2)" in (
+        amppass.report(model).summary())
+    x, edge_index = torch.randn(9, 8), torch.randint(0, 9, (2, 30))
+    with torch.no_grad():
+        assert rel(run(tmp_path / "edges.onnx", model, x, edge_index), net(x, edge_index)) < 1e-2

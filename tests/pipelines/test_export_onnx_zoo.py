@@ -103,3 +103,22 @@ def test_models_onnx_export_takes_the_zoos_bert():
     with torch.no_grad():
         want = case.model(ids).last_hidden_state.numpy()
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow  # 2-4 minutes on 2 busy cores; tests/guarantees/test_never_mutated.py holds the same in the default run
+def test_a_freshly_built_yolov8n_exports_and_stays_as_it_was(tmp_path):
+    """main traced the caller's YOLOv8n (never called before): its Detect head cached FakeTensor anchors, and
+    export_onnx raised torch's GuardOnDataDependentSymNode on the next call of the model."""
+    pytest.importorskip("ultralytics")
+    from tests.helpers.peer_models import build_yolov8n
+
+    model, (image,), _ = build_yolov8n(size=64)
+    head = model.model[-1]
+    cached = {k: type(v) for k, v in vars(head).items() if isinstance(v, torch.Tensor)}
+    converted = amppass.export_onnx(model, (image,), tmp_path / "yolo.onnx", dtype="fp16")
+    assert {k: type(v) for k, v in vars(head).items() if isinstance(v, torch.Tensor)} == cached  # no anchors
+    with torch.no_grad():
+        want = model(image)[0]  # the model still runs: (boxes + scores, features)
+    got = session(converted).run(None, {converted.graph.input[0].name: image.numpy()})[0]
+    assert got.shape == tuple(want.shape)
+    assert np.linalg.norm(got - want.numpy()) / np.linalg.norm(want.numpy()) < 2e-2

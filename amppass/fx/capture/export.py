@@ -22,7 +22,7 @@ from torch import fx, nn
 from torch.export import Dim
 
 from ...errors import CaptureError, InputError, first_line
-from .copies import shared_copy
+from .copies import private_copy, shared_copy
 from .function_backward import FUNCTIONS_KEY, functions_applied
 from .modes import module_mode
 from .quiet import quiet_torch
@@ -122,7 +122,7 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any, no
         auto, why_static = _auto_dims_and_why(model, args, kwargs)
         attempts = [(auto, True), (auto, False), (None, False)] if auto is not None else [(None, False)]
     last: Exception | None = None
-    traced = model if fixed else _private(model)
+    traced = model if fixed else private_copy(model)
     for shapes, oblivious in attempts:
         try:
             with size_one_dynamic(oblivious), quiet_torch(), functions_applied() as functions:
@@ -137,7 +137,7 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any, no
             _note_fixed_dims(gm, model, dynamic=shapes is not None,
                              why=why_static if last is None else first_line(last, 300))
         return gm
-    refused = example_refusal(_private(whole), args, call)
+    refused = example_refusal(private_copy(whole), args, call)
     if refused is not None:  # the example itself is wrong: say how, in the model's terms, not export's symbols
         raise CaptureError(refused[0]) from refused[1]
     reason = first_line(last, 300)
@@ -240,17 +240,6 @@ def _fixed_keywords(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, An
                   if p.kind is inspect.Parameter.VAR_KEYWORD and name in bound.arguments), {})
     return {k: v for k, v in extra.items()
             if not any(isinstance(leaf, torch.Tensor) for leaf in torch.utils._pytree.tree_leaves(v))}
-
-
-def _private(model: nn.Module) -> nn.Module:
-    """The module torch.export traces: a copy with its own module objects and the caller's tensors, so what the
-    model's code stores on itself while traced (fake tensors: ultralytics' Detect head caches its anchors)
-    lands on the copy; the model itself where it cannot be copied (logged)."""
-    try:
-        return shared_copy(model)
-    except Exception as err:  # noqa: BLE001 - an attribute that refuses deepcopy: trace the model itself
-        log.info("%s cannot be copied (%s); torch.export traces the model itself", type(model).__name__, err)
-        return model
 
 
 def _with_fixed(model: nn.Module, fixed: dict[str, Any]) -> nn.Module:

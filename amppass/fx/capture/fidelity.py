@@ -31,6 +31,7 @@ from torch.utils import _pytree as pytree
 
 from ...errors import CaptureError, first_line
 from ..prepare.aliasing import writes_an_input
+from .copies import private_copy
 from .inputs import flatten_inputs
 from .modes import module_mode
 from ..arguments import argument
@@ -93,10 +94,11 @@ def _draws_nothing(node: fx.Node) -> bool:
 
 def _call_model(model: nn.Module, args: tuple, kwargs: dict) -> list:
     """The model's output leaves on the example, in eval mode without grad, called with containers of its own (a
-    model that writes its output into its input dict, as sentence-transformers' modules do, writes there)."""
+    model that writes its output into its input dict, as sentence-transformers' modules do, writes there), on a
+    private copy of the model (what its code caches on itself stays off the caller's model)."""
     args, kwargs = pytree.tree_map(lambda leaf: leaf, (args, kwargs))
     with torch.no_grad(), module_mode(model, False):
-        return pytree.tree_leaves(model(*args, **kwargs))
+        return pytree.tree_leaves(private_copy(model)(*args, **kwargs))
 
 
 @contextlib.contextmanager
