@@ -77,6 +77,17 @@ class OpGroup:
         return sum(self.by_precision.values())
 
 
+def decision_order(rows: list[Row]) -> list[int]:
+    """The positions of ``rows`` with the decisions that matter first, as the views list them: heavy ops (MACs
+    counted), fp32 ones first and the largest first; then the rest of the floating-point work, fp32 first; then
+    the nodes without floating-point work (constants, shapes). Graph order within each."""
+    def key(i: int) -> tuple:
+        row = rows[i]
+        return row.macs is None, row.precision == "-", row.precision != "fp32", -(row.macs or 0), i
+
+    return sorted(range(len(rows)), key=key)
+
+
 class Summarised(Protocol):
     """What the views read of a report."""
 
