@@ -13,7 +13,6 @@ import re
 from collections import Counter
 from html import unescape
 
-import numpy as np
 import pytest
 import torch
 

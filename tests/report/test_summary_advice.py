@@ -67,7 +67,7 @@ def test_a_cpu_without_bf16_says_the_original_came_back_and_how_to_convert_anywa
 
 
 def _summary(rows, whole, device_facts=None, timing="measured") -> list[str]:
-    profit = {"nodes_fp32": 2, "regions_fp32": 1, "timing": {timing: 1}, **({"device": device_facts} or {})}
+    profit = {"nodes_fp32": 2, "regions_fp32": 1, "timing": {timing: 1}, "device": device_facts or {}}
     return Report(rows, {**INFO, "profitability": profit, "whole_model": whole}).summary().splitlines()
 
 
