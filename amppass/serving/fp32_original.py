@@ -70,8 +70,9 @@ def kept_because(info: dict[str, Any]) -> str:
     converted, original = whole.get("converted_ms"), whole.get("original_ms")
     if isinstance(whole.get("skipped"), str) or not all(isinstance(t, (int, float)) for t in (converted, original)):
         return str(whole.get("skipped") or "the converted graph was not timed against it")
-    where = info.get("target", {}).get("name", "device") if isinstance(info.get("target"), dict) else "device"
-    return (f"the converted graph took {converted:.3g} ms per call on this {str(where).upper()} against "
+    target = info.get("target") if isinstance(info.get("target"), dict) else {}
+    where = f"on this {target['name'].upper()}" if isinstance(target.get("name"), str) else "here"
+    return (f"the converted graph took {converted:.3g} ms per call {where} against "
             f"{original:.3g} ms for the original module in fp32 (its eager kernels are faster than any captured graph "
             "of them here)")
 
