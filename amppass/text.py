@@ -54,8 +54,9 @@ def cut(text: str, width: int) -> str:
 def shorten_names(names: list[str], width: int) -> list[str]:
     """``names`` (escaped by :func:`printable`) each in at most ``width`` characters, as distinct as they came.
 
-    Where every name fits, each is as it came. A name is read as segments split at ``/`` (else ``.``, else ``_``). The leading segments every name shares are
-    dropped (``/m/encoder/...`` loses ``/m/``). A name still too long has its segments abbreviated to their first
+    Where every name fits, each is as it came. A name is read as segments split at ``/`` (else ``.``, else
+    ``_``). The leading segments every name shares are dropped, up to the first with a digit (``/m/encoder/...``
+    loses ``/m/``). A name still too long has its segments abbreviated to their first
     character from the left, as logging libraries shorten class names, except its last segment and those with a
     digit (a layer's index): ``e/layer.3/a/o/LayerNorm/LayerNormalization``. Names that would read alike keep more
     segments whole, from the right, until they differ; what still does not fit loses the end of its last segment
@@ -66,7 +67,8 @@ def shorten_names(names: list[str], width: int) -> list[str]:
     sep = next((c for c in "/._" if any(c in n for n in names)), "")
     split = [n.split(sep) if sep else [n] for n in names]
     shared = 0
-    while split and all(len(p) > shared + 1 and p[shared] == split[0][shared] for p in split):
+    while len(split) > 1 and all(len(p) > shared + 1 and p[shared] == split[0][shared] for p in split) \
+            and not any(c.isdigit() for c in split[0][shared]):  # a shared layer index still says where
         shared += 1
     split = [p[shared:] for p in split]
     whole: list[set[int]] = [set() for _ in names]

@@ -5,8 +5,11 @@ ConvTranspose3d decoder with skips), built from code with random weights, conver
 
 Rows: the whole conversion, then amppass's functions with the most cumulative time, each with its module (the
 stage: ``fx.capture`` for torch.export, ``fx.prepare``, ``analysis`` for the plan, ``fx.rewrite``, ``serving``)
-and its calls. ``--quick`` builds a smaller net (32³ input, window 2); ``--full`` SwinUNETR's sizes on a 64³
-input (feature size 48, depths 2-2-2-2, heads 3-6-12-24, window 4).
+and its calls; then the functions of any package with the most time of their own. The same conversion with
+``dynamic_shapes=None`` (every size fixed at the example's) is timed beside it: on this net nearly all the time
+is torch.export's symbolic-shape reasoning (sympy) for the dynamic sizes, not amppass's planning. ``--quick``
+builds a smaller net (32³ input, window 2); ``--full`` SwinUNETR's sizes on a 64³ input (feature size 48, depths
+2-2-2-2, heads 3-6-12-24, window 4).
 
 Run: ``python -m benchmarks.conversion_profile [--full]``.
 """
@@ -128,8 +131,13 @@ def run(quick: bool) -> list[dict[str, Any]]:
     amppass.convert(model, inputs, "bf16", plan_for="coverage")
     profile.disable()
     stats = pstats.Stats(profile)
+    start = time.perf_counter()
+    amppass.convert(model, inputs, "bf16", plan_for="coverage", dynamic_shapes=None)
+    static = time.perf_counter() - start
     rows = [{"function": "amppass.convert (whole)", "stage": f"{nodes} planned nodes", "calls": 1,
-             "cum_s": round(stats.total_tt, 2), "convert_s": round(plain, 2)}]
+             "cum_s": round(stats.total_tt, 2), "convert_s": round(plain, 2)},
+            {"function": "amppass.convert(dynamic_shapes=None)", "stage": "the same, exported at the example's sizes",
+             "calls": 1, "convert_s": round(static, 2)}]
     found = []
     for (path, line, function), (_, calls, _, cumulative, _) in stats.stats.items():
         if "/amppass/" in path and function != "convert":
