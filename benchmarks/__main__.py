@@ -286,6 +286,9 @@ SECTIONS: dict[str, Callable[[bool, Path], Section]] = {
     "conversion_time": _external("conversion_time", "Conversion time and plan digest (coverage plans, calibration "
                                  "and tolerance on both front ends): amppass at 71b06f8 and now",
                                  lambda m, quick: m.against(m.BEFORE, not quick)),
+    "conversion_profile": _external("conversion_profile", "Where the conversion time of a large 3D model goes: a 3D "
+                                    "Swin segmentation net (SwinUNETR's shape), bf16 coverage plan, under cProfile",
+                                    lambda m, quick: m.run(quick)),
     "gpu": _gpu,
 }
 
@@ -321,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     run_parser = commands.add_parser("run", help="measure and write RESULTS.md and plots")
     mode = run_parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--quick", action="store_const", const="quick", dest="mode",
-                      help="small models, few repeats (a smoke test, under 2 minutes)")
+                      help="small models, few repeats: a smoke run of every section (minutes on 2 cores; "
+                           "--only picks sections)")
     mode.add_argument("--full", action="store_const", const="full", dest="mode",
                       help="base-sized models, more repeats, the whole zoo (several minutes)")
     run_parser.add_argument("--out", type=Path, default=HERE, help="output folder (default: benchmarks/)")

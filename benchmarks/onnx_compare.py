@@ -39,6 +39,8 @@ from amppass.pipelines.export_onnx import export_fp32
 from amppass.onnx.simulate import simulated
 from models import ZOO, build
 
+from .results import not_run
+
 ACCURATE = 1e-2
 REPEATS = 3  # conversions timed per (model, converter): convert_s is their median, convert_min_s the fastest
 NOTES = ("rel_error: the fp16 model as onnxruntime's CPU provider runs it (it computes most fp16 ops in fp32, "
@@ -66,13 +68,19 @@ def max_error(want: list, got: list) -> float:
 
 def _converters(feeds: dict):
     """Converter name -> conversion; ``feeds`` is the one calibration batch of the calibrated row."""
-    from onnxconverter_common import float16
-
     return {
         "amppass": lambda m: amppass.convert_onnx(m, "fp16"),
         "amppass+calib1": lambda m: amppass.convert_onnx(m, "fp16", calibration=[feeds]),
-        "onnxconverter-common": lambda m: float16.convert_float_to_float16(copy.deepcopy(m), keep_io_types=True),
+        "onnxconverter-common": onnxconverter_common_fp16,
     }
+
+
+def onnxconverter_common_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
+    """onnxconverter-common's ``convert_float_to_float16(keep_io_types=True)`` of a copy of ``model``; imported at
+    the call, so that where it is not installed its rows say so and the section goes on."""
+    from onnxconverter_common import float16
+
+    return float16.convert_float_to_float16(copy.deepcopy(model), keep_io_types=True)
 
 
 def _one(model_name: str, size: str, fp32: onnx.ModelProto, feeds: dict, converter: str, convert) -> dict:
@@ -97,6 +105,8 @@ def _one(model_name: str, size: str, fp32: onnx.ModelProto, feeds: dict, convert
         row["rel_error"] = max_error(want, got)
         row["sim_error"] = max_error(want, session(simulated(converted)).run(None, feeds))
         row["accurate"] = all(bool(np.isfinite(e) and e <= ACCURATE) for e in (row["rel_error"], row["sim_error"]))
+    except ModuleNotFoundError as err:  # a converter not installed here: its rows say so
+        row["error"] = not_run(err)
     except Exception as err:  # a converter's failure is a result here, not a crash
         row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
     return row

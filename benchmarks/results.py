@@ -10,11 +10,6 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only, never a window
-import matplotlib.pyplot as plt  # noqa: E402
-
 PACKAGES = ("torch", "onnx", "onnxruntime-gpu", "onnxruntime", "transformers", "numpy", "amppass")
 
 
@@ -183,7 +178,7 @@ def plot_latency(rows: list[dict], path: Path) -> None:
         variants += [row["variant"]] if row["variant"] not in variants else []
     ms = {(r["model"], r["shape"], r["variant"]): r["latency_ms"] for r in rows}
     width = 0.8 / len(variants)
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(points)), 4.0))
+    fig, ax = _pyplot().subplots(figsize=(max(6.0, 1.4 * len(points)), 4.0))
     for i, variant in enumerate(variants):
         speed = [ms[(m, s, "fp32")] / ms[(m, s, variant)] for m, s in points]
         ax.bar([p + i * width for p in range(len(points))], speed, width, label=variant)
@@ -198,7 +193,7 @@ def plot_scaling(rows: list[dict], fitted: dict, path: Path) -> None:
     """Conversion time against node count on log-log axes, with the linear fit."""
     nodes = [r["nodes"] for r in rows]
     seconds = [r["convert_s"] for r in rows]
-    fig, ax = plt.subplots(figsize=(5.5, 4.0))
+    fig, ax = _pyplot().subplots(figsize=(5.5, 4.0))
     ax.loglog(nodes, seconds, "o-", label="amppass.convert_onnx")
     ax.loglog(nodes, [fitted["intercept_s"] + fitted["s_per_node"] * n for n in nodes], "--",
               label=f"a + b*n fit (R²={fitted['r2']:.3f}); exponent {fitted['exponent']:.2f}")
@@ -207,13 +202,33 @@ def plot_scaling(rows: list[dict], fitted: dict, path: Path) -> None:
     _save(fig, ax, "ONNX conversion time against graph size", path)
 
 
+def not_run(err: BaseException) -> str:
+    """Why a baseline could not run here (a package not installed, a kernel failing on this CPU), as a table's row
+    says it: the section goes on without that baseline."""
+    if isinstance(err, ModuleNotFoundError):
+        return f"not run: {err.name} is not installed (pip install -e \".[bench]\")"
+    first = (str(err).strip().splitlines() or [""])[0]
+    return f"not run on this CPU: {type(err).__name__}: {first[:160]}"
+
+
+def _pyplot():
+    """matplotlib's pyplot, drawing to files only, imported when the first plot is drawn: ``--help`` and the
+    sections without plots run without matplotlib (the ``bench`` extra installs it)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, never a window
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def _save(fig, ax, title: str, path: Path) -> None:
     """Title, legend and layout shared by every plot, then write it and free the figure."""
     ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _pyplot().close(fig)
 
 
 def now() -> str:

@@ -480,6 +480,7 @@ def _session(model: onnx.ModelProto, store: WeightStore, extra_outputs: Iterable
     """
     import onnxruntime as ort
 
+    onnxruntime_facts.installed_builds()  # two builds in one folder: said once, at first use
     options = ort.SessionOptions()
     options.log_severity_level = 3
     # basic rewrites only (exact ones: constant folding, no-op removal): fusions would halve BERT-base's

@@ -43,6 +43,7 @@ from ..report import meta
 from ..fx.capture.export import capture_program, capturing, size_one_dynamic
 from ..fx.capture.guards import GUARDS_KEY, ShapeGuards
 from ..serving.artifact import Kind, record_of
+from ..serving.fp32_original import kept_because
 from ..serving.serving_graph import ServingGraph
 
 log = logging.getLogger(__name__)
@@ -263,12 +264,10 @@ def _served(converted: Any) -> ServingGraph:
     if kind is Kind.SERVING:
         return found.module
     if kind is Kind.KEPT:
-        whole = found.record.get("whole_model", {})
-        raise InputError(f"amppass.convert kept the original {found.module.original_class.__name__} in fp32 (the "
-                         f"converted graph took {whole.get('converted_ms', '?')} ms per call against "
-                         f"{whole.get('original_ms', '?')} ms for the original here), so there is no converted "
-                         "graph to save: ship the original model as it is, or convert with plan_for='coverage' "
-                         "(or costs= from the machine you deploy on) to save a converted one")
+        raise InputError(f"amppass.convert kept the original {found.module.original_class.__name__} in fp32 "
+                         f"({kept_because(found.record)}), so there is no converted graph to save: ship the original "
+                         "model as it is, or convert with plan_for='coverage' (or on the machine you deploy on, or "
+                         "with costs= from it) to save a converted one")
     if kind is Kind.GRAPH:
         raise InputError(f"{type(found.module).__name__} was converted without example inputs (symbolically traced), "
                          "so it has no input shapes to export; convert it with example_inputs to save it")

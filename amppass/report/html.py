@@ -13,13 +13,15 @@ import math
 import re
 from html import escape
 
-from .rows import (LOCAL_ERROR, LOW_PRECISIONS, OUTPUT_ERROR, PRECISIONS, SCHEMA_VERSION, Row, Summarised, finite,
-                   summary_lines, target_phrase)
+from ..text import shorten_names
+from .rows import (LOCAL_ERROR, LOW_PRECISIONS, OUTPUT_ERROR, PRECISIONS, SCHEMA_VERSION, Row, Summarised,
+                   decision_order, finite, summary_lines, target_phrase)
 
 FP16_MAX = 65504.0
 FP16_MIN_NORMAL = 6.103515625e-05
 COLOURS = {"fp16": "#2f9e44", "bf16": "#1971c2", "fp32": "#e8590c", "-": "#adb5bd"}
 _CELL, _PER_LINE = 14, 60  # node strip: cell size in px, cells per line
+_LABEL = 34  # characters of a node name beside its bar in the range chart (220 px)
 
 _CSS = """
 body{font:14px/1.4 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#212529;background:#fff}
@@ -36,7 +38,7 @@ td.num{text-align:right;font-variant-numeric:tabular-nums}td.name,td.op{font-fam
 input,select{font:inherit;padding:3px 6px}svg text{font:11px system-ui,sans-serif;fill:#495057}
 ul.summary{margin:6px 0;padding-left:20px}ul.terms{margin:6px 0;padding-left:20px;font-size:13px}
 .card[title]{cursor:help}th[title]{text-decoration:underline dotted}
-td.reason{min-width:24em}
+td.reason{min-width:24em}table.rollup{width:auto;margin-bottom:14px}
 """
 
 _JS = """
@@ -89,7 +91,11 @@ def render_html(report: Summarised, title: str | None = None) -> str:
         _strip(report.rows),
         "<h2>Observed ranges against fp16's limits</h2>",
         _ranges(report),
+        "<h2>By op and by reason</h2>",
+        _rollups(report.rows),
         "<h2>Decisions</h2>",
+        '<p class="muted">Heavy ops first (fp32 ones first, then by MACs), then the rest of the floating-point work '
+        "(fp32 first), then nodes without floating-point work; sort by # for graph order.</p>",
         _table(report.rows),
         f"<script>{_JS}</script></body></html>",
     ]
@@ -219,11 +225,13 @@ def _ranges(report: Summarised) -> str:
             f'stroke="#c92a2a" stroke-dasharray="4 3"><title>{label}</title></line>'
             f'<text x="{x(limit):.1f}" y="{plot_bottom + 13}" text-anchor="middle" style="fill:#c92a2a">{label}</text>'
         )
-    for i, (row, (hi, lo)) in enumerate(observed):
+    labels = shorten_names([row.name for row, _ in observed], _LABEL)  # distinct, the layer index kept
+    for i, ((row, (hi, lo)), label) in enumerate(zip(observed, labels)):
         y = 22 + i * bar
         start, end = x(lo) if lo and lo > 0 else x(hi), x(hi)
         tip = f"{row.name} ({row.precision}): absmax {hi:.3g}" + (f", min non-zero {lo:.3g}" if lo else "")
-        parts.append(f'<text x="{left - 6}" y="{y + bar - 3}" text-anchor="end">{escape(row.name[:32])}</text>')
+        parts.append(f'<text x="{left - 6}" y="{y + bar - 3}" text-anchor="end">{escape(label)}'
+                     f"<title>{escape(row.name)}</title></text>")
         parts.append(
             f'<rect class="range" x="{start:.1f}" y="{y + 2}" width="{max(end - start, 2):.1f}" height="{bar - 4}" '
             f'fill="{COLOURS.get(row.precision, "#000")}"><title>{escape(tip)}</title></rect>'
@@ -251,7 +259,8 @@ def _table(rows: list[Row]) -> str:
     tips = {"local error": LOCAL_ERROR, "absmax": "largest magnitude of the node's output seen during calibration"}
     head = "".join(f"<th{_title(tips.get(h, ''))}>{h}</th>" for h in headers)
     body = []
-    for i, row in enumerate(rows):
+    for i in decision_order(rows):
+        row = rows[i]
         macs, absmax, local = row.macs, row.observed[0] if row.observed else None, row.local_error
         pill = f'<span class="pill" style="background:{COLOURS.get(row.precision, "#000")}">{escape(row.precision)}</span>'
         low = "1" if row.precision in LOW_PRECISIONS else "0"
@@ -267,6 +276,40 @@ def _table(rows: list[Row]) -> str:
             f'<td class="reason">{escape(row.reason)}</td></tr>'
         )
     return f'{controls}<table id="rows"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
+
+
+def _rollups(rows: list[Row]) -> str:
+    """Two small tables, the most MACs first, then the most nodes: per op, its nodes in each precision and its
+    MACs; per reason (the precision and the rule that decided it), its nodes, MACs and the reason on one node."""
+    present = [p for p in PRECISIONS if any(row.precision == p for row in rows)]
+    by_op: dict[str, list[Row]] = {}
+    by_reason: dict[tuple[str, str], list[Row]] = {}
+    for row in rows:
+        by_op.setdefault(row.op, []).append(row)
+        by_reason.setdefault((row.precision, row.rule or row.source), []).append(row)
+    ops = [(f'<td class="op">{_breakable(op)}</td>', "".join(_count(sum(r.precision == p for r in group))
+                                                             for p in present), group)
+           for op, group in by_op.items()]
+    reasons = [(f"<td>{escape(precision)}</td><td>{escape(rule)}</td>",
+                f'<td class="reason">{escape(group[0].reason)}</td>', group)
+               for (precision, rule), group in by_reason.items()]
+    return (_rollup("by-op", ["op", "nodes", "MACs", *present], ops)
+            + _rollup("by-reason", ["precision", "rule", "nodes", "MACs", "a reason, on one node"], reasons))
+
+
+def _rollup(ident: str, headers: list[str], groups: list[tuple[str, str, list[Row]]]) -> str:
+    """A rollup table: per group its leading cells, its nodes and MACs, then its trailing cells."""
+    def macs(group: list[Row]) -> int:
+        return sum(row.macs or 0 for row in group)
+
+    body = "".join(f"<tr>{lead}{_count(len(group))}{_count(macs(group))}{trail}</tr>"
+                   for lead, trail, group in sorted(groups, key=lambda g: (-macs(g[2]), -len(g[2]))))
+    head = "".join(f"<th>{escape(h)}</th>" for h in headers)
+    return f'<table id="{ident}" class="rollup"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def _count(n: int) -> str:
+    return _number(n, f"{n:,}" if n else "")
 
 
 def _breakable(text: str) -> str:

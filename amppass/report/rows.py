@@ -77,6 +77,17 @@ class OpGroup:
         return sum(self.by_precision.values())
 
 
+def decision_order(rows: list[Row]) -> list[int]:
+    """The positions of ``rows`` with the decisions that matter first, as the views list them: heavy ops (MACs
+    counted), fp32 ones first and the largest first; then the rest of the floating-point work, fp32 first; then
+    the nodes without floating-point work (constants, shapes). Graph order within each."""
+    def key(i: int) -> tuple:
+        row = rows[i]
+        return row.macs is None, row.precision == "-", row.precision != "fp32", -(row.macs or 0), i
+
+    return sorted(range(len(rows)), key=key)
+
+
 class Summarised(Protocol):
     """What the views read of a report."""
 
@@ -105,7 +116,7 @@ def summary_lines(report: Summarised) -> list[str]:
     parts = ", ".join(f"{counts[p]} {p}" for p in PRECISIONS if p in counts)
     lines = [
         f"amppass {info.get('front_end', '')} plan, {target_phrase(info)} ({info.get('mode', 'inference')}): "
-        f"{stats['nodes']} nodes: {parts}",
+        f"{_count(stats['nodes'], 'node')}: {parts}",
     ]
     macs = stats["macs"]
     if macs["total"]:
@@ -142,17 +153,7 @@ def summary_lines(report: Summarised) -> list[str]:
     profit = info.get("profitability")
     if isinstance(profit, dict) and finite(profit.get("nodes_fp32")) is not None:
         lines.extend(_speed_lines(profit, str(info.get("dtype", "low precision"))))
-    whole = info.get("whole_model")
-    if isinstance(whole, dict) and isinstance(whole.get("skipped"), str):
-        lines.append(f"whole model: not timed against your original module in fp32, because {whole['skipped']}; the "
-                     "converted graph is used without that check")
-    elif isinstance(whole, dict) and None not in (finite(whole.get("converted_ms")), finite(whole.get("original_ms"))):
-        lines.append(f"whole model per call: {whole['converted_ms']:.3g} ms converted, {whole['original_ms']:.3g} ms "
-                     "for the original module in fp32")
-    estimated = isinstance(profit, dict) and isinstance(profit.get("timing"), dict) and "prior" in profit["timing"]
-    if estimated or (isinstance(whole, dict) and isinstance(whole.get("skipped"), str)):
-        lines.append("to time on this machine instead: convert again when it is idle (`uptime` shows its load), or "
-                     "pass costs= from a conversion made on an idle machine")
+    lines.extend(_whole_model_lines(report, profit))
     fixed = info.get("fixed_dims")
     if isinstance(fixed, list) and fixed:
         lines.append("sizes fixed at the example's in the file (the export does not run at others): "
@@ -205,6 +206,45 @@ def _speed_lines(profit: dict[str, Any], dtype: str) -> list[str]:
     device = profit.get("device")
     if isinstance(device, dict) and device.get("native_low") is False:
         lines.append(f"not timed: {device.get('why')}")
+    return lines
+
+
+def _whole_model_lines(report: Summarised, profit: Any) -> list[str]:
+    """The converted graph against the original module as a whole, and the advice that fits the reason: when the
+    original was returned (a row of rule ``whole-model``, :mod:`amppass.serving.fp32_original`), why and how to
+    convert anyway; when the machine was too busy to time, how to time; a time never measured is said in words."""
+    info = report.info
+    whole = info.get("whole_model") if isinstance(info.get("whole_model"), dict) else {}
+    skipped = whole.get("skipped") if isinstance(whole.get("skipped"), str) else None
+    converted, original = finite(whole.get("converted_ms")), finite(whole.get("original_ms"))
+    lines = []
+    if skipped is None and None not in (converted, original):
+        lines.append(f"whole model per call: {converted:.3g} ms converted, {original:.3g} ms for the original module "
+                     "in fp32")
+    device = profit.get("device") if isinstance(profit, dict) and isinstance(profit.get("device"), dict) else {}
+    dtype = info.get("dtype", "low precision")
+    if any(row.rule == "whole-model" for row in report.rows):  # the original module came back, in fp32
+        if device.get("native_low") is False:
+            lines.append(f"returned: your original module, in fp32, unchanged: this CPU has no {dtype} instructions, "
+                         f"so {dtype} runs slower than fp32 here and no op was converted")
+            lines.append(f"to convert it anyway: plan_for='coverage' runs in {dtype} every op the numerics allow (the "
+                         "same plan on every machine; slower on this CPU); to plan for the machine the model will "
+                         f"run on, convert there (a CPU with {dtype} instructions), or pass target='cuda' for a GPU")
+        else:
+            why = ("the converted graph was not faster than it here" if skipped is None and converted is not None
+                   else skipped or "the converted graph was not timed against it")
+            lines.append(f"returned: your original module, in fp32, unchanged: {why}")
+            lines.append("to convert it anyway: plan_for='coverage' runs low every op the numerics allow (the same "
+                         "plan on every machine), or pass costs= from a conversion made on the machine the model "
+                         "will run on")
+        return lines
+    if skipped is not None:
+        lines.append(f"whole model: not timed against your original module in fp32, because {skipped}; the "
+                     "converted graph is used without that check")
+    estimated = isinstance(profit, dict) and isinstance(profit.get("timing"), dict) and "prior" in profit["timing"]
+    if estimated or skipped is not None:
+        lines.append("to time on this machine instead: convert again when it is idle (`uptime` shows its load), or "
+                     "pass costs= from a conversion made on an idle machine")
     return lines
 
 

@@ -1,8 +1,11 @@
 """The report for a terminal, as rich renderables: the summary first, then a table of decisions or of ops.
 
-A table fits the width it is printed at, one line per row: node and op names lose their middle (both
-ends say the most), reasons their end, and narrow consoles leave out what a reader can do without (the
-MACs column below 120 columns, the source below 100). The caption says when something was cut; the HTML
+The decisions table opens on the decisions that matter (:func:`~amppass.report.rows.decision_order`: heavy
+ops, fp32 ones first; constants and shapes last). It fits the width it is printed at, one line per row: node
+names are shortened together so that different nodes still read apart (:func:`amppass.text.shorten_names`:
+shared leading segments dropped, earlier segments abbreviated, layer indexes kept), op names lose their
+middle, reasons their end, and narrow consoles leave out what a reader can do without (the MACs column below
+120 columns, the source below 100). The caption says when something was cut; the HTML
 and JSON reports hold every row in full.
 
 The library only builds renderables (and text, for callers without a console); printing is the CLI's job.
@@ -19,8 +22,9 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from ..text import ELLIPSIS, cut, elide, printable
+from ..text import ELLIPSIS, cut, elide, printable, shorten_names
 from .report import PRECISIONS, Report, Row, summary_lines
+from .rows import decision_order
 
 STYLES = {"fp16": "bold green", "bf16": "bold blue", "fp32": "bold dark_orange", "-": "dim"}
 GAP = 3  # columns between two table columns: padding, separator, padding
@@ -38,7 +42,7 @@ def summary_panel(report: Report) -> Panel:
 
 
 class DecisionsTable:
-    """One line per row in graph order, laid out for the console width it is printed at.
+    """One line per row, in the order given, laid out for the console width it is printed at.
 
     ``rows`` are the rows to list (a selection of ``report.rows``), of which the first ``max_rows``.
     """
@@ -64,10 +68,11 @@ class DecisionsTable:
         for name in names:
             table.add_column(name, width=widths[name], no_wrap=True, justify="right" if name == "MACs" else "left")
         shortened = False
-        for row, cell in zip(self.shown, cells):
+        nodes = shorten_names([cell["node"] for cell in cells], widths["node"])  # rows that differ read apart
+        for row, cell, node in zip(self.shown, cells, nodes):
             texts = []
             for name in names:
-                fitted = (cut if name == "reason" else elide)(cell[name], widths[name])
+                fitted = node if name == "node" else (cut if name == "reason" else elide)(cell[name], widths[name])
                 shortened |= fitted != cell[name]
                 texts.append(Text(fitted, style=STYLES.get(row.precision, "") if name == "prec" else ""))
             table.add_row(*texts)
@@ -123,7 +128,8 @@ def render(report: Report, *, precision: Iterable[str] = (), op: Iterable[str] =
         return Group(summary_panel(report),
                      Text(printable(f"no node matches {'; '.join(filters)}; the model's ops: {ops}")))
     title = printable(f"{len(rows)} of {len(report.rows)} nodes: {'; '.join(filters)}") if filters else ""
-    table = OpsTable(report, rows, title) if by_op else DecisionsTable(rows, max_rows, title)
+    table = OpsTable(report, rows, title) if by_op else \
+        DecisionsTable([rows[i] for i in decision_order(rows)], max_rows, title)
     return Group(summary_panel(report), table)
 
 

@@ -51,14 +51,8 @@ class KeptFp32(nn.Module):
         """The one decision: the whole module runs fp32, with the times that decided it."""
         info = self.__dict__[_INFO]
         whole = info["whole_model"]
-        if "skipped" in whole:  # decided without timing the whole model
-            measured = f"{whole['skipped']}"
-        else:
-            measured = (f"the converted graph took {whole['converted_ms']:.3g} ms per call on this "
-                        f"{info['target']['name'].upper()} against {whole['original_ms']:.3g} ms for the original "
-                        "module in fp32 (its eager kernels are faster than any captured graph of them here)")
-        reason = (f"profitability: {measured}; the original runs, in fp32. plan_for='coverage' or 'memory' converts "
-                  "it anyway")
+        reason = (f"profitability: {kept_because(info)}; the original runs, in fp32. plan_for='coverage' or 'memory' "
+                  "converts it anyway")
         row = Row(self.original_class.__name__, "module", "fp32", reason, "profitability", [], dict(whole),
                   "whole-model")
         return Report([row], info)
@@ -67,6 +61,20 @@ class KeptFp32(nn.Module):
         """Copied and pickled as what it is: an instance of the kept class of its original's class, with its
         state (``copy.deepcopy``, ``torch.save``; the original's class must be importable to load it)."""
         return _remade, (self.original_class,), self.__dict__
+
+
+def kept_because(info: dict[str, Any]) -> str:
+    """Why the original was kept, in words, from a kept module's record: the two times where both were measured,
+    else the reason nothing was timed (never a placeholder for a time that does not exist)."""
+    whole = info.get("whole_model") if isinstance(info.get("whole_model"), dict) else {}
+    converted, original = whole.get("converted_ms"), whole.get("original_ms")
+    if isinstance(whole.get("skipped"), str) or not all(isinstance(t, (int, float)) for t in (converted, original)):
+        return str(whole.get("skipped") or "the converted graph was not timed against it")
+    target = info.get("target") if isinstance(info.get("target"), dict) else {}
+    where = f"on this {target['name'].upper()}" if isinstance(target.get("name"), str) else "here"
+    return (f"the converted graph took {converted:.3g} ms per call {where} against "
+            f"{original:.3g} ms for the original module in fp32 (its eager kernels are faster than any captured graph "
+            "of them here)")
 
 
 def keep_original(model: nn.Module, info: dict[str, Any]) -> KeptFp32 | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from importlib import metadata
 
 import numpy as np
 import onnx
@@ -24,8 +25,39 @@ log = logging.getLogger(__name__)
 PROVIDER = "CPUExecutionProvider"
 
 
+# the distributions on PyPI that each install the one ``onnxruntime`` package (its folder in site-packages)
+BUILDS = ("onnxruntime", "onnxruntime-gpu", "onnxruntime-directml", "onnxruntime-openvino", "onnxruntime-qnn",
+          "onnxruntime-training", "ort-nightly", "ort-nightly-gpu")
+
+
+@functools.lru_cache(maxsize=None)
+def installed_builds() -> tuple[str, ...]:
+    """The onnxruntime builds installed, as "name version"; where there are two or more, warns once naming them.
+
+    amppass depends on ``onnxruntime``, the CPU build: pip installs it beside an ``onnxruntime-gpu`` that is
+    already there (another name to pip), into the same folder, and the build installed last overwrites the
+    other's files. Either build runs the CPU provider amppass plans with; which providers the mixed folder has is
+    anyone's guess, so it is said at first use, with the fix.
+    """
+    found = []
+    for name in BUILDS:
+        try:
+            found.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            continue
+    if len(found) > 1:
+        names = " ".join(f.split()[0] for f in found)
+        log.warning("onnxruntime: %s are installed into the one `onnxruntime` folder, where the one installed last "
+                    "overwrote the other's files; keep one build: `pip uninstall -y %s`, then `pip install "
+                    "onnxruntime` (CPU) or `pip install onnxruntime-gpu` (CUDA, which also runs the CPU provider)",
+                    " and ".join(found), names)
+    return tuple(found)
+
+
 def _session(model: onnx.ModelProto):
     import onnxruntime as ort
+
+    installed_builds()
 
     options = ort.SessionOptions()
     options.log_severity_level = 4  # probes fail on purpose; keep onnxruntime's own log quiet

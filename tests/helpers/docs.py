@@ -21,7 +21,7 @@ _PRINTED = re.compile(r"^<!-- summary printed by the code above: (.+) -->$")
 
 # summary lines whose words depend on the machine (how busy it was, whether low precision paid there), by label
 WORDS_VARY = ("decided by", "speed check", "how the speed of each group of connected ops was known", "not timed",
-              "whole model", "to time on this machine instead")
+              "whole model", "to time on this machine instead", "returned", "to convert it anyway")
 
 
 # and lines some machines do not print at all (a CPU where the original module is kept has no MACs line)
@@ -73,17 +73,18 @@ def _masked(line: str) -> str:
 def _summary_shapes() -> set[str]:
     """The masked lines the summary prints on some machine (busy or idle, low precision faster or not), each
     clause of a "; "-joined line apart."""
-    from amppass.report.report import Report
+    from amppass.report.report import Report, Row
 
     info = {"front_end": "fx", "dtype": "bf16", "mode": "inference"}
+    kept = Row("BertModel", "module", "fp32", "profitability: the original runs", "profitability", rule="whole-model")
     shapes = set()
-    for nodes in (0, 2):
+    for nodes, rows, native in ((0, [], True), (2, [], False), (2, [kept], False), (2, [kept], True)):
         for timing in ("measured", "cached", "table", "prior", "device", "unmeasured"):
             for whole in ({"skipped": "the machine was too busy for the timings to agree"},
                           {"converted_ms": 1.0, "original_ms": 2.0}):
-                profit = {"nodes_fp32": nodes, "regions_fp32": nodes, "timing": {timing: 2},
-                          "device": {"native_low": False, "why": "this CPU has none of amx_bf16, avx512_bf16"}}
-                summary = Report([], {**info, "profitability": profit, "whole_model": whole}).summary()
+                device = {"native_low": native, "why": "this CPU has none of amx_bf16, avx512_bf16"}
+                profit = {"nodes_fp32": nodes, "regions_fp32": nodes, "timing": {timing: 2}, "device": device}
+                summary = Report(rows, {**info, "profitability": profit, "whole_model": whole}).summary()
                 for line in summary.splitlines():
                     label, _, rest = line.partition(": ")
                     shapes.add(_masked(line))

@@ -18,6 +18,7 @@ from torch import nn
 import amppass
 from amppass.fx.view.macs import node_macs
 from amppass.report.report import Report, Row, load_schema, write_atomic
+from amppass.report.rows import decision_order
 from amppass.report.terminal import render_text
 from models import build
 
@@ -200,6 +201,7 @@ class _Page(HTMLParser):
         self.external: list[str] = []
         self.ids: set[str] = set()
         self.headers = 0
+        self.table = ""
 
     def handle_starttag(self, tag, attrs):
         attrs = dict(attrs)
@@ -209,9 +211,11 @@ class _Page(HTMLParser):
                 self.external.append(attrs[key])
         if tag == "link" or (tag == "script" and "src" in attrs):
             self.external.append(tag)
-        if tag == "tr" and "tbody" in self.stack:
+        if tag == "table":
+            self.table = attrs.get("id", "")
+        if tag == "tr" and "tbody" in self.stack and self.table == "rows":  # the decisions, not the rollups
             self.body_rows.append(attrs)
-        if tag == "th":
+        if tag == "th" and self.table == "rows":
             self.headers += 1
         if tag == "rect" and "node" in attrs.get("class", ""):
             self.strip_cells.append(attrs)
@@ -239,7 +243,8 @@ def test_html_page_is_self_contained_with_a_row_and_a_cell_per_node(cnn_report, 
     page = _parse(text)
     assert page.external == []
     assert not re.search(r"(src|href)=\"https?:", text) and "@import" not in text
-    assert [r["data-precision"] for r in page.body_rows] == [r.precision for r in cnn_report.rows]
+    order = decision_order(cnn_report.rows)  # the decisions that matter first; the # column keeps graph order
+    assert [r["data-precision"] for r in page.body_rows] == [cnn_report.rows[i].precision for i in order]
     assert [c["data-precision"] for c in page.strip_cells] == [r.precision for r in cnn_report.rows]
     assert {"rows", "filter", "precision", "strip", "ranges-note"} <= page.ids
     assert page.headers == 9 and page.ranges == []
@@ -339,12 +344,15 @@ def test_terminal_view_fits_its_width_one_line_per_row_summary_first(width):
     assert max(len(line) for line in lines) <= width
     header = next(i for i, line in enumerate(lines) if line.startswith("node "))
     assert lines[0].startswith("╭─ amppass onnx") and any("casts inserted: 3" in line for line in lines[:header])
-    rows = [line for line in lines if line.startswith("/enc")]
-    assert len(rows) == len(report.rows)  # one line each, in graph order
-    for line, row in zip(rows, report.rows):
+    rows = [line for line in lines if line.startswith("layer.")]
+    assert len(rows) == len(report.rows)  # one line each: the heavy ops first, then fp32 work, then shapes
+    order = sorted(report.rows, key=lambda r: (r.macs is None, r.precision == "-", r.precision != "fp32",
+                                               -(r.macs or 0)))
+    assert len({line.split()[0] for line in rows}) == len(rows)  # shortened, still apart
+    for line, row in zip(rows, order):
         shown = line.split()[0]
-        head, _, tail = shown.partition("…")
-        assert tail and row.name.startswith(head) and row.name.endswith(tail)  # the middle goes, both ends stay
+        index = row.name.split("/")[2]
+        assert len(shown) < len(row.name) and (shown.startswith(index + "/") or width < 80)  # the layer stays
         assert line.split()[2] == row.precision
     assert ("source" in lines[header]) is (width >= 100) and ("MACs" in lines[header]) is (width >= 120)
     assert "shortened to fit" in " ".join(lines)
@@ -354,7 +362,7 @@ def test_terminal_view_filters_and_groups_by_op():
     report = _long_report()
     text = render_text(report, width=120, precision=["low"], op=["matmul"])
     assert "4 of 12 nodes: precision low; op matmul" in text
-    assert sum(line.startswith("/encoder") for line in text.splitlines()) == 4
+    assert sum(line.startswith("layer.") for line in text.splitlines()) == 4  # the shared "/encoder/" dropped
     groups = report.by_op()
     assert [(g.op, g.nodes, g.by_precision, g.macs) for g in groups] == [
         ("LayerNormalization", 4, {"fp32": 4}, None), ("MatMul", 4, {"fp16": 4}, 4 * 10**9 + 0 + 3 + 6 + 9),

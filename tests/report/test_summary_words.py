@@ -77,16 +77,19 @@ def test_the_readme_sample_is_checked_against_what_prints():
 
 # what the README's block prints on other CPUs (written as the summary reads; the sample must hold against each)
 AVX2_ONLY = """\
-amppass fx plan, bf16 for cpu (torch 2.13.0 on cpu) (inference): 308 nodes: 287 fp32, 21 -
-heavy compute in bf16: 0.0% of 2,728,525,824 MACs (85 matmul, conv, attention or RNN nodes)
+amppass fx plan, bf16 for cpu (torch 2.13.0 on cpu) (inference): 1 node: 1 fp32
 casts inserted: 0
 weight bytes: 437,928,960 -> 437,928,960 (1.00 of fp32)
-decided by: 177 painting, 85 profitability, 25 policy
+decided by: 1 profitability
 speed check: 85 nodes in 25 groups of connected bf16 ops stay fp32, because bf16 (with its casts) was judged no \
 faster than fp32 for them on this machine
 how the speed of each group of connected ops was known: 25 groups not timed: bf16 cannot be faster on this CPU
 not timed: this CPU has none of amx_bf16, avx512_bf16 (torch capability AVX2)
-whole model per call: 40.1 ms converted, 39.8 ms for the original module in fp32
+returned: your original module, in fp32, unchanged: this CPU has no bf16 instructions, so bf16 runs slower than \
+fp32 here and no op was converted
+to convert it anyway: plan_for='coverage' runs in bf16 every op the numerics allow (the same plan on every machine; \
+slower on this CPU); to plan for the machine the model will run on, convert there (a CPU with bf16 instructions), \
+or pass target='cuda' for a GPU
 uncalibrated: decisions come from op semantics and weights only"""
 KEPT_ORIGINAL = """\
 amppass fx plan, bf16 for cpu (torch 2.13.0 on cpu) (inference): 1 nodes: 1 fp32
@@ -94,6 +97,9 @@ casts inserted: 0
 weight bytes: 437,928,960 -> 437,928,960 (1.00 of fp32)
 decided by: 1 profitability
 whole model per call: 45.2 ms converted, 39.8 ms for the original module in fp32
+returned: your original module, in fp32, unchanged: the converted graph was not faster than it here
+to convert it anyway: plan_for='coverage' runs low every op the numerics allow (the same plan on every machine), or \
+pass costs= from a conversion made on the machine the model will run on
 uncalibrated: decisions come from op semantics and weights only"""
 IDLE_AMX = """\
 amppass fx plan, bf16 for cpu (torch 2.13.0 on cpu) (inference): 308 nodes: 206 bf16, 81 fp32, 21 -
