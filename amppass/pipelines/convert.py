@@ -179,12 +179,14 @@ def convert_planned(model: nn.Module, example_inputs: Any, dtype: Any, options: 
         return _unchanged(model, found.record, dtype, mode)
     if isinstance(model, torch.export.ExportedProgram):
         return _convert_program(model, dtype, target, mode, options)
-    _check_weights(model)
+    module = isinstance(model, nn.Module)  # anything else is refused where it is captured, naming what it is
+    if module:
+        _check_weights(model)
     plan_target = _target(target, dtype, model)
     example_inputs, example_kwargs = plain_inputs(example_inputs), plain_inputs(example_kwargs)  # BatchEncoding: a dict
     example_kwargs = transformers_call(model, example_kwargs)  # as the drop-in's forward passes them on
     example = None if example_inputs is None and example_kwargs is None else (example_inputs, example_kwargs or {})
-    if example is not None:
+    if module and example is not None:
         _check_example_dtypes(model, *example_call(example))
     if from_train_mode:
         log.warning("%s is in train mode (model.training is True) and amppass.convert was given no mode=: it is "

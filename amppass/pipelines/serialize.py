@@ -41,7 +41,7 @@ from torch.utils import _pytree as pytree
 
 from ..analysis.record import META_KEY
 from ..archive import Pt2Archive, parse_json
-from ..errors import InputError
+from ..errors import InputError, first_line
 from ..files import Staged, check_writable
 from ..fx.capture.export import capture_program, capturing, size_one_dynamic
 from ..fx.capture.guards import GUARDS_KEY, ShapeGuards
@@ -102,15 +102,30 @@ def _stage_program(staged: Staged, program: torch.export.ExportedProgram, info: 
 def plan_file(converted: nn.Module, saved_as: type) -> Callable[[str], str]:
     """Rule 4: ``converted`` (a drop-in's converted graph) exported now, before its class's save writes anything;
     the function returned writes it into the save folder as :data:`PLAN_BESIDE`, whole or not at all, recording
-    ``saved_as`` (the class whose files the folder holds), and returns the file's path."""
-    program = exported_program(converted)
+    ``saved_as`` (the class whose files the folder holds), and says what it wrote beside the weights. Where the
+    graph does not export again the weights are still saved: the function removes an older plan there instead
+    (it was made from other weights or another conversion) and says why there is none."""
+    try:
+        program = exported_program(converted)
+    except Exception as err:  # noqa: BLE001 - the class's save still writes the weights; the log line says why
+        why = first_line(err, 300)
+
+        def without(folder: str) -> str:
+            stale = os.path.join(folder, PLAN_BESIDE)
+            if os.path.isfile(stale):
+                os.remove(stale)
+            return (f"no plan beside them: the converted graph did not export again ({why}), so "
+                    "amppass.load_pretrained cannot load the folder; convert the loaded model again")
+
+        return without
     info = {**_info(converted), "saved_as": f"{saved_as.__module__}:{saved_as.__qualname__}"}
 
     def write(folder: str) -> str:
         path = check_writable(os.path.join(folder, PLAN_BESIDE))
         with Staged() as staged:
             _stage_program(staged, program, info, path)
-        return path
+        return (f"the converted model's plan beside them, {path}: amppass.load_pretrained({folder!r}) gives the "
+                "converted model back without planning again")
 
     return write
 

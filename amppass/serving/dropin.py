@@ -74,7 +74,7 @@ _MODULE_KEYS = frozenset(vars(nn.Module()))  # what nn.Module keeps in an instan
 # a weight's low-precision copy beside its fp32 tensor (serving.fp32_parameters)
 _LOW_COPY = re.compile(r"__(fp16|bf16)$")
 # rule 9: given the converted module and the class it is saved as, exports it at once and returns the function
-# that writes it into a save folder (returning the file's path)
+# that writes it into a save folder, saying what it wrote there
 PlanFile = Callable[[nn.Module, type], Callable[[str], str]]
 
 
@@ -220,10 +220,8 @@ class DropIn:
         write = self.__dict__["_amppass_plan_file"](converted, type(original))
 
         def beside(folder: str) -> None:
-            path = write(folder)
             said_at_save("plan", f"{name}.{how}({folder!r}) wrote the original's keys and fp32 weights, which {name} "
-                         f"loads as the original in fp32, and the converted model's plan beside them, {path}: "
-                         f"amppass.load_pretrained({folder!r}) gives the converted model back without planning again")
+                         f"loads as the original in fp32, and {write(folder)}")
 
         return _dressed(original, self), beside
 

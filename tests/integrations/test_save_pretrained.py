@@ -293,3 +293,26 @@ def test_an_original_kept_in_fp32_saves_as_itself_and_says_there_is_no_plan(tmp_
     assert torch.equal(_logits(type(model).from_pretrained(tmp_path / "kept").eval(), call), _logits(model, call))
     with pytest.raises(InputError, match="no amppass.pt2 in it"):
         amppass.load_pretrained(tmp_path / "kept")
+
+
+def test_a_graph_that_does_not_export_again_still_saves_its_weights_and_says_so(tmp_path, caplog, monkeypatch):
+    from amppass.pipelines import serialize
+
+    torch.manual_seed(0)
+    model, call = _bert().eval(), _call()
+    fast = amppass.convert(model, example_kwargs=call, dtype="bf16", plan_for="coverage")
+    fast.save_pretrained(tmp_path / "saved")
+    assert (tmp_path / "saved" / "amppass.pt2").is_file()
+
+    def refused(converted):
+        raise RuntimeError("no export here")
+
+    monkeypatch.setattr(serialize, "exported_program", refused)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="amppass"):
+        fast.save_pretrained(tmp_path / "saved")
+    assert "no plan beside them: the converted graph did not export again (no export here)" in _said(
+        caplog, tmp_path / "saved")
+    assert not (tmp_path / "saved" / "amppass.pt2").exists(), "the older plan is not left beside other weights"
+    loaded = type(model).from_pretrained(tmp_path / "saved").eval()
+    assert torch.allclose(_logits(loaded, call), _logits(model, call), rtol=0, atol=1e-6)
