@@ -117,7 +117,8 @@ def convert(
             fp32 master parameters and casts them inside the graph so gradients come back fp32, and returns a
             :class:`~amppass.serving.train_eval.TrainEvalGraphs`: a train graph and an eval graph that switch
             on ``.train()``/``.eval()`` and own a copy of the model's parameters and buffers. A model in train
-            mode converted without ``mode=`` is converted for inference with a warning naming both ways; the
+            mode (every module, as ``model.train()`` leaves it) converted without ``mode=`` is converted for
+            inference with a warning naming both ways; the
             module comes back in eval mode, and a call of it in train mode with gradients enabled (training it)
             raises an :class:`~amppass.errors.InputError` saying the same.
         keep_io_types: cast floating outputs back to fp32 (inputs are never changed).
@@ -145,7 +146,10 @@ def convert(
     signature, ``generate()`` included, its ``forward`` running the converted graphs
     (:mod:`amppass.serving.dropin`); a train-mode model's ``forward`` shows the original's signature too.
     """
-    from_train_mode = mode is None and isinstance(model, nn.Module) and model.training and record_of(model) is None
+    # train mode as model.train() (or a fresh module) leaves it: every module; a model whose library put its layers
+    # in eval (a SentenceTransformer around a from_pretrained model) is not being trained
+    from_train_mode = (mode is None and isinstance(model, nn.Module) and all(m.training for m in model.modules())
+                       and record_of(model) is None)
     mode = "inference" if mode is None else mode
     options = plan_options(mode, plan_for=plan_for, keep_io_types=keep_io_types, keep_fp32=keep_fp32,
                            force_low=force_low, low_weight_tables=low_weight_tables, calibration=calibration,
@@ -189,10 +193,10 @@ def convert_planned(model: nn.Module, example_inputs: Any, dtype: Any, options: 
     if module and example is not None:
         _check_example_dtypes(model, *example_call(example))
     if from_train_mode:
-        log.warning("%s is in train mode (model.training is True) and amppass.convert was given no mode=: it is "
-                    "converted for inference, an eval graph (dropout off, batch norm's running statistics read, never "
-                    "updated) that cannot be trained. To train it, convert with mode='train'; to serve it, call "
-                    "model.eval() before converting (or pass mode='inference')", type(model).__name__)
+        log.warning("%s is in train mode (every module, as model.train() leaves it) and amppass.convert was given no "
+                    "mode=: it is converted for inference, an eval graph (dropout off, batch norm's running statistics "
+                    "read, never updated) that cannot be trained. To train it, convert with mode='train'; to serve it, "
+                    "call model.eval() before converting (or pass mode='inference')", type(model).__name__)
     if mode == "train" and example is None:
         raise InputError(
             f"amppass.convert({type(model).__name__}, mode='train') needs example_inputs: a train-mode model keeps "

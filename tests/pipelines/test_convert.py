@@ -375,3 +375,14 @@ def test_an_example_of_another_dtype_that_the_model_itself_takes_converts():
     fast = amppass.convert(model, (x.half(),), "bf16", plan_for="coverage")
     with torch.no_grad():
         assert rel_err(fast(x.half()), model(x.half())) < 2e-2
+
+
+def test_a_model_whose_library_put_its_layers_in_eval_is_not_taken_for_training(caplog):
+    """A SentenceTransformer is in train mode around a from_pretrained model in eval: it is not being trained."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(_Dropping().eval()), torch.randn(4, 8)
+    assert model.training
+    with caplog.at_level("WARNING", logger="amppass"):
+        fast = amppass.convert(model, (x,), "bf16", plan_for="coverage")
+    assert not [m for m in _warnings(caplog) if "train mode" in m]
+    fast(x).sum()
