@@ -24,6 +24,7 @@ _HOMES = {
     "ScaleCollapseError": ".errors",
     "convert": ".pipelines.convert",
     "load": ".pipelines.serialize",
+    "load_pretrained": ".pipelines.serialize",
     "load_program": ".pipelines.serialize",
     "save": ".pipelines.save",
     "convert_onnx": ".pipelines.convert_onnx",
@@ -41,7 +42,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs read; at run time __getattr__ i
     from .pipelines.export_onnx import export_onnx
     from .pipelines.report import report
     from .pipelines.save import save
-    from .pipelines.serialize import load, load_program
+    from .pipelines.serialize import load, load_pretrained, load_program
     from .training import LossScaler
 
 

@@ -39,7 +39,8 @@ DEPRECATED_PATHS = {
 def test_all_is_pinned():
     assert sorted(amppass.__all__) == [
         "AmpPassError", "CalibrationError", "CaptureError", "InputError", "LossScaler", "ScaleCollapseError",
-        "__version__", "convert", "convert_onnx", "export_onnx", "load", "load_program", "report", "save",
+        "__version__", "convert", "convert_onnx", "export_onnx", "load", "load_pretrained", "load_program", "report",
+        "save",
     ]
     for name in amppass.__all__:
         assert getattr(amppass, name) is not None

@@ -31,7 +31,7 @@ from ..fx.capture.inputs import example_call, flatten_inputs, split_batch
 from ..fx.runners.calibrate import CaptureFp32, calibrated_plan
 from ..fx.capture.export import capture, capture_program
 from ..fx.prepare.gelu import FUSED_KEY, fuse_tanh_gelu
-from ..fx.capture.guards import GUARDS_KEY, carried_decisions, matching, plain_inputs
+from ..fx.capture.guards import GUARDS_KEY, carried_decisions, example_refusal, matching, plain_inputs
 from ..fx.view.macs import node_macs
 from ..fx.prepare.masks import fold_constant_masks
 from ..fx.capture.modes import module_mode
@@ -39,6 +39,7 @@ from ..fx.rewrite.apply import rewrite
 from ..fx.view.build import build_view
 from ..serving.artifact import Kind, record_of
 from ..serving.dropin import in_own_class, transformers_call, with_signature
+from .serialize import plan_file
 from ..serving.fp32_original import keep_original
 from ..serving.serving_graph import ServingGraph
 from ..serving.traced import TracedGraph
@@ -80,7 +81,7 @@ def convert(
     target: str | None = None,
     plan_for: str = "speed",
     costs: Mapping[str, float] | None = None,
-    mode: str = "inference",
+    mode: str | None = None,
     keep_io_types: bool = True,
     keep_fp32: Iterable[str] = (),
     force_low: Iterable[str] = (),
@@ -112,10 +113,14 @@ def convert(
             (where its values fit), cast up at use by the ops that run fp32: the smallest model.
         costs: a cost table a previous conversion measured (``amppass.report(m).info["costs"]``); its
             times are used instead of measuring again, so the plan is the same on any machine.
-        mode: ``"inference"`` stores low-precision copies of the weights once; ``"train"`` keeps fp32
-            master parameters and casts them inside the graph so gradients come back fp32, and returns a
+        mode: ``"inference"`` (the default) stores low-precision copies of the weights once; ``"train"`` keeps
+            fp32 master parameters and casts them inside the graph so gradients come back fp32, and returns a
             :class:`~amppass.serving.train_eval.TrainEvalGraphs`: a train graph and an eval graph that switch
-            on ``.train()``/``.eval()`` and own a copy of the model's parameters and buffers.
+            on ``.train()``/``.eval()`` and own a copy of the model's parameters and buffers. A model in train
+            mode (every module, as ``model.train()`` leaves it) converted without ``mode=`` is converted for
+            inference with a warning naming both ways; the
+            module comes back in eval mode, and a call of it in train mode with gradients enabled (training it)
+            raises an :class:`~amppass.errors.InputError` saying the same.
         keep_io_types: cast floating outputs back to fp32 (inputs are never changed).
         keep_fp32: op names or node-name regexes to keep in fp32.
         force_low: op names or node-name regexes to run in low precision regardless of the policy.
@@ -141,11 +146,16 @@ def convert(
     signature, ``generate()`` included, its ``forward`` running the converted graphs
     (:mod:`amppass.serving.dropin`); a train-mode model's ``forward`` shows the original's signature too.
     """
+    # train mode as model.train() (or a fresh module) leaves it: every module; a model whose library put its layers
+    # in eval (a SentenceTransformer around a from_pretrained model) is not being trained
+    from_train_mode = (mode is None and isinstance(model, nn.Module) and all(m.training for m in model.modules())
+                       and record_of(model) is None)
+    mode = "inference" if mode is None else mode
     options = plan_options(mode, plan_for=plan_for, keep_io_types=keep_io_types, keep_fp32=keep_fp32,
                            force_low=force_low, low_weight_tables=low_weight_tables, calibration=calibration,
                            tolerance=tolerance, progress=progress, costs=costs)
     return convert_planned(model, example_inputs, dtype, options, example_kwargs=example_kwargs, target=target,
-                           mode=mode, dynamic_shapes=dynamic_shapes)
+                           mode=mode, dynamic_shapes=dynamic_shapes, from_train_mode=from_train_mode)
 
 
 def plan_options(mode: str, **options: Any) -> PlanOptions:
@@ -163,18 +173,30 @@ def plan_options(mode: str, **options: Any) -> PlanOptions:
 @_outside_callers_modes
 def convert_planned(model: nn.Module, example_inputs: Any, dtype: Any, options: PlanOptions, *,
                     example_kwargs: dict[str, Any] | None = None, target: str | None = None, mode: str = "inference",
-                    dynamic_shapes: Any = "auto") -> nn.Module:
+                    dynamic_shapes: Any = "auto", from_train_mode: bool = False) -> nn.Module:
     """:func:`convert` with its plan options built and checked already (:func:`plan_options`): what an
-    integration calls with the options it checked where it was made. The other arguments are :func:`convert`'s."""
+    integration calls with the options it checked where it was made. The other arguments are :func:`convert`'s;
+    ``from_train_mode``: the model is in train mode and :func:`convert` was given no ``mode=`` (it warned), so the
+    inference module comes back in eval mode and refuses to be trained."""
     found = record_of(model)
     if found is not None:
         return _unchanged(model, found.record, dtype, mode)
     if isinstance(model, torch.export.ExportedProgram):
         return _convert_program(model, dtype, target, mode, options)
+    module = isinstance(model, nn.Module)  # anything else is refused where it is captured, naming what it is
+    if module:
+        _check_weights(model)
     plan_target = _target(target, dtype, model)
     example_inputs, example_kwargs = plain_inputs(example_inputs), plain_inputs(example_kwargs)  # BatchEncoding: a dict
     example_kwargs = transformers_call(model, example_kwargs)  # as the drop-in's forward passes them on
     example = None if example_inputs is None and example_kwargs is None else (example_inputs, example_kwargs or {})
+    if module and example is not None:
+        _check_example_dtypes(model, *example_call(example))
+    if from_train_mode:
+        log.warning("%s is in train mode (every module, as model.train() leaves it) and amppass.convert was given no "
+                    "mode=: it is converted for inference, an eval graph (dropout off, batch norm's running statistics "
+                    "read, never updated) that cannot be trained. To train it, convert with mode='train'; to serve it, "
+                    "call model.eval() before converting (or pass mode='inference')", type(model).__name__)
     if mode == "train" and example is None:
         raise InputError(
             f"amppass.convert({type(model).__name__}, mode='train') needs example_inputs: a train-mode model keeps "
@@ -182,11 +204,68 @@ def convert_planned(model: nn.Module, example_inputs: Any, dtype: Any, options: 
             "(a symbolically traced graph calls the model's own modules, which read their fp32 weights); pass "
             "one batch, e.g. amppass.convert(model, (x,), mode='train')")
     try:
-        return _convert_module(model, example, plan_target, mode, dynamic_shapes, options)
+        converted = _convert_module(model, example, plan_target, mode, dynamic_shapes, options)
     except CaptureError as err:
         if example is None:
             raise
         return _convert_parts(model, example, err, plan_target, mode, options)
+    if from_train_mode:
+        _inference_only(converted, type(model).__name__)
+    return converted
+
+
+def _check_weights(model: nn.Module) -> None:
+    """InputError for weights amppass cannot plan from: on the ``meta`` device (no values), or already fp16/bf16
+    (the plan is made from fp32 weights, and which ops stay fp32 is decided for fp32 ones)."""
+    name = type(model).__name__
+    tensors = list(model.named_parameters()) + list(model.named_buffers())
+    meta = next((n for n, t in tensors if t.is_meta), None)
+    if meta is not None:
+        raise InputError(f"amppass.convert({name}): the model is on the 'meta' device ({meta} and the others hold "
+                         "shapes without values, as from_pretrained(..., device_map='meta') or init_empty_weights() "
+                         "leave them), so there is nothing to plan from or run: materialize the weights first, "
+                         "model.to_empty(device='cpu') then model.load_state_dict(weights), or load the model "
+                         "without device_map='meta'")
+    low = [(n, t.dtype) for n, t in model.named_parameters() if t.dtype in (torch.float16, torch.bfloat16)]
+    if low:
+        floating = sum(t.is_floating_point() for _, t in model.named_parameters())
+        dtype = str(low[0][1]).removeprefix("torch.")
+        raise InputError(f"amppass.convert({name}): the model's weights are already {dtype} ({low[0][0]}: "
+                         f"{len(low)} of {floating} floating parameters), and amppass plans a float32 model (which ops "
+                         "run low, which stay fp32, each weight's low copy): convert a float32 copy, "
+                         "amppass.convert(copy.deepcopy(model).float(), ...), or load it in float32 "
+                         "(from_pretrained(..., dtype=torch.float32)); the converted model stores its own low copies")
+
+
+def _check_example_dtypes(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """InputError where the example holds floating tensors of another dtype than the model's weights and the model
+    itself does not run on it (torch's own error would come from inside the captured graph)."""
+    weights = {t.dtype for t in model.parameters() if t.is_floating_point()}
+    other = sorted({str(t.dtype).removeprefix("torch.") for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                    if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype not in weights})
+    if len(weights) != 1 or not other:
+        return
+    refused = example_refusal(shared_copy(model), args, kwargs)
+    if refused is not None:
+        dtype = str(next(iter(weights))).removeprefix("torch.")
+        raise InputError(f"amppass.convert({type(model).__name__}): the example holds {' and '.join(other)} tensors "
+                         f"and the model's weights are {dtype}, and the model itself does not run on it "
+                         f"({refused[0]}): pass the example in {dtype} (x.to(torch.{dtype})); the converted model then "
+                         "takes calls in other floating dtypes, casting them at its boundary") from refused[1]
+
+
+def _inference_only(converted: nn.Module, name: str) -> None:
+    """A model converted for inference from train mode without ``mode=`` (:func:`convert` warned): in eval mode,
+    its converted graph refusing a call in train mode with gradients enabled (training it)."""
+    found = record_of(converted)
+    graph = found.inner.module if found is not None and found.kind is Kind.DROP_IN else converted
+    if isinstance(graph, ServingGraph):
+        graph.refuse_training(
+            f"{name} was converted for inference (amppass.convert without mode=, from a model in "
+            "train mode): its graph computes eval behaviour and holds no trainable weights, so it cannot be trained; "
+            "convert the original with mode='train' to train it, or call .eval() (or run it under torch.no_grad()) "
+            "to use it for inference")
+    converted.eval()
 
 
 
@@ -216,7 +295,8 @@ def _convert_module(model: nn.Module, example: tuple[Any, dict] | None, plan_tar
         served = _faster_of(served, model, example, options.costs)
         if record_of(served).kind is Kind.KEPT:
             return served  # the original itself, in its own class already
-    return in_own_class(model, served)  # a drop-in: the model's class, attributes and signature (serving.dropin)
+    # a drop-in: the model's class, attributes and signature; its saves write the plan beside the weights
+    return in_own_class(model, served, plan_file)
 
 
 def _convert_parts(model: nn.Module, example: tuple[Any, dict], why: CaptureError, plan_target: Target, mode: str,

@@ -54,6 +54,8 @@ import functools
 import logging
 import re
 import sys
+import inspect
+import os
 from typing import Any, Callable, Iterator
 
 import torch
@@ -71,6 +73,9 @@ _SAVERS = ("save_pretrained", "save")  # the class's own ways to write the model
 _MODULE_KEYS = frozenset(vars(nn.Module()))  # what nn.Module keeps in an instance's __dict__
 # a weight's low-precision copy beside its fp32 tensor (serving.fp32_parameters)
 _LOW_COPY = re.compile(r"__(fp16|bf16)$")
+# rule 9: given the converted module and the class it is saved as, exports it at once and returns the function
+# that writes it into a save folder, saying what it wrote there
+PlanFile = Callable[[nn.Module, type], Callable[[str], str]]
 
 
 def is_transformers_model(model: Any) -> bool:
@@ -90,9 +95,10 @@ def transformers_call(model: nn.Module, kwargs: dict[str, Any] | None) -> dict[s
     return {k: v for k, v in kwargs.items() if v is not None and k not in _DROPPED}
 
 
-def in_own_class(model: nn.Module, converted: nn.Module) -> nn.Module:
+def in_own_class(model: nn.Module, converted: nn.Module, plan_file: PlanFile) -> nn.Module:
     """``converted`` in the class of ``model`` (rules 1 and 2) where that class has more than ``forward`` to
-    offer and can be made; otherwise ``converted``."""
+    offer and can be made; otherwise ``converted``. ``plan_file`` writes the plan beside the weights its class's
+    save methods write (rule 9)."""
     transformers = is_transformers_model(model)
     if not transformers and not _own_api(type(model)):
         return converted
@@ -114,6 +120,7 @@ def in_own_class(model: nn.Module, converted: nn.Module) -> nn.Module:
         if key not in bookkeeping:
             module.__dict__[key] = copy.deepcopy(value) if key in _OWN else value
     module.__dict__["_amppass_dtype"] = _io_dtype(model)
+    module.__dict__["_amppass_plan_file"] = plan_file
     if transformers:
         module.__dict__["_amppass_embeddings"] = _embedding_name(model)
     else:
@@ -193,8 +200,9 @@ class DropIn:
         """The dtype of the model's inputs and outputs as its callers see them (rule 4)."""
         return self._amppass_dtype
 
-    def _amppass_saveable(self, how: str) -> nn.Module:
-        """The original model dressed as this one, for the class's ``how`` method to save (rule 8)."""
+    def _amppass_saveable(self, how: str) -> tuple[nn.Module, Callable[[str], None]]:
+        """The original model dressed as this one, for the class's ``how`` method to save (rule 8), and what to do
+        in the folder once it has (rule 9): the plan, exported before anything is written, written beside."""
         converted = nn.Module.__getattr__(self, "converted")
         plans = getattr(converted, "_plans", None)  # a ServingGraph keeps the original for later plans
         original = getattr(plans, "original", None)
@@ -204,12 +212,18 @@ class DropIn:
             raise InputError(f"{name}.{how}() writes the original model's keys and fp32 weights, and this converted "
                              f"model does not hold the original ({why}): call {how}() on the original model itself; "
                              f"{name} loads what it writes")
-        changed = _changed_weight(converted, original)
+        changed = changed_weight(converted, original)
         if changed is not None:
             raise InputError(f"{name}.{how}(): the original model's {changed} changed after it was converted, so the "
                              "file would load as another model than the one this converted model runs: convert the "
                              f"changed original again and save that, or call {how}() on the original itself")
-        return _dressed(original, self)
+        write = self.__dict__["_amppass_plan_file"](converted, type(original))
+
+        def beside(folder: str) -> None:
+            said_at_save("plan", f"{name}.{how}({folder!r}) wrote the original's keys and fp32 weights, which {name} "
+                         f"loads as the original in fp32, and {write(folder)}")
+
+        return _dressed(original, self), beside
 
     def __reduce__(self) -> Any:
         raise InputError(f"{type(self).__name__}: torch.save cannot pickle a converted model (its graph runs generated "
@@ -295,20 +309,46 @@ def _dropin_class(cls: type, mixin: type) -> type:
     return made
 
 
-def _savers(cls: type, saveable: Callable[[Any, str], nn.Module]) -> dict[str, Any]:
-    """Rule 8: each of ``cls``'s own save methods, run on ``saveable(self, name)`` (a module of ``cls`` holding
-    the weights to write) instead of on the converted module."""
+def _savers(cls: type, saveable: Callable[[Any, str], tuple[nn.Module, Callable[[str], None]]]) -> dict[str, Any]:
+    """Rules 8 and 9: each of ``cls``'s own save methods, run on the module ``saveable(self, name)`` gives (of
+    ``cls``, holding the weights to write) instead of on the converted module, then the function it gives on
+    the folder written (not where transformers' ``is_main_process=False`` says another process writes it)."""
     made = {}
     for name in _SAVERS:
         method = getattr(cls, name, None)
         if not callable(method):
             continue
 
-        def save(self: Any, *args: Any, _name: str = name, **kwargs: Any) -> Any:
-            return getattr(saveable(self, _name), _name)(*args, **kwargs)
+        def save(self: Any, *args: Any, _name: str = name, _method: Any = method, **kwargs: Any) -> Any:
+            module, beside = saveable(self, _name)
+            done = getattr(module, _name)(*args, **kwargs)
+            folder = saved_folder(_method, self, args, kwargs)
+            if folder is not None:
+                beside(folder)
+            return done
 
         made[name] = functools.wraps(method)(save)
     return made
+
+
+def saved_folder(method: Callable[..., Any], module: Any, args: tuple, kwargs: dict) -> str | None:
+    """The folder a class's save ``method`` called with ``(args, kwargs)`` wrote (its first argument), or None
+    where it wrote none (transformers' ``is_main_process=False``: another process writes it)."""
+    call = inspect.signature(method).bind(module, *args, **kwargs).arguments
+    folder = list(call.values())[1] if len(call) > 1 else None
+    if isinstance(folder, (str, os.PathLike)) and call.get("is_main_process", True):
+        return os.fspath(folder)
+    return None
+
+
+_SAID_AT_SAVE: set[str] = set()
+
+
+def said_at_save(kind: str, message: str) -> None:
+    """Rule 9: log what a save wrote and how to get the conversion back (``message``); a warning the first time a
+    save of its ``kind`` says it in this process, at INFO after that (a Trainer saves at every checkpoint)."""
+    log.log(logging.INFO if kind in _SAID_AT_SAVE else logging.WARNING, message)
+    _SAID_AT_SAVE.add(kind)
 
 
 def _dressed(original: nn.Module, looks: nn.Module) -> nn.Module:
@@ -328,7 +368,7 @@ def _dressed(original: nn.Module, looks: nn.Module) -> nn.Module:
     return dressed
 
 
-def _changed_weight(converted: nn.Module, original: nn.Module) -> str | None:
+def changed_weight(converted: nn.Module, original: nn.Module) -> str | None:
     """The first tensor of ``converted`` (by name) whose original no longer holds the values it was made from:
     fp32 tensors equal, low-precision copies equal to the original's cast to their dtype. Tensors the graph
     holds that the original does not name, or in another shape, are not compared."""
@@ -377,9 +417,9 @@ def _plain_attributes(model: nn.Module) -> dict[str, Any]:
     return kept
 
 
-def _trained_saveable(self: nn.Module, how: str) -> nn.Module:
+def _trained_saveable(self: nn.Module, how: str) -> tuple[nn.Module, Callable[[str], None]]:
     """Rule 8 for a train-mode model: a module of the original's class with its plain attributes, holding this
-    module's tree (the original's names, the trained fp32 tensors)."""
+    module's tree (the original's names, the trained fp32 tensors); rule 9: then the log line saying so."""
     cls, attributes = self.__dict__["_amppass_saved_as"]
     dressed = cls.__new__(cls)
     dressed.__dict__.update({key: value for key, value in vars(self).items() if key in _MODULE_KEYS})
@@ -389,7 +429,13 @@ def _trained_saveable(self: nn.Module, how: str) -> nn.Module:
             value = copy.copy(value)
             value.__dict__.update(dict.fromkeys(back, dressed))
         dressed.__dict__[key] = value
-    return dressed
+
+    def beside(folder: str) -> None:
+        said_at_save("train", f"{cls.__name__}.{how}({folder!r}) wrote the trained fp32 weights under the original's "
+                     f"keys, which {cls.__name__} loads; a train-mode conversion is not saved with them: convert the "
+                     "loaded model again (mode='train' to go on training, mode='inference' to serve it)")
+
+    return dressed, beside
 
 
 def _calling(method: Any) -> Any:

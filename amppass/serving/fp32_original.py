@@ -15,6 +15,7 @@ holds for both classes, and the methods of the original's class (``generate()``,
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -23,6 +24,7 @@ from torch import nn
 from ..analysis.record import META_KEY
 from ..fx.capture.copies import shared_copy
 from ..report.report import Report, Row
+from .dropin import said_at_save, saved_folder
 
 log = logging.getLogger(__name__)
 
@@ -104,5 +106,29 @@ def _kept_class(cls: type) -> type:
     if made is None:
         made = _classes[cls] = type(cls.__name__, (KeptFp32, cls), {
             "__module__": __name__, "__qualname__": cls.__qualname__,
-            "__doc__": f"{cls.__name__} kept in fp32 by amppass.convert (amppass.serving.fp32_original)."})
+            "__doc__": f"{cls.__name__} kept in fp32 by amppass.convert (amppass.serving.fp32_original).",
+            **_saying_savers(cls)})
+    return made
+
+
+def _saying_savers(cls: type) -> dict[str, Any]:
+    """The class's own save methods (``save_pretrained``, ``save``), each logging after it what it wrote: the
+    original in fp32, which is what runs, and no plan (:mod:`amppass.serving.dropin`, rule 9)."""
+    made = {}
+    for name in ("save_pretrained", "save"):
+        method = getattr(cls, name, None)
+        if not callable(method):
+            continue
+
+        def save(self: Any, *args: Any, _method: Any = method, _name: str = name, **kwargs: Any) -> Any:
+            done = _method(self, *args, **kwargs)
+            folder = saved_folder(_method, self, args, kwargs)
+            if folder is not None:
+                said_at_save("kept", f"{cls.__name__}.{_name}({folder!r}) wrote the original model in fp32, which is "
+                             "what runs: amppass.convert kept it in fp32 (amppass.report(model) says why), so there is no "
+                             "plan to save; convert the loaded model on the machine it runs on, or with "
+                             "plan_for='coverage', to get a converted one")
+            return done
+
+        made[name] = functools.wraps(method)(save)
     return made

@@ -17,6 +17,8 @@ from typing import Any
 
 from torch import nn
 
+from .dropin import said_at_save, saved_folder
+
 PARTS_KEY = "_amppass_parts"  # instance attribute of the returned model holding its PartsRecord
 
 
@@ -58,7 +60,13 @@ def with_original_savers(model: nn.Module) -> None:
 
 def _save_as_original(model: nn.Module, name: str, *args: Any, **kwargs: Any) -> Any:
     record = parts_of(model)
-    return getattr(_originals(model, "", record.originals), name)(*args, **kwargs)
+    done = getattr(_originals(model, "", record.originals), name)(*args, **kwargs)
+    folder = saved_folder(getattr(type(model), name), model, args, kwargs)
+    if folder is not None:
+        said_at_save("parts", f"{type(model).__name__}.{name}({folder!r}) wrote the original's keys and fp32 "
+                     "weights; a model converted by parts is not saved with its conversion (its own Python runs "
+                     "between the converted parts): convert the loaded model again")
+    return done
 
 
 def _originals(module: nn.Module, prefix: str, originals: dict[str, nn.Module]) -> nn.Module:

@@ -39,6 +39,10 @@ Rules:
    call of tensors and plain values (no container) whose key an earlier call had, one the module's own plan
    ran without a cast or a fixed keyword, skips the check and runs the plan at once. At most
    :data:`_ACCEPTED_MEMORY` keys are kept, the oldest dropped first, and none past a move to another device.
+10. A model converted for inference from train mode without ``mode=`` (``amppass.convert`` warned) refuses a call
+   in train mode with gradients enabled, an attempt to train an eval graph whose weights are not trainable, with
+   an :class:`~amppass.errors.InputError` naming ``mode='train'`` (:meth:`ServingGraph.refuse_training`), instead
+   of torch's "does not require grad" at ``backward()``.
 """
 
 from __future__ import annotations
@@ -96,6 +100,7 @@ class _Plans:
     made: int = 0
     told: set[str] = field(default_factory=set)  # inputs cast at the boundary and logged (rule 6)
     accepted: dict[tuple, None] = field(default_factory=dict)  # call keys the own plan took unchanged (rule 9)
+    untrainable: str | None = None  # rule 10: why a call in train mode with gradients enabled is refused
 
 
 class ServingGraph(Fp32Face, fx.GraphModule):
@@ -130,6 +135,11 @@ class ServingGraph(Fp32Face, fx.GraphModule):
         """What this module's own graph (the example's plan) accepts."""
         return self.meta[GUARDS_KEY]
 
+    def refuse_training(self, why: str) -> None:
+        """Rule 10: from now on a call in train mode with gradients enabled raises an
+        :class:`~amppass.errors.InputError` saying ``why``."""
+        self._plans.untrainable = why
+
     def drop_original(self) -> None:
         """Stop holding the original model (and so its fp32 weights) for conversions of new shapes.
 
@@ -163,6 +173,8 @@ class ServingGraph(Fp32Face, fx.GraphModule):
 
         Rule 9: a call of tensors and plain values whose shapes, dtypes and devices an earlier call had, and that
         ran this module's own plan unchanged, runs it again at once (the check is a dictionary lookup)."""
+        if self._plans.untrainable is not None and self.training and torch.is_grad_enabled():  # rule 10
+            raise InputError(self._plans.untrainable)
         key = _call_key(args, kwargs)
         accepted = self._plans.accepted
         if key is not None and key in accepted:
@@ -323,7 +335,8 @@ class ServingGraph(Fp32Face, fx.GraphModule):
             copied = super().__deepcopy__(memo)
         finally:
             object.__setattr__(self, "_plans", plans)
-        object.__setattr__(copied, "_plans", _Plans(plans.name, plans.recapture, plans.original, plans.origin))
+        object.__setattr__(copied, "_plans", _Plans(plans.name, plans.recapture, plans.original, plans.origin,
+                                                    untrainable=plans.untrainable))
         copied._record()
         return copied
 

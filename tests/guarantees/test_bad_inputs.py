@@ -223,6 +223,12 @@ class Case:
     needs_onnx_calibration: bool = False
 
 
+def _train_step(model: torch.nn.Module) -> None:
+    """One training step: train mode, forward with gradients, backward."""
+    model.train()
+    model(*X).sum().backward()
+
+
 def _scaler_at_floor_overflows(tmp: Path) -> None:
     """fp16 training whose loss is inf every step: the loss scale backs off to min_scale=1, then raises."""
     param = torch.nn.Parameter(torch.ones(3))
@@ -407,6 +413,28 @@ CASES = [
     Case("fx-unknown-plan-for", "convert(plan_for='fast')", _fx(plan_for="fast"), InputError,
          ("plan_for='fast'", "'speed'", "'memory'")),
     Case("fx-unknown-target", "convert(target='tpu')", _fx(target="tpu"), InputError, ("target='tpu'", "'cpu', 'cuda'")),
+    Case("fx-model-on-meta", "a model on the 'meta' device (shapes without weights)",
+         lambda tmp: amppass.convert(mlp().to("meta"), X, "bf16"),
+         InputError, ("amppass.convert(Sequential): the model is on the 'meta' device (0.weight", "to_empty(",
+                      "without device_map='meta'")),
+    Case("fx-model-half", "a model already in fp16 (model.half())", lambda tmp: amppass.convert(mlp().half(), X, "bf16"),
+         InputError, ("weights are already float16 (0.weight: 4 of 4", "amppass.convert(copy.deepcopy(model).float()",
+                      "dtype=torch.float32")),
+    Case("fx-model-bf16", "a model already in bf16, with an fp32 example",
+         lambda tmp: amppass.convert(mlp().bfloat16(), X, "fp16"), InputError, ("already bfloat16", ".float()")),
+    Case("fx-example-other-dtype", "an fp16 example for a float32 model (the model itself refuses it)",
+         lambda tmp: amppass.convert(mlp().eval(), (X[0].half(),), "bf16"),
+         InputError, ("the example holds float16 tensors and the model's weights are float32",
+                      "mat1 and mat2 must have the same dtype", "x.to(torch.float32)")),
+    Case("fx-train-an-inference-graph", "training a model converted from train mode without mode=",
+         lambda tmp: _train_step(amppass.convert(mlp().train(), X, "bf16", plan_for="coverage")),
+         InputError, ("Sequential was converted for inference (amppass.convert without mode=, from a model in train "
+                      "mode)", "mode='train'", ".eval()")),
+    Case("load-a-folder", "amppass.load of a folder (a converted model's save_pretrained folder)",
+         lambda tmp: amppass.load(tmp), InputError, ("a folder, and amppass.load reads a .pt2 file",
+                                                     "amppass.load_pretrained(")),
+    Case("load-pretrained-no-plan", "amppass.load_pretrained of a folder no converted model saved",
+         lambda tmp: amppass.load_pretrained(tmp), InputError, ("no amppass.pt2 in it", "convert it with amppass.convert")),
     Case("onnx-unknown-target", "convert_onnx(target='gpu')", _onnx(lambda tmp: matmul_model(), target="gpu"),
          InputError, ("target='gpu'", "'cpu', 'cuda', 'tensorrt'")),
     Case("save-train-module", "amppass.save of a train-mode module",

@@ -9,6 +9,7 @@ and ``from_pretrained`` returned a randomly initialised model without an error.
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import weakref
 
@@ -169,3 +170,149 @@ def test_a_train_mode_sentence_transformer_saves_after_dropping_its_original(min
     assert original() is None, "nothing the converted model keeps holds the original"
     trained.save(str(tmp_path / "saved"))
     assert torch.allclose(_encode(minilm(tmp_path / "saved")), reference, rtol=0, atol=1e-6)
+
+
+# -- the plan beside the weights (amppass.serving.dropin, rule 9): what was converted comes back -------------
+
+def _rows(model) -> list[tuple[str, str, str, str]]:
+    """Every decision on floating-point work (the re-export recomputes sizes, so shape nodes may differ)."""
+    return sorted((r.name, r.op, r.precision, r.source) for r in amppass.report(model).rows if r.precision != "-")
+
+
+@pytest.fixture
+def no_planning(monkeypatch):
+    """Capturing (torch.export) or planning (plan_captured) from here on fails the test."""
+
+    def refused(*args, **kwargs):
+        raise AssertionError("captured or planned again")
+
+    from amppass.pipelines import convert as convert_module
+
+    def forbid():
+        monkeypatch.setattr(torch.export, "export", refused)
+        monkeypatch.setattr(convert_module, "plan_captured", refused)
+
+    return forbid
+
+
+def _said(caplog, folder) -> str:
+    return next(r.getMessage() for r in caplog.records if r.name == "amppass.serving.dropin" and repr(str(folder))
+                in r.getMessage())
+
+
+@pytest.mark.parametrize("make", [_bert, _gpt2], ids=["bert", "gpt2-tied"])
+def test_load_pretrained_gives_back_the_converted_model_without_planning_again(make, tmp_path, no_planning, caplog):
+    torch.manual_seed(0)
+    model, call = make().eval(), _call()
+    fast = amppass.convert(model, example_kwargs=call, dtype="bf16", plan_for="coverage")
+    with caplog.at_level(logging.INFO, logger="amppass"):
+        fast.save_pretrained(tmp_path / "saved")
+    said = _said(caplog, tmp_path / "saved")
+    assert "fp32 weights" in said and str(tmp_path / "saved" / "amppass.pt2") in said
+    assert f"amppass.load_pretrained({str(tmp_path / 'saved')!r})" in said
+    plain = type(model).from_pretrained(tmp_path / "saved").eval()  # the plain class: the original, in fp32
+    assert amppass.report is not None and not hasattr(plain, "converted")
+    assert torch.allclose(_logits(plain, call), _logits(model, call), rtol=0, atol=1e-6)
+
+    no_planning()
+    loaded = amppass.load_pretrained(tmp_path / "saved")
+    assert isinstance(loaded, type(model)) and loaded.dtype == torch.float32
+    other = {"input_ids": torch.randint(0, VOCAB, (3, 5), generator=torch.Generator().manual_seed(2)),
+             "attention_mask": torch.ones(3, 5, dtype=torch.long)}
+    for batch in (call, other):
+        assert torch.equal(_logits(loaded, batch), _logits(fast, batch)), "the converted model's numerics"
+    assert (_logits(loaded, call) - _logits(model, call)).abs().max() > 1e-6, "it runs bf16, not the fp32 original"
+    assert _rows(loaded) == _rows(fast)
+    assert amppass.report(loaded).info["dtype"] == "bf16"
+
+
+def test_load_pretrained_refuses_a_folder_saved_over_since(tmp_path):
+    torch.manual_seed(0)
+    model, call = _bert().eval(), _call()
+    fast = amppass.convert(model, example_kwargs=call, dtype="bf16", plan_for="coverage")
+    fast.save_pretrained(tmp_path / "saved")
+    tuned = type(model).from_pretrained(tmp_path / "saved")
+    with torch.no_grad():
+        tuned.classifier.weight.add_(1)
+    tuned.save_pretrained(tmp_path / "saved")  # the plain class writes new weights; the old plan stays beside them
+    with pytest.raises(InputError, match=r"the folder's classifier\.weight is not the one its plan amppass\.pt2 was "
+                                         r"made from.*convert the model the folder holds again"):
+        amppass.load_pretrained(tmp_path / "saved")
+
+
+def test_load_pretrained_of_a_folder_without_a_plan_says_what_to_do(tmp_path, caplog):
+    torch.manual_seed(0)
+    model, call = _bert().eval(), _call()
+    trained = amppass.convert(model, example_kwargs=call, dtype="bf16", mode="train")
+    with caplog.at_level(logging.INFO, logger="amppass"):
+        trained.save_pretrained(tmp_path / "trained")
+    assert "a train-mode conversion is not saved with them: convert the loaded model again" in _said(
+        caplog, tmp_path / "trained")
+    with pytest.raises(InputError, match=r"no amppass\.pt2 in it.*load it with its own class and convert it"):
+        amppass.load_pretrained(tmp_path / "trained")
+
+
+@pytest.fixture(scope="module")
+def converted_minilm(minilm):
+    st = minilm()
+    fast = amppass.convert(st, (st.preprocess(SENTENCES[:2]),), dtype="bf16", plan_for="coverage")
+    return st, fast, _encode(fast)
+
+
+@pytest.mark.parametrize("how", ["save", "save_pretrained"])
+def test_a_saved_sentence_transformer_comes_back_converted_from_its_folder(minilm, converted_minilm, how, tmp_path,
+                                                                           no_planning, monkeypatch, caplog):
+    st, fast, expected = converted_minilm
+    folder = tmp_path / "saved"
+    with caplog.at_level(logging.INFO, logger="amppass"):
+        getattr(fast, how)(str(folder))
+    assert f"amppass.load_pretrained({str(folder)!r})" in _said(caplog, folder)
+    assert torch.allclose(_encode(minilm(folder)), _encode(st), rtol=0, atol=1e-6), "the plain class: fp32 original"
+
+    no_planning()
+    loaded = amppass.load_pretrained(folder)
+    assert isinstance(loaded, type(st)) and type(loaded[0]).__name__ == "Transformer"
+    assert torch.equal(_encode(loaded), expected), "the converted model's numerics"
+    assert not torch.allclose(expected, _encode(st), rtol=0, atol=1e-6), "bf16 ran, not the fp32 original"
+    assert _rows(loaded) == _rows(fast)
+    monkeypatch.undo()  # saving exports the converted graph again
+    loaded.save(str(tmp_path / "again"))  # it holds the folder's model as its original: it saves again
+    assert torch.equal(_encode(amppass.load_pretrained(tmp_path / "again")), expected)
+
+
+def test_an_original_kept_in_fp32_saves_as_itself_and_says_there_is_no_plan(tmp_path, caplog):
+    from amppass.serving.fp32_original import keep_original
+
+    torch.manual_seed(0)
+    model, call = _bert().eval(), _call()
+    kept = keep_original(model, {"whole_model": {"converted_ms": 0.2, "original_ms": 0.1}})
+    with caplog.at_level(logging.INFO, logger="amppass"):
+        kept.save_pretrained(tmp_path / "kept")
+    said = next(r.getMessage() for r in caplog.records if repr(str(tmp_path / "kept")) in r.getMessage())
+    assert "wrote the original model in fp32, which is what runs" in said and "no plan to save" in said
+    assert torch.equal(_logits(type(model).from_pretrained(tmp_path / "kept").eval(), call), _logits(model, call))
+    with pytest.raises(InputError, match="no amppass.pt2 in it"):
+        amppass.load_pretrained(tmp_path / "kept")
+
+
+def test_a_graph_that_does_not_export_again_still_saves_its_weights_and_says_so(tmp_path, caplog, monkeypatch):
+    from amppass.pipelines import serialize
+
+    torch.manual_seed(0)
+    model, call = _bert().eval(), _call()
+    fast = amppass.convert(model, example_kwargs=call, dtype="bf16", plan_for="coverage")
+    fast.save_pretrained(tmp_path / "saved")
+    assert (tmp_path / "saved" / "amppass.pt2").is_file()
+
+    def refused(converted):
+        raise RuntimeError("no export here")
+
+    monkeypatch.setattr(serialize, "exported_program", refused)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="amppass"):
+        fast.save_pretrained(tmp_path / "saved")
+    assert "no plan beside them: the converted graph did not export again (no export here)" in _said(
+        caplog, tmp_path / "saved")
+    assert not (tmp_path / "saved" / "amppass.pt2").exists(), "the older plan is not left beside other weights"
+    loaded = type(model).from_pretrained(tmp_path / "saved").eval()
+    assert torch.allclose(_logits(loaded, call), _logits(model, call), rtol=0, atol=1e-6)

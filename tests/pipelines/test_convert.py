@@ -289,3 +289,100 @@ def test_a_conversion_inside_a_callers_dispatch_mode_is_not_seen_by_it():
     with FlopCounterMode(display=False) as counter:
         fast(x)
     assert counter.get_total_flops() == 2 * 8 * (16 * 32 + 32 * 4)
+
+
+# -- what the model is when it is converted: its mode, its weights' dtype, its device -------------------------
+
+class _Dropping(nn.Module):
+    """A layer and a dropout: train mode changes what it computes."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.drop = nn.Linear(8, 8), nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(self.fc(x))
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and r.name.startswith("amppass")]
+
+
+def test_a_model_in_train_mode_converted_without_mode_is_told_and_refuses_training(caplog):
+    torch.manual_seed(0)
+    model, x = _Dropping(), torch.randn(4, 8)
+    with caplog.at_level("WARNING", logger="amppass"):
+        fast = amppass.convert(model, (x,), "bf16", plan_for="coverage")
+    said = [m for m in _warnings(caplog) if "train mode" in m]
+    assert len(said) == 1 and "_Dropping is in train mode" in said[0] and "given no mode=" in said[0]
+    assert "mode='train'" in said[0] and "model.eval()" in said[0]
+    assert model.training and not fast.training, "the caller's model keeps its mode; the eval graph comes back in eval"
+    with torch.no_grad():  # it serves: the eval graph, dropout off
+        assert rel_err(fast(x), model.eval()(x)) < 2e-2
+    model.train()
+    fast.train()
+    with pytest.raises(amppass.InputError, match=r"_Dropping was converted for inference \(amppass\.convert without "
+                                                 r"mode=, from a model in train mode\).*mode='train'.*\.eval\(\)"):
+        fast(x).sum().backward()
+    with torch.no_grad():
+        fast(x)  # train mode without gradients is not training: it runs
+    fast.eval()
+    fast(x)
+
+
+@pytest.mark.parametrize("how", ["eval", "mode"])
+def test_a_model_whose_mode_is_said_is_converted_without_a_word(how, caplog):
+    model, x = _Dropping(), torch.randn(4, 8)
+    with caplog.at_level("WARNING", logger="amppass"):
+        if how == "eval":
+            fast = amppass.convert(model.eval(), (x,), "bf16", plan_for="coverage")
+        else:
+            fast = amppass.convert(model, (x,), "bf16", plan_for="coverage", mode="inference")
+    assert not [m for m in _warnings(caplog) if "train mode" in m]
+    fast.train()
+    fast(x).sum()  # not refused: the caller said what it converted for
+
+
+def test_weights_amppass_cannot_plan_from_are_refused_before_anything_runs():
+    model = _Dropping().eval()
+    with pytest.raises(amppass.InputError, match=r"the model is on the 'meta' device \(fc\.weight") as caught:
+        amppass.convert(copy.deepcopy(model).to("meta"), (torch.randn(4, 8),), "bf16")
+    assert "target=" not in str(caught.value), "the user passed no target"
+    half = copy.deepcopy(model).half()
+    with pytest.raises(amppass.InputError, match=r"already float16 \(fc\.weight: 2 of 2 floating parameters\).*"
+                                                 r"copy\.deepcopy\(model\)\.float\(\)"):
+        amppass.convert(half, (torch.randn(4, 8).half(),), "fp16")
+    assert all(p.dtype == torch.float16 for p in half.parameters()), "the caller's model is unchanged"
+    with pytest.raises(amppass.InputError, match=r"the example holds bfloat16 tensors and the model's weights are "
+                                                 r"float32.*x\.to\(torch\.float32\)"):
+        amppass.convert(model, (torch.randn(4, 8).bfloat16(),), "bf16")
+
+
+class _Widening(nn.Module):
+    """A model whose own code takes any floating input (it casts it to its weights' dtype)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x.to(self.fc.weight.dtype))
+
+
+def test_an_example_of_another_dtype_that_the_model_itself_takes_converts():
+    torch.manual_seed(0)
+    model, x = _Widening().eval(), torch.randn(4, 8)
+    fast = amppass.convert(model, (x.half(),), "bf16", plan_for="coverage")
+    with torch.no_grad():
+        assert rel_err(fast(x.half()), model(x.half())) < 2e-2
+
+
+def test_a_model_whose_library_put_its_layers_in_eval_is_not_taken_for_training(caplog):
+    """A SentenceTransformer is in train mode around a from_pretrained model in eval: it is not being trained."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(_Dropping().eval()), torch.randn(4, 8)
+    assert model.training
+    with caplog.at_level("WARNING", logger="amppass"):
+        fast = amppass.convert(model, (x,), "bf16", plan_for="coverage")
+    assert not [m for m in _warnings(caplog) if "train mode" in m]
+    fast(x).sum()
