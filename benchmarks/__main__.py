@@ -286,6 +286,9 @@ SECTIONS: dict[str, Callable[[bool, Path], Section]] = {
     "conversion_time": _external("conversion_time", "Conversion time and plan digest (coverage plans, calibration "
                                  "and tolerance on both front ends): amppass at 71b06f8 and now",
                                  lambda m, quick: m.against(m.BEFORE, not quick)),
+    "dynamic_padding": _external("dynamic_padding", "Fine-tuning with dynamic padding: AmpPassTrainer against the "
+                                 "transformers Trainer in fp32 and with bf16=True (steps/s, conversion included)",
+                                 lambda m, quick: m.run(quick)),
     "gpu": _gpu,
 }
 
