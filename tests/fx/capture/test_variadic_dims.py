@@ -103,3 +103,27 @@ def test_bert_with_num_items_in_batch_converts_once_for_every_length(captures, c
     assert captures.count(True) == 1, captures  # one train-mode capture, never again for a new length
     messages = [r.getMessage() for r in caplog.records]
     assert not [m for m in messages if "capturing and converting it again" in m or "could not keep" in m], messages
+
+
+class FixedLengthNet(KwargsNet):
+    """Flattens the sequence into the features of one Linear: the length cannot vary, the batch can."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(7 * 8, 2)
+
+    def forward(self, input_ids, attention_mask=None, **kwargs):
+        hidden = self.proj(self.embed(input_ids)) * attention_mask.unsqueeze(-1)
+        return self.head(hidden.flatten(1)).sum() / kwargs["num_items_in_batch"]
+
+
+def test_a_dimension_that_cannot_vary_stays_static_and_the_log_names_it(caplog):
+    torch.manual_seed(0)
+    call = _call(3, 7)
+    del call["return_dict"]
+    with caplog.at_level(logging.WARNING, logger="amppass"):
+        gm = capture(FixedLengthNet(), None, call)
+    specs = {spec.name: spec.dims for spec in gm.meta[GUARDS_KEY].inputs}
+    assert specs["input_ids"][1] == 7 and not isinstance(specs["input_ids"][0], int), specs
+    notes = " ".join(r.getMessage() for r in caplog.records)
+    assert "input_ids dim 1 is fixed at 7" in notes and "could not keep any" not in notes, notes
