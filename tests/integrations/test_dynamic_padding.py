@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import amppass
-from amppass.pipelines import convert as convert_module
+from tests.helpers.capture_count import counted_captures
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -70,16 +70,8 @@ def _fresh_accelerator_state():
 
 @pytest.fixture
 def captures(monkeypatch):
-    """The ``train`` flag of every capture amppass makes (the first conversion's, and any made again later)."""
-    made: list[bool] = []
-    real = convert_module.capture
-
-    def counting(*args, **kwargs):
-        made.append(kwargs.get("train", False))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(convert_module, "capture", counting)
-    return made
+    """The ``train`` flag of every capture amppass makes (tests/helpers/capture_count.py)."""
+    return counted_captures(monkeypatch)
 
 
 def _loader(tokenizer) -> torch.utils.data.DataLoader:
@@ -123,10 +115,16 @@ def _accelerate_losses(tokenizer, route: bool) -> list[float]:
                                                                           _loader(tokenizer), dtype="bf16")
     else:
         model, optimizer, loader = accelerator.prepare(model, optimizer, _loader(tokenizer))
+    return _loop(model, optimizer, loader, accelerator.backward)
+
+
+def _loop(model, optimizer, loader, backward) -> list[float]:
+    """Train one pass over ``loader`` with ``backward``, the loss normalised by the tokens in the batch as the Trainer
+    normalises it (``num_items_in_batch``, which reaches the model's ``**kwargs``): each step's loss."""
     losses = []
-    for batch in loader:  # the loss normalised by the tokens in the batch, as the Trainer does
+    for batch in loader:
         loss = model(**batch, num_items_in_batch=batch["attention_mask"].sum()).loss
-        accelerator.backward(loss)
+        backward(loss)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
@@ -147,14 +145,7 @@ def _fabric_losses(tokenizer, plugin) -> list[float]:
     fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin] if plugin else None)
     model = _model(tokenizer)
     model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-    losses = []
-    for batch in fabric.setup_dataloaders(_loader(tokenizer)):
-        loss = model(**batch, num_items_in_batch=batch["attention_mask"].sum()).loss
-        fabric.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return _loop(model, optimizer, fabric.setup_dataloaders(_loader(tokenizer)), fabric.backward)
 
 
 @pytest.mark.slow  # the same route as accelerate's (amppass.integrations.routing); a conversion of its own

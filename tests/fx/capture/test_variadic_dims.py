@@ -18,7 +18,7 @@ from torch import nn
 import amppass
 from amppass.fx.capture.export import capture
 from amppass.fx.capture.guards import GUARDS_KEY
-from amppass.pipelines import convert as convert_module
+from tests.helpers.capture_count import counted_captures
 
 
 class KwargsNet(nn.Module):
@@ -65,16 +65,8 @@ def test_tensors_through_kwargs_leave_batch_and_length_dynamic(caplog):
 
 @pytest.fixture
 def captures(monkeypatch):
-    """Every capture amppass makes while converting, as the ``train`` flag it was made for."""
-    made: list[bool] = []
-    real = convert_module.capture
-
-    def counting(*args, **kwargs):
-        made.append(kwargs.get("train", False))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(convert_module, "capture", counting)
-    return made
+    """The ``train`` flag of every capture amppass makes (tests/helpers/capture_count.py)."""
+    return counted_captures(monkeypatch)
 
 
 def test_bert_with_num_items_in_batch_converts_once_for_every_length(captures, caplog):
