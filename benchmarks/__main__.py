@@ -289,6 +289,9 @@ SECTIONS: dict[str, Callable[[bool, Path], Section]] = {
     "conversion_profile": _external("conversion_profile", "Where the conversion time of a large 3D model goes: a 3D "
                                     "Swin segmentation net (SwinUNETR's shape), bf16 coverage plan, under cProfile",
                                     lambda m, quick: m.run(quick)),
+    "dynamic_padding": _external("dynamic_padding", "Fine-tuning with dynamic padding: AmpPassTrainer against the "
+                                 "transformers Trainer in fp32 and with bf16=True (steps/s, conversion included)",
+                                 lambda m, quick: m.run(quick)),
     "gpu": _gpu,
 }
 

@@ -67,8 +67,8 @@ def capture(
     The model is captured in eval mode unless ``train`` is set. Dimensions export had to fix are logged
     as a warning unless ``note_fixed_dims`` is off; the graph's guards are kept in ``gm.meta``. Keyword inputs
     that reach forward()'s ``**kwargs`` and hold no tensor (``return_dict=True``) are fixed in the graph and
-    recorded in its guards (torch.export takes no dynamic shapes for a call that passes anything through
-    ``**kwargs``). Mappings torch's pytree does not know (``BatchEncoding``) are taken as dicts.
+    recorded in its guards; tensors that reach it (the Trainer's ``num_items_in_batch``) are captured as
+    keyword inputs of their own, with their dimensions dynamic like the others. Mappings torch's pytree does not know (``BatchEncoding``) are taken as dicts.
     """
     if not isinstance(model, nn.Module):
         raise InputError(f"model must be a torch.nn.Module, got {type(model).__name__}; pass the module object "
@@ -110,10 +110,10 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any, no
     if written is not None:
         raise CaptureError(f"{written}. Call it without that input (use_cache=False), or make the model return "
                            "what it writes (a decoder: config.is_decoder=True)")
-    fixed = _fixed_keywords(model, args, kwargs)
+    fixed, named = _variadic_keywords(model, args, kwargs)
     whole, call = model, kwargs  # as the caller passed them, to run the model on if no capture works
-    if fixed:
-        model, kwargs = _with_fixed(model, fixed), {k: v for k, v in kwargs.items() if k not in fixed}
+    if fixed or named:
+        model, kwargs = _with_named(model, fixed, named), {k: v for k, v in kwargs.items() if k not in fixed}
     # (dynamic_shapes, keep size-1 dimensions dynamic): the most general capture first
     why_static = None
     if dynamic_shapes != "auto":
@@ -122,7 +122,7 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any, no
         auto, why_static = _auto_dims_and_why(model, args, kwargs)
         attempts = [(auto, True), (auto, False), (None, False)] if auto is not None else [(None, False)]
     last: Exception | None = None
-    traced = model if fixed else private_copy(model)
+    traced = model if fixed or named else private_copy(model)
     for shapes, oblivious in attempts:
         try:
             with size_one_dynamic(oblivious), quiet_torch(), functions_applied() as functions:
@@ -225,30 +225,37 @@ def _auto_dims_and_why(model: nn.Module, args: tuple, kwargs: dict) -> tuple[Any
     return {name: _dims(value) for name, value in bound.arguments.items()}, None
 
 
-def _fixed_keywords(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """The keyword inputs that reach forward()'s ``**kwargs`` and hold no tensor (``return_dict=True``).
+def _variadic_keywords(model: nn.Module, args: tuple, kwargs: dict) -> tuple[dict[str, Any], list[str]]:
+    """The keyword inputs that reach forward()'s ``**kwargs``: ``(fixed, named)``.
 
-    torch.export cannot take dynamic shapes for a call that passes anything through ``**kwargs``, so such a
-    value would make every tensor dimension static; it is fixed in the captured graph instead (a call with
-    another value is another plan, :mod:`amppass.serving.serving_graph`)."""
+    ``fixed``: those that hold no tensor (``return_dict=True``), fixed in the captured graph (a call with another
+    value is another plan, :mod:`amppass.serving.serving_graph`). ``named``: those that hold tensors (the
+    Trainer's ``num_items_in_batch``), which the capture takes as keyword parameters of their own
+    (:func:`_with_named`). torch.export's non-strict trace lays out a call with values in ``**kwargs`` otherwise
+    than the ``dynamic_shapes`` that mirror it (the variadic parameter's dict), so such a call could keep no
+    dimension dynamic, and every sequence length of a padded batch would be a plan of its own."""
     try:
         signature = inspect.signature(model.forward)
         bound = signature.bind(*args, **kwargs)
     except (TypeError, ValueError):
-        return {}
+        return {}, []
     extra = next((bound.arguments[name] for name, p in signature.parameters.items()
                   if p.kind is inspect.Parameter.VAR_KEYWORD and name in bound.arguments), {})
-    return {k: v for k, v in extra.items()
-            if not any(isinstance(leaf, torch.Tensor) for leaf in torch.utils._pytree.tree_leaves(v))}
+    holds_tensor = {k: any(isinstance(leaf, torch.Tensor) for leaf in torch.utils._pytree.tree_leaves(v))
+                    for k, v in extra.items()}
+    return {k: v for k, v in extra.items() if not holds_tensor[k]}, [k for k in extra if holds_tensor[k]]
 
 
-def _with_fixed(model: nn.Module, fixed: dict[str, Any]) -> nn.Module:
-    """A copy of ``model`` (own module objects, the same tensors) whose forward has ``fixed`` bound."""
+def _with_named(model: nn.Module, fixed: dict[str, Any], named: list[str]) -> nn.Module:
+    """A copy of ``model`` (own module objects, the same tensors) whose forward has ``fixed`` bound and takes the
+    tensor inputs ``named`` as keyword parameters of their own in place of its ``**kwargs`` (they still reach the
+    model's code through it), so that ``dynamic_shapes`` can name every input (:func:`_variadic_keywords`)."""
     bound = shared_copy(model)
     forward = functools.partial(type(model).forward.__get__(bound), **fixed)
     signature = inspect.signature(model.forward)
-    forward.__signature__ = signature.replace(parameters=[p for p in signature.parameters.values()
-                                                          if p.name not in fixed])
+    kept = [p for p in signature.parameters.values() if p.name not in fixed and p.kind is not p.VAR_KEYWORD]
+    added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY) for name in named]
+    forward.__signature__ = signature.replace(parameters=kept + added)
     bound.forward = forward  # an instance attribute: nn.Module.__call__ and torch.export read it
     return bound
 

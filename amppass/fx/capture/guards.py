@@ -85,7 +85,7 @@ class ShapeGuards:
                  guard_module: nn.Module | None, signature: inspect.Signature | None,
                  fixed: dict[str, Any] | None = None):
         self.in_spec, self.inputs, self.ranges = in_spec, inputs, ranges
-        self.fixed = dict(fixed or {})  # keyword values the capture bound into the graph (capture._fixed_keywords)
+        self.fixed = dict(fixed or {})  # keyword values the capture bound into the graph (capture._variadic_keywords)
         self.guard_module, self.signature = guard_module, signature  # the module: for export to trace again
         self.guard_fn = _guard_function(guard_module) or guard_module
         self._described: str | None = None  # describe(), formatted once: the report reads it on every call
