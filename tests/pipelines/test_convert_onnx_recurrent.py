@@ -129,3 +129,11 @@ def test_convert_onnx_fp16_of_the_torchscript_exporters_file_loads_and_runs_on_c
     onnx.save(converted, tmp_path / "fp16.onnx")
     _close(_run_apart(tmp_path / "fp16.onnx", {"frames": frames.numpy()}, tmp_path), want)
     assert [r.precision for r in _recurrent_rows(converted, kind)] == ["fp32"]
+
+
+def test_force_low_does_not_put_a_recurrent_node_in_fp16_on_cpu():
+    converted = amppass.convert_onnx(_recurrent_graph("LSTM"), "fp16", force_low=["LSTM"])
+    [row] = _recurrent_rows(converted, "LSTM")
+    assert row.precision == "fp32"
+    assert row.reason.startswith("user asked for fp16 (force_low='LSTM'), but onnxruntime CPUExecutionProvider has "
+                                 "no fp16 kernel for LSTM (opset 20)")
