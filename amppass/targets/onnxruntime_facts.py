@@ -5,7 +5,9 @@ Three facts decide whether a converted model loads and runs (CPUExecutionProvide
 1. The highest IR version and opset it loads: found by loading one-node models, newest first.
 2. Which ops have a kernel for fp16 / bf16: its kernel registry (``get_registered_ep_kernel_defs``).
 3. Whether it runs a low-precision op that has only an fp32 kernel: its graph transformer inserts casts
-   around such nodes for fp16 (not for bf16); found by running a one-node fp16/bf16 MatMul.
+   around such nodes for fp16 (not for bf16); found by running a one-node fp16/bf16 MatMul. The recurrent
+   ops (:data:`NO_CAST_AROUND`) are the exception: a model whose fp16 LSTM or GRU it casts around can crash
+   the process that loads it, so they count as having no fp16 kernel.
 
 Without onnxruntime installed every op is allowed and the versions are not capped.
 """
@@ -122,6 +124,13 @@ def _kernels() -> dict[tuple[str, str], list[tuple[int, int, frozenset[str]]]]:
     return table
 
 
+# Ops onnxruntime must not be left to cast around. The CPU provider registers LSTM, GRU and RNN for float and
+# double only; onnxruntime 1.31.1 segfaults (in its NchwcTransformer, ORT_ENABLE_ALL, the session default) while
+# creating a session for a model exported from an nn.LSTM or nn.GRU with the recurrent node in fp16 and the rest
+# of the model fp16 around it. A crash cannot be caught, so these ops have no low-precision path: status "none".
+NO_CAST_AROUND = frozenset({("", "LSTM"), ("", "GRU"), ("", "RNN")})
+
+
 @functools.lru_cache(maxsize=None)
 def casts_around_fp32_kernels(elem_type: int) -> bool:
     """Whether onnxruntime runs an ``elem_type`` MatMul, which has only fp32 kernels, by casting around it."""
@@ -141,6 +150,7 @@ def kernel_status(domain: str, op: str, opset: int, elem_type: int) -> str:
     """How onnxruntime runs ``op`` on ``elem_type`` tensors: "native", "via-fp32", "none" or "unknown".
 
     "unknown" means the registry is unavailable or holds no kernel of any type for the op (a custom op).
+    An op of :data:`NO_CAST_AROUND` without a native kernel is "none", not "via-fp32".
     """
     kernels = _kernels()
     if not kernels:
@@ -151,7 +161,8 @@ def kernel_status(domain: str, op: str, opset: int, elem_type: int) -> str:
     name = f"tensor({_TYPE_NAMES[elem_type]})"
     if any(name in types for _, _, types in rows):
         return "native"
-    if any("tensor(float)" in types for _, _, types in rows) and casts_around_fp32_kernels(elem_type):
+    if (any("tensor(float)" in types for _, _, types in rows) and (_domain(domain), op) not in NO_CAST_AROUND
+            and casts_around_fp32_kernels(elem_type)):
         return "via-fp32"
     return "none"
 
