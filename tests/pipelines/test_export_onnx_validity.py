@@ -5,12 +5,12 @@ names both. (torch's dynamo exporter wrote such a Squeeze for an LSTM-based spee
 from __future__ import annotations
 
 import logging
-import tomllib
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+import tomllib
 import torch
 from onnx import helper
 
@@ -31,8 +31,8 @@ class Tagger(torch.nn.Module):
 
 
 def _squeeze_onnxruntime_refuses(path) -> None:
-    """Append a Squeeze of an axis of size 3 (the tags) to the file's output: valid for onnx.checker, refused by onnxruntime's
-    shape inference when it loads the file."""
+    """Append a Squeeze of an axis of size 3 (the tags) to the file's output: valid for onnx.checker, refused by
+    onnxruntime's shape inference when it loads the file."""
     model = onnx.load(path)
     out = model.graph.output[0]
     axis = next(i for i, d in enumerate(out.type.tensor_type.shape.dim) if d.dim_value > 1)
