@@ -132,7 +132,7 @@ class _Table:
         return found
 
     def describe(self) -> dict[str, Any]:
-        info = {"provider": self.table.provider, "source": _source(self.table)}
+        info: dict[str, Any] = {"provider": self.table.provider, "source": _source(self.table)}
         if self.fallback is not None:
             info["fallback"] = {"provider": self.fallback.provider, "source": _source(self.fallback)}
         return info

@@ -165,7 +165,7 @@ def check_backoff_factor(value: Any, where: str = "") -> None:
 
 def _check_int(name: str, value: Any, low: int, high: int, note: str) -> None:
     """An int (not a bool, not a float that happens to be whole) from ``low`` to ``high``."""
-    if not (isinstance(value, Integral) and not isinstance(value, bool) and low <= value <= high):
+    if not (isinstance(value, Integral) and not isinstance(value, bool) and low <= int(value) <= high):
         raise ScalerValueError(f"{name}={_shown(value)} must be an int from {low} to {_bound(high)} ({note})")
 
 
