@@ -5,9 +5,9 @@ from __future__ import annotations
 import copy
 import importlib.metadata
 import time
+import tomllib
 
 import pytest
-import tomllib
 import torch
 from torch import nn
 

@@ -5,12 +5,12 @@ names both. (torch's dynamo exporter wrote such a Squeeze for an LSTM-based spee
 from __future__ import annotations
 
 import logging
+import tomllib
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-import tomllib
 import torch
 from onnx import helper
 
