@@ -1,10 +1,13 @@
-"""Test-wide settings: conversions never read or write the user's timing cache."""
+"""Test-wide settings: conversions never read or write the user's timing cache; shared fixtures."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
+
+# fixtures every test may ask for by name: ``saved`` (a converted .pt2 and torch's own), built once a module
+pytest_plugins = ["tests.helpers.pt2_files"]
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -175,7 +175,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if _debugging(args):
             raise
         where = f"{args.model}: " if args is not None and getattr(args, "model", None) else ""
-        return _fail(1, f"{where}unexpected {type(error).__name__}: {_one_line(error)} (rerun with --debug for details)")
+        return _fail(
+            1, f"{where}unexpected {type(error).__name__}: {_one_line(error)} (rerun with --debug for details)"
+        )
 
 
 def _debugging(args: argparse.Namespace | None) -> bool:
@@ -528,7 +530,7 @@ def _batch_count(path: str, value: onnx.ValueInfoProto, shape: tuple[int, ...], 
     if dtype.kind != wanted.kind and not (dtype.kind in "iu" and wanted.kind in "iu"):
         raise FileProblem(f"{path}: array {value.name} is {dtype}; the model's input is {wanted}")
     batch = shape[-len(dims):] if dims else ()
-    if any(d is not None and d != s for d, s in zip(dims, batch)):
+    if any(d is not None and d != s for d, s in zip(dims, batch, strict=False)):
         shown = ["?" if d is None else d for d in dims]
         raise FileProblem(f"{path}: array {value.name} has a batch of shape {batch}; the model's input is {shown}")
     return shape[0] if len(shape) == len(dims) + 1 else 1
@@ -593,7 +595,8 @@ def _one_line(error: BaseException) -> str:
 
 
 def _configure_logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="amppass: %(levelname)s: %(message)s")
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="amppass: %(levelname)s: %(message)s")
     # dependencies' deprecation notices are not the user's business unless they ask for detail
     logging.captureWarnings(True)
     logging.getLogger("py.warnings").setLevel(logging.INFO if verbose else logging.ERROR)

@@ -34,7 +34,8 @@ import secrets
 import signal
 import stat
 import threading
-from typing import BinaryIO, Callable, Iterator
+from types import FrameType
+from typing import Any, BinaryIO, Callable, Iterator
 
 from .errors import InputError
 
@@ -284,7 +285,8 @@ class _TermGuard:
     """Turns SIGTERM into SystemExit(143) while staged files exist (module docstring, rule 4)."""
 
     def __init__(self) -> None:
-        self._previous = None
+        # the SIGTERM handler found at install (a function, SIG_DFL, SIG_IGN or None), put back by uninstall
+        self._previous: Callable[[int, FrameType | None], Any] | int | None = None
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():

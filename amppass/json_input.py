@@ -62,7 +62,9 @@ def _most_values(data: bytes | str) -> int:
     and each opening bracket (a container's first value) but those of empty containers (``[]``, ``{}``). Commas
     and brackets inside strings only raise the count (a ``[]`` in a string takes back its own ``[``), so it
     never falls short, and it is exact for compact JSON whose strings hold none."""
-    marks = (b",", b"[", b"{", b"[]", b"{}") if isinstance(data, bytes) else (",", "[", "{", "[]", "{}")
-    counts = [data.count(mark) for mark in marks]
+    if isinstance(data, bytes):
+        counts = [data.count(mark) for mark in (b",", b"[", b"{", b"[]", b"{}")]
+    else:
+        counts = [data.count(mark) for mark in (",", "[", "{", "[]", "{}")]
     return 1 + sum(counts[:3]) - sum(counts[3:])
 

@@ -4,7 +4,8 @@ Small models at batch 1 (a 3-layer MLP of width 64, a 2-layer LSTM, a 2-layer tr
 thread, under ``torch.no_grad()``: the original's call, the call of the module ``plan_for="coverage"`` returns
 (the graph always runs), and that graph's own call (``run_graph``, the compiled fx code the returned module
 calls), in microseconds: medians of 30 interleaved rounds, each sample averaging ~20 ms of calls
-(``benchmarks.latency.time_interleaved``). ``overhead_us`` = returned - graph alone: the guard check, the input flattening and the output rebuild of every call. ``speed_plan`` is what the
+(``benchmarks.latency.time_interleaved``). ``overhead_us`` = returned - graph alone: the guard check, the input
+flattening and the output rebuild of every call. ``speed_plan`` is what the
 default ``plan_for="speed"`` returned (the original's class where it kept the original) and ``speed_vs_original``
 its call against the original's.
 

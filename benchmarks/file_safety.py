@@ -194,9 +194,12 @@ PROBES: dict[str, str] = {
         ts = [threading.Thread(target=work, args=(c,)) for c in cases]
         [t.start() for t in ts]; [t.join() for t in ts]
         print(f"{len(errors)} of 12 failed" + (f" ({errors[0]})" if errors else ""))''',
-    "external offset past the end of the file": '''print(outcome(lambda: amppass.convert_onnx(str(external(offset="999999"))) and "converted"))''',
-    "negative external offset": '''print(outcome(lambda: amppass.convert_onnx(str(external(offset="-8"))) and "converted"))''',
-    "external offset that is not a number": '''print(outcome(lambda: amppass.convert_onnx(str(external(offset="12abc"))) and "converted"))''',
+    "external offset past the end of the file":
+        '''print(outcome(lambda: amppass.convert_onnx(str(external(offset="999999"))) and "converted"))''',
+    "negative external offset":
+        '''print(outcome(lambda: amppass.convert_onnx(str(external(offset="-8"))) and "converted"))''',
+    "external offset that is not a number":
+        '''print(outcome(lambda: amppass.convert_onnx(str(external(offset="12abc"))) and "converted"))''',
     "raw_data shorter than the shape": '''
         m = model(); m.graph.initializer[0].raw_data = m.graph.initializer[0].raw_data[:-4]
         print(outcome(lambda: amppass.convert_onnx(m) and "converted"))''',
@@ -204,7 +207,8 @@ PROBES: dict[str, str] = {
         out = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])
         leaf = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "leaf", [], [out])
         m = helper.make_model(helper.make_graph([], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1]),
-              helper.make_tensor_value_info("c", TensorProto.BOOL, [])], [out]), opset_imports=[helper.make_opsetid("", 17)])
+              helper.make_tensor_value_info("c", TensorProto.BOOL, [])], [out]),
+              opset_imports=[helper.make_opsetid("", 17)])
         g = m.graph
         for i in range(2000):
             n = g.node.add(op_type="If", input=["c"], output=["y"], name=f"if{i}")
@@ -215,7 +219,8 @@ PROBES: dict[str, str] = {
         print(outcome(lambda: amppass.convert_onnx(m) and "converted"))''',
     "forged report metadata: casts = 1e999": '''
         c = amppass.convert_onnx(model())
-        e = next(p for p in c.metadata_props if p.key == "amppass"); e.value = e.value.replace('"casts": ', '"casts": 1e999, "x": ')
+        e = next(p for p in c.metadata_props if p.key == "amppass")
+        e.value = e.value.replace('"casts": ', '"casts": 1e999, "x": ')
         print(outcome(lambda: amppass.report(c).summary() and "reported"))''',
     "forged report metadata: not JSON": '''
         c = amppass.convert_onnx(model())
@@ -236,10 +241,12 @@ PROBES: dict[str, str] = {
         def go():
             c = amppass.convert_onnx(m)
             vals = numpy_helper.to_array(next(t for t in c.graph.initializer if t.name == "B"))
-            return "converted; B silently took W's values" if vals.size and abs(float(vals[0]) - float(W.flat[0])) < 1e-2 else "converted"
+            took_w = vals.size and abs(float(vals[0]) - float(W.flat[0])) < 1e-2
+            return "converted; B silently took W's values" if took_w else "converted"
         print(outcome(go))''',
     "graph with a cycle": '''
-        m = model(); m.graph.node.append(helper.make_node("Relu", ["y"], ["x2"], name="back")); m.graph.node[0].input[0] = "x2"
+        m = model(); m.graph.node.append(helper.make_node("Relu", ["y"], ["x2"], name="back"))
+        m.graph.node[0].input[0] = "x2"
         print(outcome(lambda: checker_verdict(m)))''',
     "two nodes writing one output": '''
         m = model(); m.graph.node.append(helper.make_node("Neg", ["x"], ["y"], name="again"))
@@ -259,7 +266,8 @@ PROBES: dict[str, str] = {
                 "    w(self, *a); print('saving', flush=True); time.sleep(30)\\n"
                 "WeightStore.write = slow_w\\n"
                 "c.save(onnx.load(sys.argv[1]), sys.argv[2], external_data=True)\\n")
-        p = subprocess.Popen([sys.executable, "-c", code, str(src), str(tmp / "out.onnx")], stdout=subprocess.PIPE, text=True)
+        p = subprocess.Popen([sys.executable, "-c", code, str(src), str(tmp / "out.onnx")], stdout=subprocess.PIPE,
+                             text=True)
         p.stdout.readline(); p.send_signal(signal.SIGTERM); p.wait(60)
         left = sorted(x.name for x in tmp.iterdir() if x.name != "m.onnx")
         print(f"{len(left)} files left" + (f": {', '.join(left)}" if left else ""))''',
@@ -273,14 +281,15 @@ PROBES: dict[str, str] = {
         bomb = tmp / "feeds.npz"
         with zipfile.ZipFile(bomb, "w", compression=zipfile.ZIP_DEFLATED) as z:
             with z.open("x.npy", "w", force_zip64=True) as f:
-                np.lib.format.write_array_header_1_0(f, {"descr": "<f4", "fortran_order": False, "shape": (8192, 64, 1024)})
+                header = {"descr": "<f4", "fortran_order": False, "shape": (8192, 64, 1024)}
+                np.lib.format.write_array_header_1_0(f, header)
                 zero = bytes(1 << 20)
                 for _ in range(2048):
                     f.write(zero)
         run = ("import resource, sys\\nfrom amppass.cli import main\\ncode = main(sys.argv[1:])\\n"
                "print('RSS', code, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
-        done = subprocess.run([sys.executable, "-c", run, "convert", str(src), "-o", str(tmp / "o.onnx"), "--calib", str(bomb)],
-                              capture_output=True, text=True)
+        done = subprocess.run([sys.executable, "-c", run, "convert", str(src), "-o", str(tmp / "o.onnx"),
+                               "--calib", str(bomb)], capture_output=True, text=True)
         line = [l for l in done.stdout.splitlines() if l.startswith("RSS")][-1].split()
         print(f"{bomb.stat().st_size / 1e6:.1f} MB file: exit {line[1]}, peak RSS {int(line[2]) / 1024**2:.2f} GiB")''',
     "calibration feed for a dim_value -1 input": '''

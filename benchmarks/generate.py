@@ -30,6 +30,7 @@ from typing import Any, Callable
 import torch
 
 import amppass
+
 from .latency import time_interleaved
 
 NOTES = (
@@ -171,7 +172,7 @@ def _timed_call(run: _Run, prompt: torch.Tensor, options: dict[str, Any]) -> Cal
         clock = _Clock()
         started = time.perf_counter()
         out = run.generate(prompt, stopping_criteria=StoppingCriteriaList([clock]), **options)
-        steps = [b - a for a, b in zip([started] + clock.stamps, clock.stamps)]
+        steps = [b - a for a, b in zip([started] + clock.stamps, clock.stamps, strict=False)]
         if run.prefill is not None:
             run.prefill.append(steps[0])
             run.decode.append(statistics.median(steps[1:]))

@@ -20,7 +20,8 @@ row says what raised):
    had amppass at 21.2 ms against autocast's 8.7 ms here, with the same matrix products low).
 
 Each part has a time budget (:data:`BUDGET_S`, about 6 minutes in all, so the whole section fits one
-command on a lent GPU): rows it could not start in time say so. ``--quick`` runs every part with the small zoo and short loops on whatever device there is (the CPU in CI),
+command on a lent GPU): rows it could not start in time say so. ``--quick`` runs every part with the small zoo and short
+loops on whatever device there is (the CPU in CI),
 to check the code; only ``--full`` on a GPU gives figures. TFLOP/s is the matrix-product work (2 x MACs of
 every linear / matmul / conv / attention, torch's FlopCounterMode) over the median time.
 """
@@ -30,6 +31,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import functools
 import statistics
 import time
 import traceback
@@ -192,7 +194,7 @@ def inference(quick: bool) -> list[dict[str, Any]]:
                 reference = _first_float(fp32(*inputs)).float()
                 exact = _first_float(copy.deepcopy(fp32).double()(*(
                     t.double() if t.is_floating_point() else t for t in inputs))).double()
-                fp32_ms, fp32_mb = timed(lambda: fp32(*inputs), where, warmup, repeats)
+                fp32_ms, fp32_mb = timed(functools.partial(fp32, *inputs), where, warmup, repeats)
         except Exception as err:  # noqa: BLE001
             rows.append(_failed(base, err))
             continue
@@ -276,9 +278,12 @@ def plan_note(fast: torch.nn.Module) -> str:
     if isinstance(fast, KeptFp32):
         whole = report.info.get("whole_model", {})
         return f"kept fp32 ({whole.get('converted_ms')} ms converted vs {whole.get('original_ms')} ms)"
-    timed = collections.Counter(r.op.removeprefix("aten.") for r in report.rows
-                                if r.source == "profitability" and r.precision == "fp32")
-    return "; ".join(f"{op} x{n}" for op, n in timed.most_common(4)) + " fp32 by timing" if timed else "no op fp32 by timing"
+    timed = collections.Counter(
+        r.op.removeprefix("aten.") for r in report.rows if r.source == "profitability" and r.precision == "fp32"
+    )
+    if not timed:
+        return "no op fp32 by timing"
+    return "; ".join(f"{op} x{n}" for op, n in timed.most_common(4)) + " fp32 by timing"
 
 
 def decoding(quick: bool) -> list[dict[str, Any]]:
@@ -491,7 +496,7 @@ def profile(quick: bool) -> list[dict[str, Any]]:
         with torch.autocast(where.type, dtype=torch.bfloat16):
             return fp32(*inputs)
 
-    for variant, call in zip(variants, (autocast, lambda: fast(*inputs))):
+    for variant, call in zip(variants, (autocast, lambda: fast(*inputs)), strict=False):
         base = {"model": point.label, "variant": variant}
         if budget.spent():
             rows.append({**base, "failed": SKIPPED})

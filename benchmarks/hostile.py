@@ -11,6 +11,7 @@ how many matrix products stayed fp16.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -155,7 +156,7 @@ def run_case(case: HostileCase, calibration_seeds: tuple[int, ...] = (1, 2, 3, 4
         report = amppass.report(fast)
         low = sum(1 for r in report.rows if r.op in MATMUL_OPS and r.precision == "fp16")
         fired = sorted({r.evidence.get("rule") for r in report.rows if r.source == "calibration"} - {None})
-        row(method, lambda: fast(*inputs), low, ", ".join(fired))
+        row(method, functools.partial(fast, *inputs), low, ", ".join(fired))
     return rows
 
 

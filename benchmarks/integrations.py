@@ -160,8 +160,11 @@ def lightning(variant: str, setting: Setting) -> Record:
             record.losses.append(float(outputs["loss"]))
 
     flags: dict[str, Any] = {
-        "fp32": {}, "tool bf16": {"precision": "bf16-mixed"}, "tool fp16": {"precision": "16-mixed"},
-        "amppass bf16": {"plugins": [AmpPassPrecision("bf16")]}, "amppass fp16": {"plugins": [AmpPassPrecision("fp16")]},
+        "fp32": {},
+        "tool bf16": {"precision": "bf16-mixed"},
+        "tool fp16": {"precision": "16-mixed"},
+        "amppass bf16": {"plugins": [AmpPassPrecision("bf16")]},
+        "amppass fp16": {"plugins": [AmpPassPrecision("fp16")]},
     }[variant]
     trainer = pl.Trainer(max_steps=len(batches), accelerator="cpu", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0,
@@ -253,7 +256,7 @@ def run(quick: bool) -> list[dict[str, Any]]:
         for variant in VARIANTS:
             try:
                 records[variant] = train(variant, setting)
-            except Exception as error:  # a variant the tool cannot run here is a row saying so
+            except Exception as error:  # noqa: BLE001 - a variant the tool cannot run here is a row saying so
                 log.warning("%s %s failed: %s", tool, variant, error)
                 records[variant] = Record(note=f"failed: {type(error).__name__}: {str(error)[:120]}")
         rows.extend(_rows(tool, records))
@@ -285,7 +288,7 @@ def _rows(tool: str, records: dict[str, Record]) -> list[dict[str, Any]]:
 def _deviation(losses: list[float], reference: list[float]) -> float | None:
     if not losses or len(losses) != len(reference):
         return None
-    return round(max(abs(a - b) / abs(b) for a, b in zip(losses, reference)), 4)
+    return round(max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=False)), 4)
 
 
 def main() -> None:

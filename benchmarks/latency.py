@@ -199,17 +199,21 @@ def target_verdict(rows: list[dict]) -> list[dict]:
         ac, amp = found["autocast"], found["amppass"]
         speed_target = 1.5 if shape.startswith("1x") else 1.0
         err_ratio = amp["err_vs_fp32"] / ac["err_vs_fp32"]
-        verdicts.append({
-            "model": model,
-            "shape": shape,
-            "autocast_ms": ac["latency_ms"],
-            "amppass_ms": amp["latency_ms"],
-            "speedup": amp["vs_autocast"],
-            "speed_target": speed_target,
-            "err_ratio": err_ratio,
-            "weight_ratio": amp["weight_ratio"],
-            "met": "yes" if amp["vs_autocast"] >= speed_target and err_ratio <= 1.1 and amp["weight_ratio"] <= 0.55 else "no",
-        })
+        verdicts.append(
+            {
+                "model": model,
+                "shape": shape,
+                "autocast_ms": ac["latency_ms"],
+                "amppass_ms": amp["latency_ms"],
+                "speedup": amp["vs_autocast"],
+                "speed_target": speed_target,
+                "err_ratio": err_ratio,
+                "weight_ratio": amp["weight_ratio"],
+                "met": "yes"
+                if amp["vs_autocast"] >= speed_target and err_ratio <= 1.1 and amp["weight_ratio"] <= 0.55
+                else "no",
+            }
+        )
     return verdicts
 
 

@@ -37,7 +37,6 @@ except ImportError:  # run as a script in another checkout's process (--measure)
 from torch import nn
 
 
-
 class ConvBN(nn.Module):
     """Six Conv-BatchNorm-ReLU blocks (two strided), global pooling and a linear head; the batch norms hold
     trained-looking statistics, not the identity."""
@@ -132,12 +131,12 @@ def measure(name: str) -> dict[str, Any]:
         options = ort.SessionOptions()
         options.log_severity_level = 3
         session = ort.InferenceSession(m.SerializeToString(), options, providers=["CPUExecutionProvider"])
-        feed = {i.name: t.numpy() for i, t in zip(m.graph.input, inputs(7))}
+        feed = {i.name: t.numpy() for i, t in zip(m.graph.input, inputs(7), strict=False)}
         return session.run(None, feed)
 
     def error(got: list[np.ndarray]) -> float:
         return max(float(np.linalg.norm(g.astype(np.float64) - w) / np.linalg.norm(w))
-                   for g, w in zip(got, want) if np.issubdtype(w.dtype, np.floating))
+                   for g, w in zip(got, want, strict=False) if np.issubdtype(w.dtype, np.floating))
 
     want = [w.astype(np.float64) if np.issubdtype(w.dtype, np.floating) else w for w in run(fp32)]
     cast_count = lambda m: sum(n.op_type == "Cast" for n in m.graph.node)  # noqa: E731

@@ -22,8 +22,16 @@ import onnx
 
 import amppass
 from amppass.onnx.view import all_nodes
-from tests.conformance.onnx_backend_harness import (FORCED_BOUND, FP16_BOUND, OUTCOMES, Case, all_cases,
-                                                    amppass_converter, folder_cases, outcome)
+from tests.conformance.onnx_backend_harness import (
+    FORCED_BOUND,
+    FP16_BOUND,
+    OUTCOMES,
+    Case,
+    all_cases,
+    amppass_converter,
+    folder_cases,
+    outcome,
+)
 
 
 def _onnxconverter_common(case: Case) -> tuple[Case, onnx.ModelProto]:

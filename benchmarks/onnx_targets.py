@@ -25,8 +25,8 @@ import onnx
 import onnxruntime as ort
 
 import amppass
-from amppass.pipelines.export_onnx import export_fp32
 from amppass.onnx.simulate import simulated
+from amppass.pipelines.export_onnx import export_fp32
 from models import build
 from models.arch import build_arch
 
@@ -43,7 +43,7 @@ def _zoo(name: str, size: str, batch: int = 1, seq: int = 32) -> tuple[onnx.Mode
     names = [i.name for i in model.graph.input]
 
     def feed(seed: int) -> dict[str, np.ndarray]:
-        return {n: t.numpy() for n, t in zip(names, case.make_inputs(seed))}
+        return {n: t.numpy() for n, t in zip(names, case.make_inputs(seed), strict=False)}
 
     return model, feed
 
@@ -54,7 +54,7 @@ def _arch(name: str, export: Callable[[], onnx.ModelProto], **shape: Any) -> tup
     names = [i.name for i in model.graph.input]
 
     def feed(seed: int) -> dict[str, np.ndarray]:
-        return {n: t.numpy() for n, t in zip(names, case.make_inputs(seed))}
+        return {n: t.numpy() for n, t in zip(names, case.make_inputs(seed), strict=False)}
 
     return model, feed
 
@@ -92,7 +92,7 @@ def _session(model: onnx.ModelProto) -> ort.InferenceSession:
 def error(model: onnx.ModelProto, reference: list[np.ndarray], feed: dict[str, np.ndarray]) -> float:
     got = _session(model).run(None, feed)
     return max(float(np.linalg.norm(g.astype(np.float64) - r) / np.linalg.norm(r))
-               for g, r in zip(got, reference) if np.issubdtype(r.dtype, np.floating))
+               for g, r in zip(got, reference, strict=False) if np.issubdtype(r.dtype, np.floating))
 
 
 def heavy_rows(label: str, model: onnx.ModelProto) -> tuple[list[dict[str, Any]], dict[tuple[str, str], Any]]:

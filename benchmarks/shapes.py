@@ -117,9 +117,9 @@ def compile_rows(quick: bool) -> list[dict[str, Any]]:
     import copy
 
     import torch._inductor.config as inductor
-    from models import build
 
     from amppass.pipelines.backend import amppass_backend
+    from models import build
 
     case = build("bert", "small" if quick else "base", batch=1, seq=128)
     x, repeats = case.example_inputs[0], 10 if quick else 30
@@ -198,7 +198,7 @@ def _error(out: Any, ref: Any) -> float:
     outs, refs = _leaves(out), _leaves(ref)
     if len(outs) != len(refs):
         return float("inf")
-    num = sum(float((o.float() - r.float()).norm() ** 2) for o, r in zip(outs, refs))
+    num = sum(float((o.float() - r.float()).norm() ** 2) for o, r in zip(outs, refs, strict=False))
     den = sum(float(r.float().norm() ** 2) for r in refs)
     return (num / den) ** 0.5 if den > 0 else 0.0
 

@@ -35,9 +35,9 @@ import torch
 
 import amppass
 from amppass.analysis import tolerance
-from amppass.targets import onnxruntime_facts
 from amppass.onnx.macs import is_heavy, node_macs, operands
 from amppass.onnx.view import name_nodes, value_types
+from amppass.targets import onnxruntime_facts
 
 from .lean_onnx import bert, images, vit
 
@@ -80,7 +80,7 @@ def _torch_case(name: str, make: Callable[[], tuple[torch.nn.Module, Callable[[i
 
     def feed(seed: int) -> dict[str, np.ndarray]:
         model, inputs = model_and_inputs()
-        return {i.name: t.numpy() for i, t in zip(model.graph.input, inputs(seed))}
+        return {i.name: t.numpy() for i, t in zip(model.graph.input, inputs(seed), strict=False)}
 
     return Case(name, lambda: model_and_inputs()[0], feed, tolerance, quick)
 
@@ -196,7 +196,7 @@ def heavy_macs(model: onnx.ModelProto, feed: dict[str, np.ndarray]) -> dict[str,
     named.graph.output.extend(onnx.helper.make_tensor_value_info(v, types[v], None) for v in wanted
                               if v not in declared and v in types)
     values = _session(named).run(wanted, feed)
-    shapes.update({v: list(a.shape) for v, a in zip(wanted, values)})
+    shapes.update({v: list(a.shape) for v, a in zip(wanted, values, strict=False)})
     counted = {n.name: node_macs(n, shapes) for n in heavy}
     return {name: count for name, count in counted.items() if count}
 
@@ -220,8 +220,8 @@ def _session(model: onnx.ModelProto):
 def _error(wanted: list[list[np.ndarray]], converted, feeds: list[dict]) -> float:
     """The largest relative error of ``converted``'s floating outputs against ``wanted`` (per feed)."""
     worst = 0.0
-    for want_all, feed in zip(wanted, feeds):
-        for want, got in zip(want_all, converted.run(None, feed)):
+    for want_all, feed in zip(wanted, feeds, strict=False):
+        for want, got in zip(want_all, converted.run(None, feed), strict=False):
             if np.issubdtype(want.dtype, np.floating):
                 want64, got64 = want.astype(np.float64), got.astype(np.float64)
                 worst = max(worst, float(np.linalg.norm(got64 - want64) / max(np.linalg.norm(want64), 1e-30)))

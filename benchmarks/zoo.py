@@ -1,7 +1,8 @@
 """transformers' model zoo through amppass: outcomes per step, with counts (``tests/conformance/zoo_harness.py``).
 
 ``--quick`` runs the default suite's representative classes with their steps; ``--full`` runs every class of the
-auto-model mappings through every step (the per-type steps on one class of each model type), keeping each class's outcomes in ``zoo_outcomes.json`` beside RESULTS.md as
+auto-model mappings through every step (the per-type steps on one class of each model type), keeping each class's
+outcomes in ``zoo_outcomes.json`` beside RESULTS.md as
 it goes: a run stopped part way resumes from there when the torch and transformers versions are the same (delete the
 file to measure again).
 """
@@ -12,9 +13,9 @@ import collections
 import json
 from pathlib import Path
 
-from .results import Section, markdown_table
-
 from tests.conformance import zoo_harness as harness
+
+from .results import Section, markdown_table
 
 HERE = Path(__file__).resolve().parent
 
@@ -23,13 +24,13 @@ TITLE = "transformers model zoo: outcomes per step (convert, generate, compile, 
 NOTES = (
     "Steps: `convert-speed`/`convert-coverage` (bf16; every float output within max(2^-5, 4x torch.autocast's error) "
     "of fp32's), `generate` (causal LMs: greedy tokens as fp32's up to a near-tie), `compile` (the amppass backend at "
-    "two input shapes, judged as convert), `train` (fp16, 3 steps with LossScaler; each parameter's first-step gradient "
-    "error, 1 - cosine to fp32's, within 2x autocast+GradScaler's for it plus 0.01; gradients fp16 autocast cannot "
-    "resolve are counted, not judged), `export-onnx` (fp16; onnx.checker full check, onnxruntime CPU within "
+    "two input shapes, judged as convert), `train` (fp16, 3 steps with LossScaler; each parameter's first-step "
+    "gradient error, 1 - cosine to fp32's, within 2x autocast+GradScaler's for it plus 0.01; gradients fp16 autocast "
+    "cannot resolve are counted, not judged), `export-onnx` (fp16; onnx.checker full check, onnxruntime CPU within "
     "max(2^-8, 4x fp16 autocast's error)). `compile` and `export-onnx` run on the first class of each model type "
-    "that builds, `covered` on its others; a model that fails under autocast is judged against the floor. `unbuilt`: classes a tiny "
-    "offline config cannot build (their reasons, counted, below). Expected deviations with reasons: "
-    "tests/conformance/zoo_expected.json."
+    "that builds, `covered` on its others; a model that fails under autocast is judged against the floor. "
+    "`unbuilt`: classes a tiny offline config cannot build (their reasons, counted, below). Expected deviations with "
+    "reasons: tests/conformance/zoo_expected.json."
 )
 
 

@@ -48,7 +48,7 @@ class ConstantQ(nn.Module):
         lengths = [math.ceil(q * sample_rate / f) for f in freqs.tolist()]
         size = lengths[0] | 1
         kernels = torch.zeros(bins, size, dtype=torch.complex128)
-        for k, (f, length) in enumerate(zip(freqs.tolist(), lengths)):
+        for k, (f, length) in enumerate(zip(freqs.tolist(), lengths, strict=False)):
             window = torch.hann_window(length, periodic=False, dtype=torch.float64)
             t = (torch.arange(length, dtype=torch.float64) - (length - 1) / 2) / sample_rate
             start = (size - length) // 2

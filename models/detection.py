@@ -50,10 +50,10 @@ class TinyFPN(nn.Module):
         self.smooth = nn.ModuleList(nn.Conv2d(width, width, 3, padding=1) for _ in in_channels)
 
     def forward(self, features: list[torch.Tensor]) -> list[torch.Tensor]:
-        laterals = [conv(f) for conv, f in zip(self.lateral, features)]
+        laterals = [conv(f) for conv, f in zip(self.lateral, features, strict=False)]
         for i in range(len(laterals) - 2, -1, -1):
             laterals[i] = laterals[i] + _upsample_to(laterals[i + 1], laterals[i])
-        return [conv(f) for conv, f in zip(self.smooth, laterals)]
+        return [conv(f) for conv, f in zip(self.smooth, laterals, strict=False)]
 
 
 class RPNHead(nn.Module):
@@ -190,17 +190,17 @@ class TwoStageDetector(nn.Module):
         features = self.fpn(self.backbone(images))
         rpn = self.rpn(features)
         anchors = [grid_anchors(f.shape[-2], f.shape[-1], s, a, self.ratios, images.device)
-                   for f, s, a in zip(features, self.strides, self.anchor_sizes)]
+                   for f, s, a in zip(features, self.strides, self.anchor_sizes, strict=False)]
         outputs = [self._detect([f[b:b + 1] for f in features],
                                 [(obj[b], dlt[b]) for obj, dlt in rpn], anchors, height, width)
                    for b in range(images.shape[0])]
-        boxes, scores, labels = zip(*outputs)
+        boxes, scores, labels = zip(*outputs, strict=False)
         return torch.stack(boxes), torch.stack(scores), torch.stack(labels)
 
     def _proposals(self, rpn: list[tuple[torch.Tensor, torch.Tensor]], anchors: list[torch.Tensor],
                    height: int, width: int) -> torch.Tensor:
         boxes, scores = [], []
-        for (objectness, deltas), level_anchors in zip(rpn, anchors):
+        for (objectness, deltas), level_anchors in zip(rpn, anchors, strict=False):
             # (A, H, W) and (4A, H, W) -> one row per anchor, in grid_anchors' (row, column, ratio) order
             objectness = objectness.permute(1, 2, 0).reshape(-1)
             deltas = deltas.view(-1, 4, *deltas.shape[-2:]).permute(2, 3, 0, 1).reshape(-1, 4)
@@ -218,7 +218,7 @@ class TwoStageDetector(nn.Module):
         side = (proposals[:, 2:] - proposals[:, :2]).prod(1).sqrt()
         level = torch.floor(4 + torch.log2(side / 224 + 1e-6)).clamp(2, 4).long() - 2
         pooled = features[0].new_zeros(len(proposals), features[0].shape[1], self.roi_size, self.roi_size)
-        for k, (feature, stride) in enumerate(zip(features, self.strides)):
+        for k, (feature, stride) in enumerate(zip(features, self.strides, strict=False)):
             chosen = (level == k).nonzero().squeeze(1)
             if chosen.numel():
                 pooled[chosen] = roi_align(feature, proposals[chosen], stride, self.roi_size)
@@ -273,7 +273,7 @@ class ResNet18vd(nn.Module):
         widths = (64, 128, 256, 512)
         self.stages = nn.ModuleList(
             nn.Sequential(ResNetBlock(c_in, c, 1 if i == 0 else 2), ResNetBlock(c, c, 1))
-            for i, (c_in, c) in enumerate(zip((64,) + widths[:-1], widths)))
+            for i, (c_in, c) in enumerate(zip((64,) + widths[:-1], widths, strict=False)))
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         x = self.stem(x)
@@ -298,13 +298,13 @@ class FPNPAN(nn.Module):
         self.bottom_up = nn.ModuleList(nn.Conv2d(quarter, quarter, 3, padding=1, bias=False) for _ in in_channels)
 
     def forward(self, features: list[torch.Tensor]) -> list[torch.Tensor]:
-        laterals = [conv(f) for conv, f in zip(self.lateral, features)]
+        laterals = [conv(f) for conv, f in zip(self.lateral, features, strict=False)]
         for i in range(len(laterals) - 2, -1, -1):
             laterals[i] = laterals[i] + _upsample_to(laterals[i + 1], laterals[i])
-        levels = [conv(f) for conv, f in zip(self.top_down, laterals)]
+        levels = [conv(f) for conv, f in zip(self.top_down, laterals, strict=False)]
         for i, conv in enumerate(self.down):
             levels[i + 1] = levels[i + 1] + conv(levels[i])
-        levels = [conv(f) for conv, f in zip(self.bottom_up, levels)]
+        levels = [conv(f) for conv, f in zip(self.bottom_up, levels, strict=False)]
         return [levels[0]] + [_upsample_to(f, levels[0]) for f in levels[1:]]
 
 

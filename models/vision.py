@@ -8,7 +8,6 @@ torchvision cannot be used with the CPU build of torch. Weights are random: call
 
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -205,7 +204,7 @@ class ConvNeXtTiny(nn.Module):
                  depths: tuple[int, ...] = (3, 3, 9, 3)):
         super().__init__()
         layers: list[nn.Module] = [nn.Sequential(nn.Conv2d(3, dims[0], 4, 4), LayerNorm2d(dims[0], eps=1e-6))]
-        for i, (dim, depth) in enumerate(zip(dims, depths)):
+        for i, (dim, depth) in enumerate(zip(dims, depths, strict=False)):
             if i > 0:
                 layers.append(nn.Sequential(LayerNorm2d(dims[i - 1], eps=1e-6), nn.Conv2d(dims[i - 1], dim, 2, 2)))
             layers.append(nn.Sequential(*(ConvNeXtBlock(dim) for _ in range(depth))))
@@ -331,7 +330,7 @@ class SwinTiny(nn.Module):
         self.patch_embed = nn.Conv2d(3, dim, 4, 4)
         self.embed_norm = nn.LayerNorm(dim)
         stages: list[nn.Module] = []
-        for i, (depth, n_heads) in enumerate(zip(depths, heads)):
+        for i, (depth, n_heads) in enumerate(zip(depths, heads, strict=False)):
             if i > 0:
                 stages.append(PatchMerging(dim))
                 dim *= 2
@@ -360,9 +359,11 @@ class InterpolateNet(nn.Module):
         super().__init__()
         self.stem = ConvBNAct(3, widths[0], 3, 2)
         ins = (widths[0],) + widths[:-1]
-        self.encoder = nn.ModuleList(_double_conv(c_in, c) for c_in, c in zip(ins, widths))
+        self.encoder = nn.ModuleList(_double_conv(c_in, c) for c_in, c in zip(ins, widths, strict=False))
         # each decoder stage takes the deeper stage's output concatenated with the skip at its own width
-        self.decoder = nn.ModuleList(_double_conv(deep + c, c) for deep, c in zip(widths[:0:-1], widths[-2::-1]))
+        self.decoder = nn.ModuleList(
+            _double_conv(deep + c, c) for deep, c in zip(widths[:0:-1], widths[-2::-1], strict=False)
+        )
         self.head = nn.Conv2d(widths[0], num_classes, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -371,7 +372,7 @@ class InterpolateNet(nn.Module):
         for i, stage in enumerate(self.encoder):
             x = stage(x if i == 0 else F.max_pool2d(x, 2))
             skips.append(x)
-        for stage, skip in zip(self.decoder, reversed(skips[:-1])):
+        for stage, skip in zip(self.decoder, reversed(skips[:-1]), strict=False):
             x = F.interpolate(x, size=skip.shape[-2:], mode="bilinear", align_corners=False)
             x = stage(torch.cat([x, skip], 1))
         return F.interpolate(self.head(x), scale_factor=2, mode="bilinear", align_corners=False)

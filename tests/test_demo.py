@@ -92,8 +92,14 @@ def test_the_variants_take_turns(demo):
 
 def test_the_demo_runs_and_prints_the_cpu_the_spread_and_the_load():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, str(SCRIPT), "--no-setup", "--size", "small", "--rounds", "2", "--rows", "3"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--no-setup", "--size", "small", "--rounds", "2", "--rows", "3"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
     assert "CPU: " in out and "torch CPU capability" in out and "load average before" in out

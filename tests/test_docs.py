@@ -81,7 +81,7 @@ def test_every_code_block_of_the_page_runs(page, tmp_path, monkeypatch):
             continue
         if block.language == "python":
             with contextlib.redirect_stdout(_Tee(sys.stdout, printed)):
-                exec(compile(block.code, f"{page.relative_to(ROOT)}:{block.line}", "exec"), namespace)  # noqa: S102
+                exec(compile(block.code, f"{page.relative_to(ROOT)}:{block.line}", "exec"), namespace)
         elif block.language in ("bash", "sh", "console"):
             _run_shell(block, page)
         else:

@@ -7,8 +7,7 @@ import os
 
 import pytest
 
-from amppass import InputError
-from amppass import files
+from amppass import InputError, files
 from amppass.files import Staged, WriteError, write_atomic
 
 

@@ -98,8 +98,11 @@ def _graph_types(tree: ast.AST) -> list[tuple[int, str]]:
 
 
 def test_analysis_holds_no_graph_types():
-    found = [f"{path.relative_to(PACKAGE.parent)}:{line} {what}" for path in sorted((PACKAGE / "analysis").rglob("*.py"))
-             for line, what in _graph_types(ast.parse(path.read_text()))]
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{line} {what}"
+        for path in sorted((PACKAGE / "analysis").rglob("*.py"))
+        for line, what in _graph_types(ast.parse(path.read_text()))
+    ]
     assert not found, "\n".join(found) + "\nanalysis/ works on the GraphView; move graph code to fx/ or onnx/"
 
 

@@ -188,8 +188,13 @@ def test_the_simulation_refuses_a_test_only_package():
              "    pass\nelse:\n    raise AssertionError('metadata seen')\n"
              "import hypothesis\n")
     boot = _BOOT.split("import models\n", 1)[0] + probe
-    done = subprocess.run([sys.executable, "-c", boot, json.dumps({"modules": sorted(modules), "dists": sorted(dists)})],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", boot, json.dumps({"modules": sorted(modules), "dists": sorted(dists)})],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode != 0 and "ModuleNotFoundError: No module named 'hypothesis'" in done.stderr, done.stderr
 
 

@@ -293,7 +293,7 @@ class Trials(abc.ABC, Generic[Batch]):
             if outputs is None:
                 worst = math.inf
                 continue
-            for got, ref in zip(outputs, self.data.references[batch]):
+            for got, ref in zip(outputs, self.data.references[batch], strict=False):
                 worst = max(worst, relative_error(got, ref))
         return worst
 
@@ -421,8 +421,8 @@ def search_held_out(view: GraphView, low: LowType, plan: PrecisionPlan, given: M
     the ratio of the two: the search goes on from where it stopped (with the ranking it measured) towards
     the tolerance divided by that ratio, at most :data:`MARGIN_ROUNDS` times. Returns the decisions to paint
     with and the metadata: ``achieved_error`` over every calibration batch (perturbed copies left out),
-    ``tolerance_met`` when that and the held-out error are within the tolerance, ``held_out_error`` beside it (None without a
-    held-out check), ``held_out`` saying which batches, ``tolerance_margin`` (tolerance / the target the
+    ``tolerance_met`` when that and the held-out error are within the tolerance, ``held_out_error`` beside it (None
+    without a held-out check), ``held_out`` saying which batches, ``tolerance_margin`` (tolerance / the target the
     last search met), ``tolerance_runs``, at most :func:`max_runs` of the candidates, and
     ``tolerance_seconds``.
     """
@@ -506,7 +506,8 @@ class Progress:
         if not self.enabled:
             return lambda note="": None
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+        from rich.progress import Progress as Bar
 
         counted = [MofNCompleteColumn()] if self.total is not None else []
         self.bar = Bar(TextColumn("{task.description}"), BarColumn(bar_width=12), *counted, TimeElapsedColumn(),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,7 +31,7 @@ from .view import GraphView
 _CHUNK = 1 << 20  # elements rounded at a time: a large table is measured without a float64 copy of it
 
 
-def misfit(view: GraphView, weight: str, low: LowType, divides: bool = False) -> tuple[str, dict[str, float]]:
+def misfit(view: GraphView, weight: str, low: LowType, divides: bool = False) -> tuple[str, dict[str, Any]]:
     """Why ``weight`` does not fit ``low`` and the evidence, or ``("", {})`` when it fits (module docstring).
 
     ``divides`` is True when the reading op divides. A weight ``view`` cannot read (no ``weight_values``)

@@ -4,7 +4,8 @@
 integrations from theirs where the plugin, trainer or ``prepare`` call is made
 (:class:`amppass.integrations.routing.TrainConversion`), ``amppass.convert_onnx`` and the command line the ONNX
 form of it (:class:`amppass.pipelines.convert_onnx.OnnxPlanOptions`); the pipeline passes the value on
-instead of a dict of keywords, so following ``calibration`` from ``convert`` to the stage that reads it is following an attribute.
+instead of a dict of keywords, so following ``calibration`` from ``convert`` to the stage that reads it is following an
+attribute.
 """
 
 from __future__ import annotations

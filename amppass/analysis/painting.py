@@ -93,7 +93,7 @@ def _paint(view: GraphView, low: LowType, given: Mapping[str, Decision], low_wei
         if decision is None:
             decision = _follow(node, view, low, produced, denied, reshaped)
         plan[node.name] = decision
-        held = {_weight_of(v, view, reshaped) for v in node.inputs} - {None}
+        held = {weight for v in node.inputs if (weight := _weight_of(v, view, reshaped)) is not None}
         if decision.evidence.get("weights_only") and LAYOUT in node.facts and len(held) == 1:
             reshaped.update({value: next(iter(held)) for value in node.outputs})
         # fp32-accumulating ops output fp32; ops without float work leave their (fp32) values as they are

@@ -6,7 +6,8 @@
    storage its readers read. So ``force_low`` means "low where correctness allows".
 2. **The user's** ``keep_fp32`` and ``force_low`` (:mod:`amppass.analysis.overrides`): keeping fp32 wins over forcing
    low, and forcing low an op the target has no low kernel for keeps it fp32 with a warning.
-3. **The finite check** (the conversion's own run of the example, :mod:`amppass.fx.runners.finite`): a node whose low result
+3. **The finite check** (the conversion's own run of the example, :mod:`amppass.fx.runners.finite`): a node whose low
+result
    goes inf or NaN where fp32's does not runs fp32, unless the user forced it low.
 4. **Carried decisions**: the fp32 decisions calibration or the tolerance search made on the example's capture,
    carried by node name and op to a capture of other shapes (:mod:`amppass.fx.capture.guards`); ONNX's quantized (QDQ)

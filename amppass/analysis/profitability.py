@@ -322,7 +322,7 @@ def _try_once(items: Iterable[TimedCall]) -> None:
     for item in sorted(items, key=lambda i: i.kind == "low"):
         try:
             item.call()
-        except Exception as error:  # noqa: BLE001 - a kernel that fails here must not fail the conversion
+        except Exception as error:  # a kernel that fails here must not fail the conversion
             if item.kind == "low":
                 raise LowFailed(item.node, error) from error
             raise Unmeasurable(f"{type(error).__name__}: {error}") from None
@@ -340,9 +340,12 @@ def _measured(keys: list[str], unique: Mapping[str, TimedCall], weights: Mapping
               known: Mapping[str, float | None], costs: CostModel) -> dict[str, float]:
     """Rule 2's measured times: each kernel's median, the low side scaled to the median round ratio, all
     scaled so that the times already known (not estimated) agree with them."""
-    sides = [sum(weights[k] * m for k, m in zip(keys, found.medians) if unique[k].side == side) for side in (0, 1)]
+    sides = [
+        sum(weights[k] * m for k, m in zip(keys, found.medians, strict=False) if unique[k].side == side)
+        for side in (0, 1)
+    ]
     low_scale = statistics.median(found.ratios) * sides[0] / sides[1] if sides[1] > 0 else 1.0
-    times = {k: m * (low_scale if unique[k].side == 1 else 1.0) for k, m in zip(keys, found.medians)}
+    times = {k: m * (low_scale if unique[k].side == 1 else 1.0) for k, m in zip(keys, found.medians, strict=False)}
     agreed = [k for k in keys if known[k] is not None and costs.sources[k] != "prior"]
     basis = sum(times[k] for k in agreed)
     load = sum(known[k] for k in agreed) / basis if agreed and basis > 0 else 1.0

@@ -19,7 +19,8 @@ moved nodes.
 The ranking (:func:`by_region_effect`) estimates each candidate's effect as its own error times its gain,
 the share of a relative error at its output that reaches the outputs (:mod:`amppass.analysis.propagation`:
 additions and concatenations scale it by norm ratios), and corrects that estimate with runs: regions of
-the graph are measured (alone in low precision, and moved to fp32), best first, in at most ``rank_runs(n) = 4 * ceil(log2(n))`` runs for ``n``
+the graph are measured (alone in low precision, and moved to fp32), best first, in at most ``rank_runs(n) = 4 *
+ceil(log2(n))`` runs for ``n``
 candidates. Each step is one full run over the calibration data, so a search costs at most
 ``search_runs(n) = 1 + rank_runs(n) + 2 * ceil(log2(n)) + 1 + trim_runs(n)`` runs, about ``8 log2(n)``:
 never one run per node or per segment. A trial is run once per set of nodes moved; a step that asks for

@@ -55,11 +55,10 @@ import os
 import re
 import stat
 import tempfile
-import zipfile
 from typing import Any, Iterator
 
-from ..json_input import read_json
 from ..errors import InputError, first_line
+from ..json_input import read_json
 from .layout import MAX_EXTRA, MAX_HELD, MAX_INFLATED, MAX_JSON, check_file, read_zip
 from .payloads import MAX_DEPTH, check_config, check_sample_inputs
 from .program import TRUST_HINT, check_expression, check_program, spec_types
@@ -106,6 +105,7 @@ class Pt2Archive:
         self.handle.close()
 
     def has(self, name: str) -> bool:
+        """Whether the archive holds ``name`` under its root folder."""
         return name in self.entries
 
     def read(self, name: str, limit: int) -> bytes:
@@ -174,7 +174,8 @@ class Pt2Archive:
 
 
 def parse_json(data: bytes, where: str) -> Any:
-    """``data`` as UTF-8 JSON, bounded as :func:`amppass.json_input.read_json` bounds it; InputError naming ``where``."""
+    """``data`` as UTF-8 JSON, bounded as :func:`amppass.json_input.read_json` bounds it; InputError naming
+    ``where``."""
     return read_json(data, where, max_bytes=MAX_JSON)
 
 

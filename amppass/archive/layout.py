@@ -30,6 +30,7 @@ costs what the file's bytes on disk cost.
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import struct
 import zipfile
@@ -260,7 +261,7 @@ def check_one_reading(archive: zipfile.ZipFile, reader: Any, where: str) -> None
                                                  f"reader and {info.file_size:,} at {start:,} to Python's")
         spans.append((info.header_offset, start + info.compress_size, info.filename))
     spans.sort()
-    for (_, end, name), (start, _, following) in zip(spans, spans[1:]):
+    for (_, end, name), (start, _, following) in itertools.pairwise(spans):
         if start < end:
             raise _damaged(where, following, f"shares bytes with entry {_short(name)}")
     if spans and spans[-1][1] > archive.start_dir:

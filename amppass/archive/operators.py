@@ -16,8 +16,10 @@ runs it, and so does the module torch generates). So every name must be one of (
 
 Anything else is refused (:func:`amppass.archive.program.check_program` names the node) before torch reads the file.
 A node of size arithmetic that raises to or shifts by a constant beyond :data:`MAX_SHIFT` is refused too
-(:func:`growing_constants`): each call would compute it. The functions a node's ``source_fn_stack`` metadata names are resolved the same way and stored in the node's
-``meta``: each must stay text or be an operator, a ``torch.nn.Module`` class or a function of torch (:func:`source_refusal`).
+(:func:`growing_constants`): each call would compute it. The functions a node's ``source_fn_stack`` metadata names are
+resolved the same way and stored in the node's
+``meta``: each must stay text or be an operator, a ``torch.nn.Module`` class or a function of torch
+(:func:`source_refusal`).
 """
 
 from __future__ import annotations

@@ -80,11 +80,13 @@ def _extent_problem(tensor: dict, size: int) -> str | None:
     offset = _ints([tensor.get("storage_offset")])
     if dtype is None or sizes is None or strides is None or offset is None or len(sizes) != len(strides) \
             or len(sizes) > MAX_DIMS or any(v < 0 for v in sizes + strides + offset):
-        return "has a tensor description amppass cannot read (a dtype, and non-negative integer sizes, strides and offset)"
+        return (
+            "has a tensor description amppass cannot read (a dtype, and non-negative integer sizes, strides and offset)"
+        )
     item = torch.empty((), dtype=dtype).element_size()
     if size % item:
         return f"is {str(dtype).replace('torch.', '')}, whose {item}-byte elements do not divide its file"
-    extent = 0 if 0 in sizes else offset[0] + 1 + sum((n - 1) * s for n, s in zip(sizes, strides))
+    extent = 0 if 0 in sizes else offset[0] + 1 + sum((n - 1) * s for n, s in zip(sizes, strides, strict=False))
     if extent * item > size:
         return f"declares {extent:,} elements of {item} bytes, more than its file holds"
     return None

@@ -69,9 +69,11 @@ def prepare(accelerator: Accelerator, model: nn.Module, *objects: Any, dtype: An
     conversion = TrainConversion.of(dtype, convert_options)
     if accelerator.mixed_precision != "no":
         warnings.warn(
-            f"Accelerator(mixed_precision={accelerator.mixed_precision!r}) runs torch.autocast around the model amppass "
-            f"converts to {low_type(dtype).name}: autocast casts again what amppass planned (ops amppass keeps "
-            "fp32 run low); create the Accelerator with mixed_precision='no'", stacklevel=2)
+            f"Accelerator(mixed_precision={accelerator.mixed_precision!r}) runs torch.autocast around the model "
+            f"amppass converts to {low_type(dtype).name}: autocast casts again what amppass planned (ops amppass keeps "
+            "fp32 run low); create the Accelerator with mixed_precision='no'",
+            stacklevel=2,
+        )
     install_scaler(accelerator, dtype, scaler)
     route(model, conversion)
     return accelerator.prepare(model, *objects)

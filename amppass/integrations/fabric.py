@@ -41,7 +41,7 @@ from .lightning import packages
 from .routing import route
 from .scaling import ScaledPrecision
 
-__all__ = ["AmpPassPrecision", "plugin_class"]
+__all__ = ["AmpPassPrecision", "plugin_class"]  # noqa: F822 - the module's __getattr__ gives it, importing lightning_fabric only then
 
 
 class FabricPrecision(ScaledPrecision):

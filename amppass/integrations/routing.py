@@ -72,8 +72,10 @@ class TrainConversion:
         options = dict(options or {})
         taken = {"mode", "dtype", "example_inputs", "example_kwargs"} & set(options)
         if taken:
-            raise InputError(f"convert options {sorted(taken)} are set by the integration itself (a train-mode "
-                             "conversion in the integration's dtype, with the first call as the example); leave them out")
+            raise InputError(
+                f"convert options {sorted(taken)} are set by the integration itself (a train-mode "
+                "conversion in the integration's dtype, with the first call as the example); leave them out"
+            )
         unknown = set(options) - _PLAN_OPTIONS - _CAPTURE_OPTIONS
         if unknown:
             raise InputError(f"convert options {sorted(unknown)} are not options of amppass.convert; an integration "
@@ -115,6 +117,7 @@ class Route:
         return self._converted
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's forward: converted at the first call, then the conversion runs in the module's mode."""
         module = self._module()
         if module is None:
             raise InputError(f"the {self._name} this route was installed on no longer exists")

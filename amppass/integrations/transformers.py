@@ -36,7 +36,9 @@ from .routing import TrainConversion, route
 try:
     from transformers import Trainer
 except ImportError as error:  # pragma: no cover - the extra is missing
-    raise ImportError("amppass.integrations.transformers needs transformers: pip install 'transformers>=4.56'") from error
+    raise ImportError(
+        "amppass.integrations.transformers needs transformers: pip install 'transformers>=4.56'"
+    ) from error
 
 __all__ = ["AmpPassTrainer"]
 

@@ -36,15 +36,17 @@ def rename_outputs(model: onnx.ModelProto, names: Sequence[str]) -> bool:
     if len(set(names)) != len(names):
         raise ValueError(f"output names repeat: {list(names)}")
     inputs = {i.name for i in graph.input}
-    clash = sorted(set(names) & inputs - {o.name for o, n in zip(graph.output, names) if o.name == n})
+    clash = sorted(set(names) & inputs - {o.name for o, n in zip(graph.output, names, strict=False) if o.name == n})
     if clash:
         raise ValueError(f"{clash} name inputs of the model")
-    if all(out.name == name for out, name in zip(graph.output, names)):
+    if all(out.name == name for out, name in zip(graph.output, names, strict=False)):
         return False
     taken = all_names(model) | set(names) | {o.name for o in graph.output}
     _identities(model, names, taken)  # rule 1
     # rule 2: every value holding a name being given out moves aside, then each output takes its name
-    wanted = [(index, name) for index, (out, name) in enumerate(zip(graph.output, names)) if out.name != name]
+    wanted = [
+        (index, name) for index, (out, name) in enumerate(zip(graph.output, names, strict=False)) if out.name != name
+    ]
     aside = {old: unique_name(taken, f"{old}_renamed") for old in _values(model) & {name for _, name in wanted}}
     _apply(model, aside)
     _apply(model, {graph.output[index].name: name for index, name in wanted})
@@ -66,7 +68,7 @@ def _identities(model: onnx.ModelProto, names: Sequence[str], taken: set[str]) -
     graph = model.graph
     fixed = {i.name for i in graph.input} | {t.name for t in graph.initializer}
     seen: set[str] = set()
-    for out, name in zip(graph.output, names):
+    for out, name in zip(graph.output, names, strict=False):
         if (out.name in fixed and out.name != name) or out.name in seen:
             temporary = unique_name(taken, f"{name}_identity")
             graph.node.append(helper.make_node("Identity", [out.name], [temporary],

@@ -29,11 +29,11 @@ from typing import Any
 import onnx
 from onnx import TensorProto, helper
 
-from ..analysis.plan import Decision, PrecisionPlan, Precision
+from ..analysis.plan import Decision, Precision, PrecisionPlan
 from ..analysis.record import META_KEY
 from ..dtypes import FP16_MAX, LowType
-from .view import FLOAT, NodeRef, subgraphs, weight_tensor
 from .io.weight_store import WeightStore
+from .view import FLOAT, NodeRef, subgraphs, weight_tensor
 
 log = logging.getLogger(__name__)
 

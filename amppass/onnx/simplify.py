@@ -57,7 +57,7 @@ def initializers_out_of_inputs(model: onnx.ModelProto) -> int:
     dropped = len(graph.input) - len(inputs)
     if dropped:
         kept = [onnx.ValueInfoProto() for _ in inputs]
-        for copy, info in zip(kept, inputs):
+        for copy, info in zip(kept, inputs, strict=True):
             copy.CopyFrom(info)
         del graph.input[:]
         graph.input.extend(kept)

@@ -31,9 +31,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from .io.weight_store import WeightStore
 from .rewrite import all_names, unique_name
 from .view import FLOAT, all_nodes, clear_value_info, subgraphs, value_types
-from .io.weight_store import WeightStore
 
 LOW_TYPES = frozenset({TensorProto.FLOAT16, TensorProto.BFLOAT16})
 _TYPE_ATTRIBUTES = frozenset({"dtype", "output_dtype"})  # RandomNormal, EyeLike, DequantizeLinear, ...

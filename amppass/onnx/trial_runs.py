@@ -62,7 +62,7 @@ class Checkpoints(calibration.Checkpoints[int]):
         """The last checkpoint position ``trial`` reaches unchanged (rule 2), or None."""
         inits = _initializer_types(trial.graph)
         return self.cut((_signature(node, inits) == signature for node, signature in zip(trial.graph.node,
-                                                                                        self.signatures)),
+                                                                                        self.signatures, strict=False)),
                         {p: p for p in self.order})
 
     def suffix(self, trial: onnx.ModelProto, position: int) -> onnx.ModelProto:

@@ -71,7 +71,7 @@ def replace_nodes(graph: onnx.GraphProto, nodes: list[onnx.NodeProto]) -> None:
     """Make ``nodes`` (messages of ``graph``, in any order, some left out) ``graph``'s node list. They are
     copied first: removing messages from a repeated field may free them."""
     kept = [onnx.NodeProto() for _ in nodes]
-    for copy, node in zip(kept, nodes):
+    for copy, node in zip(kept, nodes, strict=True):
         copy.CopyFrom(node)
     del graph.node[:]
     graph.node.extend(kept)

@@ -50,17 +50,24 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
+from ..analysis.options import PlanOptions
 from ..analysis.record import META_KEY
 from ..dtypes import low_type
 from ..errors import CaptureError, InputError
-from ..fx.capture.dynamo_graph import (fake_mode, lift_state, refuse_own_backward, state_inputs, symbol_ranges,
-                                       trace_aten, views_as_reshapes)
+from ..fx.capture.dynamo_graph import (
+    fake_mode,
+    lift_state,
+    refuse_own_backward,
+    state_inputs,
+    symbol_ranges,
+    trace_aten,
+    views_as_reshapes,
+)
 from ..fx.capture.guards import input_spec
 from ..report.fx_reader import read_graph_module
 from ..report.report import Report, merged
 from ..serving.serving_graph import set_state
 from ..targets.target import torch_target
-from ..analysis.options import PlanOptions
 from .convert import MODES, plan_captured
 
 log = logging.getLogger(__name__)
@@ -135,6 +142,7 @@ class CompiledGraph:
         self.run = self._compile([example_inputs[i] for i in self.users], inside_dynamo=True)
 
     def __call__(self, *args: Any) -> Any:
+        """Run the graph on dynamo's inputs: the converted one on the inputs it uses, else dynamo's as traced."""
         if self.converted is None:
             return self.run(*args)
         self._refresh(args)
@@ -294,7 +302,8 @@ def _session(options: dict[str, Any] | None, settings: dict[str, Any]) -> Sessio
     if found is not None and found[0]() is owner:
         return found[1]
     session = Session({k: v for k, v in settings.items() if k != "calibration"})  # not the batches themselves
-    _SESSIONS[id(owner)] = (weakref.ref(owner, lambda _, key=id(owner): _SESSIONS.pop(key, None)), session)
+    key = id(owner)
+    _SESSIONS[key] = (weakref.ref(owner, lambda _: _SESSIONS.pop(key, None)), session)
     return session
 
 
@@ -369,7 +378,7 @@ def _aligned(batches: list[Any] | None, inputs: list[fx.Node], examples: list[An
     """
     if not batches:
         return None
-    tensors = [n for n, e in zip(inputs, examples) if isinstance(e, torch.Tensor)]
+    tensors = [n for n, e in zip(inputs, examples, strict=False) if isinstance(e, torch.Tensor)]
     examples = [e for e in examples if isinstance(e, torch.Tensor)]
     sizes = {n: _measured_by(n, tensors) for n in inputs if n not in tensors}
     if any(where is None for where in sizes.values()):
@@ -382,9 +391,11 @@ def _aligned(batches: list[Any] | None, inputs: list[fx.Node], examples: list[An
                 return None
             batch = tuple(batch[name] for name in names)
         batch = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
-        if len(batch) != len(examples) or not all(_fits(b, t, n) for b, t, n in zip(batch, examples, tensors)):
+        if len(batch) != len(examples) or not all(
+            _fits(b, t, n) for b, t, n in zip(batch, examples, tensors, strict=False)
+        ):
             return None
-        given = dict(zip(tensors, batch))
+        given = dict(zip(tensors, batch, strict=False))
         aligned.append(tuple(given[n] if n in given else batch[sizes[n][0]].shape[sizes[n][1]] for n in inputs))
     return aligned
 
@@ -394,7 +405,7 @@ def _fits(batch: Any, tensor: torch.Tensor, node: fx.Node) -> bool:
     if not isinstance(batch, torch.Tensor) or batch.dtype != tensor.dtype or batch.dim() != tensor.dim():
         return False
     traced = getattr(node.meta.get("example_value"), "shape", tensor.shape)
-    return all(isinstance(s, torch.SymInt) or int(s) == b for s, b in zip(traced, batch.shape))
+    return all(isinstance(s, torch.SymInt) or int(s) == b for s, b in zip(traced, batch.shape, strict=False))
 
 
 def _refresh_copies(plan: fx.GraphModule, name: str, tensor: torch.Tensor) -> None:

@@ -24,8 +24,17 @@ from ..fx.capture.quiet import quiet_torch
 from ..onnx.io.save import save
 from ..onnx.rename import rename_outputs
 from .convert_onnx import convert_onnx, note
-from .export_shapes import (attempts, axes, batch_and_sequence, cannot_vary, fixed_dims, input_names, named_leaves,
-                            unshared, without)
+from .export_shapes import (
+    attempts,
+    axes,
+    batch_and_sequence,
+    cannot_vary,
+    fixed_dims,
+    input_names,
+    named_leaves,
+    unshared,
+    without,
+)
 from .onnx_ops import translations
 
 log = logging.getLogger(__name__)
@@ -57,7 +66,8 @@ def export_onnx(
 
     The model is exported in eval mode (its own training flags are restored afterwards), without autograd,
     and with torch's exporter quiet (its log lines and warnings; ``AMPPASS_DEBUG=1`` shows them, see
-    :mod:`amppass.fx.capture.quiet`). The dynamo exporter (``torch.onnx.export(dynamo=True)``) is tried first; if it fails, the
+    :mod:`amppass.fx.capture.quiet`). The dynamo exporter (``torch.onnx.export(dynamo=True)``) is tried first; if it
+    fails, the
     TorchScript exporter (``dynamo=False``), with a warning: where it raises, and where the file it wrote is not
     valid (``onnx.checker`` refuses it, or onnxruntime cannot load it). ``dynamic_shapes`` is what torch.export takes;
     by default (``"auto"``) the batch dimension of every input, the sequence dimension (dim 1 of integer
@@ -144,7 +154,7 @@ def forward_inputs(model: torch.nn.Module, example_inputs: Any, example_kwargs: 
                          "**kwargs takes cannot be placed; pass only the inputs forward names, or leave that one out")
     last = max(names.index(key) for key in kwargs)
     given = [kwargs.get(p.name, p.default) for p in parameters[:last + 1]]
-    missing = [p.name for p, value in zip(parameters, given) if value is inspect.Parameter.empty]
+    missing = [p.name for p, value in zip(parameters, given, strict=False) if value is inspect.Parameter.empty]
     if missing:
         raise InputError(f"export_onnx: {name}.forward's parameter {missing[0]!r} has no default and is not in "
                          "example_kwargs: pass it too")
@@ -229,7 +239,7 @@ def _name_outputs(fp32: onnx.ModelProto, output_names: list[str] | None, outputs
                              f"exported {model_name} has {_count(len(have), 'output')} (named by the exporter: "
                              f"{', '.join(shown)}): pass {_count(len(have), 'name')}, in the order of the model's "
                              "flattened outputs")
-        clash = [name for name, old in zip(output_names, have) if name in inputs and name != old]
+        clash = [name for name, old in zip(output_names, have, strict=False) if name in inputs and name != old]
         if clash:
             raise InputError(f"export_onnx's output_names gives {clash[0]!r}, the name of an input of the exported "
                              f"{model_name}; an ONNX value has one name: choose another output name")
@@ -274,7 +284,7 @@ def _say_if_the_export_differs(fp32: onnx.ModelProto, torch_model: torch.nn.Modu
     if len(want) != len(got):  # the exporter flattened a cache its own way: the first output still pairs
         got, want = got[:1], want[:1]
     worst, where = 0.0, 0
-    for index, (value, reference) in enumerate(zip(got, want)):
+    for index, (value, reference) in enumerate(zip(got, want, strict=False)):
         if not reference.is_floating_point() or tuple(value.shape) != tuple(reference.shape):
             continue
         reference = reference.detach().double().cpu()
@@ -377,12 +387,12 @@ def export_fp32(torch_model: torch.nn.Module, example_inputs: Any, opset: int | 
         for size_one in ((True, False) if shapes is not None else (False,)):
             try:
                 return exported(dynamo=True, size_one=size_one)
-            except Exception as err:  # the exporter can fail on any op; tried again, then the other exporter
+            except Exception as err:  # noqa: BLE001 - the exporter fails on any op; tried again, then the other exporter
                 log.info("torch.onnx.export(dynamo=True, size-1 dims dynamic: %s) failed: %s", size_one, err)
                 errors.append(f"dynamo=True: {_why(err)}")
         try:
             model = exported(dynamo=False)
-        except Exception as err:  # both failed: reported together below
+        except Exception as err:  # noqa: BLE001 - the exporter fails on any op: both reported together below
             log.info("torch.onnx.export(dynamo=False) failed: %s", err)
             errors.append(f"dynamo=False: {_why(err)}")
         else:

@@ -45,7 +45,7 @@ def batch_and_sequence(names: list[str], args: tuple) -> dict[str, Any] | None:
     Dimensions that are one size for the model's caller share a named Dim (:func:`_shared`): Dim.AUTO gives each
     its own symbol unless the model's code ties them, and a mask only broadcast against the ids does not."""
     shapes: dict[str, Any] = {}
-    for name, value in zip(names, args):
+    for name, value in zip(names, args, strict=False):
         if not isinstance(value, torch.Tensor) or value.dim() == 0:
             shapes[name] = None
             continue
@@ -56,7 +56,7 @@ def batch_and_sequence(names: list[str], args: tuple) -> dict[str, Any] | None:
         shapes[name] = {dim: Dim.AUTO for dim in dynamic}
     if not any(shapes.values()):
         return None
-    return _shared(shapes, dict(zip(names, args)))
+    return _shared(shapes, dict(zip(names, args, strict=False)))
 
 
 def _shared(shapes: dict[str, Any], values: Mapping[str, Any]) -> dict[str, Any]:
@@ -126,7 +126,7 @@ def fixed_dims(names: list[str], args: tuple, wanted: Any, model: onnx.ModelProt
     """The dimensions asked dynamic in ``wanted`` that the exported ``model`` declares at a fixed size (the
     exporter specialised them, or :func:`cannot_vary` found them): "input_values dim 1 (16000)"."""
     declared = {i.name: list(i.type.tensor_type.shape.dim) for i in model.graph.input}
-    values = dict(zip(names, args))
+    values = dict(zip(names, args, strict=False))
     return [f"{name} dim {dim} ({values[name].shape[dim]})" for name, dims in _dynamic(wanted).items() for dim in dims
             if isinstance(values.get(name), torch.Tensor) and dim < len(declared.get(name, ()))
             and not declared[name][dim].dim_param]
@@ -220,7 +220,7 @@ def named_leaves(names: list[str], args: tuple) -> dict[str, torch.Tensor]:
     None an input; the dynamo exporter bakes Python numbers in as constants (the TorchScript exporter may make
     them inputs, which then match no name here)."""
     named: dict[str, torch.Tensor] = {}
-    for name, value in zip(names, args):
+    for name, value in zip(names, args, strict=False):
         if isinstance(value, torch.Tensor):
             named[name] = value
         else:

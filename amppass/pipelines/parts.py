@@ -54,8 +54,8 @@ from torch.utils import _pytree as pytree
 from ..errors import AmpPassError, CaptureError, first_line
 from ..fx.capture.copies import shared_copy
 from ..fx.capture.inputs import example_call
-from ..fx.view.macs import measured_macs
 from ..fx.capture.modes import module_mode
+from ..fx.view.macs import measured_macs
 from ..report.fx_reader import read_graph_module
 from ..serving.artifact import Kind, record_of
 from ..serving.parts import PARTS_KEY, PartsRecord, with_original_savers

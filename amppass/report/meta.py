@@ -41,9 +41,14 @@ class Number:
     finite: bool = True
 
     def fault(self, value: Any) -> str | None:
+        """What is wrong with ``value`` in a few words, or None when it is such a number."""
         if isinstance(value, float) and not math.isfinite(value):
             return None if not self.finite else "not a finite number"
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (self.integer and not isinstance(value, int)):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or (self.integer and not isinstance(value, int))
+        ):
             return f"not {'an integer' if self.integer else 'a number'}"
         return None if self.low <= value <= self.high else f"outside [{self.low:g}, {self.high:g}]"
 
@@ -56,6 +61,7 @@ class Text:
     choices: tuple[str, ...] = ()
 
     def fault(self, value: Any) -> str | None:
+        """What is wrong with ``value`` in a few words, or None when it is such a string."""
         if not isinstance(value, str):
             return "not text"
         if len(value) > self.limit:
@@ -111,12 +117,21 @@ INFO = Fields({  # the model-level summary: every field the summary, the HTML pa
     "fixed_dims": Items(TEXT),
     "pytree_types": Items(NAME),
 })
-EVIDENCE = Fields({  # what a node's decision rested on (Row's docstring); numbers only shown, and a non-finite
-    # one or one past float's range left out of the views (Row.macs, Row.observed), so only their sign is bounded
-    "macs": Number(0, math.inf, finite=False), "absmax": Number(0, math.inf, finite=False), "min_nonzero": Number(0, math.inf, finite=False),
-    "local_error": Number(0, math.inf, finite=False), "unknown": BOOL, "backward": NAME, "saved_bytes": BYTES,
-    "saved_dtypes": Items(NAME), "fused": TEXT, "accumulate": TEXT,
-})
+EVIDENCE = Fields(
+    {  # what a node's decision rested on (Row's docstring); numbers only shown, and a non-finite
+        # one or one past float's range left out of the views (Row.macs, Row.observed), so only their sign is bounded
+        "macs": Number(0, math.inf, finite=False),
+        "absmax": Number(0, math.inf, finite=False),
+        "min_nonzero": Number(0, math.inf, finite=False),
+        "local_error": Number(0, math.inf, finite=False),
+        "unknown": BOOL,
+        "backward": NAME,
+        "saved_bytes": BYTES,
+        "saved_dtypes": Items(NAME),
+        "fused": TEXT,
+        "accumulate": TEXT,
+    }
+)
 DECISION = Fields({  # a node's stored decision (a cast inserted by amppass has "cast" and no precision)
     "cast": BOOL, "of": NAME, "to": NAME, "precision": Text(32, tuple(_PRECISIONS)), "op": NAME, "reason": TEXT,
     "source": NAME, "rule": NAME, "casts_in": Items(NAME), "evidence": EVIDENCE,

@@ -9,18 +9,27 @@ from __future__ import annotations
 import json
 import math
 import os
-from importlib import resources
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
+from importlib import resources
 from typing import Any, Iterable
 
 from ..analysis.overrides import same_op
 from ..errors import InputError
-
 from ..files import check_regular, write_atomic
 from .html import render_html
-from .rows import (LOCAL_ERROR, LOW_PRECISIONS, OUTPUT_ERROR, PRECISION_FILTERS, PRECISIONS, SCHEMA_VERSION, OpGroup,
-                   Row, finite, summary_lines)
+from .rows import (
+    LOCAL_ERROR,
+    LOW_PRECISIONS,
+    OUTPUT_ERROR,
+    PRECISION_FILTERS,
+    PRECISIONS,
+    SCHEMA_VERSION,
+    OpGroup,
+    Row,
+    finite,
+    summary_lines,
+)
 
 __all__ = ["LOCAL_ERROR", "LOW_PRECISIONS", "OUTPUT_ERROR", "PRECISIONS", "PRECISION_FILTERS", "SCHEMA_VERSION",
            "OpGroup", "Report", "Row", "finite", "load_schema", "merged", "summary_lines", "write_atomic"]
@@ -148,7 +157,8 @@ _SUMMED = ("casts", "weights_converted", "weight_copies", "weight_bytes_before",
 def merged(named: Iterable[tuple[str, Report]]) -> Report:
     """One report over several converted graphs: each row named ``<prefix>.<node>`` (its casts too), the counts of
     the summary summed, dtype and mode the first graph's."""
-    rows, info = [], {}
+    rows: list[Row] = []
+    info: dict[str, Any] = {}
     for prefix, part in named:
         for row in part.rows:
             row.name = f"{prefix}.{row.name}"

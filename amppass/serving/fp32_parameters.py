@@ -59,6 +59,7 @@ class Fp32Face:
     as the module docstring describes. The storage stays readable through :func:`stored_parameters`."""
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        """``nn.Module.named_parameters``, each low-stored weight given as the fp32 one (module docstring)."""
         named = nn.Module.named_parameters(self, *args, **kwargs)
         low = low_face(self)
         return named if low is None else fp32_parameters(named, low)

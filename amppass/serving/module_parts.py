@@ -75,6 +75,7 @@ class ModulePart(nn.Module):
         return self._code[self._mode.key](self, *args)
 
     def extra_repr(self) -> str:
+        """What ``print(model)`` shows beside the part's class name."""
         return "converted by amppass"
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "ModulePart":

@@ -35,6 +35,7 @@ class PlanDtypes:
         self.moves: dict[torch.device, torch.device] = {}  # device before -> device after, for the graphs' literals
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``fn(tensor)`` with the tensor's floating dtype kept, noting where its device moved."""
         result = self._kept(tensor)
         self.moves.setdefault(tensor.device, result.device)
         return result

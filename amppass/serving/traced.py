@@ -36,7 +36,8 @@ class TracedGraph(fx.GraphModule):
         (module docstring). Here so that every module ``amppass.convert`` returns has it."""
 
     def _apply(self, fn: Any, recurse: bool = True) -> "TracedGraph":
-        """``.to()`` and its relatives move the device; the dtypes stay the plan's (:mod:`amppass.serving.plan_dtypes`)."""
+        """``.to()`` and its relatives move the device; the dtypes stay the plan's
+        (:mod:`amppass.serving.plan_dtypes`)."""
         kept = PlanDtypes(fn)
         result = super()._apply(kept, recurse)
         kept.retarget([self])

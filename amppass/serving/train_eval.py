@@ -56,13 +56,13 @@ from torch.utils import _pytree as pytree
 
 from ..analysis.record import META_KEY
 from ..errors import InputError
-from ..fx.rewrite.low_backward import record_saved_bytes
-from ..fx.capture.inputs import example_call, flatten_inputs
 from ..fx.capture.guards import GUARDS_KEY, call_layout
+from ..fx.capture.inputs import example_call, flatten_inputs
 from ..fx.capture.modes import captured_flags
+from ..fx.rewrite.low_backward import record_saved_bytes
+from .module_parts import Children, Mode
 from .plan_dtypes import PlanDtypes
 from .serving_graph import set_state
-from .module_parts import Children, Mode
 from .tree import Outline, build_tree, install, named_state, outline, sharded, stand_in, unfit
 
 log = logging.getLogger(__name__)
@@ -371,7 +371,7 @@ def _differs(expected: Any, got: Any) -> str | None:
     have, have_spec = pytree.tree_flatten(got)
     if want_spec != have_spec:
         return "its outputs are laid out differently"
-    for index, (a, b) in enumerate(zip(want, have)):
+    for index, (a, b) in enumerate(zip(want, have, strict=False)):
         if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
             if a != b:
                 return f"output {index} is {b!r}, not {a!r}"

@@ -52,10 +52,10 @@ from torch.export.unflatten import InterpreterModule
 from torch.utils import _pytree as pytree
 
 from ..fx.capture.export import auto_dims, size_one_dynamic, without_dtype_asserts
-from ..fx.rewrite.device_literals import retarget_graph
 from ..fx.capture.guards import GUARDS_KEY
 from ..fx.capture.inputs import example_call
 from ..fx.capture.quiet import quiet_torch
+from ..fx.rewrite.device_literals import retarget_graph
 from .module_parts import Mode, as_original
 from .serving_graph import set_state
 
@@ -100,7 +100,9 @@ class Outline:
         return leaves if spec == self.in_spec else None
 
 
-def outline(gm: fx.GraphModule, example: tuple[tuple, dict] | None, device: torch.device | None = None) -> Outline | None:
+def outline(
+    gm: fx.GraphModule, example: tuple[tuple, dict] | None, device: torch.device | None = None
+) -> Outline | None:
     """The module tree of converted graph ``gm`` (rule 2), or None with the reason logged.
 
     With ``device``, state ``gm`` holds only as a stand-in (on the meta device, or sharded by FSDP2) is
@@ -289,7 +291,9 @@ def stand_in(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def named_state(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Every parameter and buffer of ``module`` under each of its names (tied ones under every name)."""
-    return itertools.chain(module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False))
+    return itertools.chain(
+        module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)
+    )
 
 
 def sharded(tensor: torch.Tensor) -> bool:
@@ -375,10 +379,10 @@ def _same_dynamism(program: torch.export.ExportedProgram, guards: Any) -> bool:
     specs = [spec for spec in guards.inputs if spec.dtype is not None]
     if len(values) != len(specs):
         return False
-    for spec, value in zip(specs, values):
+    for spec, value in zip(specs, values, strict=False):
         if value.dim() != len(spec.dims):
             return False
-        for wanted, size in zip(spec.dims, value.shape):
+        for wanted, size in zip(spec.dims, value.shape, strict=False):
             if isinstance(wanted, str) and not isinstance(size, torch.SymInt):
                 return False
     return True

@@ -7,8 +7,8 @@ that device come first:
    its model name, the ISA flags that decide which low-precision instructions exist (None where the
    operating system does not list them), torch's CPU capability (the kernel set torch dispatches to), the
    torch and oneDNN versions and torch's thread count; for a GPU: its name, compute capability and number
-   of streaming multiprocessors, the torch, CUDA, driver, cuBLAS and cuDNN versions (None where unreadable). Timings are cached
-   under it (:mod:`amppass.targets.timing_cache`): a change of any field (a new CPU, a torch upgrade,
+   of streaming multiprocessors, the torch, CUDA, driver, cuBLAS and cuDNN versions (None where unreadable). Timings are
+   cached under it (:mod:`amppass.targets.timing_cache`): a change of any field (a new CPU, a torch upgrade,
    ``torch.set_num_threads``) starts a new table.
 2. **Native low precision** (:func:`native_low`): whether the device has instructions for the low dtype.
    An x86 CPU multiplies bf16 natively with ``avx512_bf16`` or AMX (``amx_bf16``), fp16 with
@@ -16,8 +16,8 @@ that device come first:
    without them oneDNN and torch convert to fp32 and back around every operation, so low-precision
    kernels run several to 30 times slower than fp32 and no region can win: the plan keeps fp32 without
    timing any kernel. Where the flags cannot be read, a one-time probe (a matrix product in both
-   precisions, :func:`amppass.targets.measure.probe`) answers instead, stored with the device's timings. NVIDIA GPUs run fp16
-   natively from compute capability 5.3 and bf16 from 8.0.
+   precisions, :func:`amppass.targets.measure.probe`) answers instead, stored with the device's timings. NVIDIA GPUs run
+   fp16 natively from compute capability 5.3 and bf16 from 8.0.
 
 Tests inject the CPU facts by patching :func:`cpu_facts`; nothing here depends on the CPU that runs them.
 """
@@ -57,7 +57,7 @@ class CpuFacts:
 
 def cpu_facts() -> CpuFacts:
     """The CPU's model name and flags from ``/proc/cpuinfo`` (x86 ``flags``, Arm ``Features``)."""
-    model, flags = platform.processor() or platform.machine(), frozenset()
+    model, flags = platform.processor() or platform.machine(), frozenset[str]()
     try:
         text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
     except OSError:

@@ -40,7 +40,7 @@ def probe(device: torch.device, low: LowType, rounds: int = 7) -> tuple[dict[str
     sync = torch.cuda.synchronize if device.type == "cuda" else None
     calls = [lambda: a @ b, lambda: a_low @ b_low, big.clone, lambda: tiny + tiny]
     found = interleaved(calls, [0, 1, None, None], lambda ratios: len(ratios) >= rounds, 2 * rounds, sync=sync)
-    return dict(zip(("gemm_fp32", "gemm_low", "copy_fp32", "call"), found.medians)), spread(found.ratios)
+    return dict(zip(("gemm_fp32", "gemm_low", "copy_fp32", "call"), found.medians, strict=False)), spread(found.ratios)
 
 
 @dataclass
@@ -108,7 +108,7 @@ def interleaved(calls: list[Callable[[], Any]], sides: list[int | None], settled
                 ratios.append(other / base if base > 0 else 1.0)
                 if len(ratios) >= 3 and settled(ratios):
                     break
-    return Timings([statistics.median(c or e) for c, e in zip(clean, every)], ratios, index)
+    return Timings([statistics.median(c or e) for c, e in zip(clean, every, strict=False)], ratios, index)
 
 
 def waited() -> float:

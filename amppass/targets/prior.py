@@ -36,6 +36,7 @@ class Prior:
 
     @classmethod
     def from_probe(cls, probed: dict[str, float]) -> "Prior":
+        """The costs per unit from the device probe's timings (seconds per GEMM, per copy, per call)."""
         macs = PROBE_SIZE ** 3
         copied = PROBE_COPY * 4 * 2  # the probe's clone reads and writes that many fp32 values
         return cls(probed["gemm_fp32"] / macs, probed["gemm_low"] / macs, probed["copy_fp32"] / copied,
@@ -43,6 +44,7 @@ class Prior:
 
     @classmethod
     def default(cls, native: bool) -> "Prior":
+        """Fixed costs for a device not probed: low MACs faster than fp32 where ``native``, far slower without."""
         return cls(_FP32_MAC_S, _FP32_MAC_S * DEFAULTS[native], _BYTE_S, _CALL_S,
                    f"defaults for a device {'with' if native else 'without'} native low-precision arithmetic")
 

@@ -56,9 +56,13 @@ class Kernels(Protocol):
     """Which ops a runtime runs on which element type: ``status`` answers "native", "via-fp32" (the
     runtime casts around an fp32 kernel by itself), "none" or "unknown" (a custom op)."""
 
-    def status(self, domain: str, op: str, opset: int, elem_type: int) -> str: ...
+    def status(self, domain: str, op: str, opset: int, elem_type: int) -> str:
+        """How the runtime runs ``domain::op`` at ``opset`` on ``elem_type``: one of the four answers above."""
+        ...
 
-    def describe(self) -> dict[str, Any]: ...
+    def describe(self) -> dict[str, Any]:
+        """Where the facts come from, for the report."""
+        ...
 
 
 @dataclass(frozen=True, eq=False)
@@ -86,7 +90,9 @@ class Target:
             info["kernels"] = self.kernels.describe()
         if self.front_end == "fx":
             info["profitability"] = "measured on this machine" if self.profitable else "off"
-            asked = "asked of torch on this machine (one test call per op form), else " if self.judge == "runtime" else ""
+            asked = (
+                "asked of torch on this machine (one test call per op form), else " if self.judge == "runtime" else ""
+            )
             info["kernels"] = {"source": asked + torch_facts().describe()}
         return info
 
@@ -126,7 +132,7 @@ class _Table:
         return found
 
     def describe(self) -> dict[str, Any]:
-        info = {"provider": self.table.provider, "source": _source(self.table)}
+        info: dict[str, Any] = {"provider": self.table.provider, "source": _source(self.table)}
         if self.fallback is not None:
             info["fallback"] = {"provider": self.fallback.provider, "source": _source(self.fallback)}
         return info

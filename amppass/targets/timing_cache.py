@@ -102,6 +102,7 @@ class TimingCache:
 
     @property
     def enabled(self) -> bool:
+        """Whether timings are read and stored (a folder is set and not refused)."""
         return self.path is not None
 
     def describe(self) -> str:

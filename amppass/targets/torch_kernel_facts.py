@@ -68,7 +68,7 @@ def _dtype_name(low: LowType) -> str:
 @functools.lru_cache(maxsize=None)
 def torch_facts() -> TorchKernelFacts:
     """The packaged table, read once per process."""
-    data = json.loads(resources.files(__package__).joinpath("data", FILE).read_text(encoding="utf-8"))
+    data = json.loads(resources.files(__package__).joinpath("data").joinpath(FILE).read_text(encoding="utf-8"))
     return TorchKernelFacts(
         MappingProxyType(data["source"]),
         MappingProxyType({device: frozenset(ops) for device, ops in data["autocast_fp32"].items()}),

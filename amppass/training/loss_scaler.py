@@ -49,9 +49,18 @@ import torch.distributed as dist
 from ..dtypes import low_type
 from ..errors import ScaleCollapseError, ScalerUsageError, ScalerValueError
 from .overflow import unscale_and_check
-from .scaler_values import (LoadedState, ScalerBounds, bounds_kept, check_backoff_factor, check_bounds,
-                            check_growth_factor, check_growth_interval, check_hysteresis, check_scale,
-                            clamp_loaded_scale)
+from .scaler_values import (
+    LoadedState,
+    ScalerBounds,
+    bounds_kept,
+    check_backoff_factor,
+    check_bounds,
+    check_growth_factor,
+    check_growth_interval,
+    check_hysteresis,
+    check_scale,
+    clamp_loaded_scale,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -67,6 +67,7 @@ def _is_number(value: Any) -> bool:
 
 
 def check_bounds(min_scale: Any, max_scale: Any, where: str = "") -> None:
+    """Raise ScalerValueError unless ``min_scale`` and ``max_scale`` are finite bounds within float32's normals."""
     if not (_is_number(min_scale) and min_scale >= _FP32_TINY):
         raise ScalerValueError(
             f"{where}min_scale={_shown(min_scale)} must be a number >= 2**-126 (float32's smallest normal, so that "
@@ -139,6 +140,7 @@ def clamp_loaded_scale(value: float, min_scale: float, max_scale: float) -> floa
 
 
 def check_scale(name: str, value: Any, min_scale: float, max_scale: float) -> None:
+    """Raise ScalerValueError unless ``value`` is a positive finite scale within the bounds."""
     _check_positive_scale(name, value)
     if not min_scale <= value <= max_scale:
         raise ScalerValueError(
@@ -148,11 +150,13 @@ def check_scale(name: str, value: Any, min_scale: float, max_scale: float) -> No
 
 
 def check_growth_factor(value: Any, where: str = "") -> None:
+    """Raise ScalerValueError unless ``value`` is a finite number above 1."""
     if not (_is_number(value) and value > 1):
         raise ScalerValueError(f"{where}growth_factor={_shown(value)} must be a finite number > 1, e.g. 2.0")
 
 
 def check_backoff_factor(value: Any, where: str = "") -> None:
+    """Raise ScalerValueError unless ``value`` is in (0, MAX_BACKOFF]."""
     if not (_is_number(value) and 0 < value <= MAX_BACKOFF):
         raise ScalerValueError(f"{where}backoff_factor={_shown(value)} must be a number above 0 and at most "
                                f"{MAX_BACKOFF}, e.g. 0.5 (closer to 1 the scale barely backs off, and overflowing "
@@ -161,15 +165,17 @@ def check_backoff_factor(value: Any, where: str = "") -> None:
 
 def _check_int(name: str, value: Any, low: int, high: int, note: str) -> None:
     """An int (not a bool, not a float that happens to be whole) from ``low`` to ``high``."""
-    if not (isinstance(value, Integral) and not isinstance(value, bool) and low <= value <= high):
+    if not (isinstance(value, Integral) and not isinstance(value, bool) and low <= int(value) <= high):
         raise ScalerValueError(f"{name}={_shown(value)} must be an int from {low} to {_bound(high)} ({note})")
 
 
 def check_growth_interval(value: Any, where: str = "") -> None:
+    """Raise ScalerValueError unless ``value`` is an int from 1 to MAX_GROWTH_INTERVAL."""
     _check_int(f"{where}growth_interval", value, 1, MAX_GROWTH_INTERVAL, "clean steps before a growth, e.g. 2000")
 
 
 def check_hysteresis(value: Any, where: str = "") -> None:
+    """Raise ScalerValueError unless ``value`` is an int from 1 to MAX_HYSTERESIS."""
     _check_int(
         f"{where}hysteresis",
         value,

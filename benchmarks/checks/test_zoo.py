@@ -6,9 +6,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from benchmarks import zoo  # noqa: E402 - after the skip: the harness imports transformers
-from benchmarks.__main__ import SECTIONS  # noqa: E402
-from tests.conformance import zoo_harness as harness  # noqa: E402
+from benchmarks import zoo  # after the skip: the harness imports transformers
+from benchmarks.__main__ import SECTIONS
+from tests.conformance import zoo_harness as harness
 
 
 def test_benchmark_section_counts_each_step(tmp_path, capsys):

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import amppass
-from amppass.dtypes import BF16, FP16
 from amppass.analysis.plan import Category, Decision, Precision, Source
 from amppass.analysis.policy import DIVISION, NORMALISATION
 from amppass.analysis.rules import range_decisions
 from amppass.analysis.stats import CalibrationStats, ValueStats
 from amppass.analysis.view import GraphView, OpView
+from amppass.dtypes import BF16, FP16
 from models import build
 
 
@@ -135,7 +135,9 @@ def _held_out_error(case, fast, seed=10):
 def test_tolerance_met_on_held_out_inputs(name, dtype):
     case = build(name)
     batches = [case.make_inputs(s) for s in (1, 2, 3, 4)]
-    fast = amppass.convert(case.model, case.example_inputs, dtype, calibration=batches, tolerance=1e-3, plan_for="coverage")
+    fast = amppass.convert(
+        case.model, case.example_inputs, dtype, calibration=batches, tolerance=1e-3, plan_for="coverage"
+    )
     meta = fast.meta["amppass"]
     assert meta["tolerance_met"] and meta["achieved_error"] <= 1e-3
     assert _held_out_error(case, fast) <= 1e-3

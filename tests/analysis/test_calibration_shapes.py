@@ -81,8 +81,10 @@ def test_a_batch_of_one_where_export_fixed_the_length_of_the_shape_zoo_lstm():
 
 def test_a_batch_the_original_model_rejects_names_its_error():
     model = _speaker()
-    with pytest.raises(amppass.CalibrationError,
-                       match=re.escape("calibration batch 1: the fp32 model failed on it (mat1 and mat2 shapes cannot be multiplied")):
+    with pytest.raises(
+        amppass.CalibrationError,
+        match=re.escape("calibration batch 1: the fp32 model failed on it (mat1 and mat2 shapes cannot be multiplied"),
+    ):
         amppass.convert(model, _mels(1, 20, 0), torch.float16, plan_for="coverage",
                         calibration=[_mels(2, 20, 1), (torch.randn(2, 20, 41),)])
 

@@ -29,8 +29,8 @@ def test_the_data_pass_keeps_batches_and_their_outputs_for_the_search():
     data = record(runner, batches, keep=True)
     assert runner.events == [("run", 0, 0), ("run", 1, 1), ("run", 2, 2), ("finish",)]
     assert data is runner.data and data.batches == 3 and data.seconds > 0
-    assert all(np.array_equal(k, b) for k, b in zip(data.kept, batches))
-    assert all(np.array_equal(r[0], run_from(0, set(), b)) for r, b in zip(data.references, batches))
+    assert all(np.array_equal(k, b) for k, b in zip(data.kept, batches, strict=False))
+    assert all(np.array_equal(r[0], run_from(0, set(), b)) for r, b in zip(data.references, batches, strict=False))
     assert data.stats.get("v7").tensors == 3 and sorted(runner.chain.values) == [0, 1, 2]
 
 
@@ -47,7 +47,7 @@ def test_a_trials_error_is_its_largest_relative_output_error_and_inf_where_it_di
     trials = ChainTrials(data, None)
     plan = paint(view(), FP16, {})
     expected = max(float(np.linalg.norm(run_from(0, set(range(len(OPS))), x) - r[0]) / np.linalg.norm(r[0]))
-                   for x, r in zip(data.kept, data.references))
+                   for x, r in zip(data.kept, data.references, strict=False))
     assert trials.error(plan, {}, [0, 1]) == pytest.approx(expected) and expected > 0
     trials.run = lambda plan, decisions, batches: iter([(0, data.references[0]), (1, None)])
     assert trials.error(plan, {}, [0, 1]) == math.inf

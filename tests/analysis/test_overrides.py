@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 
 import numpy as np
-import pytest
 import onnx
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import amppass
@@ -40,7 +40,9 @@ def test_readme_keep_fp32_example_on_the_bundled_bert_warns_with_its_ops(caplog)
     """The bundled BERT runs attention as one fused op: keep_fp32=['softmax'] has nothing to keep."""
     case = build("bert", "small")
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        fast = amppass.convert(case.model, case.example_inputs, dtype="bf16", keep_fp32=["softmax"], plan_for="coverage")
+        fast = amppass.convert(
+            case.model, case.example_inputs, dtype="bf16", keep_fp32=["softmax"], plan_for="coverage"
+        )
     (warning,) = [r.getMessage() for r in caplog.records if r.name == LOGGER]
     assert "keep_fp32=['softmax']" in warning and "no softmax op" in warning
     assert "aten.scaled_dot_product_attention" in warning and "aten.linear" in warning

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from amppass.dtypes import BF16, FP16
 from amppass.analysis.painting import paint
 from amppass.analysis.plan import Category, Decision, Precision, Source
 from amppass.analysis.view import GraphView, OpView
+from amppass.dtypes import BF16, FP16
 
 FP16_MAX = 65504.0
 
@@ -118,8 +118,9 @@ def test_an_in_place_relu_whose_readers_run_fp32_leaves_its_convolution_low():
     """RAFT's encoder: conv -> ReLU(inplace=True) -> a norm that runs fp32. Rule 8 would run the ReLU fp32 to put
     the cast before it; the ReLU writes into the convolution's output, so that fp32 must not pull the aliasing
     group (and the convolution, 10% of RAFT's multiply-adds) to fp32: the cast goes after the ReLU instead."""
-    import amppass
     import torch
+
+    import amppass
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(inplace=True),

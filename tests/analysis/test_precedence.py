@@ -3,6 +3,8 @@ and the options of a conversion checked once where it starts."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -95,5 +97,5 @@ def test_one_pattern_is_one_pattern_and_replace_checks_again():
     assert options.keep_fp32 == ("linear",) and options.force_low == ("softmax",)
     with pytest.raises(InputError, match="plan_for"):
         options.replace(plan_for="nope")
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         options.plan_for = "coverage"  # frozen

@@ -90,7 +90,10 @@ def test_a_converted_model_is_refused_by_both_entry_points():
     assert amppass.convert_onnx(converted).graph == converted.graph  # the same dtype: unchanged
 
     gm = amppass.convert(mlp(), dtype=torch.bfloat16, plan_for="coverage")
-    with pytest.raises(InputError, match=r"to bf16 \(inference mode\); it cannot be converted to fp16 \(inference mode\) "
-                                         r"on top of that: convert the original float32 module instead"):
+    with pytest.raises(
+        InputError,
+        match=r"to bf16 \(inference mode\); it cannot be converted to fp16 \(inference mode\) "
+        r"on top of that: convert the original float32 module instead",
+    ):
         amppass.convert(gm, dtype=torch.float16)
     assert amppass.convert(gm, dtype=torch.bfloat16) is gm

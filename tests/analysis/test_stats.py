@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from amppass.analysis.stats import (FLUSH_LIMIT, HEADROOM, SAMPLE, SENTINEL, CalibrationStats, ValueStats,
-                                    as_tensor)
+from amppass.analysis.stats import FLUSH_LIMIT, HEADROOM, SAMPLE, SENTINEL, CalibrationStats, ValueStats, as_tensor
 from amppass.dtypes import FP16_MAX, FP16_MIN_NORMAL
 
 

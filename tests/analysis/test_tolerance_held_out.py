@@ -21,7 +21,11 @@ def _fx_error(case, fast, inputs):
     """The largest relative error of any floating output, as the search measures it."""
     with torch.no_grad():
         outs, refs = (pytree.tree_leaves(m(*inputs)) for m in (fast, case.model))
-    return max(relative_error(o, r) for o, r in zip(outs, refs) if isinstance(r, torch.Tensor) and r.is_floating_point())
+    return max(
+        relative_error(o, r)
+        for o, r in zip(outs, refs, strict=False)
+        if isinstance(r, torch.Tensor) and r.is_floating_point()
+    )
 
 
 def test_fx_single_batch_plan_holds_on_fresh_inputs():

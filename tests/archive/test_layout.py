@@ -20,7 +20,7 @@ from amppass import InputError
 from amppass.archive import MAX_EXTRA, Pt2Archive
 from amppass.archive import layout as archive_layout
 from amppass.cli import main
-from tests.helpers.pt2_files import X, pickled_weight, rewrite, saved  # noqa: F401 - saved is a fixture
+from tests.helpers.pt2_files import X, pickled_weight, rewrite
 from tests.helpers.zipbytes import Entry, entries_of, write
 
 PLAN = "extra/amppass.json"

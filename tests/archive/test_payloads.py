@@ -14,7 +14,7 @@ import torch
 
 import amppass
 from amppass import InputError
-from tests.helpers.pt2_files import empty_weight, pickled, rewrite, saved, shared_branches  # noqa: F401 - saved is a fixture
+from tests.helpers.pt2_files import empty_weight, pickled, rewrite, shared_branches
 
 
 def test_a_weight_file_without_bytes_cannot_ask_for_gigabytes(saved, tmp_path):

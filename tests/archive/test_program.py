@@ -25,7 +25,7 @@ import amppass
 from amppass import InputError
 from amppass.archive.program import MAX_GUARD_BITS, check_expression, check_guard, check_program
 from amppass.cli import main
-from tests.helpers.pt2_files import MODEL_JSON, X, edit_program, guard_with_statements, guards, rewrite, saved  # noqa: F401 - saved is a fixture
+from tests.helpers.pt2_files import MODEL_JSON, X, edit_program, guard_with_statements, guards, rewrite
 
 
 def _signature(tree: dict) -> dict:
@@ -77,12 +77,20 @@ def test_the_guards_torch_writes_pass_and_still_guard(saved):
         amppass.load(saved["converted"])(torch.ones(2, 7))
 
 
-@pytest.mark.parametrize("text", [
-    "L['x'].size()[0] != 1", "2 <= L['x'].size()[0]", "L['input_ids'].size()[1] == min(512, L['input_ids'].size()[1])",
-    "(32*L['x'].size()[0]*(L['x'].size()[3] // 2)*(L['x'].size()[2] // 2)) != 0",
-    "3*L['pixel_values'].size()[2]*L['pixel_values'].size()[3] > 1", "L['x'].stride()[0] == math.floor(L['y'].size()[1] / 2)",
-    "L['args'][0]['ids'].size()[1] <= 1024", "L['mode'] == 'a'", "L['cache'].key_cache[0].size()[2] >= 2",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "L['x'].size()[0] != 1",
+        "2 <= L['x'].size()[0]",
+        "L['input_ids'].size()[1] == min(512, L['input_ids'].size()[1])",
+        "(32*L['x'].size()[0]*(L['x'].size()[3] // 2)*(L['x'].size()[2] // 2)) != 0",
+        "3*L['pixel_values'].size()[2]*L['pixel_values'].size()[3] > 1",
+        "L['x'].stride()[0] == math.floor(L['y'].size()[1] / 2)",
+        "L['args'][0]['ids'].size()[1] <= 1024",
+        "L['mode'] == 'a'",
+        "L['cache'].key_cache[0].size()[2] >= 2",
+    ],
+)
 def test_guard_forms_torch_writes_pass(text):
     check_guard(text, "m.pt2")
 
@@ -126,8 +134,8 @@ def test_expressions_that_take_sympy_minutes_are_refused_at_once(text):
 
 def test_the_expressions_of_real_models_pass(tmp_path):
     """Every symbolic size of a converted BERT, a CNN and a model with a data-dependent size passes."""
-    from models import build
     from amppass.archive import Pt2Archive
+    from models import build
 
     class Select(torch.nn.Module):
         def forward(self, x):
@@ -170,8 +178,13 @@ def test_range_keys_that_count_for_ever_or_carry_escapes_are_refused(saved, tmp_
     ("subgraph name", 'true_graph_0"), open("x", "w"), ("'),
 ], ids=["kwargs-key", "string-input", "subgraph"])
 def test_names_and_strings_torch_pastes_into_source_are_refused(where, value):
-    tree: dict[str, Any] = {"graph_module": {"graph": {"inputs": [], "nodes": []}, "signature": {},
-                                             "module_call_graph": [{"fqn": "", "signature": {"forward_arg_names": ["x"]}}]}}
+    tree: dict[str, Any] = {
+        "graph_module": {
+            "graph": {"inputs": [], "nodes": []},
+            "signature": {},
+            "module_call_graph": [{"fqn": "", "signature": {"forward_arg_names": ["x"]}}],
+        }
+    }
     if where == "kwargs key":
         spec = [1, {"type": "builtins.dict", "context": json.dumps([value]), "children_spec": []}]
         tree["graph_module"]["module_call_graph"][0]["signature"]["in_spec"] = json.dumps(spec)
@@ -237,7 +250,7 @@ def test_a_guard_the_check_passes_is_cheap_to_evaluate(guard, sizes):
 
     tree = ast.fix_missing_locations(Watch().visit(ast.parse(guard, mode="eval")))
     try:
-        eval(compile(tree, "guard", "eval"), {"L": inputs, "math": math, "torch": torch,  # noqa: S307 - checked text
+        eval(compile(tree, "guard", "eval"), {"L": inputs, "math": math, "torch": torch,  # checked text
                                               "_seen": lambda v: values.append(v) or v})
     except (ArithmeticError, ValueError, TypeError):
         pass

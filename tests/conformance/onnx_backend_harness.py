@@ -116,7 +116,7 @@ def error(got: Any, want: Any) -> float:
     if isinstance(want, list) or isinstance(got, list):
         if not (isinstance(want, list) and isinstance(got, list)) or len(got) != len(want):
             return float("inf")
-        return max((error(g, w) for g, w in zip(got, want)), default=0.0)
+        return max((error(g, w) for g, w in zip(got, want, strict=False)), default=0.0)
     got, want = np.asarray(got), np.asarray(want)
     if got.shape != want.shape:
         return float("inf")
@@ -137,22 +137,22 @@ def worst_error(got: Sequence, want: Sequence) -> float:
     """The largest :func:`error` over the outputs; inf when their numbers differ."""
     if len(got) != len(want):
         return float("inf")
-    return max((error(g, w) for g, w in zip(got, want)), default=0.0)
+    return max((error(g, w) for g, w in zip(got, want, strict=False)), default=0.0)
 
 
 def _reproduces(case: Case) -> bool:
     """Whether onnxruntime's CPU provider runs the float32 model and gives the expected outputs."""
     try:
-        got = session(case.model).run(None, dict(zip(feed_names(case.model), case.inputs)))
+        got = session(case.model).run(None, dict(zip(feed_names(case.model), case.inputs, strict=False)))
     except Exception:  # noqa: BLE001 - an op or opset this onnxruntime lacks: the case says nothing here
         return False
     if len(got) != len(case.expected):
         return False
-    for g, w in zip(got, case.expected):
+    for g, w in zip(got, case.expected, strict=False):
         try:
             if isinstance(w, list):
                 if len(g) != len(w) or not all(np.allclose(a, b, case.rtol, case.atol, equal_nan=True)
-                                               for a, b in zip(g, w)):
+                                               for a, b in zip(g, w, strict=False)):
                     return False
             elif not np.allclose(g, w, case.rtol, case.atol, equal_nan=True):
                 return False
@@ -235,8 +235,12 @@ def folder_cases() -> tuple[Case, ...]:
             model = onnx.load(os.path.join(directory, "model.onnx"))
             declared = {i.name: i.type for i in model.graph.input}
             try:
-                inputs = tuple(_read(p, declared[n]) for p, n in zip(_numbered(data[0], "input"), feed_names(model)))
-                expected = tuple(_read(p, o.type) for p, o in zip(_numbered(data[0], "output"), model.graph.output))
+                inputs = tuple(
+                    _read(p, declared[n]) for p, n in zip(_numbered(data[0], "input"), feed_names(model), strict=False)
+                )
+                expected = tuple(
+                    _read(p, o.type) for p, o in zip(_numbered(data[0], "output"), model.graph.output, strict=False)
+                )
             except Exception:  # noqa: BLE001 - a data set of strings or maps: not a float model
                 continue
             found.append(Case(f"{folder}/{os.path.basename(directory[:-1])}", model, inputs, expected))
@@ -284,7 +288,7 @@ def rounded_reference(case: Case) -> tuple | None:
     inputs = [x.astype(np.float16).astype(np.float32) if isinstance(x, np.ndarray) and x.dtype == np.float32
               and x.ndim >= 1 else x for x in case.inputs]
     try:
-        return tuple(session(case.model).run(None, dict(zip(feed_names(case.model), inputs))))
+        return tuple(session(case.model).run(None, dict(zip(feed_names(case.model), inputs, strict=False))))
     except Exception:  # noqa: BLE001 - the op refuses the rounded values (an infinity, say)
         return None
 
@@ -316,7 +320,7 @@ def judge(case: Case, converted: onnx.ModelProto, bound: float = FP16_BOUND,
     except Exception as err:  # noqa: BLE001
         return Outcome("invalid", f"onnxruntime refuses to load it: {first_line(err, 300)}")
     try:
-        got = runner.run(None, dict(zip(feed_names(converted), case.inputs)))
+        got = runner.run(None, dict(zip(feed_names(converted), case.inputs, strict=False)))
     except Exception as err:  # noqa: BLE001
         return Outcome("run failure", first_line(err, 300))
     worst = min(worst_error(got, want) for want in (case.expected, *references))

@@ -138,7 +138,7 @@ class OpModule(nn.Module):
 
     def forward(self, *tensors: torch.Tensor) -> Any:
         leaves = list(self.fixed)
-        for slot, eyed, tensor in zip(self.slots, self.eyed, tensors):
+        for slot, eyed, tensor in zip(self.slots, self.eyed, tensors, strict=False):
             if eyed:
                 eye = getattr(self, f"eye{slot}")
                 tensor = (tensor.reshape(1) @ eye).reshape(()) if tensor.dim() == 0 else tensor @ eye
@@ -166,7 +166,7 @@ def relative_error(out: Any, ref: Any) -> float:
     if ref_spec != spec or len(outs) != len(refs):
         return math.inf
     worst = 0.0
-    for got, want in zip(outs, refs):
+    for got, want in zip(outs, refs, strict=False):
         worst = max(worst, _leaf_error(got, want))
     return worst
 

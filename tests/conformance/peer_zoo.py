@@ -35,8 +35,8 @@ from the command line every model runs in a child process with its own deadline 
 a native crash costs that model only.
 
 ``python tests/conformance/peer_zoo.py --write-expected`` runs the whole zoo and writes ``peer_expected.json``: each
-failing step with the stable start of its reason (:func:`reason_of`), which ``tests/conformance/test_peer_zoo.py`` holds the
-code to. ``--only NAME ...``, ``--steps STEP ...``, ``--json OUT`` (every outcome, with details and times).
+failing step with the stable start of its reason (:func:`reason_of`), which ``tests/conformance/test_peer_zoo.py``
+holds the code to. ``--only NAME ...``, ``--steps STEP ...``, ``--json OUT`` (every outcome, with details and times).
 """
 
 from __future__ import annotations
@@ -66,9 +66,9 @@ if str(Path(__file__).resolve().parent) not in sys.path:
 if str(ROOT) not in sys.path:  # after the rest: a PYTHONPATH copy of amppass (a commit's snapshot) is the one run
     sys.path.append(str(ROOT))
 
-import amppass  # noqa: E402
 import zoo_harness as zoo  # noqa: E402 - the transformers zoo: its bounds, error and gradient judge
 
+import amppass  # noqa: E402
 from tests.helpers import peer_models as peers  # noqa: E402
 
 EXPECTED = Path(__file__).with_name("peer_expected.json")
@@ -91,7 +91,8 @@ class Entry:
     build: Callable[[], tuple]  # () -> (model in eval mode, args, kwargs)
     batch: int | None = 2  # the size of dim 0 of the batched inputs (None: no batch dimension, a list of images)
     elementwise: bool = True  # outputs comparable element by element with fp32's (not after NMS)
-    train: str = "outputs"  # "outputs": a loss made from the outputs; "targets": its own loss on targets; else n/a's why
+    # "outputs": a loss made from the outputs; "targets": its own loss on targets; else n/a's why
+    train: str = "outputs"
     note: str = ""
 
 
@@ -119,7 +120,8 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
     Entry("timm/levit_128s", "timm", peers.build_levit_128s, note="224x224: its attention biases fix the size"),
     Entry("timm/maxvit_pico_rw_256", "timm", _timm("maxvit_pico_rw_256", 128), note="img_size 128"),
     Entry("timm/coatnet_pico_rw_224", "timm", _timm("coatnet_pico_rw_224", 128), note="img_size 128"),
-    Entry("timm/efficientformer_l1", "timm", peers.build_efficientformer_l1, note="224x224: its pooling fixes the size"),
+    Entry("timm/efficientformer_l1", "timm", peers.build_efficientformer_l1,
+          note="224x224: its pooling fixes the size"),
     Entry("timm/eva02_tiny_patch14_224", "timm", _timm("eva02_tiny_patch14_224", 112), note="img_size 112"),
     Entry("timm/mixer_s32_224", "timm", _timm("mixer_s32_224", 128), note="img_size 128"),
     # diffusers
@@ -133,7 +135,8 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
     Entry("tv/resnet18", "torchvision", _tv("resnet18")),
     Entry("tv/mobilenet_v3_small", "torchvision", _tv("mobilenet_v3_small", dropout=0.0)),
     Entry("tv/deeplabv3_mobilenet_v3_large", "torchvision", peers.build_deeplabv3),
-    Entry("tv/raft_small", "torchvision", peers.build_raft_small, batch=1, note="128x128 (RAFT's smallest), 12 updates"),
+    Entry("tv/raft_small", "torchvision", peers.build_raft_small, batch=1,
+          note="128x128 (RAFT's smallest), 12 updates"),
     Entry("tv/r3d_18", "torchvision", peers.build_r3d_18, note="clip 4 frames of 32x32"),
     Entry("tv/fasterrcnn_mobilenet_v3_large_320_fpn", "torchvision", peers.build_fasterrcnn, batch=None,
           elementwise=False, train=DETECTOR_TRAIN),
@@ -481,7 +484,7 @@ def _feed(session: Any, named: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     if all(i.name in named for i in inputs):
         return {i.name: named[i.name] for i in inputs}
     if len(inputs) == len(named):
-        return {i.name: t for i, t in zip(inputs, named.values())}
+        return {i.name: t for i, t in zip(inputs, named.values(), strict=True)}
     raise LookupError(f"the file's inputs {[i.name for i in inputs]} match none of the example's {list(named)}")
 
 
@@ -594,7 +597,8 @@ def run_model(name: str, steps: tuple[str, ...] = STEPS) -> Result:
                     outcome, detail = "fail", zoo.first_line(err)
                     info = {"where": _where(err)}
                 result.steps[step] = {"outcome": outcome, "detail": detail,
-                                      "seconds": round(time.perf_counter() - start, 2), **({"info": info} if info else {})}
+                                      "seconds": round(time.perf_counter() - start, 2),
+                                      **({"info": info} if info else {})}
             return result
     finally:
         logging.disable(logging.NOTSET)
@@ -644,11 +648,11 @@ def reason_of(detail: str) -> str:
     return cut[:REASON_CHARS].rstrip(" :;,([{'\"=").strip()
 
 
-ABOUT = ("Expected deviations of the peer zoo (tests/conformance/test_peer_zoo.py, tests/conformance/peer_zoo.py): 'unbuilt' "
-         "lists the models that do not build here, with the reason; 'expected' lists per model the steps that fail "
-         "today, each with the start of its reason (the detail up to its first number): such a step must fail with "
-         "a detail that starts so. A listed step that passes fails the test, as does an unlisted one that fails. "
-         "Regenerate: python tests/conformance/peer_zoo.py --write-expected")
+ABOUT = ("Expected deviations of the peer zoo (tests/conformance/test_peer_zoo.py, tests/conformance/peer_zoo.py): "
+         "'unbuilt' lists the models that do not build here, with the reason; 'expected' lists per model the steps "
+         "that fail today, each with the start of its reason (the detail up to its first number): such a step must "
+         "fail with a detail that starts so. A listed step that passes fails the test, as does an unlisted one that "
+         "fails. Regenerate: python tests/conformance/peer_zoo.py --write-expected")
 
 
 def expected_from(results: list[dict]) -> dict:

@@ -22,7 +22,7 @@ import pytest
 
 pytest.importorskip("expecttest")  # torch.testing._internal imports it
 
-from tests.conformance import opinfo_harness as harness  # noqa: E402 - after the skip: the harness imports torch.testing._internal
+from tests.conformance import opinfo_harness as harness  # after the skip: the harness imports torch.testing._internal
 
 DATA = json.loads((Path(__file__).with_name("opinfo_expected.json")).read_text(encoding="utf-8"))
 BOUNDS = {dtype: float(bound) for dtype, bound in DATA["bounds"].items() if dtype in ("bf16", "fp16")}
@@ -55,8 +55,12 @@ def verdict(case: harness.Case, dtype: str, feed: str, found: harness.Outcome) -
         return f"{where}: {found.detail}"
     if entry is None:
         autocast = "" if found.autocast_error is None else f"; torch.autocast's: {found.autocast_error:.3g}"
-        return "" if found.outcome == "correct" else \
-            f"{where} (error {found.error:.3g} > {BOUNDS[dtype]:.3g}{autocast})" + (f": {found.detail}" if found.detail else "")
+        return (
+            ""
+            if found.outcome == "correct"
+            else f"{where} (error {found.error:.3g} > {BOUNDS[dtype]:.3g}{autocast})"
+            + (f": {found.detail}" if found.detail else "")
+        )
     wanted = entry["outcome"]
     if wanted == "refused":
         if found.outcome != "refused":

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from tests.conformance import zoo_harness as harness  # noqa: E402 - after the skip
+from tests.conformance import zoo_harness as harness  # after the skip
 
 DATA = json.loads(harness.EXPECTED.read_text(encoding="utf-8"))
 
@@ -116,8 +116,14 @@ def test_gradients_are_judged_per_parameter_against_autocast_s():
 
 
 def test_a_rerun_of_some_steps_updates_those_steps_only():
-    first = [vars(harness.Result("A", "base", True, steps={"train": {"outcome": "fail"}, "compile": {"outcome": "pass"}},
-                                 commit="old")), vars(harness.Result("B", "base", False, "KeyError"))]
+    first = [
+        vars(
+            harness.Result(
+                "A", "base", True, steps={"train": {"outcome": "fail"}, "compile": {"outcome": "pass"}}, commit="old"
+            )
+        ),
+        vars(harness.Result("B", "base", False, "KeyError")),
+    ]
     again = [vars(harness.Result("A", "base", True, steps={"train": {"outcome": "pass"}}, commit="new")),
              vars(harness.Result("B", "base", True, steps={"train": {"outcome": "pass"}}))]
     a, b = harness.merged(first, again)
@@ -165,7 +171,9 @@ def test_per_type_steps_run_on_the_first_class_of_a_model_type_that_builds(monke
 
     monkeypatch.setattr(harness, "build", build)
     for step in harness.STEPS:
-        monkeypatch.setitem(harness.RUNNERS, step, lambda built, step=step: ran.append((built.name, step)) or ("pass", ""))
+        monkeypatch.setitem(
+            harness.RUNNERS, step, lambda built, step=step: ran.append((built.name, step)) or ("pass", "")
+        )
     results = [r for names in harness.by_type(found).values() for r in harness.run_type(names, found)]
     assert [r.built for r in results] == [False, True, True, True]
     masked, base = results[1].steps, results[2].steps

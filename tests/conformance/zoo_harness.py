@@ -6,7 +6,8 @@ classification, seq2seq, image classification, speech seq2seq, audio classificat
 each built from its config class's defaults shrunk by :data:`SHRINK` (2 layers, width 32, 4 heads, vocab 128,
 4 experts, 32-pixel images, every dropout 0; a hybrid keeps one layer of each kind ``layer_types`` names) with
 seeded random weights; where that config does not build, the class's own config class (a text model of a
-multimodal type) and a hybrid's first two layers alone are tried (:func:`configs`). A class that cannot be built that way offline (a config the shrunk sizes break, a tokenizer
+multimodal type) and a hybrid's first two layers alone are tried (:func:`configs`). A class that cannot be built that
+way offline (a config the shrunk sizes break, a tokenizer
 or hub file, a missing optional package) or that has no input recipe here is "unbuilt", with the reason. Each built
 class goes through :data:`STEPS`:
 
@@ -34,7 +35,8 @@ that class) on its others, which keeps the whole zoo to a few seconds a class.
 A step is "pass", "fail" (with the first line of the error, or the errors measured), "n/a" (it does not apply) or
 "covered" (a per-type step, run on another class of the model type).
 ``python tests/conformance/zoo_harness.py --write-expected`` runs the whole zoo and writes ``zoo_expected.json``:
-every unbuilt class and every failing step, with its reason, which ``tests/conformance/test_zoo.py`` then holds the code to.
+every unbuilt class and every failing step, with its reason, which ``tests/conformance/test_zoo.py`` then holds the code
+to.
 """
 
 from __future__ import annotations
@@ -405,7 +407,7 @@ def error(got: Any, want: Any) -> float:
     if len(gots) != len(wants) or not wants:
         return math.inf
     worst = 0.0
-    for g, w in zip(gots, wants):
+    for g, w in zip(gots, wants, strict=False):
         if g.shape != w.shape:
             return math.inf
         g, w = g.detach().double(), w.detach().double()
@@ -474,7 +476,7 @@ def step_generate(built: Built) -> tuple[str, str]:
     with torch.no_grad():
         bound = max(FLOOR, RATIO * autocast_error(model, forward, model(**forward), torch.bfloat16))
     start = reference.sequences.shape[1] - len(reference.logits)
-    for step, (want, got) in enumerate(zip(reference.logits, out.logits)):
+    for step, (want, got) in enumerate(zip(reference.logits, out.logits, strict=False)):
         logits_error = error(got.float(), want.float())
         if logits_error > bound:  # only logits within convert's bound can disagree at a near-tie
             return "fail", f"token {step}: logits error {logits_error:.3g} > {bound:.3g}"
@@ -646,7 +648,7 @@ class _Timeout(Exception):
 
 @contextlib.contextmanager
 def _deadline(seconds: int) -> Iterator[None]:
-    def expire(signum, frame):  # noqa: ARG001 - signal handler's signature
+    def expire(signum, frame):  # signal handler's signature
         raise _Timeout(f"timed out after {seconds} s")
 
     previous = signal.signal(signal.SIGALRM, expire)
@@ -831,7 +833,8 @@ def interleaved(found: dict[str, tuple[str, str]]) -> list[str]:
     return order
 
 
-ABOUT = ("Expected deviations of the transformers zoo (tests/conformance/test_zoo.py, tests/conformance/zoo_harness.py): "
+ABOUT = ("Expected deviations of the transformers zoo (tests/conformance/test_zoo.py, "
+         "tests/conformance/zoo_harness.py): "
          "'unbuilt' lists the classes a tiny offline config cannot build, with the reason; 'expected' lists per "
          "class the steps that fail today, with the first line of the error or the errors measured. A listed step "
          "that passes fails the test, as does an unlisted one that fails. Regenerate: python "

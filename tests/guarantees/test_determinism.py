@@ -69,7 +69,9 @@ def fingerprints(fx: bool = False) -> dict[str, str]:
 
         case = build("mlp", "small")
         batches = [case.make_inputs(seed) for seed in range(2)]
-        gm = amppass.convert(case.model, case.example_inputs, "fp16", calibration=batches, tolerance=1e-3, plan_for="coverage")
+        gm = amppass.convert(
+            case.model, case.example_inputs, "fp16", calibration=batches, tolerance=1e-3, plan_for="coverage"
+        )
         report = _without_timing(json.loads(amppass.report(gm).to_json()))
         out["fx-report"] = hashlib.sha256(json.dumps(report).encode()).hexdigest()
         out["fx-code"] = hashlib.sha256(gm.code.encode()).hexdigest()
@@ -78,7 +80,8 @@ def fingerprints(fx: bool = False) -> dict[str, str]:
 
 def _in_subprocess(seed: str, fx: bool) -> dict[str, str]:
     env = {**os.environ, "PYTHONHASHSEED": seed}
-    code = f"import json; from tests.guarantees.test_determinism import fingerprints; print(json.dumps(fingerprints({fx})))"
+    code = ("import json; from tests.guarantees.test_determinism import fingerprints; "
+            f"print(json.dumps(fingerprints({fx})))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
                           cwd=ROOT)
     assert done.returncode == 0, done.stderr

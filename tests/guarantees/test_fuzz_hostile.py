@@ -5,7 +5,8 @@ kept in an external data file) and damages them the ways an attacker or a broken
 data locations (absolute, climbing out, links pointing out or in, folders, devices, the store's reserved
 name), offsets and lengths (negative, huge, not numbers, past the end), shapes (negative, disagreeing with
 the bytes), nesting depth, node order (shuffled, cycles, a value written twice) and the report metadata of
-converted models (every field the summary reads, texts a format string would inflate). Whatever comes out: ``convert_onnx`` returns a model that passes the full checker and runs
+converted models (every field the summary reads, texts a format string would inflate). Whatever comes out:
+``convert_onnx`` returns a model that passes the full checker and runs
 in onnxruntime, or raises :class:`amppass.AmpPassError`; a weight whose data resolves outside the model's
 folder never converts; ``amppass.report`` returns a report that renders no larger than the file, or raises
 AmpPassError. Calibration files (``amppass convert --calib``) whose headers, dtypes or zip directory lie feed the
@@ -32,8 +33,8 @@ from onnx import TensorProto, helper
 import amppass
 from amppass import AmpPassError
 from amppass.cli import main
-from amppass.targets import onnxruntime_facts
 from amppass.report.terminal import render_text
+from amppass.targets import onnxruntime_facts
 from tests.helpers.onnx_files import SECRET, matmul_64, weights_named_w
 
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True, database=None,

@@ -34,10 +34,21 @@ from hypothesis import strategies as st
 
 import amppass
 from amppass import AmpPassError
-from amppass.targets.timing_cache import TimingCache
 from amppass.report.terminal import render_text
-from tests.helpers.pt2_files import (SAMPLES, X, Payload, bytearray_samples, calling_node, guards, json_padding, mlp,
-                                     nested_bomb, pickled, rewrite)
+from amppass.targets.timing_cache import TimingCache
+from tests.helpers.pt2_files import (
+    SAMPLES,
+    Payload,
+    X,
+    bytearray_samples,
+    calling_node,
+    guards,
+    json_padding,
+    mlp,
+    nested_bomb,
+    pickled,
+    rewrite,
+)
 from tests.helpers.zipbytes import ZIP64, Entry, entries_of, write, zip64_extra
 
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True, database=None,

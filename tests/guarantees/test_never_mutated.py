@@ -13,10 +13,10 @@ import torch
 
 import amppass
 from amppass.cli import main
-from amppass.pipelines.backend import amppass_backend
 from amppass.onnx.io import stream_write
 from amppass.onnx.io.save import save
 from amppass.onnx.io.weight_store import WeightStore
+from amppass.pipelines.backend import amppass_backend
 from tests.helpers.small_models import X, matmul_model
 
 
@@ -67,14 +67,19 @@ def _value(value) -> object:
 
 CALLS = {
     "fx-inference": lambda net, tmp: amppass.convert(net, X, "fp16", plan_for="coverage"),
-    "fx-bf16-calibrated": lambda net, tmp: amppass.convert(net, X, "bf16", calibration=[X, (X[0] * 3,)], plan_for="coverage"),
+    "fx-bf16-calibrated": lambda net, tmp: amppass.convert(
+        net, X, "bf16", calibration=[X, (X[0] * 3,)], plan_for="coverage"
+    ),
     "fx-train": lambda net, tmp: amppass.convert(net, X, "fp16", mode="train", plan_for="coverage"),
     "export-onnx": lambda net, tmp: amppass.export_onnx(net, X, tmp / "net.onnx"),
     "report": lambda net, tmp: amppass.report(amppass.convert(net, X, "fp16", plan_for="coverage")).summary(),
     # failures after capture: the override matches nothing; a calibration batch is bad halfway through
-    "fx-fails-on-override": lambda net, tmp: amppass.convert(net, X, "fp16", keep_fp32=["nothing_here"], plan_for="coverage"),
+    "fx-fails-on-override": lambda net, tmp: amppass.convert(
+        net, X, "fp16", keep_fp32=["nothing_here"], plan_for="coverage"
+    ),
     "fx-fails-in-calibration": lambda net, tmp: amppass.convert(
-        net, X, "fp16", calibration=[X, (torch.full((2, 4), float("nan")),)], plan_for="coverage"),
+        net, X, "fp16", calibration=[X, (torch.full((2, 4), float("nan")),)], plan_for="coverage"
+    ),
     "export-fails-in-convert": lambda net, tmp: amppass.export_onnx(net, X, tmp / "net.onnx", keep_fp32=["Nope"]),
 }
 

@@ -202,14 +202,18 @@ def test_concurrent_converts_give_the_graphs_serial_ones_do():
     from models import build
 
     cases = [build(name) for name in ("mlp", "cnn", "bert", "gpt2")]
-    serial = {case.name: amppass.convert(case.model, case.example_inputs, "bf16", plan_for="coverage").code for case in cases}
+    serial = {
+        case.name: amppass.convert(case.model, case.example_inputs, "bf16", plan_for="coverage").code for case in cases
+    }
     found: list[tuple[str, str]] = []
     errors: list[BaseException] = []
 
     def work(case):
         for _ in range(2):
             try:
-                found.append((case.name, amppass.convert(case.model, case.example_inputs, "bf16", plan_for="coverage").code))
+                found.append(
+                    (case.name, amppass.convert(case.model, case.example_inputs, "bf16", plan_for="coverage").code)
+                )
             except BaseException as err:  # noqa: BLE001 - collected and asserted on below
                 errors.append(err)
 
@@ -341,14 +345,21 @@ def test_cycles_and_duplicate_outputs_are_refused_and_unsorted_graphs_sorted():
     def model(nodes):
         return helper.make_model(helper.make_graph(nodes, "g", [x], [y]), opset_imports=[helper.make_opsetid("", 17)])
 
-    cycle = model([helper.make_node("Add", ["x", "b"], ["a"], name="n1"), helper.make_node("Relu", ["a"], ["b"], name="n2"),
-                   helper.make_node("Relu", ["b"], ["y"], name="n3")])
+    cycle = model(
+        [
+            helper.make_node("Add", ["x", "b"], ["a"], name="n1"),
+            helper.make_node("Relu", ["a"], ["b"], name="n2"),
+            helper.make_node("Relu", ["b"], ["y"], name="n3"),
+        ]
+    )
     with pytest.raises(InputError, match=r"nodes \['n1', 'n2', 'n3'\] read each other's outputs in a cycle"):
         amppass.convert_onnx(cycle)
     twice = model([helper.make_node("Relu", ["x"], ["y"], name="r1"), helper.make_node("Neg", ["x"], ["y"], name="r2")])
     with pytest.raises(InputError, match="'y' is written by node 'r2' and already by 'r1'"):
         amppass.convert_onnx(twice)
-    unsorted = model([helper.make_node("Relu", ["a"], ["y"], name="late"), helper.make_node("Neg", ["x"], ["a"], name="early")])
+    unsorted = model(
+        [helper.make_node("Relu", ["a"], ["y"], name="late"), helper.make_node("Neg", ["x"], ["a"], name="early")]
+    )
     converted = amppass.convert_onnx(unsorted)
     onnx.checker.check_model(converted, full_check=True)
     assert [n.name for n in converted.graph.node if n.op_type != "Cast"] == ["early", "late"]

@@ -27,8 +27,15 @@ from amppass import InputError
 from amppass.archive import layout
 from amppass.cli import main
 from tests.helpers.paths import ROOT
-from tests.helpers.pt2_files import (SAMPLES, X, bytearray_samples, json_padding, nested_bomb, rewrite,  # noqa: F401
-                                     saved, sparse_copy)  # saved is a fixture
+from tests.helpers.pt2_files import (
+    SAMPLES,
+    X,
+    bytearray_samples,
+    json_padding,
+    nested_bomb,
+    rewrite,
+    sparse_copy,
+)
 
 MODEL_JSON, PLAN = "models/model.json", "extra/amppass.json"
 ATTACKS = {  # name -> (edit, entries deflated, the entry the error names, words it says)

@@ -25,7 +25,7 @@ import amppass
 from amppass import InputError
 from amppass.cli import main
 from tests.helpers.paths import ROOT
-from tests.helpers.pt2_files import (X, calling_node, edit_program, rewrite, saved)  # noqa: F401 - saved is a fixture
+from tests.helpers.pt2_files import X, calling_node, edit_program, rewrite
 
 OPERATOR_ATTACKS = {
     "wrap given os.system": ("torch.ops.higher_order.wrap", "torch.os.system", "higher-order op that amppass"),
@@ -107,10 +107,17 @@ def test_an_operator_that_is_not_torchs_is_refused_on_every_way_in(saved, tmp_pa
     assert not marker.exists() and not (tmp_path / "out.pt2").exists()
 
 
-@pytest.mark.parametrize("function, refused", [
-    ("torch.os.system", "'posix'"), ("torch.serialization.pickle.loads", "'_pickle'"), ("_operator.__builtins__", "dunder"),
-    ("torch.nn.modules.linear.Linear", None), ("torch.nn.functional.relu", None), ("_operator.add", None),
-])
+@pytest.mark.parametrize(
+    "function, refused",
+    [
+        ("torch.os.system", "'posix'"),
+        ("torch.serialization.pickle.loads", "'_pickle'"),
+        ("_operator.__builtins__", "dunder"),
+        ("torch.nn.modules.linear.Linear", None),
+        ("torch.nn.functional.relu", None),
+        ("_operator.add", None),
+    ],
+)
 def test_a_function_the_metadata_names_is_torchs_or_stays_text(saved, tmp_path, function, refused):
     """A node's source_fn_stack, which torch resolves by getattr as it resolves operators and stores in the
     node's meta: os.system or pickle.loads there is refused; the classes and functions torch records pass."""
@@ -170,7 +177,7 @@ def test_a_strict_export_with_its_metadata_loads_and_runs(tmp_path):
     loaded = amppass.load_program(tmp_path / "strict.pt2")
     assert any("source_fn_stack" in n.meta for n in loaded.graph.nodes)
     with torch.no_grad():
-        for ours, theirs in zip(loaded.module()(x), model(x)):
+        for ours, theirs in zip(loaded.module()(x), model(x), strict=False):
             assert torch.allclose(ours, theirs)
 
 

@@ -18,14 +18,20 @@ import pytest
 import torch
 
 import amppass
-from amppass import InputError
-from amppass import archive
+from amppass import InputError, archive
 from amppass.archive import MAX_EXTRA, check_expression
 from amppass.cli import main
 from tests.helpers.paths import ROOT
-from tests.helpers.pt2_files import (X, aoti, constant, legacy_weights, pickled_weight, rewrite, sample_inputs,  # noqa: F401
-                                     saved, sympy_code)  # saved is a fixture
-
+from tests.helpers.pt2_files import (
+    X,
+    aoti,
+    constant,
+    legacy_weights,
+    pickled_weight,
+    rewrite,
+    sample_inputs,
+    sympy_code,
+)
 
 ATTACKS = {
     "pickled weight": (pickled_weight, "data/weights/model_weights_config.json"),

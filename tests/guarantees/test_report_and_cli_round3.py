@@ -25,9 +25,15 @@ import amppass
 from amppass import InputError
 from amppass.cli import main
 from tests.helpers.paths import ROOT
+from tests.helpers.pt2_files import (
+    X,
+    edit_program,
+    mlp,
+    rewrite,
+    stored_name,
+    stored_names,  # saved is a fixture
+)
 from tests.helpers.small_models import matmul_model
-from tests.helpers.pt2_files import (X, edit_program, mlp, rewrite, saved, stored_name,  # noqa: F401
-                                     stored_names)  # saved is a fixture
 
 
 @pytest.mark.parametrize("value", [7, None, ["linear"], "", "x = 1", "class", "n" * 513],
@@ -37,7 +43,9 @@ def test_a_stored_node_name_that_is_not_an_identifier_is_refused(saved, tmp_path
     with pytest.raises(InputError) as caught:
         amppass.load(evil)
     said = str(caught.value)
-    assert "evil.pt2" in said and "amppass_name" in said and "Python identifier" in said and "convert the original" in said
+    assert (
+        "evil.pt2" in said and "amppass_name" in said and "Python identifier" in said and "convert the original" in said
+    )
     assert main(["report", str(evil)]) == 1
     assert "amppass: error:" in capsys.readouterr().err
 
@@ -164,7 +172,7 @@ def _cost(argv: list[str], cwd) -> tuple[float, float, int]:
             "print('COST', r.ru_maxrss / 1024, r.ru_utime + r.ru_stime, rc)")
     done = subprocess.run([sys.executable, "-c", code, *argv], cwd=cwd, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
-    line = next(l for l in done.stdout.splitlines() if l.startswith("COST"))
+    line = next(text for text in done.stdout.splitlines() if text.startswith("COST"))
     _, peak, cpu, rc = line.split()
     return float(peak), float(cpu), int(rc)
 

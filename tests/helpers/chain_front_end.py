@@ -33,7 +33,7 @@ def run_from(start: int, low: set[int], x: np.ndarray) -> np.ndarray:
 def view() -> GraphView:
     """The chain as the analysis sees it: every node LOW, reading the value before it."""
     return GraphView([OpView(name, op.__name__, Category.LOW, "chain", [f"v{i - 1}" if i else "x"], [f"v{i}"])
-                      for i, (name, op) in enumerate(zip(NAMES, OPS))], outputs=[f"v{len(OPS) - 1}"])
+                      for i, (name, op) in enumerate(zip(NAMES, OPS, strict=False))], outputs=[f"v{len(OPS) - 1}"])
 
 
 class Chain(Checkpoints[int]):

@@ -27,7 +27,7 @@ def params(model: nn.Module) -> list[torch.Tensor]:
 
 def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     """Whether two parameter lists are bit-identical."""
-    return all(torch.equal(x, y) for x, y in zip(a, b))
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=False))
 
 
 def train_steps(model: nn.Module, opt: torch.optim.Optimizer, scaler, rank: int, steps: int,

@@ -82,7 +82,7 @@ def agreeing_steps(reference: Any, out: Any, relative: float = 3e-2) -> int:
     first step whose fp32 top-2 margin is not more than twice the largest logit difference (module docstring).
     """
     start = reference.sequences.shape[1] - len(reference.logits)
-    for step, (ref, got) in enumerate(zip(reference.logits, out.logits)):
+    for step, (ref, got) in enumerate(zip(reference.logits, out.logits, strict=False)):
         top = ref.float().topk(2, dim=-1).values
         margin = float((top[..., 0] - top[..., 1]).min())
         difference = float((got.float() - ref.float()).abs().max())

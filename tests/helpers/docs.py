@@ -9,7 +9,6 @@ from pathlib import Path
 
 from tests.helpers.paths import ROOT
 
-
 _FENCE = re.compile(r"^```(\w*)\s*$")
 
 
@@ -93,7 +92,8 @@ def _summary_shapes() -> set[str]:
 
 
 def check_summary_sample(block: Block, printed: str, page: Path = ROOT / "README.md") -> None:
-    """tests/test_docs.py's rule 5: the sample reads as what the code above printed here, on whatever machine this is."""
+    """tests/test_docs.py's rule 5: the sample reads as what the code above printed here, on whatever machine this
+    is."""
     where = f"{page.name}:{block.line} (printed on {block.printed_on})"
     run = {_masked(_label(line)): line for line in printed.splitlines() if line.strip()}
     sample = [line for line in block.code.splitlines() if line.strip()]

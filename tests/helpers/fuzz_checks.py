@@ -21,7 +21,6 @@ from amppass.targets import onnxruntime_facts
 from tests.helpers.fuzz_graphs import Program, ProgramModule, relative_error, to_onnx
 from tests.helpers.onnx_graphs import meta, session
 
-
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -50,7 +49,7 @@ def check_fx(program: Program, dtype: str, **options) -> torch.fx.GraphModule:
         with torch.no_grad():
             want, got = module(*inputs), fast(*inputs)
         assert len(got) == len(want)
-        for i, w, g in zip(program.outputs, want, got):
+        for i, w, g in zip(program.outputs, want, got, strict=False):
             if options.get("keep_io_types", True):
                 assert g.dtype == torch.float32, f"output v{i} is {g.dtype} with keep_io_types"
             err = relative_error(g.float().numpy(), w.numpy())
@@ -81,7 +80,7 @@ def check_onnx(program: Program, dtype: str, **options) -> onnx.ModelProto | Non
     ref, low = session(model), converted_session(converted)
     for seed in (0, 1):
         feeds = onnx_feed(program, seed)
-        for i, want, got in zip(program.outputs, ref.run(None, feeds), low.run(None, feeds)):
+        for i, want, got in zip(program.outputs, ref.run(None, feeds), low.run(None, feeds), strict=False):
             if not options.get("keep_io_types", True):
                 assert got.dtype in (np.float32, np.float16), got.dtype
                 got = got.astype(np.float32)

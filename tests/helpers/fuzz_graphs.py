@@ -79,7 +79,9 @@ class Body:
     shape: tuple[int, ...]
 
     def __repr__(self) -> str:
-        return f"Body(-> {self.output}: " + "; ".join(f"{s.op}({', '.join(map(str, s.args))})" for s in self.steps) + ")"
+        return (
+            f"Body(-> {self.output}: " + "; ".join(f"{s.op}({', '.join(map(str, s.args))})" for s in self.steps) + ")"
+        )
 
 
 @dataclass
@@ -179,14 +181,14 @@ class _Builder:
             outs = _torch_step(step, tensors)
             return [_jitter(t, (salt, -j - 1, k)) for j, t in enumerate(outs)] if jitter else outs
 
-        exact = list(zip(*(run(self.values, k, False) for k in range(len(FEED_SEEDS)))))
-        noisy = list(zip(*(run(self.noisy, k, True) for k in range(len(FEED_SEEDS)))))
-        for tensors, jittered in zip(exact, noisy):
+        exact = list(zip(*(run(self.values, k, False) for k in range(len(FEED_SEEDS))), strict=False))
+        noisy = list(zip(*(run(self.noisy, k, True) for k in range(len(FEED_SEEDS))), strict=False))
+        for tensors, jittered in zip(exact, noisy, strict=False):
             _check(op, tensors, jittered)
         step.n_out = len(exact)
         self.steps.append(step)
         first = len(self.shapes)
-        for tensors, jittered in zip(exact, noisy):
+        for tensors, jittered in zip(exact, noisy, strict=False):
             self.values.append(list(tensors))
             self.noisy.append(list(jittered))
             self.shapes.append(tuple(tensors[0].shape))
@@ -210,7 +212,7 @@ class _Builder:
     def add(self, op: str, args: list[int], attrs: dict[str, Any], exact: list[list[torch.Tensor]],
             noisy: list[list[torch.Tensor]], positive: bool = False) -> int:
         """Append a control-flow step whose output (per feed, exact and jittered) its bodies computed."""
-        for tensors, jittered in zip(exact, noisy):
+        for tensors, jittered in zip(exact, noisy, strict=False):
             _check(op, tensors, jittered)
         self.steps.append(Step(op, list(args), attrs))
         self.values.append(exact[0])
@@ -233,7 +235,7 @@ class _Builder:
 def _check(op: str, tensors: tuple[torch.Tensor, ...] | list[torch.Tensor], jittered: Any) -> None:
     """Raise :class:`_Reject` unless every feed's value is finite and in range and its jittered twin
     moved by at most NOISE_BUDGET."""
-    for t, n in zip(tensors, jittered):
+    for t, n in zip(tensors, jittered, strict=False):
         rms = float(t.square().mean().sqrt())
         if not (torch.isfinite(t).all() and SCALE_MIN <= rms <= SCALE_MAX and t.abs().max() <= ABS_MAX):
             raise _Reject(op)
@@ -494,13 +496,13 @@ def _op_if(b: _Builder) -> bool:
         threshold = max(means) + 0.25 * rms
     threshold = float(np.float32(threshold))
     taken = [m > threshold for m in means]
-    if any((float(n.mean()) > threshold) != t for n, t in zip(b.noisy[a], taken)):
+    if any((float(n.mean()) > threshold) != t for n, t in zip(b.noisy[a], taken, strict=False)):
         raise _Reject("if")
     captured = _captures(b, a)
     then, other = _branch(b, captured), _branch(b, captured)
     (then_values, then_noisy), (else_values, else_noisy) = _replay(b, captured, then), _replay(b, captured, other)
-    values = [t if c else e for t, e, c in zip(then_values, else_values, taken)]
-    noisy = [t if c else e for t, e, c in zip(then_noisy, else_noisy, taken)]
+    values = [t if c else e for t, e, c in zip(then_values, else_values, taken, strict=False)]
+    noisy = [t if c else e for t, e, c in zip(then_noisy, else_noisy, taken, strict=False)]
     b.add("if", captured, {"then": then, "else": other, "threshold": threshold}, [values], [noisy])
     return True
 

@@ -12,7 +12,9 @@ def _float_leaves(out: Any) -> torch.Tensor:
     if hasattr(out, "to_tuple"):
         out = out.to_tuple()
     leaves = torch.utils._pytree.tree_leaves(out)
-    return torch.cat([t.detach().double().flatten() for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()])
+    return torch.cat(
+        [t.detach().double().flatten() for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    )
 
 
 def rel_error(out: Any, ref: Any) -> float:

@@ -55,7 +55,7 @@ def check_converted(original: onnx.ModelProto, converted: onnx.ModelProto, feeds
     assert converted.ir_version <= onnxruntime_facts.max_ir_version()
     want = session(original).run(None, feeds)
     got = session(converted).run(None, feeds)
-    for w, g in zip(want, got):
+    for w, g in zip(want, got, strict=False):
         assert g.dtype == w.dtype, "keep_io_types: outputs keep their dtype"
     assert_close(want, got, rtol, "onnxruntime CPU")
     if sim_rtol is not None:
@@ -67,7 +67,7 @@ def check_converted(original: onnx.ModelProto, converted: onnx.ModelProto, feeds
 
 def assert_close(want: list[np.ndarray], got: list[np.ndarray], rtol: float, what: str) -> None:
     """Every output of ``got`` is finite and within relative error ``rtol`` of ``want`` (L2 norm)."""
-    for index, (w, g) in enumerate(zip(want, got)):
+    for index, (w, g) in enumerate(zip(want, got, strict=False)):
         g64, w64 = g.astype(np.float64), w.astype(np.float64)
         assert np.isfinite(g64).all(), f"{what}: output {index} is not finite"
         error = np.linalg.norm(g64 - w64) / max(np.linalg.norm(w64), 1e-12)

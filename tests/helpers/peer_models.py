@@ -21,6 +21,7 @@ torch.export.export(strict=False) captures it in eval and in train mode.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -209,11 +210,11 @@ def _survey(names=None) -> None:
                 model(*args, **kwargs)
                 times.append(time.perf_counter() - t)
             dt = sorted(times)[1]
-        ev = attempt(lambda: torch.export.export(model, args, kwargs, strict=False))
+        ev = attempt(functools.partial(torch.export.export, model, args, kwargs, strict=False))
         tr = "-"
         if name in TRAIN_MODE:
             model.train()
-            tr = attempt(lambda: torch.export.export(model, args, kwargs, strict=False))
+            tr = attempt(functools.partial(torch.export.export, model, args, kwargs, strict=False))
         print(f"{name}: eager {dt:.2f}s | export eval: {ev} | export train: {tr}", flush=True)
 
 

@@ -1,8 +1,8 @@
 """Archives for the .pt2 security tests: a saved model, and the edits an attacker makes to one.
 
 A pickle whose ``__reduce__`` writes a marker file (and then hands back the real tensor, so the model would load
-and run as if nothing happened); entries rewritten one by one. The ``saved`` fixture is imported by the tests
-that use it.
+and run as if nothing happened); entries rewritten one by one. The ``saved`` fixture is registered for every test
+by the root conftest.py.
 """
 
 from __future__ import annotations

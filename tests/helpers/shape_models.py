@@ -87,8 +87,14 @@ class Detector(nn.Module):
 
     def __init__(self, iou: float = 0.5, keep: int = 20):
         super().__init__()
-        self.backbone = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, stride=2, padding=1),
-                                      nn.ReLU(), nn.Conv2d(32, 32, 3, stride=2, padding=1), nn.ReLU())
+        self.backbone = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(16, 32, 3, stride=2, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(32, 32, 3, stride=2, padding=1),
+            nn.ReLU(),
+        )
         self.boxes = nn.Conv2d(32, 4, 1)
         self.scores = nn.Conv2d(32, 1, 1)
         nn.init.normal_(self.scores.weight, std=0.3)  # scores spread apart, as a trained head's are: a stable order

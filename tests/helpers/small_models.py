@@ -1,4 +1,5 @@
-"""Small models the tests of several folders share: an ONNX MatMul graph, a torch MLP and its input, a module that builds tensors on its input's device."""
+"""Small models the tests of several folders share: an ONNX MatMul graph, a torch MLP and its input, a module that
+builds tensors on its input's device."""
 
 from __future__ import annotations
 

@@ -230,7 +230,7 @@ def _ops_defined() -> bool:
     """torchvision::nms exists: the real extension loaded, or register() ran (maybe from another copy of
     this file, e.g. one loaded under another module name by an import hook)."""
     try:
-        torch.ops.torchvision.nms
+        torch.ops.torchvision.nms  # noqa: B018 - the look-up is the probe: it raises where nms is not registered
     except (AttributeError, RuntimeError):
         return False
     return True

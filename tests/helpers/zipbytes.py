@@ -67,7 +67,9 @@ def _directory(out: bytearray, entries: list[Entry], offsets: dict[str, int]) ->
     for entry in entries:
         name = entry.name.encode()
         compressed, uncompressed = entry.central_sizes or (len(entry.data), len(entry.data))
-        offset = entry.header_offset if entry.header_offset is not None else offsets.get(entry.points_at or entry.name, 0)
+        offset = (
+            entry.header_offset if entry.header_offset is not None else offsets.get(entry.points_at or entry.name, 0)
+        )
         out += struct.pack("<4sHHHHHHIIIHHHHHII", b"PK\x01\x02", 20, 20, 0, entry.method, 0, 0,
                            zlib.crc32(entry.data), compressed, uncompressed, len(name), len(entry.central_extra),
                            0, 0, 0, 0, offset)

@@ -52,7 +52,7 @@ def test_fp16_plugin_trains_like_fp32_and_clips_unscaled_gradients(fp32_run, man
     torch.testing.assert_close(torch.tensor(lit.losses), torch.tensor(reference.losses), rtol=2e-2, atol=1e-3)
     if manual:  # the norm the user sees after manual_backward carries the scale; clip_gradients unscales it
         scale = trainer.precision_plugin.scaler
-        assert all(before > 50 * ref for (before, _), (ref, _) in zip(lit.norms, reference.norms))
+        assert all(before > 50 * ref for (before, _), (ref, _) in zip(lit.norms, reference.norms, strict=False))
         assert scale.skipped_steps == 0
     else:  # Lightning clips after the plugin unscaled: the same true norms as fp32's
         torch.testing.assert_close(torch.tensor([b for b, _ in lit.norms]),
@@ -105,7 +105,7 @@ def test_checkpoint_holds_the_scaler_and_resumes_where_it_left(tmp_path):
     resumed = _fit(second, AmpPassPrecision("fp16", scaler=_scaler()), steps=-1, max_epochs=2, ckpt_path=path)
     assert second.losses == whole.losses[4:]
     assert resumed.precision_plugin.scaler.state_dict() == whole_trainer.precision_plugin.scaler.state_dict()
-    for a, b in zip(second.model.parameters(), whole.model.parameters()):
+    for a, b in zip(second.model.parameters(), whole.model.parameters(), strict=False):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     # the checkpoint's weights use the plain model's keys: a LightningModule without the plugin loads them
     plain = Regression()

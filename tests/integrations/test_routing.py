@@ -34,8 +34,12 @@ def _plugin(module, package):
     return importlib.import_module(module).AmpPassPrecision
 
 
-PLUGINS = [("amppass.integrations.lightning", "pytorch_lightning"), ("amppass.integrations.fabric", "lightning_fabric"),
-           ("amppass.integrations.lightning.pytorch", "lightning"), ("amppass.integrations.lightning.fabric", "lightning")]
+PLUGINS = [
+    ("amppass.integrations.lightning", "pytorch_lightning"),
+    ("amppass.integrations.fabric", "lightning_fabric"),
+    ("amppass.integrations.lightning.pytorch", "lightning"),
+    ("amppass.integrations.lightning.fabric", "lightning"),
+]
 
 
 @pytest.mark.parametrize("options", BAD, ids=IDS)

@@ -119,15 +119,15 @@ def test_runs_at_own_shapes(name):
 def test_deterministic(name):
     shape = QUICK.get(name)
     a, b = _case(name), build_arch(name, shape=shape)
-    for (key, x), y in zip(a.model.state_dict().items(), b.model.state_dict().values()):
+    for (key, x), y in zip(a.model.state_dict().items(), b.model.state_dict().values(), strict=False):
         assert torch.equal(x, y), key
-    for x, y in zip(_run(a, a.example_inputs), _run(b, a.example_inputs)):
+    for x, y in zip(_run(a, a.example_inputs), _run(b, a.example_inputs), strict=False):
         assert torch.equal(x, y)
-    assert all(torch.equal(x, y) for x, y in zip(a.make_inputs(0), a.example_inputs))
-    assert all(torch.equal(x, y) for x, y in zip(a.make_inputs(5, 2), b.make_inputs(5, 2)))
+    assert all(torch.equal(x, y) for x, y in zip(a.make_inputs(0), a.example_inputs, strict=False))
+    assert all(torch.equal(x, y) for x, y in zip(a.make_inputs(5, 2), b.make_inputs(5, 2), strict=False))
     assert not torch.equal(a.make_inputs(1)[0], a.example_inputs[0])
     other = build_arch(name, shape=shape, seed=1)
-    assert any(not torch.equal(x, y) for x, y in zip(a.model.parameters(), other.model.parameters()))
+    assert any(not torch.equal(x, y) for x, y in zip(a.model.parameters(), other.model.parameters(), strict=False))
 
 
 def test_make_inputs_shapes():
@@ -152,7 +152,7 @@ def test_build_leaves_global_rng_alone():
 def _exports(case: ArchCase) -> bool:
     try:
         torch.export.export(case.model, case.example_inputs, case.example_kwargs, strict=False)
-    except Exception:  # any failure to capture counts: data-dependent guards, unknown output types, ...
+    except Exception:  # noqa: BLE001 - any failure to capture counts: data-dependent guards, unknown output types, ...
         return False
     return True
 
@@ -276,10 +276,10 @@ def _check_onnx(model: onnx.ModelProto, case: ArchCase, batches: tuple[int, ...]
     for seed, batch in enumerate(batches):
         inputs = case.make_inputs(seed + 1, batch=batch)
         expected = _run(case, inputs)
-        feed = {i.name: x.numpy() for i, x in zip(session.get_inputs(), inputs)}
+        feed = {i.name: x.numpy() for i, x in zip(session.get_inputs(), inputs, strict=False)}
         got = session.run(None, feed)
         assert len(got) == len(expected)
-        for e, g in zip(expected, got):
+        for e, g in zip(expected, got, strict=False):
             np.testing.assert_allclose(g, e.numpy(), rtol=1e-4, atol=1e-4)
 
 

@@ -53,7 +53,7 @@ def test_sequence_map_reading_an_fp16_tensor_gives_a_valid_model():
     converted = amppass.convert_onnx(model)
     got = _valid_and_runs(converted, feeds)[0]
     want = session(model).run(None, feeds)[0]
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=False):
         np.testing.assert_allclose(g, w, rtol=1e-2, atol=1e-2)
     rows = {r.name: r for r in amppass.report(converted).rows}
     assert rows["mm"].precision == "fp16" and "subgraph boundary in fp32" in rows["map"].reason
@@ -154,7 +154,7 @@ def test_densenet121_from_the_light_suite_converts_lean_and_right():
     initializers listed as graph inputs (IR version 3), its per-channel scales Unsqueeze(weight): none of them
     counted as weights, so every batch norm mixed 'fp32 values' with its fp16 input and ran fp32."""
     model = onnx.load(LIGHT / "light_densenet121.onnx")
-    feeds = dict(zip(suite.feed_names(model), suite.light_inputs(model)))
+    feeds = dict(zip(suite.feed_names(model), suite.light_inputs(model), strict=False))
     expected = numpy_helper.to_array(onnx.load_tensor(str(LIGHT / "light_densenet121_output_0.pb")))
     converted = amppass.convert_onnx(model)
     got = _valid_and_runs(converted, feeds)[0]

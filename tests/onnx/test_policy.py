@@ -10,8 +10,19 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from amppass.analysis.plan import Category, Precision, Source
-from amppass.onnx.policy import (CUSTOM_REASON, POLICY, QDQ_REASON, TRAINING, UNKNOWN_REASON, classify, in_training,
-                                 input_names, kernel_attributes, lookup, quantized_nodes)
+from amppass.onnx.policy import (
+    CUSTOM_REASON,
+    POLICY,
+    QDQ_REASON,
+    TRAINING,
+    UNKNOWN_REASON,
+    classify,
+    in_training,
+    input_names,
+    kernel_attributes,
+    lookup,
+    quantized_nodes,
+)
 from amppass.targets import onnx_target
 
 CPU = onnx_target("cpu", "fp16")

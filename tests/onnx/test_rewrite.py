@@ -127,7 +127,11 @@ def test_outputs_keep_fp32_under_their_names_with_keep_io_types():
 def test_outputs_become_low_without_keep_io_types():
     converted, stats = _rewritten(_mixed(), fp32={"mmf"}, keep_io_types=False)
     _check(converted)
-    assert [(o.name, o.type.tensor_type.elem_type) for o in converted.graph.output] == [("y", F16), ("z", F), ("r", F16)]
+    assert [(o.name, o.type.tensor_type.elem_type) for o in converted.graph.output] == [
+        ("y", F16),
+        ("z", F),
+        ("r", F16),
+    ]
     assert _producer(converted, "y").name == "add" and stats.casts == 1  # x only
 
 
@@ -201,7 +205,9 @@ def test_bodies_share_the_outer_cast_and_return_fp32():
         reader = body.node[0]
         assert reader.input[0] == "x__to_fp16", name  # the outer cast, not one of its own
         assert [n.op_type for n in body.node] == [reader.op_type, "Cast"], name  # produced low, cast back
-        assert body.output[0].type.tensor_type.elem_type == F and _producer(converted, body.output[0].name) is body.node[1]
+        assert (
+            body.output[0].type.tensor_type.elem_type == F and _producer(converted, body.output[0].name) is body.node[1]
+        )
     assert _initializers(converted)["W"].data_type == F16 and stats.weights_converted == 1  # read low everywhere
     x = RNG.standard_normal((2, 8)).astype(np.float32)
     for c in (True, False):

@@ -10,8 +10,20 @@ from onnx import TensorProto, helper, numpy_helper
 
 from amppass.analysis.plan import Category
 from amppass.onnx.policy import CUSTOM_REASON
-from amppass.onnx.view import (all_nodes, build_view, clear_value_info, constant_tensor, dims, name_nodes, opsets,
-                               replace_nodes, subgraphs, tensors, value_types, weight_tensor)
+from amppass.onnx.view import (
+    all_nodes,
+    build_view,
+    clear_value_info,
+    constant_tensor,
+    dims,
+    name_nodes,
+    opsets,
+    replace_nodes,
+    subgraphs,
+    tensors,
+    value_types,
+    weight_tensor,
+)
 from amppass.targets import onnx_target
 
 F, I64 = TensorProto.FLOAT, TensorProto.INT64
@@ -183,9 +195,13 @@ def test_an_output_shape_inference_cannot_type_is_kept_fp32():
 
 def test_an_initializer_listed_as_a_graph_input_is_not_a_weight():
     """An old IR version lists initializers among the inputs: a caller may feed them, so they are inputs."""
-    graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"], name="mm")], "g",
-                              [helper.make_tensor_value_info("x", F, [2, 2]), helper.make_tensor_value_info("W", F, [2, 2])],
-                              [helper.make_tensor_value_info("y", F, [2, 2])], [_array("W", np.eye(2))])
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["y"], name="mm")],
+        "g",
+        [helper.make_tensor_value_info("x", F, [2, 2]), helper.make_tensor_value_info("W", F, [2, 2])],
+        [helper.make_tensor_value_info("y", F, [2, 2])],
+        [_array("W", np.eye(2))],
+    )
     view, _, _ = build_view(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), CPU, None)
     assert view.weights == {} and view.nodes[0].inputs == ["x", "W"]
 
@@ -205,7 +221,9 @@ def test_build_view_puts_body_nodes_before_their_owner_and_body_constants_among_
 def test_batch_normalisation_in_training_form_is_viewed_fp32(training, category):
     inputs = ["x", "s", "bias", "mean", "var"]
     outputs = ["y", "running_mean", "running_var"] if training else ["y"]
-    node = helper.make_node("BatchNormalization", inputs, outputs, name="bn", **({"training_mode": 1} if training else {}))
+    node = helper.make_node(
+        "BatchNormalization", inputs, outputs, name="bn", **({"training_mode": 1} if training else {})
+    )
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", F, [2, 3, 4])],
                               [helper.make_tensor_value_info("y", F, [2, 3, 4])],
                               [_array(n, np.ones(3)) for n in inputs[1:]])

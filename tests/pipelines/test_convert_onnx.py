@@ -10,9 +10,8 @@ from onnx import TensorProto, helper, numpy_helper
 import amppass
 from amppass.analysis.plan import Category
 from amppass.onnx import policy
-from amppass.targets import onnxruntime_facts
 from amppass.onnx.io.save import save
-from amppass.targets import onnx_target
+from amppass.targets import onnx_target, onnxruntime_facts
 from tests.helpers.onnx_graphs import check_converted, heavy_low_share, meta, model_of, session, vinfo, weight
 
 F32, F16, BF16 = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16
@@ -195,7 +194,8 @@ def test_bf16_keeps_ops_without_a_cpu_kernel_fp32():
     found = policy.classify("", "MatMul", 17, 2, onnx_target("cpu", "bf16"))
     assert found.category is Category.FP32 and "kernel" in found.reason
     # with no heavy op left to run bf16, the conversion is refused (issue 41); ops without a heavy op beside
-    # them keep the per-node check: tests/guarantees/test_fuzz_regressions.py (a forced bf16 Softmax stays fp32 and runs)
+    # them keep the per-node check: tests/guarantees/test_fuzz_regressions.py (a forced bf16 Softmax stays fp32 and
+    # runs)
     with pytest.raises(amppass.InputError, match="dtype='bf16' with target='cpu'.*no bf16 kernel for MatMul"):
         amppass.convert_onnx(model, "bf16")
 
@@ -236,7 +236,8 @@ def test_keep_fp32_override_and_user_errors(tmp_path):
         amppass.convert_onnx(model, keep_fp32=["NoSuchOp"])
     with pytest.raises(amppass.InputError, match="no amppass decisions"):
         amppass.report(model)
-    assert amppass.convert_onnx(kept).SerializeToString() == kept.SerializeToString(), "tests/guarantees/test_idempotence.py"
+    again = amppass.convert_onnx(kept)
+    assert again.SerializeToString() == kept.SerializeToString(), "tests/guarantees/test_idempotence.py"
 
 
 def test_path_round_trip_with_external_data(tmp_path):

@@ -1,6 +1,7 @@
 """Scale: a 20k-node graph, and a model over protobuf's 2 GB limit (external data), convert, check and run.
 
-``python -m tests.pipelines.test_convert_onnx_scale`` prints the figures (20k-node conversion time; >2 GB peak RSS and times).
+``python -m tests.pipelines.test_convert_onnx_scale`` prints the figures (20k-node conversion time; >2 GB peak RSS and
+times).
 """
 
 from __future__ import annotations

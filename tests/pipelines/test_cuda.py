@@ -123,7 +123,7 @@ def test_train_mode_with_the_loss_scaler_follows_fp32_on_cuda():
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (fast, reference)]
     losses = []
     for _ in range(5):
-        for model, optimizer in zip((fast, reference), optimizers):
+        for model, optimizer in zip((fast, reference), optimizers, strict=False):
             optimizer.zero_grad()
             loss = F.cross_entropy(model(x), y)
             if model is fast:
@@ -137,7 +137,7 @@ def test_train_mode_with_the_loss_scaler_follows_fp32_on_cuda():
             losses.append(float(loss))
     low, fp32 = losses[0::2], losses[1::2]
     assert low[-1] < low[0]
-    assert max(abs(a - b) / b for a, b in zip(low, fp32)) < 2e-2
+    assert max(abs(a - b) / b for a, b in zip(low, fp32, strict=False)) < 2e-2
 
 
 def test_dtype_auto_on_cuda_picks_a_native_low_dtype_and_says_why():

@@ -29,7 +29,9 @@ def bert():
     return transformers.BertModel(config).eval()
 
 
-def test_a_tokenizers_output_as_example_kwargs_exports_named_inputs_that_run_at_other_lengths(tokenizer, bert, tmp_path):
+def test_a_tokenizers_output_as_example_kwargs_exports_named_inputs_that_run_at_other_lengths(
+    tokenizer, bert, tmp_path
+):
     """main had no example_kwargs; the BatchEncoding passed positionally failed in both exporters."""
     encoded = tokenizer(["hello world", "a longer sentence than the first"], padding=True, return_tensors="pt")
     assert type(encoded).__name__ == "BatchEncoding"

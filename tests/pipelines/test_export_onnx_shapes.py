@@ -25,7 +25,7 @@ def dims(model) -> list[list]:
 
 def run(path, model, *inputs) -> np.ndarray:
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    return session.run(None, {i.name: x.numpy() for i, x in zip(model.graph.input, inputs)})[0]
+    return session.run(None, {i.name: x.numpy() for i, x in zip(model.graph.input, inputs, strict=False)})[0]
 
 
 def rel(out: np.ndarray, ref: torch.Tensor) -> float:
@@ -55,7 +55,9 @@ def test_a_batch_of_one_stays_dynamic_and_features_stay_fixed(tmp_path):
     assert dims(fixed) == [[1, 64]]
 
 
-def test_exported_without_autograd_and_a_fallback_is_a_warning_with_the_same_dynamic_dims(tmp_path, monkeypatch, caplog):
+def test_exported_without_autograd_and_a_fallback_is_a_warning_with_the_same_dynamic_dims(
+    tmp_path, monkeypatch, caplog
+):
     case = build("mlp", batch=2)
     real = torch.onnx.export
     seen = []
@@ -111,7 +113,7 @@ def test_a_fully_convolutional_net_takes_other_image_sizes(tmp_path):
         with torch.no_grad():
             want = net(image)
         assert [g.shape for g in got] == [tuple(w.shape) for w in want]
-        assert max(rel(g, w) for g, w in zip(got, want)) < 1e-2
+        assert max(rel(g, w) for g, w in zip(got, want, strict=False)) < 1e-2
 
 
 def test_spatial_sizes_a_linear_head_fixes_stay_fixed(tmp_path):
@@ -169,7 +171,7 @@ class _EncoderDecoder(torch.nn.Module):
         for conv in self.down:
             skips.append(x)
             x = torch.relu(conv(x))
-        for conv, skip in zip(self.up, reversed([None] + skips[1:])):
+        for conv, skip in zip(self.up, reversed([None] + skips[1:]), strict=False):
             x = conv(x)
             x = x if skip is None else x + skip
         return x
@@ -216,7 +218,9 @@ def test_an_exporter_failure_is_named_by_its_innermost_cause_without_terminal_co
         try:
             raise KeyError("No ONNX function found for transformers.grouped_mm_fallback")
         except KeyError as inner:
-            raise RuntimeError("Failed to convert. \x1b[96mThis is step 3/3\x1b[0m of exporting.\nNext steps") from inner
+            raise RuntimeError(
+                "Failed to convert. \x1b[96mThis is step 3/3\x1b[0m of exporting.\nNext steps"
+            ) from inner
     except RuntimeError as err:
         why = _why(err)
     assert why == "KeyError: 'No ONNX function found for transformers.grouped_mm_fallback'"

@@ -31,8 +31,8 @@ class Tagger(torch.nn.Module):
 
 
 def _squeeze_onnxruntime_refuses(path) -> None:
-    """Append a Squeeze of an axis of size 3 (the tags) to the file's output: valid for onnx.checker, refused by onnxruntime's
-    shape inference when it loads the file."""
+    """Append a Squeeze of an axis of size 3 (the tags) to the file's output: valid for onnx.checker, refused by
+    onnxruntime's shape inference when it loads the file."""
     model = onnx.load(path)
     out = model.graph.output[0]
     axis = next(i for i, d in enumerate(out.type.tensor_type.shape.dim) if d.dim_value > 1)

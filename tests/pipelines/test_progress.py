@@ -51,7 +51,9 @@ def test_the_bar_shows_each_tolerance_run_and_changes_no_decision(terminal, caps
     err = capsys.readouterr().err
     quiet = amppass.report(convert(progress=False))
     assert capsys.readouterr().err == ""
-    assert [(r.name, r.precision, r.source) for r in shown.rows] == [(r.name, r.precision, r.source) for r in quiet.rows]
+    assert [(r.name, r.precision, r.source) for r in shown.rows] == [
+        (r.name, r.precision, r.source) for r in quiet.rows
+    ]
     assert shown.info["tolerance_runs"] == quiet.info["tolerance_runs"] >= 2
     assert "calibrating" in err and "2/2" in err
     runs = re.findall(r"tolerance search: run (\d+), (\d+) nodes fp32, error \S+ (<=|>) 1e-05", err)

@@ -10,8 +10,7 @@ from typing import Any
 
 import pytest
 
-from amppass.report.rows import (LOW_PRECISIONS, PRECISIONS, OpGroup, Row, finite, summary_lines,
-                                 target_phrase)
+from amppass.report.rows import LOW_PRECISIONS, PRECISIONS, OpGroup, Row, finite, summary_lines, target_phrase
 
 
 @dataclass

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from amppass.report.report import Report
-from tests.helpers.docs import blocks, check_summary_sample as check
+from tests.helpers.docs import blocks
+from tests.helpers.docs import check_summary_sample as check
 from tests.helpers.paths import ROOT
 
 INFO = {"front_end": "fx", "dtype": "bf16", "mode": "inference"}
@@ -66,7 +67,8 @@ def test_the_readme_sample_is_checked_against_what_prints():
     sample = next(b for b in blocks(ROOT / "README.md") if b.printed_on)
     printed = sample.code.replace("308 nodes", "310 nodes").replace("casts inserted: 50", "casts inserted: 52")
     check(sample, printed)
-    old = "profitability: 0 node(s) in 0 region(s) kept fp32, slower in low precision on this machine, regions timed: 25 prior"
+    old = ("profitability: 0 node(s) in 0 region(s) kept fp32, slower in low precision on this machine, regions "
+           "timed: 25 prior")
     with pytest.raises(AssertionError, match="not printed here"):
         check(replace(sample, code=sample.code + "\n" + old), printed)
     with pytest.raises(AssertionError, match="also prints"):

@@ -1,4 +1,5 @@
-"""Converted models are drop-ins for the original (amppass.serving.dropin, amppass.serving.serving_graph, amppass.fx.capture.export).
+"""Converted models are drop-ins for the original (amppass.serving.dropin, amppass.serving.serving_graph,
+amppass.fx.capture.export).
 
 Their class, attributes and ``forward`` signature are the model's; ``forward(...)`` takes the path ``__call__``
 takes; keyword flags never make tensor dimensions static; ``BatchEncoding`` is a dict; errors show inputs by

@@ -61,7 +61,9 @@ def test_the_face_is_fp32_while_the_graph_stores_low_copies_once():
         assert not widened.requires_grad
     assert face["body.0.weight"] is not dict(fast.named_parameters())["body.0.weight"], "made on each call, not kept"
     held = [t for _, t in stored_parameters(fast)] + list(fast.buffers())
-    assert sum(t.numel() * t.element_size() for t in held) == sum(t.numel() * t.element_size() for t in stored.values()), "no fp32 copy is held"
+    assert sum(t.numel() * t.element_size() for t in held) == sum(
+        t.numel() * t.element_size() for t in stored.values()
+    ), "no fp32 copy is held"
     assert sum(p.numel() for p in fast.parameters()) == sum(p.numel() for p in net.parameters())
 
 
@@ -109,11 +111,13 @@ def test_an_input_of_another_float_dtype_is_cast_at_the_boundary_without_a_recap
     with caplog.at_level("INFO", logger="amppass"):
         for _ in range(2):
             got = fast(image.to(given))
-    for ours, theirs in zip(got, expected):
+    for ours, theirs in zip(got, expected, strict=False):
         assert ours.dtype == torch.float32 or not keep_io_types
         assert (ours.float() - theirs).norm() <= 2e-2 * theirs.norm()
     assert len(fast.plans) == 1 and "capturing and converting it again" not in caplog.text
-    told = [r.getMessage() for r in caplog.records if "cast to the dtype the model was converted with" in r.getMessage()]
+    told = [
+        r.getMessage() for r in caplog.records if "cast to the dtype the model was converted with" in r.getMessage()
+    ]
     assert len(told) == 1 and str(given).replace("torch.", "") in told[0]
 
 
@@ -143,7 +147,7 @@ def test_dtype_changes_leave_the_plan_s_dtypes_and_the_model_working(change, cap
     with caplog.at_level("INFO", logger="amppass"):
         moved = calls[change](fast)
     assert moved is fast and {k: v.dtype for k, v in fast.state_dict().items()} == before
-    for ours, theirs in zip(fast(image), expected):
+    for ours, theirs in zip(fast(image), expected, strict=False):
         torch.testing.assert_close(ours, theirs)
     told = [r for r in caplog.records if "keeps the dtypes its plan chose" in r.getMessage()]
     assert len(told) == 1 and (told[0].levelname == "INFO") == (change in ("to_own_dtype", "float"))

@@ -13,9 +13,9 @@ from torch import nn
 
 import amppass
 from amppass.analysis.record import META_KEY
-from amppass.serving.fp32_parameters import stored_parameters
 from amppass.fx.capture import guards
 from amppass.serving import serving_graph
+from amppass.serving.fp32_parameters import stored_parameters
 from amppass.serving.serving_graph import ServingGraph
 from models import build
 from tests.helpers.shape_models import Encoder, Recurrent, _decoder

@@ -56,11 +56,13 @@ def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 def test_parameters_are_fp32_clones_named_like_the_original(original, converted):
     assert isinstance(converted, TrainEvalGraphs)
     assert list(converted.state_dict()) == list(original.state_dict())
-    for (name, param), (orig_name, orig_param) in zip(converted.named_parameters(), original.named_parameters()):
+    for (name, param), (orig_name, orig_param) in zip(
+        converted.named_parameters(), original.named_parameters(), strict=False
+    ):
         assert name == orig_name and param.dtype == torch.float32 and param.requires_grad
         assert param is not orig_param and param.data_ptr() != orig_param.data_ptr()
         assert torch.equal(param, orig_param)
-    for (name, buf), orig_buf in zip(converted.named_buffers(), original.buffers()):
+    for (name, buf), orig_buf in zip(converted.named_buffers(), original.buffers(), strict=False):
         assert buf.data_ptr() != orig_buf.data_ptr(), name
 
 

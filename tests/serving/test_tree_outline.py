@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 import amppass
-from amppass.errors import CaptureError
 
 transformers = pytest.importorskip("transformers")
 

@@ -45,7 +45,7 @@ def _assert_same_tree(a, b) -> None:
             _assert_same_tree(a[key], b[key])
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b)
-        for x, y in zip(a, b):
+        for x, y in zip(a, b, strict=False):
             _assert_same_tree(x, y)
     else:
         assert a == b
@@ -365,7 +365,7 @@ def test_overflow_skips_exactly_that_step(optimizer_name, poison):
     assert scaler.get_scale() == 2.0**9
 
     iteration(poisoned=False)  # the next clean step trains again
-    assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), params))
+    assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), params, strict=False))
 
 
 def test_skipped_steps_are_counted_and_checkpointed():
@@ -553,7 +553,7 @@ def test_clip_after_unscale_sees_true_gradients():
     assert ref_norm > 1.0  # clipping did act
     scaler.step(opt)  # must not unscale a second time
     scaler.update()
-    for p, ref_p in zip(model.parameters(), reference.parameters()):
+    for p, ref_p in zip(model.parameters(), reference.parameters(), strict=False):
         torch.testing.assert_close(p, ref_p)
 
 
@@ -743,7 +743,7 @@ def test_fused_adam_steps_and_skips_without_host_sync(forbid_host_sync, clip):
             if overflow:
                 _assert_same_tree(_snapshot(model, opt), before)
         assert fused_scaler.get_scale() == plain_scaler.get_scale()
-        for p_fused, p_plain in zip(fused_model.parameters(), plain_model.parameters()):
+        for p_fused, p_plain in zip(fused_model.parameters(), plain_model.parameters(), strict=False):
             torch.testing.assert_close(p_fused, p_plain)
     assert fused_scaler.get_scale() == 2.0**9
 

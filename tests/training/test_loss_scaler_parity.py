@@ -269,7 +269,7 @@ SEQUENCES = {
 
 def _assert_same_rows(got: list[dict], want: list[dict]) -> None:
     assert len(got) == len(want)
-    for step, (a, b) in enumerate(zip(got, want)):
+    for step, (a, b) in enumerate(zip(got, want, strict=False)):
         assert a["scale"] == b["scale"], f"step {step}"
         assert a["growth_tracker"] == b["growth_tracker"], f"step {step}"
         assert a["result"] == b["result"] if not isinstance(a["result"], torch.Tensor) else torch.equal(
@@ -287,7 +287,7 @@ def _assert_same_tree(a: Any, b: Any, where: str) -> None:
             _assert_same_tree(a[key], b[key], where)
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), where
-        for x, y in zip(a, b):
+        for x, y in zip(a, b, strict=False):
             _assert_same_tree(x, y, where)
     else:
         assert a == b, where

@@ -72,7 +72,7 @@ def trace_aten(gm: fx.GraphModule, fakes: list[Any], index: int) -> fx.GraphModu
     try:
         with mode, quiet_torch():
             traced = make_fx(function, pre_dispatch=not _vmaps(gm))(*fakes, *fake_attributes)
-    except Exception as err:  # noqa: BLE001 - any tracing failure leaves this graph unconverted
+    except Exception as err:  # any tracing failure leaves this graph unconverted
         raise CaptureError(f"graph {index} could not be traced to ATen ops: {first_line(err)}"
                            ) from err
     _clean_constants(traced, index)
@@ -133,7 +133,9 @@ def _clean_constants(traced: fx.GraphModule, index: int) -> None:
             raise CaptureError(f"graph {index}: the trace made constant {node.target!r}, read by "
                                f"{next(iter(node.users)).name}, of a vmap or fake tensor inductor cannot run")
     for name, _ in list(traced.named_buffers()) + list(traced.named_parameters()):
-        if name.startswith("_tensor_constant") and not any(n.op == "get_attr" and n.target == name for n in graph.nodes):
+        if name.startswith("_tensor_constant") and not any(
+            n.op == "get_attr" and n.target == name for n in graph.nodes
+        ):
             delattr(traced, name)
     traced.recompile()
 

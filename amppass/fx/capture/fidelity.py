@@ -30,11 +30,11 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from ...errors import CaptureError, first_line
+from ..arguments import argument
 from ..prepare.aliasing import writes_an_input
 from .copies import private_copy
 from .inputs import flatten_inputs
 from .modes import module_mode
-from ..arguments import argument
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def _buffers_kept(model: nn.Module) -> Iterator[None]:
 def _worst(got: list, wanted: list) -> tuple[int, float] | None:
     """(index, relative L2 error) of the floating output pair that differs most; None where none pairs up."""
     worst: tuple[int, float] | None = None
-    for index, (a, b) in enumerate(zip(got, wanted)):
+    for index, (a, b) in enumerate(zip(got, wanted, strict=False)):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or not b.is_floating_point() or \
                 a.shape != b.shape or b.numel() == 0:
             continue

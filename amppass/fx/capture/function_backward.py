@@ -81,7 +81,7 @@ def _compare(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: dict, fu
         got = _gradients(gm(*args, **kwargs), parameters)
     worst, where = 0.0, None
     names = {id(p): name for name, p in model.named_parameters()}
-    for parameter, a, b in zip(parameters, want, got):
+    for parameter, a, b in zip(parameters, want, got, strict=False):
         if a is None and b is None:
             continue
         a = torch.zeros_like(parameter) if a is None else a  # a parameter only one of them reaches

@@ -35,7 +35,7 @@ def unreturned_write(model: nn.Module, args: tuple, kwargs: dict) -> str | None:
     with torch.no_grad():
         out = model(*call_args, **call_kwargs)
     returned = {id(obj) for _, obj in _objects(out)}
-    for (path, _), obj, was in zip(objects, copies, before):
+    for (path, _), obj, was in zip(objects, copies, before, strict=True):
         now = _shape(obj)
         if now != was and id(obj) not in returned:
             return (f"{type(model).__name__} writes into its input {path!r} ({type(obj).__name__}: {_told(was)} -> "

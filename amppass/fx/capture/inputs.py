@@ -19,9 +19,11 @@ from torch.utils import _pytree as pytree
 from ...errors import CalibrationError
 from .guards import GUARDS_KEY
 
-BATCH_FIX = ("pass batches the model takes, laid out like its calls: a tuple of positional inputs, or a dict of keyword "
-             "inputs, e.g. calibration=[(x,) for x in batches] or calibration=[tokenizer(text, return_tensors=\"pt\") "
-             "...]")
+BATCH_FIX = (
+    "pass batches the model takes, laid out like its calls: a tuple of positional inputs, or a dict of keyword "
+    'inputs, e.g. calibration=[(x,) for x in batches] or calibration=[tokenizer(text, return_tensors="pt") '
+    "...]"
+)
 
 
 def flatten_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict, index: int) -> list:

@@ -1,1 +1,2 @@
-"""Rewrites of a captured graph before it is planned: fused GELU, folded attention masks, aliasing groups of in-place writes."""
+"""Rewrites of a captured graph before it is planned: fused GELU, folded attention masks, aliasing groups of
+in-place writes."""

@@ -119,7 +119,11 @@ def _scaled(node: Any, constant: float) -> fx.Node | None:
     if not _is(node, _MUL) or len(node.args) != 2:
         return None
     for value, factor in _pairs(node):
-        if isinstance(value, fx.Node) and isinstance(factor, (int, float)) and math.isclose(factor, constant, rel_tol=1e-6):
+        if (
+            isinstance(value, fx.Node)
+            and isinstance(factor, (int, float))
+            and math.isclose(factor, constant, rel_tol=1e-6)
+        ):
             return value
     return None
 

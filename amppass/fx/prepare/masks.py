@@ -30,8 +30,8 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from .gelu import FUSED_KEY
 from ..arguments import argument
+from .gelu import FUSED_KEY
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ def _constant_value(node: fx.Node) -> torch.Tensor | None:
                 kwargs["device"] = torch.device("cpu")
             kwargs.pop("pin_memory", None)
             values[current] = current.target(*fx.node.map_arg(current.args, values.__getitem__), **kwargs)
-    except Exception:  # noqa: BLE001 - a value this cannot compute is not folded
+    except Exception:  # a value this cannot compute is not folded
         log.debug("attention mask %s not evaluated", node.name, exc_info=True)
         return None
     value = values[node]
@@ -219,7 +219,7 @@ def _broadcasts_into_scores(mask: fx.Node, sdpa: fx.Node) -> bool:
     if mask_shape is None or query is None or key is None or len(mask_shape) > len(query):
         return False
     scores = (*query[:-1], key[-2])
-    return all(_same(m, 1) or _same(m, s) for m, s in zip(reversed(mask_shape), reversed(scores)))
+    return all(_same(m, 1) or _same(m, s) for m, s in zip(reversed(mask_shape), reversed(scores), strict=False))
 
 
 def _same(size: Any, other: Any) -> bool:

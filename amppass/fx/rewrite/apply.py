@@ -36,6 +36,7 @@ Rules:
 from __future__ import annotations
 
 import copy
+import functools
 import operator
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,11 +47,11 @@ from torch import fx
 from ...analysis.plan import Precision, PrecisionPlan
 from ...analysis.record import META_KEY
 from ...dtypes import LowType, short_name
-from . import graph_calls
 from ..arguments import argument_names
-from ..view import ops, policy
 from ..prepare.aliasing import alias_groups
+from ..view import ops, policy
 from ..view.build import carries_fp32, cast_target, fetch_attr, has_dtypes, module_state
+from . import graph_calls
 
 aten = torch.ops.aten
 
@@ -174,10 +175,12 @@ class _Rewriter:
 
         names = argument_names(node)
         args = tuple(
-            torch.utils._pytree.tree_map(lambda a, s=names[i] if i < len(names) else None: convert(a, s), arg)
+            torch.utils._pytree.tree_map(functools.partial(convert, slot=names[i] if i < len(names) else None), arg)
             for i, arg in enumerate(node.args)
         )
-        kwargs = {k: torch.utils._pytree.tree_map(lambda a, s=k: convert(a, s), v) for k, v in node.kwargs.items()}
+        kwargs = {
+            k: torch.utils._pytree.tree_map(functools.partial(convert, slot=k), v) for k, v in node.kwargs.items()
+        }
         target, args, kwargs = self._retarget_cast(node, args, kwargs, decision)
         created_low = self._created_low(node, args, kwargs)
         if created_low:

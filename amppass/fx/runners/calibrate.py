@@ -33,8 +33,15 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from ...analysis.calibration import (Calibration, Perturbation, Trials, check_tolerance, plan_from_calibration,
-                                     record, relative_error)
+from ...analysis.calibration import (
+    Calibration,
+    Perturbation,
+    Trials,
+    check_tolerance,
+    plan_from_calibration,
+    record,
+    relative_error,
+)
 from ...analysis.painting import paint
 from ...analysis.plan import Category, Decision, PrecisionPlan
 from ...analysis.stats import CalibrationStats
@@ -42,10 +49,10 @@ from ...analysis.view import GraphView
 from ...dtypes import LowType
 from ...errors import CalibrationError, CaptureError, first_line
 from ..capture.copies import shared_copy
-from .trial_runs import Checkpoints
-from ..rewrite.apply import rewrite
 from ..capture.guards import GUARDS_KEY, MAX_PLANS, matching
 from ..capture.inputs import BATCH_FIX, flatten_inputs, split_batch
+from ..rewrite.apply import rewrite
+from .trial_runs import Checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +166,7 @@ class FxRunner:
         for index, batch in enumerate(calibration):
             args, kwargs = split_batch(batch)
             flat = flatten_inputs(gm, args, kwargs, index)
-            for node, value in zip(placeholders, flat):
+            for node, value in zip(placeholders, flat, strict=False):
                 _check(node, value, index)
             yield index, (args, kwargs)
         if index < 0:
@@ -185,7 +192,7 @@ class FxRunner:
             recorder.norms, self.replayed_on = self.data.norms, which
         try:
             raw = recorder.run(*flat, enable_io_processing=False)
-        except Exception as err:  # noqa: BLE001 - a batch the fp32 model rejects is the caller's data
+        except Exception as err:  # a batch the fp32 model rejects is the caller's data
             raise CalibrationError(
                 f"calibration batch {index}: the fp32 model failed on it ({first_line(err)}); {BATCH_FIX}"
             ) from err
@@ -242,7 +249,7 @@ class FxTrials(Trials[Batch]):
             with torch.no_grad():
                 outputs = graph.checkpoints.run(trial, mine) if graph.checkpoints is not None else [
                     trial(*args, **kwargs) for _, args, kwargs, _ in mine]
-            for (b, *_), out in zip(mine, outputs):
+            for (b, *_), out in zip(mine, outputs, strict=False):
                 yield b, _floating(out)
 
     def noisy(self, batch: Batch) -> bool:
@@ -310,7 +317,7 @@ def _graph_for(graphs: list[Graph], args: tuple, kwargs: dict, index: int, recap
     except CaptureError as err:
         raise CalibrationError(f"{where}, and torch.export cannot capture the model for it ({first_line(err)}); "
                                f"{BATCH_FIX}") from err
-    except Exception as err:  # noqa: BLE001 - the original model rejects the batch: the caller's data
+    except Exception as err:  # the original model rejects the batch: the caller's data
         raise CalibrationError(f"calibration batch {index}: the fp32 model failed on it ({first_line(err)}); "
                                f"{BATCH_FIX}") from err
     log.info("%s: captured the model for it too", where)
@@ -372,7 +379,7 @@ class _Recorder(fx.Interpreter):
         except Exception as err:  # noqa: BLE001 - an op without a low-precision kernel here is just unranked
             log.debug("could not replay %s in %s: %s", n.name, low, err)
             return math.nan
-        pairs = list(zip(_floating(out), _floating(reference)))
+        pairs = list(zip(_floating(out), _floating(reference), strict=False))
         return max((relative_error(o, r) for o, r in pairs), default=math.nan)
 
 

@@ -49,7 +49,7 @@ def non_finite(fp32: fx.GraphModule, converted: fx.GraphModule, inputs: list) ->
     with torch.no_grad():
         reference = _outputs(fp32, inputs)
         got = _outputs(converted, inputs)
-    bad = [i for i, (r, g) in enumerate(zip(reference, got)) if r is True and g is False]
+    bad = [i for i, (r, g) in enumerate(zip(reference, got, strict=False)) if r is True and g is False]
     if not bad:
         return None
     names = _output_names(fp32)

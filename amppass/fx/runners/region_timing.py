@@ -181,7 +181,8 @@ def _short(dtype: torch.dtype) -> str:
 def whole_model(converted: torch.nn.Module, original: torch.nn.Module, args: tuple, kwargs: dict,
                 costs: CostModel, budget: float = 1.0) -> tuple[float, float] | None:
     """Seconds per call of ``converted`` and of ``original`` (fp32), the medians of interleaved rounds left
-    undisturbed by other load (rule 2 of :mod:`amppass.analysis.profitability`), within about ``budget`` seconds of measuring (3 to 15 rounds); None
+    undisturbed by other load (rule 2 of :mod:`amppass.analysis.profitability`), within about ``budget`` seconds of
+    measuring (3 to 15 rounds); None
     where too few rounds were undisturbed to tell. Both times go into ``costs`` (keyed by the model and its
     input shapes), which answers instead when it already holds them; its timing cache keeps them under a
     key that also names the converted graph's code and tensor shapes, so another model of the same class
@@ -204,8 +205,8 @@ def whole_model(converted: torch.nn.Module, original: torch.nn.Module, args: tup
             return None
         found = [round(seconds, 9) for seconds in timings.medians]
         if costs.cache is not None:
-            costs.cache.add(dict(zip(stored, found)))
-    for name, seconds in zip(names, found):
+            costs.cache.add(dict(zip(stored, found, strict=False)))
+    for name, seconds in zip(names, found, strict=False):
         costs.used[name] = seconds  # recorded, not saved: the cache holds them under the graph's own key
     return found[0], found[1]
 

@@ -17,8 +17,8 @@ from ...analysis.plan import Category
 from ...analysis.policy import for_target
 from ...analysis.view import AliasGroup, GraphView, OpView
 from ...targets.target import Target
-from . import low_kernels, ops, policy
 from ..prepare.aliasing import alias_groups
+from . import low_kernels, ops, policy
 
 # whole exponents that a wide-range low dtype (bf16) computes as safely as a product: x**2, x**3 (GELU's tanh form)
 SMALL_POWERS = frozenset({2, 3})
@@ -51,7 +51,10 @@ def carries_fp32(node: fx.Node, gm: fx.GraphModule, typed: bool) -> bool:
         return is_fp32(node.meta.get("val"))
     if node.op == "placeholder":
         return True
-    return node.op in ("call_function", "call_method", "call_module") and _category(node, gm, typed)[0] is not Category.KEEP
+    return (
+        node.op in ("call_function", "call_method", "call_module")
+        and _category(node, gm, typed)[0] is not Category.KEEP
+    )
 
 
 def cast_target(node: fx.Node) -> torch.dtype | None:
@@ -182,8 +185,14 @@ def _category(node: fx.Node, gm: fx.GraphModule, typed: bool, wide_range: bool =
     target = cast_target(node)
     if name in ops.CAST_OPS and target is not None:
         if target == torch.float32:
-            return Category.FP32, ("explicit cast to fp32 in the model: what reads it runs in fp32, as under "
-                                   "torch.autocast (a router's scores after .float(), statistics after x.float())"), False
+            return (
+                Category.FP32,
+                (
+                    "explicit cast to fp32 in the model: what reads it runs in fp32, as under "
+                    "torch.autocast (a router's scores after .float(), statistics after x.float())"
+                ),
+                False,
+            )
         return Category.KEEP, f"explicit cast to {target} in the model; kept", False
     training = policy.in_training(node, gm)
     if node.op == "call_module":

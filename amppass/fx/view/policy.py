@@ -25,7 +25,6 @@ from ...analysis.policy import KINDS, MATRIX_WORK, NORMALISATION, REDUCTION, OpK
 from ..arguments import argument, argument_names
 from . import ops
 
-
 _BATCH_NORMS = ("batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
                 "_native_batch_norm_legit_functional")
 

@@ -118,11 +118,15 @@ class ExternalFiles:
         try:
             fd = os.open(resolved, flags)
         except FileNotFoundError:
-            raise InputError(f"{self.where}: tensor {tensor.name!r}: its external data file {location!r} is missing "
-                             "from the model's folder; keep the data file beside the .onnx file it belongs to") from None
+            raise InputError(
+                f"{self.where}: tensor {tensor.name!r}: its external data file {location!r} is missing "
+                "from the model's folder; keep the data file beside the .onnx file it belongs to"
+            ) from None
         except OSError as err:
-            raise InputError(f"{self.where}: tensor {tensor.name!r}: its external data file {location!r} cannot be "
-                             f"opened ({err.strerror or err}); check that it is a readable file") from None
+            raise InputError(
+                f"{self.where}: tensor {tensor.name!r}: its external data file {location!r} cannot be "
+                f"opened ({err.strerror or err}); check that it is a readable file"
+            ) from None
         try:
             opened = self._checked(fd, tensor, location, resolved)
         finally:
@@ -160,8 +164,10 @@ class ExternalFiles:
         number = _whole(text)
         if number is None:
             shown = text if len(text) <= 40 else f"{text[:40]}… ({len(text):,} characters)"
-            raise InputError(f"{self.where}: tensor {tensor.name!r}: external-data {key} {shown!r} is not a "
-                             f"non-negative whole number of at most {MAX_DIGITS} digits; the model file is damaged: re-export it")
+            raise InputError(
+                f"{self.where}: tensor {tensor.name!r}: external-data {key} {shown!r} is not a "
+                f"non-negative whole number of at most {MAX_DIGITS} digits; the model file is damaged: re-export it"
+            )
         return number
 
 

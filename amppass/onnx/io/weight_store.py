@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 import numpy as np
 import onnx
@@ -28,7 +28,7 @@ from onnx import TensorProto, external_data_helper, numpy_helper
 
 from ...dtypes import LowType
 from ...errors import InputError
-from ..view import subgraphs, tensors
+from ..view import tensors
 from . import validate
 from .external_data import RESERVED, ExternalFiles, info
 

@@ -13,8 +13,15 @@ from torch import fx, nn
 from torch.export import Dim
 
 from amppass.errors import CaptureError, InputError
-from amppass.fx.capture.export import (CAPTURE_LOCK, auto_dims, capture, capture_program, capturing,
-                                       size_one_dynamic, without_dtype_asserts)
+from amppass.fx.capture.export import (
+    CAPTURE_LOCK,
+    auto_dims,
+    capture,
+    capture_program,
+    capturing,
+    size_one_dynamic,
+    without_dtype_asserts,
+)
 from amppass.fx.capture.function_backward import FUNCTIONS_KEY
 from amppass.fx.capture.guards import GUARDS_KEY, ShapeGuards
 

@@ -1,4 +1,5 @@
-"""A captured graph that does not compute what the model computes is refused, not converted (amppass.fx.capture.fidelity).
+"""A captured graph that does not compute what the model computes is refused, not converted
+(amppass.fx.capture.fidelity).
 
 torch.export runs the model's Python once, and a model can see it is being traced and take another path there
 (transformers' PaliGemma: hidden states 0.1 from its own, in fp32, before any conversion). Each test fails on the
@@ -114,7 +115,8 @@ def test_paligemma_captured_by_torch_export_is_refused_and_converts_by_parts():
     with torch.no_grad():
         before = built.model(**built.inputs).last_hidden_state
     fast = amppass.convert(built.model, example_kwargs=built.inputs, dtype="bf16", plan_for="coverage")
-    assert "PaliGemmaModel does not compute what PaliGemmaModel computes" in amppass.report(fast).info["parts"]["why_whole"]
+    why_whole = amppass.report(fast).info["parts"]["why_whole"]
+    assert "PaliGemmaModel does not compute what PaliGemmaModel computes" in why_whole
     with torch.no_grad():
         assert torch.equal(built.model(**built.inputs).last_hidden_state, before)  # the caller's model untouched
         got = fast(**built.inputs).last_hidden_state

@@ -16,9 +16,21 @@ from torch.utils._sympy.numbers import int_oo
 from amppass.analysis.plan import Decision, Precision, Source
 from amppass.analysis.record import META_KEY
 from amppass.fx.capture.export import capture
-from amppass.fx.capture.guards import (GUARDS_KEY, InputSpec, Mismatch, ShapeGuards, call_layout, carried_decisions,
-                                       example_refusal, guard_conditions, input_spec, matching, plain_inputs,
-                                       range_bound, specialised_dims)
+from amppass.fx.capture.guards import (
+    GUARDS_KEY,
+    InputSpec,
+    Mismatch,
+    ShapeGuards,
+    call_layout,
+    carried_decisions,
+    example_refusal,
+    guard_conditions,
+    input_spec,
+    matching,
+    plain_inputs,
+    range_bound,
+    specialised_dims,
+)
 
 
 class Masked(nn.Module):

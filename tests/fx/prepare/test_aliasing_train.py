@@ -3,7 +3,8 @@
 DeBERTa-style masked softmax (SEW-D) fills the softmax output in place inside its own ``autograd.Function``,
 which torch.export inlines into the train graph without the function's backward; the write then invalidated the
 softmax output autograd saved ("modified by an inplace operation") on the first backward. Such a write to an
-intermediate value nothing else aliases becomes its out-of-place op (:func:`amppass.fx.prepare.aliasing.functional_writes`).
+intermediate value nothing else aliases becomes its out-of-place op
+(:func:`amppass.fx.prepare.aliasing.functional_writes`).
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import torch
 from torch import nn
 
 import amppass
-from amppass.fx.prepare.aliasing import functional_writes
 from amppass.fx.capture.export import capture
+from amppass.fx.prepare.aliasing import functional_writes
 
 
 class MaskedSoftmax(torch.autograd.Function):

@@ -18,11 +18,11 @@ from torch import nn
 import amppass
 from amppass import InputError
 from amppass.analysis.plan import Category, Decision, Precision, PrecisionPlan, Source
-from amppass.serving.fp32_parameters import stored_parameters
-from amppass.analysis.view import GraphView, OpView
-from amppass.serving.fp32_original import KeptFp32
 from amppass.analysis.profitability import regions
+from amppass.analysis.view import GraphView, OpView
 from amppass.fx.runners.region_timing import whole_model_key
+from amppass.serving.fp32_original import KeptFp32
+from amppass.serving.fp32_parameters import stored_parameters
 
 X = (torch.randn(4, 64, generator=torch.Generator().manual_seed(0)),)
 

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 import amppass
-from amppass.serving.fp32_original import KeptFp32
 from amppass.dtypes import low_type
 from amppass.fx.runners import region_timing
+from amppass.serving.fp32_original import KeptFp32
 from amppass.targets import cost_model, device
 from amppass.targets.measure import Timings
 from amppass.targets.timing_cache import TimingCache
@@ -70,7 +70,11 @@ def test_a_plan_made_under_load_equals_the_quiet_plan_given_the_cache(cache):
     with busy_processes(4, seconds=120):
         loaded = amppass.convert(model, X, "bf16")
     assert _outcome(loaded) == _outcome(quiet)
-    assert all(after == "cached" for before, after in zip(_timing(quiet), _timing(loaded)) if before == "measured")
+    assert all(
+        after == "cached"
+        for before, after in zip(_timing(quiet), _timing(loaded), strict=False)
+        if before == "measured"
+    )
     if isinstance(quiet, torch.fx.GraphModule) and isinstance(loaded, torch.fx.GraphModule):
         assert loaded.code == quiet.code
 
@@ -89,7 +93,9 @@ def test_the_report_names_where_every_region_s_times_came_from(cache):
                                                                        or "device prior" in row.reason)
     cost_model.forget()
     again = amppass.convert(model, X, "bf16")
-    assert all(after == "cached" for before, after in zip(_timing(first), _timing(again)) if before == "measured")
+    assert all(
+        after == "cached" for before, after in zip(_timing(first), _timing(again), strict=False) if before == "measured"
+    )
     table = amppass.convert(model, X, "bf16", costs=report.info["costs"])
     assert set(_timing(table)) == {"table"} and _outcome(table) == _outcome(first)
 
@@ -120,7 +126,9 @@ def test_a_cpu_without_native_bf16_keeps_fp32_without_timing_a_kernel(cache, mon
 
     monkeypatch.setattr(cost_model, "interleaved", never)
     monkeypatch.setattr(cost_model, "probe", never)
-    monkeypatch.setattr(region_timing, "whole_model", lambda *args, **kwargs: None)  # the graph against eager: not a kernel timing
+    monkeypatch.setattr(
+        region_timing, "whole_model", lambda *args, **kwargs: None
+    )  # the graph against eager: not a kernel timing
     model = net()
     with caplog.at_level(logging.WARNING, logger="amppass"):
         first = amppass.convert(model, X, "bf16")

@@ -12,8 +12,8 @@ import amppass
 from amppass.analysis.calibration import max_runs
 from amppass.analysis.painting import paint
 from amppass.analysis.plan import Decision, Precision, Source
-from amppass.fx.runners.calibrate import FxTrials, calibrate
 from amppass.fx.capture.export import capture
+from amppass.fx.runners.calibrate import FxTrials, calibrate
 from amppass.fx.view.build import build_view
 from amppass.targets.target import torch_target
 from models import build

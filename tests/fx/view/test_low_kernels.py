@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 import amppass
+from amppass.fx.capture.export import capture
 from amppass.fx.runners import region_timing
 from amppass.fx.view import low_kernels, policy
-from amppass.fx.capture.export import capture
 from amppass.fx.view.build import build_view
 from amppass.targets import torch_target
 from amppass.targets.torch_kernel_facts import torch_facts
@@ -152,7 +152,10 @@ def test_the_packaged_table_names_its_sources_and_agrees_with_this_torch():
     spec.loader.exec_module(script)
     assert script.check_autocast_lists() == []  # the lists match this torch's autocast registrations
     packaged = json.loads((ROOT / "amppass" / "targets" / "data" / "torch_kernel_facts.json").read_text())
-    assert packaged["autocast_fp32"] == {"cpu": sorted(script.AUTOCAST_CPU_FP32), "cuda": sorted(script.AUTOCAST_CUDA_FP32)}
+    assert packaged["autocast_fp32"] == {
+        "cpu": sorted(script.AUTOCAST_CPU_FP32),
+        "cuda": sorted(script.AUTOCAST_CUDA_FP32),
+    }
 
 
 class ComplexOut(nn.Module):
@@ -174,7 +177,7 @@ def test_keep_io_types_returns_complex_outputs_in_the_models_dtype(dtype):
     assert [o.dtype for o in out] == [torch.complex64, torch.float32, torch.float32]
     bound = 2e-2 if dtype == "bf16" else 2e-3
     assert all(_rel(torch.view_as_real(o) if o.is_complex() else o,
-                    torch.view_as_real(r) if r.is_complex() else r) < bound for o, r in zip(out, ref))
+                    torch.view_as_real(r) if r.is_complex() else r) < bound for o, r in zip(out, ref, strict=False))
 
 
 def _fnet():
@@ -182,7 +185,9 @@ def _fnet():
     config = transformers.FNetConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, intermediate_size=64,
                                      max_position_embeddings=64)
     torch.manual_seed(0)
-    return transformers.FNetModel(config).eval(), torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    return transformers.FNetModel(config).eval(), torch.randint(
+        0, 100, (2, 16), generator=torch.Generator().manual_seed(0)
+    )
 
 
 @pytest.mark.parametrize("dtype,plan_for,bound", [("bf16", "speed", 2e-2), ("fp16", "coverage", 3e-3)])

@@ -48,6 +48,14 @@ def test_lookup_spellings():
 
 
 def test_public_api():
-    assert set(amppass.__all__) >= {"convert", "report", "LossScaler", "AmpPassError", "ScaleCollapseError", "save", "load"}
+    assert set(amppass.__all__) >= {
+        "convert",
+        "report",
+        "LossScaler",
+        "AmpPassError",
+        "ScaleCollapseError",
+        "save",
+        "load",
+    }
     for name in amppass.__all__:
         assert hasattr(amppass, name)

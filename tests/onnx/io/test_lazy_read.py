@@ -11,8 +11,8 @@ from onnx import TensorProto, helper, numpy_helper
 import amppass
 from amppass import InputError
 from amppass.onnx.io import lazy_read
-from amppass.onnx.view import tensors
 from amppass.onnx.io.weight_store import WeightStore
+from amppass.onnx.view import tensors
 
 F32 = TensorProto.FLOAT
 
