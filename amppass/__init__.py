@@ -36,14 +36,15 @@ _HOMES = {
 __all__ = ["__version__", *_HOMES]
 
 if TYPE_CHECKING:  # what type checkers and IDEs read; at run time __getattr__ imports on first use
-    from .errors import AmpPassError, CalibrationError, CaptureError, InputError, ScaleCollapseError
-    from .pipelines.convert import convert
-    from .pipelines.convert_onnx import convert_onnx
-    from .pipelines.export_onnx import export_onnx
-    from .pipelines.report import report
-    from .pipelines.save import save
-    from .pipelines.serialize import load, load_pretrained, load_program
-    from .training import LossScaler
+    # ruff: the names are public through __all__ (built from _HOMES, which it cannot read)
+    from .errors import AmpPassError, CalibrationError, CaptureError, InputError, ScaleCollapseError  # noqa: F401
+    from .pipelines.convert import convert  # noqa: F401
+    from .pipelines.convert_onnx import convert_onnx  # noqa: F401
+    from .pipelines.export_onnx import export_onnx  # noqa: F401
+    from .pipelines.report import report  # noqa: F401
+    from .pipelines.save import save  # noqa: F401
+    from .pipelines.serialize import load, load_pretrained, load_program  # noqa: F401
+    from .training import LossScaler  # noqa: F401
 
 
 # Importing a submodule binds its name on the package: importing amppass.report.rows first would make

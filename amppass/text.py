@@ -72,7 +72,7 @@ def shorten_names(names: list[str], width: int) -> list[str]:
         shared += 1
     split = [p[shared:] for p in split]
     whole: list[set[int]] = [set() for _ in names]
-    shown = [_abbreviated(p, sep, width, w) for p, w in zip(split, whole)]
+    shown = [_abbreviated(p, sep, width, w) for p, w in zip(split, whole, strict=False)]
     for _ in range(max((len(p) for p in split), default=0)):
         clashing = _clashes(shown, names)
         if not clashing:
@@ -105,7 +105,7 @@ def _abbreviated(segments: list[str], sep: str, width: int, whole: set[int]) -> 
 def _clashes(shown: list[str], names: list[str]) -> list[int]:
     """The positions whose shortened text another, different name also got."""
     seen: dict[str, set[str]] = {}
-    for text, name in zip(shown, names):
+    for text, name in zip(shown, names, strict=False):
         seen.setdefault(text, set()).add(name)
     return [i for i, text in enumerate(shown) if len(seen[text]) > 1]
 

@@ -27,7 +27,8 @@ LATENCY_NOTES = (
     "Variants: `fp32` eager; `autocast` = `torch.autocast('cpu', dtype=torch.bfloat16)`; `bf16_model` = "
     "`copy.deepcopy(model).bfloat16()`; `amppass` = `amppass.convert(model, inputs, torch.bfloat16)`; "
     "`amppass_lowtables` adds `low_weight_tables=True`. All under `torch.inference_mode()`, same inputs.",
-    "Columns: `latency_ms` median of interleaved repeats after warm-up (`min_ms`: the fastest, least disturbed by other load); `vs_autocast` = autocast's latency / "
+    "Columns: `latency_ms` median of interleaved repeats after warm-up (`min_ms`: the fastest, least disturbed "
+    "by other load); `vs_autocast` = autocast's latency / "
     "this one's (above 1: faster than autocast); `err_vs_fp32` / `err_vs_fp64` = ||out - ref|| / ||ref|| over all "
     "floating outputs, the reference being the fp32 model or its `.double()` copy; `weight_ratio` = floating "
     "parameter and buffer bytes / fp32's; `peak_alloc_MB` = high-water mark of torch CPU allocations during one "
@@ -273,7 +274,8 @@ SECTIONS: dict[str, Callable[[bool, Path], Section]] = {
     "tolerance_ref": _external("tolerance_reference", "Tolerance search against a reference ranking (ONNX fp16, "
                                "onnxruntime CPU)", lambda m, quick: m.run(quick)),
     "integrations": _external("integrations", "amppass in the tools' own training loops against their precision "
-                              "flags (Lightning, transformers Trainer, accelerate; CPU)", lambda m, quick: m.run(quick)),
+                              "flags (Lightning, transformers Trainer, accelerate; CPU)",
+                              lambda m, quick: m.run(quick)),
     "tolerance_time": _external("tolerance_time", "Tolerance-search time (FX fp16, tolerance 1e-4, 4 calibration "
                                 "batches; the small zoo in --quick, real-sized models in --full): amppass at "
                                 "d7ec324 (no held-out check, prefix reuse or run bound) and now",

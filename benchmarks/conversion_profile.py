@@ -90,7 +90,7 @@ class SwinSeg3d(nn.Module):
         self.embed = nn.Conv3d(1, feature, 2, stride=2)
         self.stages, self.merges, self.ups = nn.ModuleList(), nn.ModuleList(), nn.ModuleList()
         dims = [feature * 2 ** i for i in range(len(depths))]
-        for dim, depth, count in zip(dims, depths, heads):
+        for dim, depth, count in zip(dims, depths, heads, strict=False):
             self.stages.append(nn.Sequential(*(_SwinBlock(dim, count, window, i % 2 == 1) for i in range(depth))))
             self.merges.append(_Merge(dim))
         for dim in reversed(dims):
@@ -101,12 +101,12 @@ class SwinSeg3d(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.embed(x).permute(0, 2, 3, 4, 1)
         skips = []
-        for stage, merge in zip(self.stages, self.merges):
+        for stage, merge in zip(self.stages, self.merges, strict=False):
             y = stage(y)
             skips.append(y)
             y = merge(y)
         y = y.permute(0, 4, 1, 2, 3)
-        for up, skip in zip(self.ups, reversed(skips)):
+        for up, skip in zip(self.ups, reversed(skips), strict=False):
             y = up(y) + skip.permute(0, 4, 1, 2, 3)
         return self.head(y)
 
@@ -139,7 +139,7 @@ def run(quick: bool) -> list[dict[str, Any]]:
             {"function": "amppass.convert(dynamic_shapes=None)", "stage": "the same, exported at the example's sizes",
              "calls": 1, "convert_s": round(static, 2)}]
     found = []
-    for (path, line, function), (_, calls, _, cumulative, _) in stats.stats.items():
+    for (path, _line, function), (_, calls, _, cumulative, _) in stats.stats.items():
         if "/amppass/" in path and function != "convert":
             module = path.rsplit("/amppass/", 1)[1].removesuffix(".py").replace("/", ".")
             found.append((cumulative, function, module, calls))

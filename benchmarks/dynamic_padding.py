@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+
 def cpu() -> str:
     """The CPU's model name and which of the instruction sets low precision needs it has (``/proc/cpuinfo``)."""
     try:
@@ -102,9 +103,15 @@ def _pad_only() -> Any:
 
 
 def _variant(name: str, setting: dict[str, Any], rows: list[dict], tokenizer: Any, out: Path) -> dict[str, Any]:
-    from transformers import (BertConfig, BertForSequenceClassification, DataCollatorWithPadding, Trainer,
-                              TrainerCallback, TrainingArguments)
     from accelerate.state import AcceleratorState
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        DataCollatorWithPadding,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
 
     from amppass.integrations.transformers import AmpPassTrainer
     from amppass.pipelines import convert as convert_module
@@ -178,9 +185,9 @@ def run(quick: bool) -> list[dict[str, Any]]:
         for name in VARIANTS:
             results.append(_variant(name, setting, rows, tokenizer, Path(out)))
     reference, curves = results[0], [row.pop("losses") for row in results]
-    for row, losses in zip(results, curves):
+    for row, losses in zip(results, curves, strict=False):
         row["vs_fp32"] = round(row["steps_per_s"] / reference["steps_per_s"], 2)
-        row["curve_dev"] = f"{max(abs(a - b) / abs(b) for a, b in zip(losses, curves[0])):.2e}"
+        row["curve_dev"] = f"{max(abs(a - b) / abs(b) for a, b in zip(losses, curves[0], strict=False)):.2e}"
         row["final_loss"] = round(losses[-1], 3)
         row["tokenizer"] = "all-MiniLM-L6-v2" if tokenizer is not None else "none (random ids)"
     return results

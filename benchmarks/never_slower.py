@@ -21,6 +21,7 @@ first call's.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from typing import Any, Callable
@@ -148,7 +149,8 @@ def kept_cost(quick: bool) -> list[dict[str, Any]]:
     from amppass.serving.fp32_original import keep_original
 
     models = [("mlp 8x8, batch 1", lambda: (torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(),
-                                                                torch.nn.Linear(8, 8)).eval(), (torch.randn(1, 8),), {}))]
+                                                                torch.nn.Linear(8, 8)).eval(),
+                                            (torch.randn(1, 8),), {}))]
     for name in ("gru", "qwen2") if not quick else ("gru",):
         def make(name=name):
             case = build_arch(name, batch=1)
@@ -160,8 +162,8 @@ def kept_cost(quick: bool) -> list[dict[str, Any]]:
         model, inputs, kwargs = make()
         kept = keep_original(model, {"whole_model": {}})
         with torch.inference_mode():
-            samples = time_interleaved({"original": lambda: model(*inputs, **kwargs),
-                                        "kept": lambda: kept(*inputs, **kwargs)}, 3, 7 if quick else 21)
+            samples = time_interleaved({"original": functools.partial(model, *inputs, **kwargs),
+                                        "kept": functools.partial(kept, *inputs, **kwargs)}, 3, 7 if quick else 21)
         original, held = (statistics.median(samples[n]) * 1e6 for n in ("original", "kept"))
         rows.append({"model": label, "original_us": original, "kept_us": held, "overhead_us": held - original,
                      "ratio": held / original})

@@ -25,9 +25,9 @@ import warnings
 import onnx
 
 import amppass
-from amppass.targets import onnxruntime_facts
-from amppass.pipelines.export_onnx import export_fp32
 from amppass.onnx.simulate import simulated
+from amppass.pipelines.export_onnx import export_fp32
+from amppass.targets import onnxruntime_facts
 from models import build
 from models.sensor import sensor_feed, sensor_net
 
@@ -48,7 +48,7 @@ def timing(quick: bool) -> list[dict]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fp32 = export_fp32(case.model, case.example_inputs)
-    feeds = {i.name: t.numpy() for i, t in zip(fp32.graph.input, case.make_inputs(1))}
+    feeds = {i.name: t.numpy() for i, t in zip(fp32.graph.input, case.make_inputs(1), strict=False)}
     converters = {
         "amppass": lambda: amppass.convert_onnx(fp32, "fp16"),
         "amppass, 1 calibration batch": lambda: amppass.convert_onnx(fp32, "fp16", calibration=[feeds]),
@@ -127,8 +127,9 @@ def zoo_search() -> list[dict]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             fp32 = export_fp32(case.model, case.example_inputs)
-        feeds = [{i.name: t.numpy() for i, t in zip(fp32.graph.input, case.make_inputs(seed))} for seed in (0, 1)]
-        held_out = {i.name: t.numpy() for i, t in zip(fp32.graph.input, case.make_inputs(10))}
+        feeds = [{i.name: t.numpy() for i, t in zip(fp32.graph.input, case.make_inputs(seed), strict=False)}
+                 for seed in (0, 1)]
+        held_out = {i.name: t.numpy() for i, t in zip(fp32.graph.input, case.make_inputs(10), strict=False)}
         start = time.perf_counter()
         converted = amppass.convert_onnx(fp32, "fp16", calibration=feeds, tolerance=1e-4)
         seconds = time.perf_counter() - start

@@ -34,9 +34,9 @@ import onnx
 import onnxruntime as ort
 
 import amppass
-from amppass.targets import onnxruntime_facts
-from amppass.pipelines.export_onnx import export_fp32
 from amppass.onnx.simulate import simulated
+from amppass.pipelines.export_onnx import export_fp32
+from amppass.targets import onnxruntime_facts
 from models import ZOO, build
 
 from .results import not_run
@@ -59,7 +59,7 @@ def session(model: onnx.ModelProto) -> ort.InferenceSession:
 def max_error(want: list, got: list) -> float:
     """Largest ``||got - want|| / ||want||`` over the floating outputs."""
     errors = []
-    for w, g in zip(want, got):
+    for w, g in zip(want, got, strict=False):
         if np.issubdtype(w.dtype, np.floating):
             w64, g64 = w.astype(np.float64), g.astype(np.float64)
             errors.append(np.linalg.norm(g64 - w64) / max(np.linalg.norm(w64), 1e-12))
@@ -107,7 +107,7 @@ def _one(model_name: str, size: str, fp32: onnx.ModelProto, feeds: dict, convert
         row["accurate"] = all(bool(np.isfinite(e) and e <= ACCURATE) for e in (row["rel_error"], row["sim_error"]))
     except ModuleNotFoundError as err:  # a converter not installed here: its rows say so
         row["error"] = not_run(err)
-    except Exception as err:  # a converter's failure is a result here, not a crash
+    except Exception as err:  # noqa: BLE001 - a converter's failure is a result here, not a crash
         row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
     return row
 
@@ -124,8 +124,8 @@ def run(quick: bool) -> list[dict]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             fp32 = export_fp32(case.model, case.example_inputs)
-        feeds = {i.name: t.numpy() for i, t in zip(fp32.graph.input, case.make_inputs(1))}
-        calibration = {i.name: t.numpy() for i, t in zip(fp32.graph.input, case.make_inputs(2))}
+        feeds = {i.name: t.numpy() for i, t in zip(fp32.graph.input, case.make_inputs(1), strict=False)}
+        calibration = {i.name: t.numpy() for i, t in zip(fp32.graph.input, case.make_inputs(2), strict=False)}
         found = [_one(name, size, fp32, feeds, converter, convert)
                  for converter, convert in _converters(calibration).items()]
         baseline = next(r["convert_s"] for r in found if r["converter"] == "onnxconverter-common")

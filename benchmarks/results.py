@@ -121,7 +121,8 @@ def write_markdown(path: Path, mode: str, sections: list[Section], started: str,
         "# amppass benchmark results",
         "",
         f"Last written by `python -m benchmarks run --{mode}` on {started} (UTC); each section says when it "
-        "was measured and names the command that reproduces it. Timings are medians of interleaved repeats taken in one process; they are "
+        "was measured and names the command that reproduces it. Timings are medians of interleaved repeats "
+        "taken in one process; they are "
         "only comparable within a table.",
         "",
         "## Machine",

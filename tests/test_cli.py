@@ -362,7 +362,7 @@ def long_names(mlp_onnx, tmp_path_factory) -> tuple[str, list[str]]:
     """The MLP converted to fp16 after its nodes got long, scoped names (as TorchScript exports write)."""
     model = onnx.load(mlp_onnx)
     names = [LONG.format(i=i) for i in range(len(model.graph.node))]
-    for node, name in zip(model.graph.node, names):
+    for node, name in zip(model.graph.node, names, strict=False):
         node.name = name
     folder = tmp_path_factory.mktemp("long")
     onnx.save(model, str(folder / "in.onnx"))

@@ -51,20 +51,27 @@ import numpy as np
 import onnx
 from onnx import external_data_helper, helper
 
-from ..analysis.calibration import (Calibration, Perturbation, Trials, check_tolerance, plan_from_calibration,
-                                    record, relative_error)
+from ..analysis.calibration import (
+    Calibration,
+    Perturbation,
+    Trials,
+    check_tolerance,
+    plan_from_calibration,
+    record,
+    relative_error,
+)
 from ..analysis.plan import Category, Decision, PrecisionPlan
 from ..analysis.stats import CalibrationStats
 from ..analysis.view import GraphView
 from ..errors import CalibrationError, first_line
-from ..targets.target import Target
 from ..targets import onnxruntime_facts
+from ..targets.target import Target
+from .io.weight_store import WeightStore, tensors
 from .rewrite import all_names, unique_name
-from .trial_runs import Checkpoints
 from .simulate import rounding, simulate
+from .trial_runs import Checkpoints
 from .view import FLOAT, NodeRef, all_nodes, subgraphs
 from .view import dims as value_dims
-from .io.weight_store import WeightStore, tensors
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +185,7 @@ class OnnxRunner:
         extra = [helper.make_tensor_value_info(v, types[v], None) for v in recorded if v not in self.outputs]
         try:
             self.session = _session(model, store, extra)
-        except Exception as err:  # noqa: BLE001 - onnxruntime's own exception types: the file is the cause
+        except Exception as err:
             raise CalibrationError(f"{store.where}: onnxruntime cannot load the float32 model to calibrate it "
                                    f"({first_line(err)}); check that the model runs in onnxruntime") from err
         self.first_names = list(dict.fromkeys(self.outputs + recorded))  # batch 0 also returns the replay's inputs
@@ -197,8 +204,8 @@ class OnnxRunner:
         data, replayed = self.data, index == 0 and self.replay is not None
         wanted = self.first_names if replayed else self.names
         try:
-            values = dict(zip(wanted, self.session.run(wanted, feed)))
-        except Exception as err:  # noqa: BLE001 - a feed the fp32 model rejects is the caller's data
+            values = dict(zip(wanted, self.session.run(wanted, feed), strict=False))
+        except Exception as err:
             raise CalibrationError(f"calibration batch {index}: the fp32 model failed on it in onnxruntime "
                                    f"({first_line(err)}); {_FIX}") from err
         values.update(feed)
@@ -256,7 +263,7 @@ class OnnxTrials(Trials[Feed]):
                 kept.count(start or 0, len(trial.graph.node), len(group))
             outputs = trial_outputs(model if runtime else simulate(model, self.fp32.store), self.fp32.store,
                                     data.output_names, feeds, optimized=runtime)
-            yield from zip(group, outputs)
+            yield from zip(group, outputs, strict=False)
 
     def noisy(self, feed: Feed) -> bool:
         """Whether an array of ``feed`` gets noise (:func:`_noisy`)."""
@@ -328,7 +335,7 @@ def _checked(where: str, info: onnx.ValueInfoProto, value: Any) -> np.ndarray:
                                f"with .astype(np.{wanted.name})")
     if tensor.HasField("shape"):
         dims = value_dims(info)
-        if array.ndim != len(dims) or any(d is not None and d != s for d, s in zip(dims, array.shape)):
+        if array.ndim != len(dims) or any(d is not None and d != s for d, s in zip(dims, array.shape, strict=False)):
             shown = ["?" if d is None else d for d in dims]
             raise CalibrationError(f"{where}: shape {array.shape} does not fit the model's input shape {shown} "
                                    "(? is any size); pass batches shaped like the model's input")
@@ -375,7 +382,7 @@ def local_errors(model: onnx.ModelProto, refs: Mapping[str, NodeRef], store: Wei
     wanted = list(dict.fromkeys(v for outs in pairs.values() for r, _, ref in outs for v in (r, ref) if v))
     feed = {i.name: recorded[i.name] for i in replay.graph.input}
     try:
-        got = dict(zip(wanted, _session(replay, store).run(wanted, feed)))
+        got = dict(zip(wanted, _session(replay, store).run(wanted, feed), strict=False))
     except Exception as err:  # noqa: BLE001 - the ranking then falls back to graph order
         log.warning("local errors could not be measured in onnxruntime (%s); the tolerance search ranks "
                     "nodes in graph order", first_line(err))
@@ -514,7 +521,7 @@ def _session(model: onnx.ModelProto, store: WeightStore, extra_outputs: Iterable
         session = ort.InferenceSession(model.SerializeToString(), options, providers=[onnxruntime_facts.PROVIDER],
                                        disabled_optimizers=["MatmulTransposeFusion"] if optimized else None)
     finally:
-        for tensor, entries in zip(inlined, saved):
+        for tensor, entries in zip(inlined, saved, strict=False):
             tensor.ClearField("raw_data")
             tensor.data_location = onnx.TensorProto.EXTERNAL
             tensor.external_data.extend(entries)

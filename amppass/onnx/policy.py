@@ -28,7 +28,6 @@ from ..analysis.plan import Category, Decision, Precision, Source
 from ..analysis.policy import KINDS, LAYOUT, MATRIX_WORK, NORMALISATION, REDUCTION, OpKind, PolicyRow, for_target
 from ..targets.target import Kernels, Target
 
-
 _MS = "com.microsoft"
 
 # A row of a kind both front ends have takes its meaning from amppass.analysis.policy.KINDS; a kind of ONNX's

@@ -12,34 +12,33 @@ from torch import fx, nn
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 
 from ..analysis import overrides, precedence
-from ..analysis.painting import paint
 from ..analysis.options import PlanOptions
+from ..analysis.painting import paint
 from ..analysis.plan import Precision, PrecisionPlan, Source
 from ..analysis.profitability import SOURCES, Profitability
 from ..analysis.record import META_KEY, check_reconversion, summary
 from ..analysis.view import GraphView
 from ..dtypes import low_type
 from ..errors import CaptureError, InputError
-from ..fx.runners import finite, region_timing
-from ..fx.prepare.aliasing import functional_writes, writes_an_input
 from ..fx.capture.copies import shared_copy
-from ..fx.capture.function_backward import check_backward
-from ..fx.rewrite.device_literals import module_device
-from ..fx.capture.fidelity import check_fidelity
-from ..fx.rewrite.low_backward import annotate_backward
-from ..fx.capture.inputs import example_call, flatten_inputs, split_batch
-from ..fx.runners.calibrate import CaptureFp32, calibrated_plan
 from ..fx.capture.export import capture, capture_program
-from ..fx.prepare.gelu import FUSED_KEY, fuse_tanh_gelu
+from ..fx.capture.fidelity import check_fidelity
+from ..fx.capture.function_backward import check_backward
 from ..fx.capture.guards import GUARDS_KEY, carried_decisions, example_refusal, matching, plain_inputs
-from ..fx.view.macs import node_macs
-from ..fx.prepare.masks import fold_constant_masks
+from ..fx.capture.inputs import example_call, flatten_inputs, split_batch
 from ..fx.capture.modes import module_mode
+from ..fx.prepare.aliasing import functional_writes, writes_an_input
+from ..fx.prepare.gelu import FUSED_KEY, fuse_tanh_gelu
+from ..fx.prepare.masks import fold_constant_masks
 from ..fx.rewrite.apply import rewrite
+from ..fx.rewrite.device_literals import module_device
+from ..fx.rewrite.low_backward import annotate_backward
+from ..fx.runners import finite, region_timing
+from ..fx.runners.calibrate import CaptureFp32, calibrated_plan
 from ..fx.view.build import build_view
+from ..fx.view.macs import node_macs
 from ..serving.artifact import Kind, record_of
 from ..serving.dropin import in_own_class, transformers_call, with_signature
-from .serialize import plan_file
 from ..serving.fp32_original import keep_original
 from ..serving.serving_graph import ServingGraph
 from ..serving.traced import TracedGraph
@@ -48,6 +47,7 @@ from ..targets.cost_model import CostModel, DeviceFacts
 from ..targets.device import fingerprint
 from ..targets.target import Target, torch_target
 from ..targets.timing_cache import TimingCache
+from .serialize import plan_file
 
 log = logging.getLogger(__name__)
 

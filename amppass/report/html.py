@@ -14,8 +14,19 @@ import re
 from html import escape
 
 from ..text import shorten_names
-from .rows import (LOCAL_ERROR, LOW_PRECISIONS, OUTPUT_ERROR, PRECISIONS, SCHEMA_VERSION, Row, Summarised,
-                   decision_order, finite, summary_lines, target_phrase)
+from .rows import (
+    LOCAL_ERROR,
+    LOW_PRECISIONS,
+    OUTPUT_ERROR,
+    PRECISIONS,
+    SCHEMA_VERSION,
+    Row,
+    Summarised,
+    decision_order,
+    finite,
+    summary_lines,
+    target_phrase,
+)
 
 FP16_MAX = 65504.0
 FP16_MIN_NORMAL = 6.103515625e-05
@@ -226,7 +237,7 @@ def _ranges(report: Summarised) -> str:
             f'<text x="{x(limit):.1f}" y="{plot_bottom + 13}" text-anchor="middle" style="fill:#c92a2a">{label}</text>'
         )
     labels = shorten_names([row.name for row, _ in observed], _LABEL)  # distinct, the layer index kept
-    for i, ((row, (hi, lo)), label) in enumerate(zip(observed, labels)):
+    for i, ((row, (hi, lo)), label) in enumerate(zip(observed, labels, strict=False)):
         y = 22 + i * bar
         start, end = x(lo) if lo and lo > 0 else x(hi), x(hi)
         tip = f"{row.name} ({row.precision}): absmax {hi:.3g}" + (f", min non-zero {lo:.3g}" if lo else "")
@@ -262,7 +273,8 @@ def _table(rows: list[Row]) -> str:
     for i in decision_order(rows):
         row = rows[i]
         macs, absmax, local = row.macs, row.observed[0] if row.observed else None, row.local_error
-        pill = f'<span class="pill" style="background:{COLOURS.get(row.precision, "#000")}">{escape(row.precision)}</span>'
+        colour = COLOURS.get(row.precision, "#000")
+        pill = f'<span class="pill" style="background:{colour}">{escape(row.precision)}</span>'
         low = "1" if row.precision in LOW_PRECISIONS else "0"
         numbers = _number(macs, f"{macs:,}" if macs is not None else "") + \
             _number(absmax, f"{absmax:.3g}" if absmax is not None else "")

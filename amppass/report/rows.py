@@ -74,6 +74,7 @@ class OpGroup:
 
     @property
     def nodes(self) -> int:
+        """Nodes the group holds, over every precision."""
         return sum(self.by_precision.values())
 
 
@@ -94,7 +95,9 @@ class Summarised(Protocol):
     rows: list[Row]
     info: dict[str, Any]
 
-    def stats(self) -> dict[str, Any]: ...
+    def stats(self) -> dict[str, Any]:
+        """The report's counts, as the summary reads them."""
+        ...
 
 
 def finite(value: Any) -> float | None:

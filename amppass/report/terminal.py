@@ -69,7 +69,7 @@ class DecisionsTable:
             table.add_column(name, width=widths[name], no_wrap=True, justify="right" if name == "MACs" else "left")
         shortened = False
         nodes = shorten_names([cell["node"] for cell in cells], widths["node"])  # rows that differ read apart
-        for row, cell, node in zip(self.shown, cells, nodes):
+        for row, cell, node in zip(self.shown, cells, nodes, strict=False):
             texts = []
             for name in names:
                 fitted = node if name == "node" else (cut if name == "reason" else elide)(cell[name], widths[name])

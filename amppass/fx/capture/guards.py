@@ -52,7 +52,8 @@ class InputSpec:
                 dims.append(str(d))
                 continue
             low, high = ranges.get(d, (0, math.inf))
-            bounds = f">={low}" if low > 1 and high == math.inf else (f" in [{low}, {high}]" if high != math.inf else "")
+            bounds = (f">={low}" if low > 1 and high == math.inf
+                      else f" in [{low}, {high}]" if high != math.inf else "")
             dims.append(f"{d}{bounds}")
         return f"{self.name}: [{', '.join(dims)}] {str(self.dtype).replace('torch.', '')}"
 
@@ -99,7 +100,7 @@ class ShapeGuards:
         in_spec = getattr(gm, "_in_spec", None)
         signature = _signature(gm)
         names = _input_names(in_spec, values, signature) or [n.name for n in placeholders]
-        inputs = [input_spec(name, value) for name, value in zip(names, values)]
+        inputs = [input_spec(name, value) for name, value in zip(names, values, strict=False)]
         ranges = {str(symbol): (max(range_bound(bounds.lower), 0), range_bound(bounds.upper))
                   for symbol, bounds in (getattr(gm, "range_constraints", None) or {}).items()}
         return cls(in_spec, inputs, ranges, getattr(gm, "_guards_fn", None), signature, fixed)
@@ -130,7 +131,7 @@ class ShapeGuards:
         if len(leaves) != len(self.inputs):
             return Mismatch("arguments", f"{len(leaves)} values", f"{len(self.inputs)} values")
         symbols: dict[str, int] = {}
-        for spec, value in zip(self.inputs, leaves):
+        for spec, value in zip(self.inputs, leaves, strict=False):
             problem = self._check(spec, value, symbols)
             if problem is not None:
                 return problem
@@ -152,7 +153,7 @@ class ShapeGuards:
         if leaves is None or len(leaves) != len(self.inputs):
             return args, kwargs, []
         cast = []
-        for index, (wanted, value) in enumerate(zip(self.inputs, leaves)):
+        for index, (wanted, value) in enumerate(zip(self.inputs, leaves, strict=False)):
             if (isinstance(value, torch.Tensor) and wanted.dtype is not None and value.dtype != wanted.dtype
                     and value.dtype.is_floating_point and wanted.dtype.is_floating_point):
                 cast.append(f"{wanted.name}: {str(value.dtype).replace('torch.', '')}")
@@ -160,7 +161,8 @@ class ShapeGuards:
         if not cast:
             return args, kwargs, []
         fixed = {k: kwargs[k] for k in self.fixed if k in kwargs}
-        args, kwargs = pytree.tree_unflatten(leaves, self.in_spec or pytree.tree_flatten(self.runnable(args, kwargs))[1])
+        spec = self.in_spec or pytree.tree_flatten(self.runnable(args, kwargs))[1]
+        args, kwargs = pytree.tree_unflatten(leaves, spec)
         return args, {**kwargs, **fixed}, cast
 
     def runnable(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -201,7 +203,8 @@ class ShapeGuards:
         if set(arguments) - set(names[:positional]) - set(keywords):
             return None
         try:
-            return tuple(arguments[n] for n in names[:positional]), {k: arguments[k] for k in keywords if k in arguments}
+            return (tuple(arguments[n] for n in names[:positional]),
+                    {k: arguments[k] for k in keywords if k in arguments})
         except KeyError:
             return None
 
@@ -216,8 +219,9 @@ class ShapeGuards:
         if value.dtype != spec.dtype:
             return Mismatch(spec.name, str(value.dtype).replace("torch.", ""), str(spec.dtype).replace("torch.", ""))
         if value.dim() != len(spec.dims):
-            return Mismatch(spec.name, f"{value.dim()}-dimensional {tuple(value.shape)}", f"{len(spec.dims)} dimensions")
-        for dim, (size, wanted) in enumerate(zip(value.shape, spec.dims)):
+            return Mismatch(spec.name, f"{value.dim()}-dimensional {tuple(value.shape)}",
+                            f"{len(spec.dims)} dimensions")
+        for dim, (size, wanted) in enumerate(zip(value.shape, spec.dims, strict=False)):
             if isinstance(wanted, int):
                 if size != wanted:
                     return Mismatch(spec.name, str(size), f"{wanted} only", dim)
@@ -236,7 +240,7 @@ class ShapeGuards:
         if found is None:
             return Mismatch("arguments", "outside the capture's guards", condition)
         name, dim = found.group(1), int(found.group(2))
-        got = next((str(v.shape[dim]) for s, v in zip(self.inputs, leaves)
+        got = next((str(v.shape[dim]) for s, v in zip(self.inputs, leaves, strict=False)
                     if s.name == name and isinstance(v, torch.Tensor) and v.dim() > dim), "?")
         return Mismatch(name, got, condition, dim)
 
@@ -346,6 +350,7 @@ def range_bound(value: Any) -> Any:
 
 
 def input_spec(name: str, value: Any) -> InputSpec:
+    """The spec of input ``name``: a tensor's dims (symbolic ones by name) and dtype, or the plain value."""
     if isinstance(value, torch.Tensor):
         dims = tuple(int(d) if isinstance(d, int) or not _symbolic(d) else str(d) for d in value.shape)
         return InputSpec(name, value.dtype, dims)
@@ -610,7 +615,8 @@ def _wanted(op: str, args: tuple, kwargs: dict) -> tuple[torch.Tensor, str, str]
         if normalized and shape[-len(normalized):] != normalized:
             return x, f"[*, {', '.join(str(d) for d in normalized)}]", got
     elif op in ("batch_norm", "instance_norm", "group_norm"):
-        stats = [arg(i, k) for i, k in ((1, "running_mean"), (3, "weight"))] if op != "group_norm" else [arg(2, "weight")]
+        stats = ([arg(i, k) for i, k in ((1, "running_mean"), (3, "weight"))] if op != "group_norm"
+                 else [arg(2, "weight")])
         channels = next((s.shape[0] for s in stats if isinstance(s, torch.Tensor)), None)
         if channels is not None and (x.dim() < 2 or shape[1] != channels):
             return x, f"[N, {channels}, ...]", got

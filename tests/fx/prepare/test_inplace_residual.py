@@ -12,7 +12,7 @@ import amppass
 from tests.helpers.numerics import rel_error
 
 torchvision = pytest.importorskip("torchvision")
-from torchvision.models import resnet
+from torchvision.models import resnet  # noqa: E402 - after the importorskip that guards it
 
 
 def _out_of_place(self, x):
