@@ -62,7 +62,7 @@ def test_cli_reconvert_prints_one_note_and_writes_the_same_model(tmp_path, capsy
 
 
 def test_fx_reconvert_returns_the_same_module_and_warns(caplog):
-    once = amppass.convert(mlp(), X, "fp16", plan_for="coverage")
+    once = amppass.convert(mlp().eval(), X, "fp16", plan_for="coverage")
     code = once.code
     with caplog.at_level(logging.WARNING, logger="amppass"):
         assert amppass.convert(once, X, "fp16", plan_for="coverage") is once

@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Iterator
 
-from amppass.targets import cost_model
+from amppass.targets import cost_model, device
 
 BUSY = 4  # busy processes: twice the cores of a 2-core machine
 _SPIN = "import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end:\n    pass\n"
@@ -47,3 +47,12 @@ def timing_cache(folder: str) -> Iterator[None]:
             os.environ.pop("AMPPASS_CACHE", None)
         else:
             os.environ["AMPPASS_CACHE"] = before
+
+
+NATIVE_BF16 = device.CpuFacts("Test CPU with AMX", frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}))
+
+
+def native_bf16_cpu(monkeypatch) -> None:
+    """For one test, the CPU's flags say native bf16 whatever machine runs it: on an AVX2-only CPU the
+    profitability rule keeps every region fp32 without timing a kernel, and a test of the timing needs it to time."""
+    monkeypatch.setattr(device, "cpu_facts", lambda: NATIVE_BF16)

@@ -23,6 +23,7 @@ from amppass.analysis.view import GraphView, OpView
 from amppass.fx.runners.region_timing import whole_model_key
 from amppass.serving.fp32_original import KeptFp32
 from amppass.serving.fp32_parameters import stored_parameters
+from tests.helpers.load import native_bf16_cpu
 
 X = (torch.randn(4, 64, generator=torch.Generator().manual_seed(0)),)
 
@@ -75,7 +76,8 @@ def _costs_favouring(costs: dict, low_faster: bool) -> dict:
     return table
 
 
-def test_a_saved_cost_table_decides_and_makes_plans_reproducible():
+def test_a_saved_cost_table_decides_and_makes_plans_reproducible(monkeypatch):
+    native_bf16_cpu(monkeypatch)
     model = mlp()
     first, report = _measured(model)
     costs = report.info["costs"]

@@ -18,6 +18,7 @@ from amppass.fx.view import low_kernels, policy
 from amppass.fx.view.build import build_view
 from amppass.targets import torch_target
 from amppass.targets.torch_kernel_facts import torch_facts
+from tests.helpers.load import native_bf16_cpu
 from tests.helpers.paths import ROOT
 
 X = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
@@ -72,6 +73,7 @@ def test_a_missing_kernel_the_facts_do_not_know_becomes_an_fp32_decision_when_ti
     # the whole-model comparison is not under test: on a quiet machine this tiny model's fp32 original wins it,
     # and the report would then have no rows to read
     monkeypatch.setattr(region_timing, "whole_model", lambda *args, **kwargs: (1e-3, 2e-3))
+    native_bf16_cpu(monkeypatch)
     torch.manual_seed(0)
     model = Spectral().eval()
     converted, rows = _rows(model, "bf16", plan_for="speed")
