@@ -7,6 +7,7 @@ rewrites, the ONNX element types, the report) reads it from one :class:`LowType`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +55,8 @@ _SPELLINGS = {
     "bf16": BF16, "bfloat16": BF16, torch.bfloat16: BF16,
 }
 
-SHORT_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+SHORT_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
+               torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 
 
 def low_type(dtype: object, device: torch.device | str | None = None) -> LowType:
@@ -76,6 +78,45 @@ def low_type(dtype: object, device: torch.device | str | None = None) -> LowType
         raise InputError(f"dtype={dtype!r} is not a low-precision dtype amppass can target; use torch.float16, "
                          "torch.bfloat16, 'fp16', 'bf16' or 'auto'")
     return found
+
+
+_FP32_TINY = float(torch.finfo(torch.float32).tiny)
+
+
+@dataclass(frozen=True)
+class Fp8Format:
+    """An 8-bit float a scaled matrix product reads: its names and the numbers a per-tensor scale needs.
+
+    A tensor ``x`` is stored as ``(x / scale).to(torch)`` and read back as ``stored.float() * scale``;
+    :meth:`scale_for` picks ``scale`` so that the largest magnitude seen lands ``margin`` powers of two
+    below :attr:`max`.
+    """
+
+    name: str  # "e4m3" or "e5m2", as reasons and reports spell it
+    torch: torch.dtype
+    onnx: int  # TensorProto element type
+    max: float  # largest finite value
+    min_normal: float  # smallest positive normal value
+
+    def scale_for(self, amax: float, margin: int = 0) -> float:
+        """The per-tensor scale that maps ``amax`` to ``max / 2**margin``: finite and positive for any ``amax``.
+
+        A zero, negative, NaN or infinite ``amax`` (an all-zero or constant-zero tensor, a broken range)
+        gives a scale of 1.0, and a scale is never below fp32's smallest normal, so dividing an fp32 tensor
+        by it never makes an inf or a NaN.
+        """
+        if not math.isfinite(amax) or amax <= 0.0:
+            return 1.0
+        return max(amax * 2.0 ** margin / self.max, _FP32_TINY)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+E4M3 = Fp8Format("e4m3", torch.float8_e4m3fn, TensorProto.FLOAT8E4M3FN,
+                 float(torch.finfo(torch.float8_e4m3fn).max), float(torch.finfo(torch.float8_e4m3fn).tiny))
+E5M2 = Fp8Format("e5m2", torch.float8_e5m2, TensorProto.FLOAT8E5M2,
+                 float(torch.finfo(torch.float8_e5m2).max), float(torch.finfo(torch.float8_e5m2).tiny))
 
 
 def short_name(dtype: torch.dtype) -> str:
