@@ -119,6 +119,22 @@ E5M2 = Fp8Format("e5m2", torch.float8_e5m2, TensorProto.FLOAT8E5M2,
                  float(torch.finfo(torch.float8_e5m2).max), float(torch.finfo(torch.float8_e5m2).tiny))
 
 
+_FP8_SPELLINGS = {"fp8": E4M3, "float8": E4M3, "e4m3": E4M3, "float8_e4m3fn": E4M3, torch.float8_e4m3fn: E4M3}
+
+
+def fp8_format(dtype: object) -> Fp8Format | None:
+    """The fp8 format a ``dtype=`` argument asks products to take ("fp8", "e4m3", torch.float8_e4m3fn), or None.
+
+    An fp8 plan is a bf16 plan (or fp16 where the target says so) with some matrix products lowered further,
+    to e4m3 inputs and weights; e5m2 is the format of gradients in training, not one a user asks for.
+    """
+    key = dtype.strip().lower() if isinstance(dtype, str) else dtype
+    try:
+        return _FP8_SPELLINGS.get(key)  # type: ignore[call-overload]
+    except TypeError:  # an unhashable value
+        return None
+
+
 def short_name(dtype: torch.dtype) -> str:
     """'fp16', 'bf16' or 'fp32' for the torch dtypes amppass plans with; str(dtype) otherwise."""
     return SHORT_NAMES.get(dtype, str(dtype).replace("torch.", ""))

@@ -52,3 +52,11 @@ def test_a_scale_is_finite_and_positive_for_any_range(amax):
         assert math.isfinite(scale) and scale > 0.0
         zeros = torch.zeros(4)
         assert torch.equal((zeros / scale).to(fmt.torch).float() * scale, zeros)
+
+
+@pytest.mark.parametrize("spelling", ["fp8", "FP8", "e4m3", torch.float8_e4m3fn])
+def test_fp8_spellings_name_e4m3_and_other_dtypes_are_not_fp8(spelling):
+    from amppass.dtypes import fp8_format
+
+    assert fp8_format(spelling) is E4M3
+    assert fp8_format("bf16") is None and fp8_format(torch.float16) is None and fp8_format([1]) is None
