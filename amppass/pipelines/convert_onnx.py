@@ -1,8 +1,9 @@
 """``amppass.convert_onnx``: load, check, analyse, paint, rewrite and re-type an ONNX model, in named stages
 (:func:`convert_skeleton` lists them).
 
-Models are read as untrusted files: structure and tensors are checked (:mod:`amppass.onnx.io.validate`) and
-external data is read only from inside the model's folder (:mod:`amppass.onnx.io.external_data`). Saving is
+Models are read as untrusted files (:mod:`amppass.onnx.io.read_model`): structure and tensors are checked
+(:mod:`amppass.onnx.io.validate`) and external data is read only from inside the model's folder
+(:mod:`amppass.onnx.io.external_data`). Saving is
 ``amppass.save`` (:mod:`amppass.pipelines.save`).
 """
 
@@ -12,7 +13,6 @@ import json
 import logging
 import math
 import os
-import zipfile
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
@@ -30,8 +30,9 @@ from ..errors import InputError, first_line
 from ..files import Staged
 from ..onnx import policy
 from ..onnx.calibrate import Fp32Model, calibrated_plan
-from ..onnx.io import lazy_read, validate
 from ..onnx.io import save as saving
+from ..onnx.io import validate
+from ..onnx.io.read_model import Loaded, load
 from ..onnx.io.weight_store import WeightStore, tensors
 from ..onnx.macs import is_heavy, node_macs, operands, value_shapes
 from ..onnx.rewrite import RewriteStats, rewrite
@@ -116,31 +117,6 @@ class Converted:
     def stage(self, staged: Staged, path: str, external_data: bool | None = None) -> None:
         """Add the model to ``staged`` as ``path``, streamed from the store (:func:`amppass.onnx.io.save.stage`)."""
         saving.stage(staged, self.model, self.store, path, external_data)
-
-
-@dataclass(frozen=True)
-class Loaded:
-    """A model read for conversion: the proto (large payloads not copied), the folder its external data lives
-    in (None for a proto given in memory), and how messages name it."""
-
-    model: onnx.ModelProto
-    base_dir: str | None
-    where: str
-    owned: bool = False  # read from a file by amppass: a conversion may take its tensors' bytes
-
-
-def load(model: str | os.PathLike | onnx.ModelProto, check: bool = False) -> Loaded:
-    """Read ``model`` (a path or a proto, which is only read) for :func:`convert_skeleton`, refusing what is
-    not an ONNX model. ``check`` also runs ``onnx.checker`` on a stand-in of it that holds no weights
-    (:func:`amppass.onnx.io.validate.check_with_onnx`): the command line's promise that a file is a valid model,
-    without loading or copying the model a second time."""
-    source, base_dir, where = _load(model)
-    owned = source is not model
-    if check:
-        skeleton = WeightStore(base_dir, where).skeleton(source)
-        validate.check_order(skeleton, where)
-        validate.check_with_onnx(skeleton, where)
-    return Loaded(source, base_dir, where, owned)
 
 
 def convert_skeleton(model: str | os.PathLike | onnx.ModelProto | Loaded, target: Target,
@@ -417,48 +393,6 @@ def _warn_if_little_runs_low(plan: PrecisionPlan, refs: Mapping[str, Any], targe
         if blocked is not None:
             log.warning("no matrix product or convolution runs in %s on %s: %s; use dtype='fp16' or another "
                         "target", target.low, target.runtime, blocked.reason)
-
-
-def _load(model: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.ModelProto, str | None, str]:
-    """``model`` as a proto (the caller's own, to be read only, or the one read from the path without its
-    weights: :mod:`amppass.onnx.io.lazy_read`), the folder its external data lives in, and how messages name it.
-    Nesting and size are checked here, before anything walks the model recursively."""
-    if isinstance(model, onnx.ModelProto):
-        where = "the onnx.ModelProto passed to convert_onnx"
-        _check_has_graph(model, where)
-        validate.check_size(model, where)
-        validate.check_nesting(model, where)
-        return model, None, where
-    if not isinstance(model, (str, os.PathLike)):
-        raise InputError(f"convert_onnx takes a path to a .onnx file or an onnx.ModelProto, not {type(model).__name__}")
-    path = os.fspath(model)
-    if os.path.isdir(path):
-        raise InputError(f"{path!r} is a folder, not a file; pass the path of the .onnx model inside it")
-    if not os.path.isfile(path):
-        raise InputError(f"{path!r} is not a file (no such path); pass the path of an .onnx model")
-    hint = " (it is a zip archive: a PyTorch checkpoint? use amppass.convert or amppass.export_onnx for torch models)"
-    try:
-        loaded = lazy_read.load(path)
-    except InputError as err:  # the file is damaged: the message names it, the byte and the fix
-        if zipfile.is_zipfile(path):
-            raise InputError(f"{err}{hint}") from None
-        raise
-    except OSError as err:
-        raise InputError(f"{path!r} cannot be read ({err.strerror or err}); check the file's permissions") from err
-    except Exception as err:  # protobuf's DecodeError and friends
-        raise InputError(f"{path!r} could not be read as an ONNX model ({err}); is it an .onnx file?"
-                         f"{hint if zipfile.is_zipfile(path) else ''}") from err
-    _check_has_graph(loaded, repr(path))
-    validate.check_size(loaded, repr(path))  # the count lazy_read.load made, exact: what it parsed whole included
-    validate.check_nesting(loaded, repr(path))
-    return loaded, os.path.dirname(os.path.abspath(path)), repr(path)  # large tensors: references into the file
-
-
-def _check_has_graph(model: onnx.ModelProto, where: str) -> None:
-    """Refuse an empty message: protobuf parses an empty or foreign file as a ModelProto with no graph."""
-    if model.ir_version == 0 or not model.HasField("graph"):
-        raise InputError(f"{where} is not an ONNX model (it holds no IR version or graph); pass a model written "
-                         "by torch.onnx.export or another ONNX exporter")
 
 
 def _infer(model: onnx.ModelProto, strict: bool = False) -> onnx.ModelProto:

@@ -14,8 +14,8 @@ import pytest
 
 import amppass
 from amppass.cli import main
+from amppass.onnx.io.read_model import load
 from amppass.onnx.io.save import save
-from amppass.pipelines.convert_onnx import load
 from amppass.report.terminal import render_text
 from amppass.text import cut, elide, printable
 from tests.helpers.onnx_files import matmul_64
