@@ -1,6 +1,6 @@
 """The package's import rules (docs/architecture.md), read from the source with ``ast``.
 
-1. Layers, lowest first: errors; json_input; archive, dtypes, files, text; targets; analysis; the front ends fx, onnx
+1. Layers, lowest first: errors; json_input, limits; archive, dtypes, files, text; targets; analysis; the front ends fx, onnx
 and
    the training support; report; serving; pipelines; cli and the package itself. A module imports only from its own
    folder or from a lower layer: never upward, and never across folders of one layer (the front ends do
@@ -37,7 +37,7 @@ from tests.helpers.paths import ROOT
 LAYERS = (
     ("_version",),
     ("errors",),
-    ("json_input",),
+    ("json_input", "limits"),
     ("archive", "deprecation", "dtypes", "files", "text"),
     ("targets",),
     ("analysis",),

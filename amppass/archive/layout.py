@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from ..errors import InputError, first_line
+from ..limits import env_cap
 from .program import TRUST_HINT
 
 MAX_INFLATED = 64 << 20  # a compressed entry (torch.export.save stores every entry uncompressed)
@@ -92,18 +93,7 @@ def open_zip(handle: BinaryIO, where: str) -> zipfile.ZipFile:
 
 def file_limit() -> int:
     """The most bytes a .pt2 file may hold: ``$AMPPASS_MAX_PT2_BYTES`` when set, else :data:`MAX_FILE`."""
-    text = os.environ.get(ENV_MAX_FILE, "").strip()
-    if not text:
-        return MAX_FILE
-    try:
-        limit = int(text.replace("_", "").replace(",", ""))
-    except ValueError:
-        limit = 0
-    if limit < 1:
-        raise InputError(f"{ENV_MAX_FILE}={text[:40]!r} is not a whole number of bytes above 0; set it to the size of "
-                         f"the largest .pt2 file to read (e.g. {ENV_MAX_FILE}=200000000000), or unset it for the "
-                         f"default {MAX_FILE:,}")
-    return limit
+    return env_cap(ENV_MAX_FILE, MAX_FILE, "the size in bytes of the largest .pt2 file to read", 200_000_000_000)
 
 
 def check_file(source: BinaryIO, size: int, where: str) -> None:

@@ -36,6 +36,7 @@ import onnx
 from onnx import TensorProto
 
 from ...errors import InputError
+from ...limits import env_cap
 from ..view import replace_nodes, subgraphs, tensors
 from .external_data import check_location
 
@@ -68,17 +69,7 @@ def check_nesting(model: onnx.ModelProto, where: str) -> None:
 
 def node_limit() -> int:
     """Rule 7's cap: ``$AMPPASS_MAX_NODES`` when set, else :data:`MAX_NODES`."""
-    text = os.environ.get(ENV_MAX_NODES, "").strip()
-    if not text:
-        return MAX_NODES
-    try:
-        limit = int(text.replace("_", "").replace(",", ""))
-    except ValueError:
-        limit = 0
-    if limit < 1:
-        raise InputError(f"{ENV_MAX_NODES}={text!r} is not a whole number above 0; set it to the most nodes a model "
-                         f"may hold (e.g. {ENV_MAX_NODES}=2000000), or unset it for the default {MAX_NODES:,}")
-    return limit
+    return env_cap(ENV_MAX_NODES, MAX_NODES, "the most nodes a model may hold", 2_000_000)
 
 
 def too_large(where: str, what: str, count: int, limit: int, exact: bool = True) -> InputError:
