@@ -1,5 +1,5 @@
 """Small models the tests of several folders share: an ONNX MatMul graph, a torch MLP and its input, a module that
-builds tensors on its input's device."""
+builds tensors on its input's device, a module that takes a plain flag through ``**kwargs``."""
 
 from __future__ import annotations
 
@@ -51,3 +51,16 @@ class Positions(nn.Module):
         h = x + self.embed(positions)
         mask = torch.ones(x.shape[:2], device=x.device).unsqueeze(-1)
         return self.norm(h + self.fc2(torch.relu(self.fc1(h))) * mask)
+
+
+class Flagged(nn.Module):
+    """A linear layer that takes a plain value through ``**kwargs`` (``double``), as transformers models take
+    ``return_dict=True``."""
+
+    def __init__(self, width: int = 4):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        y = self.fc(x)
+        return y * 2 if kwargs.get("double") else y

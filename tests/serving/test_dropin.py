@@ -17,6 +17,7 @@ import torch
 from torch import fx, nn
 
 import amppass
+from tests.helpers.small_models import Flagged
 
 transformers = pytest.importorskip("transformers")
 
@@ -97,21 +98,9 @@ def test_forward_takes_the_path_call_takes():
     assert inspect.signature(fast.forward) == inspect.signature(fast.run_graph)
 
 
-class _Flagged(nn.Module):
-    """Takes a flag through ``**kwargs``, as transformers models take ``return_dict``."""
-
-    def __init__(self):
-        super().__init__()
-        self.proj = nn.Linear(8, 8)
-
-    def forward(self, x, **kwargs):
-        y = self.proj(x)
-        return y * 2 if kwargs.get("double") else y
-
-
 def test_keyword_flags_leave_every_dimension_dynamic(caplog):
     """``return_dict=True`` in example_kwargs made every dimension static, the reason printed as ``(None)``."""
-    model = _Flagged().eval()
+    model = Flagged(width=8).eval()
     with caplog.at_level(logging.WARNING, logger="amppass"):
         fast = amppass.convert(model, (torch.randn(2, 5, 8),), "bf16", example_kwargs={"double": True},
                                plan_for="coverage")

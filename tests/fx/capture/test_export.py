@@ -24,6 +24,7 @@ from amppass.fx.capture.export import (
 )
 from amppass.fx.capture.function_backward import FUNCTIONS_KEY
 from amppass.fx.capture.guards import GUARDS_KEY, ShapeGuards
+from tests.helpers.small_models import Flagged
 
 
 class MLP(nn.Module):
@@ -34,18 +35,6 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.fc2(self.drop(torch.relu(self.fc1(x))))
-
-
-class Flagged(nn.Module):
-    """Takes a plain value through ``**kwargs``, as transformers' ``return_dict=True``."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x, **kwargs):
-        y = self.fc(x)
-        return y * 2 if kwargs.get("double") else y
 
 
 class Branchy(nn.Module):
