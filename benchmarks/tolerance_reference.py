@@ -35,7 +35,8 @@ import torch
 
 import amppass
 from amppass.analysis import tolerance
-from amppass.onnx.macs import is_heavy, node_macs, operands
+from amppass.onnx.macs import node_macs, operands
+from amppass.onnx.policy import is_heavy
 from amppass.onnx.view import name_nodes, value_types
 from amppass.targets import onnxruntime_facts
 

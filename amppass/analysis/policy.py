@@ -136,3 +136,10 @@ KINDS: Mapping[str, OpKind] = _kinds(
     OpKind("addition", Category.FOLLOW, "addition: runs in the precision of its inputs", frozenset({ADDITION})),
     OpKind("elementwise", Category.FOLLOW, "elementwise or data movement: runs in the precision of its inputs"),
 )
+
+# The kinds whose ops do a model's heavy compute, the one list of them both front ends read: the report counts
+# their multiply-accumulates (fx/view/macs.py, onnx/macs.py: the ops of these kinds they have a formula for), an
+# ONNX conversion whose target runs none of them low is refused (pipelines/convert_onnx.py), and the report lists
+# them first.
+HEAVY: frozenset[OpKind] = frozenset(KINDS[name] for name in ("matrix multiply", "convolution", "attention",
+                                                              "recurrent cell"))

@@ -1,4 +1,6 @@
-"""Multiply-accumulate counts of the heavy ONNX ops, from the shapes onnx shape inference gives.
+"""Multiply-accumulate counts of the heavy ONNX ops (:func:`amppass.onnx.policy.is_heavy`), from the shapes onnx
+shape inference gives. Einsum and Attention have no formula here (their counts depend on the equation and the
+heads): they count as unknown.
 
 The ONNX counterpart of :mod:`amppass.fx.view.macs`: the report uses the counts to say which share of the
 heavy work runs in low precision. A dimension shape inference left symbolic (a ``dim_param`` such as a
@@ -11,14 +13,10 @@ import math
 
 import onnx
 
+from .policy import is_heavy
 from .view import dims, subgraphs
 
 Shapes = dict[str, list[int]]
-
-
-def is_heavy(node: onnx.NodeProto) -> bool:
-    """Whether :func:`node_macs` counts ``node``'s op."""
-    return node.domain in ("", "ai.onnx") and node.op_type in _COUNTERS
 
 
 def operands(node: onnx.NodeProto) -> list[str]:
@@ -54,12 +52,13 @@ def value_shapes(model: onnx.ModelProto, wanted: set[str]) -> Shapes:
 
 def node_macs(node: onnx.NodeProto, shapes: Shapes) -> int | None:
     """Multiply-accumulates ``node`` performs, or None if it is not a heavy op or a shape is unknown."""
-    if not is_heavy(node):
+    counter = _COUNTERS.get(node.op_type) if is_heavy(node) else None
+    if counter is None:
         return None
     known = [shapes.get(v) for v in operands(node)]
     if any(s is None for s in known) or len(node.input) < 2:
         return None
-    return _COUNTERS[node.op_type](node, *known)
+    return counter(node, *known)
 
 
 def _matmul(node: onnx.NodeProto, a: list[int], b: list[int], out: list[int]) -> int:

@@ -25,7 +25,7 @@ import onnx
 from onnx import TensorProto
 
 from ..analysis.plan import Category, Decision, Precision, Source
-from ..analysis.policy import KINDS, LAYOUT, MATRIX_WORK, NORMALISATION, REDUCTION, OpKind, PolicyRow, for_target
+from ..analysis.policy import HEAVY, KINDS, LAYOUT, MATRIX_WORK, NORMALISATION, REDUCTION, OpKind, PolicyRow, for_target
 from ..targets.target import Kernels, Target
 
 _MS = "com.microsoft"
@@ -149,6 +149,17 @@ for _table, _index in ((POLICY, _BY_KEY), (TRAINING, _TRAINING_BY_KEY)):
     for _row in _table:
         for _op in _row.ops:
             _index.setdefault((_row.domain, _op), []).append(_row)
+
+
+# ONNX's ops of the heavy kinds (amppass.analysis.policy.HEAVY): MatMul, Gemm, Einsum, Conv, ConvTranspose,
+# Attention, LSTM, GRU, RNN
+HEAVY_OPS = frozenset(op for row in POLICY if row.kind in HEAVY and not row.domain for op in row.ops)
+
+
+def is_heavy(node: onnx.NodeProto) -> bool:
+    """Whether ``node`` is an ONNX op of a heavy kind (:data:`HEAVY_OPS`): matrix products, convolutions, attention
+    and recurrent layers, the model's heavy compute."""
+    return node.domain in ("", "ai.onnx") and node.op_type in HEAVY_OPS
 
 
 def lookup(domain: str, op_type: str, opset: int, training: bool = False) -> PolicyRow | None:

@@ -34,7 +34,8 @@ from ..onnx.io import save as saving
 from ..onnx.io import validate
 from ..onnx.io.read_model import Loaded, load
 from ..onnx.io.weight_store import WeightStore, tensors
-from ..onnx.macs import is_heavy, node_macs, operands, value_shapes
+from ..onnx.macs import node_macs, operands, value_shapes
+from ..onnx.policy import is_heavy
 from ..onnx.rewrite import RewriteStats, rewrite
 from ..onnx.simplify import bypass_weight_identities, initializers_out_of_inputs
 from ..onnx.view import NodeRef, build_view, clear_value_info, name_nodes, opsets
@@ -314,20 +315,17 @@ def record(work: Work, viewed: Viewed, chosen: PrecisionPlan, stats: RewriteStat
              stats.casts)
 
 
-HEAVY_OPS = ("MatMul", "Gemm", "Conv", "ConvTranspose", "Attention", "LSTM", "GRU", "RNN", "Einsum")
-
-
 def missing_low_kernels(model: onnx.ModelProto, target: str, dtype: str) -> tuple[list[str], list[str]] | None:
-    """Where ``target``'s runtime has a ``dtype`` kernel for none of ``model``'s heavy ops (MatMul, Conv, ...) that
-    read float32 (a value whose type the model does not declare counts as float32):
-    those ops, and the other targets that run one of them in ``dtype``. A conversion would keep them all fp32
+    """Where ``target``'s runtime has a ``dtype`` kernel for none of ``model``'s heavy ops (MatMul, Conv, ...:
+    :data:`amppass.onnx.policy.HEAVY_OPS`) that read float32 (a value whose type the model does not declare counts as
+    float32): those ops, and the other targets that run one of them in ``dtype``. A conversion would keep them all fp32
     and write a model with nothing in ``dtype`` (onnxruntime's CPU provider has no bf16 MatMul, Gemm or Conv).
     None where the target runs one of them, or the model has none."""
     graph = model.graph
     declared = {v.name: v.type.tensor_type.elem_type for v in (*graph.input, *graph.value_info, *graph.output)}
     declared.update({t.name: t.data_type for t in graph.initializer})
     # an op whose inputs are all declared in another type (an fp16 model) has nothing to convert
-    ops = sorted({n.op_type for n in graph.node if n.domain in ("", "ai.onnx") and n.op_type in HEAVY_OPS
+    ops = sorted({n.op_type for n in graph.node if is_heavy(n)
                   and any(declared.get(v, TensorProto.FLOAT) == TensorProto.FLOAT for v in n.input if v)})
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
     if not ops or opset is None:

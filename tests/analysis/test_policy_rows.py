@@ -1,11 +1,15 @@
 """The op kinds of both policy tables: each meaning written once (amppass.analysis.policy.KINDS), each front end
-naming its own ops for it, and the kinds only one front end has listed here as such."""
+naming its own ops for it, and the kinds only one front end has listed here as such; the heavy ops of both front
+ends are the ops of the heavy kinds (amppass.analysis.policy.HEAVY), and the MAC counters count no other."""
 
 import pytest
+from onnx import helper
 
 from amppass.analysis.plan import Category
-from amppass.analysis.policy import KINDS, REDUCTION, OpKind
+from amppass.analysis.policy import HEAVY, KINDS, REDUCTION, OpKind
+from amppass.fx.view import macs as fx_macs
 from amppass.fx.view import policy as fx_policy
+from amppass.onnx import macs as onnx_macs
 from amppass.onnx import policy as onnx_policy
 
 FX_ROWS = (*fx_policy.POLICY, *fx_policy.TRAINING)
@@ -141,3 +145,23 @@ def test_a_kind_checks_its_facts():
     assert OpKind("sum", Category.FP32, "sums", frozenset({REDUCTION})).facts == {REDUCTION}
     with pytest.raises(ValueError, match="op kind 'sum': unknown facts"):
         OpKind("sum", Category.FP32, "sums", frozenset({"sums"}))
+
+
+def test_the_heavy_ops_of_both_front_ends_are_the_ops_of_the_heavy_kinds():
+    assert {kind.name for kind in HEAVY} == {"matrix multiply", "convolution", "attention", "recurrent cell"}
+    assert all(kind.category is Category.LOW for kind in HEAVY)
+    assert onnx_policy.HEAVY_OPS == {"MatMul", "Gemm", "Einsum", "Conv", "ConvTranspose", "Attention", "LSTM", "GRU",
+                                     "RNN"}
+    assert {"linear", "mm", "conv2d", "conv_transpose2d", "scaled_dot_product_attention", "lstm", "gru_cell"} \
+        <= fx_policy.HEAVY_OPS
+    assert not fx_policy.HEAVY_OPS & {"mv", "_grouped_mm", "linalg_vecdot", "softmax", "add"}
+    ms_attention = helper.make_node("Attention", ["q"], ["y"], domain="com.microsoft")
+    assert onnx_policy.is_heavy(helper.make_node("Einsum", ["a", "b"], ["c"], equation="ij,jk->ik"))
+    assert not onnx_policy.is_heavy(ms_attention) and not onnx_policy.is_heavy(helper.make_node("Relu", ["a"], ["b"]))
+
+
+def test_every_op_the_mac_counters_count_is_a_heavy_op():
+    counted = {*fx_macs._MATMULS, *fx_macs._CONVS, *fx_macs._CONV_TRANSPOSES, *fx_macs._RECURRENT_LAYERS,
+               *fx_macs._RECURRENT_CELLS, "scaled_dot_product_attention"}
+    assert counted <= fx_policy.HEAVY_OPS, sorted(counted - fx_policy.HEAVY_OPS)
+    assert set(onnx_macs._COUNTERS) <= onnx_policy.HEAVY_OPS, sorted(set(onnx_macs._COUNTERS) - onnx_policy.HEAVY_OPS)

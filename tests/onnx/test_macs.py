@@ -63,3 +63,13 @@ def test_converted_model_reports_macs_and_the_low_share():
     share = report.stats()["macs"]["low_share"]
     assert share == (2 * 16 * 8) / (2 * 16 * 8 + 2 * 4 * 16)
 
+
+
+def test_a_heavy_op_without_a_formula_counts_as_unknown():
+    f = TensorProto.FLOAT
+    model = _typed([helper.make_node("Einsum", ["a", "b"], ["c"], equation="ij,jk->ik")],
+                   [helper.make_tensor_value_info("a", f, [4, 5]), helper.make_tensor_value_info("b", f, [5, 6])],
+                   [helper.make_tensor_value_info("c", f, None)])
+    shapes = value_shapes(model, {"a", "b", "c"})
+    assert shapes == {"a": [4, 5], "b": [5, 6], "c": [4, 6]}
+    assert node_macs(model.graph.node[0], shapes) is None

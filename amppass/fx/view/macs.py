@@ -1,7 +1,7 @@
 """Multiply-accumulate counts of the heavy FX ops, from the shapes torch.export recorded.
 
 Only the ops that dominate a model's compute are counted (matrix products, convolutions, attention,
-recurrent layers and cells); the
+recurrent layers and cells: :data:`amppass.fx.view.policy.HEAVY_OPS`, those of them with a formula here); the
 report uses them to say which share of the heavy work runs in low precision. Symbolic dimensions count at
 the example inputs' sizes (their hint); a node whose shapes are unknown counts as ``None``.
 """
@@ -15,6 +15,7 @@ import torch
 from torch import fx
 
 from .ops import op_name
+from .policy import HEAVY_OPS
 
 # ops whose MACs are (output elements) x (length of the reduced dimension of the first matrix operand),
 # with the index of that operand in node.args
@@ -32,6 +33,8 @@ def node_macs(node: fx.Node) -> int | None:
     if node.op != "call_function":
         return None
     name = op_name(node)
+    if name not in HEAVY_OPS:
+        return None
     try:
         if name in _MATMULS:
             operand = _shape(node.args[_MATMULS[name]])

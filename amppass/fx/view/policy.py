@@ -21,7 +21,7 @@ from types import MappingProxyType
 from torch import fx, nn
 
 from ...analysis.plan import Category
-from ...analysis.policy import KINDS, MATRIX_WORK, NORMALISATION, REDUCTION, OpKind, PolicyRow
+from ...analysis.policy import HEAVY, KINDS, MATRIX_WORK, NORMALISATION, REDUCTION, OpKind, PolicyRow
 from ..arguments import argument, argument_names
 from . import ops
 
@@ -245,6 +245,11 @@ def einsum_form(equation: str) -> str:
 _BY_NAME: dict[str, PolicyRow] = {op: row for row in POLICY for op in row.ops}
 _TRAINING_BY_NAME: dict[str, PolicyRow] = {op: row for row in TRAINING for op in row.ops}
 _NAMESPACED = frozenset(op for op in _BY_NAME if "." in op)  # ops of other libraries: "<namespace>.<name>"
+
+
+# ATen's ops of the heavy kinds (amppass.analysis.policy.HEAVY): matrix products, convolutions, attention, recurrent
+# layers and cells
+HEAVY_OPS = frozenset(op for row in POLICY if row.kind in HEAVY for op in row.ops)
 
 
 def lookup(op_name: str, training: bool = False) -> PolicyRow | None:
