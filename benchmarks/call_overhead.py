@@ -9,7 +9,7 @@ flattening and the output rebuild of every call. ``speed_plan`` is what the
 default ``plan_for="speed"`` returned (the original's class where it kept the original) and ``speed_vs_original``
 its call against the original's.
 
-``python -m benchmarks run --full --only call_overhead`` measures e70efd1 (before issue 44's fast path and the
+``python -m benchmarks run --full --only call_overhead`` measures e70efd1 (before the call's fast path and the
 kept original as the original's class) and this checkout, each in a fresh process.
 """
 
@@ -27,7 +27,7 @@ try:
 except ImportError:  # run as a script in another checkout's process (--measure): this folder is on sys.path
     import checkouts
 
-BEFORE = "e70efd1"  # amppass before issue 44
+BEFORE = "e70efd1"  # amppass before the call's fast path and the kept original as the original's class
 NOTES = __doc__.split("\n\n", 1)[1].split("``python -m")[0].strip()
 
 

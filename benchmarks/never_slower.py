@@ -176,7 +176,7 @@ SMALL_NOTES = (
     "(`measure`) with 31 interleaved rounds: a call takes 1 to 10 ms here, so a wrapper's microseconds and a kept "
     "original's cost show. `vs_best` at most 1.02 is met. The second table: the module `keep_original` returns "
     "against the original itself, per call.")
-# issue 44's cases: models whose call takes well under 10 ms at batch 1, where a wrapper's microseconds show
+# models whose call takes well under 10 ms at batch 1, where a wrapper's microseconds show
 SMALL = ("lstm", "transformer_encoder", "mistral", "mobilenet_v3_small", "distilbert", "qwen2")
 
 

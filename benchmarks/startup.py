@@ -21,7 +21,7 @@ try:
 except ImportError:  # run as a script in another checkout's process (--measure): this folder is on sys.path
     import checkouts
 
-BEFORE = "e70efd1"  # amppass before issue 41's deferred imports
+BEFORE = "e70efd1"  # amppass when it imported torch, onnx and every pipeline at start-up
 NOTES = __doc__.split("\n\n", 1)[1].split("``python -m")[0].strip()
 RUNS = 7
 CODE = {"amppass --help": "from amppass.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass",

@@ -1,4 +1,5 @@
-"""``amppass --help`` answers without importing torch (issue 41, row 10: it took 3-4 s, torch's import).
+"""``amppass --help`` answers without importing torch (it took 3-4 s, torch's import, before any
+help appeared).
 
 ``import amppass`` imports its public names on first use (PEP 562), and the command line imports numpy, onnx,
 torch and the pipelines inside its commands. What a start-up imports is read from ``python -X importtime``,

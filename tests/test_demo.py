@@ -1,5 +1,5 @@
 """scripts/demo times fp32, autocast and amppass interleaved, prints each one's spread, and warns when the machine was
-busy (issue 41, row 8: back-to-back runs printed amppass at 41.8, 25.7, 247.6 and 432.9 ms as bare medians).
+busy (bare medians misled: back-to-back runs on a busy machine printed amppass at 41.8, 25.7, 247.6 and 432.9 ms).
 
 The warning's rules are checked on made-up timings, so no test depends on how busy this machine is; one run of
 the script itself checks what it prints around them.

@@ -1,10 +1,9 @@
 """The package's import rules (docs/architecture.md), read from the source with ``ast``.
 
-1. Layers, lowest first: errors; json_input, limits; archive, dtypes, files, text; targets; analysis; the front ends fx, onnx
-and
-   the training support; report; serving; pipelines; cli and the package itself. A module imports only from its own
-   folder or from a lower layer: never upward, and never across folders of one layer (the front ends do
-   not import each other). Only the top layer's modules import each other.
+1. Layers, lowest first: errors; json_input, limits; archive, dtypes, files, text; targets; analysis; the front ends
+   fx, onnx and the training support; report; serving; pipelines; cli and the package itself. A module imports
+   only from its own folder or from a lower layer: never upward, and never across folders of one layer (the front
+   ends do not import each other). Only the top layer's modules import each other.
 2. ``__version__`` lives in ``amppass/_version.py``, the lowest layer, which imports nothing: every module reads it
    from there, and no module imports the package root.
 3. No module imports a private name (``_name``) or private module from another folder; a subfolder (``onnx/io/``)

@@ -1,4 +1,4 @@
-"""The README's install runs the README's example (issue 41, row 1).
+"""The README's install runs the README's example: a newcomer's first two commands work as written.
 
 The docs test (tests/test_docs.py) runs the README where ``[test]`` is installed, so it cannot see an example
 that needs a package only the test extras bring (``pip install -e .`` then ``from models import build`` once

@@ -1,5 +1,5 @@
-"""Reasons are true for the target the plan is made for (issue 41, row 9: a CPU ONNX plan explained MatMul as
-"Tensor Core work"). The policy tables say MATRIX_WORK once per row; :func:`amppass.analysis.policy.for_target`
+"""Reasons are true for the target the plan is made for (a CPU ONNX plan explained MatMul as "Tensor Core work",
+which a CPU has none of). The policy tables say MATRIX_WORK once per row; :func:`amppass.analysis.policy.for_target`
 names what does that work on each target."""
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ one rounding does), so a calibrated error above k times a lucky plain error is n
 float state) to the ONNX graphs.
 
 A program with a float32 MatMul, Gemm or Conv is refused in bf16 (onnxruntime's CPU provider has no bf16 kernel
-for them, so nothing heavy would run bf16: issue 41); the property then is the refusal, naming dtype and target.
+for them, so nothing heavy would run bf16 and the file would be all fp32); the property then is the refusal, naming
+dtype and target.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ def _matmul_program() -> Program:
 
 def test_bf16_force_low_matmul_without_cpu_kernel_is_refused():
     """force_low overrode the runtime check: a bf16 MatMul onnxruntime CPU cannot load ("NOT_IMPLEMENTED"). Then it
-    stayed fp32 with that reason; now (issue 41) bf16 for the CPU provider with a float32 MatMul is refused, forced
+    stayed fp32 with that reason; now bf16 for the CPU provider with a float32 MatMul is refused, forced
     or not, and the per-op kernel check is the tests' below."""
     assert check_onnx(_matmul_program(), "bf16", force_low=["MatMul"]) is None
     assert check_onnx(_matmul_program(), "bf16") is None

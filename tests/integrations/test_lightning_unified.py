@@ -1,6 +1,6 @@
 """The unified ``lightning`` package (``import lightning as L``): ``L.Trainer`` and ``L.Fabric`` with amppass's
 plugins for it (amppass.integrations.lightning.pytorch and .fabric), end to end (tiny MLP), and each plugin
-importing only its own package. Issue 41 row 12: ``L.Trainer`` refused the plugin built on pytorch_lightning
+importing only its own package. Before them, ``L.Trainer`` refused the plugin built on pytorch_lightning
 ("Found invalid type for plugin"), ``L.Fabric`` raised a TypeError, and with only ``lightning`` installed the
 import asked for pytorch-lightning. The standalone packages' tests: tests/integrations/test_lightning.py."""
 

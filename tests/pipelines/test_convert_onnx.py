@@ -193,9 +193,9 @@ def test_bf16_keeps_ops_without_a_cpu_kernel_fp32():
     )
     found = policy.classify("", "MatMul", 17, 2, onnx_target("cpu", "bf16"))
     assert found.category is Category.FP32 and "kernel" in found.reason
-    # with no heavy op left to run bf16, the conversion is refused (issue 41); ops without a heavy op beside
-    # them keep the per-node check: tests/guarantees/test_fuzz_regressions.py (a forced bf16 Softmax stays fp32 and
-    # runs)
+    # with no heavy op left to run bf16, the conversion is refused (it would write an all-fp32 model); ops without
+    # a heavy op beside them keep the per-node check: tests/guarantees/test_fuzz_regressions.py (a forced bf16
+    # Softmax stays fp32 and runs)
     with pytest.raises(amppass.InputError, match="dtype='bf16' with target='cpu'.*no bf16 kernel for MatMul"):
         amppass.convert_onnx(model, "bf16")
 

@@ -1,8 +1,8 @@
 """export_onnx names the file's outputs as the model declares them (a ModelOutput's or a dict's keys, ``output``
 for a tensor, ``output_<i>`` for a tuple) or as ``output_names=`` says, and gives the inputs of one batch one
-``batch`` symbol and the token inputs of one length one ``sequence`` symbol (issue 41, rows 5 and 13: consumers
-such as optimum's ORTModelForFeatureExtraction bind outputs by name; main named them ``layer_norm_2`` and
-``tanh`` and gave input_ids and attention_mask different batch symbols)."""
+``batch`` symbol and the token inputs of one length one ``sequence`` symbol: consumers such as optimum's
+ORTModelForFeatureExtraction bind outputs by name and read one batch size, where the export named them
+``layer_norm_2`` and ``tanh`` and gave input_ids and attention_mask different batch symbols."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The summary's speed-check lines in words a newcomer reads on the first screen (issue 41, row 7: it said
+"""The summary's speed-check lines in words a newcomer reads on the first screen (it said
 ``profitability: ... regions timed: 13 prior`` and ``not compared with the original module: the machine was too
 busy``). They say what was measured, what the prior is, and what to do when the machine was busy."""
 

@@ -50,7 +50,7 @@ def converted(original) -> nn.Module:
     return _convert(original)
 
 
-# ---------------------------------------------------------------- item 1: module calls, as FSDP2 needs them
+# ---------------------------------------------------------------- module calls, as FSDP2 needs them
 
 
 def test_blocks_are_called_as_modules_and_read_their_parameters_at_call_time(converted):
@@ -205,7 +205,7 @@ def test_between_calls_only_the_tree_holds_the_state(converted):
     converted.train()
 
 
-# ---------------------------------------------------------------- item 2: checkpoints
+# ---------------------------------------------------------------- checkpoints
 
 
 def test_state_dict_and_parameter_names_are_the_originals_tied_weights_included(original, converted):
@@ -261,7 +261,7 @@ def test_a_training_checkpoint_resumes_bit_identically():
         assert torch.equal(value, final[key]), key
 
 
-# ---------------------------------------------------------------- item 3: memory
+# ---------------------------------------------------------------- memory
 
 
 def _saved_bytes(run) -> dict[torch.dtype, int]:

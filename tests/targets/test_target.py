@@ -62,7 +62,8 @@ def test_fp16_for_tensorrt_and_cuda_run_every_heavy_op_low():
 
 
 def test_bf16_on_the_cpu_provider_is_refused_as_the_command_line_refuses_it(tmp_path, capsys):
-    """Issue 41: Python wrote an all-fp32 file with a warning where the command line refused (exit 2). Both
+    """Python wrote an all-fp32 file with a warning where the command line refused (exit 2), two answers to one
+    request. Both
     refuse now, naming the dtype, the target, the ops and what to do, and write nothing."""
     with pytest.raises(InputError) as refused:
         amppass.convert_onnx(net(), "bf16")
