@@ -1,6 +1,6 @@
 """Tolerance-search runs of an ONNX model that start where the trial model first differs from the fp32 model.
 
-The checkpoint rules of :mod:`amppass.analysis.calibration` (placement, budget, which checkpoint a trial
+The checkpoint rules of :mod:`amppass.analysis.checkpoints` (placement, budget, which checkpoint a trial
 resumes from) hold here with a checkpoint named by its position in the main graph. The rewrite keeps the main graph's
 node order and puts each Cast right before its first reader, so a trial's nodes up to the first one it changes
 (a node run low, a Cast, a weight stored low) are the fp32 model's, in the same places. What is the ONNX
@@ -24,11 +24,11 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from ..analysis import calibration
+from ..analysis import checkpoints
 from .view import subgraphs
 
 
-class Checkpoints(calibration.Checkpoints[int]):
+class Checkpoints(checkpoints.Checkpoints[int]):
     """The fp32 values live at the checkpoints of a model's main graph, per kept feed (module docstring)."""
 
     def __init__(self, model: onnx.ModelProto, candidates: Iterable[str], types: Mapping[str, int]):
@@ -38,7 +38,7 @@ class Checkpoints(calibration.Checkpoints[int]):
         outputs = {o.name for o in graph.output}
         reads = [_reads(n) for n in nodes]
         self.live: dict[int, list[str]] = {}  # checkpoint position -> the values live there
-        for position in calibration.place(sorted(where[c] for c in candidates if c in where)):
+        for position in checkpoints.place(sorted(where[c] for c in candidates if c in where)):
             later = set().union(*reads[position:]) | outputs
             live = [v for n in nodes[:position] for v in n.output if v and v in later]
             if live and all(v in types and v not in outputs for v in live):

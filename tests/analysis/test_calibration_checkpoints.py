@@ -1,4 +1,4 @@
-"""The checkpoint rules of :mod:`amppass.analysis.calibration` against a tiny front end of its own
+"""The checkpoint rules of :mod:`amppass.analysis.checkpoints` against a tiny front end of its own
 (:mod:`tests.helpers.chain_front_end`): a chain of numpy ops, each reading the value before it, whose trial
 plans round some ops' outputs to fp16."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from amppass.analysis import calibration
-from amppass.analysis.calibration import CHECKPOINTS, Checkpoints, place
+from amppass.analysis import checkpoints
+from amppass.analysis.checkpoints import CHECKPOINTS, Checkpoints, place
 from tests.helpers.chain_front_end import OPS, Chain, run_from
 
 
@@ -74,7 +74,7 @@ def test_resuming_after_the_first_change_would_miss_it():
 
 
 def test_the_budget_is_shared_over_batches_and_counts_a_value_once_per_batch(monkeypatch):
-    monkeypatch.setattr(calibration, "CACHE_BYTES", 100)
+    monkeypatch.setattr(checkpoints, "CACHE_BYTES", 100)
     kept = Checkpoints(["a", "b", "c", "d"])
     assert kept.keep(0, "a", {"v": 1}, {"v": 60})
     assert kept.keep(0, "b", {"v": 1, "w": 2}, {"v": 60, "w": 30}), "v is kept for batch 0 already: 30 new bytes"
@@ -87,7 +87,7 @@ def test_the_budget_is_shared_over_batches_and_counts_a_value_once_per_batch(mon
 
 
 def test_a_batch_beyond_the_budget_runs_whole_while_the_others_resume(monkeypatch):
-    monkeypatch.setattr(calibration, "CACHE_BYTES", 2 * 64 * 4 + 64 * 4)
+    monkeypatch.setattr(checkpoints, "CACHE_BYTES", 2 * 64 * 4 + 64 * 4)
     chain, batches = Chain([1, 3, 5]), _batches()
     for batch, x in enumerate(batches):
         chain.record(batch, x)

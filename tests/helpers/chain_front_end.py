@@ -8,7 +8,8 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from amppass.analysis.calibration import Calibration, Checkpoints, Perturbation, Trials
+from amppass.analysis.calibration import Calibration, Perturbation, Trials
+from amppass.analysis.checkpoints import Checkpoints
 from amppass.analysis.plan import Category, Decision, Precision, PrecisionPlan
 from amppass.analysis.stats import CalibrationStats
 from amppass.analysis.view import GraphView, OpView

@@ -1,6 +1,6 @@
 """Tolerance-search runs of an FX graph that start where the trial graph first differs from the fp32 graph.
 
-The checkpoint rules of :mod:`amppass.analysis.calibration` (placement, budget, which checkpoint a trial
+The checkpoint rules of :mod:`amppass.analysis.checkpoints` (placement, budget, which checkpoint a trial
 resumes from) hold here with a checkpoint named by its node. What is the FX front end's:
 
 1. Placement: the candidates are the search's, in graph order, less rule 4's nodes. While calibration's
@@ -25,19 +25,19 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from ...analysis import calibration
+from ...analysis import checkpoints
 from ..prepare.aliasing import alias_groups
 from ..view.build import fetch_attr
 
 _FREE = ("placeholder", "get_attr", "output")  # nodes that compute nothing
 
 
-class Checkpoints(calibration.Checkpoints[str]):
+class Checkpoints(checkpoints.Checkpoints[str]):
     """The fp32 values live at the checkpoints of one graph, per kept batch (module docstring)."""
 
     def __init__(self, gm: fx.GraphModule, candidates: set[str]):
         within = _within_writes(gm)
-        super().__init__(calibration.place(
+        super().__init__(checkpoints.place(
             [n.name for n in gm.graph.nodes if n.name in candidates and n.name not in within]))
         self.signatures = {n.name: _signature(gm, n) for n in gm.graph.nodes if n.op not in _FREE}
 
