@@ -3,8 +3,7 @@
 
 Models are read as untrusted files (:mod:`amppass.onnx.io.read_model`): structure and tensors are checked
 (:mod:`amppass.onnx.io.validate`) and external data is read only from inside the model's folder
-(:mod:`amppass.onnx.io.external_data`). Saving is
-``amppass.save`` (:mod:`amppass.pipelines.save`).
+(:mod:`amppass.onnx.io.external_data`). Saving is ``amppass.save`` (:mod:`amppass.pipelines.save`).
 """
 
 from __future__ import annotations
