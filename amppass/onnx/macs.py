@@ -40,7 +40,7 @@ def value_shapes(model: onnx.ModelProto, wanted: set[str]) -> Shapes:
                 continue
             known = dims(info)
             if all(d is not None for d in known):
-                shapes[info.name] = known
+                shapes[info.name] = [d for d in known if d is not None]
         for init in graph.initializer:
             if init.name in wanted:
                 shapes[init.name] = list(init.dims)
@@ -57,9 +57,10 @@ def node_macs(node: onnx.NodeProto, shapes: Shapes) -> int | None:
     if not is_heavy(node):
         return None
     known = [shapes.get(v) for v in operands(node)]
-    if any(s is None for s in known) or len(node.input) < 2:
+    found = [s for s in known if s is not None]
+    if len(found) < len(known) or len(node.input) < 2:
         return None
-    return _COUNTERS[node.op_type](node, *known)
+    return _COUNTERS[node.op_type](node, *found)
 
 
 def _matmul(node: onnx.NodeProto, a: list[int], b: list[int], out: list[int]) -> int:
