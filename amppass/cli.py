@@ -367,7 +367,8 @@ def _check_target_runs(model: onnx.ModelProto, target: str, dtype: str) -> None:
 def _check_outputs(model: str, output: str | None, reports: Sequence[str], force: bool) -> None:
     """Refuse, before any work, outputs that name one file (the same path once links are followed, or one file
     under two names), a report file that is the input model, and ``-o`` naming the input without ``--force``."""
-    named = [("-o", output)] * (output is not None) + [("--report", path) for path in reports]
+    named: list[tuple[str, str]] = [("-o", output)] if output is not None else []
+    named += [("--report", path) for path in reports]
     if output is not None and _file_key(output) == _file_key(model) and not force:
         raise UsageError(f"{output}: output path is the input model; choose another -o or pass --force to overwrite it")
     for option, path in named[output is not None:]:

@@ -200,8 +200,10 @@ def _is_json(name: str) -> bool:
 
 def check_sizes(archive: zipfile.ZipFile, where: str) -> None:
     """Rule 1 on every entry of ``archive``, before anything is inflated."""
-    archive.fp.seek(0, os.SEEK_END)
-    total = archive.fp.tell()
+    fp = archive.fp
+    assert fp is not None  # an open archive
+    fp.seek(0, os.SEEK_END)
+    total = fp.tell()
     held = {"compressed entries": 0, "extra files": 0, "compressed JSON entries": 0}
     bounds = {"compressed entries": MAX_DEFLATED, "extra files": MAX_HELD,
               "compressed JSON entries": MAX_COMPRESSED_JSON}
@@ -260,12 +262,14 @@ def check_one_reading(archive: zipfile.ZipFile, reader: Any, where: str) -> None
 
 def _data_offset(archive: zipfile.ZipFile, info: zipfile.ZipInfo, where: str) -> int:
     """Where the entry's data starts, read from its local header, which must name the entry."""
-    archive.fp.seek(info.header_offset)
-    head = archive.fp.read(_LOCAL_HEADER.size)
+    fp = archive.fp
+    assert fp is not None  # an open archive
+    fp.seek(info.header_offset)
+    head = fp.read(_LOCAL_HEADER.size)
     if len(head) < _LOCAL_HEADER.size:
         raise _damaged(where, info.filename, "has its local header past the end of the file")
     signature, name_length, extra_length = _LOCAL_HEADER.unpack(head)
-    if signature != _LOCAL_SIGNATURE or archive.fp.read(name_length) != info.orig_filename.encode(
+    if signature != _LOCAL_SIGNATURE or fp.read(name_length) != info.orig_filename.encode(
             "utf-8" if info.flag_bits & 0x800 else "cp437", "replace"):
         raise _damaged(where, info.filename, "has a local header that does not name it")
     return info.header_offset + _LOCAL_HEADER.size + name_length + extra_length

@@ -75,7 +75,8 @@ def _extent_problem(tensor: dict, size: int) -> str | None:
     from torch._export.serde.serialize import _SERIALIZE_TO_TORCH_DTYPE
 
     dtypes = {int(code): dtype for code, dtype in _SERIALIZE_TO_TORCH_DTYPE.items()}
-    dtype = dtypes.get(tensor.get("dtype")) if type(tensor.get("dtype")) is int else None
+    code = tensor.get("dtype")
+    dtype = dtypes.get(code) if type(code) is int else None
     sizes, strides = _ints(tensor.get("sizes")), _ints(tensor.get("strides"))
     offset = _ints([tensor.get("storage_offset")])
     if dtype is None or sizes is None or strides is None or offset is None or len(sizes) != len(strides) \
@@ -97,7 +98,8 @@ def _ints(values: Any) -> list[int] | None:
     if not isinstance(values, list):
         return None
     found = [v.get("as_int") if isinstance(v, dict) else None for v in values]
-    return found if all(type(v) is int for v in found) else None
+    ints = [v for v in found if type(v) is int]
+    return ints if len(ints) == len(found) else None
 
 
 def check_sample_inputs(data: bytes, where: str) -> None:

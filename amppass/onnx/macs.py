@@ -38,7 +38,7 @@ def value_shapes(model: onnx.ModelProto, wanted: set[str]) -> Shapes:
                 continue
             known = dims(info)
             if all(d is not None for d in known):
-                shapes[info.name] = known
+                shapes[info.name] = [d for d in known if d is not None]
         for init in graph.initializer:
             if init.name in wanted:
                 shapes[init.name] = list(init.dims)
@@ -56,9 +56,10 @@ def node_macs(node: onnx.NodeProto, shapes: Shapes) -> int | None:
     if counter is None:
         return None
     known = [shapes.get(v) for v in operands(node)]
-    if any(s is None for s in known) or len(node.input) < 2:
+    found = [s for s in known if s is not None]
+    if len(found) < len(known) or len(node.input) < 2:
         return None
-    return counter(node, *known)
+    return counter(node, *found)
 
 
 def _matmul(node: onnx.NodeProto, a: list[int], b: list[int], out: list[int]) -> int:

@@ -250,12 +250,14 @@ def classify(domain: str, op_type: str, opset: int, input_count: int, target: Ta
     ``evidence`` is read-only.
     """
     kernels = target.kernels
+    assert kernels is not None  # an ONNX target's (Target.kernels is ONNX only)
     row = lookup(domain, op_type, opset, training)
     names = input_names(domain, op_type, opset, input_count)
     kept = frozenset(i for i, n in enumerate(names) if row is not None and row.slots.get(n) == "keep")
     if row is None and _custom(domain, op_type, opset, kernels):
         return Classification(Category.FP32, CUSTOM_REASON.format(op=op_type, domain=domain or "ai.onnx"), True,
                               kept, MappingProxyType({"custom_op": True}))
+    facts: frozenset[str]
     if row is None:
         category, reason, unknown, facts = Category.FOLLOW, UNKNOWN_REASON, True, frozenset()
     else:
@@ -294,7 +296,9 @@ def _low_blocked(domain: str, op_type: str, opset: int, target: Target, kept: fr
     refused = target.conditions.refusal(domain, op_type, opset, low.onnx, attributes)
     if refused:
         return f"{target.runtime} has no {low} kernel for {op_type} {refused}; kept fp32"
-    if target.kernels.status(domain, op_type, opset, low.onnx) == "none":
+    kernels = target.kernels
+    assert kernels is not None  # an ONNX target's
+    if kernels.status(domain, op_type, opset, low.onnx) == "none":
         around = " and does not cast around it" if target.name == "cpu" else ""
         return f"{target.runtime} has no {low} kernel for {op_type} (opset {opset}){around}; kept fp32"
     return ""

@@ -133,7 +133,7 @@ def _cards(report: Summarised) -> str:
     counts = stats["by_precision"]
     share = stats["macs"]["low_share"]
     before, after = stats["weight_bytes"]["before"], stats["weight_bytes"]["after"]
-    cards = [(str(report.info.get("dtype")), "target dtype")]
+    cards: list[tuple[str, ...]] = [(str(report.info.get("dtype")), "target dtype")]
     cards += [(f"{counts.get(p, 0)}", f"{p} nodes") for p in PRECISIONS if p != "-" and counts.get(p)]
     cards += [
         ("-" if share is None else f"{share:.1%}", f"heavy compute in {report.info.get('dtype')}"),

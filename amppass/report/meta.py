@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 from ..archive import MAX_JSON
 from ..errors import InputError
@@ -159,7 +159,8 @@ def _fault(value: Any, spec: Any, where: str, field: str) -> str | None:
             return f"not {'an object' if spec.keyed else 'a list'}"
         if len(value) > MAX_ITEMS:
             return f"{len(value):,} entries long, more than {MAX_ITEMS:,}"
-        for key, item in (value.items() if spec.keyed else enumerate(value)):
+        entries: Iterable[tuple[Any, Any]] = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in entries:
             inner = f"{field}[{json.dumps(key[:40])}]" if spec.keyed else f"{field}[{key}]"
             if spec.keyed:
                 checked(key, spec.key, where, inner)

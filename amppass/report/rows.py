@@ -127,16 +127,16 @@ def summary_lines(report: Summarised) -> list[str]:
             f"heavy compute in {info.get('dtype')}: {macs['low_share']:.1%} of {macs['total']:,} MACs "
             f"({macs['counted_nodes']} matmul, conv, attention or RNN nodes)"
         )
-    parts = info.get("parts")
-    if isinstance(parts, dict) and isinstance(parts.get("converted"), list):
-        lines.extend(_parts_lines(parts))
+    by_parts = info.get("parts")
+    if isinstance(by_parts, dict) and isinstance(by_parts.get("converted"), list):
+        lines.extend(_parts_lines(by_parts))
     lines.append(f"casts inserted: {stats['casts']}")
     before, after = stats["weight_bytes"]["before"], stats["weight_bytes"]["after"]
     if before:
         lines.append(f"weight bytes: {before:,} -> {after:,} ({after / before:.2f} of fp32)")
     backward = info.get("backward")
     saved = finite(backward.get("saved_bytes")) if isinstance(backward, dict) else None
-    if saved is not None:
+    if saved is not None and isinstance(backward, dict):
         split = backward.get("saved_bytes_by_dtype")
         split = ", ".join(f"{d} {n:,}" for d, n in split.items() if finite(n) is not None) \
             if isinstance(split, dict) else ""
@@ -217,14 +217,15 @@ def _whole_model_lines(report: Summarised, profit: Any) -> list[str]:
     original was returned (a row of rule ``whole-model``, :mod:`amppass.serving.fp32_original`), why and how to
     convert anyway; when the machine was too busy to time, how to time; a time never measured is said in words."""
     info = report.info
-    whole = info.get("whole_model") if isinstance(info.get("whole_model"), dict) else {}
+    whole: dict[str, Any] = info["whole_model"] if isinstance(info.get("whole_model"), dict) else {}
     skipped = whole.get("skipped") if isinstance(whole.get("skipped"), str) else None
     converted, original = finite(whole.get("converted_ms")), finite(whole.get("original_ms"))
     lines = []
     if skipped is None and None not in (converted, original):
         lines.append(f"whole model per call: {converted:.3g} ms converted, {original:.3g} ms for the original module "
                      "in fp32")
-    device = profit.get("device") if isinstance(profit, dict) and isinstance(profit.get("device"), dict) else {}
+    device: dict[str, Any] = (profit["device"] if isinstance(profit, dict) and isinstance(profit.get("device"), dict)
+                              else {})
     dtype = info.get("dtype", "low precision")
     if any(row.rule == "whole-model" for row in report.rows):  # the original module came back, in fp32
         if device.get("native_low") is False:
@@ -253,7 +254,8 @@ def _whole_model_lines(report: Summarised, profit: Any) -> list[str]:
 
 def _parts_lines(parts: dict[str, Any]) -> list[str]:
     """A model converted by parts: which parts, the model-wide share of multiply-adds run low, what runs eagerly."""
-    converted, eager = parts["converted"], parts.get("eager") if isinstance(parts.get("eager"), dict) else {}
+    eager: dict[str, Any] = parts["eager"] if isinstance(parts.get("eager"), dict) else {}
+    converted = parts["converted"]
     lines = [f"converted by parts (the whole model does not capture: {parts.get('why_whole')}): "
              f"{len(converted)} part{'' if len(converted) == 1 else 's'}: {', '.join(map(str, converted))}"]
     total, low = finite(parts.get("macs_total")), finite(parts.get("macs_low"))

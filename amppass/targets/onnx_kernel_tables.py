@@ -34,7 +34,7 @@ TABLES = MappingProxyType({
 
 CONDITIONS = MappingProxyType({"onnxruntime-cpu": "onnxruntime_cpu_conditions.json"})
 
-TYPE_NAMES = MappingProxyType({
+TYPE_NAMES: Mapping[int, str] = MappingProxyType({
     TensorProto.FLOAT: "float",
     TensorProto.FLOAT16: "float16",
     TensorProto.BFLOAT16: "bfloat16",
@@ -146,7 +146,7 @@ def _read(name: str, files: Mapping[str, str], what: str) -> dict:
     """The packaged JSON file ``files[name]``; an unknown ``name`` is an InputError listing the known ones."""
     if name not in files:
         raise InputError(f"no {what} named {name!r}; choose one of: {', '.join(files)}")
-    return json.loads(resources.files(__package__).joinpath("data", files[name]).read_text(encoding="utf-8"))
+    return json.loads(resources.files(__package__).joinpath("data").joinpath(files[name]).read_text(encoding="utf-8"))
 
 
 def _domain(domain: str) -> str:

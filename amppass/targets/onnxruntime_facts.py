@@ -134,7 +134,7 @@ NO_CAST_AROUND = frozenset({("", "LSTM"), ("", "GRU"), ("", "RNN")})
 @functools.lru_cache(maxsize=None)
 def casts_around_fp32_kernels(elem_type: int) -> bool:
     """Whether onnxruntime runs an ``elem_type`` MatMul, which has only fp32 kernels, by casting around it."""
-    np_type = {TensorProto.FLOAT16: np.float16}.get(elem_type)
+    np_type = {int(TensorProto.FLOAT16): np.float16}.get(elem_type)
     try:
         session = _session(_one_node("MatMul", elem_type, min(max_ir_version(), 10), 17))
         if np_type is not None:
@@ -167,7 +167,8 @@ def kernel_status(domain: str, op: str, opset: int, elem_type: int) -> str:
     return "none"
 
 
-_TYPE_NAMES = {TensorProto.FLOAT16: "float16", TensorProto.BFLOAT16: "bfloat16", TensorProto.FLOAT: "float"}
+_TYPE_NAMES: dict[int, str] = {TensorProto.FLOAT16: "float16", TensorProto.BFLOAT16: "bfloat16",
+                               TensorProto.FLOAT: "float"}
 
 
 def _domain(domain: str) -> str:

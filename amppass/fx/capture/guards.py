@@ -335,7 +335,7 @@ def _input_names(in_spec: Any, values: list[Any], signature: inspect.Signature |
     paths = [path for path, _ in pytree.tree_leaves_with_path(bound.arguments)]
     if len(paths) != len(values):
         return None
-    return [path[0].key + pytree.keystr(path[1:]) for path in paths]
+    return [_argument(path) for path in paths]
 
 
 def range_bound(value: Any) -> Any:
@@ -465,6 +465,13 @@ def carried_decisions(gm: fx.GraphModule) -> dict[str, tuple[Any, Decision]]:
     return carried
 
 
+def _argument(path: tuple[Any, ...]) -> str:
+    """The name of a leaf of a call's bound arguments (a mapping, so the path starts with its key): ``x``,
+    ``kwargs['mask']``."""
+    root: pytree.MappingKey = path[0]
+    return root.key + pytree.keystr(path[1:])
+
+
 def matching(gm: fx.GraphModule, carried: dict[str, tuple[Any, Decision]]) -> dict[str, Decision]:
     """The carried decisions whose node exists in ``gm`` with the same op."""
     targets = {n.name: n.target for n in gm.graph.nodes}
@@ -570,8 +577,7 @@ def _named_leaves(model: nn.Module, args: tuple, kwargs: dict) -> list[tuple[str
         arguments = inspect.signature(model.forward).bind(*args, **kwargs).arguments
     except (TypeError, ValueError):
         arguments = {**{f"input {i}": a for i, a in enumerate(args)}, **kwargs}
-    return [(path[0].key + pytree.keystr(path[1:]), value)
-            for path, value in pytree.tree_leaves_with_path(arguments)]
+    return [(_argument(path), value) for path, value in pytree.tree_leaves_with_path(arguments)]
 
 
 def _op_name(func: Any) -> str:
@@ -617,9 +623,9 @@ def _wanted(op: str, args: tuple, kwargs: dict) -> tuple[torch.Tensor, str, str]
     elif op in ("batch_norm", "instance_norm", "group_norm"):
         stats = ([arg(i, k) for i, k in ((1, "running_mean"), (3, "weight"))] if op != "group_norm"
                  else [arg(2, "weight")])
-        channels = next((s.shape[0] for s in stats if isinstance(s, torch.Tensor)), None)
-        if channels is not None and (x.dim() < 2 or shape[1] != channels):
-            return x, f"[N, {channels}, ...]", got
+        features = next((s.shape[0] for s in stats if isinstance(s, torch.Tensor)), None)
+        if features is not None and (x.dim() < 2 or shape[1] != features):
+            return x, f"[N, {features}, ...]", got
     elif op == "embedding":
         weight = arg(1, "weight")
         if isinstance(weight, torch.Tensor) and x.numel() and (x.is_floating_point() or x.is_complex()

@@ -107,6 +107,7 @@ def check(fp32: fx.GraphModule, inputs: list, plan: PrecisionPlan, low: str,
             break
         kept.update(added)
         converted, plan = convert(plan, kept)
+    assert finding is not None  # every round that found nothing returned above
     where = f"; it starts at node {finding.node!r}" if finding.node else ""
     log.warning("the converted model's %s is inf or NaN on the example inputs where fp32's is finite%s (kept fp32 "
                 "so far: %s); keep that node fp32 with keep_fp32=[...] or convert with calibration= and tolerance=",
@@ -149,7 +150,9 @@ def _finite_by_node(gm: fx.GraphModule, inputs: list) -> dict[str, bool | None]:
 class _Recorder(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, shared: set[fx.Node]):
         super().__init__(gm)
-        self.shared, self.finite, self.later = shared, {}, {}
+        self.shared = shared
+        self.finite: dict[str, bool | None] = {}
+        self.later: dict[fx.Node, Any] = {}
 
     def run_node(self, n: fx.Node) -> Any:
         result = super().run_node(n)

@@ -17,7 +17,7 @@ import hashlib
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, cast
 
 import torch
 from torch import fx
@@ -141,7 +141,7 @@ class _Timer:
     def _callable(self, node: fx.Node, low: bool) -> Callable[..., Any]:
         """What runs ``node``: its function, its method, or its module (a low-precision copy for ``low``)."""
         if node.op == "call_function":
-            return node.target
+            return cast(Callable[..., Any], node.target)  # a call_function node's target is its function
         if node.op == "call_method":
             return lambda obj, *a, **k: getattr(obj, str(node.target))(*a, **k)
         module = fetch_attr(self.gm, str(node.target))
@@ -190,7 +190,9 @@ def whole_model(converted: torch.nn.Module, original: torch.nn.Module, args: tup
     key = whole_model_key(original, args, kwargs)
     names = [f"{key}|converted", f"{key}|original"]
     if all(name in costs.known for name in names):
-        return costs.lookup(names[0]), costs.lookup(names[1])
+        converted_s, original_s = costs.lookup(names[0]), costs.lookup(names[1])
+        if converted_s is not None and original_s is not None:  # the table holds both: they are its times
+            return converted_s, original_s
     stored = [f"{key}|{_graph_digest(converted)}|{name.rsplit('|', 1)[1]}" for name in names]
     cache = costs.cache.entries if costs.cache is not None else {}
     if all(name in cache for name in stored):

@@ -19,7 +19,7 @@ resumes from) hold here with a checkpoint named by its node. What is the FX fron
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Hashable
 
 import torch
 from torch import fx
@@ -44,8 +44,8 @@ class Checkpoints(checkpoints.Checkpoints[str]):
     def record(self, batch: int, checkpoint: str, env: dict[fx.Node, Any]) -> None:
         """Keep the values live in an interpreter's ``env`` as it reaches ``checkpoint`` on kept ``batch``."""
         live = {node.name: value for node, value in env.items() if node.op not in _FREE}
-        sizes = {id(t): t.numel() * t.element_size() for t in pytree.tree_leaves(list(live.values()))
-                 if isinstance(t, torch.Tensor)}
+        sizes: dict[Hashable, int] = {id(t): t.numel() * t.element_size()
+                                      for t in pytree.tree_leaves(list(live.values())) if isinstance(t, torch.Tensor)}
         self.keep(batch, checkpoint, live, sizes)
 
     def run(self, trial: fx.GraphModule, batches: list[tuple[int, tuple, dict, list]]) -> list[Any]:
@@ -118,7 +118,7 @@ def _signature(gm: fx.GraphModule, node: fx.Node) -> tuple:
             return ("weight", str(arg.target), getattr(value, "dtype", None))
         return ("node", arg.name)
 
-    state = ()
+    state: tuple[tuple[str, Any], ...] = ()
     if node.op == "call_module":  # a module whose weights the rewrite converted computes something else
         module = gm.get_submodule(str(node.target))
         state = tuple((name, t.dtype) for name, t in list(module.named_parameters()) + list(module.named_buffers()))

@@ -79,9 +79,10 @@ def _recurrent_macs(node: fx.Node, weights: Any) -> int | None:
     time step and batch element; biases are additions, not MACs."""
     steps = _shape(node.args[0])
     shapes = [_shape(w) for w in weights]
-    if steps is None or any(s is None for s in shapes):
+    known = [s for s in shapes if s is not None]
+    if steps is None or len(known) < len(shapes):
         return None
-    return math.prod(steps[:-1]) * sum(math.prod(s) for s in shapes if len(s) == 2)
+    return math.prod(steps[:-1]) * sum(math.prod(s) for s in known if len(s) == 2)
 
 
 def _shape(value: Any) -> list[int] | None:

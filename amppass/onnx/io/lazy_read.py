@@ -134,9 +134,9 @@ def _message(message, data: memoryview, start: int, end: int, walk_of: _Walk, de
         message.ClearField("raw_data")
         message.data_location = TensorProto.EXTERNAL
         del message.external_data[:]
-        for key, value in (("location", walk_of.location), ("offset", str(payload[0])),
-                           ("length", str(payload[1]))):
-            message.external_data.add(key=key, value=value)
+        for name, value in (("location", walk_of.location), ("offset", str(payload[0])),
+                            ("length", str(payload[1]))):
+            message.external_data.add(key=name, value=value)
 
 
 def _flush(message, pending: list[memoryview]) -> None:

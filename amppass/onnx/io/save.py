@@ -43,7 +43,7 @@ def stage(staged: Staged, skeleton: onnx.ModelProto, store: WeightStore, path: s
     """Add the model ``skeleton`` (payloads in ``store``) to ``staged`` as ``path`` (see :func:`save`); a link at
     ``path`` is followed, and the data file goes beside the file it names (:func:`amppass.files.resolved`)."""
     path = resolved(path)
-    parts = stream_write.pieces(skeleton, store) if external_data is not True else None
+    parts = stream_write.pieces(skeleton, store) if external_data is not True else []  # read only when inline
     if external_data is None:
         external_data = stream_write.size(parts) >= PROTOBUF_LIMIT
     old = _old_data_files(path)

@@ -45,7 +45,7 @@ MAX_NODES = 500_000  # rule 7: nodes, and separately initializers, of a model ov
 ENV_MAX_NODES = "AMPPASS_MAX_NODES"  # the environment variable that sets another cap
 
 # element type -> the repeated field that holds its values when raw_data is not used (one entry per element)
-_TYPED_FIELDS = {
+_TYPED_FIELDS: dict[int, str] = {
     TensorProto.FLOAT: "float_data", TensorProto.DOUBLE: "double_data", TensorProto.INT64: "int64_data",
     TensorProto.UINT32: "uint64_data", TensorProto.UINT64: "uint64_data", TensorProto.INT32: "int32_data",
     TensorProto.INT16: "int32_data", TensorProto.INT8: "int32_data", TensorProto.UINT16: "int32_data",
