@@ -519,8 +519,9 @@ def _infer(model: onnx.ModelProto, strict: bool = False) -> onnx.ModelProto:
 
 
 def converted_dtype(model: onnx.ModelProto) -> str | None:
-    """The low dtype ("fp16"/"bf16") amppass converted ``model`` to, from its metadata; None if it did not,
-    "unknown" where the metadata is damaged (read as the report reads it: :func:`amppass.report.meta.parse`)."""
+    """The low dtype ("fp16"/"bf16", "fp8" for an fp8 plan) amppass converted ``model`` to, from its metadata; None
+    if it did not, "unknown" where the metadata is damaged (read as the report reads it:
+    :func:`amppass.report.meta.parse`)."""
     for entry in model.metadata_props:
         if entry.key == META_KEY:
             try:
@@ -528,14 +529,14 @@ def converted_dtype(model: onnx.ModelProto) -> str | None:
             except InputError:
                 return "unknown"
             dtype = info.get("dtype") if isinstance(info, dict) else None
-            return dtype if isinstance(dtype, str) else "unknown"
+            return "unknown" if not isinstance(dtype, str) else "fp8" if isinstance(info.get("fp8"), dict) else dtype
     return None
 
 
 def _unchanged(work: Work, previous: str) -> Converted:
     """``work.model`` as it is (a model amppass converted to ``previous``), when the caller asks for the dtype it
     already has; InputError otherwise (:func:`amppass.analysis.record.check_reconversion`)."""
-    wanted = work.target.low.name
+    wanted = "fp8" if work.fp8 is not None else work.target.low.name
     check_reconversion(work.where, previous, wanted, f"convert the original float32 model with dtype='{wanted}'")
     return Converted(work.model, work.store)
 

@@ -149,3 +149,31 @@ def test_an_fp8_gemm_adds_its_bias_after_the_product_so_onnxruntime_optimisation
 def test_fp8_without_calibration_is_refused_with_the_fix():
     with pytest.raises(amppass.AmpPassError, match=r"dtype='fp8' needs calibration=.*static"):
         amppass.convert_onnx(_two_matmuls(), "fp8")
+
+
+def test_an_fp8_conv_reads_e4m3_and_adds_its_bias_unsqueezed_over_the_spatial_dimensions():
+    nodes = [helper.make_node("Conv", ["img", "K1", "c1"], ["h"], name="first", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["h"], ["r"], name="relu"),
+             helper.make_node("Conv", ["r", "K2", "c2"], ["y"], name="second", pads=[1, 1, 1, 1])]
+    shape = (2, 8, 12, 12)
+    model = model_of(nodes, [vinfo("img", shape=shape)], [vinfo("y", shape=(2, 8, 12, 12))],
+                     [_weight("K1", RNG.standard_normal((16, 8, 3, 3)) / 8), _weight("c1", RNG.standard_normal(16)),
+                      _weight("K2", RNG.standard_normal((8, 16, 3, 3)) / 12), _weight("c2", RNG.standard_normal(8))])
+
+    def image() -> dict[str, np.ndarray]:
+        return {"img": RNG.standard_normal(shape).astype(np.float32)}
+
+    converted = amppass.convert_onnx(model, "fp8", calibration=[image() for _ in range(4)], tolerance=0.2)
+    onnx.checker.check_model(converted, full_check=True)
+    after = _by_name(converted)
+    assert all("fp8" in meta(after[n])["evidence"] and len(after[n].input) == 2 for n in ("first", "second"))
+    unsqueezes = [n for n in converted.graph.node if n.op_type == "Unsqueeze"]
+    assert sorted(n.input[0] for n in unsqueezes) == ["c1", "c2"]
+    assert _error(model, converted, image()) <= 0.2
+
+
+def test_an_fp8_file_converted_again_comes_back_for_fp8_and_is_refused_for_fp16():
+    converted = amppass.convert_onnx(_two_matmuls(), "fp8", calibration=_feeds(), tolerance=0.2)
+    assert amppass.convert_onnx(converted, "fp8", calibration=_feeds()) is not None
+    with pytest.raises(amppass.AmpPassError, match="already converted by amppass to fp8.*fp16"):
+        amppass.convert_onnx(converted, "fp16")
