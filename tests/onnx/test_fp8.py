@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -177,3 +178,17 @@ def test_an_fp8_file_converted_again_comes_back_for_fp8_and_is_refused_for_fp16(
     assert amppass.convert_onnx(converted, "fp8", calibration=_feeds()) is not None
     with pytest.raises(amppass.AmpPassError, match="already converted by amppass to fp8.*fp16"):
         amppass.convert_onnx(converted, "fp16")
+
+
+def test_a_cuda_target_fp8_plan_is_judged_on_the_simulation_and_runs_in_onnxruntime_at_basic_optimisations():
+    model = _two_matmuls()
+    converted = amppass.convert_onnx(model, "fp8", calibration=_feeds(), tolerance=0.2, target="cuda")
+    onnx.checker.check_model(converted, full_check=True)
+    info = amppass.report(converted).info
+    assert info["fp8"]["products"] == 2 and info["error_judged_by"] == "fp16-storage simulation"
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    got = ort.InferenceSession(converted.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    feed = _feeds(1)[0]
+    want = session(model).run(None, feed)[0]
+    assert np.linalg.norm(got.run(None, feed)[0] - want) / np.linalg.norm(want) <= 0.2

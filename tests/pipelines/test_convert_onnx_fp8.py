@@ -105,6 +105,7 @@ def test_the_report_names_each_fp8_product_with_its_scales_and_the_mac_shares(be
     assert all(meta(nodes[row.name]).get("evidence", {}).get("fp8") for row in fp8_rows)  # read from the file
 
 
+@pytest.mark.slow  # a second BERT conversion; tests/onnx/test_fp8.py holds a quick cuda-target one
 def test_a_cuda_target_fp8_file_runs_in_onnxruntime_cpu_at_basic_optimisations(bert, tmp_path):
     """For a GPU target the search judges on the fp16-storage simulation; onnxruntime's CPU provider runs the file
     with its basic optimisations (its extended QDQ fusions assume int8 and reject e4m3 between reshapes)."""
