@@ -63,9 +63,11 @@ from ..analysis.calibration import (
 from ..analysis.plan import Category, Decision, PrecisionPlan
 from ..analysis.stats import CalibrationStats
 from ..analysis.view import GraphView
+from ..dtypes import Fp8Format
 from ..errors import CalibrationError, first_line
 from ..targets import onnxruntime_facts
 from ..targets.target import Target
+from . import fp8 as fp8_products
 from .io.weight_store import WeightStore, tensors
 from .rewrite import all_names, unique_name
 from .simulate import rounding, simulate
@@ -114,18 +116,30 @@ def calibrated_plan(
     tolerance: float | None = None,
     progress: bool = False,
     low_weight_tables: bool = False,
+    fp8: Fp8Format | None = None,
 ) -> tuple[PrecisionPlan, dict[str, Any]]:
     """The plan from calibration feeds and the metadata to record about it.
 
     ``fp32.model`` is left as it was; ``apply(copy, plan)`` rewrites a copy of it in place the way the
     conversion does, for the tolerance search's trial runs, judged as ``target`` computes (module docstring).
+    With ``fp8`` (and a tolerance), matrix products of the plan go fp8 where the output error allows
+    (:func:`amppass.onnx.fp8.choose`, whose trials ``apply`` writes the Q/DQ pairs of); the metadata's ``fp8``
+    says what it chose.
     """
     check_tolerance(tolerance)
     low = target.low
     data = calibrate(fp32, calibration, replay=low.onnx if tolerance is not None else None,
                      keep=tolerance is not None, progress=progress, casts_around=target.judge == "runtime")
-    plan, info = plan_from_calibration(fp32.view, data, low, given, trials=OnnxTrials(fp32, data, target, apply),
+    trials = OnnxTrials(fp32, data, target, apply)
+    plan, info = plan_from_calibration(fp32.view, data, low, given, trials=trials,
                                        tolerance=tolerance, low_weight_tables=low_weight_tables, progress=progress)
+    if fp8 is not None and tolerance is not None:
+        found = fp8_products.candidates(fp32.model, plan, data.stats, fp32.store, fp8, low)
+        plan, info["fp8"] = fp8_products.choose(found, plan, trials, tolerance, fp8, low, target.runtime)
+        info["fp8"]["macs"] = fp8_products.mac_split(plan, fp32.model, data.kept[0])
+        if info["fp8"]["products"]:  # the converted model's error is the fp8 plan's
+            info.update(achieved_error=info["fp8"]["achieved_error"], held_out_error=info["fp8"]["held_out_error"],
+                        tolerance_met=info.get("tolerance_met", True) and info["fp8"]["tolerance_met"])
     if data.unobserved:
         info["calibration_unobserved"] = len(data.unobserved)
     if tolerance is not None:

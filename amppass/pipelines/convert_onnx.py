@@ -25,10 +25,12 @@ from ..analysis.painting import paint
 from ..analysis.plan import Precision, PrecisionPlan
 from ..analysis.record import META_KEY, check_reconversion, summary
 from ..analysis.view import GraphView
+from ..dtypes import Fp8Format, fp8_format
 from ..errors import InputError, first_line
 from ..files import Staged
 from ..onnx import policy
 from ..onnx.calibrate import Fp32Model, calibrated_plan
+from ..onnx.fp8 import FP8_OPSET, Fp8Rewrite
 from ..onnx.io import save as saving
 from ..onnx.io import validate
 from ..onnx.io.read_model import Loaded, load
@@ -66,7 +68,12 @@ def convert_onnx(
     Args:
         model: a path to a .onnx file (external data beside it is read) or an ``onnx.ModelProto``,
             which is never changed.
-        dtype: "fp16", "bf16" or "auto" (fp16: what every ONNX target runs fastest).
+        dtype: "fp16", "bf16", "auto" (fp16: what every ONNX target runs fastest) or "fp8": the fp16 plan with
+            the matrix products (MatMul, Gemm, Conv) the output error allows in e4m3, as
+            QuantizeLinear/DequantizeLinear pairs with FLOAT8E4M3FN (opset 19 or later: an older model's opset is
+            raised to 19 and the summary says so; :mod:`amppass.onnx.fp8`). fp8 needs ``calibration`` (the
+            activations' scales are static, from the ranges observed); ``tolerance`` defaults to
+            :data:`FP8_TOLERANCE` there.
         target: where the converted model will run: "cpu" (onnxruntime's CPU provider, the default),
             "cuda" (its CUDA provider) or "tensorrt". The target decides which ops have low-precision
             kernels (the installed onnxruntime's registry for "cpu"; packaged kernel tables for the others)
@@ -88,10 +95,26 @@ def convert_onnx(
     Each node's decision is stored in its ``metadata_props["amppass"]`` and the summary in the model's;
     ``amppass.report`` reads them back.
     """
+    fp8 = fp8_format(dtype)
+    if fp8 is not None:
+        tolerance = fp8_tolerance(calibration, tolerance)
     options = OnnxPlanOptions(keep_io_types=keep_io_types, keep_fp32=keep_fp32, force_low=force_low,
                               low_weight_tables=low_weight_tables, calibration=calibration, tolerance=tolerance,
                               progress=progress)
-    return convert_skeleton(model, _target(target, dtype), options).materialized()
+    return convert_skeleton(model, _target(target, "fp16" if fp8 else dtype), options, fp8).materialized()
+
+
+FP8_TOLERANCE = 2e-2  # an fp8 plan's output tolerance where the caller gives none
+
+
+def fp8_tolerance(calibration: object, tolerance: float | None) -> float:
+    """The tolerance an fp8 conversion plans with: ``tolerance``, or :data:`FP8_TOLERANCE`; InputError without
+    ``calibration``, which the activations' static scales come from."""
+    if calibration is None:
+        raise InputError("dtype='fp8' needs calibration=[{input name: array, ...}, ...]: the scales of the "
+                         "activations an fp8 product reads are static, set from the ranges calibration observes; "
+                         "pass a few representative feeds (or use dtype='fp16')")
+    return FP8_TOLERANCE if tolerance is None else tolerance
 
 
 class OnnxPlanOptions(PlanOptions):
@@ -120,7 +143,7 @@ class Converted:
 
 
 def convert_skeleton(model: str | os.PathLike | onnx.ModelProto | Loaded, target: Target,
-                     options: OnnxPlanOptions) -> Converted:
+                     options: OnnxPlanOptions, fp8: Fp8Format | None = None) -> Converted:
     """:func:`convert_onnx` without writing the payloads into the result: what the CLI saves from, streaming
     each tensor from the store, so a conversion and its save hold no second copy of the model.
 
@@ -136,8 +159,13 @@ def convert_skeleton(model: str | os.PathLike | onnx.ModelProto | Loaded, target
     7. :func:`add_evidence`: what the report shows beside each decision;
     8. :func:`rewrite_and_retype`: casts and low weights written in, types re-inferred, IR version capped;
     9. :func:`record`: the summary stored in the model for ``amppass.report``.
+
+    ``fp8`` (:func:`amppass.dtypes.fp8_format` of the caller's dtype) plans fp16 with products in that format
+    (:mod:`amppass.onnx.fp8`): stage 2 raises the opset to :data:`~amppass.onnx.fp8.FP8_OPSET`, stage 6 chooses
+    the products, stage 8 writes their Q/DQ pairs and stage 9 records them.
     """
     work = read_checked(model, target, options)
+    work.fp8 = fp8
     previous = converted_dtype(work.model)
     if previous is not None:
         return _unchanged(work, previous)
@@ -162,7 +190,9 @@ class Work:
     where: str
     target: Target
     options: OnnxPlanOptions
+    fp8: Fp8Format | None = None  # the format of the fp8 products of an fp8 plan
     upgraded_from: int | None = None  # the opset the model imported, where :func:`at_loadable_opset` upgraded it
+    upgraded_to: int | None = None
     bytes_before: int = 0  # weight bytes before the rewrite, for the summary
 
 
@@ -189,13 +219,20 @@ def read_checked(model: str | os.PathLike | onnx.ModelProto | Loaded, target: Ta
 
 def at_loadable_opset(work: Work) -> None:
     """Stage 2: ``work.model`` at the opset the plan is made at: upgraded to :data:`BF16_OPSET` for a bf16 plan on
-    a GPU target (:func:`upgrades_for_bf16`), setting ``work.upgraded_from``; InputError for a bf16 plan below
-    opset 13 or an opset the installed onnxruntime does not load."""
+    a GPU target (:func:`upgrades_for_bf16`), and to :data:`~amppass.onnx.fp8.FP8_OPSET` for an fp8 plan of an
+    older model, setting ``work.upgraded_from``; InputError for a bf16 plan below opset 13, an fp8 plan whose
+    model cannot be raised to opset 19, or an opset the installed onnxruntime does not load."""
     low = work.target.low
     opset = opsets(work.model).get("", 1)
-    if upgrades_for_bf16(low.onnx, work.target.name, opset):
-        work.model, work.upgraded_from = _upgraded(work.model, BF16_OPSET), opset
+    wanted = BF16_OPSET if upgrades_for_bf16(low.onnx, work.target.name, opset) else \
+        FP8_OPSET if work.fp8 is not None and opset < FP8_OPSET else None
+    if wanted is not None:
+        work.model, work.upgraded_from, work.upgraded_to = _upgraded(work.model, wanted), opset, wanted
         opset = opsets(work.model).get("", 1)
+    if work.fp8 is not None and opset < FP8_OPSET:
+        raise InputError(f"dtype='fp8' needs opset {FP8_OPSET} or later (QuantizeLinear with FLOAT8E4M3FN); "
+                         f"{work.where} imports opset {opset} and onnx's version converter could not raise it: "
+                         f"re-export it with opset_version={FP8_OPSET} or later")
     if low.onnx == TensorProto.BFLOAT16 and opset < 13:
         raise InputError(f"bf16 needs opset 13 or later for Cast; this model imports opset {opset}. "
                          "Re-export it with a newer opset or use dtype='fp16'")
@@ -251,7 +288,7 @@ def plan_precision(work: Work, viewed: Viewed) -> tuple[PrecisionPlan, dict[str,
     return calibrated_plan(
         Fp32Model(work.model, viewed.view, viewed.refs, viewed.types, work.store), options.calibration, work.target,
         given, apply=rewriter(work, viewed), tolerance=options.tolerance, progress=options.progress,
-        low_weight_tables=options.low_weight_tables)
+        low_weight_tables=options.low_weight_tables, fp8=work.fp8)
 
 
 def add_evidence(work: Work, viewed: Viewed, chosen: PrecisionPlan) -> None:
@@ -285,10 +322,15 @@ def rewriter(work: Work, viewed: Viewed) -> Callable[[onnx.ModelProto, Precision
     or a copy for a tolerance trial) in place by the plan, loadable as it is: casts on edges, weights stored low,
     stale value types cleared, the IR version raised to hold node metadata and capped to what onnxruntime reads."""
     low, keep_io_types = work.target.low, work.options.keep_io_types
+    fp8 = Fp8Rewrite(work.store, work.fp8, low) if work.fp8 is not None else None
 
     def apply(target: onnx.ModelProto, chosen: PrecisionPlan) -> RewriteStats:
+        if fp8 is not None:
+            fp8.weights(target, chosen)
         done = rewrite(target, chosen, viewed.refs, viewed.types, set(viewed.view.weights), work.store, low,
                        keep_io_types)
+        if fp8 is not None:
+            fp8.insert(target, chosen)
         clear_value_info(target.graph)
         target.ir_version = min(max(target.ir_version, IR_WITH_NODE_METADATA), onnxruntime_facts.max_ir_version())
         return done
@@ -305,7 +347,7 @@ def record(work: Work, viewed: Viewed, chosen: PrecisionPlan, stats: RewriteStat
         **summary("onnx", low.name, target.describe(), "inference", work.options.keep_io_types, stats,
                   work.bytes_before, weight_bytes(work.model)),
         "clamped": stats.clamped,
-        **({"opset_upgraded": [work.upgraded_from, BF16_OPSET]} if work.upgraded_from is not None else {}),
+        **({"opset_upgraded": [work.upgraded_from, work.upgraded_to]} if work.upgraded_from is not None else {}),
         **calibration_info,
     }
     _set_model_meta(work.model, info)
@@ -408,8 +450,9 @@ def _infer(model: onnx.ModelProto, strict: bool = False) -> onnx.ModelProto:
 
 
 def converted_dtype(model: onnx.ModelProto) -> str | None:
-    """The low dtype ("fp16"/"bf16") amppass converted ``model`` to, from its metadata; None if it did not,
-    "unknown" where the metadata is damaged (read as the report reads it: :func:`amppass.report.meta.parse`)."""
+    """The low dtype ("fp16"/"bf16", "fp8" for an fp8 plan) amppass converted ``model`` to, from its metadata; None
+    if it did not, "unknown" where the metadata is damaged (read as the report reads it:
+    :func:`amppass.report.meta.parse`)."""
     for entry in model.metadata_props:
         if entry.key == META_KEY:
             try:
@@ -417,14 +460,14 @@ def converted_dtype(model: onnx.ModelProto) -> str | None:
             except InputError:
                 return "unknown"
             dtype = info.get("dtype") if isinstance(info, dict) else None
-            return dtype if isinstance(dtype, str) else "unknown"
+            return "unknown" if not isinstance(dtype, str) else "fp8" if isinstance(info.get("fp8"), dict) else dtype
     return None
 
 
 def _unchanged(work: Work, previous: str) -> Converted:
     """``work.model`` as it is (a model amppass converted to ``previous``), when the caller asks for the dtype it
     already has; InputError otherwise (:func:`amppass.analysis.record.check_reconversion`)."""
-    wanted = work.target.low.name
+    wanted = "fp8" if work.fp8 is not None else work.target.low.name
     check_reconversion(work.where, previous, wanted, f"convert the original float32 model with dtype='{wanted}'")
     return Converted(work.model, work.store)
 

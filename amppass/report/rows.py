@@ -130,6 +130,8 @@ def summary_lines(report: Summarised) -> list[str]:
     by_parts = info.get("parts")
     if isinstance(by_parts, dict) and isinstance(by_parts.get("converted"), list):
         lines.extend(_parts_lines(by_parts))
+    if isinstance(info.get("fp8"), dict):
+        lines.extend(_fp8_lines(info["fp8"], str(info.get("dtype"))))
     lines.append(f"casts inserted: {stats['casts']}")
     before, after = stats["weight_bytes"]["before"], stats["weight_bytes"]["after"]
     if before:
@@ -186,6 +188,22 @@ def _timing_words(how: str, dtype: str) -> str:
     """How a group's speed was known, in words: a kind this amppass knows in its words (with ``dtype`` filled
     in), any other kind (a file's own text) as it is, never as a format string."""
     return _TIMING_WORDS[how].replace("{dtype}", dtype) if how in _TIMING_WORDS else how
+
+
+def _fp8_lines(fp8: dict[str, Any], low: str) -> list[str]:
+    """What an fp8 plan put in fp8 (:mod:`amppass.onnx.fp8`): its products and their share of the MACs."""
+    products, candidates = finite(fp8.get("products")), finite(fp8.get("candidates"))
+    fmt = str(fp8.get("format", "fp8"))[:16]
+    lines = []
+    if products is not None and candidates is not None:
+        lines.append(f"fp8 ({fmt}): {int(products)} of {int(candidates)} matrix products the {low} plan runs low "
+                     "(rows whose evidence holds 'fp8', with their scales)")
+    macs = fp8.get("macs")
+    shares = [finite(macs.get(f"{k}_share")) for k in ("fp8", "low", "fp32")] if isinstance(macs, dict) else []
+    if shares and None not in shares:
+        lines.append(f"MACs at the first calibration batch's shapes: {shares[0]:.1%} fp8, {shares[1]:.1%} {low}, "
+                     f"{shares[2]:.1%} fp32")
+    return lines
 
 
 def _count(n: Any, word: str) -> str:

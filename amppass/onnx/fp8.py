@@ -1,0 +1,357 @@
+"""fp8 matrix products in an ONNX plan: which products take e4m3 inputs, and the ``QuantizeLinear`` /
+``DequantizeLinear`` pairs that say so in the file.
+
+An fp8 plan is the fp16 plan of the same model with some matrix products (MatMul, Gemm, Conv) lowered further:
+both operands of such a product reach it through a Q/DQ pair in :data:`~amppass.dtypes.E4M3`, the form TensorRT
+reads as an fp8 product (ONNX opset 19 and later: :data:`FP8_OPSET`):
+
+- a weight (an initializer) is stored once as a ``FLOAT8E4M3FN`` initializer, read through a ``DequantizeLinear``
+  with its per-tensor scale, computed from the weight's largest magnitude;
+- an activation goes through ``QuantizeLinear`` -> ``DequantizeLinear`` with a static per-tensor scale from the
+  range calibration observed (:meth:`~amppass.dtypes.Fp8Format.scale_for` gives both scales);
+- the scales are stored in the product's own dtype (fp16: ``QuantizeLinear`` takes its input and scale in one
+  type, and ``DequantizeLinear`` gives the scale's type), so the product reads fp16 as in the fp16 plan and
+  accumulates and writes fp16. A scale is kept within fp16's normal range, so it never rounds to zero or inf.
+
+Which products go fp8 (:func:`choose`): every product the fp16 plan runs low whose operands are weights or values
+calibration observed is a candidate. The tolerance search's trials (the conversion's rewrite, run as the target
+computes it) measure the model's output error with each candidate alone in e4m3, on the batches the search fits;
+candidates then go fp8 in order of that error, least first, as many as keep the output error within the
+tolerance (a bisection over that order), and the count is checked on the held-out batches
+(:func:`amppass.analysis.calibration.held_out`) and bisected again there where it misses. Every product that
+stays fp16 gets a reason with the errors measured (and its operands' ranges and scales, where an outlier sets
+one), and each fp8 product's decision carries its scales (``evidence["fp8"]``) for the report.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import onnx
+import torch
+from onnx import helper
+
+from ..analysis.calibration import Trials, held_out
+from ..analysis.plan import Precision, PrecisionPlan
+from ..dtypes import Fp8Format, LowType
+from .io.weight_store import WeightStore
+from .macs import is_heavy, node_macs, operands, value_shapes
+from .rewrite import _set_meta, all_names, unique_name
+from .view import clear_value_info
+
+log = logging.getLogger(__name__)
+
+FP8_OPSET = 19  # QuantizeLinear / DequantizeLinear take float8 types from opset 19
+PRODUCTS = ("MatMul", "Gemm", "Conv")
+OPERANDS = (0, 1)  # the inputs quantized: MatMul's A and B, Gemm's A and B, Conv's X and W
+KEY = "fp8"  # evidence key of an fp8 product's decision (its format and scales)
+
+
+@dataclass(frozen=True)
+class Operand:
+    """One quantized input of a product: its fp32 value, whether it is a weight, its range and stored scale."""
+
+    value: str
+    weight: bool
+    absmax: float
+    scale: float
+
+
+def candidates(model: onnx.ModelProto, plan: PrecisionPlan, stats: Any, store: WeightStore, fmt: Fp8Format,
+               low: LowType) -> dict[str, list[Operand]]:
+    """Product node -> its operands, for every MatMul, Gemm and Conv of ``model``'s main graph (the fp32 model)
+    that ``plan`` runs low and whose two operands are weights (initializers) or values calibration observed
+    (``stats``), with each operand's scale as stored (:func:`stored_scale`)."""
+    initializers = {t.name: t for t in model.graph.initializer}
+    found: dict[str, list[Operand]] = {}
+    for node in model.graph.node:
+        if node.domain not in ("", "ai.onnx") or node.op_type not in PRODUCTS or len(node.input) < 2:
+            continue
+        if node.name not in plan or plan[node.name].precision is not Precision.LOW or _odd_bias(node, initializers):
+            continue
+        operands = []
+        for slot in OPERANDS:
+            value = node.input[slot]
+            if value in initializers:
+                amax = store.absmax(initializers[value])
+            elif stats.get(value) is not None:
+                amax = float(stats.get(value).absmax)
+            else:
+                break
+            operands.append(Operand(value, value in initializers, amax, stored_scale(fmt, amax, low)))
+        else:
+            found[node.name] = operands
+    return found
+
+
+def _odd_bias(node: onnx.NodeProto, initializers: Mapping[str, onnx.TensorProto]) -> bool:
+    """Whether ``node`` has a bias :func:`_bias_after` cannot move out: a Gemm's scaled by ``beta``, or a Conv's
+    whose weight's rank is not known (not an initializer)."""
+    if len(node.input) < 3 or not node.input[2]:
+        return False
+    if node.op_type == "Gemm":
+        return any(a.name == "beta" and a.f != 1.0 for a in node.attribute)
+    return node.op_type == "Conv" and node.input[1] not in initializers
+
+
+def stored_scale(fmt: Fp8Format, amax: float, low: LowType) -> float:
+    """``fmt``'s per-tensor scale for ``amax`` as the product's dtype ``low`` stores it: rounded to ``low`` and kept
+    within its normal range (a scale that rounded to zero would make the quantized values inf)."""
+    scale = min(max(fmt.scale_for(amax), low.min_normal), low.max)
+    return float(torch.tensor(scale, dtype=torch.float32).to(low.torch).float())
+
+
+def marked(plan: PrecisionPlan, chosen: Mapping[str, Sequence[Operand]], fmt: Fp8Format) -> PrecisionPlan:
+    """A copy of ``plan`` whose ``chosen`` products carry their fp8 operands (``evidence["fp8"]``), which
+    :class:`Fp8Rewrite` writes as Q/DQ pairs; ``plan`` is left as it was."""
+    result = PrecisionPlan()
+    for name, decision in plan.items():
+        if name in chosen:
+            decision = copy.copy(decision)
+            decision.evidence = {**decision.evidence, KEY: describe(chosen[name], fmt)}
+        result[name] = decision
+    return result
+
+
+def describe(operands: Sequence[Operand], fmt: Fp8Format) -> dict[str, Any]:
+    """An fp8 product's evidence: its format and, per operand, its fp32 value, kind, range and scale."""
+    return {"format": fmt.name, "operands": [{"value": o.value, "weight": o.weight, "absmax": o.absmax,
+                                              "scale": o.scale} for o in operands]}
+
+
+class Fp8Rewrite:
+    """The Q/DQ pairs of a plan's fp8 products, written into a model the low-precision rewrite has rewritten.
+
+    :meth:`weights` reads each fp8 product's weights from the model before that rewrite (the fp32 values, cached
+    by name for every later trial), :meth:`insert` writes the pairs after it."""
+
+    def __init__(self, store: WeightStore, fmt: Fp8Format, low: LowType):
+        self.store, self.fmt, self.low = store, fmt, low
+        self.cache: dict[tuple[str, float], tuple[bytes, list[int]]] = {}  # (weight, scale) -> e4m3 bytes, dims
+
+    def weights(self, model: onnx.ModelProto, plan: PrecisionPlan) -> None:
+        """Quantize the weights ``plan``'s fp8 products read, from ``model``'s fp32 initializers (before the
+        rewrite stores them low)."""
+        initializers = {t.name: t for t in model.graph.initializer}
+        for _, decision in plan.items():
+            for operand in decision.evidence.get(KEY, {}).get("operands", ()):
+                key = (operand["value"], operand["scale"])
+                if operand["weight"] and key not in self.cache:
+                    tensor = initializers[operand["value"]]
+                    values = torch.from_numpy(np.array(self.store.array(tensor), dtype=np.float32))
+                    quantized = (values / operand["scale"]).clamp(-self.fmt.max, self.fmt.max).to(self.fmt.torch)
+                    self.cache[key] = quantized.view(torch.uint8).numpy().tobytes(), list(tensor.dims)
+
+    def insert(self, model: onnx.ModelProto, plan: PrecisionPlan) -> int:
+        """Put each fp8 product's operands of ``model`` (rewritten by ``plan``) through Q/DQ pairs (module
+        docstring); returns how many products. Low weights no node reads any more are dropped."""
+        graph = model.graph
+        taken = all_names(model)
+        initializers = {t.name: t for t in graph.initializer}
+        zero = unique_name(taken, f"amppass_{self.fmt.name}_zero")
+        shared: dict[tuple[str, float], str] = {}  # (value, scale) -> its dequantized name
+        nodes: list[onnx.NodeProto] = []
+        count = 0
+        for node in graph.node:
+            evidence = plan[node.name].evidence.get(KEY) if node.name in plan else None
+            for slot, operand in enumerate(evidence["operands"] if evidence else ()):
+                read = node.input[slot]
+                key = (operand["value"] if operand["weight"] else read, operand["scale"])
+                if key not in shared:
+                    shared[key] = self._pair(graph, nodes, taken, read, operand, zero)
+                node.input[slot] = shared[key]
+            count += bool(evidence)
+            nodes.append(node)
+            if evidence and len(node.input) > 2 and node.input[2]:
+                nodes += _bias_after(graph, node, taken, len(self.cache_dims(evidence)) - 2)
+        if not count:
+            return 0
+        graph.initializer.append(helper.make_tensor(zero, self.fmt.onnx, [], [0.0]))
+        read = {v for n in nodes for v in n.input} | {o.name for o in graph.output}
+        kept = [t for t in graph.initializer if t.name in read or t.name not in initializers]
+        del graph.initializer[:]
+        graph.initializer.extend(kept)
+        del graph.node[:]
+        graph.node.extend(nodes)
+        return count
+
+    def _pair(self, graph: onnx.GraphProto, nodes: list[onnx.NodeProto], taken: set[str], read: str,
+              operand: Mapping[str, Any], zero: str) -> str:
+        """Append the nodes that give ``read`` (the product's low input) as e4m3 and back; the name read then."""
+        base = operand["value"]
+        scale = unique_name(taken, f"{base}__{self.fmt.name}_scale")
+        graph.initializer.append(helper.make_tensor(scale, self.low.onnx, [], [operand["scale"]]))
+        out = unique_name(taken, f"{base}__{self.fmt.name}_dq")
+        if operand["weight"]:
+            stored = unique_name(taken, f"{base}__{self.fmt.name}")
+            payload, dims = self.cache[(operand["value"], operand["scale"])]
+            tensor = onnx.TensorProto(name=stored, data_type=self.fmt.onnx, dims=dims, raw_data=payload)
+            graph.initializer.append(tensor)
+            quantized = stored
+        else:
+            quantized = unique_name(taken, f"{base}__{self.fmt.name}")
+            nodes.append(self._node("QuantizeLinear", [read, scale, zero], quantized, taken, base))
+        nodes.append(self._node("DequantizeLinear", [quantized, scale, zero], out, taken, base))
+        return out
+
+    def cache_dims(self, evidence: Mapping[str, Any]) -> list[int]:
+        """The dims of an fp8 product's second operand, a weight (read by :meth:`weights`), or [] for a value."""
+        operand = evidence["operands"][1]
+        return self.cache[(operand["value"], operand["scale"])][1] if operand["weight"] else []
+
+    def _node(self, op: str, inputs: list[str], output: str, taken: set[str], base: str) -> onnx.NodeProto:
+        node = helper.make_node(op, inputs, [output], name=unique_name(taken, f"{output}_{op}"))
+        _set_meta(node, {"cast": True, "of": base, "to": self.fmt.name})
+        return node
+
+
+
+
+def choose(found: Mapping[str, list[Operand]], plan: PrecisionPlan, trials: Trials, tolerance: float,
+           fmt: Fp8Format, low: LowType, runtime: str) -> tuple[PrecisionPlan, dict[str, Any]]:
+    """The fp8 plan: ``plan`` (the fp16 plan) with the candidate products ``found`` that the output error allows
+    marked fp8 (module docstring), each product's reason saying why it is or is not; and what to record.
+
+    ``trials`` runs a marked plan on the calibration batches it kept (its error against fp32, inf where it does not
+    run), as ``runtime`` (named in reasons) computes it."""
+    fit, held, how = _held_out(trials)
+    runs = 0
+
+    def error(names: Sequence[str], batches: Sequence[int]) -> float:
+        nonlocal runs
+        runs += 1
+        return trials.error(marked(plan, {n: found[n] for n in names}, fmt), {}, batches)
+
+    info: dict[str, Any] = {"format": fmt.name, "tolerance": tolerance, "candidates": len(found), "held_out": how}
+    if not found:
+        info.update(products=0, why="no matrix product runs low on weights or values calibration observed")
+        return plan, info
+    baseline = error([], fit)
+    alone = {name: error([name], fit) for name in found}
+    order = sorted(found, key=lambda n: (alone[n], list(found).index(n)))
+    measured = {0: baseline}
+
+    def largest(batches: Sequence[int], hi: int) -> int:
+        """The most products, in ``order``, up to ``hi``, whose output error on ``batches`` stays within the
+        tolerance (a bisection: the error grows with the count)."""
+        if hi == 0:
+            return 0
+        measured[hi] = error(order[:hi], batches)
+        if measured[hi] <= tolerance:
+            return hi
+        lo, top = 0, hi
+        while top - lo > 1:
+            mid = (lo + top) // 2
+            measured[mid] = error(order[:mid], batches)
+            lo, top = (mid, top) if measured[mid] <= tolerance else (lo, mid)
+        return lo
+
+    count = largest(fit, len(order)) if baseline <= tolerance else 0
+    held_error = error(order[:count], held) if held and count else None
+    if held_error is not None and held_error > tolerance:  # the fit batches promised too much: judge on both
+        log.info("fp8: %.3g on held-out batches with %d products in %s; searching again on every batch",
+                 held_error, count, fmt)
+        measured = {0: baseline}
+        count = largest(list(fit) + list(held), count - 1)
+        held_error = error(order[:count], held) if count else None
+    achieved = max(measured.get(count, baseline), held_error or 0.0)
+    chosen = order[:count]
+    result = marked(plan, {n: found[n] for n in chosen}, fmt)
+    after = measured.get(count + 1)
+    for rank, name in enumerate(order, 1):
+        decision = result[name]
+        decision.evidence = {**decision.evidence, "fp8_error_alone": alone[name]}
+        ranges = "; ".join(f"{'weight' if o.weight else 'input'} {o.value} |x| <= {o.absmax:.3g}, scale {o.scale:.3g}"
+                           for o in found[name])
+        if name in chosen:
+            why = (f"{fmt} inputs and weights, {low} accumulation and output: alone in {fmt} it moves the output "
+                   f"by {alone[name]:.2g}, and with the {count} products in {fmt} the output error is {achieved:.2g} "
+                   f"<= the tolerance {tolerance:g} ({ranges})")
+        elif not math.isfinite(alone[name]):
+            why = (f"stays {low}, not {fmt}: with it in {fmt} the model does not run as the target computes it "
+                   f"({runtime}: its graph optimisations move or fuse the Q/DQ pair into kernels without {fmt} "
+                   f"types)")
+        elif alone[name] > tolerance or baseline > tolerance:
+            why = (f"stays {low}, not {fmt}: alone in {fmt} it moves the output by {alone[name]:.2g}, beyond the "
+                   f"tolerance {tolerance:g}" if baseline <= tolerance else
+                   f"stays {low}, not {fmt}: the {low} plan's output error {baseline:.2g} already passes the "
+                   f"tolerance {tolerance:g}") + f" ({ranges})"
+        else:
+            why = (f"stays {low}, not {fmt}: it ranks {rank} of {len(order)} by the output error it causes alone in "
+                   f"{fmt} ({alone[name]:.2g}); the {count} products ranked before it reach the output error "
+                   f"{measured.get(count, baseline):.2g}"
+                   + (f", and one more reaches {after:.2g} > the tolerance {tolerance:g}" if after is not None
+                      else f" within the tolerance {tolerance:g} on the batches the search fits, not on those it "
+                           "holds out")
+                   + f" ({ranges})")
+        decision.reason = f"{decision.reason}; {why}"
+    info.update(products=len(chosen), baseline_error=baseline, achieved_error=achieved, held_out_error=held_error,
+                runs=runs, tolerance_met=achieved <= tolerance)
+    log.info("fp8: %d of %d products in %s, output error %.3g (tolerance %g, %d runs)", len(chosen), len(found),
+             fmt, achieved, tolerance, runs)
+    return result, info
+
+
+def mac_split(plan: PrecisionPlan, model: onnx.ModelProto, feed: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """The multiply-accumulates of ``model``'s heavy nodes (main graph) at the shapes of ``feed`` (a calibration
+    batch: a file's dynamic sizes leave its own counts unknown), by where ``plan`` runs them: fp8, the low dtype,
+    fp32, with the share of each (None where nothing was counted) and the shapes counted at."""
+    fixed = onnx.ModelProto()
+    fixed.CopyFrom(model)  # a skeleton: no weight bytes to copy
+    clear_value_info(fixed.graph)
+    for value in fixed.graph.input:
+        if value.name in feed and value.type.HasField("tensor_type"):
+            shape = value.type.tensor_type.shape
+            shape.Clear()
+            for size in np.shape(feed[value.name]):
+                shape.dim.add(dim_value=int(size))
+    inferred = onnx.shape_inference.infer_shapes(fixed, data_prop=True)
+    heavy = [n for n in inferred.graph.node if is_heavy(n) and n.name in plan]
+    shapes = value_shapes(inferred, {v for n in heavy for v in operands(n)})
+    split = {"fp8": 0, "low": 0, "fp32": 0}
+    for node in heavy:
+        macs, decision = node_macs(node, shapes), plan[node.name]
+        if macs is not None:
+            where = "fp8" if KEY in decision.evidence else "low" if decision.precision is Precision.LOW else "fp32"
+            split[where] += macs
+    total = sum(split.values())
+    return {**split, **{f"{k}_share": (v / total if total else None) for k, v in list(split.items())},
+            "counted_at": {name: list(np.shape(array)) for name, array in feed.items()}}
+
+
+def _held_out(trials: Trials) -> tuple[list[int], list[int], str]:
+    """:func:`amppass.analysis.calibration.held_out`, reusing the perturbed copies of a single batch that the
+    fp16 plan's tolerance search already kept (asking again would keep a second set)."""
+    kept = len(trials.data.kept)
+    if trials.count() == 1 and kept > 1:
+        return [0], list(range(1, kept)), f"{kept - 1} perturbed copies of the single calibration batch"
+    fit, held, how, _ = held_out(trials)
+    return fit, held, how
+
+
+def _bias_after(graph: onnx.GraphProto, node: onnx.NodeProto, taken: set[str], spatial: int) -> list[onnx.NodeProto]:
+    """Move the bias of an fp8 Gemm or Conv ``node`` out of it into an Add after it; the nodes that add it.
+
+    onnxruntime's CPU provider rewrites the bias of a Q/DQ Gemm or Conv as int32 at the scale ``x_scale *
+    w_scale`` (its WeightBiasQuantization, written for int8): with fp8's small scales the bias over that scale
+    overflows fp16 and int32, and the product's output is wrong. A bias added after the product is left alone, and
+    TensorRT fuses the Add into the product as it would the bias. A Conv's bias ([C]) is unsqueezed over its
+    ``spatial`` dimensions to broadcast along the channels."""
+    bias, output = node.input[2], node.output[0]
+    del node.input[2]
+    node.output[0] = unique_name(taken, f"{output}__before_bias")
+    added: list[onnx.NodeProto] = []
+    if node.op_type == "Conv":
+        axes = unique_name(taken, f"{bias}__axes")
+        graph.initializer.append(helper.make_tensor(axes, onnx.TensorProto.INT64, [spatial], range(1, spatial + 1)))
+        unsqueezed = unique_name(taken, f"{bias}__unsqueezed")
+        added.append(helper.make_node("Unsqueeze", [bias, axes], [unsqueezed], name=unique_name(taken, unsqueezed)))
+        bias = unsqueezed
+    name = unique_name(taken, f"{node.name}_bias")
+    added.append(helper.make_node("Add", [node.output[0], bias], [output], name=name))
+    return added

@@ -1,0 +1,194 @@
+"""fp8 products in ONNX plans (amppass.onnx.fp8) on hand-built graphs: the Q/DQ pairs and their types, the scales of
+all-zero ranges, which products stay fp16 and why, and the bias moved out of an fp8 Gemm."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import amppass
+from amppass.dtypes import E4M3, FP16
+from amppass.onnx.fp8 import stored_scale
+from tests.helpers.onnx_graphs import meta, model_of, session, vinfo
+
+RNG = np.random.default_rng(0)
+
+
+def _weight(name: str, values: np.ndarray) -> onnx.TensorProto:
+    return numpy_helper.from_array(values.astype(np.float32), name)
+
+
+def _feeds(count: int = 4, **extra) -> list[dict[str, np.ndarray]]:
+    feeds = []
+    for _ in range(count):
+        feed = {"x": RNG.standard_normal((8, 64)).astype(np.float32)}
+        feed.update({name: make() for name, make in extra.items()})
+        feeds.append(feed)
+    return feeds
+
+
+def _error(model: onnx.ModelProto, converted: onnx.ModelProto, feed: dict[str, np.ndarray]) -> float:
+    want = session(model).run(None, feed)[0].astype(np.float64)
+    got = session(converted).run(None, feed)[0].astype(np.float64)
+    assert np.isfinite(got).all()
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def _by_name(model: onnx.ModelProto) -> dict[str, onnx.NodeProto]:
+    return {n.name: n for n in model.graph.node}
+
+
+def _two_matmuls(first: np.ndarray | None = None) -> onnx.ModelProto:
+    """x [8, 64] -> MatMul(W1) -> Relu -> MatMul(W2) -> y [8, 32], at opset 17."""
+    w1 = first if first is not None else RNG.standard_normal((64, 64)) / 8
+    nodes = [helper.make_node("MatMul", ["x", "W1"], ["h"], name="first"),
+             helper.make_node("Relu", ["h"], ["r"], name="relu"),
+             helper.make_node("MatMul", ["r", "W2"], ["y"], name="second")]
+    return model_of(nodes, [vinfo("x", shape=(8, 64))], [vinfo("y", shape=(8, 32))],
+                    [_weight("W1", w1), _weight("W2", RNG.standard_normal((64, 32)) / 8)])
+
+
+def test_fp8_products_read_e4m3_weights_and_qdq_activations_in_a_file_the_checker_and_onnxruntime_take():
+    """Each fp8 product reads its weight as a FLOAT8E4M3FN initializer through DequantizeLinear and its input
+    through a QuantizeLinear/DequantizeLinear pair, with fp16 scales; nothing else is quantized."""
+    model = _two_matmuls()
+    converted = amppass.convert_onnx(model, "fp8", calibration=_feeds(), tolerance=0.2)
+    onnx.checker.check_model(converted, full_check=True)
+    nodes, inits = _by_name(converted), {t.name: t for t in converted.graph.initializer}
+    producers = {o: n for n in converted.graph.node for o in n.output}
+    for name in ("first", "second"):
+        assert "fp8" in meta(nodes[name])["evidence"], meta(nodes[name])["reason"]
+        activation, weight = (producers[v] for v in nodes[name].input)
+        assert activation.op_type == weight.op_type == "DequantizeLinear"
+        assert inits[weight.input[0]].data_type == TensorProto.FLOAT8E4M3FN  # stored once as e4m3
+        assert producers[activation.input[0]].op_type == "QuantizeLinear"
+        assert inits[activation.input[1]].data_type == TensorProto.FLOAT16  # the product's dtype
+        assert inits[activation.input[2]].data_type == TensorProto.FLOAT8E4M3FN  # zero point: the e4m3 type
+    quantizers = [n for n in converted.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")]
+    assert len(quantizers) == 6 and all(n.output[0] in {i for m in ("first", "second") for i in nodes[m].input}
+                                        or n.op_type == "QuantizeLinear" for n in quantizers)
+    assert [o.version for o in converted.opset_import if o.domain in ("", "ai.onnx")] == [19]
+    info = amppass.report(converted).info
+    assert info["opset_upgraded"] == [17, 19]
+    assert info["fp8"]["products"] == 2 and info["fp8"]["macs"]["fp8_share"] == 1.0
+    feed = _feeds(1)[0]
+    assert _error(model, converted, feed) <= 0.2
+    stored_w1 = numpy_helper.to_array(inits[producers[nodes["first"].input[1]].input[0]])  # e4m3 as float
+    scale = float(numpy_helper.to_array(inits[producers[nodes["first"].input[1]].input[1]]))
+    w1 = numpy_helper.to_array(model.graph.initializer[0])
+    assert np.linalg.norm(stored_w1.astype(np.float32) * scale - w1) / np.linalg.norm(w1) < 0.05
+
+
+def test_all_zero_weight_and_all_zero_activation_get_finite_positive_scales():
+    """An all-zero weight and an input that is zero on every calibration feed: scale 1, never 0, inf or NaN."""
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["a"], name="live"),
+             helper.make_node("MatMul", ["z", "Z"], ["b"], name="zeros"),
+             helper.make_node("Add", ["a", "b"], ["y"], name="add")]
+    model = model_of(nodes, [vinfo("x", shape=(8, 64)), vinfo("z", shape=(8, 64))], [vinfo("y", shape=(8, 32))],
+                     [_weight("W", RNG.standard_normal((64, 32)) / 8), _weight("Z", np.zeros((64, 32)))], opset=19)
+    feeds = _feeds(z=lambda: np.zeros((8, 64), np.float32))
+    converted = amppass.convert_onnx(model, "fp8", calibration=feeds, tolerance=0.2)
+    zeros = meta(_by_name(converted)["zeros"])["evidence"]["fp8"]["operands"]
+    assert [o["scale"] for o in zeros] == [1.0, 1.0] and [o["absmax"] for o in zeros] == [0.0, 0.0]
+    scales = [numpy_helper.to_array(t) for t in converted.graph.initializer if t.name.endswith("_scale")]
+    assert scales and all(np.isfinite(s) and s > 0 for s in scales)
+    out = session(converted).run(None, {"x": feeds[0]["x"], "z": RNG.standard_normal((8, 64)).astype(np.float32)})
+    assert np.isfinite(out[0]).all()
+
+
+@pytest.mark.parametrize("amax", [0.0, -1.0, float("nan"), float("inf"), 1e-30, 1e-6, 3e5])
+def test_a_stored_scale_is_a_positive_normal_fp16_number_for_any_range(amax):
+    scale = stored_scale(E4M3, amax, FP16)
+    assert FP16.min_normal <= scale <= FP16.max
+    assert float(np.float16(scale)) == scale  # what the file holds is what quantized the weights
+
+
+def test_a_product_whose_input_has_an_outlier_stays_fp16_with_a_reason_naming_the_range():
+    """Feature 0 of x is 1000 on every feed (its weight row is zero, so it adds nothing): the per-tensor scale it sets
+    flushes the other features to e4m3's subnormals, and the first product stays fp16; the second goes fp8."""
+    w1 = RNG.standard_normal((64, 64)) / 8
+    w1[0] = 0.0
+    model = _two_matmuls(w1)
+
+    def with_outlier() -> np.ndarray:
+        x = (RNG.standard_normal((8, 64)) * 0.01).astype(np.float32)
+        x[:, 0] = 1000.0
+        return x
+
+    feeds = [{"x": with_outlier()} for _ in range(4)]
+    converted = amppass.convert_onnx(model, "fp8", calibration=feeds, tolerance=0.1)
+    first, second = (meta(_by_name(converted)[n]) for n in ("first", "second"))
+    assert "fp8" not in first["evidence"] and first["precision"] == "low"
+    assert "stays fp16, not e4m3" in first["reason"] and "input x |x| <= 1e+03" in first["reason"]
+    assert first["evidence"]["fp8_error_alone"] > 0.1
+    assert "fp8" in second["evidence"]
+    assert _error(model, converted, {"x": with_outlier()}) <= 0.1
+
+
+def test_an_fp8_gemm_adds_its_bias_after_the_product_so_onnxruntime_optimisations_keep_it_right():
+    """onnxruntime's CPU provider quantizes a Q/DQ Gemm's bias to int32 at x_scale * w_scale, which overflows at
+    fp8's scales: with the bias inside, Gemm -> Relu -> Gemm came out 0.47 off fp32 at default optimisations."""
+    nodes = [helper.make_node("Gemm", ["x", "W1", "b1"], ["h"], name="first", transB=1),
+             helper.make_node("Relu", ["h"], ["r"], name="relu"),
+             helper.make_node("Gemm", ["r", "W2", "b2"], ["y"], name="second", transB=1)]
+    model = model_of(nodes, [vinfo("x", shape=(8, 64))], [vinfo("y", shape=(8, 32))],
+                     [_weight("W1", RNG.standard_normal((64, 64)) / 8), _weight("b1", RNG.standard_normal(64)),
+                      _weight("W2", RNG.standard_normal((32, 64)) / 8), _weight("b2", RNG.standard_normal(32))])
+    converted = amppass.convert_onnx(model, "fp8", calibration=_feeds(), tolerance=0.2)
+    onnx.checker.check_model(converted, full_check=True)
+    nodes_after = _by_name(converted)
+    for name in ("first", "second"):
+        assert "fp8" in meta(nodes_after[name])["evidence"] and len(nodes_after[name].input) == 2
+    adds = [n for n in converted.graph.node if n.op_type == "Add"]
+    assert sorted(n.input[1] for n in adds) == ["b1", "b2"]
+    assert _error(model, converted, _feeds(1)[0]) <= 0.2
+
+
+def test_fp8_without_calibration_is_refused_with_the_fix():
+    with pytest.raises(amppass.AmpPassError, match=r"dtype='fp8' needs calibration=.*static"):
+        amppass.convert_onnx(_two_matmuls(), "fp8")
+
+
+def test_an_fp8_conv_reads_e4m3_and_adds_its_bias_unsqueezed_over_the_spatial_dimensions():
+    nodes = [helper.make_node("Conv", ["img", "K1", "c1"], ["h"], name="first", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["h"], ["r"], name="relu"),
+             helper.make_node("Conv", ["r", "K2", "c2"], ["y"], name="second", pads=[1, 1, 1, 1])]
+    shape = (2, 8, 12, 12)
+    model = model_of(nodes, [vinfo("img", shape=shape)], [vinfo("y", shape=(2, 8, 12, 12))],
+                     [_weight("K1", RNG.standard_normal((16, 8, 3, 3)) / 8), _weight("c1", RNG.standard_normal(16)),
+                      _weight("K2", RNG.standard_normal((8, 16, 3, 3)) / 12), _weight("c2", RNG.standard_normal(8))])
+
+    def image() -> dict[str, np.ndarray]:
+        return {"img": RNG.standard_normal(shape).astype(np.float32)}
+
+    converted = amppass.convert_onnx(model, "fp8", calibration=[image() for _ in range(4)], tolerance=0.2)
+    onnx.checker.check_model(converted, full_check=True)
+    after = _by_name(converted)
+    assert all("fp8" in meta(after[n])["evidence"] and len(after[n].input) == 2 for n in ("first", "second"))
+    unsqueezes = [n for n in converted.graph.node if n.op_type == "Unsqueeze"]
+    assert sorted(n.input[0] for n in unsqueezes) == ["c1", "c2"]
+    assert _error(model, converted, image()) <= 0.2
+
+
+def test_an_fp8_file_converted_again_comes_back_for_fp8_and_is_refused_for_fp16():
+    converted = amppass.convert_onnx(_two_matmuls(), "fp8", calibration=_feeds(), tolerance=0.2)
+    assert amppass.convert_onnx(converted, "fp8", calibration=_feeds()) is not None
+    with pytest.raises(amppass.AmpPassError, match="already converted by amppass to fp8.*fp16"):
+        amppass.convert_onnx(converted, "fp16")
+
+
+def test_a_cuda_target_fp8_plan_is_judged_on_the_simulation_and_runs_in_onnxruntime_at_basic_optimisations():
+    model = _two_matmuls()
+    converted = amppass.convert_onnx(model, "fp8", calibration=_feeds(), tolerance=0.2, target="cuda")
+    onnx.checker.check_model(converted, full_check=True)
+    info = amppass.report(converted).info
+    assert info["fp8"]["products"] == 2 and info["error_judged_by"] == "fp16-storage simulation"
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    got = ort.InferenceSession(converted.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    feed = _feeds(1)[0]
+    want = session(model).run(None, feed)[0]
+    assert np.linalg.norm(got.run(None, feed)[0] - want) / np.linalg.norm(want) <= 0.2
