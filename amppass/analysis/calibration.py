@@ -1,6 +1,6 @@
 """The calibration template: each step of calibrating a model and planning from it, written once.
 
-``amppass.convert(..., calibration=...)`` (through :func:`amppass.pipelines.convert.plan_captured`) and
+``amppass.convert(..., calibration=...)`` (through :func:`amppass.pipelines.stages.plan_captured`) and
 ``amppass.convert_onnx(..., calibration=...)`` call their front end's ``calibrated_plan``
 (:mod:`amppass.fx.runners.calibrate`, :mod:`amppass.onnx.calibrate`), which runs these steps with its runner:
 

@@ -5,7 +5,8 @@ integrations from theirs where the plugin, trainer or ``prepare`` call is made
 (:class:`amppass.integrations.routing.TrainConversion`), ``amppass.convert_onnx`` and the command line the ONNX
 form of it (:class:`amppass.pipelines.convert_onnx.OnnxPlanOptions`); the pipeline passes the value on
 instead of a dict of keywords, so following ``calibration`` from ``convert`` to the stage that reads it is following an
-attribute.
+attribute. The torch pipeline carries it inside its settings (:class:`amppass.pipelines.settings.Settings`: mode,
+dtype, target and dynamic shapes besides), and both front ends' rewrites take one :class:`RewriteOptions`.
 """
 
 from __future__ import annotations
@@ -55,6 +56,21 @@ class PlanOptions:
     def replace(self, **changes: Any) -> "PlanOptions":
         """A copy with ``changes`` (checked again)."""
         return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class RewriteOptions:
+    """How a rewrite writes a plan into the model, the same type for both front ends' rewrites
+    (:func:`amppass.fx.rewrite.apply.rewrite`, :func:`amppass.onnx.rewrite.rewrite`) and their tolerance trials.
+
+    ``keep_io_types``: floating graph outputs cast back to fp32; ``precast_weights``: weights read low are stored
+    low once (inference; training casts the fp32 parameters inside the graph instead); ``weights_low``: every
+    weight whose values fit is stored low, cast up at its fp32 readers (a memory-first plan, with
+    ``precast_weights`` only). An ONNX model always stores its low weights once and never all of them low."""
+
+    keep_io_types: bool = True
+    precast_weights: bool = True
+    weights_low: bool = False
 
 
 def _patterns(name: str, value: Any) -> tuple[str, ...]:

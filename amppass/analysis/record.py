@@ -5,17 +5,23 @@
    :mod:`amppass.report` rebuilds its report from them alone.
 2. Every summary opens with the keys :func:`summary` writes, in that order; a front end adds its own after
    them (calibration, profitability, clamped weights, ...).
-3. A model that already carries a record is returned unchanged when the caller asks for what it already is,
+3. Each stored decision carries the same evidence beside it from both front ends (:func:`with_evidence`): the front
+   end's policy facts, whether its op is unknown, its multiply-accumulates, and for an op the front end fused, what
+   it replaced (said in the reason too).
+4. A model that already carries a record is returned unchanged when the caller asks for what it already is,
    and refused otherwise (:func:`check_reconversion`): converting it again would cast its casts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Any, Protocol
+from typing import Any, Mapping, Protocol
 
 from .._version import __version__
 from ..errors import InputError
+from .plan import PrecisionPlan
+from .view import GraphView
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +52,30 @@ def summary(front_end: str, dtype: str, target: str, mode: str, keep_io_types: b
         "weight_bytes_before": weight_bytes_before,
         "weight_bytes_after": weight_bytes_after,
     }
+
+
+def with_evidence(plan: PrecisionPlan, view: GraphView, macs: Mapping[str, int | None],
+                  facts: Mapping[str, Mapping[str, Any]] | None = None,
+                  fused: Mapping[str, str] | None = None) -> PrecisionPlan:
+    """Rule 3: ``plan`` as the converted model stores it, each decision a copy (the plan's own decisions, which a
+    later plan may reuse, are left as they are) with what the report shows beside it: ``facts[node]`` (the front
+    end's policy facts), ``unknown`` for an op the policy table does not know, ``macs`` where the front end counted
+    them (on the graph before the rewrite put casts between its shapes), and ``fused[node]``: what a node the
+    front end fused replaced, appended to its reason."""
+    unknown = {node.name for node in view.nodes if node.unknown}
+    stored = PrecisionPlan()
+    for name in plan:
+        decision = plan[name]
+        evidence, reason = {**decision.evidence, **(facts or {}).get(name, {})}, decision.reason
+        if name in unknown:
+            evidence["unknown"] = True
+        if macs.get(name) is not None:
+            evidence["macs"] = macs[name]
+        if fused and name in fused:
+            evidence["fused"] = fused[name]
+            reason = f"{reason}; {fused[name]}"
+        stored[name] = dataclasses.replace(decision, reason=reason, evidence=evidence)
+    return stored
 
 
 def check_reconversion(where: str, done: str, wanted: str, fix: str, *, done_mode: str | None = None,

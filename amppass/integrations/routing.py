@@ -16,8 +16,8 @@ changes, as accelerate's own autocast wrapper changes it (an instance attribute;
    of the original (``inspect.signature(module.forward)`` is the original's).
 4. While amppass captures the module (the first call, or a shape the plan does not take), the instance's
    ``forward`` is lifted off: the capture sees the class's own forward, the original computation.
-5. The conversion's options are checked once, where the integration is made (:meth:`TrainConversion.of`: a
-   :class:`~amppass.analysis.options.PlanOptions` and the capture's options), not at the first call.
+5. The conversion's options are checked once, where the integration is made (:meth:`TrainConversion.of`: the
+   conversion's :class:`~amppass.pipelines.settings.Settings`), not at the first call.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ from torch.utils import _pytree as pytree
 from ..analysis.options import PlanOptions
 from ..dtypes import low_type
 from ..errors import InputError
-from ..pipelines.convert import convert_planned, plan_options
+from ..pipelines.convert import convert_planned
+from ..pipelines.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +54,16 @@ class TrainConversion:
     """How an integration converts the module it trains, built and checked once (:meth:`of`) where the plugin,
     trainer or ``prepare`` call is made: a bad option fails there, with the message :func:`amppass.convert` gives.
 
-    ``dtype``: the low dtype; ``options``: the plan options (:class:`~amppass.analysis.options.PlanOptions`);
-    ``target`` and ``dynamic_shapes``: :func:`amppass.convert`'s.
+    ``settings``: the train-mode conversion's (:class:`~amppass.pipelines.settings.Settings`: its low dtype a
+    ``torch.dtype``, its plan options, target and dynamic shapes).
     """
 
-    dtype: torch.dtype
-    options: PlanOptions
-    target: str | None = None
-    dynamic_shapes: Any = "auto"
+    settings: Settings
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The low dtype the module trains in."""
+        return self.settings.dtype
 
     @classmethod
     def of(cls, dtype: Any, options: Mapping[str, Any] | None = None) -> "TrainConversion":
@@ -80,8 +83,7 @@ class TrainConversion:
         if unknown:
             raise InputError(f"convert options {sorted(unknown)} are not options of amppass.convert; an integration "
                              f"takes {sorted(_PLAN_OPTIONS | _CAPTURE_OPTIONS)}")
-        captured = {name: options.pop(name) for name in _CAPTURE_OPTIONS if name in options}
-        return cls(low_type(dtype).torch, plan_options("train", **options), **captured)
+        return cls(Settings.of("train", dtype=low_type(dtype).torch, **options))
 
 
 class Route:
@@ -134,9 +136,7 @@ class Route:
         """Rules 1 and 2."""
         with torch.inference_mode(False), torch.enable_grad(), _own_forward(module):
             args, kwargs = pytree.tree_map_only(torch.Tensor, _outside_inference, (args, kwargs))
-            how = self.conversion
-            fast = convert_planned(module, args, how.dtype, how.options, example_kwargs=kwargs or None,
-                                   target=how.target, mode="train", dynamic_shapes=how.dynamic_shapes)
+            fast = convert_planned(module, args, self.conversion.settings, example_kwargs=kwargs or None)
         fast.load_state_dict(module.state_dict(keep_vars=True), assign=True)
         self._converted = fast
         log.info("%s converted to %s for training at its first call; it trains the module's own parameters",

@@ -29,6 +29,7 @@ from typing import Any
 import onnx
 from onnx import TensorProto, helper
 
+from ..analysis.options import RewriteOptions
 from ..analysis.plan import Decision, Precision, PrecisionPlan
 from ..analysis.record import META_KEY
 from ..dtypes import FP16_MAX, LowType
@@ -287,7 +288,10 @@ def unique_name(taken: set[str], base: str) -> str:
 
 
 def rewrite(model: onnx.ModelProto, plan: PrecisionPlan, refs: dict[str, NodeRef], types: dict[str, int],
-            weights: set[str], store: WeightStore, low: LowType, keep_io_types: bool = True) -> RewriteStats:
-    """Rewrite ``model`` (a private skeleton whose payloads ``store`` holds) in place according to ``plan``;
-    returns what was done. Weights are converted through ``store``; nothing is written into it in place."""
+            weights: set[str], store: WeightStore, low: LowType,
+            options: RewriteOptions | None = None) -> RewriteStats:
+    """Rewrite ``model`` (a private skeleton whose payloads ``store`` holds) in place according to ``plan`` and
+    ``options`` (an ONNX model's low weights are always stored once: only ``keep_io_types`` applies); returns what
+    was done. Weights are converted through ``store``; nothing is written into it in place."""
+    keep_io_types = (options or RewriteOptions()).keep_io_types
     return _Rewriter(model, plan, refs, types, weights, store, low, keep_io_types).run()

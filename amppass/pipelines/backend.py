@@ -40,6 +40,7 @@ graphs are planned without them, and their report info says so.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import weakref
@@ -67,19 +68,20 @@ from ..fx.capture.guards import input_spec
 from ..report.fx_reader import read_graph_module
 from ..report.report import Report, merged
 from ..serving.serving_graph import set_state
-from ..targets.target import torch_target
-from .convert import MODES, plan_captured
+from .settings import MODES, Settings
+from .stages import plan_captured
 
 log = logging.getLogger(__name__)
 
 COMPILERS = ("inductor", "eager")
 _OPTIONS = ("dtype", "mode", "compiler", "freezing", "keep_io_types", "keep_fp32", "force_low", "low_weight_tables",
             "calibration", "tolerance")
+_PLAN_OPTIONS = ("keep_io_types", "keep_fp32", "force_low", "low_weight_tables")  # every graph's plan options
 @dataclass
 class Session:
     """What one ``torch.compile(..., backend="amppass")`` call converted: its graphs, in compile order."""
 
-    options: dict[str, Any]
+    settings: "BackendSettings"  # without the calibration batches
     graphs: list["CompiledGraph"] = field(default_factory=list)
 
     def report(self) -> Report:
@@ -91,8 +93,8 @@ class Session:
         whole = merged((f"g{graph.index}", read_graph_module(graph.converted)) for graph in converted)
         rows, info = whole.rows, {k: v for k, v in whole.info.items() if k != "target"}
         if not converted:  # every graph runs as dynamo traced it (info["unconverted"] says why)
-            info.update({"dtype": "fp32", "mode": self.options.get("mode", "inference")})
-        info.update({"front_end": "fx", "compiler": self.options.get("compiler", "inductor"),
+            info.update({"dtype": "fp32", "mode": self.settings.conversion.mode})
+        info.update({"front_end": "fx", "compiler": self.settings.compiler,
                      "graphs": len(converted), "calibrated": any(g.calibrated for g in converted),
                      "unconverted": [{"graph": g.index, "reason": g.failed} for g in self.graphs if g.failed],
                      "graph_plans": [{"graph": g.index, "calibrated": g.calibrated, "inputs": g.inputs(),
@@ -123,9 +125,9 @@ class CompiledGraph:
     every shape dynamo's guards let through, and any guard inductor adds on the sizes is dynamo's to check.
     """
 
-    def __init__(self, gm: fx.GraphModule, example_inputs: list[Any], settings: dict[str, Any], index: int):
+    def __init__(self, gm: fx.GraphModule, example_inputs: list[Any], settings: "BackendSettings", index: int):
         self.gm, self.settings, self.index = gm, settings, index
-        self.compiler, self.refreshes, self.calibrated = settings["compiler"], 0, False
+        self.compiler, self.refreshes, self.calibrated = settings.compiler, 0, False
         self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.state = state_inputs(self.placeholders, example_inputs)  # position -> attribute name (rule 1)
         self.converted: fx.GraphModule | None = None
@@ -156,27 +158,24 @@ class CompiledGraph:
 
     def _frozen(self) -> bool:
         """Inductor's freezing folds the weights (and their casts) into the compiled code: inference only."""
-        return self.settings["freezing"] and self.settings["mode"] == "inference" and not torch.is_grad_enabled()
+        return self.settings.freezing and not self.settings.conversion.trains and not torch.is_grad_enabled()
 
     def _convert(self, example_inputs: list[Any]) -> None:
-        mode = self.settings["mode"]
-        if mode == "train":
+        if self.settings.conversion.trains:
             refuse_own_backward(self.gm)
         traced = trace_aten(self.gm, self.fakes, self.index)
         lifted, self.users = lift_state(traced, self.placeholders, example_inputs, self.state)
-        options, self.calibrated = _plan_options(self.settings, self.placeholders, self.users, example_inputs,
-                                                 self.index)
-        target = torch_target(_device(example_inputs).type, self.settings["dtype"])
+        settings, self.calibrated = self.settings.of_graph(self.placeholders, self.users, example_inputs, self.index)
         # planned without measuring: profitability times eager kernels, not the fused code inductor makes; the
         # example dynamo passed is run once in fp32 and converted, as convert's is (fx.finite)
-        self.converted = plan_captured(lifted, lifted, target, mode, options,
-                                       example=self._static_example(example_inputs, lifted))
+        self.converted = plan_captured(lifted, lifted, settings, example=self._static_example(example_inputs, lifted))
         self.frozen = self._frozen()
         self.bound = {i: (example_inputs[i], _version(example_inputs[i])) for i in self.state}
         # state dynamo kept as attributes of its graph (constants the trace made never change)
         self.attributes = {name: (t, _version(t)) for name, t in traced.meta["attributes"]
                            if name not in self.state.values()}
-        log.info("amppass backend: graph %d converted (%s, %s, %d state tensors)", self.index, mode, self.compiler,
+        log.info("amppass backend: graph %d converted (%s, %s, %d state tensors)", self.index, settings.mode,
+                 self.compiler,
                  len(self.state))
 
     def _static_example(self, example_inputs: list[Any], traced: fx.GraphModule) -> tuple[tuple, dict] | None:
@@ -217,7 +216,7 @@ class CompiledGraph:
         In training the graph casts the parameters itself (an optimizer step changes nothing to refresh);
         only a parameter that is another tensor now is pointed at.
         """
-        training = self.settings["mode"] == "train"
+        training = self.settings.conversion.trains
         refreshed = replaced = False
         for position, name in self.state.items():
             tensor = args[position]
@@ -284,7 +283,7 @@ def _backend_chain(compiled: Any) -> Iterator[Any]:
 _SESSIONS: dict[int, tuple[weakref.ref, Session]] = {}
 
 
-def _session(options: dict[str, Any] | None, settings: dict[str, Any]) -> Session:
+def _session(options: dict[str, Any] | None, settings: "BackendSettings") -> Session:
     """The session of the ``torch.compile`` wrapper calling this backend (the one holding ``options``)."""
     frame, owner = sys._getframe(2), None
     for _ in range(12):
@@ -301,7 +300,7 @@ def _session(options: dict[str, Any] | None, settings: dict[str, Any]) -> Sessio
     found = _SESSIONS.get(id(owner))
     if found is not None and found[0]() is owner:
         return found[1]
-    session = Session({k: v for k, v in settings.items() if k != "calibration"})  # not the batches themselves
+    session = Session(dataclasses.replace(settings, calibration=None))  # not the batches themselves
     key = id(owner)
     _SESSIONS[key] = (weakref.ref(owner, lambda _: _SESSIONS.pop(key, None)), session)
     return session
@@ -322,25 +321,53 @@ class _Anonymous:
 
 # -- options, calibration batches, refreshes, compiling ------------------------------------------------------
 
-def _settings(options: dict[str, Any] | None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class BackendSettings:
+    """The backend's ``options``, checked once (:func:`_settings`): the settings every graph is converted with
+    (``conversion``: a coverage plan, module docstring), how the converted graphs run (``compiler``, ``freezing``),
+    and the calibration batches with their tolerance, for the graphs whose inputs they match (:meth:`of_graph`)."""
+
+    conversion: Settings
+    compiler: str = "inductor"
+    freezing: bool = True
+    calibration: list[Any] | None = None
+    tolerance: float | None = None
+
+    def of_graph(self, placeholders: list[fx.Node], users: list[int], example_inputs: list[Any],
+                 index: int) -> tuple[Settings, bool]:
+        """The settings of one graph, for the device of its inputs: planned without measuring (profitability times
+        eager kernels, not the fused code inductor makes), calibrated only where its batches fit; and whether they
+        do."""
+        settings = self.conversion.on(_device(example_inputs))
+        batches = _aligned(self.calibration, [placeholders[i] for i in users], [example_inputs[i] for i in users])
+        if self.calibration is not None and batches is None:
+            log.info("amppass backend: graph %d takes other tensors than the calibration batches; planned without "
+                     "them", index)
+        if batches is None:
+            return settings, False
+        return settings.replace(calibration=batches, tolerance=self.tolerance), True
+
+
+def _settings(options: dict[str, Any] | None) -> BackendSettings:
     options = dict(options or {})
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
         raise InputError(f"torch.compile(backend='amppass'): unknown option(s) {unknown}; the options are "
                          f"{list(_OPTIONS)}, e.g. options={{'dtype': 'bf16', 'compiler': 'inductor'}}")
-    settings = {"dtype": "auto", "mode": "inference", "compiler": "inductor", "freezing": True, "keep_io_types": True,
-                "keep_fp32": (), "force_low": (), "low_weight_tables": False, "calibration": None, "tolerance": None,
-                **options}
+    settings = {"dtype": "auto", "mode": "inference", "compiler": "inductor", "freezing": True, "calibration": None,
+                "tolerance": None, **options}
     if settings["mode"] not in MODES:
         raise InputError(f"torch.compile(backend='amppass'): mode={settings['mode']!r} is not one of {MODES}; "
                          "'train' casts the fp32 parameters inside each graph so gradients reach them")
     if settings["compiler"] not in COMPILERS:
         raise InputError(f"torch.compile(backend='amppass'): compiler={settings['compiler']!r} is not one of "
                          f"{COMPILERS}; 'inductor' compiles the converted graphs, 'eager' runs them as they are")
-    if settings["calibration"] is not None:
-        settings["calibration"] = list(settings["calibration"])  # every graph it matches reads it
+    calibration = settings["calibration"]
+    calibration = list(calibration) if calibration is not None else None  # every graph it matches reads it
     low_type(settings["dtype"])  # a bad dtype is reported now, not at the first graph
-    return settings
+    plan = PlanOptions(plan_for="coverage", **{name: options[name] for name in _PLAN_OPTIONS if name in options})
+    return BackendSettings(Settings(plan, settings["mode"], settings["dtype"]), settings["compiler"],
+                           settings["freezing"], calibration, settings["tolerance"])
 
 
 def _measured_by(node: fx.Node, tensors: list[fx.Node]) -> tuple[int, int] | None:
@@ -354,20 +381,6 @@ def _measured_by(node: fx.Node, tensors: list[fx.Node]) -> tuple[int, int] | Non
             if isinstance(size, torch.SymInt) and size.node.expr == value.node.expr:
                 return position, dim
     return None
-
-
-def _plan_options(settings: dict[str, Any], placeholders: list[fx.Node], users: list[int], example_inputs: list[Any],
-                  index: int) -> tuple[PlanOptions, bool]:
-    """The plan options of this graph: planned without measuring (profitability times eager kernels, not the fused
-    code inductor makes), calibrated only where its batches fit."""
-    batches = _aligned(settings["calibration"], [placeholders[i] for i in users], [example_inputs[i] for i in users])
-    if settings["calibration"] is not None and batches is None:
-        log.info("amppass backend: graph %d takes other tensors than the calibration batches; planned without them",
-                 index)
-    options = PlanOptions(plan_for="coverage", keep_io_types=settings["keep_io_types"], keep_fp32=settings["keep_fp32"],
-                          force_low=settings["force_low"], low_weight_tables=settings["low_weight_tables"],
-                          calibration=batches, tolerance=settings["tolerance"] if batches is not None else None)
-    return options, batches is not None
 
 
 def _aligned(batches: list[Any] | None, inputs: list[fx.Node], examples: list[Any]) -> list[tuple] | None:

@@ -1,22 +1,19 @@
-"""``amppass.convert``: capture, analyse, paint, rewrite — the FX pipeline end to end."""
+"""``amppass.convert``: the settings checked, the model captured (whole, both graphs in train mode, or by parts),
+each capture converted by the stages of :mod:`amppass.pipelines.stages`, and the result served."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
-import time
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch import fx, nn
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 
-from ..analysis import overrides, precedence
-from ..analysis.options import PlanOptions
-from ..analysis.painting import paint
-from ..analysis.plan import Precision, PrecisionPlan, Source
-from ..analysis.profitability import SOURCES, Profitability
-from ..analysis.record import META_KEY, check_reconversion, summary
+from ..analysis.plan import Precision
+from ..analysis.record import META_KEY, check_reconversion
 from ..analysis.view import GraphView
 from ..dtypes import low_type
 from ..errors import CaptureError, InputError
@@ -25,33 +22,25 @@ from ..fx.capture.export import capture, capture_program
 from ..fx.capture.fidelity import check_fidelity
 from ..fx.capture.function_backward import check_backward
 from ..fx.capture.guards import GUARDS_KEY, carried_decisions, example_refusal, matching, plain_inputs
-from ..fx.capture.inputs import example_call, flatten_inputs, split_batch
+from ..fx.capture.inputs import example_call, split_batch
 from ..fx.capture.modes import module_mode
-from ..fx.prepare.aliasing import functional_writes, writes_an_input
-from ..fx.prepare.gelu import FUSED_KEY, fuse_tanh_gelu
-from ..fx.prepare.masks import fold_constant_masks
-from ..fx.rewrite.apply import rewrite
-from ..fx.rewrite.device_literals import module_device
-from ..fx.rewrite.low_backward import annotate_backward
-from ..fx.runners import finite, region_timing
-from ..fx.runners.calibrate import CaptureFp32, calibrated_plan
+from ..fx.prepare.aliasing import functional_writes
+from ..fx.runners import region_timing
 from ..fx.view.build import build_view
-from ..fx.view.macs import node_macs
 from ..serving.artifact import Kind, record_of
 from ..serving.dropin import in_own_class, transformers_call, with_signature
 from ..serving.fp32_original import keep_original
 from ..serving.serving_graph import ServingGraph
 from ..serving.traced import TracedGraph
 from ..serving.train_eval import TrainEvalGraphs
-from ..targets.cost_model import CostModel, DeviceFacts
+from ..targets.cost_model import CostModel
 from ..targets.device import fingerprint
-from ..targets.target import Target, torch_target
 from ..targets.timing_cache import TimingCache
 from .serialize import plan_file
+from .settings import Settings
+from .stages import plan_captured
 
 log = logging.getLogger(__name__)
-
-MODES = ("inference", "train")
 
 
 def _outside_callers_modes(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -150,43 +139,30 @@ def convert(
     # in eval (a SentenceTransformer around a from_pretrained model) is not being trained
     from_train_mode = (mode is None and isinstance(model, nn.Module) and all(m.training for m in model.modules())
                        and record_of(model) is None)
-    mode = "inference" if mode is None else mode
-    options = plan_options(mode, plan_for=plan_for, keep_io_types=keep_io_types, keep_fp32=keep_fp32,
-                           force_low=force_low, low_weight_tables=low_weight_tables, calibration=calibration,
-                           tolerance=tolerance, progress=progress, costs=costs)
-    return convert_planned(model, example_inputs, dtype, options, example_kwargs=example_kwargs, target=target,
-                           mode=mode, dynamic_shapes=dynamic_shapes, from_train_mode=from_train_mode)
-
-
-def plan_options(mode: str, **options: Any) -> PlanOptions:
-    """The checked :class:`PlanOptions` of a conversion in ``mode`` from :func:`convert`'s keyword arguments of
-    that name: ``mode`` checked first, and a train-mode conversion's calibration read into a list (both of its
-    graphs calibrate on it)."""
-    if mode not in MODES:
-        raise InputError(f"mode={mode!r} is not one of {MODES}: use mode='inference' to serve or evaluate "
-                         "the model, mode='train' to train it")
-    if mode == "train" and options.get("calibration") is not None:
-        options["calibration"] = list(options["calibration"])
-    return PlanOptions(**options)
+    settings = Settings.of("inference" if mode is None else mode, dtype=dtype, target=target,
+                           dynamic_shapes=dynamic_shapes, plan_for=plan_for, keep_io_types=keep_io_types,
+                           keep_fp32=keep_fp32, force_low=force_low, low_weight_tables=low_weight_tables,
+                           calibration=calibration, tolerance=tolerance, progress=progress, costs=costs)
+    return convert_planned(model, example_inputs, settings, example_kwargs=example_kwargs,
+                           from_train_mode=from_train_mode)
 
 
 @_outside_callers_modes
-def convert_planned(model: nn.Module, example_inputs: Any, dtype: Any, options: PlanOptions, *,
-                    example_kwargs: dict[str, Any] | None = None, target: str | None = None, mode: str = "inference",
-                    dynamic_shapes: Any = "auto", from_train_mode: bool = False) -> nn.Module:
-    """:func:`convert` with its plan options built and checked already (:func:`plan_options`): what an
-    integration calls with the options it checked where it was made. The other arguments are :func:`convert`'s;
-    ``from_train_mode``: the model is in train mode and :func:`convert` was given no ``mode=`` (it warned), so the
-    inference module comes back in eval mode and refuses to be trained."""
+def convert_planned(model: nn.Module, example_inputs: Any, settings: Settings, *,
+                    example_kwargs: dict[str, Any] | None = None, from_train_mode: bool = False) -> nn.Module:
+    """:func:`convert` with its settings built and checked already (:meth:`Settings.of`): what an integration
+    calls with the settings it checked where it was made. ``example_inputs`` and ``example_kwargs`` are
+    :func:`convert`'s; ``from_train_mode``: the model is in train mode and :func:`convert` was given no ``mode=``
+    (it warned), so the inference module comes back in eval mode and refuses to be trained."""
     found = record_of(model)
     if found is not None:
-        return _unchanged(model, found.record, dtype, mode)
+        return _unchanged(model, found.record, settings)
     if isinstance(model, torch.export.ExportedProgram):
-        return _convert_program(model, dtype, target, mode, options)
+        return _convert_program(model, settings)
     module = isinstance(model, nn.Module)  # anything else is refused where it is captured, naming what it is
     if module:
         _check_weights(model)
-    plan_target = _target(target, dtype, model)
+    settings = settings.on(model)
     example_inputs, example_kwargs = plain_inputs(example_inputs), plain_inputs(example_kwargs)  # BatchEncoding: a dict
     example_kwargs = transformers_call(model, example_kwargs)  # as the drop-in's forward passes them on
     example = None if example_inputs is None and example_kwargs is None else (example_inputs, example_kwargs or {})
@@ -197,18 +173,18 @@ def convert_planned(model: nn.Module, example_inputs: Any, dtype: Any, options: 
                     "mode=: it is converted for inference, an eval graph (dropout off, batch norm's running statistics "
                     "read, never updated) that cannot be trained. To train it, convert with mode='train'; to serve it, "
                     "call model.eval() before converting (or pass mode='inference')", type(model).__name__)
-    if mode == "train" and example is None:
+    if settings.trains and example is None:
         raise InputError(
             f"amppass.convert({type(model).__name__}, mode='train') needs example_inputs: a train-mode model keeps "
             "fp32 master weights and casts them inside the graph, which takes a graph captured by torch.export "
             "(a symbolically traced graph calls the model's own modules, which read their fp32 weights); pass "
             "one batch, e.g. amppass.convert(model, (x,), mode='train')")
     try:
-        converted = _convert_module(model, example, plan_target, mode, dynamic_shapes, options)
+        converted = _convert_module(model, example, settings)
     except CaptureError as err:
         if example is None:
             raise
-        return _convert_parts(model, example, err, plan_target, mode, options)
+        return _convert_parts(model, example, err, settings)
     if from_train_mode:
         _inference_only(converted, type(model).__name__)
     return converted
@@ -270,11 +246,11 @@ def _inference_only(converted: nn.Module, name: str) -> None:
 
 
 
-def _convert_module(model: nn.Module, example: tuple[Any, dict] | None, plan_target: Target, mode: str,
-                    dynamic_shapes: Any, options: PlanOptions) -> nn.Module:
+def _convert_module(model: nn.Module, example: tuple[Any, dict] | None, settings: Settings) -> nn.Module:
     """``model`` converted whole: captured in one graph (both modes' graphs in train mode), or CaptureError."""
     example_inputs, example_kwargs = example if example is not None else (None, None)
-    if mode == "train":
+    dynamic_shapes = settings.dynamic_shapes
+    if settings.trains:
         # torch.export bakes the training flag into the graph: one graph per mode over one set of fp32 tensors
         captured = {flag: capture(model, example_inputs, example_kwargs, train=flag, dynamic_shapes=dynamic_shapes)
                     for flag in (True, False)}
@@ -283,84 +259,87 @@ def _convert_module(model: nn.Module, example: tuple[Any, dict] | None, plan_tar
         args, kwargs = example_call(example)
         check_fidelity(model, captured[False], plain_inputs(args), plain_inputs(kwargs))
         check_backward(model, captured, plain_inputs(args), plain_inputs(kwargs))  # a Function's own backward
-        train_gm, eval_gm = (_served(model, captured[flag], plan_target, mode, flag, options, example)
-                             for flag in (True, False))
+        train_gm, eval_gm = (Captures(model, settings, flag).served(captured[flag], example) for flag in (True, False))
         trained = TrainEvalGraphs(train_gm, eval_gm, training=model.training, original=model, example=example)
         return with_signature(trained, model)  # Trainer keeps the dataset columns forward() names
     gm = capture(model, example_inputs, example_kwargs, train=False, dynamic_shapes=dynamic_shapes)
     if example is not None:
         check_fidelity(model, gm, *example_call(example))  # the graph computes what the model does
-    served = _served(model, gm, plan_target, mode, False, options, example)
-    if options.plan_for == "speed" and plan_target.profitable and example is not None and not options.calibration:
-        served = _faster_of(served, model, example, options.costs)
+    served = Captures(model, settings, False).served(gm, example)
+    if settings.measures_whole_model and example is not None:
+        served = _faster_of(served, model, example, settings.options.costs)
         if record_of(served).kind is Kind.KEPT:
             return served  # the original itself, in its own class already
     # a drop-in: the model's class, attributes and signature; its saves write the plan beside the weights
     return in_own_class(model, served, plan_file)
 
 
-def _convert_parts(model: nn.Module, example: tuple[Any, dict], why: CaptureError, plan_target: Target, mode: str,
-                   options: PlanOptions) -> nn.Module:
+def _convert_parts(model: nn.Module, example: tuple[Any, dict], why: CaptureError, settings: Settings) -> nn.Module:
     """``model``, which does not capture whole, converted by parts (:mod:`amppass.pipelines.parts`)."""
     from .parts import convert_by_parts
 
+    options = settings.options
+
     def convert_one(child: nn.Module, call: tuple[tuple, dict], calibration: list | None) -> nn.Module:
         args, kwargs = call
-        own = options.replace(keep_io_types=True, calibration=calibration,
-                              tolerance=options.tolerance if calibration else None)
-        return _convert_module(child, (args, transformers_call(child, kwargs)), plan_target, mode, "auto", own)
+        own = dataclasses.replace(settings, dynamic_shapes="auto", options=options.replace(
+            keep_io_types=True, calibration=calibration, tolerance=options.tolerance if calibration else None))
+        return _convert_module(child, (args, transformers_call(child, kwargs)), own)
 
     calibration = options.calibration
-    return convert_by_parts(model, example, why, mode == "train", plan_target.low.name, convert_one,
+    return convert_by_parts(model, example, why, settings.trains, settings.low.name, convert_one,
                             list(calibration) if calibration is not None else None)
 
 
-def _served(model: nn.Module, gm: fx.GraphModule, target: Target, mode: str, train: bool, options: PlanOptions,
-            example: tuple[Any, dict] | None) -> fx.GraphModule:
-    """Convert a captured graph; one captured by torch.export comes back serving every input shape."""
-    gm = plan_captured(gm, model, target, mode, options, example=example,
-                       recapture=_fp32_capture(model, target, train))
-    if GUARDS_KEY not in gm.meta:  # symbolically traced: no shapes in the graph to guard
-        return TracedGraph(gm)
-    carried = carried_decisions(gm)
-    later = options.replace(calibration=None, tolerance=None, progress=False)
+class Captures:
+    """The captures of one module in one training flag after the first: calibration's fp32 capture for a batch of
+    shapes the first does not take (:meth:`fp32`), and the converted capture a :class:`ServingGraph` makes for a
+    call of such shapes (:meth:`converted`), planned with the first plan's carried decisions."""
 
-    def recapture(args: tuple, kwargs: dict) -> fx.GraphModule:
-        new = capture(model, args, kwargs, train=train, note_fixed_dims=False)
-        return plan_captured(new, model, target, mode, later, example=(args, kwargs), carried=matching(new, carried))
+    def __init__(self, model: nn.Module, settings: Settings, train: bool):
+        self.model, self.settings, self.train = model, settings, train
+        self.carried: dict[str, Any] = {}
 
-    return ServingGraph(gm, gm.meta[GUARDS_KEY], recapture, original=model, name=type(model).__name__)
+    def served(self, gm: fx.GraphModule, example: tuple[Any, dict] | None) -> nn.Module:
+        """The captured ``gm`` converted (:func:`amppass.pipelines.stages.plan_captured`); one captured by
+        torch.export comes back serving every input shape."""
+        gm = plan_captured(gm, self.model, self.settings, example=example, recapture=self.fp32)
+        if GUARDS_KEY not in gm.meta:  # symbolically traced: no shapes in the graph to guard
+            return TracedGraph(gm)
+        self.carried = carried_decisions(gm)
+        return ServingGraph(gm, gm.meta[GUARDS_KEY], self.converted, original=self.model,
+                            name=type(self.model).__name__)
 
-
-def _fp32_capture(model: nn.Module, target: Target, train: bool) -> CaptureFp32:
-    """Calibration's capture of ``model`` for a batch of shapes the first capture does not take: the fp32
-    graph and its view; for a batch the model itself rejects, the model's own error."""
-
-    def recapture(args: tuple, kwargs: dict) -> tuple[fx.GraphModule, GraphView]:
+    def fp32(self, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, GraphView]:
+        """The fp32 graph of a calibration batch and its view; for a batch the model itself rejects, the model's
+        own error."""
         try:
-            gm = capture(model, args, kwargs, train=train, note_fixed_dims=False)
+            gm = capture(self.model, args, kwargs, train=self.train, note_fixed_dims=False)
         except CaptureError:
-            with torch.no_grad(), module_mode(model, train):
-                model(*plain_inputs(args), **plain_inputs(kwargs))
+            with torch.no_grad(), module_mode(self.model, self.train):
+                self.model(*plain_inputs(args), **plain_inputs(kwargs))
             raise
-        return gm, build_view(gm, target)[0]
+        return gm, build_view(gm, self.settings.resolved)[0]
 
-    return recapture
+    def converted(self, args: tuple, kwargs: dict) -> fx.GraphModule:
+        """A capture for a call of other shapes, converted with the first plan's carried decisions."""
+        new = capture(self.model, args, kwargs, train=self.train, note_fixed_dims=False)
+        return plan_captured(new, self.model, self.settings.later(), example=(args, kwargs),
+                             carried=matching(new, self.carried))
 
 
-def _convert_program(program: torch.export.ExportedProgram, dtype: Any, target: str | None, mode: str,
-                     options: PlanOptions) -> fx.GraphModule:
+def _convert_program(program: torch.export.ExportedProgram, settings: Settings) -> fx.GraphModule:
     """Convert a program exported elsewhere (``torch.export.load``): its graph is the capture."""
     from .serialize import from_program, is_converted
 
-    if mode != "inference":
+    if settings.trains:
         raise InputError("an ExportedProgram is converted for inference only (export fixed its train/eval "
                          "behaviour); convert the nn.Module itself with mode='train' to train it")
     if is_converted(program):
         loaded = from_program(program, {"dtype": _converted_dtype(program), "mode": "inference"}, "ExportedProgram")
-        return _unchanged(loaded, loaded.meta[META_KEY], dtype, mode)
+        return _unchanged(loaded, loaded.meta[META_KEY], settings)
     gm = capture_program(program)
-    gm = plan_captured(gm, gm, _target(target, dtype, gm), mode, options)
+    gm = plan_captured(gm, gm, settings.on(gm))
     return ServingGraph(gm, gm.meta[GUARDS_KEY], name="ExportedProgram",
                         origin="it was converted from a torch.export program, which serves the shapes its export "
                                "left dynamic; export it with dynamic_shapes to serve more")
@@ -430,172 +409,10 @@ def _kept(gm: fx.GraphModule, model: nn.Module, info: dict, why: str | None = No
     return gm if kept is None else kept
 
 
-def plan_captured(
-    gm: fx.GraphModule,
-    model: nn.Module,
-    target: Target,
-    mode: str,
-    options: PlanOptions,
-    *,
-    example: tuple[Any, dict] | None = None,
-    carried: dict[str, Any] | None = None,
-    recapture: CaptureFp32 | None = None,
-) -> fx.GraphModule:
-    """Analyse, paint and rewrite a captured graph of ``model`` in place; record the decisions in it. The step
-    :func:`convert` takes on each capture, and the compile backend on each graph dynamo gives it.
-
-    ``example`` (example inputs and keyword inputs) feeds the profitability measurements and the finite check;
-    ``carried`` holds decisions made before (a later plan's carried calibration results); which decision wins is
-    :mod:`amppass.analysis.precedence`'s order. ``recapture`` lets calibration take batches of shapes ``gm`` does
-    not take.
-    """
-    low = target.low
-    bytes_before = weight_bytes(model) if isinstance(model, nn.Module) else 0
-    if mode == "train":  # the graph runs under autograd: a write to a value saved for backward would fail it
-        functional_writes(gm)
-    # a written-out tanh-GELU would run fp32 op by op (its cube can overflow), and train mode would save its fp32
-    # activations for backward: one low kernel instead, in both modes (fx.gelu)
-    fuse_tanh_gelu(gm)
-    # a mask the graph fixes as all-true (or causal) keeps SDPA off its fused kernels on CUDA (fx.masks)
-    fold_constant_masks(gm)
-    # plan_for="speed" keeps fp32 what trains tens of times slower low (targets.target: slow_backward)
-    view, _ = build_view(gm, target, avoid_slow_backward=mode == "train" and options.plan_for == "speed")
-    user = overrides.resolve(view, options.keep_fp32, options.force_low, low)
-    given = precedence.given(user=user, carried=carried)
-    profit_info: dict[str, Any] = {}
-    unprofitable: dict[str, Any] = {}
-    if options.plan_for == "speed" and mode == "inference" and target.profitable and example is not None:
-        unprofitable, profit_info = _profitability(gm, view, target, given, example, options.costs,
-                                                   options.keep_io_types, options.low_weight_tables)
-        given = precedence.given(user=user, carried=carried, profitability=unprofitable)
-    rewrite_options = {"precast_weights": mode == "inference", "keep_io_types": options.keep_io_types,
-                       "weights_low": options.plan_for == "memory" and mode == "inference"}
-    calibration_info: dict[str, Any] = {"calibrated": False}
-    if options.calibration is None:
-        plan = paint(view, low, given, low_weight_tables=options.low_weight_tables)
-    else:
-        plan, calibration_info = calibrated_plan(
-            gm, view, options.calibration, low, given, tolerance=options.tolerance, progress=options.progress,
-            low_weight_tables=options.low_weight_tables, rewrite_options=rewrite_options, recapture=recapture,
-        )
-    macs = {n.name: node_macs(n) for n in gm.graph.nodes}  # before the rewrite puts casts between shapes
-    checked = _finite_check_inputs(gm, mode, example)
-    pristine = shared_copy(gm) if checked is not None else None
-    stats = rewrite(gm, plan, low, **rewrite_options)
-    finite_info: dict[str, Any] = {}
-    if pristine is not None:
-        measured = {n: d for n, d in plan.items() if d.source in (Source.CALIBRATION, Source.TOLERANCE)}
-
-        def again(previous: PrecisionPlan, kept: dict) -> tuple[fx.GraphModule, PrecisionPlan]:
-            nonlocal stats
-            repainted = paint(view, low, precedence.given(user=user, finite=kept, carried=carried,
-                                                          profitability=unprofitable, measured=measured),
-                              low_weight_tables=options.low_weight_tables)
-            trial = shared_copy(pristine)
-            stats = rewrite(trial, repainted, low, **rewrite_options)
-            return trial, repainted
-
-        gm, finite_info = finite.check(pristine, checked, plan, low.name, again, gm)
-
-    unknown = {n.name for n in view.nodes if n.unknown}
-    for node in gm.graph.nodes:
-        meta = node.meta.get(META_KEY)
-        if meta and node.name in unknown:
-            meta["evidence"]["unknown"] = True
-        if meta and not meta.get("cast") and macs.get(node.name) is not None:
-            meta["evidence"]["macs"] = macs[node.name]
-        if meta and FUSED_KEY in node.meta:  # the reason says so: the model never wrote this op
-            meta["evidence"]["fused"] = node.meta[FUSED_KEY]
-            meta["reason"] = f"{meta['reason']}; {node.meta[FUSED_KEY]}"
-    gm.meta[META_KEY] = {
-        **summary("fx", low.name, target.describe(), mode, options.keep_io_types, stats, bytes_before,
-                  weight_bytes(gm)),
-        "plan_for": options.plan_for,
-        **profit_info,
-        **calibration_info,
-        **finite_info,
-    }
-    if mode == "train":
-        gm.meta[META_KEY]["backward"] = annotate_backward(gm, low.name)
-    log.info("converted %s to %s for %s: %d nodes planned, %d casts", type(model).__name__, low, target.name,
-             len(plan), stats.casts)
-    return gm
-
-
-def _finite_check_inputs(gm: fx.GraphModule, mode: str, example: tuple[Any, dict] | None) -> list | None:
-    """The graph's inputs for the conversion's own finiteness check (:mod:`amppass.fx.runners.finite`): the example's,
-    in inference; None where there is none, in training (a train graph updates running statistics), and where
-    the graph writes into an input (the check must not change the caller's tensors)."""
-    if example is None or mode != "inference":
-        return None
-    if writes_an_input(gm):
-        return None
-    args, kwargs = example
-    return flatten_inputs(gm, split_batch(args)[0] if args is not None else (), kwargs, index=0)
-
-
-def _profitability(gm: fx.GraphModule, view: GraphView, target: Target, given: dict, example: tuple[Any, dict],
-                   costs: Mapping[str, float] | None, keep_io_types: bool,
-                   low_weight_tables: bool) -> tuple[dict, dict[str, Any]]:
-    """Fp32 decisions for the regions not faster low on this device, and what to record about them."""
-    start = time.perf_counter()
-    args, kwargs = example
-    flat = flatten_inputs(gm, split_batch(args)[0] if args is not None else (), kwargs, index=0)
-    device = next((t.device for t in gm.parameters()), torch.device(target.name))
-    facts = DeviceFacts(device, target.low)
-    model = CostModel(costs, facts.cache)
-    rule = Profitability(model, facts, target.low)
-    plan = paint(view, target.low, given, low_weight_tables=low_weight_tables)
-    decided, regions = region_timing.decide(gm, view, plan, flat, given, keep_io_types, rule, device)
-    timing = {source: sum(r["timing"] == source for r in regions) for source in (*SOURCES, "device")}
-    timing = {source: count for source, count in timing.items() if count}
-    if timing.get("device"):
-        _say_once(f"profitability: {facts.native.reason}; every region runs fp32 without timing "
-                  "(plan_for='coverage' converts it anyway)")
-    seconds = time.perf_counter() - start
-    fp32 = sum(r["runs"] == "fp32" for r in regions)
-    log.info("profitability: %d of %d region(s) kept fp32 (%s), %d timings, %.2f s", fp32, len(regions),
-             ", ".join(f"{n} {s}" for s, n in timing.items()) or "none", len(model.used), seconds)
-    return decided, {"costs": model.table(), "profitability": {
-        "regions_fp32": fp32, "nodes_fp32": len(decided), "seconds": round(seconds, 3), "timing": timing,
-        "too_busy": rule.misses > 0, "device": facts.describe(), "regions": regions}}
-
-
-_SAID: set[str] = set()
-
-
-def _say_once(message: str) -> None:
-    """Log ``message`` as a warning the first time in this process, at debug level after that."""
-    log.log(logging.DEBUG if message in _SAID else logging.WARNING, message)
-    _SAID.add(message)
-
-
-def _unchanged(model: nn.Module, info: Mapping[str, Any], dtype: Any, mode: str) -> nn.Module:
+def _unchanged(model: nn.Module, info: Mapping[str, Any], settings: Settings) -> nn.Module:
     """An already converted ``model``, returned as it is when the caller asks for what it already is."""
-    done = info.get("dtype", "unknown")
+    done, dtype = info.get("dtype", "unknown"), settings.dtype
     wanted = done if isinstance(dtype, str) and dtype.strip().lower() == "auto" else low_type(dtype).name
     check_reconversion(type(model).__name__, done, wanted, "convert the original float32 module instead",
-                       done_mode=info.get("mode"), wanted_mode=mode)
+                       done_mode=info.get("mode"), wanted_mode=settings.mode)
     return model
-
-
-def weight_bytes(module: nn.Module) -> int:
-    """Bytes of the module's floating-point parameters and buffers, each tensor counted once."""
-    seen: dict[int, int] = {}
-    for tensor in list(module.parameters()) + list(module.buffers()):
-        if tensor.is_floating_point():
-            seen[id(tensor)] = tensor.numel() * tensor.element_size()
-    return sum(seen.values())
-
-
-def _target(target: str | None, dtype: Any, model: Any) -> Target:
-    """The plan's target: ``target``, or the device of the model's parameters."""
-    found = module_device(model) if isinstance(model, nn.Module) else None
-    name = target if target is not None else (found or torch.device("cpu")).type
-    try:
-        return torch_target(name, dtype)
-    except TypeError:  # an unhashable dtype or target
-        low_type(dtype)
-        raise InputError(f"target={target!r} is not a device name; pass 'cpu' or 'cuda'") from None
-
-

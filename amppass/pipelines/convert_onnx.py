@@ -20,10 +20,10 @@ import onnx
 from onnx import TensorProto
 
 from ..analysis import overrides, precedence
-from ..analysis.options import PlanOptions
+from ..analysis.options import PlanOptions, RewriteOptions
 from ..analysis.painting import paint
 from ..analysis.plan import Precision, PrecisionPlan
-from ..analysis.record import META_KEY, check_reconversion, summary
+from ..analysis.record import META_KEY, check_reconversion, summary, with_evidence
 from ..analysis.view import GraphView
 from ..dtypes import Fp8Format, fp8_format
 from ..errors import InputError, first_line
@@ -174,7 +174,7 @@ def convert_skeleton(model: str | os.PathLike | onnx.ModelProto | Loaded, target
     infer_types(work)
     viewed = neutral_view(work)
     chosen, calibration_info = plan_precision(work, viewed)
-    add_evidence(work, viewed, chosen)
+    chosen = add_evidence(work, viewed, chosen)
     stats = rewrite_and_retype(work, viewed, chosen)
     record(work, viewed, chosen, stats, calibration_info)
     return Converted(work.model, work.store)
@@ -291,21 +291,15 @@ def plan_precision(work: Work, viewed: Viewed) -> tuple[PrecisionPlan, dict[str,
         low_weight_tables=options.low_weight_tables, fp8=work.fp8)
 
 
-def add_evidence(work: Work, viewed: Viewed, chosen: PrecisionPlan) -> None:
-    """Stage 7, on ``chosen`` in place: each planned node's decision gets what the report shows beside it: the
-    policy's facts, whether its op is unknown, and its multiply-accumulates (counted on the typed model, before
-    the rewrite puts casts between the shapes)."""
+def add_evidence(work: Work, viewed: Viewed, chosen: PrecisionPlan) -> PrecisionPlan:
+    """Stage 7: ``chosen`` as the model stores it, each planned node's decision with what the report shows beside it
+    (:func:`amppass.analysis.record.with_evidence`): the policy's facts, whether its op is unknown, and its
+    multiply-accumulates (counted on the typed model, before the rewrite puts casts between the shapes)."""
     refs = viewed.refs
     shapes = value_shapes(work.model, {v for ref in refs.values() if is_heavy(ref.node) for v in operands(ref.node)})
-    for node in viewed.view.nodes:
-        if node.name not in chosen:
-            continue
-        chosen[node.name].evidence.update(refs[node.name].evidence)
-        if node.unknown:
-            chosen[node.name].evidence["unknown"] = True
-        macs = node_macs(refs[node.name].node, shapes)
-        if macs is not None:
-            chosen[node.name].evidence["macs"] = macs
+    planned = [node.name for node in viewed.view.nodes if node.name in chosen]
+    return with_evidence(chosen, viewed.view, {name: node_macs(refs[name].node, shapes) for name in planned},
+                         facts={name: refs[name].evidence for name in planned})
 
 
 def rewrite_and_retype(work: Work, viewed: Viewed, chosen: PrecisionPlan) -> RewriteStats:
@@ -321,14 +315,13 @@ def rewriter(work: Work, viewed: Viewed) -> Callable[[onnx.ModelProto, Precision
     """The rewrite of a conversion as a function of (model, plan): it rewrites the model (the typed ``work.model``,
     or a copy for a tolerance trial) in place by the plan, loadable as it is: casts on edges, weights stored low,
     stale value types cleared, the IR version raised to hold node metadata and capped to what onnxruntime reads."""
-    low, keep_io_types = work.target.low, work.options.keep_io_types
+    low, options = work.target.low, RewriteOptions(keep_io_types=work.options.keep_io_types)
     fp8 = Fp8Rewrite(work.store, work.fp8, low) if work.fp8 is not None else None
 
     def apply(target: onnx.ModelProto, chosen: PrecisionPlan) -> RewriteStats:
         if fp8 is not None:
             fp8.weights(target, chosen)
-        done = rewrite(target, chosen, viewed.refs, viewed.types, set(viewed.view.weights), work.store, low,
-                       keep_io_types)
+        done = rewrite(target, chosen, viewed.refs, viewed.types, set(viewed.view.weights), work.store, low, options)
         if fp8 is not None:
             fp8.insert(target, chosen)
         clear_value_info(target.graph)

@@ -98,8 +98,9 @@ def test_options_the_integration_sets_or_convert_lacks_are_refused():
 def test_checked_options_reach_the_conversion():
     conversion = TrainConversion.of("bf16", {"keep_fp32": "linear", "calibration": iter([(torch.randn(4, 16),)]),
                                              "target": "cpu"})
-    assert conversion.dtype is torch.bfloat16 and conversion.target == "cpu"
-    assert conversion.options.keep_fp32 == ("linear",) and isinstance(conversion.options.calibration, list)
+    settings = conversion.settings
+    assert conversion.dtype is torch.bfloat16 and settings.target == "cpu" and settings.mode == "train"
+    assert settings.options.keep_fp32 == ("linear",) and isinstance(settings.options.calibration, list)
     pytest.importorskip("accelerate")
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState

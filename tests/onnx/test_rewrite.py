@@ -13,6 +13,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from amppass.analysis.options import RewriteOptions
 from amppass.analysis.plan import Category, Decision, Precision, PrecisionPlan, Source
 from amppass.analysis.record import META_KEY
 from amppass.dtypes import BF16, FP16, LowType
@@ -64,7 +65,8 @@ def _rewritten(model, fp32=(), keep_io_types=True, low: LowType = FP16):
             Precision.FP32 if node.name in fp32 else Precision.LOW)
         plan[node.name] = Decision(precision, f"planned {precision.value} by the test", Source.OVERRIDE,
                                    {"macs": 128}, rule="force-low")
-    stats = rewrite(work, plan, refs, types, set(view.weights), store, low, keep_io_types)
+    stats = rewrite(work, plan, refs, types, set(view.weights), store, low,
+                    RewriteOptions(keep_io_types=keep_io_types))
     clear_value_info(work.graph)
     store.materialize(work)
     return work, stats

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from ...analysis.options import RewriteOptions
 from ...analysis.plan import Precision, PrecisionPlan
 from ...analysis.record import META_KEY
 from ...dtypes import LowType, short_name
@@ -314,13 +315,12 @@ def rewrite(
     gm: fx.GraphModule,
     plan: PrecisionPlan,
     low: LowType,
-    *,
-    precast_weights: bool = True,
-    keep_io_types: bool = True,
-    weights_low: bool = False,
+    options: RewriteOptions | None = None,
 ) -> RewriteStats:
-    """Rewrite ``gm`` (a private copy the caller owns) in place according to ``plan``."""
-    rewriter = _Rewriter(gm, plan, low, precast_weights, keep_io_types, weights_low)
+    """Rewrite ``gm`` (a private copy the caller owns) in place according to ``plan``, as ``options`` say (by
+    default :class:`~amppass.analysis.options.RewriteOptions`' defaults)."""
+    options = options or RewriteOptions()
+    rewriter = _Rewriter(gm, plan, low, options.precast_weights, options.keep_io_types, options.weights_low)
     graph = rewriter.run()
     for node in list(graph.nodes):
         if node.op == "get_attr" and not node.users:

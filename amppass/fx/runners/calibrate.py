@@ -1,7 +1,7 @@
 """Calibration for the FX front end: its half of the template of :mod:`amppass.analysis.calibration`.
 
 :func:`calibrated_plan` is where ``amppass.convert(..., calibration=...)`` plans from calibration data
-(through :func:`amppass.pipelines.convert.plan_captured`): :func:`calibrate` runs the template's data pass with
+(through :func:`amppass.pipelines.stages.plan_captured`): :func:`calibrate` runs the template's data pass with
 :class:`FxRunner`, then :func:`~amppass.analysis.calibration.plan_from_calibration` applies the range rules,
 user overrides, painting and, with a tolerance, the search, whose runs are :class:`FxTrials`'.
 
@@ -42,6 +42,7 @@ from ...analysis.calibration import (
     record,
     relative_error,
 )
+from ...analysis.options import RewriteOptions
 from ...analysis.painting import paint
 from ...analysis.plan import Category, Decision, PrecisionPlan
 from ...analysis.stats import CalibrationStats
@@ -123,7 +124,7 @@ def calibrated_plan(
     tolerance: float | None = None,
     progress: bool = False,
     low_weight_tables: bool = False,
-    rewrite_options: Mapping[str, Any] | None = None,
+    rewrite_options: RewriteOptions | None = None,
     recapture: CaptureFp32 | None = None,
 ) -> tuple[PrecisionPlan, dict[str, Any]]:
     """The plan from calibration data and what to record about it in ``gm.meta``.
@@ -136,7 +137,7 @@ def calibrated_plan(
     check_tolerance(tolerance)
     data = calibrate(gm, calibration, view, replay=low.torch if tolerance is not None else None,
                      keep=tolerance is not None, progress=progress, recapture=recapture)
-    trials = FxTrials(data, low, dict(rewrite_options or {}), low_weight_tables)
+    trials = FxTrials(data, low, rewrite_options or RewriteOptions(), low_weight_tables)
     return plan_from_calibration(view, data, low, given, trials=trials, tolerance=tolerance,
                                  low_weight_tables=low_weight_tables, progress=progress)
 
@@ -222,7 +223,7 @@ class FxTrials(Trials[Batch]):
 
     data: FxCalibration
 
-    def __init__(self, data: FxCalibration, low: LowType, rewrite_options: dict[str, Any], low_weight_tables: bool):
+    def __init__(self, data: FxCalibration, low: LowType, rewrite_options: RewriteOptions, low_weight_tables: bool):
         super().__init__(data)
         self.low, self.options, self.low_weight_tables = low, rewrite_options, low_weight_tables
         self.targets = {n.name: n.target for n in data.graphs[0].gm.graph.nodes}
@@ -243,7 +244,7 @@ class FxTrials(Trials[Batch]):
                 plan = paint(graph.view, self.low, matching(graph.gm, carried),
                              low_weight_tables=self.low_weight_tables)
             trial = shared_copy(graph.gm)
-            rewrite(trial, plan, self.low, **self.options)
+            rewrite(trial, plan, self.low, self.options)
             mine = [(b, *data.kept[b], flatten_inputs(graph.gm, *data.kept[b], b)) for b in batches
                     if data.graph_of[b] == which]
             with torch.no_grad():

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import fx
@@ -84,35 +84,56 @@ def keep_finite(plan: PrecisionPlan, finding: Finding, low: str) -> dict[str, De
     return decisions
 
 
-def check(fp32: fx.GraphModule, inputs: list, plan: PrecisionPlan, low: str,
-          convert: Callable[[PrecisionPlan, dict[str, Decision]], tuple[fx.GraphModule, PrecisionPlan]],
-          converted: fx.GraphModule) -> tuple[fx.GraphModule, dict[str, Any]]:
-    """Rules 1-3: ``converted`` (made from ``plan``), or one made again by ``convert`` with culprits kept fp32;
-    and what to record (empty when the first check passed)."""
-    kept: dict[str, Decision] = {}
-    for _ in range(ROUNDS):
+class Check:
+    """Rules 1-3, one round at a time: the pipeline rewrites the graph again between rounds
+    (:func:`amppass.pipelines.stages.finite_check`), so the check holds no way of converting of its own.
+
+    ``fp32``: the prepared graph before the rewrite; ``inputs``: its placeholder values on the example. After the
+    last round, ``info`` holds what to record (empty when the first check passed)."""
+
+    def __init__(self, fp32: fx.GraphModule, inputs: list, low: str):
+        self.fp32, self.inputs, self.low = fp32, inputs, low
+        self.kept: dict[str, Decision] = {}  # every culprit kept fp32 so far
+        self.info: dict[str, Any] = {}
+        self.rounds = 0
+        self.finding: Finding | None = None
+
+    def again(self, converted: fx.GraphModule, plan: PrecisionPlan) -> bool:
+        """Check ``converted`` (made from ``plan``): True where culprits were added to :attr:`kept`, so the graph
+        is to be planned and rewritten again with them; False when the check is over (:attr:`info` says how)."""
+        if self.rounds == ROUNDS:
+            return self._gave_up()
+        self.rounds += 1
         try:
-            finding = non_finite(fp32, converted, inputs)
+            finding = non_finite(self.fp32, converted, self.inputs)
         except Exception as err:  # noqa: BLE001 - a graph that cannot run outside its compiler is not checked
             log.info("the example call was not checked: the graph does not run on it eagerly (%s)",
                      first_line(err, 200))
-            return converted, {"non_finite": {"not_checked": first_line(err, 200)}}
+            self.info = {"non_finite": {"not_checked": first_line(err, 200)}}
+            return False
         if finding is None:
-            if kept:
+            if self.kept:
                 log.warning("the converted model's output went non-finite on the example inputs in %s where fp32's "
-                            "is finite; kept fp32: %s", low, ", ".join(kept))
-            return converted, ({"non_finite": {"kept_fp32": list(kept)}} if kept else {})
-        added = keep_finite(plan, finding, low)
+                            "is finite; kept fp32: %s", self.low, ", ".join(self.kept))
+                self.info = {"non_finite": {"kept_fp32": list(self.kept)}}
+            return False
+        self.finding = finding
+        added = keep_finite(plan, finding, self.low)
         if not added:
-            break
-        kept.update(added)
-        converted, plan = convert(plan, kept)
-    assert finding is not None  # every round that found nothing returned above
-    where = f"; it starts at node {finding.node!r}" if finding.node else ""
-    log.warning("the converted model's %s is inf or NaN on the example inputs where fp32's is finite%s (kept fp32 "
-                "so far: %s); keep that node fp32 with keep_fp32=[...] or convert with calibration= and tolerance=",
-                finding.output, where, ", ".join(kept) or "none", )
-    return converted, {"non_finite": {"output": finding.output, "node": finding.node, "kept_fp32": list(kept)}}
+            return self._gave_up()
+        self.kept.update(added)
+        return True
+
+    def _gave_up(self) -> bool:
+        """Rule 3's warning: what is still non-finite after the last round, or where no culprit can be kept."""
+        finding = self.finding
+        assert finding is not None
+        where = f"; it starts at node {finding.node!r}" if finding.node else ""
+        log.warning("the converted model's %s is inf or NaN on the example inputs where fp32's is finite%s (kept fp32 "
+                    "so far: %s); keep that node fp32 with keep_fp32=[...] or convert with calibration= and "
+                    "tolerance=", finding.output, where, ", ".join(self.kept) or "none", )
+        self.info = {"non_finite": {"output": finding.output, "node": finding.node, "kept_fp32": list(self.kept)}}
+        return False
 
 
 def _outputs(gm: fx.GraphModule, inputs: list) -> list[bool | None]:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from amppass.analysis.options import RewriteOptions
 from amppass.analysis.plan import Category, Decision, Precision, PrecisionPlan, Source
 from amppass.analysis.record import META_KEY
 from amppass.dtypes import BF16, FP16, LowType
@@ -67,7 +68,7 @@ def _rewritten(captured, low: LowType = BF16, changed=None, **options):
     for node in view.nodes:
         precision = (changed or {}).get(node.name, _DEFAULT[node.category])
         plan[node.name] = Decision(precision, f"{precision.value} in the test", Source.OVERRIDE, rule="force-low")
-    stats = rewrite(gm, plan, low, **options)
+    stats = rewrite(gm, plan, low, RewriteOptions(**options))
     return gm, stats
 
 

@@ -122,7 +122,7 @@ def test_timings_disturbed_by_load_fall_back_to_the_prior_and_are_never_cached(c
 def test_a_cpu_without_native_bf16_keeps_fp32_without_timing_a_kernel(cache, monkeypatch, caplog):
     monkeypatch.setattr(device, "cpu_facts", lambda: AVX2)
     # the line is said once per process: on an AVX2 machine an earlier test may have said it already
-    monkeypatch.setattr(importlib.import_module("amppass.pipelines.convert"), "_SAID", set())
+    monkeypatch.setattr(importlib.import_module("amppass.pipelines.stages"), "_SAID", set())
 
     def never(*args, **kwargs):
         raise AssertionError("a kernel was timed on a device where nothing can win")

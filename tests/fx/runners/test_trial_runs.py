@@ -10,6 +10,7 @@ import torch
 
 import amppass
 from amppass.analysis.calibration import max_runs
+from amppass.analysis.options import RewriteOptions
 from amppass.analysis.painting import paint
 from amppass.analysis.plan import Decision, Precision, Source
 from amppass.fx.capture.export import capture
@@ -25,8 +26,7 @@ def _trials(case, batches, dtype="fp16"):
     gm = capture(case.model, case.example_inputs)
     view = build_view(gm, target)[0]
     data = calibrate(gm, batches, view, replay=target.low.torch, keep=True)
-    options = {"precast_weights": True, "keep_io_types": True, "weights_low": False}
-    return FxTrials(data, target.low, options, False), view, target.low
+    return FxTrials(data, target.low, RewriteOptions(), False), view, target.low
 
 
 def test_runs_from_the_kept_fp32_prefix_give_the_whole_trials_errors():
