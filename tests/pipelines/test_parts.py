@@ -376,3 +376,27 @@ def test_a_model_converted_by_parts_is_an_artifact_of_its_own_class(tmp_path):
     assert type(twin) is type(fast) and parts_of(twin).converted == parts_of(fast).converted
     with torch.no_grad():
         assert torch.equal(twin(images)[0], fast(images)[0])
+
+
+def test_only_the_converting_context_is_noted_and_other_threads_keep_their_warnings(caplog):
+    """The handler acts in the context of the part being converted: another thread's warning at that moment stays
+    a warning, an error stays an error, and amppass's logger is as it was after."""
+    import logging
+    import threading
+
+    from amppass.pipelines.parts import _notes_of
+    from amppass.serving.parts import PartsRecord
+
+    record = PartsRecord(converted=[], eager={}, macs=None, dtype="bf16", mode="inference", why_whole="a branch")
+    log, package = logging.getLogger("amppass.pipelines.convert"), logging.getLogger("amppass")
+    before = (list(package.handlers), package.propagate)
+    with caplog.at_level(logging.INFO, logger="amppass"):
+        with _notes_of(record, "head"):
+            log.warning("here")
+            other = threading.Thread(target=log.warning, args=("elsewhere",))
+            other.start()
+            other.join()
+            log.error("an error")
+    assert {r.getMessage(): r.levelname for r in caplog.records} == {"here": "INFO", "elsewhere": "WARNING",
+                                                                     "an error": "ERROR"}
+    assert record.notes == {"head": ["here"]} and (list(package.handlers), package.propagate) == before
