@@ -27,7 +27,7 @@ from ..fx.capture.modes import module_mode
 from ..fx.prepare.aliasing import functional_writes
 from ..fx.runners import region_timing
 from ..fx.view.build import build_view
-from ..serving.artifact import Kind, record_of
+from ..serving.artifact import record_of
 from ..serving.dropin import in_own_class, transformers_call, with_signature
 from ..serving.fp32_original import keep_original
 from ..serving.serving_graph import ServingGraph
@@ -80,7 +80,8 @@ def convert(
     tolerance: float | None = None,
     progress: bool = False,
 ) -> nn.Module:
-    """Return a mixed-precision ``torch.fx.GraphModule`` computing what ``model`` computes.
+    """Return a mixed-precision module computing what ``model`` computes (one of the kinds of
+    :mod:`amppass.serving.artifact`, each of which :func:`amppass.report` reads; the last paragraph says which).
 
     Args:
         model: the module to convert; it is never changed. A ``torch.export.ExportedProgram`` (from
@@ -128,12 +129,18 @@ def convert(
         progress: show a progress bar on stderr while calibrating.
 
     The returned module records its decisions in ``node.meta["amppass"]``; ``amppass.report`` reads them.
-    Captured with example inputs, it is a :class:`~amppass.serving.serving_graph.ServingGraph`: it takes every input
-    shape the original model takes, converting again (a few plans at most, cached) where torch.export had
-    to fix a dimension. A transformers model (any head), and a module whose class offers more than ``forward``
+    Captured with example inputs, it is a :class:`~amppass.serving.serving_graph.ServingGraph` (a
+    ``torch.fx.GraphModule``): it takes every input shape the original model takes, converting again (a few plans at
+    most, cached) where torch.export had to fix a dimension. Without example inputs it is a symbolically traced
+    ``GraphModule``. A transformers model (any head), and a module whose class offers more than ``forward``
     (sentence-transformers' ``encode()``), comes back in its own class with its attributes and ``forward``'s
     signature, ``generate()`` included, its ``forward`` running the converted graphs
-    (:mod:`amppass.serving.dropin`); a train-mode model's ``forward`` shows the original's signature too.
+    (:mod:`amppass.serving.dropin`); a train-mode model's ``forward`` shows the original's signature too. Where
+    profitability keeps the original in fp32, it is the original in its own class
+    (:mod:`amppass.serving.fp32_original`). A model torch.export cannot capture whole (with example inputs) comes
+    back converted by parts: a copy in its own class whose largest submodules that capture are converted, its own
+    Python running between them in fp32 (:mod:`amppass.pipelines.parts`); a
+    :class:`~amppass.errors.CaptureError` is raised only where no submodule converts either.
     """
     # train mode as model.train() (or a fresh module) leaves it: every module; a model whose library put its layers
     # in eval (a SentenceTransformer around a from_pretrained model) is not being trained
@@ -233,14 +240,11 @@ def _check_example_dtypes(model: nn.Module, args: tuple, kwargs: dict) -> None:
 def _inference_only(converted: nn.Module, name: str) -> None:
     """A model converted for inference from train mode without ``mode=`` (:func:`convert` warned): in eval mode,
     its converted graph refusing a call in train mode with gradients enabled (training it)."""
-    found = record_of(converted)
-    graph = found.inner.module if found is not None and found.kind is Kind.DROP_IN else converted
-    if isinstance(graph, ServingGraph):
-        graph.refuse_training(
-            f"{name} was converted for inference (amppass.convert without mode=, from a model in "
-            "train mode): its graph computes eval behaviour and holds no trainable weights, so it cannot be trained; "
-            "convert the original with mode='train' to train it, or call .eval() (or run it under torch.no_grad()) "
-            "to use it for inference")
+    record_of(converted).refuse_training(
+        f"{name} was converted for inference (amppass.convert without mode=, from a model in "
+        "train mode): its graph computes eval behaviour and holds no trainable weights, so it cannot be trained; "
+        "convert the original with mode='train' to train it, or call .eval() (or run it under torch.no_grad()) "
+        "to use it for inference")
     converted.eval()
 
 
@@ -268,7 +272,7 @@ def _convert_module(model: nn.Module, example: tuple[Any, dict] | None, settings
     served = Captures(model, settings, False).served(gm, example)
     if settings.measures_whole_model and example is not None:
         served = _faster_of(served, model, example, settings.options.costs)
-        if record_of(served).kind is Kind.KEPT:
+        if record_of(served).in_model_class:
             return served  # the original itself, in its own class already
     # a drop-in: the model's class, attributes and signature; its saves write the plan beside the weights
     return in_own_class(model, served, plan_file)

@@ -304,22 +304,13 @@ def _refuse_converted(model: torch.nn.Module) -> None:
     """export_onnx exports a float32 model and converts the ONNX graph: a module amppass already converted
     would be exported with its casts and low weights, which shape inference then rejects."""
     from ..analysis.record import META_KEY
-    from ..serving.artifact import Kind, record_of
+    from ..serving.artifact import Artifact, record_of
 
-    name = type(model).__name__
     found = record_of(model)
-    kind = found.kind if found is not None else None
-    if kind is Kind.TRAIN:
-        raise InputError(f"export_onnx exports a float32 model and converts it; this {name} was converted by amppass "
-                         "in train mode: load what it learned into the original model (original.load_state_dict("
-                         "model.state_dict()): the keys are the original's) and pass the original")
-    if kind is Kind.PARTS:
-        raise InputError(f"export_onnx exports a float32 model and converts it; this {name} was converted by parts "
-                         "by amppass: pass the original float32 model, which export_onnx exports with the "
-                         "TorchScript exporter where the dynamo exporter cannot take it whole")
-    if found is not None or META_KEY in getattr(model, "meta", {}):  # the latter: a wrapper of one (torch.compile's)
-        raise InputError(f"export_onnx exports a float32 model and converts it; this {name} was already converted by "
-                         "amppass: pass the original float32 model (amppass.export_onnx(model, example_inputs, path))")
+    if found is None and META_KEY in getattr(model, "meta", {}):  # a wrapper of one (torch.compile's)
+        found = Artifact(model, model.meta[META_KEY])
+    if found is not None:
+        raise InputError(found.export_refusal())  # each kind says what to pass instead
 
 
 def export_fp32(torch_model: torch.nn.Module, example_inputs: Any, opset: int | None = None,

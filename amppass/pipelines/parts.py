@@ -33,18 +33,25 @@ Rules:
    with on each batch, and a ``tolerance`` holds for each part's own outputs.
 7. **Told.** :class:`~amppass.serving.parts.PartsRecord` names each part and, for each module that runs as
    the model's code, why: ``amppass.report`` shows it, and the share of the model's multiply-adds that runs
-   low, counted on one call of the converted model.
-8. **Saved as the original.** The class's own ``save_pretrained`` and ``save`` write what the original's would,
-   its keys and fp32 weights (:func:`~amppass.serving.parts.with_original_savers`); a train-mode model's parts
-   hold the original's keys already.
+   low, counted on one call of the converted model. Whether a part is better left fp32 is read from its own
+   record (:meth:`~amppass.serving.artifact.Artifact.fp32_because`). The conversion logs one warning in all:
+   what amppass warns while one part converts goes into the record's ``notes`` and is logged at info level,
+   by a handler on amppass's own logger that acts only in the context of that part's conversion (no filter on
+   any logger; other threads' records pass as they are).
+8. **Saved as the original.** The result is an instance of :class:`~amppass.serving.parts.ByParts`'s subclass of
+   the model's class, a converted artifact as a kept original is: its class's own ``save_pretrained`` and ``save``
+   (the savers every converted model's class shares) write what the original's would, its keys and fp32 weights;
+   a train-mode model's parts hold the original's keys already.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import inspect
 import logging
+import threading
 from typing import Any, Callable, Iterator
 
 import torch
@@ -56,15 +63,12 @@ from ..fx.capture.copies import shared_copy
 from ..fx.capture.inputs import example_call
 from ..fx.capture.modes import module_mode
 from ..fx.view.macs import measured_macs
-from ..report.fx_reader import read_graph_module
-from ..serving.artifact import Kind, record_of
-from ..serving.parts import PARTS_KEY, PartsRecord, with_original_savers
+from ..serving.artifact import record_of
+from ..serving.parts import PartsRecord, by_parts
 
 log = logging.getLogger(__name__)
 
 Call = tuple[tuple, dict]  # one call's positional and keyword arguments
-KEPT = "kept in fp32: its converted graph measured slower than the original here"
-NOTHING_LOW = "nothing in it runs in low precision (its ops stay fp32 by the policy)"
 ConvertOne = Callable[[nn.Module, Call, "list[Call] | None"], nn.Module]
 
 
@@ -87,13 +91,13 @@ def convert_by_parts(model: nn.Module, example: tuple[Any, dict], why: CaptureEr
     tied = _tied(tree) if train else []
     _descend(tree, "", calls, batches, record, convert_one, {})
     _retie(tree, tied)
-    if not record.converted and not any(why.startswith((KEPT, NOTHING_LOW)) for why in record.eager.values()):
+    if not record.converted and not record.kept_fp32:
         raise CaptureError(f"{why} No submodule of {type(model).__name__} converts on its own either "
                            f"({_tried(record)}); the model runs as it is in fp32") from why
     tree.train(train)
-    tree.__dict__[PARTS_KEY] = record
-    if not train:
-        with_original_savers(tree)  # a train-mode part's state is the original's keys already
+    if by_parts(tree, record) is None:
+        raise CaptureError(f"{why} Its parts convert, but {type(model).__name__}'s class cannot take another base "
+                           "to hold them; the model runs as it is in fp32") from why
     total, low = measured_macs(lambda: _call(tree, args, kwargs, train))
     record.info = {"macs_total": total, "macs_low": low}
     if record.converted:
@@ -164,7 +168,7 @@ def _descend(module: nn.Module, prefix: str, calls: dict[int, Call], batches: li
             continue
         own = [_as_batch(child, b[id(child)]) for b in batches if id(child) in b] if batches is not None else None
         try:
-            with _warnings_as_info():
+            with _notes_of(record, path):
                 converted = convert_one(child, call, own)
         except CaptureError as err:
             record.eager[path] = _reason(err)
@@ -176,9 +180,10 @@ def _descend(module: nn.Module, prefix: str, calls: dict[int, Call], batches: li
             record.eager[path] = f"not converted ({type(err).__name__}: {first_line(err, 200)})"
             _descend(child, path, calls, batches, record, convert_one, done)
             continue
-        kept = _kept_reason(converted)
+        kept = record_of(converted).fp32_because()  # a part is converted whole: it holds its own record
         if kept is not None:
             record.eager[path] = kept
+            record.kept_fp32.append(path)
             continue
         module._modules[name] = done[id(child)] = converted
         record.converted.append(path)
@@ -186,25 +191,59 @@ def _descend(module: nn.Module, prefix: str, calls: dict[int, Call], batches: li
             record.originals[path] = child
 
 
-@contextlib.contextmanager
-def _warnings_as_info() -> Iterator[None]:
-    """amppass's warnings while one part converts, logged at info level: the parts record says what each part
-    became, and the conversion one warning in all."""
-    def demote(record: logging.LogRecord) -> bool:
-        if record.levelno == logging.WARNING and record.name.startswith("amppass"):
-            record.levelno, record.levelname = logging.INFO, "INFO"
-            return logging.getLogger(record.name).isEnabledFor(logging.INFO)
-        return True
+_NOTES: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("amppass_part_notes", default=None)
+_PACKAGE = logging.getLogger("amppass")
 
-    loggers = [logger for name, logger in logging.Logger.manager.loggerDict.items()
-               if name.startswith("amppass") and isinstance(logger, logging.Logger)]
-    for logger in loggers:
-        logger.addFilter(demote)
+
+class _PartNotes(logging.Handler):
+    """First on amppass's own logger while parts convert (:func:`_notes_of`), which then propagates through it
+    alone: in the context of one part's conversion, an amppass warning is noted in the parts record and passed on at
+    info level; every other record (another thread's, another level) is passed on as it is, to the handlers above
+    amppass's logger, as propagating would have (where it propagated before)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.users = 0  # conversions of a part under way, in any thread
+        self.propagated = True  # whether amppass's logger propagated before the first of them
+
+    def emit(self, record: logging.LogRecord) -> None:
+        notes = _NOTES.get()
+        if notes is not None and record.levelno == logging.WARNING:
+            notes.append(record.getMessage())
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            if not logging.getLogger(record.name).isEnabledFor(logging.INFO):
+                return
+        if self.propagated and _PACKAGE.parent is not None:
+            _PACKAGE.parent.callHandlers(record)
+
+
+_HANDLER = _PartNotes()
+_HANDLING = threading.Lock()
+
+
+@contextlib.contextmanager
+def _notes_of(record: PartsRecord, path: str) -> Iterator[None]:
+    """Rule 7 while the part at ``path`` converts: amppass's warnings in this context go to ``record.notes[path]``,
+    logged at info level (:class:`_PartNotes`); amppass's logger is as it was once no part converts."""
+    notes: list[str] = []
+    with _HANDLING:
+        if not _HANDLER.users:
+            _HANDLER.propagated = _PACKAGE.propagate
+            _PACKAGE.handlers.insert(0, _HANDLER)
+            _PACKAGE.propagate = False
+        _HANDLER.users += 1
+    token = _NOTES.set(notes)
     try:
         yield
     finally:
-        for logger in loggers:
-            logger.removeFilter(demote)
+        _NOTES.reset(token)
+        with _HANDLING:
+            _HANDLER.users -= 1
+            if not _HANDLER.users:
+                _PACKAGE.removeHandler(_HANDLER)
+                _PACKAGE.propagate = _HANDLER.propagated
+        if notes:
+            record.notes[path] = notes
 
 
 def _as_batch(module: nn.Module, call: Call) -> Any:
@@ -248,17 +287,6 @@ def _parameter(tree: nn.Module, name: str) -> nn.Parameter | None:
 
 def _holds_weights(module: nn.Module) -> bool:
     return any(p.is_floating_point() for p in module.parameters())
-
-
-def _kept_reason(converted: nn.Module) -> str | None:
-    """Why a converted part is better left as the original (rule 3), or None to use it. A part is converted whole,
-    so it is a kept original or holds its decisions in one graph."""
-    found = record_of(converted)
-    if found.kind is Kind.KEPT:
-        return KEPT
-    if not any(row.precision in ("fp16", "bf16") for row in read_graph_module(found.graph).rows):
-        return NOTHING_LOW
-    return None
 
 
 def _reason(err: BaseException) -> str:

@@ -9,9 +9,8 @@ from torch import fx
 
 from ..errors import InputError
 from ..report.fx_reader import read_graph_module
-from ..report.report import Report, merged
-from ..serving.artifact import Artifact, Kind, record_of
-from ..serving.parts import PartsRecord
+from ..report.report import Report
+from ..serving.artifact import record_of
 
 
 def report(converted: Any) -> Report:
@@ -40,7 +39,7 @@ def report(converted: Any) -> Report:
         return session.report()
     found = record_of(converted)
     if found is not None:
-        return _report_of(found)
+        return found.report()  # each kind reads its own (serving.artifact)
     if isinstance(converted, fx.GraphModule):
         return read_graph_module(converted)  # says it carries no amppass decisions
     if isinstance(converted, (str, os.PathLike)) or type(converted).__name__ == "ModelProto":
@@ -56,26 +55,3 @@ def report(converted: Any) -> Report:
 def _compiled(value: Any) -> bool:
     """Whether ``value`` is what ``torch.compile`` returned (a module wrapper or a function)."""
     return hasattr(value, "dynamo_ctx") or hasattr(value, "_torchdynamo_orig_callable")
-
-
-def _report_of(found: Artifact) -> Report:
-    """The report of a converted artifact: read from the graph that holds its record (a train-mode model's train
-    graph, a drop-in's converted graph); a kept original's one row; the parts of a model converted by parts."""
-    if found.kind is Kind.PARTS:
-        return _parts_report(found.module, found.parts)
-    if found.kind is Kind.DROP_IN:
-        return _report_of(found.inner)
-    if found.kind is Kind.KEPT:
-        return found.module.report()
-    return read_graph_module(found.graph)
-
-
-def _parts_report(model: Any, record: PartsRecord) -> Report:
-    """One report over the parts of a model converted by parts, with what runs as the model's code and why."""
-    whole = merged((path, report(part)) for path, part in record.modules(model).items())
-    whole.info.update({
-        "front_end": "fx", "dtype": record.dtype, "mode": record.mode,
-        "parts": {"converted": list(record.converted), "eager": dict(record.eager), "why_whole": record.why_whole,
-                  **record.info},
-    })
-    return whole

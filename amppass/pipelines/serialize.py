@@ -48,9 +48,8 @@ from ..files import Staged, check_writable
 from ..fx.capture.export import capture_program, capturing, size_one_dynamic
 from ..fx.capture.guards import GUARDS_KEY, ShapeGuards
 from ..report import meta
-from ..serving.artifact import Kind, record_of
+from ..serving.artifact import record_of
 from ..serving.dropin import changed_weight, in_own_class
-from ..serving.fp32_original import kept_because
 from ..serving.serving_graph import ServingGraph
 
 log = logging.getLogger(__name__)
@@ -387,35 +386,12 @@ def is_converted(program: torch.export.ExportedProgram) -> bool:
 
 
 def _served(converted: Any) -> ServingGraph:
-    """The ServingGraph that :func:`save` writes of ``converted``; InputError saying why where it holds none."""
-    from ..serving.dropin import TransformersDropIn
-
+    """The ServingGraph that :func:`save` writes of ``converted``; InputError saying why where it holds none (each
+    kind says it: :meth:`~amppass.serving.artifact.Artifact.saved_graph`)."""
     found = record_of(converted)
-    if found is not None and isinstance(converted, TransformersDropIn) and not converted.can_generate():
-        found = found.inner  # a forward and nothing else to lose: the file holds its graph
-    kind = found.kind if found is not None else None
-    if kind is Kind.DROP_IN:
-        raise InputError(f"{type(converted).__name__} is a converted model in its own class; amppass.save writes a "
-                         "graph alone, without the class's methods (generate(), encode()): "
-                         "amppass.save(model.converted, path), or convert the model where it runs")
-    if kind is Kind.PARTS:
-        raise InputError(f"{type(converted).__name__} was converted by parts: its own Python runs between the "
-                         "converted parts, and a .pt2 file holds one graph; save its state_dict() and convert the "
-                         "original again where it runs, or amppass.save(model.<part>, path) for one part")
-    if kind is Kind.TRAIN:
-        raise InputError("amppass.save writes inference models; for a train-mode model save its state_dict() as a "
-                         "checkpoint, and convert the trained model with mode='inference' to ship it")
-    if kind is Kind.SERVING:
-        return found.module
-    if kind is Kind.KEPT:
-        raise InputError(f"amppass.convert kept the original {found.module.original_class.__name__} in fp32 "
-                         f"({kept_because(found.record)}), so there is no converted graph to save: ship the original "
-                         "model as it is, or convert with plan_for='coverage' (or on the machine you deploy on, or "
-                         "with costs= from it) to save a converted one")
-    if kind is Kind.GRAPH:
-        raise InputError(f"{type(found.module).__name__} was converted without example inputs (symbolically traced), "
-                         "so it has no input shapes to export; convert it with example_inputs to save it")
-    raise InputError(f"amppass.save takes the module amppass.convert returned, got {type(converted).__name__}")
+    if found is None:
+        raise InputError(f"amppass.save takes the module amppass.convert returned, got {type(converted).__name__}")
+    return found.saved_graph()
 
 
 def _info(converted: ServingGraph) -> dict[str, Any]:

@@ -147,9 +147,9 @@ def with_signature(module: nn.Module, model: nn.Module) -> nn.Module:
         signed = _signed[(cls, wanted)] = type(cls.__name__, (cls,), {
             **own, "forward": functools.wraps(wanted.forward)(forward),
             "__module__": cls.__module__, "__doc__": cls.__doc__, "__qualname__": cls.__qualname__,
-            **_savers(wanted, _trained_saveable),
+            **savers(wanted, _trained_saveable),
         })
-    if _savers(wanted, _trained_saveable):  # rule 8: the class and plain attributes to save the trained tensors as
+    if savers(wanted, _trained_saveable):  # rule 8: the class and plain attributes to save the trained tensors as
         module.__dict__["_amppass_saved_as"] = (wanted, _plain_attributes(model))
     if not is_transformers_model(model):  # rule 7: what the class's own methods read
         for key, value in _plain_attributes(model).items():
@@ -305,11 +305,11 @@ def _dropin_class(cls: type, mixin: type) -> type:
         made = _classes[(cls, mixin)] = type(cls.__name__, (mixin, cls), {
             "forward": functools.wraps(cls.forward)(_calling(mixin._forward)), "__module__": __name__,
             "__doc__": f"{cls.__name__} whose forward runs an amppass-converted module (amppass.serving.dropin).",
-            **_savers(cls, mixin._amppass_saveable)})
+            **savers(cls, mixin._amppass_saveable)})
     return made
 
 
-def _savers(cls: type, saveable: Callable[[Any, str], tuple[nn.Module, Callable[[str], None]]]) -> dict[str, Any]:
+def savers(cls: type, saveable: Callable[[Any, str], tuple[nn.Module, Callable[[str], None]]]) -> dict[str, Any]:
     """Rules 8 and 9: each of ``cls``'s own save methods, run on the module ``saveable(self, name)`` gives (of
     ``cls``, holding the weights to write) instead of on the converted module, then the function it gives on
     the folder written (not where transformers' ``is_main_process=False`` says another process writes it)."""
@@ -328,6 +328,20 @@ def _savers(cls: type, saveable: Callable[[Any, str], tuple[nn.Module, Callable[
             return done
 
         made[name] = functools.wraps(method)(save)
+    return made
+
+
+_mixed: dict[tuple[type, type], type] = {}
+
+
+def mixed_class(mixin: type, cls: type, doc: str, methods: Callable[[type], dict[str, Any]]) -> type:
+    """The subclass of ``mixin`` and a model's class ``cls`` that a converted model in its own class is an instance
+    of (a kept original, a model converted by parts), made once: named as ``cls``, in ``mixin``'s module, with
+    ``doc`` and ``methods(cls)`` (its save methods)."""
+    made = _mixed.get((mixin, cls))
+    if made is None:
+        made = _mixed[(mixin, cls)] = type(cls.__name__, (mixin, cls), {
+            "__module__": mixin.__module__, "__qualname__": cls.__qualname__, "__doc__": doc, **methods(cls)})
     return made
 
 

@@ -24,7 +24,7 @@ from torch import nn
 from ..analysis.record import META_KEY
 from ..fx.capture.copies import shared_copy
 from ..report.report import Report, Row
-from .dropin import said_at_save, saved_folder
+from .dropin import mixed_class, said_at_save, saved_folder
 
 log = logging.getLogger(__name__)
 
@@ -93,22 +93,14 @@ def keep_original(model: nn.Module, info: dict[str, Any]) -> KeptFp32 | None:
     return kept
 
 
-_classes: dict[type, type] = {}
-
-
 def _remade(cls: type) -> KeptFp32:
     """An empty instance of the kept class of ``cls``, for copy and pickle to fill with its state."""
     return object.__new__(_kept_class(cls))
 
 
 def _kept_class(cls: type) -> type:
-    made = _classes.get(cls)
-    if made is None:
-        made = _classes[cls] = type(cls.__name__, (KeptFp32, cls), {
-            "__module__": __name__, "__qualname__": cls.__qualname__,
-            "__doc__": f"{cls.__name__} kept in fp32 by amppass.convert (amppass.serving.fp32_original).",
-            **_saying_savers(cls)})
-    return made
+    return mixed_class(KeptFp32, cls, f"{cls.__name__} kept in fp32 by amppass.convert "
+                       "(amppass.serving.fp32_original).", _saying_savers)
 
 
 def _saying_savers(cls: type) -> dict[str, Any]:

@@ -3,21 +3,25 @@
 :mod:`amppass.pipelines.parts` builds it where torch.export cannot take the whole model. What it returns is a
 private copy of the model (an instance of the model's own class, every method and attribute the model has)
 whose converted submodules stand in their originals' places; the code between them is the model's own
-Python. This module holds what that copy carries: :class:`PartsRecord` (which submodule became what, and why
-the others run as the model's code), read by :func:`amppass.report` and checked by everything that takes a
-converted model.
+Python. This module holds what that copy is: an instance of :class:`ByParts`'s subclass of the model's class
+(:func:`by_parts`), as a kept original is of :class:`~amppass.serving.fp32_original.KeptFp32`'s, carrying its
+:class:`PartsRecord` (which submodule became what, and why the others run as the model's code), which
+:class:`~amppass.serving.artifact.PartsArtifact` answers with; the class's own ``save_pretrained`` and ``save`` are
+the shared savers of :mod:`amppass.serving.dropin`, writing the original.
 """
 
 from __future__ import annotations
 
 import copy
-import functools
+import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from torch import nn
 
-from .dropin import said_at_save, saved_folder
+from .dropin import mixed_class, said_at_save, savers
+
+log = logging.getLogger(__name__)
 
 PARTS_KEY = "_amppass_parts"  # instance attribute of the returned model holding its PartsRecord
 
@@ -29,7 +33,10 @@ class PartsRecord:
     ``converted``: the paths whose module was converted; ``eager``: the paths that run as the model's own code,
     each with why (the capture's one-line reason, or why it was not tried); ``macs``: the multiply-adds one
     eager call of the model on the example made, counted by torch's FLOP counter (None if it counted none);
-    ``dtype`` and ``mode`` of the conversion; ``why_whole``: why the model itself did not capture whole.
+    ``dtype`` and ``mode`` of the conversion; ``why_whole``: why the model itself did not capture whole;
+    ``kept_fp32``: the paths (of ``eager``) that converted but run as the original, as their conversion says
+    they are better left (slower converted, or nothing in them runs low); ``notes``: by path, what amppass
+    warned while that part converted (logged at info level: this record says what each part became).
     """
 
     converted: list[str]
@@ -39,6 +46,8 @@ class PartsRecord:
     mode: str
     why_whole: str
     info: dict[str, Any] = field(default_factory=dict)
+    kept_fp32: list[str] = field(default_factory=list)
+    notes: dict[str, list[str]] = field(default_factory=dict)  # amppass's warnings while each part converted
     originals: dict[str, nn.Module] = field(default_factory=dict, repr=False)  # inference: each part's module
 
     def modules(self, model: nn.Module) -> dict[str, nn.Module]:
@@ -46,41 +55,71 @@ class PartsRecord:
         return {path: model.get_submodule(path) for path in self.converted}
 
 
-# the model class's own ways to write it to disk (transformers, sentence-transformers)
-SAVERS = ("save_pretrained", "save")
+class ByParts(nn.Module):
+    """What amppass adds to the class of a model converted by parts: its record (:func:`parts_of`) and the class's
+    own save methods writing the original. Made by :func:`by_parts`; defines no ``forward``: the model class's runs
+    (its own Python between the converted parts)."""
+
+    @property
+    def original_class(self) -> type:
+        """The class of the model that was converted."""
+        return type(self).__mro__[2]
+
+    def _amppass_saveable(self, how: str) -> tuple[nn.Module, Callable[[str], None]]:
+        """What the class's ``how`` method writes (:mod:`amppass.pipelines.parts`, rule 8): this model in its own
+        class with each converted part its original again, whose tensors are the caller's fp32 ones (in train mode
+        its parts hold the original's keys already, and their fp32 tensors trained); then the log line saying so."""
+        record = parts_of(self)
+        name, weights = self.original_class.__name__, "trained fp32" if record.mode == "train" else "fp32"
+
+        def beside(folder: str) -> None:
+            said_at_save("parts", f"{name}.{how}({folder!r}) wrote the original's keys and {weights} weights; a model "
+                         "converted by parts is not saved with its conversion (its own Python runs between the "
+                         "converted parts): convert the loaded model again")
+
+        return _originals(self, "", record.originals), beside
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Copied and pickled as what it is: an instance of the by-parts class of its original's class, with its
+        state (the original's class must be importable to load it)."""
+        return _remade, (self.original_class,), self.__dict__
 
 
-def with_original_savers(model: nn.Module) -> None:
-    """Give a model converted by parts for inference the save methods its class has, writing what the original's
-    would (its keys and fp32 weights, which its plain class loads): each runs on a module tree of the model's
-    class whose converted parts are their originals again, which share the caller's fp32 tensors."""
-    for name in SAVERS:
-        if callable(getattr(type(model), name, None)):
-            model.__dict__[name] = functools.partial(_save_as_original, model, name)
+def by_parts(model: nn.Module, record: PartsRecord) -> nn.Module | None:
+    """``model`` (the private copy the parts were converted in) made an instance of the subclass of its class and
+    :class:`ByParts`, carrying ``record``; None for a class that cannot take another base (a C layout)."""
+    try:
+        model.__class__ = _parts_class(type(model))
+    except TypeError as err:
+        log.info("%s: the model cannot be held in a class of amppass's (%s)", type(model).__name__, err)
+        return None
+    model.__dict__[PARTS_KEY] = record
+    return model
 
 
-def _save_as_original(model: nn.Module, name: str, *args: Any, **kwargs: Any) -> Any:
-    record = parts_of(model)
-    done = getattr(_originals(model, "", record.originals), name)(*args, **kwargs)
-    folder = saved_folder(getattr(type(model), name), model, args, kwargs)
-    if folder is not None:
-        said_at_save("parts", f"{type(model).__name__}.{name}({folder!r}) wrote the original's keys and fp32 "
-                     "weights; a model converted by parts is not saved with its conversion (its own Python runs "
-                     "between the converted parts): convert the loaded model again")
-    return done
+def _parts_class(cls: type) -> type:
+    return mixed_class(ByParts, cls, f"{cls.__name__} converted by parts by amppass.convert (amppass.pipelines.parts).",
+                       lambda model_class: savers(model_class, ByParts._amppass_saveable))
+
+
+def _remade(cls: type) -> ByParts:
+    """An empty instance of the by-parts class of ``cls``, for copy and pickle to fill with its state."""
+    return object.__new__(_parts_class(cls))
 
 
 def _originals(module: nn.Module, prefix: str, originals: dict[str, nn.Module]) -> nn.Module:
     """``module`` (at ``prefix``) with every converted part below it its original again; a copy only where a part
-    is below it, sharing everything else."""
+    is below it (the model itself always, in its own class), sharing everything else."""
     if prefix in originals:
         return originals[prefix]
-    if not any(path.startswith(prefix + ".") or not prefix for path in originals):
+    if prefix and not any(path.startswith(prefix + ".") for path in originals):
         return module
-    copied = copy.copy(module)
-    for name in SAVERS:
-        copied.__dict__.pop(name, None)
-    copied.__dict__.pop(PARTS_KEY, None)
+    if prefix:
+        copied = copy.copy(module)
+    else:  # the model itself, in its own class: its save methods are the class's own
+        cls = module.original_class
+        copied = cls.__new__(cls)
+        copied.__dict__.update({key: value for key, value in vars(module).items() if key != PARTS_KEY})
     copied.__dict__["_modules"] = {name: _originals(child, f"{prefix}.{name}" if prefix else name, originals)
                                    if child is not None else None for name, child in module._modules.items()}
     return copied
@@ -88,5 +127,4 @@ def _originals(module: nn.Module, prefix: str, originals: dict[str, nn.Module]) 
 
 def parts_of(module: Any) -> PartsRecord | None:
     """The record of a model converted by parts, or None for any other object."""
-    record = getattr(module, "__dict__", {}).get(PARTS_KEY)
-    return record if isinstance(record, PartsRecord) else None
+    return module.__dict__[PARTS_KEY] if isinstance(module, ByParts) else None

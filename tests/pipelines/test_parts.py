@@ -317,3 +317,86 @@ def test_a_part_trained_by_parts_keeps_the_other_methods_its_parent_calls():
     torch.testing.assert_close(loss, expected, rtol=1e-2, atol=1e-3)
     grad, want = fast.head.fc.weight.grad, reference.head.fc.weight.grad
     assert (grad - want).norm() / want.norm() < 0.02
+
+
+def test_what_a_part_warns_is_noted_at_info_with_no_filter_on_any_logger(monkeypatch, caplog):
+    """One warning for the conversion: what amppass warns while a part converts goes into the parts record and is
+    logged at info level, without a filter on any logger while it converts, and amppass's logger is as it was."""
+    import logging
+
+    from amppass.pipelines import convert as convert_module
+
+    package = logging.getLogger("amppass")
+    before = (list(package.handlers), package.propagate)
+    filters: list[object] = []
+    whole = convert_module._convert_module
+
+    def warning_one(model, *args, **kwargs):
+        filters.extend(f for name, logger in logging.Logger.manager.loggerDict.items()
+                       if name.startswith("amppass") and isinstance(logger, logging.Logger) for f in logger.filters)
+        logging.getLogger("amppass.pipelines.convert").warning("converting %s", type(model).__name__)
+        return whole(model, *args, **kwargs)
+
+    monkeypatch.setattr(convert_module, "_convert_module", warning_one)
+    model, images = _detector()
+    with caplog.at_level(logging.INFO, logger="amppass"):
+        fast = amppass.convert(model, (images,), "bf16", plan_for="coverage")
+    said = {record.getMessage(): record.levelname for record in caplog.records
+            if record.getMessage().startswith("converting ")}
+    assert said == {"converting Detector": "WARNING", "converting Sequential": "INFO", "converting Scorer": "INFO",
+                    "converting Linear": "INFO"}
+    assert parts_of(fast).notes["backbone"] == ["converting Sequential"]
+    assert parts_of(fast).notes["head"] == ["converting Scorer"]
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "by parts" in r.getMessage()]
+    assert filters == [] and (list(package.handlers), package.propagate) == before
+
+
+class Saving(Detector):
+    """A class with its own save method (as sentence-transformers' ``save``)."""
+
+    def save(self, folder):
+        torch.save(self.state_dict(), f"{folder}/weights.pt")
+
+
+def test_a_model_converted_by_parts_is_an_artifact_of_its_own_class(tmp_path):
+    """Its class (not its instance) holds the save method writing the original, copies stay what they are."""
+    from amppass.serving.artifact import record_of
+    from amppass.serving.parts import ByParts
+
+    torch.manual_seed(0)
+    model, images = Saving().eval(), torch.randn(1, 3, 16, 16)
+    fast = amppass.convert(model, (images,), "bf16", plan_for="coverage")
+    assert isinstance(fast, ByParts) and isinstance(fast, Saving) and type(fast).__name__ == "Saving"
+    assert "save" not in vars(fast) and record_of(fast).kind == "parts"
+    fast.save(tmp_path)
+    saved = torch.load(tmp_path / "weights.pt")
+    assert saved.keys() == model.state_dict().keys()
+    assert all(torch.equal(saved[k], v) and saved[k].dtype == v.dtype for k, v in model.state_dict().items())
+    twin = copy.deepcopy(fast)
+    assert type(twin) is type(fast) and parts_of(twin).converted == parts_of(fast).converted
+    with torch.no_grad():
+        assert torch.equal(twin(images)[0], fast(images)[0])
+
+
+def test_only_the_converting_context_is_noted_and_other_threads_keep_their_warnings(caplog):
+    """The handler acts in the context of the part being converted: another thread's warning at that moment stays
+    a warning, an error stays an error, and amppass's logger is as it was after."""
+    import logging
+    import threading
+
+    from amppass.pipelines.parts import _notes_of
+    from amppass.serving.parts import PartsRecord
+
+    record = PartsRecord(converted=[], eager={}, macs=None, dtype="bf16", mode="inference", why_whole="a branch")
+    log, package = logging.getLogger("amppass.pipelines.convert"), logging.getLogger("amppass")
+    before = (list(package.handlers), package.propagate)
+    with caplog.at_level(logging.INFO, logger="amppass"):
+        with _notes_of(record, "head"):
+            log.warning("here")
+            other = threading.Thread(target=log.warning, args=("elsewhere",))
+            other.start()
+            other.join()
+            log.error("an error")
+    assert {r.getMessage(): r.levelname for r in caplog.records} == {"here": "INFO", "elsewhere": "WARNING",
+                                                                     "an error": "ERROR"}
+    assert record.notes == {"head": ["here"]} and (list(package.handlers), package.propagate) == before
