@@ -67,14 +67,20 @@ class Artifact:
         """``module`` as this kind, or None where it is not one."""
         raise NotImplementedError
 
+    def decisions(self) -> fx.GraphModule:
+        """The graph whose nodes hold the conversion's decisions (every kind without one answers its own way)."""
+        if self.graph is None:
+            raise TypeError(f"a {self.kind} artifact has no graph of decisions")
+        return self.graph
+
     def report(self) -> Report:
         """The report of the conversion: read from the graph that holds its decisions."""
-        return read_graph_module(self.graph)
+        return read_graph_module(self.decisions())
 
     def fp32_because(self) -> str | None:
         """Why nothing of it runs in low precision, or None where something does: read from each node's decision."""
         low = Precision.LOW.value
-        if any(node.meta[META_KEY].get("precision") == low for node in self.graph.graph.nodes
+        if any(node.meta[META_KEY].get("precision") == low for node in self.decisions().graph.nodes
                if META_KEY in node.meta):
             return None
         return NOTHING_LOW
@@ -114,7 +120,7 @@ class PartsArtifact(Artifact):
     def report(self) -> Report:
         """One report over the parts (rows named ``<path>.<node>``), with what runs as the model's code and why."""
         record = self.parts
-        whole = merged((path, record_of(part).report()) for path, part in record.modules(self.module).items())
+        whole = merged((path, _artifact(part).report()) for path, part in record.modules(self.module).items())
         whole.info.update({
             "front_end": "fx", "dtype": record.dtype, "mode": record.mode,
             "parts": {"converted": list(record.converted), "eager": dict(record.eager),
@@ -263,6 +269,14 @@ class GraphArtifact(Artifact):
 def _recorded(module: Any) -> bool:
     """Whether ``module`` carries a conversion's record."""
     return META_KEY in getattr(module, "meta", {})
+
+
+def _artifact(part: Any) -> Artifact:
+    """A converted part of a model converted by parts as its artifact (every converted part is one)."""
+    found = record_of(part)
+    if found is None:
+        raise TypeError(f"a converted part ({type(part).__name__}) holds no amppass record")
+    return found
 
 
 def record_of(module: Any) -> Artifact | None:

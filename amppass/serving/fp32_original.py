@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any
+from typing import Any, Mapping
 
 from torch import nn
 
@@ -65,7 +65,7 @@ class KeptFp32(nn.Module):
         return _remade, (self.original_class,), self.__dict__
 
 
-def kept_because(info: dict[str, Any]) -> str:
+def kept_because(info: Mapping[str, Any]) -> str:
     """Why the original was kept, in words, from a kept module's record: the two times where both were measured,
     else the reason nothing was timed (never a placeholder for a time that does not exist)."""
     whole = info.get("whole_model") if isinstance(info.get("whole_model"), dict) else {}
