@@ -326,7 +326,7 @@ def _served(model: nn.Module, gm: fx.GraphModule, target: Target, mode: str, tra
     later = options.replace(calibration=None, tolerance=None, progress=False)
 
     def recapture(args: tuple, kwargs: dict) -> fx.GraphModule:
-        new = capture(model, args, kwargs, train=train, note_fixed_dims=False)
+        new = capture(model, args, kwargs, train=train, note_fixed_dims=False, static_image_sizes=False)
         return plan_captured(new, model, target, mode, later, example=(args, kwargs), carried=matching(new, carried))
 
     return ServingGraph(gm, gm.meta[GUARDS_KEY], recapture, original=model, name=type(model).__name__)
