@@ -338,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     run_parser = commands.add_parser("run", help="measure and write RESULTS.md and plots")
     mode = run_parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--quick", action="store_const", const="quick", dest="mode",
-                      help="small models, few repeats: a smoke run of every section (minutes on 2 cores; "
+                      help="small models, few repeats: a smoke run of every section (minutes on 2 cores; each "
+                           "section says its CPU seconds; "
                            "--only picks sections)")
     mode.add_argument("--full", action="store_const", const="full", dest="mode",
                       help="base-sized models, more repeats, the whole zoo (several minutes)")
