@@ -254,7 +254,7 @@ def _static_image_dims(model: nn.Module, inputs: dict[str, Any], auto: dict[str,
 
     A dynamic height, width or depth is what costs torch.export its time on such models: every window partition
     or patch merge over a symbolic size is a divisibility question for sympy (a 3D Swin segmentation net takes
-    five times as long to capture as at fixed sizes), and a network called at one resolution gains nothing by
+    six times as long to convert as with them fixed), and a network called at one resolution gains nothing by
     it. The first call at another resolution is captured again with them dynamic (:func:`capture`'s
     ``static_image_sizes``), once; ``dynamic_shapes=`` asks for dynamic sizes from the start. Sequence models
     (rank-3 inputs of a Conv1d, token ids) are left dynamic.
