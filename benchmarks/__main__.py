@@ -12,6 +12,7 @@ import argparse
 import importlib
 import importlib.util
 import logging
+import resource
 import sys
 import time
 import traceback
@@ -298,6 +299,12 @@ SECTIONS: dict[str, Callable[[bool, Path], Section]] = {
 }
 
 
+def _cpu_seconds() -> float:
+    """User plus system CPU seconds of this process and of its children that have ended."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 def run(mode: str, out: Path, only: list[str]) -> int:
     """Run the chosen sections, write RESULTS.md and plots into ``out``; 1 if any section failed."""
     out.mkdir(parents=True, exist_ok=True)
@@ -305,7 +312,7 @@ def run(mode: str, out: Path, only: list[str]) -> int:
     sections, failed = [], False
     for name in only:
         print(f"[benchmarks] {name} ({mode}) ...", file=sys.stderr, flush=True)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), _cpu_seconds()
         try:
             section = SECTIONS[name](mode == "quick", out)
         except Exception as err:  # noqa: BLE001 - one broken section must not lose the others' figures
@@ -313,10 +320,12 @@ def run(mode: str, out: Path, only: list[str]) -> int:
             section = Section(name, "", notes=[f"FAILED: `{type(err).__name__}: {err}`"])
             failed = True
         section.command = f"python -m benchmarks run --{mode} --only {name}"
+        wall, cpu = time.perf_counter() - start, _cpu_seconds() - cpu_start
         section.notes.append(f"Measured {started} (UTC), load at start {load_before}; section wall time: "
-                             f"{time.perf_counter() - start:.0f} s.")
+                             f"{wall:.0f} s, CPU time {cpu:.0f} s (user+sys, this process and its children).")
         sections.append(section)
-        print(f"[benchmarks] {name} done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+        print(f"[benchmarks] {name} done in {wall:.1f} s, {cpu:.1f} CPU s, load {results.load()}", file=sys.stderr,
+              flush=True)
     results.write_markdown(out / "RESULTS.md", mode, sections, started, load_before)
     print(f"[benchmarks] wrote {out / 'RESULTS.md'}", file=sys.stderr)
     return 1 if failed else 0
@@ -329,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     run_parser = commands.add_parser("run", help="measure and write RESULTS.md and plots")
     mode = run_parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--quick", action="store_const", const="quick", dest="mode",
-                      help="small models, few repeats: a smoke run of every section (minutes on 2 cores; "
+                      help="small models, few repeats: a smoke run of every section (minutes on 2 cores; each "
+                           "section says its CPU seconds; "
                            "--only picks sections)")
     mode.add_argument("--full", action="store_const", const="full", dest="mode",
                       help="base-sized models, more repeats, the whole zoo (several minutes)")

@@ -5,11 +5,14 @@ ConvTranspose3d decoder with skips), built from code with random weights, conver
 
 Rows: the whole conversion, then amppass's functions with the most cumulative time, each with its module (the
 stage: ``fx.capture`` for torch.export, ``fx.prepare``, ``analysis`` for the plan, ``fx.rewrite``, ``serving``)
-and its calls; then the functions of any package with the most time of their own. The same conversion with
-``dynamic_shapes=None`` (every size fixed at the example's) is timed beside it: on this net nearly all the time
-is torch.export's symbolic-shape reasoning (sympy) for the dynamic sizes, not amppass's planning. ``--quick``
-builds a smaller net (32³ input, window 2); ``--full`` SwinUNETR's sizes on a 64³ input (feature size 48, depths
-2-2-2-2, heads 3-6-12-24, window 4).
+and its calls; then the functions of any package with the most time of their own. The same conversion is timed
+with every input dimension dynamic (``dynamic_shapes`` all ``Dim.AUTO``: amppass's default before it kept the
+spatial sizes of image and volume inputs static) and with ``dynamic_shapes=None`` (every size fixed at the
+example's): with the depth, height and width dynamic nearly all the time is torch.export's symbolic-shape
+reasoning (sympy) over the window partitions, not amppass's planning. Each conversion is timed in wall and CPU
+seconds (this process, user+sys: what a loaded machine does not inflate). ``--quick`` builds a smaller net (one
+stage, 16³ input, window 2); ``--full`` SwinUNETR's sizes on a 64³ input (feature size 48, depths 2-2-2-2, heads
+3-6-12-24, window 4).
 
 Run: ``python -m benchmarks.conversion_profile [--full]``.
 """
@@ -20,16 +23,18 @@ import cProfile
 import pstats
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.export import Dim
 
 import amppass
 
 NOTES = ("`cum_s`: time in the function and what it calls (cProfile, which slows Python code, so the whole is "
-         "also timed without it: `convert_s`); `stage`: the amppass module the function is in; `self_s`: time spent "
-         "in the function itself, for the functions of any package with the most.")
+         "also timed without it: `convert_s` wall, `cpu_s` CPU seconds of this process); `stage`: the amppass "
+         "module the function is in; `self_s`: time spent in the function itself, for the functions of any package "
+         "with the most.")
 TOP = 12
 SELF_TOP = 6  # functions with the most time of their own, in any package
 
@@ -115,29 +120,34 @@ def build(quick: bool) -> tuple[nn.Module, tuple[torch.Tensor]]:
     """The net and its example input: small for ``quick``, SwinUNETR's sizes otherwise."""
     torch.manual_seed(0)
     if quick:
-        return SwinSeg3d(feature=12, window=2).eval(), (torch.randn(1, 1, 32, 32, 32),)
+        return SwinSeg3d(feature=12, depths=(2,), heads=(3,), window=2).eval(), (torch.randn(1, 1, 16, 16, 16),)
     return SwinSeg3d().eval(), (torch.randn(1, 1, 64, 64, 64),)
 
 
 def run(quick: bool) -> list[dict[str, Any]]:
     """The conversion timed plainly, then under cProfile: the whole, then amppass's heaviest functions."""
     model, inputs = build(quick)
-    start = time.perf_counter()
-    converted = amppass.convert(model, inputs, "bf16", plan_for="coverage")
-    plain = time.perf_counter() - start
+    warm = nn.Sequential(nn.Conv3d(1, 2, 1), nn.GELU()).eval()  # torch's first-use imports, outside every figure
+    amppass.convert(warm, (torch.randn(1, 1, 2, 2, 2),), "bf16", plan_for="coverage")
+    converted, plain, plain_cpu = _timed(lambda: amppass.convert(model, inputs, "bf16", plan_for="coverage"))
     nodes = len(amppass.report(converted).rows)
     profile = cProfile.Profile()
     profile.enable()
     amppass.convert(model, inputs, "bf16", plan_for="coverage")
     profile.disable()
     stats = pstats.Stats(profile)
-    start = time.perf_counter()
-    amppass.convert(model, inputs, "bf16", plan_for="coverage", dynamic_shapes=None)
-    static = time.perf_counter() - start
-    rows = [{"function": "amppass.convert (whole)", "stage": f"{nodes} planned nodes", "calls": 1,
-             "cum_s": round(stats.total_tt, 2), "convert_s": round(plain, 2)},
+    every = {"x": dict.fromkeys(range(inputs[0].ndim), Dim.AUTO)}
+    _, dynamic, dynamic_cpu = _timed(lambda: amppass.convert(model, inputs, "bf16", plan_for="coverage",
+                                                          dynamic_shapes=every))
+    _, static, static_cpu = _timed(lambda: amppass.convert(model, inputs, "bf16", plan_for="coverage",
+                                                        dynamic_shapes=None))
+    rows = [{"function": "amppass.convert (whole)", "stage": f"{nodes} planned nodes; batch dynamic, spatial sizes "
+             "static (the default)", "calls": 1, "cum_s": round(stats.total_tt, 2), "convert_s": round(plain, 2),
+             "cpu_s": round(plain_cpu, 2)},
+            {"function": "amppass.convert(dynamic_shapes=every dim Dim.AUTO)", "stage": "the same, depth, height "
+             "and width dynamic too", "calls": 1, "convert_s": round(dynamic, 2), "cpu_s": round(dynamic_cpu, 2)},
             {"function": "amppass.convert(dynamic_shapes=None)", "stage": "the same, exported at the example's sizes",
-             "calls": 1, "convert_s": round(static, 2)}]
+             "calls": 1, "convert_s": round(static, 2), "cpu_s": round(static_cpu, 2)}]
     found = []
     for (path, _line, function), (_, calls, _, cumulative, _) in stats.stats.items():
         if "/amppass/" in path and function != "convert":
@@ -152,6 +162,13 @@ def run(quick: bool) -> list[dict[str, Any]]:
         rows.append({"function": function, "stage": f"self time in {where}", "calls": calls,
                      "self_s": round(seconds, 2)})
     return rows
+
+
+def _timed(call: Callable[[], Any]) -> tuple[Any, float, float]:
+    """What ``call()`` returns, and its wall and CPU seconds (this process, user+sys)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = call()
+    return result, time.perf_counter() - wall, time.process_time() - cpu
 
 
 if __name__ == "__main__":

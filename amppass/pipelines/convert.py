@@ -327,7 +327,7 @@ class Captures:
 
     def converted(self, args: tuple, kwargs: dict) -> fx.GraphModule:
         """A capture for a call of other shapes, converted with the first plan's carried decisions."""
-        new = capture(self.model, args, kwargs, train=self.train, note_fixed_dims=False)
+        new = capture(self.model, args, kwargs, train=self.train, note_fixed_dims=False, static_image_sizes=False)
         return plan_captured(new, self.model, self.settings.later(), example=(args, kwargs),
                              carried=matching(new, self.carried))
 

@@ -208,3 +208,31 @@ def test_a_train_mode_model_shows_the_originals_forward_signature():
     loss = fast(x, labels=y)
     loss.backward()
     assert fast.proj.weight.grad is not None and fast.proj.weight.dtype == torch.float32
+
+
+class _Pyramid(nn.Module):
+    """A fully convolutional detector head, called over an image pyramid (one call per scale)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 2, 1))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def test_an_image_at_another_size_widens_the_plan_once(caplog):
+    """The example's spatial sizes are captured static; the first other size makes one plan that takes any."""
+    torch.manual_seed(0)
+    model = _Pyramid().eval()
+    with caplog.at_level(logging.INFO, logger="amppass"):
+        fast = amppass.convert(model, (torch.randn(1, 3, 24, 24),), "bf16", plan_for="coverage")
+    assert "x's spatial sizes are kept at the example's" in caplog.text
+    assert amppass.report(fast).info["plans"][0]["inputs"].endswith(", 3, 24, 24] float32")
+    with torch.no_grad():
+        for size in (24, 17, 12, 9):
+            x = torch.randn(2, 3, size, size)
+            assert _close(fast(x), model(x))
+    plans = amppass.report(fast).info["plans"]
+    assert amppass.report(fast).info["recaptures"] == 1 and len(plans) == 2
+    assert ", 3, 24, 24]" not in plans[1]["inputs"]  # the second plan's height and width are symbols

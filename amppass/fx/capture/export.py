@@ -58,6 +58,7 @@ def capture(
     train: bool = False,
     dynamic_shapes: Any = "auto",
     note_fixed_dims: bool = True,
+    static_image_sizes: bool = True,
 ) -> fx.GraphModule:
     """Return a private GraphModule for ``model``.
 
@@ -65,7 +66,10 @@ def capture(
     which handles real architectures; every input dimension is left for export to decide
     (``Dim.AUTO``) unless ``dynamic_shapes`` says otherwise. Without them it is traced symbolically.
     The model is captured in eval mode unless ``train`` is set. Dimensions export had to fix are logged
-    as a warning unless ``note_fixed_dims`` is off; the graph's guards are kept in ``gm.meta``. Keyword inputs
+    as a warning unless ``note_fixed_dims`` is off; the graph's guards are kept in ``gm.meta``. The spatial sizes
+    of image and volume inputs stay static under ``"auto"`` (:func:`_static_image_dims`) unless
+    ``static_image_sizes`` is off: the re-capture for a call at another size widens them to dynamic, so that one
+    more plan takes every size. Keyword inputs
     that reach forward()'s ``**kwargs`` and hold no tensor (``return_dict=True``) are fixed in the graph and
     recorded in its guards; tensors that reach it (the Trainer's ``num_items_in_batch``) are captured as
     keyword inputs of their own, with their dimensions dynamic like the others. Mappings torch's pytree does not
@@ -90,7 +94,7 @@ def capture(
     )
     kwargs = dict(example_kwargs or {})
     with capturing(model, train):
-        return _export(model, args, kwargs, dynamic_shapes, note_fixed_dims)
+        return _export(model, args, kwargs, dynamic_shapes, note_fixed_dims, static_image_sizes)
 
 
 def _symbolic(model: nn.Module) -> fx.GraphModule:
@@ -107,7 +111,8 @@ def _symbolic(model: nn.Module) -> fx.GraphModule:
     return shared_copy(traced)  # own module objects: replacing a weight never touches the caller's modules
 
 
-def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any, notes: bool) -> fx.GraphModule:
+def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any, notes: bool,
+            static_images: bool) -> fx.GraphModule:
     written = unreturned_write(model, args, kwargs)
     if written is not None:
         raise CaptureError(f"{written}. Call it without that input (use_cache=False), or make the model return "
@@ -117,11 +122,11 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any, no
     if fixed or named:
         model, kwargs = _with_named(model, fixed, named), {k: v for k, v in kwargs.items() if k not in fixed}
     # (dynamic_shapes, keep size-1 dimensions dynamic): the most general capture first
-    why_static = None
+    why_static, kept = None, dict[str, str]()
     if dynamic_shapes != "auto":
         attempts = [(dynamic_shapes, False)]
     else:
-        auto, why_static = _auto_dims_and_why(model, args, kwargs)
+        auto, why_static, kept = _auto_dims_and_why(model, args, kwargs, static_images)
         attempts = [(auto, True), (auto, False), (None, False)] if auto is not None else [(None, False)]
     last: Exception | None = None
     traced = model if fixed or named else private_copy(model)
@@ -138,7 +143,7 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any, no
         gm.meta[FUNCTIONS_KEY] = sorted(functions)
         if dynamic_shapes == "auto" and notes:
             _note_fixed_dims(gm, model, dynamic=shapes is not None,
-                             why=why_static if last is None else first_line(last, 300))
+                             why=why_static if last is None else first_line(last, 300), kept=kept)
         return gm
     refused = example_refusal(private_copy(whole), args, call)
     if refused is not None:  # the example itself is wrong: say how, in the model's terms, not export's symbols
@@ -165,14 +170,24 @@ def _with_guards_kept(gm: fx.GraphModule, fixed: dict[str, Any] | None = None) -
     return gm
 
 
-def _note_fixed_dims(gm: fx.GraphModule, model: nn.Module, dynamic: bool, why: str | None) -> None:
-    """Say at conversion which input dimensions the graph fixed, and why, since other sizes mean a new plan."""
+def _note_fixed_dims(gm: fx.GraphModule, model: nn.Module, dynamic: bool, why: str | None,
+                     kept: dict[str, str]) -> None:
+    """Say at conversion which input dimensions the graph fixed, and why, since other sizes mean a new plan.
+
+    The spatial sizes :func:`_static_image_dims` kept static are said once, as information: they are the default,
+    not a failure of the capture."""
     name = type(model).__name__
     if not dynamic:
         log.warning("%s: torch.export could not keep any input dimension dynamic (%s); the converted model is "
                     "captured and converted again for each new input shape", name, why or "no reason given")
         return
-    fixed = specialised_dims(gm, model)
+    for input_name, rank in kept.items():
+        log.info("%s: %s's spatial sizes are kept at the example's (the input of a %s: dynamic image sizes cost "
+                 "torch.export minutes of symbolic shape reasoning on windowed models); the first call at another "
+                 "size is captured and converted again with them dynamic. Pass dynamic_shapes= to make them "
+                 "dynamic from the start",
+                 name, input_name, rank)
+    fixed = specialised_dims(gm, model, kept=set(kept))
     if fixed:
         log.warning("%s: %s; a call with another size is captured and converted again for it",
                     name, "; ".join(fixed))
@@ -214,18 +229,43 @@ def auto_dims(model: nn.Module, args: tuple, kwargs: dict) -> Any:
     return _auto_dims_and_why(model, args, kwargs)[0]
 
 
-def _auto_dims_and_why(model: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, str | None]:
+def _auto_dims_and_why(model: nn.Module, args: tuple, kwargs: dict,
+                       static_images: bool = True) -> tuple[Any, str | None, dict[str, str]]:
+    """:func:`auto_dims`, why it is None where it is, and the inputs whose spatial sizes it keeps static
+    (:func:`_static_image_dims`, unless ``static_images`` is off)."""
     signature = inspect.signature(model.forward)
     try:
         bound = signature.bind(*args, **kwargs)
     except TypeError as err:  # export reports the mismatch in its own words
-        return None, f"the example does not bind to forward{signature}: {err}"
+        return None, f"the example does not bind to forward{signature}: {err}", {}
     variadic = [name for name in bound.arguments
                 if signature.parameters[name].kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
     if variadic:
         return None, (f"forward() takes tensor inputs through its variadic parameter {variadic[0]!r}, whose "
-                      "dimensions torch.export cannot name; pass them by the names forward() declares")
-    return {name: _dims(value) for name, value in bound.arguments.items()}, None
+                      "dimensions torch.export cannot name; pass them by the names forward() declares"), {}
+    auto = {name: _dims(value) for name, value in bound.arguments.items()}
+    return auto, None, _static_image_dims(model, bound.arguments, auto) if static_images else {}
+
+
+def _static_image_dims(model: nn.Module, inputs: dict[str, Any], auto: dict[str, Any]) -> dict[str, str]:
+    """Keep the spatial dimensions of image and volume inputs static in ``auto`` (in place): the floating tensors
+    of rank N+2 among ``inputs`` in a model holding an N-d convolution (N = 2 or 3). Only their batch dimension
+    stays dynamic; returns the inputs so changed, each with the convolution that set it.
+
+    A dynamic height, width or depth is what costs torch.export its time on such models: every window partition
+    or patch merge over a symbolic size is a divisibility question for sympy (a 3D Swin segmentation net takes
+    six times as long to convert as with them fixed), and a network called at one resolution gains nothing by
+    it. The first call at another resolution is captured again with them dynamic (:func:`capture`'s
+    ``static_image_sizes``), once; ``dynamic_shapes=`` asks for dynamic sizes from the start. Sequence models
+    (rank-3 inputs of a Conv1d, token ids) are left dynamic.
+    """
+    ranks = {len(m.kernel_size): type(m).__name__ for m in model.modules()
+             if isinstance(m, nn.modules.conv._ConvNd) and len(m.kernel_size) in (2, 3)}
+    kept = {name: ranks[value.ndim - 2] for name, value in inputs.items()
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.ndim - 2 in ranks}
+    for name in kept:
+        auto[name] = {0: Dim.AUTO}
+    return kept
 
 
 def _variadic_keywords(model: nn.Module, args: tuple, kwargs: dict) -> tuple[dict[str, Any], list[str]]:

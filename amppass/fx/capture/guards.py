@@ -17,7 +17,7 @@ import inspect
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 import torch
 from torch import fx, nn
@@ -363,11 +363,12 @@ def _symbolic(size: Any) -> bool:
 
 # -- conversion-time notes --------------------------------------------------------------------------------
 
-def specialised_dims(gm: fx.GraphModule, model: nn.Module) -> list[str]:
+def specialised_dims(gm: fx.GraphModule, model: nn.Module, kept: Collection[str] = ()) -> list[str]:
     """Sentences for the dimensions the capture fixed although they were asked to stay dynamic.
 
     A dimension fixed at the size of one of the model's own weight dimensions (a feature width, the
-    channels of a convolution) is what the model needs anyway and is left out.
+    channels of a convolution) is what the model needs anyway and is left out, and so are the dimensions
+    after the batch of the inputs named in ``kept``, which were asked to stay static.
     """
     guards = gm.meta.get(GUARDS_KEY)
     if guards is None:
@@ -379,7 +380,7 @@ def specialised_dims(gm: fx.GraphModule, model: nn.Module) -> list[str]:
     notes = []
     for spec in guards.inputs:
         for dim, size in enumerate(spec.dims):
-            if isinstance(size, int) and size not in inherent:
+            if isinstance(size, int) and size not in inherent and not (dim > 0 and spec.name in kept):
                 site = where.get((spec.name, dim))
                 if site and "decompose" in site and unrolled:
                     why = f"torch.export unrolls {' and '.join(unrolled)} over it"

@@ -1,7 +1,8 @@
 """amppass.fx.capture.export: what capture() refuses, the GraphModule it returns (its own module tree, the caller's
 tensors, outputs equal to the model's, guards and applied Functions in its meta, no dtype asserts), the mode it
-captures in and restores, keyword values fixed in the graph, and the errors that name the fix. Which dimensions
-stay dynamic is left to the capture's own tests (tests/fx/capture/test_fidelity.py, tests/serving)."""
+captures in and restores, keyword values fixed in the graph, the errors that name the fix, and the spatial sizes
+of image inputs kept static unless dynamic_shapes= asks. Which other dimensions stay dynamic is left to the
+capture's own tests (tests/fx/capture/test_fidelity.py, tests/serving)."""
 
 from __future__ import annotations
 
@@ -194,3 +195,58 @@ def test_capturing_holds_the_lock_and_the_mode():
         other.start()
         other.join()
     assert seen == [False] and model.training  # another thread waits while one captures
+
+
+class Windowed(nn.Module):
+    """A convolution, then a window partition over the image's height and width (as a Swin net's attention)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv, self.fc = nn.Conv2d(3, 4, 1), nn.Linear(4 * 2 * 2, 4)
+
+    def forward(self, x):
+        y = self.conv(x)
+        b, c, h, w = y.shape
+        windows = y.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, -1, c * 4)
+        return self.fc(windows)
+
+
+class Signal(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+def test_an_image_inputs_spatial_sizes_stay_static_by_default_and_its_batch_dynamic(caplog):
+    image = torch.randn(2, 3, 8, 8)
+    with caplog.at_level("INFO", logger="amppass.fx.capture.export"):
+        gm = capture(Windowed(), (image,))
+    dims = gm.meta[GUARDS_KEY].inputs[0].dims
+    assert isinstance(dims[0], str) and dims[1:] == (3, 8, 8)
+    other = torch.randn(5, 3, 8, 8)
+    assert torch.equal(gm(other), Windowed().eval()(other))  # another batch runs in the same graph
+    said = [r for r in caplog.records if "spatial sizes are kept" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelname == "INFO"  # a default, not a failure: no warning
+    assert "x's" in said[0].getMessage() and "Conv2d" in said[0].getMessage()
+    assert "dynamic_shapes=" in said[0].getMessage()
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]  # the kept sizes are not "fixed by export"
+
+
+def test_dynamic_shapes_keeps_an_image_inputs_spatial_sizes_dynamic_when_asked():
+    image = torch.randn(2, 3, 8, 8)
+    gm = capture(Windowed(), (image,), dynamic_shapes={"x": {0: Dim.AUTO, 2: Dim.AUTO, 3: Dim.AUTO}},
+                 note_fixed_dims=False)
+    dims = gm.meta[GUARDS_KEY].inputs[0].dims
+    assert all(isinstance(dims[d], str) for d in (0, 2, 3)) and dims[1] == 3
+    larger = torch.randn(1, 3, 12, 16)
+    assert torch.equal(gm(larger), Windowed().eval()(larger))
+
+
+def test_a_sequence_input_of_a_conv1d_keeps_its_length_dynamic():
+    gm = capture(Signal(), (torch.randn(2, 3, 10),), note_fixed_dims=False)
+    dims = gm.meta[GUARDS_KEY].inputs[0].dims
+    assert isinstance(dims[0], str) and isinstance(dims[2], str)
