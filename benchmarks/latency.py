@@ -32,7 +32,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import amppass
-from amppass.pipelines.convert import weight_bytes
+from amppass.pipelines.stages import weight_bytes
 from models import build
 from tests.helpers.numerics import rel_error
 
