@@ -18,7 +18,7 @@ from ..analysis.plan import Precision, PrecisionPlan, Source
 from ..analysis.profitability import SOURCES, Profitability
 from ..analysis.record import META_KEY, check_reconversion, summary
 from ..analysis.view import GraphView
-from ..dtypes import low_type
+from ..dtypes import fp8_format, low_type
 from ..errors import CaptureError, InputError
 from ..fx.capture.copies import shared_copy
 from ..fx.capture.export import capture, capture_program
@@ -32,9 +32,11 @@ from ..fx.prepare.gelu import FUSED_KEY, fuse_tanh_gelu
 from ..fx.prepare.masks import fold_constant_masks
 from ..fx.rewrite.apply import rewrite
 from ..fx.rewrite.device_literals import module_device
+from ..fx.rewrite.fp8 import linear_weights
 from ..fx.rewrite.low_backward import annotate_backward
 from ..fx.runners import finite, region_timing
 from ..fx.runners.calibrate import CaptureFp32, calibrated_plan
+from ..fx.runners.fp8 import plan_fp8
 from ..fx.view.build import build_view
 from ..fx.view.macs import node_macs
 from ..serving.artifact import Kind, record_of
@@ -45,7 +47,7 @@ from ..serving.traced import TracedGraph
 from ..serving.train_eval import TrainEvalGraphs
 from ..targets.cost_model import CostModel, DeviceFacts
 from ..targets.device import fingerprint
-from ..targets.target import Target, torch_target
+from ..targets.target import Target, check_fp8, torch_target
 from ..targets.timing_cache import TimingCache
 from .serialize import plan_file
 
@@ -99,7 +101,10 @@ def convert(
         example_inputs: positional inputs (a tuple, or one tensor) for capture with ``torch.export``;
             without them (and without ``example_kwargs``) the module is traced symbolically.
         dtype: ``torch.float16``, ``torch.bfloat16``, ``"fp16"``, ``"bf16"`` or ``"auto"`` (bf16 on CPU,
-            fp16 on CUDA, judged by the model's parameters).
+            fp16 on CUDA, judged by the model's parameters). ``"fp8"`` (or ``"e4m3"``,
+            ``torch.float8_e4m3fn``): a bf16 plan whose matrix products run in e4m3 where measured sensitivity allows
+            (:mod:`amppass.fx.runners.fp8`, docs/fp8.md); for CUDA targets of compute capability 8.9 or later, and
+            for a CPU target with ``plan_for="coverage"`` (testing only: slow), inference only.
         example_kwargs: keyword inputs for capture.
         target: the device the converted model will run on, "cpu" or "cuda" (default: the device of the
             model's parameters). It is recorded in the model and shown in the report.
@@ -151,9 +156,13 @@ def convert(
     from_train_mode = (mode is None and isinstance(model, nn.Module) and all(m.training for m in model.modules())
                        and record_of(model) is None)
     mode = "inference" if mode is None else mode
+    fp8 = fp8_format(dtype)
+    if fp8 is not None:  # an fp8 plan is a bf16 plan with some products lowered further
+        check_fp8(_target_name(target, model), plan_for, mode)
+        dtype = "bf16"
     options = plan_options(mode, plan_for=plan_for, keep_io_types=keep_io_types, keep_fp32=keep_fp32,
                            force_low=force_low, low_weight_tables=low_weight_tables, calibration=calibration,
-                           tolerance=tolerance, progress=progress, costs=costs)
+                           tolerance=tolerance, progress=progress, costs=costs, fp8=fp8)
     return convert_planned(model, example_inputs, dtype, options, example_kwargs=example_kwargs, target=target,
                            mode=mode, dynamic_shapes=dynamic_shapes, from_train_mode=from_train_mode)
 
@@ -161,11 +170,11 @@ def convert(
 def plan_options(mode: str, **options: Any) -> PlanOptions:
     """The checked :class:`PlanOptions` of a conversion in ``mode`` from :func:`convert`'s keyword arguments of
     that name: ``mode`` checked first, and a train-mode conversion's calibration read into a list (both of its
-    graphs calibrate on it)."""
+    graphs calibrate on it; an fp8 plan reads it again to choose its products)."""
     if mode not in MODES:
         raise InputError(f"mode={mode!r} is not one of {MODES}: use mode='inference' to serve or evaluate "
                          "the model, mode='train' to train it")
-    if mode == "train" and options.get("calibration") is not None:
+    if (mode == "train" or options.get("fp8") is not None) and options.get("calibration") is not None:
         options["calibration"] = list(options["calibration"])
     return PlanOptions(**options)
 
@@ -481,6 +490,7 @@ def plan_captured(
     macs = {n.name: node_macs(n) for n in gm.graph.nodes}  # before the rewrite puts casts between shapes
     checked = _finite_check_inputs(gm, mode, example)
     pristine = shared_copy(gm) if checked is not None else None
+    fp8_sources = (shared_copy(gm), linear_weights(gm)) if options.fp8 is not None else None
     stats = rewrite(gm, plan, low, **rewrite_options)
     finite_info: dict[str, Any] = {}
     if pristine is not None:
@@ -515,6 +525,8 @@ def plan_captured(
         **calibration_info,
         **finite_info,
     }
+    if fp8_sources is not None:
+        gm.meta[META_KEY]["fp8"] = plan_fp8(gm, *fp8_sources, options.calibration, options.tolerance)
     if mode == "train":
         gm.meta[META_KEY]["backward"] = annotate_backward(gm, low.name)
     log.info("converted %s to %s for %s: %d nodes planned, %d casts", type(model).__name__, low, target.name,
@@ -590,8 +602,7 @@ def weight_bytes(module: nn.Module) -> int:
 
 def _target(target: str | None, dtype: Any, model: Any) -> Target:
     """The plan's target: ``target``, or the device of the model's parameters."""
-    found = module_device(model) if isinstance(model, nn.Module) else None
-    name = target if target is not None else (found or torch.device("cpu")).type
+    name = _target_name(target, model)
     try:
         return torch_target(name, dtype)
     except TypeError:  # an unhashable dtype or target
@@ -599,3 +610,7 @@ def _target(target: str | None, dtype: Any, model: Any) -> Target:
         raise InputError(f"target={target!r} is not a device name; pass 'cpu' or 'cuda'") from None
 
 
+def _target_name(target: str | None, model: Any) -> Any:
+    """``target``, or the device type of the model's parameters ("cpu" without any)."""
+    found = module_device(model) if isinstance(model, nn.Module) else None
+    return target if target is not None else (found or torch.device("cpu")).type

@@ -127,6 +127,9 @@ def summary_lines(report: Summarised) -> list[str]:
             f"heavy compute in {info.get('dtype')}: {macs['low_share']:.1%} of {macs['total']:,} MACs "
             f"({macs['counted_nodes']} matmul, conv, attention or RNN nodes)"
         )
+    fp8 = info.get("fp8")
+    if isinstance(fp8, dict) and isinstance(fp8.get("macs"), dict):
+        lines.append(_fp8_line(fp8))
     parts = info.get("parts")
     if isinstance(parts, dict) and isinstance(parts.get("converted"), list):
         lines.extend(_parts_lines(parts))
@@ -166,6 +169,16 @@ def summary_lines(report: Summarised) -> list[str]:
     if not stats["calibrated"]:
         lines.append("uncalibrated: decisions come from op semantics and weights only")
     return lines
+
+
+def _fp8_line(fp8: dict[str, Any]) -> str:
+    """The summary's line on an fp8 plan: products and MACs in fp8, bf16 and fp32, and how scales are computed."""
+    macs = fp8["macs"]
+    total = sum(finite(macs.get(p)) or 0 for p in ("fp8", "bf16", "fp32"))
+    shares = ", ".join(f"{p} {(finite(macs.get(p)) or 0) / total:.1%}" for p in ("fp8", "bf16", "fp32")) \
+        if total else "no MACs counted"
+    return (f"fp8 ({fp8.get('format')}): {fp8.get('fp8')} of {fp8.get('products')} matrix products; MACs: {shares}; "
+            f"scales: {fp8.get('scales')} (Report.fp8_rows(): each product's scales, or why it is not fp8)")
 
 
 # how the speed check knew a group's fp32 and low-precision times (amppass.analysis.profitability, rule 2), in
