@@ -54,8 +54,8 @@ def scale_tensor(amax: float, fmt: Fp8Format = E4M3, device: torch.device | None
 def fp8_linear(input: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                input_scale: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
     """``linear(input, weight, bias)`` with ``input`` quantized to e4m3 (``input_scale``, or its own amax where None)
-    and ``weight`` stored e4m3 with ``weight_scale``; fp32 accumulation, output in ``input``'s low dtype (bf16)."""
-    out_dtype = input.dtype if input.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    and ``weight`` stored e4m3 with ``weight_scale``; fp32 accumulation, output in ``input``'s dtype (bf16 in an fp8 plan)."""
+    out_dtype = input.dtype
     flat = input.reshape(-1, input.shape[-1])
     if input_scale is None:  # dynamic: this call's own range
         amax = float(flat.abs().amax()) if flat.numel() else 0.0
@@ -68,8 +68,7 @@ def fp8_linear(input: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
 @fp8_linear.register_fake
 def _(input: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
       bias: torch.Tensor | None) -> torch.Tensor:
-    out_dtype = input.dtype if input.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-    return input.new_empty((*input.shape[:-1], weight.shape[0]), dtype=out_dtype)
+    return input.new_empty((*input.shape[:-1], weight.shape[0]))
 
 
 @dataclass(frozen=True)

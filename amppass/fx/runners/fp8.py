@@ -16,7 +16,7 @@ matrix product of the rewritten graph in turn (the lowering itself is :mod:`ampp
    error exceeds :data:`RANGE_LIMIT` stays bf16: rounding to e4m3 moves one value by at most 2^-4 of itself, so
    an error beyond twice that is range, not rounding: an outlier that leaves the other values of a per-tensor
    scale in e4m3's subnormals or at zero, or held-out values beyond the calibrated range (clipped). The reason
-   names the operand (input or weight) whose own rounding error is the larger and its largest-to-RMS ratio.
+   names the operand (input or weight) whose rounding alone moves the output more, and its largest-to-RMS ratio.
    Without calibration, the weights' ranges decide alone (the weight's own e4m3 error against the same limit)
    and each input's scale is computed on every call from its largest magnitude (dynamic); the report says so.
 3. **Tolerance.** With ``tolerance=``, the search goes on down one ordered lattice, fp8 → bf16 → fp32: the bf16
@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 import torch
+import torch.nn.functional as F
 from torch import fx
 
 from ...analysis.calibration import relative_error
@@ -65,7 +66,8 @@ class _Measured:
     """What the held-out batches showed of one candidate."""
 
     local_error: float = 0.0
-    input_error: float = 0.0  # the input's own e4m3 error (quantized and read back), largest over batches
+    input_error: float = 0.0  # the output's error with the input alone in e4m3, largest over batches
+    weight_error: float = 0.0  # with the weight alone in e4m3
     input_ratio: float = 0.0  # the input's largest magnitude over its RMS
     held_out_amax: float = 0.0
     seen: int = 0
@@ -209,7 +211,10 @@ def _measure(fp32_gm: fx.GraphModule, candidates: list[str], weights: Mapping[st
             y = fp8_linear(x.to(torch.bfloat16), q, torch.tensor(w_scale), x_scale,
                            None if bias is None else bias.to(torch.bfloat16))
             seen.local_error = max(seen.local_error, relative_error(y, out))
-            seen.input_error = max(seen.input_error, relative_error(dequantize(quantize(x, x_scale), x_scale), x))
+            # each operand's share: the output with only that operand rounded to e4m3
+            x_read = dequantize(quantize(x, x_scale), x_scale)
+            seen.input_error = max(seen.input_error, relative_error(F.linear(x_read, weight, bias), out))
+            seen.weight_error = max(seen.weight_error, relative_error(F.linear(x, dequantize(q, w_scale), bias), out))
             seen.input_ratio = max(seen.input_ratio, _ratio(x))
             seen.held_out_amax = max(seen.held_out_amax, float(x.abs().amax()) if x.numel() else 0.0)
 
@@ -277,8 +282,7 @@ def _lattice(gm: fx.GraphModule, chosen: dict[str, Fp8Product], local: Mapping[s
 
 def _range_reason(seen: _Measured, weight: torch.Tensor, amax: float, separate: bool) -> str:
     """Why a product whose local error is beyond :data:`RANGE_LIMIT` stays bf16 (module docstring, 2)."""
-    weight_error = _rounding_error(weight)
-    if seen.input_error >= weight_error:
+    if seen.input_error >= seen.weight_error:
         operand, ratio = "input", seen.input_ratio
     else:
         operand, ratio = "weight", _ratio(weight)
