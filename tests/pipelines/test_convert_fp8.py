@@ -212,3 +212,15 @@ def test_the_summary_gives_mac_shares_and_scales(mlp):
     summary = amppass.report(converted).summary()
     assert "fp8 (e4m3): 3 of 3 matrix products; MACs: fp8 100.0%, bf16 0.0%, fp32 0.0%" in summary
     assert "inputs: static, from calibration" in summary
+
+
+def test_an_fp8_model_saves_and_loads_bit_identical_at_another_batch_size(mlp, tmp_path):
+    converted = amppass.convert(mlp, (torch.randn(8, 64),), dtype="fp8", plan_for="coverage",
+                                calibration=[(torch.randn(8, 64),) for _ in range(4)])
+    path = tmp_path / "mlp.fp8.pt2"
+    amppass.save(converted, path)
+    loaded = amppass.load(str(path))
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        assert torch.equal(converted(x), loaded(x))
+    assert {r.name: r.evidence["fp8"] for r in amppass.report(loaded).fp8_rows()} == fp8(amppass.report(converted))

@@ -54,7 +54,8 @@ def scale_tensor(amax: float, fmt: Fp8Format = E4M3, device: torch.device | None
 def fp8_linear(input: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                input_scale: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
     """``linear(input, weight, bias)`` with ``input`` quantized to e4m3 (``input_scale``, or its own amax where None)
-    and ``weight`` stored e4m3 with ``weight_scale``; fp32 accumulation, output in ``input``'s dtype (bf16 in an fp8 plan)."""
+    and ``weight`` stored e4m3 with ``weight_scale``; fp32 accumulation, output in ``input``'s dtype (bf16 in an
+    fp8 plan)."""
     out_dtype = input.dtype
     flat = input.reshape(-1, input.shape[-1])
     if input_scale is None:  # dynamic: this call's own range

@@ -257,8 +257,8 @@ def _lattice(gm: fx.GraphModule, chosen: dict[str, Fp8Product], local: Mapping[s
             lower(trial, {n: chosen[n] for n in ranked[:k]})
             with torch.no_grad():
                 errors[k] = max((relative_error(out, ref)
-                                 for flat, refs in zip(data.held_out, data.references)
-                                 for out, ref in zip(_floating(trial(*flat)), refs)), default=0.0)
+                                 for flat, refs in zip(data.held_out, data.references, strict=True)
+                                 for out, ref in zip(_floating(trial(*flat)), refs, strict=True)), default=0.0)
         return errors[k]
 
     low, high = 0, len(ranked)  # error(low) is within the tolerance (or low is 0), error(high) is not
