@@ -527,6 +527,7 @@ def plan_captured(
     }
     if fp8_sources is not None:
         gm.meta[META_KEY]["fp8"] = plan_fp8(gm, *fp8_sources, options.calibration, options.tolerance)
+        gm.meta[META_KEY]["weight_bytes_after"] = weight_bytes(gm)  # e4m3 weights in place of bf16 ones
     if mode == "train":
         gm.meta[META_KEY]["backward"] = annotate_backward(gm, low.name)
     log.info("converted %s to %s for %s: %d nodes planned, %d casts", type(model).__name__, low, target.name,

@@ -224,3 +224,38 @@ def test_an_fp8_model_saves_and_loads_bit_identical_at_another_batch_size(mlp, t
     with torch.no_grad():
         assert torch.equal(converted(x), loaded(x))
     assert {r.name: r.evidence["fp8"] for r in amppass.report(loaded).fp8_rows()} == fp8(amppass.report(converted))
+
+
+def test_fp8_weights_replace_the_bf16_copies(mlp):
+    x = (torch.randn(8, 64),)
+    bf16 = amppass.report(amppass.convert(mlp, x, dtype="bf16", plan_for="coverage")).info
+    converted = amppass.convert(mlp, x, dtype="fp8", plan_for="coverage")
+    info = amppass.report(converted).info
+    dtypes = {t.dtype for t in converted.state_dict().values()}
+    assert torch.float8_e4m3fn in dtypes and torch.bfloat16 in dtypes  # e4m3 weights; the biases stay bf16
+    weights = sum(p.numel() for n, p in mlp.named_parameters() if n.endswith("weight"))
+    assert info["weight_bytes_after"] == bf16["weight_bytes_after"] - weights + 3 * 4  # 1 byte each, 3 fp32 scales
+
+
+def test_a_transformers_bert_runs_its_linears_in_fp8_and_attention_in_bf16():
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                        vocab_size=100, attn_implementation="sdpa")
+    model = BertModel(config).eval()
+    ids = [(torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(i)),) for i in range(5)]
+    converted = amppass.convert(model, ids[0], dtype="fp8", plan_for="coverage", calibration=ids)
+    rows = amppass.report(converted).fp8_rows()
+    in_fp8 = [row for row in rows if row.evidence["fp8"].get("format")]
+    assert {row.op for row in in_fp8} == {"aten.linear"} and len(in_fp8) >= 6  # q, k, v, out, two MLP (+ pooler)
+    attention = [row for row in rows if "attention" in row.op]
+    assert attention and all("SDPA" in row.evidence["fp8"]["why_not"] for row in attention)
+    x = torch.randint(0, 100, (3, 16), generator=torch.Generator().manual_seed(9))
+    bf16 = amppass.convert(model, ids[0], dtype="bf16", plan_for="coverage")
+    with torch.no_grad():
+        out = converted(x).last_hidden_state
+        error = rel_err(out, model(x).last_hidden_state)
+        assert not torch.equal(out, bf16(x).last_hidden_state)  # the fp8 products ran
+    # to first order, the output moves by at most the sum of the fp8 products' local errors
+    assert error <= sum(row.evidence["fp8"]["local_error"] for row in in_fp8)

@@ -135,8 +135,9 @@ def lower(gm: fx.GraphModule, products: Mapping[str, Fp8Product]) -> None:
         if not weight.users:
             target = str(weight.target)
             gm.graph.erase_node(weight)
-            if not any(n.op == "get_attr" and n.target == target for n in gm.graph.nodes) and "." not in target:
-                delattr(gm, target)
+            if not any(n.op == "get_attr" and n.target == target for n in gm.graph.nodes):
+                owner, _, leaf = target.rpartition(".")
+                delattr(gm.get_submodule(owner) if owner else gm, leaf)
     gm.recompile()
 
 
