@@ -42,7 +42,7 @@ class SwappedLinear(nn.Module):
 def all_linear_swap(model: nn.Module) -> nn.Module:
     """A copy of ``model`` with every ``nn.Linear`` replaced by :class:`SwappedLinear`."""
     swapped = copy.deepcopy(model)
-    for name, module in list(swapped.named_modules()):
+    for module in list(swapped.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, child_name, SwappedLinear(child))

@@ -259,3 +259,33 @@ def test_a_transformers_bert_runs_its_linears_in_fp8_and_attention_in_bf16():
         assert not torch.equal(out, bf16(x).last_hidden_state)  # the fp8 products ran
     # to first order, the output moves by at most the sum of the fp8 products' local errors
     assert error <= sum(row.evidence["fp8"]["local_error"] for row in in_fp8)
+
+
+class SideBranch(nn.Module):
+    """A main product the output is sensitive to, and a side product (its input has a mild outlier, so it ranks
+    worse by local error) whose contribution to the output is a hundredth."""
+
+    def __init__(self):
+        super().__init__()
+        self.main, self.side = nn.Linear(32, 32), nn.Linear(32, 32)
+        with torch.no_grad():
+            self.side.weight[:, 0] = 0
+
+    def forward(self, x, z):
+        return self.main(x) + 0.01 * self.side(z)
+
+
+def test_the_tolerance_search_keeps_a_late_ranked_product_the_output_barely_feels():
+    torch.manual_seed(0)
+    model = SideBranch().eval()
+    calibration = [(torch.randn(8, 32), outlier_batch(6e4)) for _ in range(5)]
+    converted = amppass.convert(model, calibration[0], dtype="fp8", plan_for="coverage", calibration=calibration,
+                                tolerance=1e-2)
+    rows = {row.name: row for row in amppass.report(converted).fp8_rows()}
+    main, side = rows["linear"], rows["linear_1"]
+    assert side.evidence["fp8"]["format"] == "e4m3"  # ranked after main, kept on its own
+    assert side.evidence["fp8"]["local_error"] > main.evidence["fp8"]["local_error"]
+    assert "format" not in main.evidence["fp8"] and "tolerance search" in main.reason
+    x, z = torch.randn(8, 32), outlier_batch(6e4)
+    with torch.no_grad():
+        assert rel_err(converted(x, z), model(x, z)) <= 1e-2

@@ -21,10 +21,12 @@ matrix product of the rewritten graph in turn (the lowering itself is :mod:`ampp
    and each input's scale is computed on every call from its largest magnitude (dynamic); the report says so.
 3. **Tolerance.** With ``tolerance=``, the search goes on down one ordered lattice, fp8 → bf16 → fp32: the bf16
    search of :mod:`amppass.analysis.tolerance` has already moved what it must to fp32 against the whole
-   tolerance; here the candidates are ranked by local error and the largest prefix of that ranking whose fp8
+   tolerance; here the candidates are ranked by local error and the longest prefix of that ranking whose fp8
    lowering keeps the output error on the held-out batches within the tolerance is kept (a binary search over
-   the prefix length: the error grows with each product lowered). The others stay bf16, each with the two
-   errors that decided it.
+   the prefix length: the error grows with each product lowered); then each later candidate is tried on its own,
+   in rank order, on top of those kept, and kept where the error stays within the tolerance (a product ranked
+   late by its local error may matter little to the output). The others stay bf16, each with the two errors that
+   decided it.
 
 Every product's outcome is in its row's evidence (``fp8``: format and scales, or ``why_not``), and the summary's
 ``fp8`` holds the multiply-accumulates in fp8, bf16 and fp32.
@@ -246,38 +248,44 @@ def _fold_amax(amax: dict[str, float], name: str, x: torch.Tensor) -> None:
 
 def _lattice(gm: fx.GraphModule, chosen: dict[str, Fp8Product], local: Mapping[str, float], data: _Data,
              tolerance: float, why_not: dict[str, str]) -> tuple[dict[str, Fp8Product], dict[str, Any]]:
-    """The largest prefix of the candidates ranked by local error whose fp8 lowering keeps the held-out output error
-    within ``tolerance`` (module docstring, 3); a reason for each candidate left out."""
+    """The candidates whose fp8 lowering keeps the held-out output error within ``tolerance`` (module docstring, 3):
+    the longest prefix of the ranking by local error, then each later candidate on its own, in rank order, on top of
+    those kept; a reason for each candidate left out."""
     ranked = sorted(chosen, key=lambda n: local[n])
-    errors: dict[int, float] = {}
+    errors: dict[tuple[str, ...], float] = {}
 
-    def error(k: int) -> float:
-        if k not in errors:
+    def error(names: list[str]) -> float:
+        key = tuple(names)
+        if key not in errors:
             trial = shared_copy(gm)
-            lower(trial, {n: chosen[n] for n in ranked[:k]})
+            lower(trial, {n: chosen[n] for n in names})
             with torch.no_grad():
-                errors[k] = max((relative_error(out, ref)
-                                 for flat, refs in zip(data.held_out, data.references, strict=True)
-                                 for out, ref in zip(_floating(trial(*flat)), refs, strict=True)), default=0.0)
-        return errors[k]
+                errors[key] = max((relative_error(out, ref)
+                                   for flat, refs in zip(data.held_out, data.references, strict=True)
+                                   for out, ref in zip(_floating(trial(*flat)), refs, strict=True)), default=0.0)
+        return errors[key]
 
-    low, high = 0, len(ranked)  # error(low) is within the tolerance (or low is 0), error(high) is not
-    if error(high) <= tolerance:
+    low, high = 0, len(ranked)  # the first `low` are within the tolerance (or low is 0), the first `high` are not
+    if error(ranked) <= tolerance:
         low = high
     while high - low > 1:
         middle = (low + high) // 2
-        if error(middle) <= tolerance:
+        if error(ranked[:middle]) <= tolerance:
             low = middle
         else:
             high = middle
     kept = ranked[:low]
     for rank, name in enumerate(ranked[low:], start=low + 1):
+        before, with_it = error(kept), error([*kept, name])
+        if with_it <= tolerance:
+            kept.append(name)
+            continue
         why_not[name] = (f"stays bf16: the tolerance search (fp8 -> bf16 -> fp32) ranked the products by local error "
-                         f"in fp8 (this one {local[name]:.3g}, rank {rank} of {len(ranked)}); the first {low} in fp8 "
-                         f"give an output error of {error(low):.3g} on held-out inputs, within tolerance "
-                         f"{tolerance:g}, and the first {low + 1} give {error(low + 1):.3g}")
-    log.info("fp8 tolerance search: %d of %d candidates kept, %d trial runs", low, len(ranked), len(errors))
-    return {n: chosen[n] for n in kept}, {"tolerance": tolerance, "output_error": error(low), "trials": len(errors)}
+                         f"in fp8 (this one {local[name]:.3g}, rank {rank} of {len(ranked)}); with the {len(kept)} "
+                         f"kept in fp8 the output error on held-out inputs is {before:.3g}, and with this one too "
+                         f"{with_it:.3g}, beyond tolerance {tolerance:g}")
+    log.info("fp8 tolerance search: %d of %d candidates kept, %d trial runs", len(kept), len(ranked), len(errors))
+    return {n: chosen[n] for n in kept}, {"tolerance": tolerance, "output_error": error(kept), "trials": len(errors)}
 
 
 def _range_reason(seen: _Measured, weight: torch.Tensor, amax: float, separate: bool) -> str:
