@@ -15,6 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
+from ..dtypes import Fp8Format
 from ..errors import InputError
 from .calibration import check_tolerance
 from .overrides import compile_patterns
@@ -35,6 +36,7 @@ class PlanOptions:
     tolerance: float | None = None
     progress: bool = False
     costs: Mapping[str, float] | None = None
+    fp8: Fp8Format | None = None  # dtype="fp8": a bf16 plan with some matrix products lowered to this format
 
     CALIBRATION_FORM: ClassVar[str] = "[inputs, ...]"  # the form of calibration data messages show
 

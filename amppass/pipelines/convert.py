@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import _disable_current_modes, _get_current_di
 from ..analysis.plan import Precision
 from ..analysis.record import META_KEY, check_reconversion
 from ..analysis.view import GraphView
-from ..dtypes import low_type
+from ..dtypes import fp8_format, low_type
 from ..errors import CaptureError, InputError
 from ..fx.capture.copies import shared_copy
 from ..fx.capture.export import capture, capture_program
@@ -35,9 +35,10 @@ from ..serving.traced import TracedGraph
 from ..serving.train_eval import TrainEvalGraphs
 from ..targets.cost_model import CostModel
 from ..targets.device import fingerprint
+from ..targets.target import check_fp8
 from ..targets.timing_cache import TimingCache
 from .serialize import plan_file
-from .settings import Settings
+from .settings import Settings, device_name
 from .stages import plan_captured
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,13 @@ def convert(
         example_inputs: positional inputs (a tuple, or one tensor) for capture with ``torch.export``;
             without them (and without ``example_kwargs``) the module is traced symbolically.
         dtype: ``torch.float16``, ``torch.bfloat16``, ``"fp16"``, ``"bf16"`` or ``"auto"`` (bf16 on CPU,
-            fp16 on CUDA, judged by the model's parameters).
+            fp16 on CUDA, judged by the model's parameters). ``"fp8"`` (or ``"e4m3"``,
+            ``torch.float8_e4m3fn``): a bf16 plan whose matrix products run in e4m3 where measured sensitivity allows
+            (:mod:`amppass.fx.runners.fp8`, docs/fp8.md); for CUDA targets of compute capability 8.9 or later, and
+            for a CPU target with ``plan_for="coverage"`` (testing only: slow), inference only. ``"fp8"`` (or ``"e4m3"``,
+            ``torch.float8_e4m3fn``): a bf16 plan whose matrix products run in e4m3 where measured sensitivity allows
+            (:mod:`amppass.fx.runners.fp8`, docs/fp8.md); for CUDA targets of compute capability 8.9 or later, and
+            for a CPU target with ``plan_for="coverage"`` (testing only: slow), inference only.
         example_kwargs: keyword inputs for capture.
         target: the device the converted model will run on, "cpu" or "cuda" (default: the device of the
             model's parameters). It is recorded in the model and shown in the report.
@@ -146,10 +153,15 @@ def convert(
     # in eval (a SentenceTransformer around a from_pretrained model) is not being trained
     from_train_mode = (mode is None and isinstance(model, nn.Module) and all(m.training for m in model.modules())
                        and record_of(model) is None)
-    settings = Settings.of("inference" if mode is None else mode, dtype=dtype, target=target,
-                           dynamic_shapes=dynamic_shapes, plan_for=plan_for, keep_io_types=keep_io_types,
-                           keep_fp32=keep_fp32, force_low=force_low, low_weight_tables=low_weight_tables,
-                           calibration=calibration, tolerance=tolerance, progress=progress, costs=costs)
+    mode = "inference" if mode is None else mode
+    fp8 = fp8_format(dtype)
+    if fp8 is not None:  # an fp8 plan is a bf16 plan with some products lowered further
+        check_fp8(device_name(target, model), plan_for, mode)
+        dtype = "bf16"
+    settings = Settings.of(mode, dtype=dtype, target=target, dynamic_shapes=dynamic_shapes, plan_for=plan_for,
+                           keep_io_types=keep_io_types, keep_fp32=keep_fp32, force_low=force_low,
+                           low_weight_tables=low_weight_tables, calibration=calibration, tolerance=tolerance,
+                           progress=progress, costs=costs, fp8=fp8)
     return convert_planned(model, example_inputs, settings, example_kwargs=example_kwargs,
                            from_train_mode=from_train_mode)
 

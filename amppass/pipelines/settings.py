@@ -49,18 +49,14 @@ class Settings:
         if mode not in MODES:
             raise InputError(f"mode={mode!r} is not one of {MODES}: use mode='inference' to serve or evaluate "
                              "the model, mode='train' to train it")
-        if mode == "train" and options.get("calibration") is not None:
-            options["calibration"] = list(options["calibration"])
+        if (mode == "train" or options.get("fp8") is not None) and options.get("calibration") is not None:
+            options["calibration"] = list(options["calibration"])  # read again: by the second graph, by fp8's choice
         return cls(PlanOptions(**options), mode, dtype, target, dynamic_shapes)
 
     def on(self, model: Any) -> "Settings":
         """These settings with their :class:`Target` resolved: ``target``, or the device of ``model``'s
         parameters (``model`` may be a ``torch.device`` itself)."""
-        if isinstance(model, torch.device):
-            found: torch.device | None = model
-        else:
-            found = module_device(model) if isinstance(model, nn.Module) else None
-        name = self.target if self.target is not None else (found or torch.device("cpu")).type
+        name = device_name(self.target, model)
         try:
             planned_for = torch_target(name, self.dtype)
         except TypeError:  # an unhashable dtype or target
@@ -123,3 +119,14 @@ class Settings:
         a memory plan), cast inside the graph for training."""
         return RewriteOptions(keep_io_types=self.options.keep_io_types, precast_weights=not self.trains,
                               weights_low=self.options.plan_for == "memory" and not self.trains)
+
+
+def device_name(target: str | None, model: Any) -> Any:
+    """The device a plan is for: ``target``, or the device type of ``model``'s parameters ("cpu" without any;
+    ``model`` may be a ``torch.device`` itself)."""
+    if target is not None:
+        return target
+    if isinstance(model, torch.device):
+        return model.type
+    found = module_device(model) if isinstance(model, nn.Module) else None
+    return (found or torch.device("cpu")).type

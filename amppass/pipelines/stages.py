@@ -29,9 +29,11 @@ from ..fx.prepare.aliasing import functional_writes, writes_an_input
 from ..fx.prepare.gelu import FUSED_KEY, fuse_tanh_gelu
 from ..fx.prepare.masks import fold_constant_masks
 from ..fx.rewrite.apply import RewriteStats, rewrite
+from ..fx.rewrite.fp8 import linear_weights
 from ..fx.rewrite.low_backward import annotate_backward
 from ..fx.runners import finite, region_timing
 from ..fx.runners.calibrate import CaptureFp32, calibrated_plan
+from ..fx.runners.fp8 import plan_fp8
 from ..fx.view.build import build_view
 from ..fx.view.macs import node_macs
 from ..targets.cost_model import CostModel, DeviceFacts
@@ -70,6 +72,8 @@ class Work:
     stats: RewriteStats | None = None  # rewrite_graph
     kept_finite: dict[str, Decision] = field(default_factory=dict)  # finite_check
     non_finite: dict[str, Any] = field(default_factory=dict)  # finite_check: what to record
+    fp8_sources: tuple[fx.GraphModule, dict[str, torch.Tensor]] | None = None  # rewrite_graph, for an fp8 plan
+    fp8: dict[str, Any] | None = None  # lower_fp8: what to record
     ran: list[str] = field(default_factory=list)  # the stages run, in order
 
 
@@ -90,7 +94,8 @@ def plan_captured(gm: fx.GraphModule, model: Any, settings: Settings, *, example
     8. :func:`finite_check`: the example run fp32 and converted; a node going inf or NaN is kept fp32 and the
        graph made again from it (:data:`RETRY`: pin, plan, evidence, rewrite; nothing is captured, viewed or
        timed again);
-    9. :func:`record`: the summary stored in the graph for ``amppass.report``.
+    9. :func:`lower_fp8`: for ``dtype="fp8"``, the products whose measured error allows it lowered to e4m3;
+    10. :func:`record`: the summary stored in the graph for ``amppass.report``.
     """
     work = Work(gm, model, settings, example, carried or {}, recapture)
     run(work, STAGES)
@@ -180,6 +185,8 @@ def rewrite_graph(work: Work) -> None:
     if work.stats is None:
         work.checked = _finite_check_inputs(work)
         work.pristine = shared_copy(work.gm) if work.checked is not None else None
+        if work.settings.options.fp8 is not None:  # fp8 weights are quantized from fp32 values, not bf16 ones
+            work.fp8_sources = (shared_copy(work.gm), linear_weights(work.gm))
     else:
         assert work.pristine is not None
         work.gm = shared_copy(work.pristine)
@@ -200,8 +207,18 @@ def finite_check(work: Work) -> None:
     work.non_finite = check.info
 
 
+def lower_fp8(work: Work) -> None:
+    """Stage 9, for an fp8 plan (a bf16 plan with some products lowered further): the linear products whose
+    measured sensitivity allows it run e4m3 (:func:`amppass.fx.runners.fp8.plan_fp8`), each product's outcome on
+    its node; nothing otherwise."""
+    if work.fp8_sources is None:
+        return
+    options = work.settings.options
+    work.fp8 = plan_fp8(work.gm, *work.fp8_sources, options.calibration, options.tolerance)
+
+
 def record(work: Work) -> None:
-    """Stage 9: the conversion's summary stored in ``work.gm.meta`` (what ``amppass.report`` reads back with each
+    """Stage 10: the conversion's summary stored in ``work.gm.meta`` (what ``amppass.report`` reads back with each
     node's decision), and in training what each op's backward runs in."""
     settings, gm, stats = work.settings, work.gm, work.stats
     assert stats is not None and work.plan is not None
@@ -214,6 +231,8 @@ def record(work: Work) -> None:
         **work.calibration,
         **work.non_finite,
     }
+    if work.fp8 is not None:
+        gm.meta[META_KEY]["fp8"] = work.fp8
     if settings.trains:
         gm.meta[META_KEY]["backward"] = annotate_backward(gm, low.name)
     log.info("converted %s to %s for %s: %d nodes planned, %d casts", type(work.model).__name__, low, target.name,
@@ -221,7 +240,7 @@ def record(work: Work) -> None:
 
 
 STAGES = (prepare, neutral_view, pin, profitable_regions, plan_precision, add_evidence, rewrite_graph, finite_check,
-          record)
+          lower_fp8, record)
 RETRY = (pin, plan_precision, add_evidence, rewrite_graph)  # the finite check's: the graph made again from its plan
 
 

@@ -60,6 +60,11 @@ class Report:
         return [row for row in self.rows
                 if (not wanted or row.precision in wanted) and (not op or any(same_op(row.op, o) for o in op))]
 
+    def fp8_rows(self) -> list[Row]:
+        """The matrix products of an fp8 plan (``dtype="fp8"``): each row's evidence ``fp8`` holds its format and
+        scales where it runs in fp8, ``why_not`` where it does not."""
+        return [row for row in self.rows if isinstance(row.evidence.get("fp8"), dict)]
+
     def by_op(self, rows: Iterable[Row] | None = None) -> list[OpGroup]:
         """``rows`` (by default all) grouped by op, most nodes first."""
         groups: dict[str, OpGroup] = {}

@@ -130,8 +130,10 @@ def summary_lines(report: Summarised) -> list[str]:
     by_parts = info.get("parts")
     if isinstance(by_parts, dict) and isinstance(by_parts.get("converted"), list):
         lines.extend(_parts_lines(by_parts))
-    if isinstance(info.get("fp8"), dict):
-        lines.extend(_fp8_lines(info["fp8"], str(info.get("dtype"))))
+    fp8 = info.get("fp8")
+    if isinstance(fp8, dict):  # a torch plan's fp8 record counts MACs by dtype, an ONNX plan's by share
+        lines.extend(_fp8_lines(fp8, str(info.get("dtype"))) if "candidates" in fp8
+                     else [_fp8_line(fp8)] if isinstance(fp8.get("macs"), dict) else [])
     lines.append(f"casts inserted: {stats['casts']}")
     before, after = stats["weight_bytes"]["before"], stats["weight_bytes"]["after"]
     if before:
@@ -168,6 +170,16 @@ def summary_lines(report: Summarised) -> list[str]:
     if not stats["calibrated"]:
         lines.append("uncalibrated: decisions come from op semantics and weights only")
     return lines
+
+
+def _fp8_line(fp8: dict[str, Any]) -> str:
+    """The summary's line on an fp8 plan: products and MACs in fp8, bf16 and fp32, and how scales are computed."""
+    macs = fp8["macs"]
+    total = sum(finite(macs.get(p)) or 0 for p in ("fp8", "bf16", "fp32"))
+    shares = ", ".join(f"{p} {(finite(macs.get(p)) or 0) / total:.1%}" for p in ("fp8", "bf16", "fp32")) \
+        if total else "no MACs counted"
+    return (f"fp8 ({fp8.get('format')}): {fp8.get('fp8')} of {fp8.get('products')} matrix products; MACs: {shares}; "
+            f"scales: {fp8.get('scales')} (Report.fp8_rows(): each product's scales, or why it is not fp8)")
 
 
 # how the speed check knew a group's fp32 and low-precision times (amppass.analysis.profitability, rule 2), in

@@ -38,6 +38,7 @@ Targets are made by :func:`onnx_target` and :func:`torch_target` and are recorde
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -50,6 +51,9 @@ from .torch_kernel_facts import torch_facts
 
 ONNX_TARGETS = ("cpu", "cuda", "tensorrt")
 TORCH_TARGETS = ("cpu", "cuda")
+FP8_CAPABILITY = (8, 9)  # CUDA compute capability with fp8 (e4m3, e5m2) matrix kernels: Ada, Hopper and later
+
+log = logging.getLogger(__name__)
 
 
 class Kernels(Protocol):
@@ -189,3 +193,31 @@ def _checked(name: object, choices: tuple[str, ...], function: str) -> str:
         raise InputError(f"{function}(target={name!r}): amppass plans for {', '.join(repr(c) for c in choices)}; "
                          f"pass one of them (the device and runtime the converted model will run on)")
     return key  # type: ignore[return-value]
+
+
+def check_fp8(name: str, plan_for: str, mode: str) -> None:
+    """InputError where ``dtype="fp8"`` cannot be planned for torch target ``name`` (module docstring of
+    :mod:`amppass.fx.runners.fp8`): a CUDA device of compute capability below 8.9 (checked where this machine has
+    one), a CPU without ``plan_for="coverage"`` (CPUs have no fp8 arithmetic: a CPU plan is for testing, and it
+    says it will be slow), or training (not implemented)."""
+    name = _checked(name, TORCH_TARGETS, "convert")
+    if mode != "inference":
+        raise InputError(f"amppass.convert(dtype='fp8', mode={mode!r}): fp8 converts for inference only so far "
+                         "(fp8 training, e4m3 forward products with e5m2 gradients, is not implemented); train in "
+                         "bf16 with dtype='bf16', mode='train', or pass mode='inference'")
+    if name == "cpu":
+        if plan_for != "coverage":
+            raise InputError(f"amppass.convert(dtype='fp8', target='cpu', plan_for={plan_for!r}): CPUs have no fp8 "
+                             "arithmetic, so an fp8 model runs slower there than fp32 and is for testing the "
+                             "numerics only: pass plan_for='coverage' to convert it anyway, dtype='bf16' for a fast "
+                             "CPU model, or target='cuda' for a GPU of compute capability 8.9 or later")
+        log.warning("dtype='fp8' for target 'cpu' (plan_for='coverage'): for testing only; the CPU has no fp8 "
+                    "arithmetic, so torch._scaled_mm computes the fp8 products from e4m3 values in fp32, slower than "
+                    "the fp32 model")
+        return
+    if torch.cuda.is_available():
+        capability = torch.cuda.get_device_capability()
+        if capability < FP8_CAPABILITY:
+            raise InputError(f"amppass.convert(dtype='fp8', target='cuda'): this GPU ({torch.cuda.get_device_name()}, "
+                             f"compute capability {capability[0]}.{capability[1]}) has no fp8 matrix kernels; they "
+                             f"need {FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or later (Ada, Hopper): pass dtype='bf16'")

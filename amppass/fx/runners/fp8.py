@@ -1,0 +1,337 @@
+"""Which matrix products of a bf16 plan run in fp8: chosen per node from measured sensitivity, then lowered.
+
+``amppass.convert(..., dtype="fp8")`` plans and rewrites the graph as for bf16, then :func:`plan_fp8` takes each
+matrix product of the rewritten graph in turn (the lowering itself is :mod:`amppass.fx.rewrite.fp8`'s):
+
+1. **Structure.** Only a linear layer the bf16 plan runs low, whose weight is stored (a scale computed once, at
+   conversion) and whose sizes are multiples of 16 (what ``torch._scaled_mm``'s fp8 kernels need) can be fp8.
+   Every other product says why not: kept fp32 by the bf16 plan, a convolution (torch has no fp8 convolution
+   kernel), attention (SDPA has no fp8 kernel in torch) or another product of two activations (attention scores
+   and their weighted sums: no stored operand for a scale computed at conversion), a product written as
+   ``mm``/``matmul`` with a weight (not lowered yet).
+2. **Range.** With calibration data, the batches are split: the first ones give each product's input range (its
+   static scale: the largest magnitude seen, mapped to e4m3's largest finite value), the last quarter (at least
+   one batch, at most :data:`HELD_OUT`) is held out. On the held-out batches each candidate runs alone in fp8 on
+   the inputs the fp32 model gave it: its local error ``||y_fp8 - y_fp32|| / ||y_fp32||``. A product whose local
+   error exceeds :data:`RANGE_LIMIT` stays bf16: rounding to e4m3 moves one value by at most 2^-4 of itself, so
+   an error beyond twice that is range, not rounding: an outlier that leaves the other values of a per-tensor
+   scale in e4m3's subnormals or at zero, or held-out values beyond the calibrated range (clipped). The reason
+   names the operand (input or weight) whose rounding alone moves the output more, and its largest-to-RMS ratio.
+   Without calibration, the weights' ranges decide alone (the weight's own e4m3 error against the same limit)
+   and each input's scale is computed on every call from its largest magnitude (dynamic); the report says so.
+3. **Tolerance.** With ``tolerance=``, the search goes on down one ordered lattice, fp8 → bf16 → fp32: the bf16
+   search of :mod:`amppass.analysis.tolerance` has already moved what it must to fp32 against the whole
+   tolerance; here the candidates are ranked by local error and the longest prefix of that ranking whose fp8
+   lowering keeps the output error on the held-out batches within the tolerance is kept (a binary search over
+   the prefix length: the error grows with each product lowered); then each later candidate is tried on its own,
+   in rank order, on top of those kept, and kept where the error stays within the tolerance (a product ranked
+   late by its local error may matter little to the output). The others stay bf16, each with the two errors that
+   decided it.
+
+Every product's outcome is in its row's evidence (``fp8``: format and scales, or ``why_not``), and the summary's
+``fp8`` holds the multiply-accumulates in fp8, bf16 and fp32.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from ...analysis.calibration import relative_error
+from ...analysis.record import META_KEY
+from ...dtypes import E4M3
+from ..capture.copies import shared_copy
+from ..capture.guards import GUARDS_KEY
+from ..capture.inputs import flatten_inputs, split_batch
+from ..rewrite.fp8 import FP8_ALIGNMENT, Fp8Product, dequantize, fp8_evidence, fp8_linear, lower, mark, quantize
+from ..view import ops
+
+log = logging.getLogger(__name__)
+
+RANGE_LIMIT = 2 * 2.0 ** -4  # twice the largest relative rounding error of one e4m3 value (3 significand bits)
+HELD_OUT = 2  # at most this many calibration batches are held out for the errors
+_CONVOLUTIONS = {"convolution", "_convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+                 "conv_transpose3d"}
+_MATMULS = {"matmul", "mm", "bmm", "addmm", "baddbmm", "addbmm", "einsum"}
+_ATTENTION = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+              "_scaled_dot_product_efficient_attention"}
+
+
+@dataclass
+class _Measured:
+    """What the held-out batches showed of one candidate."""
+
+    local_error: float = 0.0
+    input_error: float = 0.0  # the output's error with the input alone in e4m3, largest over batches
+    weight_error: float = 0.0  # with the weight alone in e4m3
+    input_ratio: float = 0.0  # the input's largest magnitude over its RMS
+    held_out_amax: float = 0.0
+    seen: int = 0
+
+
+@dataclass
+class _Data:
+    """The calibration batches as this pass uses them."""
+
+    amax: dict[str, float] = field(default_factory=dict)
+    measured: dict[str, _Measured] = field(default_factory=dict)
+    held_out: list[list] = field(default_factory=list)  # the graph inputs of each held-out batch
+    references: list[list[torch.Tensor]] = field(default_factory=list)  # their fp32 outputs
+    separate: bool = True  # whether the held-out batches are not also the calibration ones
+
+
+def plan_fp8(gm: fx.GraphModule, fp32_gm: fx.GraphModule, weights: Mapping[str, torch.Tensor],
+             calibration: Iterable[Any] | None, tolerance: float | None) -> dict[str, Any]:
+    """Choose the products of ``gm`` (rewritten for bf16 in place) that run in fp8, lower them, record every
+    product's outcome on its node; the summary for the model's record. ``fp32_gm`` is the graph before the rewrite
+    and ``weights`` each linear node's fp32 weight (:func:`amppass.fx.rewrite.fp8.linear_weights`)."""
+    why_not: dict[str, str] = {}
+    candidates: list[str] = []
+    for node in gm.graph.nodes:
+        why = _structure(node, gm, weights)
+        if why is None:
+            continue
+        if why:
+            why_not[node.name] = why
+        else:
+            candidates.append(node.name)
+    structural = len(why_not)
+    data = _measure(fp32_gm, candidates, weights, calibration) if calibration is not None and candidates else None
+    chosen: dict[str, Fp8Product] = {}
+    local: dict[str, float] = {}
+    for name in candidates:
+        weight = weights[name]
+        if data is None:
+            error = _rounding_error(weight)
+            if error > RANGE_LIMIT:
+                why_not[name] = (f"stays bf16: its weight's own e4m3 error is {error:.3g}, beyond {RANGE_LIMIT:g} "
+                                 f"(twice e4m3's largest rounding error of one value): its largest magnitude is "
+                                 f"{_ratio(weight):.3g}x its RMS, so one per-tensor scale leaves the others to "
+                                 "e4m3's subnormals or zero")
+                continue
+            chosen[name], local[name] = Fp8Product(name, weight, None), error
+            continue
+        seen = data.measured[name]
+        if seen.local_error > RANGE_LIMIT:
+            why_not[name] = _range_reason(seen, weight, data.amax[name], data.separate)
+            continue
+        chosen[name], local[name] = Fp8Product(name, weight, data.amax[name]), seen.local_error
+    search: dict[str, Any] = {}
+    if tolerance is not None and data is not None and chosen:
+        chosen, search = _lattice(gm, chosen, local, data, tolerance, why_not)
+    lower(gm, chosen)
+    for name, product in chosen.items():
+        where = ("input scale static, from calibration" if product.input_amax is not None
+                 else "input scale computed from its largest magnitude on every call (no calibration)")
+        error = (f"local error {local[name]:.3g} on held-out inputs" if data is not None
+                 else f"weight's own e4m3 error {local[name]:.3g} (chosen from the weight's range alone)")
+        mark(gm, name, {**fp8_evidence(product), "local_error": local[name]},
+             f"fp8: e4m3 input and weight with per-tensor scales (weight scale computed once at conversion, {where}), "
+             f"fp32 accumulation, bf16 output; {error}, within {RANGE_LIMIT:g}")
+    for name, why in why_not.items():
+        evidence: dict[str, Any] = {"why_not": why}
+        if data is not None and name in data.measured:
+            evidence["local_error"] = data.measured[name].local_error
+        mark(gm, name, evidence, why)
+    info = {"format": E4M3.name, "products": len(candidates) + structural, "fp8": len(chosen),
+            "scales": "weights: once at conversion; inputs: " + (
+                "static, from calibration" if data is not None else "dynamic, from each call's range (no calibration)"),
+            "macs": _macs(gm), "range_limit": RANGE_LIMIT, **search}
+    if data is not None:
+        info["held_out_batches"] = len(data.held_out)
+        info["held_out_separate"] = data.separate
+    log.info("fp8: %d of %d products in %s", len(chosen), info["products"], E4M3.name)
+    return info
+
+
+def _structure(node: fx.Node, gm: fx.GraphModule, weights: Mapping[str, torch.Tensor]) -> str | None:
+    """None for a node that is no matrix product; "" for an fp8 candidate; why not otherwise (module docstring, 1)."""
+    meta = node.meta.get(META_KEY)
+    if node.op != "call_function" or not meta or meta.get("cast"):
+        return None
+    name = ops.op_name(node, gm)
+    if name not in {"linear", *_MATMULS, *_CONVOLUTIONS, *_ATTENTION}:
+        return None
+    if meta.get("precision") != "low":
+        return "not fp8: the bf16 plan keeps this product in fp32"
+    if name in _CONVOLUTIONS:
+        return ("stays bf16: torch has no fp8 convolution kernel (torch._scaled_mm is a matrix product), on this "
+                "target or any")
+    if name in _ATTENTION:
+        return ("stays bf16: attention's score and value products run inside one SDPA kernel, which torch has in "
+                "bf16 and not in fp8")
+    if name != "linear":
+        stored = any(a.op == "get_attr" for a in node.all_input_nodes)
+        return ("stays bf16: a product with a weight written as mm/matmul is not lowered to fp8 (only linear layers "
+                "are)" if stored else "stays bf16: a product of two activations (attention scores, an attention-"
+                "weighted sum): neither operand is stored, so no scale can be computed at conversion")
+    weight = weights.get(node.name)
+    if weight is None:
+        return "stays bf16: its weight is computed in the graph, not stored, so no scale is computed at conversion"
+    out_features, in_features = weight.shape
+    if in_features % FP8_ALIGNMENT or out_features % FP8_ALIGNMENT:
+        return (f"stays bf16: its sizes (in {in_features}, out {out_features}) are not multiples of "
+                f"{FP8_ALIGNMENT}, which torch._scaled_mm's fp8 kernels need")
+    return ""
+
+
+def _measure(fp32_gm: fx.GraphModule, candidates: list[str], weights: Mapping[str, torch.Tensor],
+             calibration: Iterable[Any]) -> _Data | None:
+    """Input ranges on the calibration batches, then each candidate's local error on the held-out ones (module
+    docstring, 2); None where no batch fits the captured graph's shapes."""
+    guards = fp32_gm.meta.get(GUARDS_KEY)
+    flats = []
+    for index, batch in enumerate(calibration):
+        args, kwargs = split_batch(batch)
+        if guards is None or guards.mismatch(args, kwargs) is None:
+            flats.append(flatten_inputs(fp32_gm, args, kwargs, index))
+    if not flats:
+        return None
+    held = min(HELD_OUT, max(1, len(flats) // 4))
+    data = _Data(separate=len(flats) > 1)
+    first = flats[:-held] if data.separate else flats
+    data.held_out = flats[-held:]
+    wanted = set(candidates)
+    with torch.no_grad():
+        for flat in first:
+            _Probe(fp32_gm, wanted, lambda name, x, args, out: _fold_amax(data.amax, name, x)).run(
+                *flat, enable_io_processing=False)
+        data.measured = {name: _Measured() for name in candidates}
+
+        def held_out(name: str, x: torch.Tensor, args: tuple, out: torch.Tensor) -> None:
+            weight, bias = weights[name], args[2] if len(args) > 2 else None
+            seen = data.measured[name]
+            w_scale = E4M3.scale_for(float(weight.abs().amax()) if weight.numel() else 0.0)
+            q = quantize(weight, w_scale)
+            x_scale = torch.tensor(E4M3.scale_for(data.amax.get(name, 0.0)))
+            y = fp8_linear(x.to(torch.bfloat16), q, torch.tensor(w_scale), x_scale,
+                           None if bias is None else bias.to(torch.bfloat16))
+            seen.local_error = max(seen.local_error, relative_error(y, out))
+            # each operand's share: the output with only that operand rounded to e4m3
+            x_read = dequantize(quantize(x, x_scale), x_scale)
+            seen.input_error = max(seen.input_error, relative_error(F.linear(x_read, weight, bias), out))
+            seen.weight_error = max(seen.weight_error, relative_error(F.linear(x, dequantize(q, w_scale), bias), out))
+            seen.input_ratio = max(seen.input_ratio, _ratio(x))
+            seen.held_out_amax = max(seen.held_out_amax, float(x.abs().amax()) if x.numel() else 0.0)
+
+        for flat in data.held_out:
+            outputs = _Probe(fp32_gm, wanted, held_out).run(*flat, enable_io_processing=False)
+            data.references.append(_floating(outputs))
+    return data
+
+
+class _Probe(fx.Interpreter):
+    """Runs the fp32 graph and hands each candidate's input, arguments and output to ``seen``."""
+
+    def __init__(self, gm: fx.GraphModule, wanted: set[str], seen: Any):
+        super().__init__(gm)
+        self.wanted, self.seen = wanted, seen
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        if n.name in self.wanted:
+            args, _ = self.fetch_args_kwargs_from_env(n)
+            self.seen(n.name, args[0], args, result)
+        return result
+
+
+def _fold_amax(amax: dict[str, float], name: str, x: torch.Tensor) -> None:
+    value = float(x.detach().abs().amax()) if x.numel() else 0.0
+    amax[name] = max(amax.get(name, 0.0), value) if math.isfinite(value) else amax.get(name, 0.0)
+
+
+def _lattice(gm: fx.GraphModule, chosen: dict[str, Fp8Product], local: Mapping[str, float], data: _Data,
+             tolerance: float, why_not: dict[str, str]) -> tuple[dict[str, Fp8Product], dict[str, Any]]:
+    """The candidates whose fp8 lowering keeps the held-out output error within ``tolerance`` (module docstring, 3):
+    the longest prefix of the ranking by local error, then each later candidate on its own, in rank order, on top of
+    those kept; a reason for each candidate left out."""
+    ranked = sorted(chosen, key=lambda n: local[n])
+    errors: dict[tuple[str, ...], float] = {}
+
+    def error(names: list[str]) -> float:
+        key = tuple(names)
+        if key not in errors:
+            trial = shared_copy(gm)
+            lower(trial, {n: chosen[n] for n in names})
+            with torch.no_grad():
+                errors[key] = max((relative_error(out, ref)
+                                   for flat, refs in zip(data.held_out, data.references, strict=True)
+                                   for out, ref in zip(_floating(trial(*flat)), refs, strict=True)), default=0.0)
+        return errors[key]
+
+    low, high = 0, len(ranked)  # the first `low` are within the tolerance (or low is 0), the first `high` are not
+    if error(ranked) <= tolerance:
+        low = high
+    while high - low > 1:
+        middle = (low + high) // 2
+        if error(ranked[:middle]) <= tolerance:
+            low = middle
+        else:
+            high = middle
+    kept = ranked[:low]
+    for rank, name in enumerate(ranked[low:], start=low + 1):
+        before, with_it = error(kept), error([*kept, name])
+        if with_it <= tolerance:
+            kept.append(name)
+            continue
+        why_not[name] = (f"stays bf16: the tolerance search (fp8 -> bf16 -> fp32) ranked the products by local error "
+                         f"in fp8 (this one {local[name]:.3g}, rank {rank} of {len(ranked)}); with the {len(kept)} "
+                         f"kept in fp8 the output error on held-out inputs is {before:.3g}, and with this one too "
+                         f"{with_it:.3g}, beyond tolerance {tolerance:g}")
+    log.info("fp8 tolerance search: %d of %d candidates kept, %d trial runs", len(kept), len(ranked), len(errors))
+    return {n: chosen[n] for n in kept}, {"tolerance": tolerance, "output_error": error(kept), "trials": len(errors)}
+
+
+def _range_reason(seen: _Measured, weight: torch.Tensor, amax: float, separate: bool) -> str:
+    """Why a product whose local error is beyond :data:`RANGE_LIMIT` stays bf16 (module docstring, 2)."""
+    if seen.input_error >= seen.weight_error:
+        operand, ratio = "input", seen.input_ratio
+    else:
+        operand, ratio = "weight", _ratio(weight)
+    clipped = (f"; held-out inputs reach {seen.held_out_amax:.3g}, beyond the calibrated {amax:.3g}, and are "
+               "clipped" if separate and seen.held_out_amax > amax else "")
+    return (f"stays bf16: in e4m3 its output moves by {seen.local_error:.3g} on held-out inputs, beyond "
+            f"{RANGE_LIMIT:g} (twice e4m3's largest rounding error of one value): its {operand}'s largest magnitude "
+            f"is {ratio:.3g}x its RMS, so one per-tensor scale leaves the other values to e4m3's subnormals or zero"
+            f"{clipped}")
+
+
+def _rounding_error(tensor: torch.Tensor) -> float:
+    """``tensor``'s own relative error stored in e4m3 with its per-tensor scale and read back."""
+    scale = E4M3.scale_for(float(tensor.detach().abs().amax()) if tensor.numel() else 0.0)
+    return relative_error(dequantize(quantize(tensor.detach(), scale), scale), tensor.detach())
+
+
+def _ratio(tensor: torch.Tensor) -> float:
+    """Largest magnitude over RMS (1 for a constant tensor, 0 for an all-zero one)."""
+    values = tensor.detach().float()
+    rms = float(values.pow(2).mean().sqrt()) if values.numel() else 0.0
+    return float(values.abs().amax()) / rms if rms > 0 else 0.0
+
+
+def _floating(value: Any) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def _macs(gm: fx.GraphModule) -> dict[str, Any]:
+    """Multiply-accumulates of one call in fp8, bf16 and fp32, over the nodes whose MACs were counted."""
+    totals = {"fp8": 0, "bf16": 0, "fp32": 0}
+    for node in gm.graph.nodes:
+        meta = node.meta.get(META_KEY)
+        macs = meta.get("evidence", {}).get("macs") if meta and not meta.get("cast") else None
+        if not macs:
+            continue
+        if meta["evidence"].get("fp8", {}).get("format"):
+            totals["fp8"] += macs
+        elif meta.get("precision") == "low":
+            totals["bf16"] += macs
+        elif meta.get("precision") in ("fp32", "fp32-accumulate"):
+            totals["fp32"] += macs
+    total = sum(totals.values())
+    return {**totals, "fp8_share": totals["fp8"] / total if total else None}

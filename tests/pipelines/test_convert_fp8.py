@@ -1,0 +1,291 @@
+"""amppass.convert(dtype="fp8"): which products go fp8 and why, numerics against fp32, scales, targets, the report.
+
+Error bounds come from e4m3 itself: rounding to e4m3 moves one value by at most 2^-4 of itself, and the plan keeps a
+product in fp8 only where its local error is within twice that (``RANGE_LIMIT``); a model's output error is bounded
+to first order by the sum of its fp8 products' local errors.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import amppass
+from amppass.errors import InputError
+from amppass.fx.runners.fp8 import RANGE_LIMIT
+
+BF16_STEP = 2.0 ** -8
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref).norm() / ref.norm())
+
+
+class Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(64, 128), nn.Linear(128, 64), nn.Linear(64, 16)
+
+    def forward(self, x):
+        return self.c(torch.relu(self.b(nn.functional.gelu(self.a(x)))))
+
+
+class Outlier(nn.Module):
+    """Two linear layers; the first reads an input whose feature 0 (which its weight ignores) is huge."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 64), nn.Linear(64, 32)
+        with torch.no_grad():
+            self.a.weight[:, 0] = 0
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def outlier_batch(big: float) -> torch.Tensor:
+    x = torch.randn(8, 32)
+    x[:, 0] = big
+    return x
+
+
+def fp8(report) -> dict[str, dict]:
+    return {row.name: row.evidence["fp8"] for row in report.fp8_rows()}
+
+
+@pytest.fixture(autouse=True)
+def quiet():
+    logging.disable(logging.WARNING)  # the CPU target's "testing only" warning
+    yield
+    logging.disable(logging.NOTSET)
+
+
+@pytest.fixture
+def mlp():
+    torch.manual_seed(0)
+    return Mlp().eval()
+
+
+def test_calibrated_plan_runs_every_linear_in_fp8_with_static_scales(mlp):
+    before = copy.deepcopy(mlp.state_dict())
+    calibration = [(torch.randn(8, 64),) for _ in range(6)]
+    converted = amppass.convert(mlp, (torch.randn(8, 64),), dtype="fp8", plan_for="coverage",
+                                calibration=calibration)
+    report = amppass.report(converted)
+    rows = fp8(report)
+    assert sorted(rows) == ["linear", "linear_1", "linear_2"]
+    for name, row in rows.items():
+        assert row["format"] == "e4m3", name
+        assert 0 < row["weight_scale"] < float("inf") and 0 < row["input_scale"] < float("inf")
+        assert row["local_error"] <= RANGE_LIMIT
+    targets = {n.name: n.target for n in converted.graph.nodes if n.op == "call_function"}
+    assert all(targets[n] is torch.ops.amppass.fp8_linear.default for n in rows)
+    info = report.info["fp8"]
+    assert info["fp8"] == 3 and info["products"] == 3 and info["macs"]["fp8_share"] == 1.0
+    assert "static, from calibration" in info["scales"]
+    x = torch.randn(8, 64)
+    with torch.no_grad():
+        error = rel_err(converted(x), mlp(x))
+    assert BF16_STEP < error <= 3 * RANGE_LIMIT  # e4m3 ran, within the three products' bound
+    assert all(torch.equal(before[k], v) for k, v in mlp.state_dict().items())  # the caller's model is untouched
+
+
+def test_without_calibration_the_weights_decide_and_input_scales_are_dynamic(mlp):
+    converted = amppass.convert(mlp, (torch.randn(8, 64),), dtype=torch.float8_e4m3fn, plan_for="coverage")
+    report = amppass.report(converted)
+    rows = fp8(report)
+    assert rows and all(r["input_scale"] == "dynamic" for r in rows.values())
+    assert all("no calibration" in row.reason for row in report.fp8_rows())
+    assert "dynamic" in report.info["fp8"]["scales"]
+
+
+def test_a_product_reading_an_outlier_stays_bf16_with_its_reason():
+    torch.manual_seed(0)
+    model = Outlier().eval()
+    calibration = [(outlier_batch(1e6),) for _ in range(5)]
+    converted = amppass.convert(model, (outlier_batch(1e6),), dtype="fp8", plan_for="coverage",
+                                calibration=calibration)
+    report = amppass.report(converted)
+    rows = {row.name: row for row in report.fp8_rows()}
+    first, second = rows["linear"], rows["linear_1"]
+    assert "format" not in first.evidence["fp8"]
+    assert first.evidence["fp8"]["local_error"] > RANGE_LIMIT
+    assert "input's largest magnitude" in first.reason and first.reason.startswith("stays bf16")
+    assert second.evidence["fp8"]["format"] == "e4m3"
+    x = outlier_batch(1e6)
+    with torch.no_grad():
+        # the outlier product in bf16, the other one in fp8: within the one fp8 product's bound
+        assert rel_err(converted(x), model(x)) <= RANGE_LIMIT
+
+
+def test_the_tolerance_lattice_keeps_the_outlier_product_in_bf16():
+    """A milder outlier: its product's local error (about twice the other's) is within the range limit, so the
+    tolerance search decides: at 0.06 the least sensitive product stays fp8 and the outlier's goes to bf16."""
+    torch.manual_seed(0)
+    model = Outlier().eval()
+    calibration = [(outlier_batch(6e4),) for _ in range(5)]
+    example = (outlier_batch(6e4),)
+    loose = amppass.report(amppass.convert(model, example, dtype="fp8", plan_for="coverage",
+                                           calibration=calibration))
+    assert all(r.get("format") for r in fp8(loose).values())
+    assert fp8(loose)["linear"]["local_error"] > fp8(loose)["linear_1"]["local_error"]
+    converted = amppass.convert(model, example, dtype="fp8", plan_for="coverage", calibration=calibration,
+                                tolerance=0.06)
+    report = amppass.report(converted)
+    rows = {row.name: row for row in report.fp8_rows()}
+    assert "format" not in rows["linear"].evidence["fp8"] and "tolerance search" in rows["linear"].reason
+    assert rows["linear_1"].evidence["fp8"]["format"] == "e4m3"
+    assert report.info["fp8"]["output_error"] <= 0.06
+    x = outlier_batch(6e4)
+    with torch.no_grad():
+        assert rel_err(converted(x), model(x)) <= RANGE_LIMIT
+
+
+def test_a_tight_tolerance_keeps_every_product_bf16(mlp):
+    calibration = [(torch.randn(8, 64),) for _ in range(6)]
+    converted = amppass.convert(mlp, (torch.randn(8, 64),), dtype="fp8", plan_for="coverage",
+                                calibration=calibration, tolerance=1e-2)
+    report = amppass.report(converted)
+    assert report.info["fp8"]["fp8"] == 0 and report.info["fp8"]["output_error"] <= 1e-2
+    assert all("tolerance search" in row.reason for row in report.fp8_rows())
+    x = torch.randn(8, 64)
+    with torch.no_grad():
+        assert rel_err(converted(x), mlp(x)) <= 1e-2
+
+
+def test_zero_calibration_data_gives_finite_scales_and_outputs(mlp):
+    calibration = [(torch.zeros(8, 64),) for _ in range(3)]
+    converted = amppass.convert(mlp, (torch.zeros(8, 64),), dtype="fp8", plan_for="coverage",
+                                calibration=calibration)
+    scales = [r["input_scale"] for r in fp8(amppass.report(converted)).values() if "input_scale" in r]
+    assert scales and all(0 < s < float("inf") for s in scales)
+    with torch.no_grad():
+        assert torch.isfinite(converted(torch.randn(8, 64))).all()
+
+
+class Mixed(nn.Module):
+    """A convolution, an attention-score product of two activations, a linear of odd size and one of even size."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(16, 16, 3, padding=1)
+        self.odd = nn.Linear(16, 10)
+        self.even = nn.Linear(16, 32)
+
+    def forward(self, x):  # x: (batch, 16, length)
+        h = self.conv(x).transpose(1, 2)  # (batch, length, 16)
+        scores = torch.softmax(h @ h.transpose(1, 2), dim=-1)
+        return self.odd(scores @ h), self.even(h)
+
+
+def test_products_that_cannot_be_fp8_say_why():
+    torch.manual_seed(0)
+    model = Mixed().eval()
+    converted = amppass.convert(model, (torch.randn(2, 16, 8),), dtype="fp8", plan_for="coverage")
+    rows = amppass.report(converted).fp8_rows()
+    why = {row.op: row.evidence["fp8"].get("why_not", "") for row in rows}
+    assert "no fp8 convolution kernel" in why["aten.conv1d"]
+    assert "two activations" in why["aten.matmul"]
+    assert "not multiples of 16" in why["aten.linear"] or any(
+        "not multiples of 16" in row.reason for row in rows if row.op == "aten.linear")
+    assert sum(bool(row.evidence["fp8"].get("format")) for row in rows) == 1  # the even linear
+
+
+def test_a_cpu_target_without_coverage_is_refused_naming_the_fix(mlp):
+    with pytest.raises(InputError, match=r"plan_for='coverage'") as raised:
+        amppass.convert(mlp, (torch.randn(8, 64),), dtype="fp8", target="cpu")
+    assert "target='cpu'" in str(raised.value) and "dtype='bf16'" in str(raised.value)
+
+
+def test_fp8_training_is_refused_for_now(mlp):
+    with pytest.raises(InputError, match=r"mode='train'"):
+        amppass.convert(mlp.train(), (torch.randn(8, 64),), dtype="fp8", mode="train", plan_for="coverage")
+
+
+def test_the_summary_gives_mac_shares_and_scales(mlp):
+    converted = amppass.convert(mlp, (torch.randn(8, 64),), dtype="fp8", plan_for="coverage",
+                                calibration=[(torch.randn(8, 64),) for _ in range(4)])
+    summary = amppass.report(converted).summary()
+    assert "fp8 (e4m3): 3 of 3 matrix products; MACs: fp8 100.0%, bf16 0.0%, fp32 0.0%" in summary
+    assert "inputs: static, from calibration" in summary
+
+
+def test_an_fp8_model_saves_and_loads_bit_identical_at_another_batch_size(mlp, tmp_path):
+    converted = amppass.convert(mlp, (torch.randn(8, 64),), dtype="fp8", plan_for="coverage",
+                                calibration=[(torch.randn(8, 64),) for _ in range(4)])
+    path = tmp_path / "mlp.fp8.pt2"
+    amppass.save(converted, path)
+    loaded = amppass.load(str(path))
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        assert torch.equal(converted(x), loaded(x))
+    assert {r.name: r.evidence["fp8"] for r in amppass.report(loaded).fp8_rows()} == fp8(amppass.report(converted))
+
+
+def test_fp8_weights_replace_the_bf16_copies(mlp):
+    x = (torch.randn(8, 64),)
+    bf16 = amppass.report(amppass.convert(mlp, x, dtype="bf16", plan_for="coverage")).info
+    converted = amppass.convert(mlp, x, dtype="fp8", plan_for="coverage")
+    info = amppass.report(converted).info
+    dtypes = {t.dtype for t in converted.state_dict().values()}
+    assert torch.float8_e4m3fn in dtypes and torch.bfloat16 in dtypes  # e4m3 weights; the biases stay bf16
+    weights = sum(p.numel() for n, p in mlp.named_parameters() if n.endswith("weight"))
+    assert info["weight_bytes_after"] == bf16["weight_bytes_after"] - weights + 3 * 4  # 1 byte each, 3 fp32 scales
+
+
+def test_a_transformers_bert_runs_its_linears_in_fp8_and_attention_in_bf16():
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                        vocab_size=100, attn_implementation="sdpa")
+    model = BertModel(config).eval()
+    ids = [(torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(i)),) for i in range(5)]
+    converted = amppass.convert(model, ids[0], dtype="fp8", plan_for="coverage", calibration=ids)
+    rows = amppass.report(converted).fp8_rows()
+    in_fp8 = [row for row in rows if row.evidence["fp8"].get("format")]
+    assert {row.op for row in in_fp8} == {"aten.linear"} and len(in_fp8) >= 6  # q, k, v, out, two MLP (+ pooler)
+    attention = [row for row in rows if "attention" in row.op]
+    assert attention and all("SDPA" in row.evidence["fp8"]["why_not"] for row in attention)
+    x = torch.randint(0, 100, (3, 16), generator=torch.Generator().manual_seed(9))
+    bf16 = amppass.convert(model, ids[0], dtype="bf16", plan_for="coverage")
+    with torch.no_grad():
+        out = converted(x).last_hidden_state
+        error = rel_err(out, model(x).last_hidden_state)
+        assert not torch.equal(out, bf16(x).last_hidden_state)  # the fp8 products ran
+    # to first order, the output moves by at most the sum of the fp8 products' local errors
+    assert error <= sum(row.evidence["fp8"]["local_error"] for row in in_fp8)
+
+
+class SideBranch(nn.Module):
+    """A main product the output is sensitive to, and a side product (its input has a mild outlier, so it ranks
+    worse by local error) whose contribution to the output is a hundredth."""
+
+    def __init__(self):
+        super().__init__()
+        self.main, self.side = nn.Linear(32, 32), nn.Linear(32, 32)
+        with torch.no_grad():
+            self.side.weight[:, 0] = 0
+
+    def forward(self, x, z):
+        return self.main(x) + 0.01 * self.side(z)
+
+
+def test_the_tolerance_search_keeps_a_late_ranked_product_the_output_barely_feels():
+    torch.manual_seed(0)
+    model = SideBranch().eval()
+    calibration = [(torch.randn(8, 32), outlier_batch(6e4)) for _ in range(5)]
+    converted = amppass.convert(model, calibration[0], dtype="fp8", plan_for="coverage", calibration=calibration,
+                                tolerance=1e-2)
+    rows = {row.name: row for row in amppass.report(converted).fp8_rows()}
+    main, side = rows["linear"], rows["linear_1"]
+    assert side.evidence["fp8"]["format"] == "e4m3"  # ranked after main, kept on its own
+    assert side.evidence["fp8"]["local_error"] > main.evidence["fp8"]["local_error"]
+    assert "format" not in main.evidence["fp8"] and "tolerance search" in main.reason
+    x, z = torch.randn(8, 32), outlier_batch(6e4)
+    with torch.no_grad():
+        assert rel_err(converted(x, z), model(x, z)) <= 1e-2
