@@ -93,9 +93,6 @@ def convert(
             fp16 on CUDA, judged by the model's parameters). ``"fp8"`` (or ``"e4m3"``,
             ``torch.float8_e4m3fn``): a bf16 plan whose matrix products run in e4m3 where measured sensitivity allows
             (:mod:`amppass.fx.runners.fp8`, docs/fp8.md); for CUDA targets of compute capability 8.9 or later, and
-            for a CPU target with ``plan_for="coverage"`` (testing only: slow), inference only. ``"fp8"`` (or ``"e4m3"``,
-            ``torch.float8_e4m3fn``): a bf16 plan whose matrix products run in e4m3 where measured sensitivity allows
-            (:mod:`amppass.fx.runners.fp8`, docs/fp8.md); for CUDA targets of compute capability 8.9 or later, and
             for a CPU target with ``plan_for="coverage"`` (testing only: slow), inference only.
         example_kwargs: keyword inputs for capture.
         target: the device the converted model will run on, "cpu" or "cuda" (default: the device of the
