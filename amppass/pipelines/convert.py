@@ -15,7 +15,7 @@ from ..analysis import overrides, precedence
 from ..analysis.options import PlanOptions
 from ..analysis.painting import paint
 from ..analysis.plan import Precision, PrecisionPlan, Source
-from ..analysis.profitability import SOURCES, Profitability
+from ..analysis.profitability import SOURCES, Profitability, fp32_by_device
 from ..analysis.record import META_KEY, check_reconversion, summary
 from ..analysis.view import GraphView
 from ..dtypes import low_type
@@ -203,6 +203,11 @@ def convert_planned(model: nn.Module, example_inputs: Any, dtype: Any, options: 
             "fp32 master weights and casts them inside the graph, which takes a graph captured by torch.export "
             "(a symbolically traced graph calls the model's own modules, which read their fp32 weights); pass "
             "one batch, e.g. amppass.convert(model, (x,), mode='train')")
+    if mode == "train" and module:  # the device alone may keep a train plan fp32: then nothing is captured
+        record = fp32_by_device(type(model).__name__, plan_target, module_device(model), options, weight_bytes(model))
+        kept = keep_original(model, record, train=True) if record is not None else None
+        if kept is not None:
+            return kept
     try:
         converted = _convert_module(model, example, plan_target, mode, dynamic_shapes, options)
     except CaptureError as err:

@@ -56,3 +56,12 @@ def native_bf16_cpu(monkeypatch) -> None:
     """For one test, the CPU's flags say native bf16 whatever machine runs it: on an AVX2-only CPU the
     profitability rule keeps every region fp32 without timing a kernel, and a test of the timing needs it to time."""
     monkeypatch.setattr(device, "cpu_facts", lambda: NATIVE_BF16)
+
+
+AVX2 = device.CpuFacts("Test CPU with AVX2 only", frozenset({"avx", "avx2", "fma"}))
+
+
+def avx2_cpu(monkeypatch) -> None:
+    """For one test, the CPU's flags say AVX2 only (no bf16 or fp16 instructions, as most laptops and CI runners)
+    whatever machine runs it: a plan for speed keeps every op fp32 there without timing a kernel."""
+    monkeypatch.setattr(device, "cpu_facts", lambda: AVX2)
