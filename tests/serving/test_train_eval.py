@@ -159,7 +159,7 @@ def test_injected_inf_loss_skips_exactly_that_step(converted):
 
 def test_fp16_gradients_underflow_without_the_scaler_and_not_with_it():
     torch.manual_seed(0)
-    model = amppass.convert(nn.Linear(8, 4), (torch.randn(4, 8),), dtype="fp16", mode="train")
+    model = amppass.convert(nn.Linear(8, 4), (torch.randn(4, 8),), dtype="fp16", mode="train", plan_for="coverage")
     x, y = torch.randn(32, 8), torch.randn(32, 4)
 
     def weight_grad(scaler: amppass.LossScaler) -> torch.Tensor:
@@ -229,7 +229,7 @@ def test_submodules_set_to_eval_before_converting_stay_so_in_the_train_graph():
     original = _frozen_net()
     original[1].eval(), original[4].eval()
     x = torch.randn(4, 3, 8, 8)
-    model = amppass.convert(copy.deepcopy(original), (x,), dtype=torch.float16, mode="train")
+    model = amppass.convert(copy.deepcopy(original), (x,), dtype=torch.float16, mode="train", plan_for="coverage")
     assert model.training and not model[1].training and not model[4].training
     before = model[1].running_mean.clone()
     first, second = model(x), model(x)
@@ -242,7 +242,7 @@ def test_submodules_set_to_eval_before_converting_stay_so_in_the_train_graph():
 
 def test_a_submodule_switched_after_converting_is_refused_with_the_way_to_convert_it():
     x = torch.randn(4, 3, 8, 8)
-    model = amppass.convert(_frozen_net(), (x,), dtype=torch.float16, mode="train")
+    model = amppass.convert(_frozen_net(), (x,), dtype=torch.float16, mode="train", plan_for="coverage")
     model[1].eval()
     with pytest.raises(amppass.InputError, match=r"1 \(BatchNorm2d\) is in eval mode.*get_submodule\('1'\)\.eval\(\)"):
         model(x)
