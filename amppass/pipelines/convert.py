@@ -21,7 +21,7 @@ from ..analysis.view import GraphView
 from ..dtypes import low_type
 from ..errors import CaptureError, InputError
 from ..fx.capture.copies import shared_copy
-from ..fx.capture.export import capture, capture_program
+from ..fx.capture.export import capture, capture_program, check_example
 from ..fx.capture.fidelity import check_fidelity
 from ..fx.capture.function_backward import check_backward
 from ..fx.capture.guards import GUARDS_KEY, carried_decisions, example_refusal, matching, plain_inputs
@@ -207,6 +207,7 @@ def convert_planned(model: nn.Module, example_inputs: Any, dtype: Any, options: 
         record = fp32_by_device(type(model).__name__, plan_target, module_device(model), options, weight_bytes(model))
         kept = keep_original(model, record, train=True) if record is not None else None
         if kept is not None:
+            check_example(model, *(plain_inputs(part) for part in example_call(example)))  # as a capture would
             return kept
     try:
         converted = _convert_module(model, example, plan_target, mode, dynamic_shapes, options)

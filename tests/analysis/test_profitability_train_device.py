@@ -109,7 +109,8 @@ def test_bad_input_is_still_refused_first(monkeypatch):
 
 
 def test_a_module_that_does_not_capture_trains_as_it_is(monkeypatch, no_capture):
-    """Nothing is captured, so a model torch.export cannot take whole trains too (no conversion by parts)."""
+    """Nothing is captured, so a model torch.export cannot take whole (sizes from data) trains too, with no
+    conversion by parts."""
     avx2_cpu(monkeypatch)
 
     class Data(nn.Module):
@@ -121,4 +122,19 @@ def test_a_module_that_does_not_capture_trains_as_it_is(monkeypatch, no_capture)
             return self.linear(x)[: int(x.sum().item() > 0) + 1]
 
     kept = amppass.convert(Data(), (torch.ones(3, 4),), "bf16", mode="train")
-    assert isinstance(kept, KeptFp32) and not isinstance(kept, CaptureError)
+    assert isinstance(kept, KeptFp32) and kept(torch.ones(3, 4)).shape == (2, 4)
+
+
+def test_an_example_the_model_refuses_is_refused_as_a_capture_would(monkeypatch, no_capture):
+    """Nothing is captured, yet a wrong example is still the one short CaptureError naming input, op and module; the
+    check runs the model once and leaves the random number generator where it was (a dropout draw)."""
+    avx2_cpu(monkeypatch)
+    model = nn.Sequential(nn.Dropout(0.5), nn.Linear(4, 2))
+    with pytest.raises(CaptureError) as caught:
+        amppass.convert(model, (torch.ones(2, 5),), "bf16", mode="train")
+    assert str(caught.value) == ("input 'input' of shape [2, 5] does not fit Sequential: linear (1) takes [*, 4], "
+                                 "got [2, 5]")
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    amppass.convert(model, (torch.ones(2, 4),), "bf16", mode="train")
+    assert torch.equal(torch.get_rng_state(), state)
