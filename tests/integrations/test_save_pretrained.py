@@ -138,8 +138,7 @@ def _encode(st, sentences=SENTENCES) -> torch.Tensor:
 def test_a_converted_sentence_transformer_saves_as_the_original(minilm, mode, tmp_path):
     st = minilm()
     reference = _encode(st)
-    fast = amppass.convert(st, (st.preprocess(SENTENCES[:2]),), dtype="bf16", mode=mode,
-                           **({"plan_for": "coverage"} if mode == "inference" else {}))
+    fast = amppass.convert(st, (st.preprocess(SENTENCES[:2]),), dtype="bf16", mode=mode, plan_for="coverage")
     fast.save(str(tmp_path / "saved"))
     loaded = minilm(tmp_path / "saved")
     assert type(loaded[0]).__name__ == "Transformer" and len(loaded) == len(st)
