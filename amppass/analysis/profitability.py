@@ -58,6 +58,14 @@ region's calls (:class:`TimedCall`; :mod:`amppass.fx.runners.region_timing` buil
    rounds that other load left undisturbed; it is not timed at all where the last region's timing had no
    undisturbed round.
 
+5. Train mode: ``mode="train"`` plans time no region (a train graph's kernels are not the ones its backward
+   runs), so rule 2's ``device`` case is decided for the whole plan before anything is captured
+   (:func:`fp32_by_device`): on a device without native arithmetic for the low dtype, a train-mode plan for
+   speed would keep every op fp32, so the model is not captured at all and :func:`amppass.convert` returns the
+   original, kept in fp32 with its own copy of the weights (:mod:`amppass.serving.fp32_original`), at no
+   conversion cost. ``force_low=`` (ops the user wants low whatever the device) and ``costs=`` (a table made for
+   another device) make a plan as before; ``plan_for="coverage"`` paints low as always.
+
 The table of every time used is stored in the converted model's metadata (``info["costs"]``); passing it
 back as ``costs=`` makes a conversion reuse those times instead of measuring, so a plan is reproducible
 across processes and machines.
@@ -69,15 +77,21 @@ import logging
 import statistics
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Callable, Iterable, Mapping, Protocol
+
+import torch
 
 from ..dtypes import LowType
 from ..errors import first_line
-from ..targets.cost_model import SPREAD_LIMIT, CostModel
+from ..targets.cost_model import SPREAD_LIMIT, CostModel, DeviceFacts
 from ..targets.device import Native
 from ..targets.measure import Timings, agree, spread
 from ..targets.prior import Prior
+from ..targets.target import Target
+from .options import PlanOptions
 from .plan import Category, Decision, Precision, PrecisionPlan, Source
+from .record import summary
 from .view import GraphView
 
 log = logging.getLogger(__name__)
@@ -309,6 +323,33 @@ class Profitability:
             if key not in self.costs.used:
                 self.costs.record(key, unique[key].prior(prior), "prior")
         return max((self.costs.sources[key] for key in keys), key=SOURCES.index)
+
+
+def fp32_by_device(name: str, target: Target, device: torch.device | None, options: PlanOptions,
+                   weight_bytes: int) -> dict[str, Any] | None:
+    """Rule 5: the record of a train-mode plan for speed that the device alone keeps fp32, decided before anything
+    is captured; None where the plan is to be made (another ``plan_for``, a target not on this machine, a device
+    with native arithmetic for the low dtype or unknown facts, ``force_low=`` or ``costs=`` given).
+
+    ``name`` is the model's (for the warning), ``device`` where its weights are, ``weight_bytes`` their size. The
+    record has the keys of every conversion's summary, the device's facts under ``profitability`` and the reason
+    under ``whole_model``, as an inference conversion that kept the original records them."""
+    if options.plan_for != "speed" or not target.profitable or options.force_low or options.costs is not None:
+        return None
+    facts = DeviceFacts(device if device is not None and device.type == target.name else torch.device(target.name),
+                        target.low)
+    if facts.native.native:
+        return None
+    log.warning("%s: profitability: %s; a train-mode plan for speed would keep every op fp32, so the model is not "
+                "captured and trains in fp32 as it is (plan_for='coverage' converts it anyway; to plan for another "
+                "device, convert there, pass target='cuda' for a GPU, or costs= from there)", name, facts.native.reason)
+    untouched = SimpleNamespace(casts=0, weights_converted=0, weight_copies=0)
+    return {**summary("fx", target.low.name, target.describe(), "train", options.keep_io_types, untouched,
+                      weight_bytes, weight_bytes),
+            "plan_for": options.plan_for,
+            "profitability": {"timing": {}, "device": facts.describe(), "decided": "before capture"},
+            "whole_model": {"skipped": f"{facts.native.reason}; no op can train faster in {target.low.name} here, "
+                                       "so nothing was captured"}}
 
 
 _SAID = {"table": "from the given cost table", "cached": "from the timing cache", "measured": "measured",

@@ -16,7 +16,11 @@ changes, as accelerate's own autocast wrapper changes it (an instance attribute;
    of the original (``inspect.signature(module.forward)`` is the original's).
 4. While amppass captures the module (the first call, or a shape the plan does not take), the instance's
    ``forward`` is lifted off: the capture sees the class's own forward, the original computation.
-5. The conversion's options are checked once, where the integration is made (:meth:`TrainConversion.of`: the
+5. Where the conversion keeps the original in fp32 (a train-mode plan for speed on a device without native
+   arithmetic for the dtype, decided before anything is captured: :mod:`amppass.analysis.profitability`, rule 5),
+   every call runs the module's own forward: it trains in fp32 at the speed it has without amppass, and the
+   conversion's warning says why, once.
+6. The conversion's options are checked once, where the integration is made (:meth:`TrainConversion.of`: the
    conversion's :class:`~amppass.pipelines.settings.Settings`), not at the first call.
 """
 
@@ -39,6 +43,7 @@ from ..dtypes import low_type
 from ..errors import InputError
 from ..pipelines.convert import convert_planned
 from ..pipelines.settings import Settings
+from ..serving.fp32_original import KeptFp32
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +132,8 @@ class Route:
             self._convert(module, args, kwargs)
         converted = self._converted
         assert converted is not None  # _convert sets it
+        if isinstance(converted, KeptFp32):  # rule 5: the module's own forward, nothing in between
+            return type(module).forward(module, *args, **kwargs)
         if converted.training != module.training:
             converted.train(module.training)
         with _own_forward(module):  # a shape the plan does not take is captured again from the original
@@ -139,6 +146,10 @@ class Route:
             fast = convert_planned(module, args, self.conversion.settings, example_kwargs=kwargs or None)
         fast.load_state_dict(module.state_dict(keep_vars=True), assign=True)
         self._converted = fast
+        if isinstance(fast, KeptFp32):
+            log.info("%s trains in fp32 through its own forward: amppass kept it (amppass.report(converted(model)) "
+                     "says why)", self._name)
+            return
         log.info("%s converted to %s for training at its first call; it trains the module's own parameters",
                  self._name, self.dtype)
 

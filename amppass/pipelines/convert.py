@@ -13,18 +13,20 @@ from torch import fx, nn
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 
 from ..analysis.plan import Precision
+from ..analysis.profitability import fp32_by_device
 from ..analysis.record import META_KEY, check_reconversion
 from ..analysis.view import GraphView
 from ..dtypes import fp8_format, low_type
 from ..errors import CaptureError, InputError
 from ..fx.capture.copies import shared_copy
-from ..fx.capture.export import capture, capture_program
+from ..fx.capture.export import capture, capture_program, check_example
 from ..fx.capture.fidelity import check_fidelity
 from ..fx.capture.function_backward import check_backward
 from ..fx.capture.guards import GUARDS_KEY, carried_decisions, example_refusal, matching, plain_inputs
 from ..fx.capture.inputs import example_call, split_batch
 from ..fx.capture.modes import module_mode
 from ..fx.prepare.aliasing import functional_writes
+from ..fx.rewrite.device_literals import module_device
 from ..fx.runners import region_timing
 from ..fx.view.build import build_view
 from ..serving.artifact import record_of
@@ -39,7 +41,7 @@ from ..targets.target import check_fp8
 from ..targets.timing_cache import TimingCache
 from .serialize import plan_file
 from .settings import Settings, device_name
-from .stages import plan_captured
+from .stages import plan_captured, weight_bytes
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +197,13 @@ def convert_planned(model: nn.Module, example_inputs: Any, settings: Settings, *
             "fp32 master weights and casts them inside the graph, which takes a graph captured by torch.export "
             "(a symbolically traced graph calls the model's own modules, which read their fp32 weights); pass "
             "one batch, e.g. amppass.convert(model, (x,), mode='train')")
+    if settings.trains and module:  # the device alone may keep a train plan fp32: then nothing is captured
+        record = fp32_by_device(type(model).__name__, settings.resolved, module_device(model), settings.options,
+                                weight_bytes(model))
+        kept = keep_original(model, record, train=True) if record is not None else None
+        if kept is not None:
+            check_example(model, *(plain_inputs(part) for part in example_call(example)))  # as a capture would
+            return kept
     try:
         converted = _convert_module(model, example, settings)
     except CaptureError as err:

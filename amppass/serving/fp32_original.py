@@ -6,6 +6,10 @@ kernel, which torch.export decomposes. When profitability (:mod:`amppass.analysi
 graph slower than the original module in fp32 on the target, :func:`amppass.convert` returns
 :func:`keep_original`'s module instead, which :func:`amppass.report` shows as its one row.
 
+A train-mode plan for speed on a device without native arithmetic for the low dtype is kept fp32 the same way,
+decided from the device's facts before anything is captured (:func:`amppass.analysis.profitability.fp32_by_device`);
+that copy owns its weights, which training writes.
+
 That module must cost what calling the original costs, since it exists because the original is the fastest
 thing to run. So it is the original, not a wrapper around it: a private copy of the original module (own module
 objects, the original's tensors, never written) whose class is a subclass of the original's and of
@@ -15,6 +19,7 @@ holds for both classes, and the methods of the original's class (``generate()``,
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 from typing import Any, Mapping
@@ -47,7 +52,8 @@ class KeptFp32(nn.Module):
 
     def drop_original(self) -> None:
         """Nothing to release: this module holds its own copy of the caller's module objects, never the caller's
-        module itself, and runs the caller's fp32 tensors, which it needs (as every converted module has it)."""
+        module itself, and runs the caller's fp32 tensors (its own copies, kept for training), which it needs (as
+        every converted module has it)."""
 
     def report(self) -> Report:
         """The one decision: the whole module runs fp32, with the times that decided it."""
@@ -79,17 +85,23 @@ def kept_because(info: Mapping[str, Any]) -> str:
             "of them here)")
 
 
-def keep_original(model: nn.Module, info: dict[str, Any]) -> KeptFp32 | None:
+def keep_original(model: nn.Module, info: dict[str, Any], train: bool = False) -> KeptFp32 | None:
     """A private copy of ``model`` in eval mode, in the subclass of its class and :class:`KeptFp32`, carrying
-    ``info`` (module docstring); ``None`` for a class that cannot take another base (a C layout)."""
-    kept = shared_copy(model)  # own module objects: .train() never reaches the caller's
+    ``info`` (module docstring); ``None`` for a class that cannot take another base (a C layout).
+
+    With ``train`` (a train-mode plan the device keeps fp32: :func:`amppass.analysis.profitability.fp32_by_device`)
+    the copy owns copies of the parameters and buffers, tied ones still tied, since training writes them and
+    must never write the caller's, and every module keeps the mode it has, as a train-mode conversion does."""
+    # own module objects: .train() never reaches the caller's
+    kept = copy.deepcopy(model) if train else shared_copy(model)
     try:
         kept.__class__ = _kept_class(type(model))
     except TypeError as err:
         log.info("%s: the original module cannot be kept in a class of amppass's (%s)", type(model).__name__, err)
         return None
     kept.__dict__[_INFO] = info
-    kept.eval()
+    if not train:
+        kept.eval()
     return kept
 
 

@@ -255,7 +255,7 @@ def _fsdp2_casting_parameters_itself(tmp: Path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    converted = amppass.convert(mlp(), X, "bf16", mode="train")
+    converted = amppass.convert(mlp(), X, "bf16", mode="train", plan_for="coverage")
     with one_rank_group():
         fully_shard(converted, mesh=init_device_mesh("cpu", (1,)),
                     mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
@@ -340,7 +340,7 @@ CASES = [
          lambda tmp: amppass.convert(DataDependent(), None, "fp16"),
          CaptureError, ("DataDependent", "control flow", "Pass example_inputs")),
     Case("fx-train-own-backward", "a torch.autograd.Function whose backward is not its forward's derivative "
-         "(mode='train')", lambda tmp: amppass.convert(StraightThrough(), (torch.randn(4, 8),), "bf16", mode="train"),
+         "(mode='train')", lambda tmp: amppass.convert(StraightThrough(), (torch.randn(4, 8),), "bf16", mode="train", plan_for="coverage"),
          CaptureError, ("StraightThrough", "RoundSTE", "differs from the model's own", "No submodule")),
     Case("fx-calibration-nan", "calibration batch holding NaN", _fx(calibration=_bad_calibration(float("nan"))),
          CalibrationError, ("batch 1", "NaN", "nan_to_num")),
@@ -439,7 +439,7 @@ CASES = [
     Case("onnx-unknown-target", "convert_onnx(target='gpu')", _onnx(lambda tmp: matmul_model(), target="gpu"),
          InputError, ("target='gpu'", "'cpu', 'cuda', 'tensorrt'")),
     Case("save-train-module", "amppass.save of a train-mode module",
-         lambda tmp: amppass.save(amppass.convert(mlp(), X, "bf16", mode="train"), tmp / "m.pt2"),
+         lambda tmp: amppass.save(amppass.convert(mlp(), X, "bf16", mode="train", plan_for="coverage"), tmp / "m.pt2"),
          InputError, ("train", "state_dict")),
     Case("save-kept-fp32", "amppass.save of a module that convert kept in fp32 (measured faster)",
          lambda tmp: amppass.save(keep_original(mlp(), {"whole_model": {"converted_ms": 0.2, "original_ms": 0.1}}),
@@ -509,10 +509,10 @@ CASES = [
          lambda tmp: amppass.export_onnx(amppass.convert(mlp(), X, "fp16"), X, tmp / "m.onnx"), InputError,
          ("export_onnx exports a float32 model", "already converted", "pass the original float32 model")),
     Case("export-onnx-train-mode", "amppass.export_onnx of a model converted in train mode",
-         lambda tmp: amppass.export_onnx(amppass.convert(mlp().train(), X, "fp16", mode="train"), X, tmp / "m.onnx"),
+         lambda tmp: amppass.export_onnx(amppass.convert(mlp().train(), X, "fp16", mode="train", plan_for="coverage"), X, tmp / "m.onnx"),
          InputError, ("train mode", "original.load_state_dict(model.state_dict())", "pass the original")),
     Case("train-part-called-alone", "a submodule of a train-mode model called on its own",
-         lambda tmp: amppass.convert(mlp().train(), X, "fp16", mode="train")[2](torch.ones(2, 4)), InputError,
+         lambda tmp: amppass.convert(mlp().train(), X, "fp16", mode="train", plan_for="coverage")[2](torch.ones(2, 4)), InputError,
          ("2 (Linear) is a part of a model amppass converted in train mode", "Call the whole model",
           "amppass.convert(original.2")),
     Case("fsdp2-param-dtype", "FSDP2 MixedPrecisionPolicy(param_dtype=torch.bfloat16) on a train-mode model",
@@ -653,7 +653,7 @@ def test_running_the_model_to_explain_a_capture_leaves_its_statistics():
     model = BranchAfterNorm().train()
     before = {name: b.clone() for name, b in model.named_buffers()}
     try:
-        amppass.convert(model, (torch.randn(8, 4) + 3,), "bf16", mode="train")
+        amppass.convert(model, (torch.randn(8, 4) + 3,), "bf16", mode="train", plan_for="coverage")
     except AmpPassError:
         pass
     assert all(torch.equal(before[name], b) for name, b in model.named_buffers())

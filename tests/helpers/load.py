@@ -49,10 +49,33 @@ def timing_cache(folder: str) -> Iterator[None]:
             os.environ["AMPPASS_CACHE"] = before
 
 
-NATIVE_BF16 = device.CpuFacts("Test CPU with AMX", frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}))
+NATIVE_BF16 = device.CpuFacts("Test CPU with AMX", frozenset({"avx2", "avx512f", "avx512_bf16", "avx512_fp16",
+                                                              "amx_tile", "amx_bf16"}))
 
 
 def native_bf16_cpu(monkeypatch) -> None:
-    """For one test, the CPU's flags say native bf16 whatever machine runs it: on an AVX2-only CPU the
-    profitability rule keeps every region fp32 without timing a kernel, and a test of the timing needs it to time."""
+    """For one test, the CPU's flags say native bf16 (and fp16, as a Sapphire Rapids' AMX and avx512_fp16 do)
+    whatever machine runs it: on an AVX2-only CPU the profitability rule keeps every region fp32 without timing a
+    kernel, and a train-mode plan for speed is the original in fp32; a test of the timing, or of the plan a CPU with
+    those instructions gets, needs it."""
     monkeypatch.setattr(device, "cpu_facts", lambda: NATIVE_BF16)
+
+
+@contextlib.contextmanager
+def read_as_native_cpu() -> Iterator[None]:
+    """:func:`native_bf16_cpu` for the block, where there is no ``monkeypatch`` (the zoo harnesses' steps)."""
+    real = device.cpu_facts
+    device.cpu_facts = lambda: NATIVE_BF16
+    try:
+        yield
+    finally:
+        device.cpu_facts = real
+
+
+AVX2 = device.CpuFacts("Test CPU with AVX2 only", frozenset({"avx", "avx2", "fma"}))
+
+
+def avx2_cpu(monkeypatch) -> None:
+    """For one test, the CPU's flags say AVX2 only (no bf16 or fp16 instructions, as most laptops and CI runners)
+    whatever machine runs it: a plan for speed keeps every op fp32 there without timing a kernel."""
+    monkeypatch.setattr(device, "cpu_facts", lambda: AVX2)

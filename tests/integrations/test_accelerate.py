@@ -55,13 +55,15 @@ def _fp32():
 
 
 def test_fp16_backward_clip_and_step_match_fp32(tmp_path):
+    """fp16 training itself: planned for coverage, so it trains in fp16 on any CPU (a plan for speed keeps a CPU
+    without fp16 instructions in fp32)."""
     ref_losses, ref_norms = _fp32()
     AcceleratorState._reset_state(reset_partial_state=True)
     accelerator = Accelerator(cpu=True)
     model = _net()
     weight = model[0].weight
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    model, optimizer = prepare(accelerator, model, optimizer, dtype="fp16",
+    model, optimizer = prepare(accelerator, model, optimizer, dtype="fp16", plan_for="coverage",
                                scaler=amppass.LossScaler(init_scale=256.0, growth_interval=3))
     losses, norms = _train(accelerator, model, optimizer)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=1e-3)
@@ -76,7 +78,8 @@ def test_fp16_backward_clip_and_step_match_fp32(tmp_path):
     AcceleratorState._reset_state(reset_partial_state=True)
     again = Accelerator(cpu=True)
     fresh = _net()
-    fresh_model, _ = prepare(again, fresh, torch.optim.SGD(fresh.parameters(), lr=0.05), dtype="fp16")
+    fresh_model, _ = prepare(again, fresh, torch.optim.SGD(fresh.parameters(), lr=0.05), dtype="fp16",
+                             plan_for="coverage")
     again.load_state(tmp_path / "state")
     assert again.scaler.state_dict() == accelerator.scaler.state_dict()
     torch.testing.assert_close(fresh_model[0].weight, model[0].weight)
@@ -85,7 +88,8 @@ def test_fp16_backward_clip_and_step_match_fp32(tmp_path):
 def test_default_scaler_skips_overflowing_steps_and_clips_finite_gradients():
     accelerator = Accelerator(cpu=True)
     model = _net()
-    model, optimizer = prepare(accelerator, model, torch.optim.SGD(model.parameters(), lr=0.05), dtype="fp16")
+    model, optimizer = prepare(accelerator, model, torch.optim.SGD(model.parameters(), lr=0.05), dtype="fp16",
+                               plan_for="coverage")  # fp16 on any CPU: a plan for speed keeps one without it fp32
     _, norms = _train(accelerator, model, optimizer, steps=4)
     assert accelerator.scaler.skipped_steps >= 1  # 2**16 overflows this net's first fp16 gradients
     assert all(torch.isfinite(p).all() for p in model.parameters())

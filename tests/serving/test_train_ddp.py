@@ -20,7 +20,7 @@ def _train(rank: int, poison_rank1: str | None) -> dict:
     """Convert, wrap in DDP and train STEPS steps; on the last one optionally poison rank 1 only."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.1), nn.Linear(16, 1))
-    converted = amppass.convert(net, (torch.randn(8, 4),), dtype=torch.float16, mode="train")
+    converted = amppass.convert(net, (torch.randn(8, 4),), dtype=torch.float16, mode="train", plan_for="coverage")
     model = DistributedDataParallel(converted)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     # process_group: the "grad" case writes an inf after DDP's all-reduce, on rank 1 only

@@ -12,6 +12,7 @@ from torch import nn
 import amppass
 from amppass.serving.train_eval import TrainEvalGraphs
 from models.digits import train_digits
+from tests.helpers.load import read_as_native_cpu
 
 
 def _net() -> nn.Module:
@@ -159,7 +160,7 @@ def test_injected_inf_loss_skips_exactly_that_step(converted):
 
 def test_fp16_gradients_underflow_without_the_scaler_and_not_with_it():
     torch.manual_seed(0)
-    model = amppass.convert(nn.Linear(8, 4), (torch.randn(4, 8),), dtype="fp16", mode="train")
+    model = amppass.convert(nn.Linear(8, 4), (torch.randn(4, 8),), dtype="fp16", mode="train", plan_for="coverage")
     x, y = torch.randn(32, 8), torch.randn(32, 4)
 
     def weight_grad(scaler: amppass.LossScaler) -> torch.Tensor:
@@ -200,7 +201,8 @@ def digits() -> dict[str, list[dict]]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # on a shared CPU, intra-op threads fighting for cores cost 10x here
     try:
-        return {p: train_digits(p, epochs=8) for p in ("fp32", "fp16", "bf16")}
+        with read_as_native_cpu():  # low-precision training itself: a CPU without the instructions trains in fp32
+            return {p: train_digits(p, epochs=8) for p in ("fp32", "fp16", "bf16")}
     finally:
         torch.set_num_threads(threads)
 
@@ -229,7 +231,7 @@ def test_submodules_set_to_eval_before_converting_stay_so_in_the_train_graph():
     original = _frozen_net()
     original[1].eval(), original[4].eval()
     x = torch.randn(4, 3, 8, 8)
-    model = amppass.convert(copy.deepcopy(original), (x,), dtype=torch.float16, mode="train")
+    model = amppass.convert(copy.deepcopy(original), (x,), dtype=torch.float16, mode="train", plan_for="coverage")
     assert model.training and not model[1].training and not model[4].training
     before = model[1].running_mean.clone()
     first, second = model(x), model(x)
@@ -242,7 +244,7 @@ def test_submodules_set_to_eval_before_converting_stay_so_in_the_train_graph():
 
 def test_a_submodule_switched_after_converting_is_refused_with_the_way_to_convert_it():
     x = torch.randn(4, 3, 8, 8)
-    model = amppass.convert(_frozen_net(), (x,), dtype=torch.float16, mode="train")
+    model = amppass.convert(_frozen_net(), (x,), dtype=torch.float16, mode="train", plan_for="coverage")
     model[1].eval()
     with pytest.raises(amppass.InputError, match=r"1 \(BatchNorm2d\) is in eval mode.*get_submodule\('1'\)\.eval\(\)"):
         model(x)

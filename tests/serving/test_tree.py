@@ -37,7 +37,7 @@ def _batch(seed: int) -> torch.Tensor:
 
 
 def _convert(model: nn.Module, dtype=torch.float16) -> nn.Module:
-    return amppass.convert(model, (_batch(0)[:, :-1],), dtype=dtype, mode="train")
+    return amppass.convert(model, (_batch(0)[:, :-1],), dtype=dtype, mode="train", plan_for="coverage")
 
 
 @pytest.fixture(scope="module")
@@ -355,7 +355,7 @@ def test_copy_copy_shares_the_state_and_pickling_names_the_checkpoint_fix(tmp_pa
     torch.manual_seed(0)
     original = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).train()
     x = torch.randn(4, 8)
-    converted = amppass.convert(original, (x,), dtype=torch.bfloat16, mode="train")
+    converted = amppass.convert(original, (x,), dtype=torch.bfloat16, mode="train", plan_for="coverage")
     shallow = copy.copy(converted)
     assert shallow is not converted and type(shallow) is type(converted) and shallow.training
     assert shallow[0].weight is converted[0].weight  # shared, as copy.copy of any nn.Module shares them
@@ -386,7 +386,7 @@ def test_a_submodule_called_self_runs_in_the_outlined_tree():
     torch.manual_seed(0)
     original = nn.Sequential(nn.Linear(8, 16), _SelfNamed(), nn.Linear(16, 4)).train()
     x = torch.randn(4, 8)
-    converted = amppass.convert(original, (x,), dtype=torch.bfloat16, mode="train")
+    converted = amppass.convert(original, (x,), dtype=torch.bfloat16, mode="train", plan_for="coverage")
     assert converted.outlined
     for mode in (True, False):
         original.train(mode), converted.train(mode)
@@ -418,7 +418,7 @@ def test_a_non_tensor_keyword_input_does_not_cost_the_module_tree():
     original = _WithFlag().train()
     x = torch.randn(4, 16)
     converted = amppass.convert(original, (x,), example_kwargs={"use_cache": False}, dtype=torch.bfloat16,
-                                mode="train")
+                                mode="train", plan_for="coverage")
     assert converted.outlined
     calls = []
     converted.blocks[1].register_forward_pre_hook(lambda module, args: calls.append(1))
@@ -436,7 +436,7 @@ def test_a_decoder_whose_rewrite_holds_constants_trains_and_evaluates_in_the_out
     torch.manual_seed(0)
     original = decoder(name).train()
     ids = prompt(length=12, batch=2)
-    converted = amppass.convert(original, (ids,), dtype=torch.bfloat16, mode="train")
+    converted = amppass.convert(original, (ids,), dtype=torch.bfloat16, mode="train", plan_for="coverage")
     assert converted.outlined
     logits = converted(ids).logits
     next_char_loss(logits[:, :-1], ids[:, 1:]).backward()
@@ -460,7 +460,7 @@ def test_transformers_gradient_checkpointing_set_before_converting_still_recompu
         original = decoder("llama").train()
         if checkpointing:
             original.gradient_checkpointing_enable()
-        model = amppass.convert(original, (ids,), dtype=torch.bfloat16, mode="train")
+        model = amppass.convert(original, (ids,), dtype=torch.bfloat16, mode="train", plan_for="coverage")
         saved = []
         with torch.autograd.graph.saved_tensors_hooks(
                 lambda t, saved=saved: saved.append(t.numel() * t.element_size()) or t, lambda t: t):

@@ -77,7 +77,8 @@ def _step_against_fp32(model: nn.Module, loss_of, inputs: dict, *, loss_rtol: fl
     """Convert ``model`` (fp16, train mode), check that one forward calls every layer once, that loss and
     gradients agree with fp32's, and that an optimizer step trains; returns the converted model."""
     reference = copy.deepcopy(model)
-    converted = amppass.convert(model, (), example_kwargs=inputs, dtype=torch.float16, mode="train")
+    converted = amppass.convert(model, (), example_kwargs=inputs, dtype=torch.float16, mode="train",
+                                plan_for="coverage")
     assert converted.outlined
     calls, handles = _layer_calls(converted, model)
     try:
@@ -118,7 +119,7 @@ def test_dropout_called_twice_draws_fresh_masks_in_the_tree():
     has none): the values match the flat graph's on the example, checked at conversion."""
     torch.manual_seed(0)
     model, x = TwiceNet(p=0.5), torch.randn(8, 16)
-    converted = amppass.convert(model, (x,), dtype=torch.float16, mode="train")
+    converted = amppass.convert(model, (x,), dtype=torch.float16, mode="train", plan_for="coverage")
     assert converted.outlined
     first, second = converted(x), converted(x)
     assert not torch.allclose(first, second)
@@ -193,7 +194,8 @@ def test_phimoe_routes_with_its_own_backward_so_it_trains_by_parts():
 
     model, inputs = _family("phimoe")
     reference = copy.deepcopy(model)
-    converted = amppass.convert(model, (), example_kwargs=inputs, dtype=torch.float16, mode="train")
+    converted = amppass.convert(model, (), example_kwargs=inputs, dtype=torch.float16, mode="train",
+                                plan_for="coverage")
     parts = parts_of(converted)
     assert "PhimoeMultiplier" in parts.why_whole and "lm_head" in parts.converted
     torch.manual_seed(1)

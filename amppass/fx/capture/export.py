@@ -145,13 +145,22 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any, no
             _note_fixed_dims(gm, model, dynamic=shapes is not None,
                              why=why_static if last is None else first_line(last, 300), kept=kept)
         return gm
-    refused = example_refusal(private_copy(whole), args, call)
-    if refused is not None:  # the example itself is wrong: say how, in the model's terms, not export's symbols
-        raise CaptureError(refused[0]) from refused[1]
+    check_example(whole, args, call)  # the example itself is wrong: say how, in the model's terms, not export's
     reason = first_line(last, 300)
     raise CaptureError(
         f"torch.export could not capture {type(model).__name__}: {reason}{'' if reason.endswith('.') else '.'} {_HINTS}"
     ) from last
+
+
+def check_example(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """:class:`CaptureError` in the model's terms where ``model`` itself fails on the example
+    (:func:`~amppass.fx.capture.guards.example_refusal`): what a capture says of a wrong example, also for a
+    conversion that captures nothing. The model runs once, on a private copy, with the random number generators'
+    state put back after (a dropout draw must not move the caller's training)."""
+    with torch.random.fork_rng():
+        refused = example_refusal(private_copy(model), args, kwargs)
+    if refused is not None:
+        raise CaptureError(refused[0]) from refused[1]
 
 
 def capture_program(program: torch.export.ExportedProgram) -> fx.GraphModule:

@@ -83,7 +83,8 @@ def test_bert_with_num_items_in_batch_converts_once_for_every_length(captures, c
         return {**call, "labels": torch.arange(size) % 2}
 
     with caplog.at_level(logging.WARNING, logger="amppass"):
-        fast = amppass.convert(model, example_kwargs=batch(4, 9), dtype=torch.bfloat16, mode="train")
+        fast = amppass.convert(model, example_kwargs=batch(4, 9), dtype=torch.bfloat16, mode="train",
+                               plan_for="coverage")
         for size, length in ((4, 17), (3, 5), (4, 30), (2, 12)):
             call = batch(size, length)
             loss = fast(**call).loss

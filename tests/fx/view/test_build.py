@@ -1,6 +1,7 @@
 """The neutral view of an FX graph for its target: in a train-mode plan for speed on a CPU, an fp16 convolution,
 whose backward torch runs with a reference loop there (tens of times slower than fp32), is planned fp32; bf16,
-``plan_for="coverage"`` and inference keep it low.
+``plan_for="coverage"`` and inference keep it low. The CPU is read as one with bf16 and fp16 instructions: on one
+without, a train-mode plan for speed is the original in fp32 (tests/analysis/test_profitability_train_device.py).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 import amppass
+from tests.helpers.load import native_bf16_cpu
 
 
 def _net() -> nn.Module:
@@ -27,7 +29,8 @@ def _precisions(converted: nn.Module) -> dict[str, tuple[str, str]]:
             if row.op.split(".")[-1] in ("conv2d", "conv_transpose2d", "linear")}
 
 
-def test_fp16_training_on_a_cpu_keeps_convolutions_fp32_and_says_why():
+def test_fp16_training_on_a_cpu_keeps_convolutions_fp32_and_says_why(monkeypatch):
+    native_bf16_cpu(monkeypatch)  # the plan for speed of a CPU with fp16 instructions (one without keeps all fp32)
     got = _precisions(amppass.convert(_net().train(), (X,), "fp16", mode="train"))
     for op in ("conv2d", "conv_transpose2d"):
         precision, reason = got[op]
@@ -37,13 +40,15 @@ def test_fp16_training_on_a_cpu_keeps_convolutions_fp32_and_says_why():
 
 @pytest.mark.parametrize("dtype, mode, plan_for", [("bf16", "train", "speed"), ("fp16", "train", "coverage"),
                                                      ("fp16", "inference", "coverage")])
-def test_bf16_training_fp16_coverage_and_inference_keep_convolutions_low(dtype, mode, plan_for):
+def test_bf16_training_fp16_coverage_and_inference_keep_convolutions_low(dtype, mode, plan_for, monkeypatch):
+    native_bf16_cpu(monkeypatch)
     model = _net().train(mode == "train")
     got = _precisions(amppass.convert(model, (X,), dtype, mode=mode, plan_for=plan_for))
     assert got["conv2d"][0] == got["conv_transpose2d"][0] == dtype, got
 
 
-def test_the_fp32_convolutions_train_as_the_fp32_model_does():
+def test_the_fp32_convolutions_train_as_the_fp32_model_does(monkeypatch):
+    native_bf16_cpu(monkeypatch)
     reference, model = _net().train(), _net().train()
     converted = amppass.convert(model, (X,), "fp16", mode="train")
     reference(X).square().mean().backward()
