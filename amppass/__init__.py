@@ -47,9 +47,10 @@ if TYPE_CHECKING:  # what type checkers and IDEs read; at run time __getattr__ i
     from .training import LossScaler  # noqa: F401
 
 
-# Importing a submodule binds its name on the package: importing amppass.report.rows first would make
-# ``amppass.report`` the report/ subpackage instead of the function. So the subpackage (a docstring, no
-# imports) is imported now and its name unbound; later imports find it in sys.modules and bind nothing here.
+# The report's modules are in reporting/; report/ keeps only the old paths amppass.report.report and
+# amppass.report.terminal until they go. Importing one would bind ``amppass.report`` to that old package
+# instead of the function, so the package (a docstring, no imports) is imported now and its name unbound; later
+# imports find it in sys.modules and bind nothing here. Delete these two lines with the old report/ package.
 importlib.import_module(".report", __name__)
 del globals()["report"]
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Iterator, NoReturn, Sequence
 from ._version import __version__
 from .errors import AmpPassError
 from .files import Staged, check_writable, resolved
-from .report.rows import PRECISION_FILTERS
+from .reporting.rows import PRECISION_FILTERS
 
 # numpy, onnx, torch and everything that imports them load inside the commands, so that ``amppass --help``
 # and a usage error answer at once (tests/test_cli_startup.py keeps it so)
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     import numpy as np
     import onnx
 
-    from .report.report import Report
+    from .reporting.report import Report
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ def _debugging(args: argparse.Namespace | None) -> bool:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from .pipelines.convert_onnx import OnnxPlanOptions, convert_skeleton, converted_dtype
+    from .pipelines.convert_onnx import OnnxPlanOptions, convert_onnx_streamed, converted_dtype
     from .targets import onnx_target
 
     if _is_program(args.model):
@@ -211,7 +211,7 @@ def _convert(args: argparse.Namespace) -> int:
     if previous == dtype:  # convert_onnx returns it unchanged, with a log warning
         print(f"{args.model}: already converted by amppass to {dtype}; writing it unchanged")
     try:  # the model read once: external data memory-mapped, payloads streamed to the output
-        converted = convert_skeleton(loaded, target, options)
+        converted = convert_onnx_streamed(loaded, target, options)
     except AmpPassError as error:
         raise FileProblem(f"{args.model}: {_one_line(error)}") from error
     report = _read_report(converted.model, args.model)
@@ -219,7 +219,7 @@ def _convert(args: argparse.Namespace) -> int:
         converted.stage(staged, args.output)
         for path, text in _report_files(report, args.report, args.model).items():
             staged.write(path, text)
-    from .report.terminal import summary_panel
+    from .reporting.terminal import summary_panel
 
     _console().print(summary_panel(report))
     for path in (args.output, *args.report):
@@ -237,7 +237,7 @@ def _report(args: argparse.Namespace) -> int:
     with _writing() as staged:
         for path, text in _report_files(report, args.report, args.model).items():
             staged.write(path, text)
-    from .report.terminal import render
+    from .reporting.terminal import render
 
     _console().print(render(report, precision=args.precision, op=args.op, by_op=args.by_op, max_rows=args.rows))
     for path in args.report:
@@ -274,7 +274,7 @@ def _convert_program(args: argparse.Namespace) -> int:
                 staged.write(path, text)
     except AmpPassError as error:
         raise FileProblem(f"{args.model}: {_one_line(error)}") from error
-    from .report.terminal import summary_panel
+    from .reporting.terminal import summary_panel
 
     _console().print(summary_panel(report))
     for path in (args.output, *args.report):

@@ -272,10 +272,10 @@ def _variants(point: Point, base: dict, fp32: torch.nn.Module, inputs: tuple, na
 def plan_note(fast: torch.nn.Module) -> str:
     """What the speed plan kept in fp32 and why, in a few words: the whole model (timed slower converted), or the
     ops profitability timed slower low, with their counts."""
-    from amppass.serving.fp32_original import KeptFp32
+    from amppass.serving.fp32_original import Fp32Original
 
     report = amppass.report(fast)
-    if isinstance(fast, KeptFp32):
+    if isinstance(fast, Fp32Original):
         whole = report.info.get("whole_model", {})
         return f"kept fp32 ({whole.get('converted_ms')} ms converted vs {whole.get('original_ms')} ms)"
     timed = collections.Counter(

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 import amppass
-from amppass.serving.fp32_original import KeptFp32
+from amppass.serving.fp32_original import Fp32Original
 from models import ZOO, build
 from tests.helpers.load import busy_processes, timing_cache
 
@@ -48,7 +48,7 @@ def _plan(model: torch.nn.Module, inputs: tuple, kwargs: dict) -> tuple[torch.nn
     heavy = [r for r in report.rows if r.evidence.get("macs")]
     profitability = report.info.get("profitability", {})
     return converted, {
-        "kept": isinstance(converted, KeptFp32), "precisions": precisions, "heavy": len(heavy),
+        "kept": isinstance(converted, Fp32Original), "precisions": precisions, "heavy": len(heavy),
         "low": sum(r.precision == "bf16" for r in heavy),
         "timing": " ".join(f"{n} {s}" for s, n in profitability.get("timing", {}).items()) or "-",
     }, seconds

@@ -51,7 +51,7 @@ def main() -> None:
         times = {name: _median_ms(call) for name, call in
                  (("fp32", lambda: case.model(*inputs)), ("autocast", autocast), ("amppass", lambda: fast(*inputs)))}
     ref, out = (ref if isinstance(ref, torch.Tensor) else ref[0]), (out if isinstance(out, torch.Tensor) else out[0])
-    from amppass.report.terminal import render_text
+    from amppass.reporting.terminal import render_text
 
     print(render_text(amppass.report(fast), max_rows=args.rows))
     print(f"converted in {converted_s:.1f} s; output relative error against fp32: "

@@ -16,7 +16,7 @@ import torch
 
 import amppass
 from amppass.cli import main
-from amppass.report.report import load_schema
+from amppass.reporting.report import load_schema
 from models import build
 from tests.helpers.paths import ROOT
 

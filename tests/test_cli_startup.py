@@ -56,9 +56,9 @@ def test_import_amppass_imports_torch_only_when_a_function_is_used():
 
 
 def test_amppass_report_is_the_function_whatever_was_imported_first():
-    """Importing amppass.report.rows first (the CLI does) binds a submodule's name on the package; the public
+    """Importing amppass.reporting.rows first (the CLI does) binds a submodule's name on the package; the public
     ``amppass.report`` is the function all the same."""
-    code = ("import amppass.report.rows, amppass.report.terminal\n"
+    code = ("import amppass.reporting.rows, amppass.reporting.terminal\n"
             "import amppass\n"
             "from amppass import report\n"
             "assert callable(amppass.report) and report is amppass.report, amppass.report\n"

@@ -23,14 +23,17 @@ SHOWN_PATHS = {
     "amppass.onnx.io.lazy_read": "load",
     "amppass.analysis.tolerance": "search_runs",
     "amppass.analysis.calibration": "max_runs",
-    "amppass.report.report": "load_schema",
-    "amppass.report.terminal": "render_text",
+    "amppass.reporting.report": "load_schema",
+    "amppass.reporting.terminal": "render_text",
     "amppass.cli": "main",
 }
 
 # old module path -> {name it still gives: the module that holds it now}; reading one warns (tests/test_layering.py
 # holds the release that removes each path)
 DEPRECATED_PATHS = {
+    "amppass.report.report": {"load_schema": "amppass.reporting.report", "Report": "amppass.reporting.report"},
+    "amppass.report.terminal": {"render": "amppass.reporting.terminal",
+                                "render_text": "amppass.reporting.terminal"},
     "amppass.onnx.convert": {"save": "amppass", "convert_onnx": "amppass"},
     "amppass.fx.backend": {"amppass_backend": "amppass.pipelines.backend"},
 }

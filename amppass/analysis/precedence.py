@@ -18,7 +18,7 @@ result
 7. **The policy table and painting** (:mod:`amppass.analysis.policy`, :mod:`amppass.analysis.painting`): what no
    level above decided.
 
-Levels 1 and 7 are painting's own; :func:`given` merges levels 2 to 6 into the decisions painting starts from (the
+Levels 1 and 7 are painting's own; :func:`pinned` merges levels 2 to 6 into the decisions painting starts from (the
 calibration pipeline merges level 6 itself, under what it is given, the same way).
 """
 
@@ -29,9 +29,9 @@ from typing import Mapping
 from .plan import Decision
 
 
-def given(*, user: Mapping[str, Decision], finite: Mapping[str, Decision] | None = None,
-          carried: Mapping[str, Decision] | None = None, profitability: Mapping[str, Decision] | None = None,
-          measured: Mapping[str, Decision] | None = None) -> dict[str, Decision]:
+def pinned(*, user: Mapping[str, Decision], finite: Mapping[str, Decision] | None = None,
+           carried: Mapping[str, Decision] | None = None, profitability: Mapping[str, Decision] | None = None,
+           measured: Mapping[str, Decision] | None = None) -> dict[str, Decision]:
     """The decisions painting keeps as they are (levels 2-6, module docstring), each node's from its highest level:
     ``user`` over ``finite`` over ``carried`` over ``profitability`` over ``measured``."""
     return {**(measured or {}), **(profitability or {}), **(carried or {}), **(finite or {}), **user}

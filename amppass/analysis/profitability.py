@@ -251,7 +251,7 @@ class Profitability:
                 count = len(region.cast_in) + len(region.cast_out)
                 reason = (f"profitability: on this {kind} its region of {len(region.nodes)} node(s) takes "
                           f"{_us(lowered)} in {low} plus {_us(casts)} for {count} cast(s), against {_us(fp32)} in "
-                          f"fp32 ({_SAID[record['timing']]}); runs fp32")
+                          f"fp32 ({_SOURCE_WORDS[record['timing']]}); runs fp32")
                 evidence = {"rule": "profitability", "timing": record["timing"], "low_us": record["low_us"],
                             "casts_us": record["casts_us"], "fp32_us": record["fp32_us"], "region": len(region.nodes)}
             records.append({**record, "runs": "fp32"})
@@ -352,8 +352,8 @@ def fp32_by_device(name: str, target: Target, device: torch.device | None, optio
                                        "so nothing was captured"}}
 
 
-_SAID = {"table": "from the given cost table", "cached": "from the timing cache", "measured": "measured",
-         "prior": "estimated from the device prior: the machine was too busy for timings to agree"}
+_SOURCE_WORDS = {"table": "from the given cost table", "cached": "from the timing cache", "measured": "measured",
+                 "prior": "estimated from the device prior: the machine was too busy for timings to agree"}
 
 
 def _try_once(items: Iterable[TimedCall]) -> None:

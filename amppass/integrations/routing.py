@@ -43,7 +43,7 @@ from ..dtypes import low_type
 from ..errors import InputError
 from ..pipelines.convert import convert_planned
 from ..pipelines.settings import Settings
-from ..serving.fp32_original import KeptFp32
+from ..serving.fp32_original import Fp32Original
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class Route:
             self._convert(module, args, kwargs)
         converted = self._converted
         assert converted is not None  # _convert sets it
-        if isinstance(converted, KeptFp32):  # rule 5: the module's own forward, nothing in between
+        if isinstance(converted, Fp32Original):  # rule 5: the module's own forward, nothing in between
             return type(module).forward(module, *args, **kwargs)
         if converted.training != module.training:
             converted.train(module.training)
@@ -146,7 +146,7 @@ class Route:
             fast = convert_planned(module, args, self.conversion.settings, example_kwargs=kwargs or None)
         fast.load_state_dict(module.state_dict(keep_vars=True), assign=True)
         self._converted = fast
-        if isinstance(fast, KeptFp32):
+        if isinstance(fast, Fp32Original):
             log.info("%s trains in fp32 through its own forward: amppass kept it (amppass.report(converted(model)) "
                      "says why)", self._name)
             return

@@ -65,8 +65,8 @@ from ..fx.capture.dynamo_graph import (
     views_as_reshapes,
 )
 from ..fx.capture.guards import input_spec
-from ..report.fx_reader import read_graph_module
-from ..report.report import Report, merged
+from ..reporting.fx_reader import read_graph_module
+from ..reporting.report import Report, merged
 from ..serving.serving_graph import set_state
 from .settings import MODES, Settings
 from .stages import plan_captured

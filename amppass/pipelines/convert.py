@@ -22,7 +22,7 @@ from ..fx.capture.copies import shared_copy
 from ..fx.capture.export import capture, capture_program, check_example
 from ..fx.capture.fidelity import check_fidelity
 from ..fx.capture.function_backward import check_backward
-from ..fx.capture.guards import GUARDS_KEY, carried_decisions, example_refusal, matching, plain_inputs
+from ..fx.capture.guards import GUARDS_KEY, carried_decisions, carried_into, example_refusal, plain_inputs
 from ..fx.capture.inputs import example_call, split_batch
 from ..fx.capture.modes import module_mode
 from ..fx.prepare.aliasing import functional_writes
@@ -347,7 +347,7 @@ class Captures:
         """A capture for a call of other shapes, converted with the first plan's carried decisions."""
         new = capture(self.model, args, kwargs, train=self.train, note_fixed_dims=False, static_image_sizes=False)
         return plan_captured(new, self.model, self.settings.later(), example=(args, kwargs),
-                             carried=matching(new, self.carried))
+                             carried=carried_into(new, self.carried))
 
 
 def _convert_program(program: torch.export.ExportedProgram, settings: Settings) -> fx.GraphModule:

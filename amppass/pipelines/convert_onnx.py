@@ -1,5 +1,5 @@
 """``amppass.convert_onnx``: load, check, analyse, paint, rewrite and re-type an ONNX model, in named stages
-(:func:`convert_skeleton` lists them).
+(:func:`convert_onnx_streamed` lists them).
 
 Models are read as untrusted files (:mod:`amppass.onnx.io.read_model`): structure and tensors are checked
 (:mod:`amppass.onnx.io.validate`) and external data is read only from inside the model's folder
@@ -36,11 +36,11 @@ from ..onnx.io import validate
 from ..onnx.io.read_model import Loaded, load
 from ..onnx.io.weight_store import WeightStore, tensors
 from ..onnx.macs import node_macs, operands, value_shapes
+from ..onnx.normalize import bypass_weight_identities, initializers_out_of_inputs
 from ..onnx.policy import is_heavy
 from ..onnx.rewrite import RewriteStats, rewrite
-from ..onnx.simplify import bypass_weight_identities, initializers_out_of_inputs
 from ..onnx.view import NodeRef, build_view, clear_value_info, name_nodes, opsets
-from ..report import meta
+from ..reporting import stored_record
 from ..targets import onnxruntime_facts
 from ..targets.target import ONNX_TARGETS, Target, onnx_target
 
@@ -101,7 +101,7 @@ def convert_onnx(
     options = OnnxPlanOptions(keep_io_types=keep_io_types, keep_fp32=keep_fp32, force_low=force_low,
                               low_weight_tables=low_weight_tables, calibration=calibration, tolerance=tolerance,
                               progress=progress)
-    return convert_skeleton(model, _target(target, "fp16" if fp8 else dtype), options, fp8).materialized()
+    return convert_onnx_streamed(model, _target(target, "fp16" if fp8 else dtype), options, fp8).materialized()
 
 
 FP8_TOLERANCE = 2e-2  # an fp8 plan's output tolerance where the caller gives none
@@ -142,8 +142,8 @@ class Converted:
         saving.stage(staged, self.model, self.store, path, external_data)
 
 
-def convert_skeleton(model: str | os.PathLike | onnx.ModelProto | Loaded, target: Target,
-                     options: OnnxPlanOptions, fp8: Fp8Format | None = None) -> Converted:
+def convert_onnx_streamed(model: str | os.PathLike | onnx.ModelProto | Loaded, target: Target,
+                          options: OnnxPlanOptions, fp8: Fp8Format | None = None) -> Converted:
     """:func:`convert_onnx` without writing the payloads into the result: what the CLI saves from, streaming
     each tensor from the store, so a conversion and its save hold no second copy of the model.
 
@@ -152,7 +152,7 @@ def convert_skeleton(model: str | os.PathLike | onnx.ModelProto | Loaded, target
     1. :func:`read_checked`: the model read and checked, as the private skeleton the stages work on (a model amppass
        converted before comes back as it is, or is refused);
     2. :func:`at_loadable_opset`: the opset the plan is made at, refused where the runtime cannot load it;
-    3. :func:`clean_up`: nodes named, initializers out of the inputs, weight Identities bypassed;
+    3. :func:`normalize_graph`: nodes named, initializers out of the inputs, weight Identities bypassed;
     4. :func:`infer_types`: value types inferred, refused where the target runs none of the heavy ops low;
     5. :func:`neutral_view`: the neutral view the analysis plans on;
     6. :func:`plan_precision`: user overrides and quantized sections, calibration when given, painting;
@@ -170,18 +170,18 @@ def convert_skeleton(model: str | os.PathLike | onnx.ModelProto | Loaded, target
     if previous is not None:
         return _unchanged(work, previous)
     at_loadable_opset(work)
-    clean_up(work)
+    normalize_graph(work)
     infer_types(work)
     viewed = neutral_view(work)
-    chosen, calibration_info = plan_precision(work, viewed)
-    chosen = add_evidence(work, viewed, chosen)
-    stats = rewrite_and_retype(work, viewed, chosen)
-    record(work, viewed, chosen, stats, calibration_info)
+    plan, calibration_info = plan_precision(work, viewed)
+    plan = add_evidence(work, viewed, plan)
+    stats = rewrite_and_retype(work, viewed, plan)
+    record(work, viewed, plan, stats, calibration_info)
     return Converted(work.model, work.store)
 
 
 @dataclass
-class Work:
+class ConversionState:
     """What one conversion carries from stage to stage: the model the stages work on (the private skeleton, then
     its typed and finally its rewritten form), the store holding its payloads, and how messages name it."""
 
@@ -197,7 +197,7 @@ class Work:
 
 
 @dataclass(frozen=True)
-class Viewed:
+class NeutralView:
     """The neutral view of the typed model, where each view node lives in it, and its value types."""
 
     view: GraphView
@@ -205,8 +205,10 @@ class Viewed:
     types: dict[str, int]
 
 
-def read_checked(model: str | os.PathLike | onnx.ModelProto | Loaded, target: Target, options: OnnxPlanOptions) -> Work:
-    """Stage 1, read and check: ``model`` (a path, a proto, or what :func:`load` read) gives the :class:`Work` of a
+def read_checked(model: str | os.PathLike | onnx.ModelProto | Loaded, target: Target,
+                 options: OnnxPlanOptions) -> ConversionState:
+    """Stage 1, read and check: ``model`` (a path, a proto, or what :func:`load` read) gives the
+    :class:`ConversionState` of a
     conversion, whose model is a private skeleton (its payloads in a weight store), single assignment and graph
     order checked (an out-of-order graph sorted) and ``dim_value: -1`` made dynamic."""
     loaded = model if isinstance(model, Loaded) else load(model)
@@ -214,10 +216,10 @@ def read_checked(model: str | os.PathLike | onnx.ModelProto | Loaded, target: Ta
     skeleton = store.skeleton(loaded.model)  # the private copy the conversion works on; payloads stay in the store
     validate.check_order(skeleton, loaded.where)
     validate.dynamic_negative_dims(skeleton)
-    return Work(skeleton, store, loaded.where, target, options)
+    return ConversionState(skeleton, store, loaded.where, target, options)
 
 
-def at_loadable_opset(work: Work) -> None:
+def at_loadable_opset(work: ConversionState) -> None:
     """Stage 2: ``work.model`` at the opset the plan is made at: upgraded to :data:`BF16_OPSET` for a bf16 plan on
     a GPU target (:func:`upgrades_for_bf16`), and to :data:`~amppass.onnx.fp8.FP8_OPSET` for an fp8 plan of an
     older model, setting ``work.upgraded_from``; InputError for a bf16 plan below opset 13, an fp8 plan whose
@@ -241,7 +243,7 @@ def at_loadable_opset(work: Work) -> None:
                          f"{onnxruntime_facts.max_opset()}; re-export with opset <= {onnxruntime_facts.max_opset()}")
 
 
-def clean_up(work: Work) -> None:
+def normalize_graph(work: ConversionState) -> None:
     """Stage 3, on ``work.model`` in place: every node named uniquely, initializers an old IR version lists among
     the inputs taken out of them, and Identity nodes between a weight and its readers bypassed."""
     name_nodes(work.model)
@@ -249,7 +251,7 @@ def clean_up(work: Work) -> None:
     bypass_weight_identities(work.model)
 
 
-def infer_types(work: Work) -> None:
+def infer_types(work: ConversionState) -> None:
     """Stage 4: ``work.model`` with its value types inferred (strictly: shapes that contradict each other are an
     InputError), and ``work.bytes_before`` counted. InputError where the target's runtime runs none of the model's
     heavy ops in the low dtype (:func:`missing_low_kernels`)."""
@@ -267,63 +269,63 @@ def infer_types(work: Work) -> None:
             + f"convert with dtype={'fp16' if low.name == 'bf16' else 'bf16'!r}")
 
 
-def neutral_view(work: Work) -> Viewed:
+def neutral_view(work: ConversionState) -> NeutralView:
     """Stage 5: the neutral view of the typed ``work.model`` for the target (weights' largest magnitudes read from
     the store where the low dtype's range is narrow), with each view node's place in the model and the value
     types."""
     store, low = work.store, work.target.low
-    return Viewed(*build_view(work.model, work.target, None if low.wide_range else store.absmax, store.array))
+    return NeutralView(*build_view(work.model, work.target, None if low.wide_range else store.absmax, store.array))
 
 
-def plan_precision(work: Work, viewed: Viewed) -> tuple[PrecisionPlan, dict[str, Any]]:
+def plan_precision(work: ConversionState, viewed: NeutralView) -> tuple[PrecisionPlan, dict[str, Any]]:
     """Stage 6: the precision plan of ``viewed`` and what to record about calibration. The user's overrides over the
-    quantized (QDQ) sections (:func:`amppass.analysis.precedence.given`), then the range rules and the tolerance
+    quantized (QDQ) sections (:func:`amppass.analysis.precedence.pinned`), then the range rules and the tolerance
     search where calibration data is given (the search's trials rewritten by :func:`rewriter`), then painting."""
     options, low = work.options, work.target.low
     carried = policy.quantized_nodes(work.model.graph)
-    given = precedence.given(user=overrides.resolve(viewed.view, options.keep_fp32, options.force_low, low),
-                             carried=carried)
+    pinned = precedence.pinned(user=overrides.resolve(viewed.view, options.keep_fp32, options.force_low, low),
+                               carried=carried)
     if options.calibration is None:
-        return paint(viewed.view, low, given, low_weight_tables=options.low_weight_tables), {"calibrated": False}
+        return paint(viewed.view, low, pinned, low_weight_tables=options.low_weight_tables), {"calibrated": False}
     return calibrated_plan(
         Fp32Model(work.model, viewed.view, viewed.refs, viewed.types, work.store), options.calibration, work.target,
-        given, apply=rewriter(work, viewed), tolerance=options.tolerance, progress=options.progress,
+        pinned, apply=rewriter(work, viewed), tolerance=options.tolerance, progress=options.progress,
         low_weight_tables=options.low_weight_tables, fp8=work.fp8)
 
 
-def add_evidence(work: Work, viewed: Viewed, chosen: PrecisionPlan) -> PrecisionPlan:
-    """Stage 7: ``chosen`` as the model stores it, each planned node's decision with what the report shows beside it
+def add_evidence(work: ConversionState, viewed: NeutralView, plan: PrecisionPlan) -> PrecisionPlan:
+    """Stage 7: ``plan`` as the model stores it, each planned node's decision with what the report shows beside it
     (:func:`amppass.analysis.record.with_evidence`): the policy's facts, whether its op is unknown, and its
     multiply-accumulates (counted on the typed model, before the rewrite puts casts between the shapes)."""
     refs = viewed.refs
     shapes = value_shapes(work.model, {v for ref in refs.values() if is_heavy(ref.node) for v in operands(ref.node)})
-    planned = [node.name for node in viewed.view.nodes if node.name in chosen]
-    return with_evidence(chosen, viewed.view, {name: node_macs(refs[name].node, shapes) for name in planned},
+    planned = [node.name for node in viewed.view.nodes if node.name in plan]
+    return with_evidence(plan, viewed.view, {name: node_macs(refs[name].node, shapes) for name in planned},
                          facts={name: refs[name].evidence for name in planned})
 
 
-def rewrite_and_retype(work: Work, viewed: Viewed, chosen: PrecisionPlan) -> RewriteStats:
-    """Stage 8: ``work.model`` rewritten by ``chosen`` (:func:`rewriter`), then typed again, a new proto; the store
+def rewrite_and_retype(work: ConversionState, viewed: NeutralView, plan: PrecisionPlan) -> RewriteStats:
+    """Stage 8: ``work.model`` rewritten by ``plan`` (:func:`rewriter`), then typed again, a new proto; the store
     drops the payloads no tensor reads any more. Gives what the rewrite did."""
-    stats = rewriter(work, viewed)(work.model, chosen)
+    stats = rewriter(work, viewed)(work.model, plan)
     work.model = _infer(work.model)
     work.store.release(work.model)
     return stats
 
 
-def rewriter(work: Work, viewed: Viewed) -> Callable[[onnx.ModelProto, PrecisionPlan], RewriteStats]:
+def rewriter(work: ConversionState, viewed: NeutralView) -> Callable[[onnx.ModelProto, PrecisionPlan], RewriteStats]:
     """The rewrite of a conversion as a function of (model, plan): it rewrites the model (the typed ``work.model``,
     or a copy for a tolerance trial) in place by the plan, loadable as it is: casts on edges, weights stored low,
     stale value types cleared, the IR version raised to hold node metadata and capped to what onnxruntime reads."""
     low, options = work.target.low, RewriteOptions(keep_io_types=work.options.keep_io_types)
     fp8 = Fp8Rewrite(work.store, work.fp8, low) if work.fp8 is not None else None
 
-    def apply(target: onnx.ModelProto, chosen: PrecisionPlan) -> RewriteStats:
+    def apply(target: onnx.ModelProto, plan: PrecisionPlan) -> RewriteStats:
         if fp8 is not None:
-            fp8.weights(target, chosen)
-        done = rewrite(target, chosen, viewed.refs, viewed.types, set(viewed.view.weights), work.store, low, options)
+            fp8.weights(target, plan)
+        done = rewrite(target, plan, viewed.refs, viewed.types, set(viewed.view.weights), work.store, low, options)
         if fp8 is not None:
-            fp8.insert(target, chosen)
+            fp8.insert(target, plan)
         clear_value_info(target.graph)
         target.ir_version = min(max(target.ir_version, IR_WITH_NODE_METADATA), onnxruntime_facts.max_ir_version())
         return done
@@ -331,7 +333,7 @@ def rewriter(work: Work, viewed: Viewed) -> Callable[[onnx.ModelProto, Precision
     return apply
 
 
-def record(work: Work, viewed: Viewed, chosen: PrecisionPlan, stats: RewriteStats,
+def record(work: ConversionState, viewed: NeutralView, plan: PrecisionPlan, stats: RewriteStats,
            calibration_info: dict[str, Any]) -> None:
     """Stage 9: the conversion's summary stored in ``work.model`` (what ``amppass.report`` reads back with each
     node's decision); a warning where the target's missing kernels keep every heavy op fp32."""
@@ -344,8 +346,8 @@ def record(work: Work, viewed: Viewed, chosen: PrecisionPlan, stats: RewriteStat
         **calibration_info,
     }
     _set_model_meta(work.model, info)
-    _warn_if_little_runs_low(chosen, viewed.refs, target)
-    log.info("converted ONNX model to %s for %s: %d nodes planned, %d casts", low, target.name, len(chosen),
+    _warn_if_little_runs_low(plan, viewed.refs, target)
+    log.info("converted ONNX model to %s for %s: %d nodes planned, %d casts", low, target.name, len(plan),
              stats.casts)
 
 
@@ -445,11 +447,11 @@ def _infer(model: onnx.ModelProto, strict: bool = False) -> onnx.ModelProto:
 def converted_dtype(model: onnx.ModelProto) -> str | None:
     """The low dtype ("fp16"/"bf16", "fp8" for an fp8 plan) amppass converted ``model`` to, from its metadata; None
     if it did not, "unknown" where the metadata is damaged (read as the report reads it:
-    :func:`amppass.report.meta.parse`)."""
+    :func:`amppass.reporting.stored_record.parse`)."""
     for entry in model.metadata_props:
         if entry.key == META_KEY:
             try:
-                info = meta.parse(entry.value, "metadata_props['amppass']")
+                info = stored_record.parse(entry.value, "metadata_props['amppass']")
             except InputError:
                 return "unknown"
             dtype = info.get("dtype") if isinstance(info, dict) else None
@@ -457,7 +459,7 @@ def converted_dtype(model: onnx.ModelProto) -> str | None:
     return None
 
 
-def _unchanged(work: Work, previous: str) -> Converted:
+def _unchanged(work: ConversionState, previous: str) -> Converted:
     """``work.model`` as it is (a model amppass converted to ``previous``), when the caller asks for the dtype it
     already has; InputError otherwise (:func:`amppass.analysis.record.check_reconversion`)."""
     wanted = "fp8" if work.fp8 is not None else work.target.low.name
@@ -469,7 +471,7 @@ def note(model: onnx.ModelProto, key: str, value: Any) -> None:
     """Add ``key: value`` to the conversion's summary stored in ``model`` (what :func:`amppass.report` reads)."""
     for entry in model.metadata_props:
         if entry.key == META_KEY:
-            _set_model_meta(model, {**meta.parse(entry.value, "metadata_props['amppass']"), key: value})
+            _set_model_meta(model, {**stored_record.parse(entry.value, "metadata_props['amppass']"), key: value})
             return
     _set_model_meta(model, {key: value})
 

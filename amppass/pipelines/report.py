@@ -8,8 +8,8 @@ from typing import Any
 from torch import fx
 
 from ..errors import InputError
-from ..report.fx_reader import read_graph_module
-from ..report.report import Report
+from ..reporting.fx_reader import read_graph_module
+from ..reporting.report import Report
 from ..serving.artifact import record_of
 
 
@@ -43,7 +43,7 @@ def report(converted: Any) -> Report:
     if isinstance(converted, fx.GraphModule):
         return read_graph_module(converted)  # says it carries no amppass decisions
     if isinstance(converted, (str, os.PathLike)) or type(converted).__name__ == "ModelProto":
-        from ..report.onnx_reader import read_onnx  # onnx is imported only when an ONNX model is reported
+        from ..reporting.onnx_reader import read_onnx  # onnx is imported only when an ONNX model is reported
 
         return read_onnx(converted)
     raise InputError(

@@ -47,7 +47,7 @@ from ..errors import InputError, first_line
 from ..files import Staged, check_writable
 from ..fx.capture.export import capture_program, capturing, size_one_dynamic
 from ..fx.capture.guards import GUARDS_KEY, ShapeGuards
-from ..report import meta
+from ..reporting import stored_record
 from ..serving.artifact import record_of
 from ..serving.dropin import changed_weight, in_own_class
 from ..serving.serving_graph import ServingGraph
@@ -283,13 +283,13 @@ def _custom_types(program: torch.export.ExportedProgram) -> list[str]:
 def _plan(archive: Pt2Archive, path: str) -> dict[str, Any]:
     """The plan entry, read once and bounded (:data:`MAX_PLAN` bytes), checked to be an object whose
     ``pytree_types`` are names and whose every field the report reads is as amppass writes it
-    (:func:`amppass.report.meta.model_info`)."""
+    (:func:`amppass.reporting.stored_record.model_info`)."""
     info = archive.read_json(_PLAN_ENTRY, MAX_PLAN)
     types = info.get("pytree_types", []) if isinstance(info, dict) else None
     if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
         raise InputError(f"{path}: entry {_PLAN_ENTRY!r} is not the object amppass.save writes (a summary with a "
                          "list of type names); the file is damaged or was edited: save the model again")
-    return meta.model_info(info, f"{path}: entry {_PLAN_ENTRY!r}")
+    return stored_record.model_info(info, f"{path}: entry {_PLAN_ENTRY!r}")
 
 
 def _register_types(names: list[str], used: set[str], path: str) -> None:
@@ -358,7 +358,7 @@ def stored_decision(node: fx.Node, name: str) -> dict[str, Any] | None:
     if not isinstance(decision, dict):
         raise InputError(f"{where} is a JSON {type(decision).__name__}, not the object amppass writes; the file is "
                          "damaged or was edited: convert the original again")
-    return meta.checked(decision, meta.DECISION, where)
+    return stored_record.checked(decision, stored_record.DECISION, where)
 
 
 def _own_custom(node: fx.Node, name: str) -> None:

@@ -4,7 +4,7 @@
 shapes later), the compile backend on each graph dynamo hands it (:mod:`amppass.pipelines.backend`). Each stage is a
 function of the :class:`Work` record: it reads what earlier stages left there and adds its own part, so following a
 value from the capture to the stored record is following an attribute. The ONNX pipeline has the same shape
-(:func:`amppass.pipelines.convert_onnx.convert_skeleton`).
+(:func:`amppass.pipelines.convert_onnx.convert_onnx_streamed`).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class Work:
     view: GraphView | None = None  # neutral_view
     macs: dict[str, int | None] = field(default_factory=dict)  # neutral_view, before the rewrite puts casts between
     user: dict[str, Decision] | None = None  # pin, the first time: the user's overrides resolved
-    given: dict[str, Decision] = field(default_factory=dict)  # pin: the decisions painting keeps
+    pinned: dict[str, Decision] = field(default_factory=dict)  # pin: the decisions painting keeps
     unprofitable: dict[str, Decision] = field(default_factory=dict)  # profitable_regions
     profitability: dict[str, Any] = field(default_factory=dict)  # profitable_regions: what to record
     plan: PrecisionPlan | None = None  # plan_precision
@@ -133,15 +133,15 @@ def neutral_view(work: Work) -> None:
 
 
 def pin(work: Work) -> None:
-    """Stage 3: the decisions painting keeps as they are (:func:`amppass.analysis.precedence.given`): the user's
+    """Stage 3: the decisions painting keeps as they are (:func:`amppass.analysis.precedence.pinned`): the user's
     overrides (resolved once), then what later stages found: the finite check's, the carried ones, profitability's,
     those measured on calibration data."""
     options, view = work.settings.options, work.view
     assert view is not None
     if work.user is None:
         work.user = overrides.resolve(view, options.keep_fp32, options.force_low, work.settings.low)
-    work.given = precedence.given(user=work.user, finite=work.kept_finite, carried=work.carried,
-                                  profitability=work.unprofitable, measured=work.measured)
+    work.pinned = precedence.pinned(user=work.user, finite=work.kept_finite, carried=work.carried,
+                                    profitability=work.unprofitable, measured=work.measured)
 
 
 def profitable_regions(work: Work) -> None:
@@ -162,11 +162,11 @@ def plan_precision(work: Work) -> None:
     options, first = settings.options, work.measured is None
     if first and options.calibration is not None:
         work.plan, work.calibration = calibrated_plan(
-            work.gm, view, options.calibration, settings.low, work.given, tolerance=options.tolerance,
+            work.gm, view, options.calibration, settings.low, work.pinned, tolerance=options.tolerance,
             progress=options.progress, low_weight_tables=options.low_weight_tables, rewrite_options=settings.rewrite,
             recapture=work.recapture)
     else:
-        work.plan = paint(view, settings.low, work.given, low_weight_tables=options.low_weight_tables)
+        work.plan = paint(view, settings.low, work.pinned, low_weight_tables=options.low_weight_tables)
     if first:
         work.measured = {name: d for name, d in work.plan.items() if d.source in MEASURED}
 
@@ -265,8 +265,8 @@ def profitability(work: Work) -> tuple[dict, dict[str, Any]]:
     facts = DeviceFacts(device, target.low)
     model = CostModel(options.costs, facts.cache)
     rule = Profitability(model, facts, target.low)
-    plan = paint(view, target.low, work.given, low_weight_tables=options.low_weight_tables)
-    decided, regions = region_timing.decide(gm, view, plan, flat, work.given, options.keep_io_types, rule, device)
+    plan = paint(view, target.low, work.pinned, low_weight_tables=options.low_weight_tables)
+    decided, regions = region_timing.decide(gm, view, plan, flat, work.pinned, options.keep_io_types, rule, device)
     timing = {source: sum(r["timing"] == source for r in regions) for source in (*SOURCES, "device")}
     timing = {source: count for source, count in timing.items() if count}
     if timing.get("device"):
@@ -281,13 +281,13 @@ def profitability(work: Work) -> tuple[dict, dict[str, Any]]:
         "too_busy": rule.misses > 0, "device": facts.describe(), "regions": regions}}
 
 
-_SAID: set[str] = set()
+_WARNED: set[str] = set()
 
 
 def _say_once(message: str) -> None:
     """Log ``message`` as a warning the first time in this process, at debug level after that."""
-    log.log(logging.DEBUG if message in _SAID else logging.WARNING, message)
-    _SAID.add(message)
+    log.log(logging.DEBUG if message in _WARNED else logging.WARNING, message)
+    _WARNED.add(message)
 
 
 def weight_bytes(module: nn.Module) -> int:

@@ -3,7 +3,7 @@
 ``amppass.convert`` returns one of several modules (this folder): a converted graph (a
 :class:`~amppass.serving.serving_graph.ServingGraph` with per-shape plans, or another ``GraphModule`` carrying a
 record: a symbolic trace's, a compile backend's), a train-mode model (:class:`~amppass.serving.train_eval.
-TrainEvalGraphs`), the original kept in fp32 (:class:`~amppass.serving.fp32_original.KeptFp32`), the model in its
+TrainEvalGraphs`), the original kept in fp32 (:class:`~amppass.serving.fp32_original.Fp32Original`), the model in its
 own class around its converted graph (:class:`~amppass.serving.dropin.DropIn`), or a model converted by parts
 (:class:`~amppass.serving.parts.ByParts`).
 
@@ -24,10 +24,10 @@ from torch import fx
 from ..analysis.plan import Precision
 from ..analysis.record import META_KEY
 from ..errors import InputError
-from ..report.fx_reader import read_graph_module
-from ..report.report import Report, merged
+from ..reporting.fx_reader import read_graph_module
+from ..reporting.report import Report, merged
 from .dropin import DropIn, TransformersDropIn
-from .fp32_original import KeptFp32, kept_because
+from .fp32_original import Fp32Original, kept_because
 from .parts import PartsRecord, parts_of
 from .serving_graph import ServingGraph
 from .train_eval import TrainEvalGraphs
@@ -208,8 +208,8 @@ class KeptArtifact(Artifact):
 
     @classmethod
     def found(cls, module: Any) -> "KeptArtifact | None":
-        """A :class:`~amppass.serving.fp32_original.KeptFp32`, with its measurement."""
-        return cls(module, module.meta[META_KEY]) if isinstance(module, KeptFp32) else None
+        """A :class:`~amppass.serving.fp32_original.Fp32Original`, with its measurement."""
+        return cls(module, module.meta[META_KEY]) if isinstance(module, Fp32Original) else None
 
     def report(self) -> Report:
         """Its one row: the whole module runs fp32, with the times that decided it."""

@@ -15,7 +15,7 @@ Rules:
    copies of ``config`` and ``generation_config``, which callers change on the instance) and, as its only
    tensors, those of the converted module: its submodule ``converted``. Where such a class cannot be made
    (a class that refuses subclassing or ``__new__`` without arguments) the converted module comes back as it is.
-2. A transformers model holds no other module. Another module holds hollow copies of its submodules, before
+2. A transformers model holds no other module. Another module holds weightless copies of its submodules, before
    ``converted``: the same classes and plain attributes (a tokenizer, a config), no parameters or buffers, and a
    ``forward`` that refuses to run; so methods that read them (``self[0].tokenizer``) keep working.
 3. ``forward`` has the model's own signature and calls ``converted`` with the call; for a transformers model
@@ -36,7 +36,7 @@ Rules:
 8. Saving where users save: the class's own ``save_pretrained`` and ``save`` (transformers, sentence-transformers)
    write what the original's would: its keys and fp32 weights, which its plain class loads
    (``Class.from_pretrained(path)``). They run on the original model, the one the converted module keeps for
-   later plans, dressed in the converted model's plain attributes (its own ``config``, the hollow parts'
+   later plans, dressed in the converted model's plain attributes (its own ``config``, the weightless copies'
    settings). They refuse (:class:`~amppass.errors.InputError`) where the original is not held
    (``drop_original()``, a symbolic trace) or where its weights changed after converting (the file would load as
    another model than the one that runs): never a file that loads as a different model. A train-mode model
@@ -125,7 +125,7 @@ def in_own_class(model: nn.Module, converted: nn.Module, plan_file: PlanFile) ->
         module.__dict__["_amppass_embeddings"] = _embedding_name(model)
     else:
         for name, child in model.named_children():
-            module._modules[name] = _hollow(child, converted, module._amppass_dtype)
+            module._modules[name] = _weightless_copy(child, converted, module._amppass_dtype)
     module.converted = converted
     module.train(model.training)
     log.info("%s: converted module wrapped in its class", type(model).__name__)
@@ -178,7 +178,7 @@ def _methods_of(wanted: type, base: type) -> dict[str, Any]:
 
 _classes: dict[tuple[type, type], type] = {}
 _signed: dict[tuple[type, type], type] = {}
-_hollow_classes: dict[type, type] = {}
+_weightless_classes: dict[type, type] = {}
 
 
 class DropIn:
@@ -269,7 +269,7 @@ class EncoderDecoderDropIn(TransformersDropIn):
                 "torch.compile(model.forward, backend='amppass'), then model.generate(...)")
 
 
-class Hollow:
+class WeightlessCopy:
     """A submodule of a converted module's class that holds no tensors (rule 2)."""
 
     _amppass_converted: nn.Module
@@ -355,19 +355,19 @@ def saved_folder(method: Callable[..., Any], module: Any, args: tuple, kwargs: d
     return None
 
 
-_SAID_AT_SAVE: set[str] = set()
+_WARNED_AT_SAVE: set[str] = set()
 
 
 def said_at_save(kind: str, message: str) -> None:
     """Rule 9: log what a save wrote and how to get the conversion back (``message``); a warning the first time a
     save of its ``kind`` says it in this process, at INFO after that (a Trainer saves at every checkpoint)."""
-    log.log(logging.INFO if kind in _SAID_AT_SAVE else logging.WARNING, message)
-    _SAID_AT_SAVE.add(kind)
+    log.log(logging.INFO if kind in _WARNED_AT_SAVE else logging.WARNING, message)
+    _WARNED_AT_SAVE.add(kind)
 
 
 def _dressed(original: nn.Module, looks: nn.Module) -> nn.Module:
     """A module of ``original``'s class holding its submodules and tensors (never copied) and, over its plain
-    attributes, those of ``looks`` (the converted model or one of its hollow parts): what a save method of the
+    attributes, those of ``looks`` (the converted model or one of its weightless copies): what a save method of the
     class writes as the original with the converted model's settings (its ``config``). The original is unchanged."""
     cls = type(original)
     dressed = cls.__new__(cls)
@@ -377,7 +377,7 @@ def _dressed(original: nn.Module, looks: nn.Module) -> nn.Module:
     modules = {}
     for name, child in original._modules.items():
         part = looks._modules.get(name)
-        modules[name] = _dressed(child, part) if child is not None and isinstance(part, Hollow) else child
+        modules[name] = _dressed(child, part) if child is not None and isinstance(part, WeightlessCopy) else child
     dressed.__dict__["_modules"] = modules
     return dressed
 
@@ -461,26 +461,26 @@ def _calling(method: Any) -> Any:
     return forward
 
 
-def _hollow(module: nn.Module, converted: nn.Module, dtype: torch.dtype) -> nn.Module:
+def _weightless_copy(module: nn.Module, converted: nn.Module, dtype: torch.dtype) -> nn.Module:
     """A copy of ``module`` and its submodules without parameters or buffers (rule 2)."""
-    cls = _hollow_classes.get(type(module))
+    cls = _weightless_classes.get(type(module))
     if cls is None:
         base = type(module)
-        cls = _hollow_classes[base] = type(base.__name__, (Hollow, base), {
-            "forward": functools.wraps(base.forward)(_calling(Hollow._refuse)), "__module__": __name__,
+        cls = _weightless_classes[base] = type(base.__name__, (WeightlessCopy, base), {
+            "forward": functools.wraps(base.forward)(_calling(WeightlessCopy._refuse)), "__module__": __name__,
             "__doc__": f"{base.__name__} without weights, part of a converted model (amppass.serving.dropin)."})
-    hollow = cls.__new__(cls)
-    nn.Module.__init__(hollow)
-    bookkeeping = set(vars(hollow))
+    weightless = cls.__new__(cls)
+    nn.Module.__init__(weightless)
+    bookkeeping = set(vars(weightless))
     for key, value in vars(module).items():
         if key not in bookkeeping:
-            hollow.__dict__[key] = value
-    hollow.__dict__["_amppass_converted"] = converted  # not a submodule: it belongs to the root
-    hollow.__dict__["_amppass_dtype"] = dtype
+            weightless.__dict__[key] = value
+    weightless.__dict__["_amppass_converted"] = converted  # not a submodule: it belongs to the root
+    weightless.__dict__["_amppass_dtype"] = dtype
     for name, child in module.named_children():
-        hollow._modules[name] = _hollow(child, converted, dtype)
-    hollow.training = module.training
-    return hollow
+        weightless._modules[name] = _weightless_copy(child, converted, dtype)
+    weightless.training = module.training
+    return weightless
 
 
 def _own_api(cls: type) -> bool:

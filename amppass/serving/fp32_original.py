@@ -13,7 +13,7 @@ that copy owns its weights, which training writes.
 That module must cost what calling the original costs, since it exists because the original is the fastest
 thing to run. So it is the original, not a wrapper around it: a private copy of the original module (own module
 objects, the original's tensors, never written) whose class is a subclass of the original's and of
-:class:`KeptFp32`. Its ``forward`` is the original class's own, called with no layer in between; ``isinstance``
+:class:`Fp32Original`. Its ``forward`` is the original class's own, called with no layer in between; ``isinstance``
 holds for both classes, and the methods of the original's class (``generate()``, ``encode()``) are there.
 """
 
@@ -28,7 +28,7 @@ from torch import nn
 
 from ..analysis.record import META_KEY
 from ..fx.capture.copies import shared_copy
-from ..report.report import Report, Row
+from ..reporting.report import Report, Row
 from .dropin import mixed_class, said_at_save, saved_folder
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 _INFO = "_amppass_kept"  # instance attribute holding the measurement (``meta[META_KEY]``)
 
 
-class KeptFp32(nn.Module):
+class Fp32Original(nn.Module):
     """What amppass adds to a kept original's class: its measurement (``meta``), :meth:`report` and
     :meth:`drop_original`. Made by :func:`keep_original`; defines no ``forward``: the original class's runs."""
 
@@ -85,8 +85,8 @@ def kept_because(info: Mapping[str, Any]) -> str:
             "of them here)")
 
 
-def keep_original(model: nn.Module, info: dict[str, Any], train: bool = False) -> KeptFp32 | None:
-    """A private copy of ``model`` in eval mode, in the subclass of its class and :class:`KeptFp32`, carrying
+def keep_original(model: nn.Module, info: dict[str, Any], train: bool = False) -> Fp32Original | None:
+    """A private copy of ``model`` in eval mode, in the subclass of its class and :class:`Fp32Original`, carrying
     ``info`` (module docstring); ``None`` for a class that cannot take another base (a C layout).
 
     With ``train`` (a train-mode plan the device keeps fp32: :func:`amppass.analysis.profitability.fp32_by_device`)
@@ -105,13 +105,13 @@ def keep_original(model: nn.Module, info: dict[str, Any], train: bool = False) -
     return kept
 
 
-def _remade(cls: type) -> KeptFp32:
+def _remade(cls: type) -> Fp32Original:
     """An empty instance of the kept class of ``cls``, for copy and pickle to fill with its state."""
     return object.__new__(_kept_class(cls))
 
 
 def _kept_class(cls: type) -> type:
-    return mixed_class(KeptFp32, cls, f"{cls.__name__} kept in fp32 by amppass.convert "
+    return mixed_class(Fp32Original, cls, f"{cls.__name__} kept in fp32 by amppass.convert "
                        "(amppass.serving.fp32_original).", _saying_savers)
 
 

@@ -4,7 +4,7 @@
 private copy of the model (an instance of the model's own class, every method and attribute the model has)
 whose converted submodules stand in their originals' places; the code between them is the model's own
 Python. This module holds what that copy is: an instance of :class:`ByParts`'s subclass of the model's class
-(:func:`by_parts`), as a kept original is of :class:`~amppass.serving.fp32_original.KeptFp32`'s, carrying its
+(:func:`by_parts`), as a kept original is of :class:`~amppass.serving.fp32_original.Fp32Original`'s, carrying its
 :class:`PartsRecord` (which submodule became what, and why the others run as the model's code), which
 :class:`~amppass.serving.artifact.PartsArtifact` answers with; the class's own ``save_pretrained`` and ``save`` are
 the shared savers of :mod:`amppass.serving.dropin`, writing the original.

@@ -60,10 +60,10 @@ from ..fx.capture.guards import GUARDS_KEY, call_layout
 from ..fx.capture.inputs import example_call, flatten_inputs
 from ..fx.capture.modes import captured_flags
 from ..fx.rewrite.low_backward import record_saved_bytes
-from .module_parts import Children, Mode
 from .plan_dtypes import PlanDtypes
 from .serving_graph import set_state
 from .tree import Outline, build_tree, install, named_state, outline, sharded, stand_in, unfit
+from .tree_modules import Children, Mode
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +107,8 @@ class TrainEvalGraphs(Children, nn.Module):
                 log.warning("%s: %s; the converted model runs as one graph, so FSDP2 can wrap only the whole model",
                             type(original).__name__, why)
                 self._outlines = {}
-                for part in self.modules():
-                    getattr(part, "_code", {}).clear()
+                for module in self.modules():
+                    getattr(module, "_code", {}).clear()
         read = {name for name, _ in named_state(train_graph)}
         # tied names, the one the graphs read first: after load_state_dict(assign=True) all point at its tensor
         self._tied = [sorted(names, key=lambda n: n not in read) for names in _groups(self)]
@@ -116,7 +116,7 @@ class TrainEvalGraphs(Children, nn.Module):
         # rule 7: the submodules each graph was captured with in the other mode (bn.eval() in a training model)
         self._flags = {flag: captured_flags(original, flag) if original is not train_graph else {}
                        for flag in (True, False)}
-        self._parts = [(name, module) for name, module in self.named_modules() if name]
+        self._submodules = [(name, module) for name, module in self.named_modules() if name]
         self._reset_graph_state()
         self.train(training)
 
@@ -244,23 +244,23 @@ class TrainEvalGraphs(Children, nn.Module):
         """Switch the whole tree; a submodule the graph of ``mode`` was captured with in the other mode keeps
         that mode (rule 7)."""
         super().train(mode)
-        parts = dict(self._parts)
+        submodules = dict(self._submodules)
         for name, flag in self._flags[mode].items():
-            parts[name].training = flag
+            submodules[name].training = flag
         self._mode.key = mode
         return self
 
     def _check_modes(self) -> None:
         """Rule 7: every submodule in the mode the graph of the root's mode was captured with it in."""
         expected = self._flags[self.training]
-        for name, part in self._parts:
+        for name, module in self._submodules:
             wanted = expected.get(name, self.training)
-            if part.training != wanted:
+            if module.training != wanted:
                 mode = "train" if self.training else "eval"
-                now, then = ("train", "eval") if part.training else ("eval", "train")
+                now, then = ("train", "eval") if module.training else ("eval", "train")
                 path = f".{name}" if all(p.isidentifier() for p in name.split(".")) else f".get_submodule({name!r})"
                 raise InputError(
-                    f"{name} ({type(part).__name__}) is in {now} mode, but the converted {mode}-mode graph runs it "
+                    f"{name} ({type(module).__name__}) is in {now} mode, but the converted {mode}-mode graph runs it "
                     f"in {then} mode, as the model was when converted: a graph cannot follow a flag set later. "
                     f"Set the modes on the original before converting (original.{mode}(); "
                     f"original{path}.{now}(); amppass.convert(original, ..., mode='train')): the converted model "
@@ -304,10 +304,10 @@ class TrainEvalGraphs(Children, nn.Module):
         their dtypes (:mod:`amppass.serving.plan_dtypes`)."""
         kept = PlanDtypes(fn)
         result = super()._apply(kept, recurse)
-        for part in self.modules():  # the graphs' constants move with the tree
-            for name, value in list(vars(part).items()):
+        for module in self.modules():  # the graphs' constants move with the tree
+            for name, value in list(vars(module).items()):
                 if isinstance(value, torch.Tensor):
-                    part.__dict__[name] = kept(value)
+                    module.__dict__[name] = kept(value)
         kept.retarget(plan for graph in self._graphs.values() for plan in graph.plans)
         for key, found in self._installed():  # the tree's code of every plan, generated again where a device moved
             for name, code in found.retarget(kept.moves, self).items():

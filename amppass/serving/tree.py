@@ -16,7 +16,7 @@ Rules:
 2. The converted graph is exported again (torch.export keeps each node's module stack) with the same
    dynamic dimensions as the capture, then unflattened; if export fixes a dimension the capture left
    dynamic, there is no tree and the flat graph runs (logged).
-3. The tree has one :class:`~amppass.serving.module_parts.ModulePart` per module of the original model, in the
+3. The tree has one :class:`~amppass.serving.tree_modules.TreeModule` per module of the original model, in the
    original's order and under its names; each holds the code of its part in train mode and in eval mode, and
    runs the one of the mode its root is in.
 4. Each part is also an instance of its original module's class, under that class's name (as ``fully_shard``
@@ -56,8 +56,8 @@ from ..fx.capture.guards import GUARDS_KEY
 from ..fx.capture.inputs import example_call
 from ..fx.capture.quiet import quiet_torch
 from ..fx.rewrite.device_literals import retarget_graph
-from .module_parts import Mode, as_original
 from .serving_graph import set_state
+from .tree_modules import Mode, as_original
 
 log = logging.getLogger(__name__)
 
@@ -390,7 +390,7 @@ def _same_dynamism(program: torch.export.ExportedProgram, guards: Any) -> bool:
 
 def build_tree(root: nn.Module, original: nn.Module, mode: Mode, outlines: dict[bool, Outline],
                state: dict[str, torch.Tensor], persistent: set[str]) -> None:
-    """Give ``root`` the original's module tree (rule 3): a :class:`~amppass.serving.module_parts.ModulePart` per
+    """Give ``root`` the original's module tree (rule 3): a :class:`~amppass.serving.tree_modules.TreeModule` per
     module, each holding the tensors of ``state`` under the original's names (tied names share one tensor) and its
     part of each graph.
 
@@ -402,18 +402,18 @@ def build_tree(root: nn.Module, original: nn.Module, mode: Mode, outlines: dict[
         state: every parameter and buffer the converted model owns, by each name it has in the original.
         persistent: the buffer names that go into ``state_dict()``.
     """
-    parts: dict[str, nn.Module] = {"": root}
+    tree_modules: dict[str, nn.Module] = {"": root}
     for name, module in original.named_modules(remove_duplicate=False):
         if not name:
             continue
         parent, _, leaf = name.rpartition(".")
-        part = as_original(module, mode, name)
+        tree_module = as_original(module, mode, name)
         # not add_module: its hasattr check meets a class's own __getattr__ (peft's wrappers) on a part that
         # never ran that class's __init__
-        parts[parent]._modules[leaf] = part
-        parts[name] = part
+        tree_modules[parent]._modules[leaf] = tree_module
+        tree_modules[name] = tree_module
     for name, module in original.named_modules(remove_duplicate=False):
-        owner = parts[name]
+        owner = tree_modules[name]
         for leaf, param in module._parameters.items():
             if param is not None:
                 owner.register_parameter(leaf, state[_join(name, leaf)])

@@ -31,26 +31,26 @@ SLOW = _decision(Precision.FP32, Source.PROFITABILITY)
 def test_level_2_the_user_wins_over_the_finite_check():
     """The finite check never moves a node the user forced low (fx.finite.keep_finite); were both given, the user's
     stands."""
-    assert precedence.given(user={"mm": LOW_BY_USER}, finite={"mm": FINITE})["mm"] is LOW_BY_USER
+    assert precedence.pinned(user={"mm": LOW_BY_USER}, finite={"mm": FINITE})["mm"] is LOW_BY_USER
 
 
 def test_level_3_the_finite_check_wins_over_carried_decisions():
-    assert precedence.given(user={}, finite={"mm": FINITE}, carried={"mm": CALIBRATED})["mm"] is FINITE
+    assert precedence.pinned(user={}, finite={"mm": FINITE}, carried={"mm": CALIBRATED})["mm"] is FINITE
 
 
 def test_level_4_carried_decisions_win_over_profitability():
-    chosen = precedence.given(user={}, carried={"mm": CALIBRATED}, profitability={"mm": SLOW})
+    chosen = precedence.pinned(user={}, carried={"mm": CALIBRATED}, profitability={"mm": SLOW})
     assert chosen["mm"] is CALIBRATED
 
 
 def test_level_5_profitability_wins_over_what_this_capture_measured():
-    chosen = precedence.given(user={}, profitability={"mm": SLOW}, measured={"mm": CALIBRATED, "exp": CALIBRATED})
+    chosen = precedence.pinned(user={}, profitability={"mm": SLOW}, measured={"mm": CALIBRATED, "exp": CALIBRATED})
     assert chosen == {"mm": SLOW, "exp": CALIBRATED}
 
 
 def test_the_user_wins_over_every_level_given():
-    chosen = precedence.given(user={"mm": LOW_BY_USER}, finite={"exp": FINITE}, carried={"mm": CALIBRATED},
-                              profitability={"mm": SLOW}, measured={"mm": CALIBRATED})
+    chosen = precedence.pinned(user={"mm": LOW_BY_USER}, finite={"exp": FINITE}, carried={"mm": CALIBRATED},
+                               profitability={"mm": SLOW}, measured={"mm": CALIBRATED})
     assert chosen == {"mm": LOW_BY_USER, "exp": FINITE}
 
 

@@ -16,7 +16,7 @@ from torch import nn
 import amppass
 from amppass.errors import CaptureError
 from amppass.pipelines import convert as convert_module
-from amppass.serving.fp32_original import KeptFp32
+from amppass.serving.fp32_original import Fp32Original
 from amppass.serving.train_eval import TrainEvalGraphs
 from tests.helpers.load import avx2_cpu, native_bf16_cpu
 
@@ -56,7 +56,7 @@ def test_a_train_plan_for_speed_on_an_avx2_cpu_is_the_original_in_fp32_without_c
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with caplog.at_level("WARNING", logger="amppass"):
         kept = amppass.convert(model, X, dtype, mode="train")
-    assert isinstance(kept, KeptFp32) and isinstance(kept, nn.Sequential)
+    assert isinstance(kept, Fp32Original) and isinstance(kept, nn.Sequential)
     assert kept.training and all(m.training for m in kept.modules())  # trains as it came
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warned) == 1 and "Sequential" in warned[0] and "in its ISA flags" in warned[0], warned
@@ -83,7 +83,7 @@ def test_tied_weights_stay_tied_in_the_kept_copy(monkeypatch, no_capture):
     model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 10))
     model[1].weight = model[0].weight
     kept = amppass.convert(model, (torch.arange(6).view(2, 3),), "bf16", mode="train")
-    assert isinstance(kept, KeptFp32)
+    assert isinstance(kept, Fp32Original)
     assert kept[0].weight is kept[1].weight and kept[0].weight is not model[0].weight
 
 
@@ -122,7 +122,7 @@ def test_a_module_that_does_not_capture_trains_as_it_is(monkeypatch, no_capture)
             return self.linear(x)[: int(x.sum().item() > 0) + 1]
 
     kept = amppass.convert(Data(), (torch.ones(3, 4),), "bf16", mode="train")
-    assert isinstance(kept, KeptFp32) and kept(torch.ones(3, 4)).shape == (2, 4)
+    assert isinstance(kept, Fp32Original) and kept(torch.ones(3, 4)).shape == (2, 4)
 
 
 def test_an_example_the_model_refuses_is_refused_as_a_capture_would(monkeypatch, no_capture):

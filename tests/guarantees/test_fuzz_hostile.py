@@ -33,7 +33,7 @@ from onnx import TensorProto, helper
 import amppass
 from amppass import AmpPassError
 from amppass.cli import main
-from amppass.report.terminal import render_text
+from amppass.reporting.terminal import render_text
 from amppass.targets import onnxruntime_facts
 from tests.helpers.onnx_files import SECRET, matmul_64, weights_named_w
 

@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 
 import amppass
 from amppass import AmpPassError
-from amppass.report.terminal import render_text
+from amppass.reporting.terminal import render_text
 from amppass.targets.timing_cache import TimingCache
 from tests.helpers.pt2_files import (
     SAMPLES,

@@ -16,7 +16,7 @@ import amppass
 from amppass.cli import main
 from amppass.onnx.io.read_model import load
 from amppass.onnx.io.save import save
-from amppass.report.terminal import render_text
+from amppass.reporting.terminal import render_text
 from amppass.text import cut, elide, printable
 from tests.helpers.onnx_files import matmul_64
 

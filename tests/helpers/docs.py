@@ -72,7 +72,7 @@ def _masked(line: str) -> str:
 def _summary_shapes() -> set[str]:
     """The masked lines the summary prints on some machine (busy or idle, low precision faster or not), each
     clause of a "; "-joined line apart."""
-    from amppass.report.report import Report, Row
+    from amppass.reporting.report import Report, Row
 
     info = {"front_end": "fx", "dtype": "bf16", "mode": "inference"}
     kept = Row("BertModel", "module", "fp32", "profitability: the original runs", "profitability", rule="whole-model")

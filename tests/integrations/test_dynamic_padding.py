@@ -134,7 +134,7 @@ def test_trainer_on_a_cpu_without_bf16_trains_the_plain_model_in_fp32(tokenizer,
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and r.name.startswith("amppass")]
     assert len(warned) == 1 and "BertForSequenceClassification" in warned[0] and "fp32" in warned[0], warned
     kept = amppass.integrations.routing.converted(model)
-    assert isinstance(kept, amppass.serving.fp32_original.KeptFp32)
+    assert isinstance(kept, amppass.serving.fp32_original.Fp32Original)
     assert any(line.startswith("returned: your original module, in fp32") for line in
                amppass.report(kept).summary().splitlines())
     assert all(p.dtype == torch.float32 for p in model.parameters())

@@ -234,7 +234,7 @@ def test_batchnorm_weights_behind_identity_nodes_are_weights(tmp_path):
 
 
 def test_identity_of_a_weight_that_is_a_graph_output_or_read_in_a_subgraph_stays():
-    from amppass.onnx.simplify import bypass_weight_identities
+    from amppass.onnx.normalize import bypass_weight_identities
 
     then = helper.make_graph([helper.make_node("Identity", ["wi2"], ["t"])], "then", [], [vinfo("t", shape=(8,))])
     model = model_of(

@@ -8,7 +8,7 @@ import pytest
 from onnx import TensorProto
 
 import amppass
-from amppass.pipelines.convert_onnx import BF16_OPSET, OnnxPlanOptions, convert_skeleton, upgrades_for_bf16
+from amppass.pipelines.convert_onnx import BF16_OPSET, OnnxPlanOptions, convert_onnx_streamed, upgrades_for_bf16
 from amppass.targets import onnx_target, onnxruntime_facts
 from tests.helpers.small_models import matmul_model
 
@@ -33,7 +33,7 @@ def test_the_options_travel_as_one_frozen_value():
 
 def test_the_stages_give_what_convert_onnx_gives():
     model = matmul_model()
-    converted = convert_skeleton(model, onnx_target("cpu", "fp16"), OnnxPlanOptions(keep_fp32=["mm2"]))
+    converted = convert_onnx_streamed(model, onnx_target("cpu", "fp16"), OnnxPlanOptions(keep_fp32=["mm2"]))
     direct = amppass.convert_onnx(model, "fp16", keep_fp32=["mm2"])
     assert converted.materialized().SerializeToString() == direct.SerializeToString()
     onnx.checker.check_model(direct, full_check=True)

@@ -16,7 +16,7 @@ from torch import nn
 
 import amppass
 from amppass.analysis.calibration import relative_error
-from amppass.serving.fp32_original import KeptFp32
+from amppass.serving.fp32_original import Fp32Original
 from amppass.targets import device as device_facts
 from models import build
 from tests.helpers.decoders import agreeing_steps, decoder, greedy, prompt
@@ -153,7 +153,7 @@ def test_profitability_on_cuda_times_kernels_on_the_gpu_and_keeps_big_matmuls_lo
     fast = amppass.convert(model, (x,), "bf16", plan_for="speed")
     info = amppass.report(fast).info
     # the whole-model comparison times the kernels (a synchronized clock), not their launches
-    assert not isinstance(fast, KeptFp32), info.get("whole_model")
+    assert not isinstance(fast, Fp32Original), info.get("whole_model")
     found = device_facts.fingerprint(torch.device("cuda"))
     assert found["sm_count"] > 0 and found["cuda"] and found["name"]
     rows = _matrix_rows(amppass.report(fast))

@@ -7,7 +7,7 @@ from torch import fx, nn
 
 import amppass
 from amppass import InputError
-from amppass.report.report import Report
+from amppass.reporting.report import Report
 from amppass.serving.artifact import KINDS, Artifact, record_of
 from amppass.serving.fp32_original import keep_original
 

@@ -473,7 +473,7 @@ def _argument(path: tuple[Any, ...]) -> str:
     return root.key + pytree.keystr(path[1:])
 
 
-def matching(gm: fx.GraphModule, carried: dict[str, tuple[Any, Decision]]) -> dict[str, Decision]:
+def carried_into(gm: fx.GraphModule, carried: dict[str, tuple[Any, Decision]]) -> dict[str, Decision]:
     """The carried decisions whose node exists in ``gm`` with the same op."""
     targets = {n.name: n.target for n in gm.graph.nodes}
     return {name: decision for name, (target, decision) in carried.items() if targets.get(name) == target}

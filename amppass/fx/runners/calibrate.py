@@ -50,7 +50,7 @@ from ...analysis.view import GraphView
 from ...dtypes import LowType
 from ...errors import CalibrationError, CaptureError, first_line
 from ..capture.copies import shared_copy
-from ..capture.guards import GUARDS_KEY, MAX_PLANS, matching
+from ..capture.guards import GUARDS_KEY, MAX_PLANS, carried_into
 from ..capture.inputs import BATCH_FIX, flatten_inputs, split_batch
 from ..rewrite.apply import rewrite
 from .trial_runs import Checkpoints
@@ -241,7 +241,7 @@ class FxTrials(Trials[Batch]):
             graph = data.graphs[which]
             if which:
                 carried = {name: (self.targets.get(name), d) for name, d in decisions.items()}
-                plan = paint(graph.view, self.low, matching(graph.gm, carried),
+                plan = paint(graph.view, self.low, carried_into(graph.gm, carried),
                              low_weight_tables=self.low_weight_tables)
             trial = shared_copy(graph.gm)
             rewrite(trial, plan, self.low, self.options)

@@ -30,7 +30,8 @@ class Loaded:
 
 def load(model: str | os.PathLike | onnx.ModelProto, check: bool = False) -> Loaded:
     """Read ``model`` (a path or a proto, which is only read) for
-    :func:`amppass.pipelines.convert_onnx.convert_skeleton`, refusing what is not an ONNX model. ``check`` also runs
+    :func:`amppass.pipelines.convert_onnx.convert_onnx_streamed`, refusing what is not an ONNX model. ``check`` also
+    runs
     ``onnx.checker`` on a stand-in of it that holds no weights (:func:`.validate.check_with_onnx`): the command
     line's promise that a file is a valid model, without loading or copying the model a second time."""
     source, base_dir, where = _load(model)

@@ -23,10 +23,10 @@ from amppass.fx.capture.guards import (
     ShapeGuards,
     call_layout,
     carried_decisions,
+    carried_into,
     example_refusal,
     guard_conditions,
     input_spec,
-    matching,
     plain_inputs,
     range_bound,
     specialised_dims,
@@ -186,10 +186,10 @@ def test_fp32_decisions_of_calibration_and_tolerance_are_carried():
 def test_matching_keeps_the_carried_decisions_of_nodes_with_the_same_op():
     carried = carried_decisions(_with_decisions())
     other = fx.symbolic_trace(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))  # no _2
-    assert sorted(matching(other, carried)) == ["_0", "_1"]
+    assert sorted(carried_into(other, carried)) == ["_0", "_1"]
     next(n for n in other.graph.nodes if n.name == "_1").target = "another"  # _1 is another op here
-    assert sorted(matching(other, carried)) == ["_0"]
-    assert matching(other, {"gone": ("0", carried["_0"][1])}) == {}
+    assert sorted(carried_into(other, carried)) == ["_0"]
+    assert carried_into(other, {"gone": ("0", carried["_0"][1])}) == {}
 
 
 def test_specialised_dims_leave_out_sizes_the_weights_fix(guards):

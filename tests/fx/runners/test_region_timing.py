@@ -21,7 +21,7 @@ from amppass.analysis.plan import Category, Decision, Precision, PrecisionPlan, 
 from amppass.analysis.profitability import regions
 from amppass.analysis.view import GraphView, OpView
 from amppass.fx.runners.region_timing import whole_model_key
-from amppass.serving.fp32_original import KeptFp32
+from amppass.serving.fp32_original import Fp32Original
 from amppass.serving.fp32_parameters import stored_parameters
 from tests.helpers.load import native_bf16_cpu
 
@@ -88,12 +88,12 @@ def test_a_saved_cost_table_decides_and_makes_plans_reproducible(monkeypatch):
     slow = _costs_favouring(costs, low_faster=False)
     kept, kept_fp32 = _measured(model, costs=slow)
     # every linear region slower low: nothing runs low, so the original itself comes back, with the plan's record
-    assert isinstance(kept, KeptFp32) and kept_fp32.info["profitability"]["nodes_fp32"] >= 3
+    assert isinstance(kept, Fp32Original) and kept_fp32.info["profitability"]["nodes_fp32"] >= 3
     assert "nothing in the plan runs low" in kept_fp32.rows[0].reason
     regions = kept_fp32.info["profitability"]["regions"]
     assert regions and all(r["runs"] == "fp32" for r in regions)
     again, again_report = _measured(model, costs=kept_fp32.info["costs"])
-    assert isinstance(again, KeptFp32)  # the recorded table reproduces the decision without measuring
+    assert isinstance(again, Fp32Original)  # the recorded table reproduces the decision without measuring
     assert again_report.info["profitability"]["regions"] == regions
 
     fast, low = _measured(model, costs=_costs_favouring(costs, low_faster=True))
@@ -117,7 +117,7 @@ def test_the_original_module_is_kept_where_it_is_faster(caplog):
     costs = {**report.info["costs"], f"{key}|converted": 3.0, f"{key}|original": 1.0}
     with caplog.at_level(logging.WARNING, logger="amppass"):
         kept = amppass.convert(model, X, "bf16", costs=costs)
-    assert isinstance(kept, KeptFp32) and "keeping the original" in caplog.text
+    assert isinstance(kept, Fp32Original) and "keeping the original" in caplog.text
     # the original itself, not a wrapper: its class's forward, its module tree, its tensors
     assert isinstance(kept, type(model)) and type(kept).forward is type(model).forward
     assert [n for n, _ in kept.named_modules()] == [n for n, _ in model.named_modules()]
@@ -133,7 +133,7 @@ def test_the_original_module_is_kept_where_it_is_faster(caplog):
         hook.remove()
     assert calls == original_calls  # no module call in between
     for copied in (copy.deepcopy(kept), _saved_and_loaded(kept)):  # copies and pickles as what it is
-        assert isinstance(copied, KeptFp32) and isinstance(copied, type(model))
+        assert isinstance(copied, Fp32Original) and isinstance(copied, type(model))
         assert copied.meta == kept.meta and amppass.report(copied).rows[0].source == "profitability"
         with torch.no_grad():
             assert torch.equal(copied(*X), model(*X))

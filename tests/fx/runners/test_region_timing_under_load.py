@@ -19,7 +19,7 @@ from torch import nn
 import amppass
 from amppass.dtypes import low_type
 from amppass.fx.runners import region_timing
-from amppass.serving.fp32_original import KeptFp32
+from amppass.serving.fp32_original import Fp32Original
 from amppass.targets import cost_model, device
 from amppass.targets.measure import Timings
 from amppass.targets.timing_cache import TimingCache
@@ -122,7 +122,7 @@ def test_timings_disturbed_by_load_fall_back_to_the_prior_and_are_never_cached(c
 def test_a_cpu_without_native_bf16_keeps_fp32_without_timing_a_kernel(cache, monkeypatch, caplog):
     monkeypatch.setattr(device, "cpu_facts", lambda: AVX2)
     # the line is said once per process: on an AVX2 machine an earlier test may have said it already
-    monkeypatch.setattr(importlib.import_module("amppass.pipelines.stages"), "_SAID", set())
+    monkeypatch.setattr(importlib.import_module("amppass.pipelines.stages"), "_WARNED", set())
 
     def never(*args, **kwargs):
         raise AssertionError("a kernel was timed on a device where nothing can win")
@@ -143,7 +143,7 @@ def test_a_cpu_without_native_bf16_keeps_fp32_without_timing_a_kernel(cache, mon
     assert set(_timing(first)) == {"device"} and all(runs == "fp32" for _, runs in _outcome(first))
     assert "not timed: this CPU has none of amx_bf16" in report.summary()
     # nothing runs low: the original itself comes back (never slower than it), saying why
-    assert isinstance(first, KeptFp32) and [r.precision for r in report.rows] == ["fp32"]
+    assert isinstance(first, Fp32Original) and [r.precision for r in report.rows] == ["fp32"]
     assert "nothing in the plan runs low" in report.rows[0].reason and "none of amx_bf16" in report.rows[0].reason
 
 

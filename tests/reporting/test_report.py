@@ -17,9 +17,9 @@ from torch import nn
 
 import amppass
 from amppass.fx.view.macs import node_macs
-from amppass.report.report import Report, Row, load_schema, write_atomic
-from amppass.report.rows import decision_order
-from amppass.report.terminal import render_text
+from amppass.reporting.report import Report, Row, load_schema, write_atomic
+from amppass.reporting.rows import decision_order
+from amppass.reporting.terminal import render_text
 from models import build
 
 jsonschema = pytest.importorskip("jsonschema")

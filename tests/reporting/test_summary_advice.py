@@ -14,8 +14,8 @@ from torch import nn
 
 import amppass
 from amppass.errors import InputError
-from amppass.report.report import Report, Row
-from amppass.serving.fp32_original import KeptFp32, keep_original
+from amppass.reporting.report import Report, Row
+from amppass.serving.fp32_original import Fp32Original, keep_original
 from amppass.targets import device
 from tests.helpers.load import timing_cache
 
@@ -43,7 +43,7 @@ def avx2_cpu(tmp_path, monkeypatch):
 def test_a_cpu_without_bf16_says_the_original_came_back_and_how_to_convert_anyway(avx2_cpu, tmp_path):
     model = net()
     kept = amppass.convert(model, X, "bf16")
-    assert isinstance(kept, KeptFp32)
+    assert isinstance(kept, Fp32Original)
     summary = amppass.report(kept).summary()
     lines = summary.splitlines()
     assert lines[0].endswith("1 node: 1 fp32")
@@ -60,7 +60,7 @@ def test_a_cpu_without_bf16_says_the_original_came_back_and_how_to_convert_anywa
     assert "plan_for='coverage'" in message
     # the advice works: a coverage plan converts on this CPU, with bf16's error against fp32
     converted = amppass.convert(model, X, "bf16", plan_for="coverage")
-    assert not isinstance(converted, KeptFp32) and amppass.report(converted).counts().get("bf16", 0) > 0
+    assert not isinstance(converted, Fp32Original) and amppass.report(converted).counts().get("bf16", 0) > 0
     with torch.no_grad():
         want, got = model(*X), converted(*X)
     assert (got - want).norm() / want.norm() < 3e-2

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import amppass
-from amppass.report.terminal import render_text
+from amppass.reporting.terminal import render_text
 from amppass.text import ELLIPSIS, printable, shorten_names
 
 sentence_transformers = pytest.importorskip("sentence_transformers")

@@ -10,7 +10,7 @@ from ..analysis.record import META_KEY
 from ..errors import InputError
 from ..onnx.io import lazy_read, validate
 from ..onnx.view import all_nodes
-from . import meta
+from . import stored_record
 from .report import Report
 
 
@@ -33,13 +33,15 @@ def read_onnx(model: onnx.ModelProto | str | os.PathLike) -> Report:
     if text is None:
         raise InputError(f"{where} carries no amppass decisions (no metadata_props['amppass']); "
                          "pass a model amppass.convert_onnx returned")
-    info = meta.model_info(meta.parse(text, f"{where}: metadata_props['amppass']"), f"{where}: metadata")
+    info = stored_record.model_info(stored_record.parse(text, f"{where}: metadata_props['amppass']"),
+                                    f"{where}: metadata")
     validate.check_size(model, where)
     validate.check_nesting(model, where)
     rows = []
     for node in all_nodes(model.graph):
         raw = {p.key: p.value for p in node.metadata_props}.get(META_KEY)
         if raw is not None:
-            rows.append(meta.row(node.name, meta.parse(raw, f"node {node.name!r}: its amppass decision"),
-                                 info["dtype"]))
+            rows.append(stored_record.row(node.name,
+                                          stored_record.parse(raw, f"node {node.name!r}: its amppass decision"),
+                                          info["dtype"]))
     return Report([r for r in rows if r is not None], info)

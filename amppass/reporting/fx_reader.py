@@ -6,7 +6,7 @@ from torch import fx
 
 from ..analysis.record import META_KEY
 from ..errors import InputError
-from . import meta
+from . import stored_record
 from .report import Report
 
 
@@ -17,7 +17,7 @@ def read_graph_module(gm: fx.GraphModule) -> Report:
         raise InputError(
             f"{type(gm).__name__} carries no amppass decisions; pass the module amppass.convert returned"
         )
-    info = meta.model_info(raw, f"{type(gm).__name__}.meta['amppass']")
-    rows = [meta.row(node.name, node.meta[META_KEY], info["dtype"]) for node in gm.graph.nodes
+    info = stored_record.model_info(raw, f"{type(gm).__name__}.meta['amppass']")
+    rows = [stored_record.row(node.name, node.meta[META_KEY], info["dtype"]) for node in gm.graph.nodes
             if META_KEY in node.meta]
     return Report([r for r in rows if r is not None], info)

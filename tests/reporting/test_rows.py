@@ -1,4 +1,4 @@
-"""amppass.report.rows: the parts every report view reads: a row's numbers from its evidence (only finite ones),
+"""amppass.reporting.rows: the parts every report view reads: a row's numbers from its evidence (only finite ones),
 the groups of an op, the target in words, and the summary's sentences from a report's info and stats (a stand-in
 report here, so the sentences are tested apart from the report class)."""
 
@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from amppass.report.rows import LOW_PRECISIONS, PRECISIONS, OpGroup, Row, finite, summary_lines, target_phrase
+from amppass.reporting.rows import LOW_PRECISIONS, PRECISIONS, OpGroup, Row, finite, summary_lines, target_phrase
 
 
 @dataclass
 class Stub:
-    """A :class:`~amppass.report.rows.Summarised` with the stats a report of its rows would give."""
+    """A :class:`~amppass.reporting.rows.Summarised` with the stats a report of its rows would give."""
 
     rows: list[Row] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)

@@ -1,6 +1,6 @@
 """The parts of a report every view reads: a :class:`Row` per node, the summary sentences, and the words the
-views use for the report's two error measures. :class:`~amppass.report.report.Report` is built from these;
-the views (:mod:`amppass.report.html`, :mod:`amppass.report.terminal`) take any object with ``rows``,
+views use for the report's two error measures. :class:`~amppass.reporting.report.Report` is built from these;
+the views (:mod:`amppass.reporting.html`, :mod:`amppass.reporting.terminal`) take any object with ``rows``,
 ``info`` and ``stats()`` (:class:`Summarised`), so they never import the report class itself.
 """
 

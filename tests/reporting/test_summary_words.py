@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from amppass.report.report import Report
+from amppass.reporting.report import Report
 from tests.helpers.docs import blocks
 from tests.helpers.docs import check_summary_sample as check
 from tests.helpers.paths import ROOT

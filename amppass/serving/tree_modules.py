@@ -1,5 +1,5 @@
 """The modules of a converted train-mode model's tree (:mod:`amppass.serving.tree`, rules 3 and 4): one
-:class:`ModulePart` per module of the original, holding that module's parameters, buffers and submodules and running
+:class:`TreeModule` per module of the original, holding that module's parameters, buffers and submodules and running
 its piece of the graph of the root's mode; each made an instance of its original module's class too, with the
 original's plain attributes, so code that looks for a class or an attribute (FSDP2 and activation-checkpointing
 wrap policies, ``model.apply(init_weights)``, containers iterated as their class does) keeps finding it.
@@ -52,7 +52,7 @@ class Children:
         return list(self._modules.values())[key]
 
 
-class ModulePart(nn.Module):
+class TreeModule(nn.Module):
     """One module of the original model: its parameters, buffers and submodules, and its part of each graph.
 
     Made an instance of the original module's class too by :func:`as_original` (rule 4)."""
@@ -78,7 +78,7 @@ class ModulePart(nn.Module):
         """What ``print(model)`` shows beside the part's class name."""
         return "converted by amppass"
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> "ModulePart":
+    def __deepcopy__(self, memo: dict[int, Any]) -> "TreeModule":
         """A copy with its own tensors that runs in the same tree (peft's ``modules_to_save`` copies a part to
         train it beside the original): it shares the tree's mode unless the whole tree is being copied, which
         puts its own copy of the mode in ``memo`` first."""
@@ -89,7 +89,7 @@ class ModulePart(nn.Module):
         return copied
 
 
-class PlainPart(Children, ModulePart):
+class PlainTreeModule(Children, TreeModule):
     """A part whose original class could not be mixed in: it still iterates and indexes like the container
     it may stand for."""
 
@@ -99,13 +99,13 @@ _MODULE_KEYS = frozenset(vars(nn.Module())) | {"forward"}
 
 
 @functools.cache
-def _part_class(original: type) -> type:
-    """``original`` with :class:`ModulePart` first in its order: the part's ``forward``, everything else the class's
+def _tree_module_class(original: type) -> type:
+    """``original`` with :class:`TreeModule` first in its order: the part's ``forward``, everything else the class's
     (but slicing, for the containers: theirs builds a new instance of the part's class, which only the tree can)."""
     namespace = {"__module__": original.__module__, "__qualname__": original.__qualname__}
     if issubclass(original, (nn.ModuleList, nn.Sequential)):
         namespace["__getitem__"] = _container_item
-    return type(original.__name__, (ModulePart, original), namespace)
+    return type(original.__name__, (TreeModule, original), namespace)
 
 
 def _container_item(self: nn.Module, index: Any) -> Any:
@@ -116,14 +116,14 @@ def _container_item(self: nn.Module, index: Any) -> Any:
         if isinstance(self, nn.Sequential):
             return nn.Sequential(collections.OrderedDict(items))
         return nn.ModuleList([module for _, module in items])
-    return super(ModulePart, self).__getitem__(index)  # type: ignore[misc]
+    return super(TreeModule, self).__getitem__(index)  # type: ignore[misc]
 
 
-def as_original(module: nn.Module, mode: Mode, path: str) -> ModulePart:
+def as_original(module: nn.Module, mode: Mode, path: str) -> TreeModule:
     """A part for original ``module`` at ``path`` (rule 4): an instance of its class holding its plain attributes."""
-    part: ModulePart = PlainPart(type(module).__name__, mode, path)
+    part: TreeModule = PlainTreeModule(type(module).__name__, mode, path)
     try:
-        part.__class__ = _part_class(type(module))
+        part.__class__ = _tree_module_class(type(module))
     except Exception as err:  # noqa: BLE001 - the part still runs; only isinstance checks miss it
         log.info("%s: the converted part is not an instance of the class (%s); wrap it by its path",
                  type(module).__name__, err)

@@ -1,0 +1,1 @@
+"""The per-node precision report, rebuilt from a converted model alone."""
