@@ -89,19 +89,26 @@ def _trainer_losses(trainer) -> list[float]:
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
+def _args(out) -> TrainingArguments:
+    return TrainingArguments(output_dir=str(out), per_device_train_batch_size=BATCH, max_steps=STEPS,
+                             learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
+                             seed=0, disable_tqdm=True)
+
+
+def _fp32_losses(tokenizer, tmp_path, collator) -> list[float]:
+    """The plain Trainer's losses on the padded batches, and accelerate's state reset for the next trainer."""
+    losses = _trainer_losses(Trainer(model=_model(tokenizer), args=_args(tmp_path / "fp32"),
+                                     train_dataset=_dataset(tokenizer), data_collator=collator))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    return losses
+
+
 def test_trainer_with_data_collator_with_padding_converts_once(tokenizer, tmp_path, captures):
     assert len(_lengths(tokenizer)) >= 4  # the batches really differ in length
 
-    def args(out):
-        return TrainingArguments(output_dir=str(out), per_device_train_batch_size=BATCH, max_steps=STEPS,
-                                 learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
-                                 seed=0, disable_tqdm=True)
-
     collator = DataCollatorWithPadding(tokenizer)
-    fp32 = _trainer_losses(Trainer(model=_model(tokenizer), args=args(tmp_path / "fp32"),
-                                   train_dataset=_dataset(tokenizer), data_collator=collator))
-    AcceleratorState._reset_state(reset_partial_state=True)
-    trainer = AmpPassTrainer(model=_model(tokenizer), args=args(tmp_path / "bf16"), train_dataset=_dataset(tokenizer),
+    fp32 = _fp32_losses(tokenizer, tmp_path, collator)
+    trainer = AmpPassTrainer(model=_model(tokenizer), args=_args(tmp_path / "bf16"), train_dataset=_dataset(tokenizer),
                              data_collator=collator, amppass_dtype="bf16")
     losses = _trainer_losses(trainer)
     assert captures.count(True) == 1, captures  # one conversion takes every padded length
@@ -115,17 +122,10 @@ def test_trainer_on_a_cpu_without_bf16_trains_the_plain_model_in_fp32(tokenizer,
     avx2_cpu(monkeypatch)
     captures = counted_captures(monkeypatch)
 
-    def args(out):
-        return TrainingArguments(output_dir=str(out), per_device_train_batch_size=BATCH, max_steps=STEPS,
-                                 learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
-                                 seed=0, disable_tqdm=True)
-
     collator = DataCollatorWithPadding(tokenizer)
-    fp32 = _trainer_losses(Trainer(model=_model(tokenizer), args=args(tmp_path / "fp32"),
-                                   train_dataset=_dataset(tokenizer), data_collator=collator))
-    AcceleratorState._reset_state(reset_partial_state=True)
+    fp32 = _fp32_losses(tokenizer, tmp_path, collator)
     model = _model(tokenizer)
-    trainer = AmpPassTrainer(model=model, args=args(tmp_path / "bf16"), train_dataset=_dataset(tokenizer),
+    trainer = AmpPassTrainer(model=model, args=_args(tmp_path / "bf16"), train_dataset=_dataset(tokenizer),
                              data_collator=collator, amppass_dtype="bf16")
     with caplog.at_level("WARNING", logger="amppass"):
         losses = _trainer_losses(trainer)
