@@ -7,7 +7,7 @@ same MLP exported to ONNX and converted by ``convert_onnx`` with the same batche
 conversions in one fresh process per checkout; ``plan`` is a digest of the report's rows (name, op, precision,
 reason), equal where the plans are.
 
-``python -m benchmarks run --full --only conversion_time`` measures 71b06f8 (before the issue-42 moves of this
+``python -m benchmarks run --full --only conversion_time`` measures 71b06f8 (before the second floor's moves of this
 round: profitability, policy kinds, the calibration template, onnx/io, the test tree) and this checkout.
 """
 

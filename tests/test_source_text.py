@@ -9,7 +9,7 @@ import re
 from tests.helpers.paths import ROOT
 
 # "issue 41", "Issue #44", "issue 41, row 8", "rows 5 and 13:", "item 2:" (an issue's numbered rows)
-ISSUE_NUMBER = re.compile(r"\bissues? #?\d+|\b(?:rows?|items?) \d+(?: and \d+)?[:,)]", re.IGNORECASE)
+ISSUE_NUMBER = re.compile(r"\bissues?[ -]#?\d+|\b(?:rows?|items?) \d+(?: and \d+)?[:,)]", re.IGNORECASE)
 
 
 def _sources() -> list:
@@ -26,8 +26,8 @@ def test_no_internal_issue_number_in_code_comments_tests_or_pyproject():
 
 
 def test_the_pattern_finds_the_forms_an_issue_number_takes():
-    for said in ("(issue 41, row 8: ...", "Issue #44's fast path", "issue 41 row 12:", "(rows 5 and 13: ...",
-                 "# -- item 2: checkpoints"):
+    for said in ("(issue 41, row 8: ...", "before the issue-42 moves", "Issue #44's fast path", "issue 41 row 12:",
+                 "(rows 5 and 13: ...", "# -- item 2: checkpoints"):
         assert ISSUE_NUMBER.search(said), said
     for fine in ("onnxruntime's PR #29709", "--rows 25", "the first 2 rows", "row 0 of the table is"):
         assert not ISSUE_NUMBER.search(fine), fine
