@@ -291,6 +291,19 @@ def search(
                         len(errors), errors, ranked)
 
 
+def longest_within(count: int, within: Callable[[int], bool]) -> int:
+    """The largest ``k`` in ``0..count`` for which ``within(k)`` holds, where it holds up to some ``k`` and not after
+    (an output error that grows with the number of products lowered): ``within(count)`` first, then a bisection;
+    ``within(0)`` is never asked (0 is the answer where nothing else holds)."""
+    if count == 0 or within(count):
+        return count
+    low, high = 0, count  # within(low) holds (or low is 0), within(high) does not
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if within(middle) else (low, middle)
+    return low
+
+
 def search_runs(candidates: int, ranked: bool = False) -> int:
     """The most runs one :func:`search` spends on ``candidates`` nodes with the default ranking: the initial run,
     the ranking's (none when ``ranked``: a ranking from before, :func:`ranked_before`), the growing prefixes,

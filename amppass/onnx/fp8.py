@@ -38,6 +38,7 @@ from onnx import helper
 
 from ..analysis.calibration import Trials, held_out
 from ..analysis.plan import Precision, PrecisionPlan
+from ..analysis.tolerance import longest_within
 from ..dtypes import Fp8Format, LowType
 from .io.weight_store import WeightStore
 from .macs import is_heavy, node_macs, operands, value_shapes
@@ -238,18 +239,13 @@ def choose(found: Mapping[str, list[Operand]], plan: PrecisionPlan, trials: Tria
 
     def largest(batches: Sequence[int], hi: int) -> int:
         """The most products, in ``order``, up to ``hi``, whose output error on ``batches`` stays within the
-        tolerance (a bisection: the error grows with the count)."""
-        if hi == 0:
-            return 0
-        measured[hi] = error(order[:hi], batches)
-        if measured[hi] <= tolerance:
-            return hi
-        lo, top = 0, hi
-        while top - lo > 1:
-            mid = (lo + top) // 2
-            measured[mid] = error(order[:mid], batches)
-            lo, top = (mid, top) if measured[mid] <= tolerance else (lo, mid)
-        return lo
+        tolerance (:func:`amppass.analysis.tolerance.longest_within`), each error measured kept."""
+
+        def within(k: int) -> bool:
+            measured[k] = error(order[:k], batches)
+            return measured[k] <= tolerance
+
+        return longest_within(hi, within)
 
     count = largest(fit, len(order)) if baseline <= tolerance else 0
     held_error = error(order[:count], held) if held and count else None

@@ -45,6 +45,7 @@ from torch import fx
 
 from ...analysis.calibration import relative_error
 from ...analysis.record import META_KEY
+from ...analysis.tolerance import longest_within
 from ...dtypes import E4M3
 from ..capture.copies import shared_copy
 from ..capture.guards import GUARDS_KEY
@@ -265,15 +266,7 @@ def _lattice(gm: fx.GraphModule, chosen: dict[str, Fp8Product], local: Mapping[s
                                    for out, ref in zip(_floating(trial(*flat)), refs, strict=True)), default=0.0)
         return errors[key]
 
-    low, high = 0, len(ranked)  # the first `low` are within the tolerance (or low is 0), the first `high` are not
-    if error(ranked) <= tolerance:
-        low = high
-    while high - low > 1:
-        middle = (low + high) // 2
-        if error(ranked[:middle]) <= tolerance:
-            low = middle
-        else:
-            high = middle
+    low = longest_within(len(ranked), lambda k: error(ranked[:k]) <= tolerance)
     kept = ranked[:low]
     for rank, name in enumerate(ranked[low:], start=low + 1):
         before, with_it = error(kept), error([*kept, name])
