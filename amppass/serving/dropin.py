@@ -345,6 +345,18 @@ def mixed_class(mixin: type, cls: type, doc: str, methods: Callable[[type], dict
     return made
 
 
+def held_in(module: nn.Module, cls: type, key: str, record: Any, what: str) -> bool:
+    """Make ``module`` an instance of ``cls`` (a :func:`mixed_class`) carrying ``record`` under ``key``; False, with
+    an info line naming ``what`` it is, for a class that cannot take another base (a C layout)."""
+    try:
+        module.__class__ = cls
+    except TypeError as err:
+        log.info("%s: %s cannot be held in a class of amppass's (%s)", type(module).__name__, what, err)
+        return False
+    module.__dict__[key] = record
+    return True
+
+
 def saved_folder(method: Callable[..., Any], module: Any, args: tuple, kwargs: dict) -> str | None:
     """The folder a class's save ``method`` called with ``(args, kwargs)`` wrote (its first argument), or None
     where it wrote none (transformers' ``is_main_process=False``: another process writes it)."""

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import logging
 from typing import Any, Mapping
 
 from torch import nn
@@ -29,9 +28,7 @@ from torch import nn
 from ..analysis.record import META_KEY
 from ..fx.capture.copies import shared_copy
 from ..reporting.report import Report, Row
-from .dropin import mixed_class, said_at_save, saved_folder
-
-log = logging.getLogger(__name__)
+from .dropin import held_in, mixed_class, said_at_save, saved_folder
 
 _INFO = "_amppass_kept"  # instance attribute holding the measurement (``meta[META_KEY]``)
 
@@ -94,12 +91,8 @@ def keep_original(model: nn.Module, info: dict[str, Any], train: bool = False) -
     must never write the caller's, and every module keeps the mode it has, as a train-mode conversion does."""
     # own module objects: .train() never reaches the caller's
     kept = copy.deepcopy(model) if train else shared_copy(model)
-    try:
-        kept.__class__ = _kept_class(type(model))
-    except TypeError as err:
-        log.info("%s: the original module cannot be kept in a class of amppass's (%s)", type(model).__name__, err)
+    if not held_in(kept, _kept_class(type(model)), _INFO, info, "the original module"):
         return None
-    kept.__dict__[_INFO] = info
     if not train:
         kept.eval()
     return kept

@@ -13,15 +13,12 @@ the shared savers of :mod:`amppass.serving.dropin`, writing the original.
 from __future__ import annotations
 
 import copy
-import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from torch import nn
 
-from .dropin import mixed_class, said_at_save, savers
-
-log = logging.getLogger(__name__)
+from .dropin import held_in, mixed_class, said_at_save, savers
 
 PARTS_KEY = "_amppass_parts"  # instance attribute of the returned model holding its PartsRecord
 
@@ -88,13 +85,7 @@ class ByParts(nn.Module):
 def by_parts(model: nn.Module, record: PartsRecord) -> nn.Module | None:
     """``model`` (the private copy the parts were converted in) made an instance of the subclass of its class and
     :class:`ByParts`, carrying ``record``; None for a class that cannot take another base (a C layout)."""
-    try:
-        model.__class__ = _parts_class(type(model))
-    except TypeError as err:
-        log.info("%s: the model cannot be held in a class of amppass's (%s)", type(model).__name__, err)
-        return None
-    model.__dict__[PARTS_KEY] = record
-    return model
+    return model if held_in(model, _parts_class(type(model)), PARTS_KEY, record, "the model") else None
 
 
 def _parts_class(cls: type) -> type:
