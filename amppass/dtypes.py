@@ -109,6 +109,15 @@ class Fp8Format:
             return 1.0
         return max(amax * 2.0 ** margin / self.max, _FP32_TINY)
 
+    def scales_for(self, amax: torch.Tensor, margin: int = 0) -> torch.Tensor:
+        """:meth:`scale_for` of every element of ``amax`` (one range per row or per channel), as an fp32 tensor of
+        its shape, with the same rules: 1.0 for a zero, negative, NaN or infinite range, never below fp32's smallest
+        normal, so no row's scale is zero, inf or NaN."""
+        amax = amax.detach().float()
+        usable = torch.isfinite(amax) & (amax > 0)
+        scaled = (amax * 2.0 ** margin / self.max).clamp_min(_FP32_TINY)
+        return torch.where(usable, scaled, torch.ones_like(amax))
+
     def __str__(self) -> str:
         return self.name
 

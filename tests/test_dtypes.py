@@ -60,3 +60,15 @@ def test_fp8_spellings_name_e4m3_and_other_dtypes_are_not_fp8(spelling):
 
     assert fp8_format(spelling) is E4M3
     assert fp8_format("bf16") is None and fp8_format(torch.float16) is None and fp8_format([1]) is None
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2])
+def test_scales_for_gives_each_range_the_scale_scale_for_gives_it(fmt):
+    """Row-wise scales: one per element of a tensor of ranges, by the same rules as the per-tensor scale, so a zero,
+    negative, NaN or infinite row range gives 1.0 and none is zero, inf or NaN."""
+    ranges = [0.0, -1.0, math.nan, math.inf, 1e-45, 1e-30, 1.0, 448.0, 3e38]
+    scales = fmt.scales_for(torch.tensor(ranges).reshape(-1, 1))
+    assert scales.shape == (len(ranges), 1) and scales.dtype == torch.float32
+    assert torch.isfinite(scales).all() and (scales > 0).all()
+    for got, amax in zip(scales.flatten().tolist(), ranges, strict=True):
+        assert math.isclose(got, fmt.scale_for(amax), rel_tol=1e-6), amax

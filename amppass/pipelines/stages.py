@@ -214,7 +214,8 @@ def lower_fp8(work: Work) -> None:
     if work.fp8_sources is None:
         return
     options = work.settings.options
-    work.fp8 = plan_fp8(work.gm, *work.fp8_sources, options.calibration, options.tolerance)
+    work.fp8 = plan_fp8(work.gm, *work.fp8_sources, options.calibration, options.tolerance,
+                        low=work.settings.low.name)
 
 
 def record(work: Work) -> None:

@@ -78,12 +78,17 @@ def test_calibrated_plan_runs_every_linear_in_fp8_with_static_scales(mlp):
     report = amppass.report(converted)
     rows = fp8(report)
     assert sorted(rows) == ["linear", "linear_1", "linear_2"]
+    targets = {n.name: n.target for n in converted.graph.nodes if n.op == "call_function"}
     for name, row in rows.items():
         assert row["format"] == "e4m3", name
-        assert 0 < row["weight_scale"] < float("inf") and 0 < row["input_scale"] < float("inf")
         assert row["local_error"] <= RANGE_LIMIT
-    targets = {n.name: n.target for n in converted.graph.nodes if n.op == "call_function"}
-    assert all(targets[n] is torch.ops.amppass.fp8_linear.default for n in rows)
+        if row["granularity"] == "tensor":  # static input scale from calibration
+            assert 0 < row["weight_scale"] < float("inf") and 0 < row["input_scale"] < float("inf")
+            assert targets[name] is torch.ops.amppass.fp8_linear.default
+        else:  # row-wise where it removed more than a tenth of the per-tensor error; its input's scales per call
+            assert row["granularity"] == "row" and row["granularity_reason"].startswith("row-wise scales")
+            assert 0 < row["weight_scales"]["min"] <= row["weight_scales"]["max"] < float("inf")
+            assert targets[name] is torch.ops.amppass.fp8_linear_rowwise.default
     info = report.info["fp8"]
     assert info["fp8"] == 3 and info["products"] == 3 and info["macs"]["fp8_share"] == 1.0
     assert "static, from calibration" in info["scales"]
@@ -98,7 +103,7 @@ def test_without_calibration_the_weights_decide_and_input_scales_are_dynamic(mlp
     converted = amppass.convert(mlp, (torch.randn(8, 64),), dtype=torch.float8_e4m3fn, plan_for="coverage")
     report = amppass.report(converted)
     rows = fp8(report)
-    assert rows and all(r["input_scale"] == "dynamic" for r in rows.values())
+    assert rows and all(r["input_scale"].startswith("dynamic") for r in rows.values())
     assert all("no calibration" in row.reason for row in report.fp8_rows())
     assert "dynamic" in report.info["fp8"]["scales"]
 
@@ -289,3 +294,48 @@ def test_the_tolerance_search_keeps_a_late_ranked_product_the_output_barely_feel
     x, z = torch.randn(8, 32), outlier_batch(6e4)
     with torch.no_grad():
         assert rel_err(converted(x, z), model(x, z)) <= 1e-2
+
+
+def one_token_outlier(big: float) -> torch.Tensor:
+    """128 rows (tokens) of 32 features; only row 0 has feature 0 at ``big`` (which the first weight ignores)."""
+    x = torch.randn(128, 32)
+    x[0, 0] = big
+    return x
+
+
+def test_row_wise_scales_where_one_token_sets_the_per_tensor_range_recorded_with_the_reason():
+    """One token's outlier sets a per-tensor input scale that leaves every other token in e4m3's subnormals; with a
+    scale per row only that token loses precision, so the plan picks row-wise scales for that product and says why,
+    and keeps per-tensor ones where row-wise gains too little."""
+    torch.manual_seed(0)
+    model = Outlier().eval()
+    calibration = [(one_token_outlier(3e5),) for _ in range(5)]
+    converted = amppass.convert(model, (one_token_outlier(3e5),), dtype="fp8", plan_for="coverage",
+                                calibration=calibration)
+    report = amppass.report(converted)
+    rows = {row.name: row for row in report.fp8_rows()}
+    first, second = rows["linear"].evidence["fp8"], rows["linear_1"].evidence["fp8"]
+    assert first["granularity"] == "row" and first["local_error"] <= RANGE_LIMIT
+    assert first["input_scale"] == "dynamic, per row" and first["weight_scales"]["channels"] == 64
+    per_tensor = float(first["granularity_reason"].split("against ")[1].split(" ")[0])
+    assert per_tensor > RANGE_LIMIT  # one per-tensor scale would have kept it out of fp8
+    assert "row-wise scales" in rows["linear"].reason and "per input row on every call" in rows["linear"].reason
+    assert second["granularity"] == "tensor" and "not below" in second["granularity_reason"]
+    targets = {n.name: n.target for n in converted.graph.nodes if n.op == "call_function"}
+    assert targets["linear"] is torch.ops.amppass.fp8_linear_rowwise.default
+    assert targets["linear_1"] is torch.ops.amppass.fp8_linear.default
+    assert report.info["fp8"]["row_wise"] == 1
+    x = one_token_outlier(3e5)
+    with torch.no_grad():
+        assert rel_err(converted(x), model(x)) <= 2 * RANGE_LIMIT  # two products, each within the limit
+
+
+def test_a_plan_whose_products_output_fp16_keeps_per_tensor_scales_and_says_why():
+    """torch's CUDA row-wise fp8 kernels write bf16 only: a plan with fp16 products falls back to per-tensor scales
+    even where row-wise ones measure better, and the reason names the missing capability."""
+    from amppass.fx.runners.fp8 import _granularity, _rowwise_missing
+
+    errors = {"tensor": 0.3, "row": 0.05}
+    assert _granularity(errors, _rowwise_missing("bf16"), "local error")[0] == "row"
+    granularity, why = _granularity(errors, _rowwise_missing("fp16"), "local error")
+    assert granularity == "tensor" and "write bf16 only" in why and "fp16" in why and "0.05" in why

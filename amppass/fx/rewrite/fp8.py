@@ -16,6 +16,13 @@ decision record), which:
 The input's scale is static (a buffer, from calibrated ranges) or, without calibration, dynamic: the input's
 largest magnitude on every call. A scale is never zero, inf or NaN (``scale_for`` gives 1.0 for an all-zero or
 non-finite range).
+
+A product can instead have row-wise scales (``amppass::fp8_linear_rowwise``): one scale per output channel of the
+weight, computed at conversion, and one per row (token) of the input, computed on every call from that row's
+largest magnitude (:meth:`~amppass.dtypes.Fp8Format.scales_for`: 1.0 for an all-zero row, so a zero or constant row
+stays finite). ``torch._scaled_mm`` takes them as ``scale_a`` of shape (M, 1) and ``scale_b`` of shape (1, N): on
+CUDA its row-wise kernels (compute capability 8.9 and later) write bf16 only; on the CPU torch 2.13 computes the same
+from the e4m3 values in fp32.
 """
 
 from __future__ import annotations
@@ -72,13 +79,48 @@ def _(input: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, inp
     return input.new_empty((*input.shape[:-1], weight.shape[0]))
 
 
+def row_scales(x: torch.Tensor, fmt: Fp8Format = E4M3) -> torch.Tensor:
+    """One scale per row of the 2-D ``x`` (shape (M, 1), fp32): each row's largest magnitude mapped to ``fmt``'s
+    largest finite value; 1.0 for an all-zero or non-finite row."""
+    amax = x.detach().abs().amax(dim=1, keepdim=True) if x.shape[1] else x.new_zeros((x.shape[0], 1))
+    return fmt.scales_for(amax)
+
+
+@torch.library.custom_op("amppass::fp8_linear_rowwise", mutates_args=())
+def fp8_linear_rowwise(input: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    """``linear(input, weight, bias)`` with row-wise scales: ``weight`` stored e4m3 with one scale per output channel
+    (``weight_scale``, shape (N, 1)), each row of ``input`` quantized to e4m3 with its own scale, computed on this
+    call (:func:`row_scales`); fp32 accumulation, output in ``input``'s dtype (bf16: the only output torch's CUDA
+    row-wise kernels write)."""
+    out_dtype = input.dtype
+    flat = input.reshape(-1, input.shape[-1])
+    input_scale = row_scales(flat)
+    out = torch._scaled_mm(quantize(flat, input_scale), weight.t(), scale_a=input_scale,
+                           scale_b=weight_scale.reshape(1, -1), bias=None if bias is None else bias.to(out_dtype),
+                           out_dtype=out_dtype)
+    return out.reshape(*input.shape[:-1], weight.shape[0])
+
+
+@fp8_linear_rowwise.register_fake
+def _(input: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+      bias: torch.Tensor | None) -> torch.Tensor:
+    return input.new_empty((*input.shape[:-1], weight.shape[0]))
+
+
+TENSOR, ROW = "tensor", "row"  # scale granularities: one scale per tensor; per weight channel and per input row
+
+
 @dataclass(frozen=True)
 class Fp8Product:
-    """A product chosen for fp8: its node, its fp32 weight, and its input's calibrated range (None: dynamic)."""
+    """A product chosen for fp8: its node, its fp32 weight, its input's calibrated range (None: dynamic) and its
+    scales' granularity (:data:`TENSOR`, or :data:`ROW`: per output channel of the weight and per row of the input,
+    the input's always dynamic)."""
 
     node: str
     weight: torch.Tensor  # fp32, as captured
     input_amax: float | None
+    granularity: str = TENSOR
 
     @property
     def weight_scale(self) -> float:
@@ -86,9 +128,34 @@ class Fp8Product:
         return E4M3.scale_for(float(self.weight.detach().abs().amax()) if self.weight.numel() else 0.0)
 
     @property
+    def weight_scales(self) -> torch.Tensor:
+        """The weight's scales as the product reads them: an fp32 scalar, or one per output channel (N, 1)."""
+        if self.granularity == ROW:
+            return row_scales(self.weight.detach().float())
+        return torch.tensor(self.weight_scale, dtype=torch.float32, device=self.weight.device)
+
+    @property
     def input_scale(self) -> float | None:
-        """The input's static scale from calibration, or None where it is computed per call."""
-        return None if self.input_amax is None else E4M3.scale_for(self.input_amax)
+        """The input's static scale from calibration, or None where it is computed per call (always for rows)."""
+        return None if self.input_amax is None or self.granularity == ROW else E4M3.scale_for(self.input_amax)
+
+    def stored_weight(self) -> torch.Tensor:
+        """The weight in e4m3 with :attr:`weight_scales`."""
+        return quantize(self.weight.detach(), self.weight_scales)
+
+    def read_weight(self) -> torch.Tensor:
+        """The fp32 values the stored weight stands for."""
+        return dequantize(self.stored_weight(), self.weight_scales)
+
+    def read_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The fp32 values ``x`` (2-D) stands for once quantized as this product quantizes its input."""
+        if self.granularity == ROW:
+            scale: torch.Tensor | float = row_scales(x)
+        elif self.input_scale is None:
+            scale = E4M3.scale_for(float(x.detach().abs().amax()) if x.numel() else 0.0)
+        else:
+            scale = self.input_scale
+        return dequantize(quantize(x, scale), scale)
 
 
 def linear_weights(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
@@ -102,9 +169,10 @@ def linear_weights(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
 
 
 def lower(gm: fx.GraphModule, products: Mapping[str, Fp8Product]) -> None:
-    """Rewrite each chosen ``aten.linear`` node of ``gm`` (bf16-rewritten) as ``amppass::fp8_linear`` in place: its
-    weight stored e4m3 with its scale, its input's static scale where calibrated; weights no node reads any more
-    are dropped. The decision records stay on the nodes (the caller states the fp8 reason)."""
+    """Rewrite each chosen ``aten.linear`` node of ``gm`` (bf16-rewritten) as ``amppass::fp8_linear`` in place (or
+    ``amppass::fp8_linear_rowwise`` for a product with row-wise scales): its weight stored e4m3 with its scale(s),
+    its input's static scale where calibrated; weights no node reads any more are dropped. The decision records
+    stay on the nodes (the caller states the fp8 reason)."""
     dropped: set[fx.Node] = set()
     for node in list(gm.graph.nodes):
         product = products.get(node.name)
@@ -114,22 +182,25 @@ def lower(gm: fx.GraphModule, products: Mapping[str, Fp8Product]) -> None:
         bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
         stem = f"_fp8_{node.name}"
         device = product.weight.device
-        w_scale = product.weight_scale
-        gm.register_buffer(f"{stem}_weight", quantize(product.weight.detach(), w_scale))
-        gm.register_buffer(f"{stem}_weight_scale", torch.tensor(w_scale, dtype=torch.float32, device=device))
+        gm.register_buffer(f"{stem}_weight", product.stored_weight())
+        gm.register_buffer(f"{stem}_weight_scale", product.weight_scales)
         with gm.graph.inserting_before(node):
             attrs = [gm.graph.get_attr(f"{stem}_weight"), gm.graph.get_attr(f"{stem}_weight_scale")]
             if product.input_scale is not None:
                 gm.register_buffer(f"{stem}_input_scale", torch.tensor(product.input_scale, dtype=torch.float32,
                                                                  device=device))
                 attrs.append(gm.graph.get_attr(f"{stem}_input_scale"))
-            else:
+            elif product.granularity == TENSOR:
                 attrs.append(None)
         for attr in attrs:
             if attr is not None:
                 attr.meta["val"] = fetch_attr(gm, str(attr.target))
-        node.target = torch.ops.amppass.fp8_linear.default
-        node.args, node.kwargs = (x, attrs[0], attrs[1], attrs[2], bias), {}
+        if product.granularity == ROW:
+            node.target = torch.ops.amppass.fp8_linear_rowwise.default
+            node.args, node.kwargs = (x, attrs[0], attrs[1], bias), {}
+        else:
+            node.target = torch.ops.amppass.fp8_linear.default
+            node.args, node.kwargs = (x, attrs[0], attrs[1], attrs[2], bias), {}
         dropped.add(weight)
     for weight in dropped:
         if not weight.users:
@@ -142,10 +213,25 @@ def lower(gm: fx.GraphModule, products: Mapping[str, Fp8Product]) -> None:
 
 
 def fp8_evidence(product: Fp8Product) -> dict[str, object]:
-    """What an fp8 row of the report shows: the format and both scales (or how the input's is computed)."""
-    return {"format": E4M3.name, "weight_scale": product.weight_scale,
-            "input_scale": "dynamic" if product.input_scale is None else product.input_scale,
-            "input_amax": product.input_amax, "output": "bf16", "kernel": "torch._scaled_mm"}
+    """What an fp8 row of the report shows: the format, the scales' granularity and how each is computed, the
+    weight's scale (per tensor) or a summary of its per-channel scales, the input's scale (a number where static)
+    and the headroom: the powers of two between the largest magnitude a scale maps and e4m3's largest value."""
+    found: dict[str, object] = {"format": E4M3.name, "granularity": product.granularity, "headroom": 0,
+                                "output": "bf16", "kernel": "torch._scaled_mm", "input_amax": product.input_amax}
+    if product.granularity == ROW:
+        scales = product.weight_scales
+        found.update(scales="weight: one per output channel, at conversion; input: one per row, from that row's "
+                            "largest magnitude on every call",
+                     weight_scale="per channel", input_scale="dynamic, per row",
+                     weight_scales={"channels": int(scales.numel()), "min": float(scales.min()),
+                                    "max": float(scales.max())})
+    else:
+        found.update(scales="weight: one per tensor, at conversion; input: one per tensor, " + (
+                         "from calibration" if product.input_scale is not None else "from its largest magnitude on "
+                         "every call"),
+                     weight_scale=product.weight_scale,
+                     input_scale="dynamic" if product.input_scale is None else product.input_scale)
+    return found
 
 
 def mark(gm: fx.GraphModule, node_name: str, fp8: Mapping[str, object], reason: str) -> None:

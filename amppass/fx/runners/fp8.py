@@ -19,6 +19,10 @@ matrix product of the rewritten graph in turn (the lowering itself is :mod:`ampp
    names the operand (input or weight) whose rounding alone moves the output more, and its largest-to-RMS ratio.
    Without calibration, the weights' ranges decide alone (the weight's own e4m3 error against the same limit)
    and each input's scale is computed on every call from its largest magnitude (dynamic); the report says so.
+   **Granularity.** Each candidate is measured twice: with per-tensor scales (the input's static) and with row-wise
+   ones (one per output channel of the weight, one per input row computed on every call). It takes row-wise scales
+   where they leave less than :data:`ROW_GAIN` of the per-tensor error and the target runs them (torch's CUDA
+   row-wise kernels write bf16 only: an fp16 plan keeps per-tensor scales and says so); per-tensor ones otherwise.
 3. **Tolerance.** With ``tolerance=``, the search goes on down one ordered lattice, fp8 → bf16 → fp32: the bf16
    search of :mod:`amppass.analysis.tolerance` has already moved what it must to fp32 against the whole
    tolerance; here the candidates are ranked by local error and the longest prefix of that ranking whose fp8
@@ -28,8 +32,8 @@ matrix product of the rewritten graph in turn (the lowering itself is :mod:`ampp
    late by its local error may matter little to the output). The others stay bf16, each with the two errors that
    decided it.
 
-Every product's outcome is in its row's evidence (``fp8``: format and scales, or ``why_not``), and the summary's
-``fp8`` holds the multiply-accumulates in fp8, bf16 and fp32.
+Every product's outcome is in its row's evidence (``fp8``: format, granularity and scales, or ``why_not``), and the
+summary's ``fp8`` holds the multiply-accumulates in fp8, bf16 and fp32.
 """
 
 from __future__ import annotations
@@ -50,12 +54,25 @@ from ...dtypes import E4M3
 from ..capture.copies import shared_copy
 from ..capture.guards import GUARDS_KEY
 from ..capture.inputs import flatten_inputs, split_batch
-from ..rewrite.fp8 import FP8_ALIGNMENT, Fp8Product, dequantize, fp8_evidence, fp8_linear, lower, mark, quantize
+from ..rewrite.fp8 import (
+    FP8_ALIGNMENT,
+    ROW,
+    TENSOR,
+    Fp8Product,
+    fp8_evidence,
+    fp8_linear,
+    fp8_linear_rowwise,
+    lower,
+    mark,
+)
 from ..view import ops
 
 log = logging.getLogger(__name__)
 
 RANGE_LIMIT = 2 * 2.0 ** -4  # twice the largest relative rounding error of one e4m3 value (3 significand bits)
+# row-wise scales where they leave at most this share of the per-tensor error: a smaller gain does not pay for a
+# range computed over the input on every call (a judgement, not a measured break-even)
+ROW_GAIN = 0.9
 HELD_OUT = 2  # at most this many calibration batches are held out for the errors
 _CONVOLUTIONS = {"convolution", "_convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
                  "conv_transpose3d"}
@@ -68,7 +85,8 @@ _ATTENTION = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attenti
 class _Measured:
     """What the held-out batches showed of one candidate."""
 
-    local_error: float = 0.0
+    local_error: float = 0.0  # with per-tensor scales (the input's static)
+    row_error: float = 0.0  # with row-wise scales
     input_error: float = 0.0  # the output's error with the input alone in e4m3, largest over batches
     weight_error: float = 0.0  # with the weight alone in e4m3
     input_ratio: float = 0.0  # the input's largest magnitude over its RMS
@@ -88,10 +106,11 @@ class _Data:
 
 
 def plan_fp8(gm: fx.GraphModule, fp32_gm: fx.GraphModule, weights: Mapping[str, torch.Tensor],
-             calibration: Iterable[Any] | None, tolerance: float | None) -> dict[str, Any]:
-    """Choose the products of ``gm`` (rewritten for bf16 in place) that run in fp8, lower them, record every
-    product's outcome on its node; the summary for the model's record. ``fp32_gm`` is the graph before the rewrite
-    and ``weights`` each linear node's fp32 weight (:func:`amppass.fx.rewrite.fp8.linear_weights`)."""
+             calibration: Iterable[Any] | None, tolerance: float | None, low: str = "bf16") -> dict[str, Any]:
+    """Choose the products of ``gm`` (rewritten for bf16 in place) that run in fp8 and their scales' granularity,
+    lower them, record every product's outcome on its node; the summary for the model's record. ``fp32_gm`` is the
+    graph before the rewrite, ``weights`` each linear node's fp32 weight
+    (:func:`amppass.fx.rewrite.fp8.linear_weights`) and ``low`` the plan's low type, its products' output."""
     why_not: dict[str, str] = {}
     candidates: list[str] = []
     for node in gm.graph.nodes:
@@ -106,35 +125,35 @@ def plan_fp8(gm: fx.GraphModule, fp32_gm: fx.GraphModule, weights: Mapping[str, 
     data = _measure(fp32_gm, candidates, weights, calibration) if calibration is not None and candidates else None
     chosen: dict[str, Fp8Product] = {}
     local: dict[str, float] = {}
+    granularity_why: dict[str, str] = {}
+    no_rows = _rowwise_missing(low)
     for name in candidates:
         weight = weights[name]
         if data is None:
-            error = _rounding_error(weight)
+            errors = {TENSOR: _rounding_error(weight, TENSOR), ROW: _rounding_error(weight, ROW)}
+            granularity, granularity_why[name] = _granularity(errors, no_rows, "the weight's own e4m3 error")
+            error = errors[granularity]
             if error > RANGE_LIMIT:
-                why_not[name] = (f"stays bf16: its weight's own e4m3 error is {error:.3g}, beyond {RANGE_LIMIT:g} "
-                                 f"(twice e4m3's largest rounding error of one value): its largest magnitude is "
-                                 f"{_ratio(weight):.3g}x its RMS, so one per-tensor scale leaves the others to "
-                                 "e4m3's subnormals or zero")
+                why_not[name] = (f"stays bf16: its weight's own e4m3 error is {error:.3g} ({granularity_why[name]}), "
+                                 f"beyond {RANGE_LIMIT:g} (twice e4m3's largest rounding error of one value): its "
+                                 f"largest magnitude is {_ratio(weight):.3g}x its RMS, so a scale leaves the others "
+                                 "to e4m3's subnormals or zero")
                 continue
-            chosen[name], local[name] = Fp8Product(name, weight, None), error
+            chosen[name], local[name] = Fp8Product(name, weight, None, granularity), error
             continue
         seen = data.measured[name]
-        if seen.local_error > RANGE_LIMIT:
-            why_not[name] = _range_reason(seen, weight, data.amax[name], data.separate)
+        errors = {TENSOR: seen.local_error, ROW: seen.row_error}
+        granularity, granularity_why[name] = _granularity(errors, no_rows, "local error on held-out inputs")
+        if errors[granularity] > RANGE_LIMIT:
+            why_not[name] = f"{_range_reason(seen, weight, data.amax[name], data.separate)}; {granularity_why[name]}"
             continue
-        chosen[name], local[name] = Fp8Product(name, weight, data.amax[name]), seen.local_error
+        chosen[name], local[name] = Fp8Product(name, weight, data.amax[name], granularity), errors[granularity]
     search: dict[str, Any] = {}
     if tolerance is not None and data is not None and chosen:
         chosen, search = _lattice(gm, chosen, local, data, tolerance, why_not)
     lower(gm, chosen)
     for name, product in chosen.items():
-        where = ("input scale static, from calibration" if product.input_amax is not None
-                 else "input scale computed from its largest magnitude on every call (no calibration)")
-        error = (f"local error {local[name]:.3g} on held-out inputs" if data is not None
-                 else f"weight's own e4m3 error {local[name]:.3g} (chosen from the weight's range alone)")
-        mark(gm, name, {**fp8_evidence(product), "local_error": local[name]},
-             f"fp8: e4m3 input and weight with per-tensor scales (weight scale computed once at conversion, {where}), "
-             f"fp32 accumulation, bf16 output; {error}, within {RANGE_LIMIT:g}")
+        _mark_chosen(gm, product, local[name], granularity_why[name], data)
     for name, why in why_not.items():
         evidence: dict[str, Any] = {"why_not": why}
         if data is not None and name in data.measured:
@@ -142,13 +161,55 @@ def plan_fp8(gm: fx.GraphModule, fp32_gm: fx.GraphModule, weights: Mapping[str, 
         mark(gm, name, evidence, why)
     info = {"format": E4M3.name, "products": len(candidates) + structural, "fp8": len(chosen),
             "scales": "weights: once at conversion; inputs: " + (
-                "static, from calibration" if data is not None else "dynamic, from each call's range (no calibration)"),
+                "static, from calibration" if data is not None else "dynamic, from each call's range (no calibration)")
+            + "; row-wise products: per weight channel at conversion, per input row on every call",
+            "row_wise": sum(p.granularity == ROW for p in chosen.values()),
             "macs": _macs(gm), "range_limit": RANGE_LIMIT, **search}
     if data is not None:
         info["held_out_batches"] = len(data.held_out)
         info["held_out_separate"] = data.separate
     log.info("fp8: %d of %d products in %s", len(chosen), info["products"], E4M3.name)
     return info
+
+
+def _rowwise_missing(low: str) -> str:
+    """Why this plan's products cannot have row-wise scales ("" where they can): torch's row-wise fp8 kernels
+    (``torch._scaled_mm`` with an (M, 1) and a (1, N) scale, on CUDA 8.9 and later) write bf16 only."""
+    return "" if low == "bf16" else (f"torch._scaled_mm's row-wise fp8 kernels write bf16 only and this plan's "
+                                     f"products output {low}")
+
+
+def _granularity(errors: Mapping[str, float], no_rows: str, measure: str) -> tuple[str, str]:
+    """Per-tensor or row-wise scales for one product, from ``errors`` (the same ``measure`` under each), and why:
+    row-wise where it removes more than a tenth of the per-tensor error (:data:`ROW_GAIN`) and the target runs it;
+    per-tensor otherwise."""
+    if no_rows:
+        return TENSOR, (f"per-tensor scales: row-wise ones would give {measure} {errors[ROW]:.3g} against "
+                        f"{errors[TENSOR]:.3g}, but {no_rows}")
+    if errors[ROW] < ROW_GAIN * errors[TENSOR]:
+        return ROW, f"row-wise scales: {measure} {errors[ROW]:.3g}, against {errors[TENSOR]:.3g} per tensor"
+    return TENSOR, (f"per-tensor scales: {measure} {errors[TENSOR]:.3g}; row-wise ones give {errors[ROW]:.3g}, "
+                    f"not below {ROW_GAIN:g}x that, which does not pay for a range computed on every call")
+
+
+def _mark_chosen(gm: fx.GraphModule, product: Fp8Product, error: float, granularity_why: str,
+                 data: _Data | None) -> None:
+    """Record a product lowered to fp8 on its node: its scales (:func:`~amppass.fx.rewrite.fp8.fp8_evidence`), its
+    error, why its granularity, and a reason."""
+    if product.granularity == ROW:
+        where = "one scale per weight channel at conversion and per input row on every call"
+    elif product.input_scale is not None:
+        where = "per-tensor scales (weight's at conversion, input's static, from calibration)"
+    else:
+        where = "per-tensor scales (weight's at conversion, input's from its largest magnitude on every call)"
+    measured = (f"local error {error:.3g} on held-out inputs" if data is not None
+                else f"weight's own e4m3 error {error:.3g} (chosen from the weight's range alone: no calibration)")
+    evidence = {**fp8_evidence(product), "local_error": error, "granularity_reason": granularity_why}
+    if data is not None and product.input_scale is not None and data.measured[product.node].held_out_amax > 0:
+        # how far the held-out inputs stay below the calibrated range (below 1: they were clipped)
+        evidence["input_headroom"] = (product.input_amax or 0.0) / data.measured[product.node].held_out_amax
+    mark(gm, product.node, evidence, f"fp8: e4m3 input and weight with {where}, fp32 accumulation, bf16 output; "
+                                     f"{measured}, within {RANGE_LIMIT:g}; {granularity_why}")
 
 
 def _structure(node: fx.Node, gm: fx.GraphModule, weights: Mapping[str, torch.Tensor]) -> str | None:
@@ -208,16 +269,18 @@ def _measure(fp32_gm: fx.GraphModule, candidates: list[str], weights: Mapping[st
         def held_out(name: str, x: torch.Tensor, args: tuple, out: torch.Tensor) -> None:
             weight, bias = weights[name], args[2] if len(args) > 2 else None
             seen = data.measured[name]
-            w_scale = E4M3.scale_for(float(weight.abs().amax()) if weight.numel() else 0.0)
-            q = quantize(weight, w_scale)
-            x_scale = torch.tensor(E4M3.scale_for(data.amax.get(name, 0.0)))
-            y = fp8_linear(x.to(torch.bfloat16), q, torch.tensor(w_scale), x_scale,
-                           None if bias is None else bias.to(torch.bfloat16))
+            low_bias = None if bias is None else bias.to(torch.bfloat16)
+            tensor = Fp8Product(name, weight, data.amax.get(name, 0.0))
+            y = fp8_linear(x.to(torch.bfloat16), tensor.stored_weight(), tensor.weight_scales,
+                           torch.tensor(tensor.input_scale), low_bias)
             seen.local_error = max(seen.local_error, relative_error(y, out))
-            # each operand's share: the output with only that operand rounded to e4m3
-            x_read = dequantize(quantize(x, x_scale), x_scale)
+            row = Fp8Product(name, weight, None, ROW)
+            y = fp8_linear_rowwise(x.to(torch.bfloat16), row.stored_weight(), row.weight_scales, low_bias)
+            seen.row_error = max(seen.row_error, relative_error(y, out))
+            # each operand's share, per tensor: the output with only that operand rounded to e4m3
+            x_read = tensor.read_input(x.reshape(-1, x.shape[-1])).reshape(x.shape)
             seen.input_error = max(seen.input_error, relative_error(F.linear(x_read, weight, bias), out))
-            seen.weight_error = max(seen.weight_error, relative_error(F.linear(x, dequantize(q, w_scale), bias), out))
+            seen.weight_error = max(seen.weight_error, relative_error(F.linear(x, tensor.read_weight(), bias), out))
             seen.input_ratio = max(seen.input_ratio, _ratio(x))
             seen.held_out_amax = max(seen.held_out_amax, float(x.abs().amax()) if x.numel() else 0.0)
 
@@ -295,10 +358,9 @@ def _range_reason(seen: _Measured, weight: torch.Tensor, amax: float, separate: 
             f"{clipped}")
 
 
-def _rounding_error(tensor: torch.Tensor) -> float:
-    """``tensor``'s own relative error stored in e4m3 with its per-tensor scale and read back."""
-    scale = E4M3.scale_for(float(tensor.detach().abs().amax()) if tensor.numel() else 0.0)
-    return relative_error(dequantize(quantize(tensor.detach(), scale), scale), tensor.detach())
+def _rounding_error(weight: torch.Tensor, granularity: str) -> float:
+    """``weight``'s own relative error stored in e4m3 with its scale(s) of ``granularity`` and read back."""
+    return relative_error(Fp8Product("", weight, None, granularity).read_weight(), weight.detach())
 
 
 def _ratio(tensor: torch.Tensor) -> float:
