@@ -53,6 +53,16 @@ def outlier_batch(big: float) -> torch.Tensor:
     return x
 
 
+def converted_outlier(batch) -> tuple[nn.Module, nn.Module, dict]:
+    """The :class:`Outlier` model converted to fp8 with five calibration batches from ``batch()``: the model, the
+    converted one and its report's fp8 rows by name."""
+    torch.manual_seed(0)
+    model = Outlier().eval()
+    converted = amppass.convert(model, (batch(),), dtype="fp8", plan_for="coverage",
+                                calibration=[(batch(),) for _ in range(5)])
+    return model, converted, {row.name: row for row in amppass.report(converted).fp8_rows()}
+
+
 def fp8(report) -> dict[str, dict]:
     return {row.name: row.evidence["fp8"] for row in report.fp8_rows()}
 
@@ -109,13 +119,7 @@ def test_without_calibration_the_weights_decide_and_input_scales_are_dynamic(mlp
 
 
 def test_a_product_reading_an_outlier_stays_bf16_with_its_reason():
-    torch.manual_seed(0)
-    model = Outlier().eval()
-    calibration = [(outlier_batch(1e6),) for _ in range(5)]
-    converted = amppass.convert(model, (outlier_batch(1e6),), dtype="fp8", plan_for="coverage",
-                                calibration=calibration)
-    report = amppass.report(converted)
-    rows = {row.name: row for row in report.fp8_rows()}
+    model, converted, rows = converted_outlier(lambda: outlier_batch(1e6))
     first, second = rows["linear"], rows["linear_1"]
     assert "format" not in first.evidence["fp8"]
     assert first.evidence["fp8"]["local_error"] > RANGE_LIMIT
@@ -307,13 +311,7 @@ def test_row_wise_scales_where_one_token_sets_the_per_tensor_range_recorded_with
     """One token's outlier sets a per-tensor input scale that leaves every other token in e4m3's subnormals; with a
     scale per row only that token loses precision, so the plan picks row-wise scales for that product and says why,
     and keeps per-tensor ones where row-wise gains too little."""
-    torch.manual_seed(0)
-    model = Outlier().eval()
-    calibration = [(one_token_outlier(3e5),) for _ in range(5)]
-    converted = amppass.convert(model, (one_token_outlier(3e5),), dtype="fp8", plan_for="coverage",
-                                calibration=calibration)
-    report = amppass.report(converted)
-    rows = {row.name: row for row in report.fp8_rows()}
+    model, converted, rows = converted_outlier(lambda: one_token_outlier(3e5))
     first, second = rows["linear"].evidence["fp8"], rows["linear_1"].evidence["fp8"]
     assert first["granularity"] == "row" and first["local_error"] <= RANGE_LIMIT
     assert first["input_scale"] == "dynamic, per row" and first["weight_scales"]["channels"] == 64
@@ -324,7 +322,7 @@ def test_row_wise_scales_where_one_token_sets_the_per_tensor_range_recorded_with
     targets = {n.name: n.target for n in converted.graph.nodes if n.op == "call_function"}
     assert targets["linear"] is torch.ops.amppass.fp8_linear_rowwise.default
     assert targets["linear_1"] is torch.ops.amppass.fp8_linear.default
-    assert report.info["fp8"]["row_wise"] == 1
+    assert amppass.report(converted).info["fp8"]["row_wise"] == 1
     x = one_token_outlier(3e5)
     with torch.no_grad():
         assert rel_err(converted(x), model(x)) <= 2 * RANGE_LIMIT  # two products, each within the limit
