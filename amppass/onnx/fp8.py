@@ -20,12 +20,16 @@ candidates then go fp8 in order of that error, least first, as many as keep the 
 tolerance (a bisection over that order), and the count is checked on the held-out batches
 (:func:`amppass.analysis.calibration.held_out`) and bisected again there where it misses. Every product that
 stays fp16 gets a reason with the errors measured (and its operands' ranges and scales, where an outlier sets
-one), and each fp8 product's decision carries its scales (``evidence["fp8"]``) for the report.
+one), and each fp8 product's decision carries its scales (``evidence["fp8"]``) for the report; every other product
+(a candidate left out, or one that is no candidate: kept fp32 by the plan, an operand calibration did not observe)
+carries why (``evidence["fp8"]["why_not"]``). :func:`record` writes the summary's ``fp8`` in the shape both front
+ends share (:func:`amppass.analysis.record.fp8_record`).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -37,7 +41,8 @@ import torch
 from onnx import helper
 
 from ..analysis.calibration import Trials, held_out
-from ..analysis.plan import Precision, PrecisionPlan
+from ..analysis.plan import Decision, Precision, PrecisionPlan
+from ..analysis.record import FP8_KEY, fp8_record
 from ..analysis.tolerance import longest_within
 from ..dtypes import Fp8Format, LowType
 from .io.weight_store import WeightStore
@@ -50,7 +55,8 @@ log = logging.getLogger(__name__)
 FP8_OPSET = 19  # QuantizeLinear / DequantizeLinear take float8 types from opset 19
 PRODUCTS = ("MatMul", "Gemm", "Conv")
 OPERANDS = (0, 1)  # the inputs quantized: MatMul's A and B, Gemm's A and B, Conv's X and W
-KEY = "fp8"  # evidence key of an fp8 product's decision (its format and scales)
+KEY = FP8_KEY  # evidence key of a product's fp8 outcome: its format and scales, or why it is not fp8
+SCALES = "weights: once at conversion, per tensor; activations: static, per tensor, from calibration"
 
 
 @dataclass(frozen=True)
@@ -64,16 +70,27 @@ class Operand:
 
 
 def candidates(model: onnx.ModelProto, plan: PrecisionPlan, stats: Any, store: WeightStore, fmt: Fp8Format,
-               low: LowType) -> dict[str, list[Operand]]:
+               low: LowType) -> tuple[dict[str, list[Operand]], dict[str, str]]:
     """Product node -> its operands, for every MatMul, Gemm and Conv of ``model``'s main graph (the fp32 model)
     that ``plan`` runs low and whose two operands are weights (initializers) or values calibration observed
-    (``stats``), with each operand's scale as stored (:func:`stored_scale`)."""
+    (``stats``), with each operand's scale as stored (:func:`stored_scale`); and every other product of the plan
+    -> why it cannot be fp8."""
     initializers = {t.name: t for t in model.graph.initializer}
     found: dict[str, list[Operand]] = {}
+    excluded: dict[str, str] = {}
     for node in model.graph.node:
         if node.domain not in ("", "ai.onnx") or node.op_type not in PRODUCTS or len(node.input) < 2:
             continue
-        if node.name not in plan or plan[node.name].precision is not Precision.LOW or _odd_bias(node, initializers):
+        if node.name not in plan:
+            continue
+        if plan[node.name].precision is not Precision.LOW:
+            excluded[node.name] = f"not {fmt}: the {low} plan keeps this product in fp32"
+            continue
+        if _odd_bias(node, initializers):
+            excluded[node.name] = (f"stays {low}, not {fmt}: " + (
+                "its bias is scaled by beta, so it cannot move after the product" if node.op_type == "Gemm" else
+                "the bias of a convolution whose weight is computed cannot move after the product (its rank is "
+                "not known)"))
             continue
         operands = []
         for slot in OPERANDS:
@@ -83,11 +100,13 @@ def candidates(model: onnx.ModelProto, plan: PrecisionPlan, stats: Any, store: W
             elif stats.get(value) is not None:
                 amax = float(stats.get(value).absmax)
             else:
+                excluded[node.name] = (f"stays {low}, not {fmt}: its input {value} was not observed by calibration, "
+                                       "so it has no static scale")
                 break
             operands.append(Operand(value, value in initializers, amax, stored_scale(fmt, amax, low)))
         else:
             found[node.name] = operands
-    return found
+    return found, excluded
 
 
 def _odd_bias(node: onnx.NodeProto, initializers: Mapping[str, onnx.TensorProto]) -> bool:
@@ -119,6 +138,13 @@ def marked(plan: PrecisionPlan, chosen: Mapping[str, Sequence[Operand]], fmt: Fp
     return result
 
 
+def lowered(decision: Decision) -> dict[str, Any] | None:
+    """The fp8 evidence of a product ``decision`` marks fp8 (:func:`marked`), None where it does not run in fp8
+    (no ``fp8`` evidence, or one that says why not)."""
+    evidence = decision.evidence.get(KEY)
+    return evidence if isinstance(evidence, dict) and "operands" in evidence else None
+
+
 def describe(operands: Sequence[Operand], fmt: Fp8Format) -> dict[str, Any]:
     """An fp8 product's evidence: its format and, per operand, its fp32 value, kind, range and scale."""
     return {"format": fmt.name, "operands": [{"value": o.value, "weight": o.weight, "absmax": o.absmax,
@@ -140,7 +166,7 @@ class Fp8Rewrite:
         rewrite stores them low)."""
         initializers = {t.name: t for t in model.graph.initializer}
         for _, decision in plan.items():
-            for operand in decision.evidence.get(KEY, {}).get("operands", ()):
+            for operand in (lowered(decision) or {}).get("operands", ()):
                 key = (operand["value"], operand["scale"])
                 if operand["weight"] and key not in self.cache:
                     tensor = initializers[operand["value"]]
@@ -159,7 +185,7 @@ class Fp8Rewrite:
         nodes: list[onnx.NodeProto] = []
         count = 0
         for node in graph.node:
-            evidence = plan[node.name].evidence.get(KEY) if node.name in plan else None
+            evidence = lowered(plan[node.name]) if node.name in plan else None
             for slot, operand in enumerate(evidence["operands"] if evidence else ()):
                 read = node.input[slot]
                 key = (operand["value"] if operand["weight"] else read, operand["scale"])
@@ -213,13 +239,16 @@ class Fp8Rewrite:
 
 
 
-def choose(found: Mapping[str, list[Operand]], plan: PrecisionPlan, trials: Trials, tolerance: float,
-           fmt: Fp8Format, low: LowType, runtime: str) -> tuple[PrecisionPlan, dict[str, Any]]:
+def choose(found: Mapping[str, list[Operand]], excluded: Mapping[str, str], plan: PrecisionPlan, trials: Trials,
+           tolerance: float, fmt: Fp8Format, low: LowType, runtime: str) -> tuple[PrecisionPlan, dict[str, Any]]:
     """The fp8 plan: ``plan`` (the fp16 plan) with the candidate products ``found`` that the output error allows
-    marked fp8 (module docstring), each product's reason saying why it is or is not; and what to record.
+    marked fp8 (module docstring), each product's reason saying why it is or is not (``excluded``: the products
+    that are no candidates, and why), each product not in fp8 its ``why_not`` in ``evidence["fp8"]``; and the
+    search's figures, for the record (:func:`record`).
 
     ``trials`` runs a marked plan on the calibration batches it kept (its error against fp32, inf where it does not
     run), as ``runtime`` (named in reasons) computes it."""
+    plan = _not_fp8(plan, excluded)
     fit, held, how = _held_out(trials)
     runs = 0
 
@@ -230,7 +259,7 @@ def choose(found: Mapping[str, list[Operand]], plan: PrecisionPlan, trials: Tria
 
     info: dict[str, Any] = {"format": fmt.name, "tolerance": tolerance, "candidates": len(found), "held_out": how}
     if not found:
-        info.update(products=0, why="no matrix product runs low on weights or values calibration observed")
+        info.update(why="no matrix product runs low on weights or values calibration observed")
         return plan, info
     baseline = error([], fit)
     alone = {name: error([name], fit) for name in found}
@@ -259,8 +288,9 @@ def choose(found: Mapping[str, list[Operand]], plan: PrecisionPlan, trials: Tria
     chosen = order[:count]
     result = marked(plan, {n: found[n] for n in chosen}, fmt)
     after = measured.get(count + 1)
+    why_not = {}
     for rank, name in enumerate(order, 1):
-        decision = result[name]
+        decision = result[name] = copy.copy(result[name])  # the caller's plan keeps its own decisions
         decision.evidence = {**decision.evidence, "fp8_error_alone": alone[name]}
         ranges = "; ".join(f"{'weight' if o.weight else 'input'} {o.value} |x| <= {o.absmax:.3g}, scale {o.scale:.3g}"
                            for o in found[name])
@@ -285,18 +315,35 @@ def choose(found: Mapping[str, list[Operand]], plan: PrecisionPlan, trials: Tria
                       else f" within the tolerance {tolerance:g} on the batches the search fits, not on those it "
                            "holds out")
                    + f" ({ranges})")
-        decision.reason = f"{decision.reason}; {why}"
-    info.update(products=len(chosen), baseline_error=baseline, achieved_error=achieved, held_out_error=held_error,
+        if name in chosen:
+            decision.reason = f"{decision.reason}; {why}"
+        else:
+            why_not[name] = why
+    result = _not_fp8(result, why_not)
+    info.update(baseline_error=baseline, achieved_error=achieved, held_out_error=held_error,
                 runs=runs, tolerance_met=achieved <= tolerance)
     log.info("fp8: %d of %d products in %s, output error %.3g (tolerance %g, %d runs)", len(chosen), len(found),
              fmt, achieved, tolerance, runs)
     return result, info
 
 
-def mac_split(plan: PrecisionPlan, model: onnx.ModelProto, feed: Mapping[str, np.ndarray]) -> dict[str, Any]:
-    """The multiply-accumulates of ``model``'s heavy nodes (main graph) at the shapes of ``feed`` (a calibration
-    batch: a file's dynamic sizes leave its own counts unknown), by where ``plan`` runs them: fp8, the low dtype,
-    fp32, with the share of each (None where nothing was counted) and the shapes counted at."""
+def _not_fp8(plan: PrecisionPlan, why_not: Mapping[str, str]) -> PrecisionPlan:
+    """A copy of ``plan`` whose products ``why_not`` names say why they are not fp8: in their reason, and as
+    ``evidence["fp8"]["why_not"]`` (what the report counts them by); ``plan`` is left as it was."""
+    result = PrecisionPlan()
+    for name, decision in plan.items():
+        if name in why_not:
+            decision = dataclasses.replace(decision, reason=f"{decision.reason}; {why_not[name]}",
+                                           evidence={**decision.evidence, KEY: {"why_not": why_not[name]}})
+        result[name] = decision
+    return result
+
+
+def record(plan: PrecisionPlan, model: onnx.ModelProto, feed: Mapping[str, np.ndarray], fmt: Fp8Format,
+           low: LowType, details: Mapping[str, Any]) -> dict[str, Any]:
+    """The summary's ``fp8`` (:func:`amppass.analysis.record.fp8_record`) for the products ``plan`` (chosen by
+    :func:`choose`) decides on, with ``details`` (the search's figures): their multiply-accumulates counted at the
+    shapes of ``feed`` (a calibration batch: a file's dynamic sizes leave its own counts unknown), which it names."""
     fixed = onnx.ModelProto()
     fixed.CopyFrom(model)  # a skeleton: no weight bytes to copy
     clear_value_info(fixed.graph)
@@ -307,17 +354,15 @@ def mac_split(plan: PrecisionPlan, model: onnx.ModelProto, feed: Mapping[str, np
             for size in np.shape(feed[value.name]):
                 shape.dim.add(dim_value=int(size))
     inferred = onnx.shape_inference.infer_shapes(fixed, data_prop=True)
-    heavy = [n for n in inferred.graph.node if is_heavy(n) and n.name in plan]
+    heavy = [n for n in inferred.graph.node if is_heavy(n) and n.name in plan and KEY in plan[n.name].evidence]
     shapes = value_shapes(inferred, {v for n in heavy for v in operands(n)})
-    split = {"fp8": 0, "low": 0, "fp32": 0}
+    products = []
     for node in heavy:
-        macs, decision = node_macs(node, shapes), plan[node.name]
-        if macs is not None:
-            where = "fp8" if KEY in decision.evidence else "low" if decision.precision is Precision.LOW else "fp32"
-            split[where] += macs
-    total = sum(split.values())
-    return {**split, **{f"{k}_share": (v / total if total else None) for k, v in list(split.items())},
-            "counted_at": {name: list(np.shape(array)) for name, array in feed.items()}}
+        decision = plan[node.name]
+        precision = "fp8" if lowered(decision) else low.name if decision.precision is Precision.LOW else "fp32"
+        products.append((precision, node_macs(node, shapes), str(decision.evidence[KEY].get("why_not", ""))))
+    return fp8_record(fmt.name, low.name, products, scales=SCALES, **details,
+                      counted_at={name: list(np.shape(array)) for name, array in feed.items()})
 
 
 def _held_out(trials: Trials) -> tuple[list[int], list[int], str]:

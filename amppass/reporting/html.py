@@ -30,7 +30,7 @@ from .rows import (
 
 FP16_MAX = 65504.0
 FP16_MIN_NORMAL = 6.103515625e-05
-COLOURS = {"fp16": "#2f9e44", "bf16": "#1971c2", "fp32": "#e8590c", "-": "#adb5bd"}
+COLOURS = {"fp8": "#9c36b5", "fp16": "#2f9e44", "bf16": "#1971c2", "fp32": "#e8590c", "-": "#adb5bd"}
 _CELL, _PER_LINE = 14, 60  # node strip: cell size in px, cells per line
 _LABEL = 34  # characters of a node name beside its bar in the range chart (220 px)
 
@@ -136,7 +136,8 @@ def _cards(report: Summarised) -> str:
     cards: list[tuple[str, ...]] = [(str(report.info.get("dtype")), "target dtype")]
     cards += [(f"{counts.get(p, 0)}", f"{p} nodes") for p in PRECISIONS if p != "-" and counts.get(p)]
     cards += [
-        ("-" if share is None else f"{share:.1%}", f"heavy compute in {report.info.get('dtype')}"),
+        ("-" if share is None else f"{share:.1%}",
+         f"heavy compute in {report.info.get('dtype')}{' or fp8' * ('fp8' in counts)}"),
         (f"{stats['casts']}", "casts inserted"),
         ("-" if not before else f"{after / before:.2f}×", "weight bytes vs fp32"),
     ]

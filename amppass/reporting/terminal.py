@@ -26,7 +26,7 @@ from ..text import ELLIPSIS, cut, elide, printable, shorten_names
 from .report import PRECISIONS, Report, Row, summary_lines
 from .rows import decision_order
 
-STYLES = {"fp16": "bold green", "bf16": "bold blue", "fp32": "bold dark_orange", "-": "dim"}
+STYLES = {"fp8": "bold magenta", "fp16": "bold green", "bf16": "bold blue", "fp32": "bold dark_orange", "-": "dim"}
 GAP = 3  # columns between two table columns: padding, separator, padding
 SOURCE_FROM, MACS_FROM = 100, 120  # console widths from which those columns are shown
 # node and op columns at most (or a third and a sixth of a wider console); the reason column at least

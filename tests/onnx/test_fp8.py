@@ -60,7 +60,7 @@ def test_fp8_products_read_e4m3_weights_and_qdq_activations_in_a_file_the_checke
     nodes, inits = _by_name(converted), {t.name: t for t in converted.graph.initializer}
     producers = {o: n for n in converted.graph.node for o in n.output}
     for name in ("first", "second"):
-        assert "fp8" in meta(nodes[name])["evidence"], meta(nodes[name])["reason"]
+        assert meta(nodes[name])["evidence"]["fp8"]["format"] == "e4m3", meta(nodes[name])["reason"]
         activation, weight = (producers[v] for v in nodes[name].input)
         assert activation.op_type == weight.op_type == "DequantizeLinear"
         assert inits[weight.input[0]].data_type == TensorProto.FLOAT8E4M3FN  # stored once as e4m3
@@ -73,7 +73,8 @@ def test_fp8_products_read_e4m3_weights_and_qdq_activations_in_a_file_the_checke
     assert [o.version for o in converted.opset_import if o.domain in ("", "ai.onnx")] == [19]
     info = amppass.report(converted).info
     assert info["opset_upgraded"] == [17, 19]
-    assert info["fp8"]["products"] == 2 and info["fp8"]["macs"]["fp8_share"] == 1.0
+    assert info["fp8"]["products"] == {"fp8": 2, "fp16": 0, "fp32": 0} and info["fp8"]["why_not"] == {}
+    assert info["fp8"]["macs"] == {"fp8": 8 * 64 * (64 + 32), "fp16": 0, "fp32": 0}  # at the feeds' [8, 64]
     feed = _feeds(1)[0]
     assert _error(model, converted, feed) <= 0.2
     stored_w1 = numpy_helper.to_array(inits[producers[nodes["first"].input[1]].input[0]])  # e4m3 as float
@@ -121,10 +122,11 @@ def test_a_product_whose_input_has_an_outlier_stays_fp16_with_a_reason_naming_th
     feeds = [{"x": with_outlier()} for _ in range(4)]
     converted = amppass.convert_onnx(model, "fp8", calibration=feeds, tolerance=0.1)
     first, second = (meta(_by_name(converted)[n]) for n in ("first", "second"))
-    assert "fp8" not in first["evidence"] and first["precision"] == "low"
+    assert "format" not in first["evidence"]["fp8"] and first["precision"] == "low"
+    assert first["evidence"]["fp8"]["why_not"].startswith("stays fp16, not e4m3")
     assert "stays fp16, not e4m3" in first["reason"] and "input x |x| <= 1e+03" in first["reason"]
     assert first["evidence"]["fp8_error_alone"] > 0.1
-    assert "fp8" in second["evidence"]
+    assert second["evidence"]["fp8"]["format"] == "e4m3"
     assert _error(model, converted, {"x": with_outlier()}) <= 0.1
 
 
@@ -141,7 +143,7 @@ def test_an_fp8_gemm_adds_its_bias_after_the_product_so_onnxruntime_optimisation
     onnx.checker.check_model(converted, full_check=True)
     nodes_after = _by_name(converted)
     for name in ("first", "second"):
-        assert "fp8" in meta(nodes_after[name])["evidence"] and len(nodes_after[name].input) == 2
+        assert "format" in meta(nodes_after[name])["evidence"]["fp8"] and len(nodes_after[name].input) == 2
     adds = [n for n in converted.graph.node if n.op_type == "Add"]
     assert sorted(n.input[1] for n in adds) == ["b1", "b2"]
     assert _error(model, converted, _feeds(1)[0]) <= 0.2
@@ -167,7 +169,7 @@ def test_an_fp8_conv_reads_e4m3_and_adds_its_bias_unsqueezed_over_the_spatial_di
     converted = amppass.convert_onnx(model, "fp8", calibration=[image() for _ in range(4)], tolerance=0.2)
     onnx.checker.check_model(converted, full_check=True)
     after = _by_name(converted)
-    assert all("fp8" in meta(after[n])["evidence"] and len(after[n].input) == 2 for n in ("first", "second"))
+    assert all("format" in meta(after[n])["evidence"]["fp8"] and len(after[n].input) == 2 for n in ("first", "second"))
     unsqueezes = [n for n in converted.graph.node if n.op_type == "Unsqueeze"]
     assert sorted(n.input[0] for n in unsqueezes) == ["c1", "c2"]
     assert _error(model, converted, image()) <= 0.2
@@ -185,7 +187,7 @@ def test_a_cuda_target_fp8_plan_is_judged_on_the_simulation_and_runs_in_onnxrunt
     converted = amppass.convert_onnx(model, "fp8", calibration=_feeds(), tolerance=0.2, target="cuda")
     onnx.checker.check_model(converted, full_check=True)
     info = amppass.report(converted).info
-    assert info["fp8"]["products"] == 2 and info["error_judged_by"] == "fp16-storage simulation"
+    assert info["fp8"]["products"]["fp8"] == 2 and info["error_judged_by"] == "fp16-storage simulation"
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     got = ort.InferenceSession(converted.SerializeToString(), options, providers=["CPUExecutionProvider"])

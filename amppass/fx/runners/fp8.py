@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from ...analysis.calibration import relative_error
-from ...analysis.record import META_KEY
+from ...analysis.record import META_KEY, fp8_record, stored_fp8_products
 from ...analysis.tolerance import longest_within
 from ...dtypes import E4M3
 from ..capture.copies import shared_copy
@@ -140,14 +140,15 @@ def plan_fp8(gm: fx.GraphModule, fp32_gm: fx.GraphModule, weights: Mapping[str, 
         if data is not None and name in data.measured:
             evidence["local_error"] = data.measured[name].local_error
         mark(gm, name, evidence, why)
-    info = {"format": E4M3.name, "products": len(candidates) + structural, "fp8": len(chosen),
-            "scales": "weights: once at conversion; inputs: " + (
+    decisions = (node.meta.get(META_KEY) for node in gm.graph.nodes)
+    info = fp8_record(E4M3.name, "bf16", stored_fp8_products(decisions, "bf16"), range_limit=RANGE_LIMIT,
+                      scales="weights: once at conversion; inputs: " + (
                 "static, from calibration" if data is not None else "dynamic, from each call's range (no calibration)"),
-            "macs": _macs(gm), "range_limit": RANGE_LIMIT, **search}
+                      **search)
     if data is not None:
         info["held_out_batches"] = len(data.held_out)
         info["held_out_separate"] = data.separate
-    log.info("fp8: %d of %d products in %s", len(chosen), info["products"], E4M3.name)
+    log.info("fp8: %d of %d products in %s", len(chosen), len(candidates) + structural, E4M3.name)
     return info
 
 
@@ -311,20 +312,3 @@ def _ratio(tensor: torch.Tensor) -> float:
 def _floating(value: Any) -> list[torch.Tensor]:
     return [t for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
-
-def _macs(gm: fx.GraphModule) -> dict[str, Any]:
-    """Multiply-accumulates of one call in fp8, bf16 and fp32, over the nodes whose MACs were counted."""
-    totals = {"fp8": 0, "bf16": 0, "fp32": 0}
-    for node in gm.graph.nodes:
-        meta = node.meta.get(META_KEY)
-        macs = meta.get("evidence", {}).get("macs") if meta and not meta.get("cast") else None
-        if not macs:
-            continue
-        if meta["evidence"].get("fp8", {}).get("format"):
-            totals["fp8"] += macs
-        elif meta.get("precision") == "low":
-            totals["bf16"] += macs
-        elif meta.get("precision") in ("fp32", "fp32-accumulate"):
-            totals["fp32"] += macs
-    total = sum(totals.values())
-    return {**totals, "fp8_share": totals["fp8"] / total if total else None}
