@@ -6,7 +6,10 @@ both operands of such a product reach it through a Q/DQ pair in :data:`~amppass.
 reads as an fp8 product (ONNX opset 19 and later: :data:`FP8_OPSET`):
 
 - a weight (an initializer) is stored once as a ``FLOAT8E4M3FN`` initializer, read through a ``DequantizeLinear``
-  with its per-tensor scale, computed from the weight's largest magnitude;
+  with its scale: one per tensor, from the weight's largest magnitude, or one per output channel (a 1-D scale and
+  zero point, the ``DequantizeLinear``'s ``axis`` the channels'; opset 19 allows it for float8, and onnxruntime's
+  CPU provider runs it), whichever gives the weight's own e4m3 error lower (:func:`weight_scales`,
+  ``_weight_operand``);
 - an activation goes through ``QuantizeLinear`` -> ``DequantizeLinear`` with a static per-tensor scale from the
   range calibration observed (:meth:`~amppass.dtypes.Fp8Format.scale_for` gives both scales);
 - the scales are stored in the product's own dtype (fp16: ``QuantizeLinear`` takes its input and scale in one
@@ -61,12 +64,17 @@ SCALES = "weights: once at conversion, per tensor; activations: static, per tens
 
 @dataclass(frozen=True)
 class Operand:
-    """One quantized input of a product: its fp32 value, whether it is a weight, its range and stored scale."""
+    """One quantized input of a product: its fp32 value, whether it is a weight, its range and stored scale; a
+    weight with one scale per output channel has that channel's ``axis``, ``scale`` is then the largest of them and
+    ``channels`` says how many and their smallest; ``why`` says why one scale or several (:func:`weight_scales`)."""
 
     value: str
     weight: bool
     absmax: float
     scale: float
+    axis: int | None = None
+    channels: tuple[int, float] | None = None
+    why: str = ""
 
 
 def candidates(model: onnx.ModelProto, plan: PrecisionPlan, stats: Any, store: WeightStore, fmt: Fp8Format,
@@ -95,6 +103,9 @@ def candidates(model: onnx.ModelProto, plan: PrecisionPlan, stats: Any, store: W
         operands = []
         for slot in OPERANDS:
             value = node.input[slot]
+            if value in initializers and channel_axis(node, slot, initializers[value]) is not None:
+                operands.append(_weight_operand(node, slot, initializers[value], store, fmt, low))
+                continue
             if value in initializers:
                 amax = store.absmax(initializers[value])
             elif stats.get(value) is not None:
@@ -107,6 +118,55 @@ def candidates(model: onnx.ModelProto, plan: PrecisionPlan, stats: Any, store: W
         else:
             found[node.name] = operands
     return found, excluded
+
+
+def channel_axis(node: onnx.NodeProto, slot: int, weight: onnx.TensorProto) -> int | None:
+    """The output-channel axis of ``weight``, input ``slot`` of product ``node``, where it can have one scale per
+    channel: a MatMul's 2-D B ([K, N]: 1), a Gemm's B (1, or 0 with ``transB``), a Conv's W (0); None otherwise."""
+    if slot != 1:
+        return None
+    if node.op_type == "Conv":
+        return 0
+    if len(weight.dims) != 2:
+        return None
+    transposed = node.op_type == "Gemm" and any(a.name == "transB" and a.i for a in node.attribute)
+    return 0 if transposed else 1
+
+
+def weight_scales(fmt: Fp8Format, low: LowType, values: torch.Tensor, axis: int | None) -> torch.Tensor:
+    """A weight's stored scales (:func:`stored_scale`): one (a 0-d tensor) where ``axis`` is None, else one per
+    channel along ``axis``, shaped to broadcast against ``values``."""
+    if axis is None or not values.numel():
+        return torch.tensor(stored_scale(fmt, float(values.abs().amax()) if values.numel() else 0.0, low))
+    amax = values.abs().amax(dim=[d for d in range(values.dim()) if d != axis], keepdim=True)
+    return torch.tensor([stored_scale(fmt, a, low) for a in amax.flatten().tolist()]).reshape(amax.shape)
+
+
+def _quantized(fmt: Fp8Format, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return (values / scales).clamp(-fmt.max, fmt.max).to(fmt.torch)
+
+
+def _weight_operand(node: onnx.NodeProto, slot: int, tensor: onnx.TensorProto, store: WeightStore, fmt: Fp8Format,
+                    low: LowType) -> Operand:
+    """A weight operand with one scale per tensor or one per output channel, whichever gives the weight's own e4m3
+    error (``||dequantized - w|| / ||w||``) lower: the error measured for both, as the torch front end chooses."""
+    values = torch.from_numpy(np.array(store.array(tensor), dtype=np.float32))
+    axis = channel_axis(node, slot, tensor)
+    errors = {}
+    for granularity, scales in (("tensor", weight_scales(fmt, low, values, None)),
+                                ("channel", weight_scales(fmt, low, values, axis))):
+        read = _quantized(fmt, values, scales).float() * scales
+        norm = float(values.norm())
+        errors[granularity] = (float((read - values).norm()) / norm if norm else 0.0, scales)
+    (per_tensor, one), (per_channel, scales) = errors["tensor"], errors["channel"]
+    amax = store.absmax(tensor)
+    if per_channel < per_tensor:
+        why = (f"one weight scale per output channel: the weight's own e4m3 error {per_channel:.3g}, against "
+               f"{per_tensor:.3g} per tensor")
+        return Operand(tensor.name, True, amax, float(scales.max()), axis, (scales.numel(), float(scales.min())), why)
+    why = (f"one weight scale per tensor: the weight's own e4m3 error {per_tensor:.3g}; per output channel "
+           f"{per_channel:.3g}, no lower")
+    return Operand(tensor.name, True, amax, float(one), why=why)
 
 
 def _odd_bias(node: onnx.NodeProto, initializers: Mapping[str, onnx.TensorProto]) -> bool:
@@ -146,9 +206,17 @@ def lowered(decision: Decision) -> dict[str, Any] | None:
 
 
 def describe(operands: Sequence[Operand], fmt: Fp8Format) -> dict[str, Any]:
-    """An fp8 product's evidence: its format and, per operand, its fp32 value, kind, range and scale."""
-    return {"format": fmt.name, "operands": [{"value": o.value, "weight": o.weight, "absmax": o.absmax,
-                                              "scale": o.scale} for o in operands]}
+    """An fp8 product's evidence: its format, its weight scales' granularity ("tensor", or "channel": one scale per
+    output channel) and why, and per operand its fp32 value, kind, range and scale (the largest, per channel,
+    with the channels' ``axis`` and ``weight_scales``: how many, smallest, largest)."""
+    described = []
+    for o in operands:
+        entry: dict[str, Any] = {"value": o.value, "weight": o.weight, "absmax": o.absmax, "scale": o.scale}
+        if o.axis is not None and o.channels is not None:
+            entry.update(axis=o.axis, weight_scales={"channels": o.channels[0], "min": o.channels[1], "max": o.scale})
+        described.append(entry)
+    return {"format": fmt.name, "granularity": "channel" if any(o.axis is not None for o in operands) else "tensor",
+            "granularity_reason": "; ".join(o.why for o in operands if o.why), "operands": described}
 
 
 class Fp8Rewrite:
@@ -159,7 +227,8 @@ class Fp8Rewrite:
 
     def __init__(self, store: WeightStore, fmt: Fp8Format, low: LowType):
         self.store, self.fmt, self.low = store, fmt, low
-        self.cache: dict[tuple[str, float], tuple[bytes, list[int]]] = {}  # (weight, scale) -> e4m3 bytes, dims
+        # (weight, scale, axis) -> its e4m3 bytes, dims, and scales per channel (None: one per tensor)
+        self.cache: dict[tuple[str, float, int | None], tuple[bytes, list[int], list[float] | None]] = {}
 
     def weights(self, model: onnx.ModelProto, plan: PrecisionPlan) -> None:
         """Quantize the weights ``plan``'s fp8 products read, from ``model``'s fp32 initializers (before the
@@ -167,12 +236,16 @@ class Fp8Rewrite:
         initializers = {t.name: t for t in model.graph.initializer}
         for _, decision in plan.items():
             for operand in (lowered(decision) or {}).get("operands", ()):
-                key = (operand["value"], operand["scale"])
+                key = _key(operand)
                 if operand["weight"] and key not in self.cache:
                     tensor = initializers[operand["value"]]
                     values = torch.from_numpy(np.array(self.store.array(tensor), dtype=np.float32))
-                    quantized = (values / operand["scale"]).clamp(-self.fmt.max, self.fmt.max).to(self.fmt.torch)
-                    self.cache[key] = quantized.view(torch.uint8).numpy().tobytes(), list(tensor.dims)
+                    axis = operand.get("axis")
+                    scales = (weight_scales(self.fmt, self.low, values, axis) if axis is not None
+                              else torch.tensor(operand["scale"]))
+                    quantized = _quantized(self.fmt, values, scales)
+                    self.cache[key] = (quantized.view(torch.uint8).numpy().tobytes(), list(tensor.dims),
+                                       None if axis is None else scales.flatten().tolist())
 
     def insert(self, model: onnx.ModelProto, plan: PrecisionPlan) -> int:
         """Put each fp8 product's operands of ``model`` (rewritten by ``plan``) through Q/DQ pairs (module
@@ -181,14 +254,14 @@ class Fp8Rewrite:
         taken = all_names(model)
         initializers = {t.name: t for t in graph.initializer}
         zero = unique_name(taken, f"amppass_{self.fmt.name}_zero")
-        shared: dict[tuple[str, float], str] = {}  # (value, scale) -> its dequantized name
+        shared: dict[tuple[str, float, int | None], str] = {}  # (value, scale, axis) -> its dequantized name
         nodes: list[onnx.NodeProto] = []
         count = 0
         for node in graph.node:
             evidence = lowered(plan[node.name]) if node.name in plan else None
             for slot, operand in enumerate(evidence["operands"] if evidence else ()):
                 read = node.input[slot]
-                key = (operand["value"] if operand["weight"] else read, operand["scale"])
+                key = (operand["value"] if operand["weight"] else read, operand["scale"], operand.get("axis"))
                 if key not in shared:
                     shared[key] = self._pair(graph, nodes, taken, read, operand, zero)
                 node.input[slot] = shared[key]
@@ -212,31 +285,43 @@ class Fp8Rewrite:
         """Append the nodes that give ``read`` (the product's low input) as e4m3 and back; the name read then."""
         base = operand["value"]
         scale = unique_name(taken, f"{base}__{self.fmt.name}_scale")
-        graph.initializer.append(helper.make_tensor(scale, self.low.onnx, [], [operand["scale"]]))
         out = unique_name(taken, f"{base}__{self.fmt.name}_dq")
+        per_channel: dict[str, int] = {}
         if operand["weight"]:
             stored = unique_name(taken, f"{base}__{self.fmt.name}")
-            payload, dims = self.cache[(operand["value"], operand["scale"])]
+            payload, dims, scales = self.cache[_key(operand)]
             tensor = onnx.TensorProto(name=stored, data_type=self.fmt.onnx, dims=dims, raw_data=payload)
             graph.initializer.append(tensor)
             quantized = stored
+            if scales is not None:  # one scale (and zero point) per output channel, along the weight's axis
+                per_channel["axis"] = operand["axis"]
+                zero = unique_name(taken, f"{base}__{self.fmt.name}_zero")
+                graph.initializer.append(helper.make_tensor(zero, self.fmt.onnx, [len(scales)], [0.0] * len(scales)))
         else:
             quantized = unique_name(taken, f"{base}__{self.fmt.name}")
             nodes.append(self._node("QuantizeLinear", [read, scale, zero], quantized, taken, base))
-        nodes.append(self._node("DequantizeLinear", [quantized, scale, zero], out, taken, base))
+        graph.initializer.append(helper.make_tensor(scale, self.low.onnx, [len(scales)] if per_channel else [],
+                                                    scales if per_channel else [operand["scale"]]))
+        nodes.append(self._node("DequantizeLinear", [quantized, scale, zero], out, taken, base, **per_channel))
         return out
 
     def cache_dims(self, evidence: Mapping[str, Any]) -> list[int]:
         """The dims of an fp8 product's second operand, a weight (read by :meth:`weights`), or [] for a value."""
         operand = evidence["operands"][1]
-        return self.cache[(operand["value"], operand["scale"])][1] if operand["weight"] else []
+        return self.cache[_key(operand)][1] if operand["weight"] else []
 
-    def _node(self, op: str, inputs: list[str], output: str, taken: set[str], base: str) -> onnx.NodeProto:
-        node = helper.make_node(op, inputs, [output], name=unique_name(taken, f"{output}_{op}"))
+    def _node(self, op: str, inputs: list[str], output: str, taken: set[str], base: str,
+              **attributes: int) -> onnx.NodeProto:
+        node = helper.make_node(op, inputs, [output], name=unique_name(taken, f"{output}_{op}"), **attributes)
         _set_meta(node, {"cast": True, "of": base, "to": self.fmt.name})
         return node
 
 
+
+
+def _key(operand: Mapping[str, Any]) -> tuple[str, float, int | None]:
+    """A weight operand's entry in :attr:`Fp8Rewrite.cache`."""
+    return operand["value"], operand["scale"], operand.get("axis")
 
 
 def choose(found: Mapping[str, list[Operand]], excluded: Mapping[str, str], plan: PrecisionPlan, trials: Trials,
@@ -292,8 +377,10 @@ def choose(found: Mapping[str, list[Operand]], excluded: Mapping[str, str], plan
     for rank, name in enumerate(order, 1):
         decision = result[name] = copy.copy(result[name])  # the caller's plan keeps its own decisions
         decision.evidence = {**decision.evidence, "fp8_error_alone": alone[name]}
-        ranges = "; ".join(f"{'weight' if o.weight else 'input'} {o.value} |x| <= {o.absmax:.3g}, scale {o.scale:.3g}"
-                           for o in found[name])
+        ranges = "; ".join(f"{'weight' if o.weight else 'input'} {o.value} |x| <= {o.absmax:.3g}, " + (
+            f"scale {o.scale:.3g}" if o.channels is None else
+            f"{o.channels[0]} scales, one per output channel, {o.channels[1]:.3g} to {o.scale:.3g}")
+            for o in found[name])
         if name in chosen:
             why = (f"{fmt} inputs and weights, {low} accumulation and output: alone in {fmt} it moves the output "
                    f"by {alone[name]:.2g}, and with the {count} products in {fmt} the output error is {achieved:.2g} "

@@ -77,10 +77,33 @@ def test_fp8_products_read_e4m3_weights_and_qdq_activations_in_a_file_the_checke
     assert info["fp8"]["macs"] == {"fp8": 8 * 64 * (64 + 32), "fp16": 0, "fp32": 0}  # at the feeds' [8, 64]
     feed = _feeds(1)[0]
     assert _error(model, converted, feed) <= 0.2
-    stored_w1 = numpy_helper.to_array(inits[producers[nodes["first"].input[1]].input[0]])  # e4m3 as float
-    scale = float(numpy_helper.to_array(inits[producers[nodes["first"].input[1]].input[1]]))
+    dequantize = producers[nodes["first"].input[1]]
+    stored_w1 = numpy_helper.to_array(inits[dequantize.input[0]])  # e4m3 as float
+    scales = numpy_helper.to_array(inits[dequantize.input[1]])  # one per output channel (its columns)
+    assert scales.shape == (64,) and [(a.name, a.i) for a in dequantize.attribute] == [("axis", 1)]
+    assert inits[dequantize.input[2]].dims == [64] and inits[dequantize.input[2]].data_type == TensorProto.FLOAT8E4M3FN
     w1 = numpy_helper.to_array(model.graph.initializer[0])
-    assert np.linalg.norm(stored_w1.astype(np.float32) * scale - w1) / np.linalg.norm(w1) < 0.05
+    assert np.linalg.norm(stored_w1.astype(np.float32) * scales[None, :] - w1) / np.linalg.norm(w1) < 0.05
+    evidence = meta(nodes["first"])["evidence"]["fp8"]
+    assert evidence["granularity"] == "channel" and "per output channel" in evidence["granularity_reason"]
+    weight = evidence["operands"][1]
+    assert weight["axis"] == 1 and weight["weight_scales"]["channels"] == 64
+    assert weight["weight_scales"]["max"] == weight["scale"] == float(scales.max())
+
+
+def test_a_weight_whose_channels_share_one_range_keeps_one_scale_and_says_why():
+    """Every column of W1 holds the same values in another order: one scale per channel would be the same scale,
+    so the weight's own e4m3 error is no lower and the product keeps one scale per tensor."""
+    column = RNG.standard_normal(64) / 8
+    w1 = np.stack([RNG.permutation(column) for _ in range(64)], axis=1)
+    converted = amppass.convert_onnx(_two_matmuls(w1), "fp8", calibration=_feeds(), tolerance=0.2)
+    nodes, inits = _by_name(converted), {t.name: t for t in converted.graph.initializer}
+    producers = {o: n for n in converted.graph.node for o in n.output}
+    dequantize = producers[nodes["first"].input[1]]
+    assert list(inits[dequantize.input[1]].dims) == [] and not dequantize.attribute
+    evidence = meta(nodes["first"])["evidence"]["fp8"]
+    assert evidence["granularity"] == "tensor" and "no lower" in evidence["granularity_reason"]
+    assert "axis" not in evidence["operands"][1]
 
 
 def test_all_zero_weight_and_all_zero_activation_get_finite_positive_scales():
@@ -95,7 +118,7 @@ def test_all_zero_weight_and_all_zero_activation_get_finite_positive_scales():
     zeros = meta(_by_name(converted)["zeros"])["evidence"]["fp8"]["operands"]
     assert [o["scale"] for o in zeros] == [1.0, 1.0] and [o["absmax"] for o in zeros] == [0.0, 0.0]
     scales = [numpy_helper.to_array(t) for t in converted.graph.initializer if t.name.endswith("_scale")]
-    assert scales and all(np.isfinite(s) and s > 0 for s in scales)
+    assert scales and all(np.isfinite(s).all() and (s > 0).all() for s in scales)
     out = session(converted).run(None, {"x": feeds[0]["x"], "z": RNG.standard_normal((8, 64)).astype(np.float32)})
     assert np.isfinite(out[0]).all()
 
