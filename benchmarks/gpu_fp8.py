@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -84,16 +84,22 @@ def products(quick: bool) -> list[dict[str, Any]]:
     skipped = _skipped(quick)
     if skipped:
         return skipped
-    shapes = product_shapes(quick)  # the zoo built before the budget starts
-    where, rows, budget = gpu.device(), [], gpu.Budget(gpu.BUDGET_S["fp8_products"])
-    m = 64 if quick else ROWS
+    return _per_shape(product_shapes(quick), 64 if quick else ROWS, "fp8_products",
+                      lambda m, k, n, where: _product_times(m, k, n, where, quick))
+
+
+def _per_shape(shapes: list[tuple[str, int, int]], m: int, budget_key: str,
+               measure: Callable[[int, int, int, torch.device], dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per product shape ``(models, k, n)`` at ``m`` rows: what ``measure`` gives, within the budget
+    ``gpu.BUDGET_S[budget_key]`` (started after the zoo was built), a row naming what raised otherwise."""
+    where, rows, budget = gpu.device(), [], gpu.Budget(gpu.BUDGET_S[budget_key])
     for models, k, n in shapes:
         base = {"shape": f"{m}x{k} @ {k}x{n}", "models": models}
         if budget.spent():
             rows.append({**base, "failed": gpu.SKIPPED})
             continue
         try:
-            rows.append({**base, **_product_times(m, k, n, where, quick)})
+            rows.append({**base, **measure(m, k, n, where)})
         except Exception as err:  # noqa: BLE001
             rows.append(gpu._failed(base, err))
     return rows
@@ -180,19 +186,7 @@ def numerics(quick: bool) -> list[dict[str, Any]]:
     skipped = _skipped(quick)
     if skipped:
         return skipped
-    shapes = product_shapes(quick)[:4]
-    where, rows, budget = gpu.device(), [], gpu.Budget(gpu.BUDGET_S["fp8_numerics"])
-    m = 16 if quick else 256
-    for models, k, n in shapes:
-        base = {"shape": f"{m}x{k} @ {k}x{n}", "models": models}
-        if budget.spent():
-            rows.append({**base, "failed": gpu.SKIPPED})
-            continue
-        try:
-            rows.append({**base, **product_numerics(m, k, n, where)})
-        except Exception as err:  # noqa: BLE001
-            rows.append(gpu._failed(base, err))
-    return rows
+    return _per_shape(product_shapes(quick)[:4], 16 if quick else 256, "fp8_numerics", product_numerics)
 
 
 def product_numerics(m: int, k: int, n: int, where: torch.device) -> dict[str, Any]:
