@@ -28,9 +28,9 @@ RNG = np.random.default_rng(0)
 RULE = "Report.fp8_rows(): each product's scales, or why it is not fp8"
 
 
-class Mixed(nn.Module):
-    """A convolution, two products of activations (attention scores and their weighted sum), a linear layer of odd
-    size and one of even size."""
+class Products(nn.Module):
+    """A convolution, attention in one SDPA kernel, two products of activations, a linear layer of odd size and one
+    of even size: every kind of product a torch fp8 plan meets."""
 
     def __init__(self):
         super().__init__()
@@ -40,8 +40,8 @@ class Mixed(nn.Module):
 
     def forward(self, x):  # x: (batch, 16, length)
         h = self.conv(x).transpose(1, 2)
-        scores = torch.softmax(h @ h.transpose(1, 2), dim=-1)
-        return self.odd(scores @ h), self.even(h)
+        attended = nn.functional.scaled_dot_product_attention(h, h, h)
+        return self.odd(h @ h.transpose(1, 2) @ attended), self.even(attended)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def torch_report():
     logging.disable(logging.WARNING)  # the CPU target's "testing only" warning
     try:
         torch.manual_seed(0)
-        converted = amppass.convert(Mixed().eval(), (torch.randn(2, 16, 8),), dtype="fp8", plan_for="coverage")
+        converted = amppass.convert(Products().eval(), (torch.randn(2, 16, 8),), dtype="fp8", plan_for="coverage")
     finally:
         logging.disable(logging.NOTSET)
     return amppass.report(converted)
@@ -98,8 +98,8 @@ def test_a_torch_fp8_row_has_precision_fp8_and_its_scales(torch_report):
 def test_the_torch_record_counts_products_and_macs_by_precision_and_why_not(torch_report):
     record = torch_report.info["fp8"]
     rows = torch_report.fp8_rows()
-    assert record["products"] == {"fp8": 1, "bf16": 4, "fp32": 0}
-    assert record["why_not"] == {"no fp8 kernel for the op (convolution, attention)": 1,
+    assert record["products"] == {"fp8": 1, "bf16": 5, "fp32": 0}
+    assert record["why_not"] == {"no fp8 kernel for the op (convolution, attention)": 2,
                                  "no stored operand to scale at conversion": 2, "sizes not multiples of 16": 1}
     by_precision = {p: sum(r.macs or 0 for r in rows if r.precision == p) for p in ("fp8", "bf16")}
     assert record["macs"] == {**by_precision, "fp32": 0} and record["macs"]["fp8"] == 2 * 8 * 16 * 32
@@ -109,10 +109,10 @@ def test_the_torch_summary_gives_mac_shares_and_the_products_not_in_fp8_by_why(t
     macs = torch_report.info["fp8"]["macs"]
     share = macs["fp8"] / (macs["fp8"] + macs["bf16"])
     lines = torch_report.summary().splitlines()
-    assert (f"fp8 (e4m3): 1 of 5 matrix products; MACs: fp8 {share:.1%}, bf16 {1 - share:.1%}, fp32 0.0%; "
+    assert (f"fp8 (e4m3): 1 of 6 matrix products; MACs: fp8 {share:.1%}, bf16 {1 - share:.1%}, fp32 0.0%; "
             "scales: weights: once at conversion; inputs: dynamic") in "\n".join(lines)
-    assert (f"not fp8: 2 no stored operand to scale at conversion; 1 no fp8 kernel for the op (convolution, "
-            f"attention); 1 sizes not multiples of 16 ({RULE})") in lines
+    assert (f"not fp8: 2 no fp8 kernel for the op (convolution, attention); 2 no stored operand to scale at "
+            f"conversion; 1 sizes not multiples of 16 ({RULE})") in lines
     assert "heavy compute in bf16 or fp8:" in torch_report.summary()
 
 
