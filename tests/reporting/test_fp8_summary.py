@@ -34,14 +34,13 @@ class Products(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.conv = nn.Conv1d(16, 16, 3, padding=1)
-        self.odd = nn.Linear(16, 10)
-        self.even = nn.Linear(16, 32)
+        self.layers = nn.ModuleList([nn.Conv1d(16, 16, 3, padding=1), nn.Linear(16, 10), nn.Linear(16, 32)])
 
     def forward(self, x):  # x: (batch, 16, length)
-        h = self.conv(x).transpose(1, 2)
+        conv, odd, even = self.layers
+        h = conv(x).transpose(1, 2)
         attended = nn.functional.scaled_dot_product_attention(h, h, h)
-        return self.odd(h @ h.transpose(1, 2) @ attended), self.even(attended)
+        return odd(h @ h.transpose(1, 2) @ attended), even(attended)
 
 
 @pytest.fixture(scope="module")
