@@ -24,6 +24,7 @@ from .rows import (
     Summarised,
     decision_order,
     finite,
+    fp8_scales,
     summary_lines,
     target_phrase,
 )
@@ -275,7 +276,8 @@ def _table(rows: list[Row]) -> str:
         row = rows[i]
         macs, absmax, local = row.macs, row.observed[0] if row.observed else None, row.local_error
         colour = COLOURS.get(row.precision, "#000")
-        pill = f'<span class="pill" style="background:{colour}">{escape(row.precision)}</span>'
+        pill = (f'<span class="pill" style="background:{colour}"{_title(fp8_scales(row))}>'
+                f'{escape(row.precision)}</span>')
         low = "1" if row.precision in LOW_PRECISIONS else "0"
         numbers = _number(macs, f"{macs:,}" if macs is not None else "") + \
             _number(absmax, f"{absmax:.3g}" if absmax is not None else "")

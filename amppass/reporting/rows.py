@@ -80,6 +80,34 @@ class OpGroup:
         return sum(self.by_precision.values())
 
 
+def fp8_scales(row: Row) -> str:
+    """An fp8 row's scales in a few words, from its evidence ``fp8`` (either front end's: ONNX per operand, torch
+    per weight and input; per channel as a range), e.g. "scales: weight 0.00028, input 0.0087"; "" for other rows.
+    Text from the file is cut short and never a format string."""
+    fp8 = row.evidence.get("fp8")
+    if row.precision != "fp8" or not isinstance(fp8, dict):
+        return ""
+    operands = fp8.get("operands")
+    if isinstance(operands, list):  # ONNX: each quantized operand with its scale(s)
+        said = [_scale_words("weight" if o.get("weight") is True else "input", o.get("weight_scales") or
+                             o.get("scale")) for o in operands[:2] if isinstance(o, dict)]
+    else:  # torch: the weight's and the input's
+        said = [_scale_words(kind, fp8.get(f"{kind}_scales") or fp8.get(f"{kind}_scale")) for kind in
+                ("weight", "input")]
+    said = [words for words in said if words]
+    return "scales: " + ", ".join(said) if said else ""
+
+
+def _scale_words(kind: str, scale: Any) -> str:
+    """One operand's scale: a number, a per-channel range (``{"min", "max"}``), or how it is computed (text)."""
+    if isinstance(scale, dict) and None not in (low := finite(scale.get("min")), high := finite(scale.get("max"))):
+        return f"{kind} per channel {low:.3g} to {high:.3g}"
+    number = finite(scale)
+    if number is not None:
+        return f"{kind} {number:.3g}"
+    return f"{kind} {scale[:40]}" if isinstance(scale, str) else ""
+
+
 def decision_order(rows: list[Row]) -> list[int]:
     """The positions of ``rows`` with the decisions that matter first, as the views list them: heavy ops (MACs
     counted), fp32 ones first and the largest first; then the rest of the floating-point work, fp32 first; then

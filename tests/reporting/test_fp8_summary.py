@@ -21,6 +21,7 @@ from amppass.analysis.record import META_KEY, fp8_why_not
 from amppass.errors import InputError
 from amppass.reporting import stored_record
 from amppass.reporting.report import Report, Row
+from amppass.reporting.rows import fp8_scales
 from amppass.reporting.terminal import render_text
 from tests.helpers.onnx_graphs import model_of, vinfo, weight
 
@@ -94,6 +95,22 @@ def test_a_torch_fp8_row_has_precision_fp8_and_its_scales(torch_report):
     assert lowered[0] in torch_report.select(precision=["low"])
 
 
+def test_the_views_show_an_fp8_rows_scales(torch_report, onnx_converted):
+    lowered = next(row for row in torch_report.rows if row.precision == "fp8")
+    weight = lowered.evidence["fp8"]["weight_scale"]
+    assert fp8_scales(lowered) == f"scales: weight {weight:.3g}, input dynamic"
+    assert f"scales: weight {weight:.3g}, input dynamic; fp8: e4m3" in render_text(torch_report, width=400)
+    assert f'title="scales: weight {weight:.3g}, input dynamic">fp8</span>' in torch_report.to_html()
+    second = next(row for row in amppass.report(onnx_converted).rows if row.name == "second")
+    x, w = second.evidence["fp8"]["operands"]
+    assert fp8_scales(second) == (f"scales: input {x['scale']:.3g}, weight per channel "
+                                  f"{w['weight_scales']['min']:.3g} to {w['weight_scales']['max']:.3g}")
+    assert all(fp8_scales(row) == "" for row in torch_report.rows if row.precision != "fp8")
+    damaged = Row("n", "MatMul", "fp8", "r", "policy", evidence={"fp8": {"operands": [
+        {"weight": True, "scale": "{0}" * 30}, "nothing", {"scale": float("nan")}]}})
+    assert fp8_scales(damaged) == "scales: weight " + "{0}" * 13 + "{"  # cut short, never formatted
+
+
 def test_the_torch_record_counts_products_and_macs_by_precision_and_why_not(torch_report):
     record = torch_report.info["fp8"]
     rows = torch_report.fp8_rows()
@@ -139,7 +156,8 @@ def test_the_onnx_record_and_summary_have_the_torch_shape(onnx_converted):
             "weights: once at conversion, per tensor; activations: static, per tensor, from calibration") in lines
     assert f"not fp8: 1 kept fp32 by the plan; 1 output error beyond the tolerance ({RULE})" in lines
     html = report.to_html()
-    assert '<span class="pill" style="background:#9c36b5">fp8</span>' in html and "heavy compute in fp16 or fp8" in html
+    assert '<span class="pill" style="background:#9c36b5" title="scales: input ' in html
+    assert "heavy compute in fp16 or fp8" in html
     text = render_text(report, width=120, precision=["fp8"])
     assert "1 of" in text and "second" in text and "first" not in text.split("precision fp8")[-1]
 
