@@ -8,8 +8,8 @@ reads as an fp8 product (ONNX opset 19 and later: :data:`FP8_OPSET`):
 - a weight (an initializer) is stored once as a ``FLOAT8E4M3FN`` initializer, read through a ``DequantizeLinear``
   with its scale: one per tensor, from the weight's largest magnitude, or one per output channel (a 1-D scale and
   zero point, the ``DequantizeLinear``'s ``axis`` the channels'; opset 19 allows it for float8, and onnxruntime's
-  CPU provider runs it), whichever gives the weight's own e4m3 error lower (:func:`weight_scales`,
-  ``_weight_operand``);
+  CPU provider runs it) where that leaves less than :data:`CHANNEL_GAIN` of the weight's own per-tensor e4m3
+  error (:func:`weight_scales`, ``_weight_operand``);
 - an activation goes through ``QuantizeLinear`` -> ``DequantizeLinear`` with a static per-tensor scale from the
   range calibration observed (:meth:`~amppass.dtypes.Fp8Format.scale_for` gives both scales);
 - the scales are stored in the product's own dtype (fp16: ``QuantizeLinear`` takes its input and scale in one
@@ -58,6 +58,9 @@ log = logging.getLogger(__name__)
 FP8_OPSET = 19  # QuantizeLinear / DequantizeLinear take float8 types from opset 19
 PRODUCTS = ("MatMul", "Gemm", "Conv")
 OPERANDS = (0, 1)  # the inputs quantized: MatMul's A and B, Gemm's A and B, Conv's X and W
+# a weight takes one scale per output channel where that leaves less than this share of its per-tensor e4m3 error
+# (the torch front end's row-wise choice asks the same)
+CHANNEL_GAIN = 0.9
 KEY = FP8_KEY  # evidence key of a product's fp8 outcome: its format and scales, or why it is not fp8
 SCALES = "weights: once at conversion, per tensor; activations: static, per tensor, from calibration"
 
@@ -148,24 +151,28 @@ def _quantized(fmt: Fp8Format, values: torch.Tensor, scales: torch.Tensor) -> to
 
 def _weight_operand(node: onnx.NodeProto, slot: int, tensor: onnx.TensorProto, store: WeightStore, fmt: Fp8Format,
                     low: LowType) -> Operand:
-    """A weight operand with one scale per tensor or one per output channel, whichever gives the weight's own e4m3
-    error (``||dequantized - w|| / ||w||``) lower: the error measured for both, as the torch front end chooses."""
+    """A weight operand with one scale per tensor or one per output channel: per channel where the weight's own e4m3
+    error is below :data:`CHANNEL_GAIN` times the per-tensor one, as the torch front end chooses its granularity
+    (one scale needs one value, not one per channel, otherwise). The error is that of the worst output channel,
+    ``||dequantized_c - w_c|| / ||w_c||``: each channel is an output feature of its own, and a channel one
+    per-tensor scale flushes to e4m3's subnormals barely moves the whole weight's norm."""
     values = torch.from_numpy(np.array(store.array(tensor), dtype=np.float32))
     axis = channel_axis(node, slot, tensor)
+    others = [d for d in range(values.dim()) if d != axis]
+    norms = values.pow(2).sum(dim=others).sqrt()
     errors = {}
     for granularity, scales in (("tensor", weight_scales(fmt, low, values, None)),
                                 ("channel", weight_scales(fmt, low, values, axis))):
-        read = _quantized(fmt, values, scales).float() * scales
-        norm = float(values.norm())
-        errors[granularity] = (float((read - values).norm()) / norm if norm else 0.0, scales)
+        moved = (_quantized(fmt, values, scales).float() * scales - values).pow(2).sum(dim=others).sqrt()
+        errors[granularity] = float(torch.where(norms > 0, moved / norms.clamp_min(1e-30), 0.0).amax()), scales
     (per_tensor, one), (per_channel, scales) = errors["tensor"], errors["channel"]
     amax = store.absmax(tensor)
-    if per_channel < per_tensor:
-        why = (f"one weight scale per output channel: the weight's own e4m3 error {per_channel:.3g}, against "
-               f"{per_tensor:.3g} per tensor")
+    if per_channel < CHANNEL_GAIN * per_tensor:
+        why = (f"one weight scale per output channel: the weight's worst channel's own e4m3 error {per_channel:.3g}, "
+               f"against {per_tensor:.3g} with one per tensor")
         return Operand(tensor.name, True, amax, float(scales.max()), axis, (scales.numel(), float(scales.min())), why)
-    why = (f"one weight scale per tensor: the weight's own e4m3 error {per_tensor:.3g}; per output channel "
-           f"{per_channel:.3g}, no lower")
+    why = (f"one weight scale per tensor: the weight's worst channel's own e4m3 error {per_tensor:.3g}; one per "
+           f"output channel gives {per_channel:.3g}, not below {CHANNEL_GAIN:g}x that")
     return Operand(tensor.name, True, amax, float(one), why=why)
 
 

@@ -60,13 +60,14 @@ def _three_matmuls() -> onnx.ModelProto:
     ignores (its row is zero), so one per-tensor scale for x leaves the rest to e4m3's subnormals."""
     w1 = RNG.standard_normal((64, 64)).astype(np.float32) / 8
     w1[0] = 0.0
+    w2 = (RNG.standard_normal((64, 32)) / 8 * np.logspace(-5, 0, 32)[None, :]).astype(np.float32)  # one scale each
     nodes = [helper.make_node("MatMul", ["x", "W1"], ["h"], name="first"),
              helper.make_node("Relu", ["h"], ["r"], name="relu"),
              helper.make_node("MatMul", ["r", "W2"], ["g"], name="second"),
              helper.make_node("Relu", ["g"], ["s"], name="relu_2"),
              helper.make_node("MatMul", ["s", "W3"], ["y"], name="third")]
     return model_of(nodes, [vinfo("x", shape=(8, 64))], [vinfo("y", shape=(8, 16))],
-                    [numpy_helper.from_array(w1, "W1"), weight("W2", 64, 32), weight("W3", 32, 16)])
+                    [numpy_helper.from_array(w1, "W1"), numpy_helper.from_array(w2, "W2"), weight("W3", 32, 16)])
 
 
 def _outlier_feed() -> dict[str, np.ndarray]:
