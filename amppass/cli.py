@@ -53,9 +53,11 @@ _EPILOG = (
     "  amppass convert model.onnx -o model.fp16.onnx --dtype fp16 --report report.html\n"
     "  amppass convert model.onnx -o model.fp16.onnx --calib feeds.npz --tolerance 1e-2\n"
     "  amppass convert model.onnx -o model.bf16.onnx --dtype bf16 --target cuda --low-weight-tables\n"
+    "  amppass convert model.onnx -o model.fp8.onnx --dtype fp8 --calib feeds.npz --target tensorrt\n"
     "  amppass report model.fp16.onnx --precision fp32 --by-op\n"
     "  amppass report model.fp16.onnx --report report.json\n"
-    "  amppass convert model.pt2 -o model.bf16.pt2 --dtype bf16   # a program saved by torch.export.save\n\n"
+    "  amppass convert model.pt2 -o model.bf16.pt2 --dtype bf16   # a program saved by torch.export.save\n"
+    "  amppass convert model.pt2 -o model.fp8.pt2 --dtype fp8 --target cuda\n\n"
     "exit codes: 0 done, 1 a file or model that cannot be used or a failed conversion, 2 a bad command line"
 )
 _FORMATS = {".html": "html", ".htm": "html", ".json": "json"}
@@ -100,13 +102,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="show the traceback behind an error (also AMPPASS_DEBUG=1)")
     commands = parser.add_subparsers(dest="command", metavar="{convert,report}")
 
-    convert = commands.add_parser("convert", help="convert an ONNX model to fp16 or bf16",
+    convert = commands.add_parser("convert", help="convert an ONNX model to fp16, bf16 or fp8",
                                   description="Convert an ONNX model to mixed precision and write the result.")
     convert.add_argument("model", help="the fp32 ONNX model (.onnx), or a torch.export program (.pt2)")
     convert.add_argument("-o", "--output", required=True, help="where to write the converted model")
-    convert.add_argument("--dtype", choices=("fp16", "bf16", "auto"), default="fp16",
+    convert.add_argument("--dtype", choices=("fp16", "bf16", "auto", "fp8"), default="fp16",
                          help="low-precision dtype (default fp16; auto is fp16, what every target runs fastest: "
-                         "onnxruntime's CPU provider has no bf16 MatMul)")
+                         "onnxruntime's CPU provider has no bf16 MatMul); fp8: the fp16 plan (bf16 for a .pt2 "
+                         "program) with the matrix products the output error allows in e4m3, each with its scales "
+                         "in the report; an ONNX model needs --calib (static activation scales; --tolerance "
+                         "defaults to 2e-2), a .pt2 program for --target cpu needs --plan-for coverage")
     convert.add_argument("--target", choices=ONNX_TARGETS, default="cpu",
                          help="where the model will run: onnxruntime's CPU provider (default), its CUDA "
                          "provider, or TensorRT; decides which ops have low-precision kernels and how "
@@ -126,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--keep-io-types", action=argparse.BooleanOptionalAction, default=True,
                          help="keep float32 inputs and outputs float32 (default); --no-keep-io-types gives the "
                          "model low-precision floating outputs")
+    convert.add_argument("--plan-for", choices=("speed", "coverage"), default=None,
+                         help="a .pt2 program only: speed (default) keeps fp32 what runs no faster low on this "
+                         "machine; coverage runs low every op the numerics allow, the same plan on every machine "
+                         "(needed for --dtype fp8 --target cpu: CPUs have no fp8 arithmetic)")
     convert.add_argument("--force", action="store_true", help="allow the output to overwrite the input model")
 
     report = commands.add_parser("report", help="show the precision report stored in a converted model",
@@ -133,8 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("model", help="an ONNX model (or .pt2 program) written by amppass convert")
     _report_options(report)
     report.add_argument("--precision", nargs="+", default=[], choices=PRECISION_FILTERS, metavar="P",
-                        help="list only nodes in these precisions: fp16, bf16, fp32, low (fp16 or bf16), none "
-                        "(no floating-point work)")
+                        help="list only nodes in these precisions: fp8, fp16, bf16, fp32, low (any of those "
+                        "below fp32), none (no floating-point work)")
     report.add_argument("--op", nargs="+", default=[], metavar="OP",
                         help="list only nodes running these ops (case-insensitive: Add, MatMul)")
     report.add_argument("--by-op", action="store_true", help="one line per op: nodes in each precision, MACs")
@@ -186,11 +195,18 @@ def _debugging(args: argparse.Namespace | None) -> bool:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from .pipelines.convert_onnx import OnnxPlanOptions, convert_onnx_streamed, converted_dtype
-    from .targets import onnx_target
-
     if _is_program(args.model):
         return _convert_program(args)
+    if args.plan_for is not None:
+        raise UsageError(f"--plan-for {args.plan_for}: an ONNX plan does not time its ops on this machine (it is the "
+                         "same for every machine already); --plan-for applies to a .pt2 program")
+    if args.dtype == "fp8" and not args.calib:
+        raise UsageError("--dtype fp8 needs --calib FEEDS.npz: the scales of the activations an fp8 product reads "
+                         "are static, set from the ranges calibration observes; or convert with --dtype fp16")
+    from .dtypes import fp8_format
+    from .pipelines.convert_onnx import OnnxPlanOptions, convert_onnx_streamed, converted_dtype, fp8_tolerance
+    from .targets import onnx_target
+
     _check_outputs(args.model, args.output, args.report, args.force)
     _check_report_formats(args.report)
     for path in (args.output, *args.report):
@@ -200,18 +216,20 @@ def _convert(args: argparse.Namespace) -> int:
     feeds = _load_feeds(args.calib, model) if args.calib else None
     if args.tolerance is not None and feeds is None:
         raise UsageError("--tolerance needs --calib FEEDS.npz: the output error is measured on those feeds")
-    target = onnx_target(args.target, args.dtype)  # "auto": fp16, what every ONNX target runs fastest
+    fp8 = fp8_format(args.dtype)  # an fp8 plan is the fp16 plan with products lowered further
+    tolerance = args.tolerance if fp8 is None else fp8_tolerance(feeds, args.tolerance)
+    target = onnx_target(args.target, "fp16" if fp8 else args.dtype)  # "auto": fp16, what every target runs fastest
     dtype, previous = target.low.name, converted_dtype(model)
     if previous is None:  # a converted model is returned unchanged or refused, saying why
         _check_target_runs(model, args.target, dtype)
     options = OnnxPlanOptions(keep_fp32=args.keep_fp32, force_low=args.force_low,
                               low_weight_tables=args.low_weight_tables, keep_io_types=args.keep_io_types,
-                              calibration=feeds, tolerance=args.tolerance,
+                              calibration=feeds, tolerance=tolerance,
                               progress=feeds is not None and sys.stderr.isatty())
-    if previous == dtype:  # convert_onnx returns it unchanged, with a log warning
-        print(f"{args.model}: already converted by amppass to {dtype}; writing it unchanged")
+    if previous == ("fp8" if fp8 else dtype):  # convert_onnx returns it unchanged, with a log warning
+        print(f"{args.model}: already converted by amppass to {previous}; writing it unchanged")
     try:  # the model read once: external data memory-mapped, payloads streamed to the output
-        converted = convert_onnx_streamed(loaded, target, options)
+        converted = convert_onnx_streamed(loaded, target, options, fp8)
     except AmpPassError as error:
         raise FileProblem(f"{args.model}: {_one_line(error)}") from error
     report = _read_report(converted.model, args.model)
@@ -257,6 +275,11 @@ def _convert_program(args: argparse.Namespace) -> int:
                          "amppass.convert(torch.export.load(path), calibration=batches)")
     if args.target not in TORCH_TARGETS:
         raise UsageError(f"--target {args.target}: a torch program runs on {' or '.join(TORCH_TARGETS)}")
+    if args.dtype == "fp8" and args.target == "cpu" and args.plan_for != "coverage":
+        raise UsageError("--dtype fp8 --target cpu: CPUs have no fp8 arithmetic, so an fp8 program runs slower "
+                         "there than fp32 and is for testing the numerics only: add --plan-for coverage to convert "
+                         "it anyway, or convert with --dtype bf16 for a fast CPU model, or --target cuda for a GPU "
+                         "of compute capability 8.9 or later")
     _check_report_formats(args.report)
     for path in (args.output, *args.report):
         _check_writable(path)
@@ -266,7 +289,7 @@ def _convert_program(args: argparse.Namespace) -> int:
     try:
         converted = amppass.convert(program, dtype=args.dtype, target=args.target, keep_fp32=args.keep_fp32,
                                     force_low=args.force_low, low_weight_tables=args.low_weight_tables,
-                                    keep_io_types=args.keep_io_types)
+                                    keep_io_types=args.keep_io_types, plan_for=args.plan_for or "speed")
         report = amppass.report(converted)
         with _writing() as staged:  # the program and its reports land together, or none does
             stage(staged, converted, args.output)

@@ -27,6 +27,7 @@ import onnxruntime as ort
 import torch
 
 import amppass
+from amppass.analysis.record import fp8_shares
 
 CALIBRATION = [
     "A man is eating food.", "A man is riding a horse.", "A woman is playing violin.", "The new movie is awesome.",
@@ -77,11 +78,11 @@ def measure(name: str, model: torch.nn.Module, feeds: list[dict[str, np.ndarray]
                         want = model(**{k: torch.from_numpy(v) for k, v in feed.items()}).last_hidden_state.numpy()
                     errors.append(_error(got, want))
             info = amppass.report(converted).info["fp8"]
-            macs = info["macs"]
+            shares = fp8_shares(info) or {}
             rows.append({"model": name, "target": target, "tolerance": tolerance,
-                         "fp8_products": f"{info['products']}/{info['candidates']}",
-                         "fp8_macs": f"{macs['fp8_share']:.1%}", "fp16_macs": f"{macs['low_share']:.1%}",
-                         "fp32_macs": f"{macs['fp32_share']:.1%}", "search_error": f"{info['achieved_error']:.2e}",
+                         "fp8_products": f"{info['products']['fp8']}/{info['candidates']}",
+                         **{f"{k}_macs": f"{shares.get(k, 0.0):.1%}" for k in ("fp8", "fp16", "fp32")},
+                         "search_error": f"{info['achieved_error']:.2e}",
                          "held_out_error": f"{max(errors):.2e}", "checker": "full, passes",
                          "convert_s": round(seconds, 1)})
             print(rows[-1], flush=True)

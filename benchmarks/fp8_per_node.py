@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import amppass
+from amppass.analysis.record import fp8_shares
 from amppass.dtypes import E4M3
 from amppass.fx.rewrite.fp8 import fp8_linear, quantize
 
@@ -99,7 +100,7 @@ def rows(name: str, model: nn.Module, vocab: int, quick: bool) -> list[dict[str,
     for tolerance in (None, 5e-2, 2e-2):
         converted = amppass.convert(model, example, dtype="fp8", plan_for="coverage", calibration=calibration,
                                     tolerance=tolerance)
-        share = amppass.report(converted).info["fp8"]["macs"]["fp8_share"]
+        share = (fp8_shares(amppass.report(converted).info["fp8"]) or {"fp8": 0.0})["fp8"]
         found.append(dict(model=name, variant=f"amppass fp8 per node, tolerance={tolerance}",
                           error=error(converted, model, held_out), fp8_share=share))
     return found

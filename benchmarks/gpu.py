@@ -1,6 +1,6 @@
 """Benchmark section "gpu": amppass on a CUDA device (an H100 or H200), against what users run there.
 
-Five parts, each catching its own failure so that one broken part still leaves the others' rows (a failed
+Eight parts, each catching its own failure so that one broken part still leaves the others' rows (a failed
 row says what raised):
 
 1. **Inference** (bf16 and fp16): BERT-base (1x128, 32x128), GPT-2 124M (1x128, 32x128), ViT-B/16 (1 and 64
@@ -18,6 +18,9 @@ row says what raised):
 5. **Profile**: ViT-B/16 at 64 images in bf16, ``autocast`` against ``amppass``: the ops and kernels with the
    most device time per call, and how many of amppass's attention calls still take a mask (the first GPU runs
    had amppass at 21.2 ms against autocast's 8.7 ms here, with the same matrix products low).
+6. to 8. **fp8** (:mod:`benchmarks.gpu_fp8`, on a device of compute capability 8.9 or later): ``torch._scaled_mm``
+   e4m3 against bf16 for the zoo's product shapes at 4096 rows (goal 1.5x), BERT-base converted to fp8 against
+   bf16, and the fp8 product's numerics on the CPU against the GPU.
 
 Each part has a time budget (:data:`BUDGET_S`, about 6 minutes in all, so the whole section fits one
 command on a lent GPU): rows it could not start in time say so. ``--quick`` runs every part with the small zoo and short
@@ -54,7 +57,10 @@ NOTES = (
     "off; `vs_all_low` against the `.half()`/`.bfloat16()` model; `tflops` = 2 x multiply-adds of the matrix "
     "products / time; `err_fp32` / `err_fp64` = ||out - ref|| / ||ref|| against the fp32 and fp64 models; "
     "`peak_MB` = peak allocated memory during the timed calls above what was allocated before them. A row "
-    "with `failed` names what raised."
+    "with `failed` names what raised. fp8 parts: `ms_bf16`, `ms_scaled_mm`, `ms_fp8_linear` = the bf16 product, "
+    "torch._scaled_mm alone on e4m3 operands, amppass::fp8_linear (the input quantized on every call, then "
+    "_scaled_mm); `*_vs_bf16` = the bf16 time / that one (goal 1.5x for _scaled_mm at 4096 rows); "
+    "`max_diff_bf16_steps` = the largest difference of the CPU's and the GPU's fp8 product in bf16 steps."
 )
 
 
@@ -82,7 +88,7 @@ def points(quick: bool) -> list[Point]:
 
 COMPILED = ("bert",)  # compiles cost 30-60 s each on a GPU: the compiled variants run on BERT's points alone
 BUDGET_S = {"inference": 190.0, "decoding": 70.0, "training": 70.0, "numerics": 40.0,
-            "profile": 20.0}  # about 6 minutes in all
+            "profile": 20.0, "fp8_products": 30.0, "fp8_model": 45.0, "fp8_numerics": 10.0}  # about 8 minutes
 
 
 class Budget:
@@ -546,7 +552,19 @@ PARTS: dict[str, Callable[[bool], list[dict[str, Any]]]] = {
     "Training step, fp16": training,
     "Numerics: the CPU's plan error against the device's, and the device's own plans": numerics,
     "Where ViT's time goes, bf16: the ops with the most self time per call": profile,
+    "fp8 products: torch._scaled_mm (e4m3) and amppass::fp8_linear against bf16, the zoo's shapes": lambda quick:
+        _fp8().products(quick),
+    "fp8 whole model: BERT-base converted to fp8 against bf16 (plan_for='coverage')": lambda quick:
+        _fp8().whole_model(quick),
+    "fp8 numerics: the same fp8 product on the CPU and on the GPU": lambda quick: _fp8().numerics(quick),
 }
+
+
+def _fp8():
+    """:mod:`benchmarks.gpu_fp8`, which reads this module's helpers (imported when its parts run)."""
+    from . import gpu_fp8
+
+    return gpu_fp8
 
 
 def run(quick: bool) -> tuple[str, list[tuple[str, list[dict[str, Any]]]]]:

@@ -146,9 +146,9 @@ def test_invalid_graph(capsys, folder):
 
 
 def test_unknown_dtype_is_a_usage_error(capsys, folder):
-    code, err = _convert(capsys, folder, "--dtype", "fp8")
+    code, err = _convert(capsys, folder, "--dtype", "fp4")
     assert code == 2
-    _one_error_line(err, "fp8")
+    _one_error_line(err, "fp4")
     assert not (folder / "out.onnx").exists()
 
 
@@ -305,6 +305,84 @@ def test_matching_calibration_feeds_calibrate_and_meet_the_tolerance(capsys, fol
     info = json.loads((folder / "r.json").read_text())["info"]
     assert info["calibrated"] is True and info["calibration_batches"] == 3
     assert info["tolerance"] == 1e-2 and info["tolerance_met"] is True and info["achieved_error"] <= 1e-2
+
+
+@needs_onnx
+def test_fp8_converts_an_onnx_model_with_its_feeds_and_reports_each_product_in_fp8(capsys, folder):
+    rng = np.random.default_rng(0)
+    feeds = _feeds(folder, x=rng.standard_normal((4, 8, 64)).astype(np.float32))
+    code, err = _convert(capsys, folder, "--dtype", "fp8", "--calib", feeds, "--tolerance", "0.1", "--report",
+                         str(folder / "r.json"))
+    assert code == 0, err
+    report = json.loads((folder / "r.json").read_text())
+    record = report["info"]["fp8"]
+    assert record["products"]["fp8"] >= 1 and record["tolerance"] == 0.1
+    rows = [row for row in report["rows"] if row["precision"] == "fp8"]
+    assert len(rows) == record["products"]["fp8"] and all(row["op"] in ("MatMul", "Gemm") for row in rows)
+    assert all(o["scale"] > 0 for row in rows for o in row["evidence"]["fp8"]["operands"])
+    import jsonschema
+
+    jsonschema.validate(report, load_schema())
+    x = rng.standard_normal((8, 64)).astype(np.float32)
+    with torch.no_grad():
+        want = build("mlp", "small").model(torch.from_numpy(x)).numpy()
+    import onnxruntime as ort
+
+    got = ort.InferenceSession(str(folder / "out.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) <= 0.1  # within the tolerance, on a new batch
+    assert main(["report", str(folder / "out.onnx"), "--precision", "fp8"]) == 0
+    listed = capsys.readouterr().out
+    assert f"fp8 (e4m3): {len(rows)} of 2 matrix products" in " ".join(listed.split())  # the summary, unwrapped
+    assert f"{len(rows)} of" in listed and rows[0]["name"][-6:] in listed
+
+
+def test_fp8_for_an_onnx_model_without_feeds_is_a_usage_error_naming_calib(capsys, folder):
+    code, err = _convert(capsys, folder, "--dtype", "fp8")
+    assert code == 2
+    _one_error_line(err, "--dtype fp8 needs --calib FEEDS.npz", "--dtype fp16")
+    assert _leftovers(folder) == []
+
+
+@needs_onnx
+def test_fp8_with_feeds_defaults_to_the_fp8_tolerance(capsys, folder):
+    feeds = _feeds(folder, x=np.random.default_rng(1).standard_normal((4, 8, 64)).astype(np.float32))
+    assert _convert(capsys, folder, "--dtype", "fp8", "--calib", feeds, "--report", str(folder / "r.json"))[0] == 0
+    info = json.loads((folder / "r.json").read_text())["info"]
+    assert info["fp8"]["tolerance"] == 2e-2 and sum(info["fp8"]["products"].values()) == 2
+
+
+def test_plan_for_is_for_a_program_not_an_onnx_model(capsys, folder):
+    code, err = _convert(capsys, folder, "--plan-for", "coverage")
+    assert code == 2
+    _one_error_line(err, "--plan-for coverage", "applies to a .pt2 program")
+
+
+@pytest.fixture
+def mlp_pt2(tmp_path) -> str:
+    """The zoo's small MLP saved by torch.export.save."""
+    case = build("mlp", "small")
+    path = tmp_path / "mlp.pt2"
+    torch.export.save(torch.export.export(case.model, case.example_inputs), str(path))
+    return str(path)
+
+
+def test_fp8_of_a_program_for_the_cpu_needs_plan_for_coverage(capsys, mlp_pt2, tmp_path):
+    out = tmp_path / "mlp.fp8.pt2"
+    assert main(["convert", mlp_pt2, "-o", str(out), "--dtype", "fp8"]) == 2
+    _one_error_line(capsys.readouterr().err, "--dtype fp8 --target cpu", "add --plan-for coverage", "--dtype bf16")
+    assert not out.exists()
+    code = main(["convert", mlp_pt2, "-o", str(out), "--dtype", "fp8", "--plan-for", "coverage", "--report",
+                 str(tmp_path / "r.json")])
+    assert code == 0, capsys.readouterr().err
+    report = json.loads((tmp_path / "r.json").read_text())
+    fp8_rows = [row for row in report["rows"] if row["precision"] == "fp8"]
+    assert fp8_rows and all(row["evidence"]["fp8"]["input_scale"] == "dynamic" for row in fp8_rows)
+    assert report["info"]["fp8"]["products"]["fp8"] == len(fp8_rows)
+    loaded, case = amppass.load(str(out)), build("mlp", "small")
+    x = case.example_inputs[0]
+    with torch.no_grad():
+        want = case.model(x)
+        assert float((loaded(x).float() - want).norm() / want.norm()) <= 3 * 2 * 2.0 ** -4  # e4m3 per product
 
 
 def test_tolerance_without_calibration_feeds_is_a_usage_error(capsys, folder):

@@ -134,10 +134,10 @@ def calibrated_plan(
     plan, info = plan_from_calibration(fp32.view, data, low, given, trials=trials,
                                        tolerance=tolerance, low_weight_tables=low_weight_tables, progress=progress)
     if fp8 is not None and tolerance is not None:
-        found = fp8_products.candidates(fp32.model, plan, data.stats, fp32.store, fp8, low)
-        plan, info["fp8"] = fp8_products.choose(found, plan, trials, tolerance, fp8, low, target.runtime)
-        info["fp8"]["macs"] = fp8_products.mac_split(plan, fp32.model, data.kept[0])
-        if info["fp8"]["products"]:  # the converted model's error is the fp8 plan's
+        found, excluded = fp8_products.candidates(fp32.model, plan, data.stats, fp32.store, fp8, low)
+        plan, chosen = fp8_products.choose(found, excluded, plan, trials, tolerance, fp8, low, target.runtime)
+        info["fp8"] = fp8_products.record(plan, fp32.model, data.kept[0], fp8, low, chosen)
+        if info["fp8"]["products"]["fp8"]:  # the converted model's error is the fp8 plan's
             info.update(achieved_error=info["fp8"]["achieved_error"], held_out_error=info["fp8"]["held_out_error"],
                         tolerance_met=info.get("tolerance_met", True) and info["fp8"]["tolerance_met"])
     if data.unobserved:

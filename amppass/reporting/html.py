@@ -24,13 +24,14 @@ from .rows import (
     Summarised,
     decision_order,
     finite,
+    fp8_scales,
     summary_lines,
     target_phrase,
 )
 
 FP16_MAX = 65504.0
 FP16_MIN_NORMAL = 6.103515625e-05
-COLOURS = {"fp16": "#2f9e44", "bf16": "#1971c2", "fp32": "#e8590c", "-": "#adb5bd"}
+COLOURS = {"fp8": "#9c36b5", "fp16": "#2f9e44", "bf16": "#1971c2", "fp32": "#e8590c", "-": "#adb5bd"}
 _CELL, _PER_LINE = 14, 60  # node strip: cell size in px, cells per line
 _LABEL = 34  # characters of a node name beside its bar in the range chart (220 px)
 
@@ -136,7 +137,8 @@ def _cards(report: Summarised) -> str:
     cards: list[tuple[str, ...]] = [(str(report.info.get("dtype")), "target dtype")]
     cards += [(f"{counts.get(p, 0)}", f"{p} nodes") for p in PRECISIONS if p != "-" and counts.get(p)]
     cards += [
-        ("-" if share is None else f"{share:.1%}", f"heavy compute in {report.info.get('dtype')}"),
+        ("-" if share is None else f"{share:.1%}",
+         f"heavy compute in {report.info.get('dtype')}{' or fp8' * ('fp8' in counts)}"),
         (f"{stats['casts']}", "casts inserted"),
         ("-" if not before else f"{after / before:.2f}×", "weight bytes vs fp32"),
     ]
@@ -274,7 +276,8 @@ def _table(rows: list[Row]) -> str:
         row = rows[i]
         macs, absmax, local = row.macs, row.observed[0] if row.observed else None, row.local_error
         colour = COLOURS.get(row.precision, "#000")
-        pill = f'<span class="pill" style="background:{colour}">{escape(row.precision)}</span>'
+        pill = (f'<span class="pill" style="background:{colour}"{_title(fp8_scales(row))}>'
+                f'{escape(row.precision)}</span>')
         low = "1" if row.precision in LOW_PRECISIONS else "0"
         numbers = _number(macs, f"{macs:,}" if macs is not None else "") + \
             _number(absmax, f"{absmax:.3g}" if absmax is not None else "")

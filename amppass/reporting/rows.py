@@ -10,9 +10,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ..analysis.record import fp8_record, fp8_shares, stored_fp8_products
+
 SCHEMA_VERSION = 1
-LOW_PRECISIONS = ("fp16", "bf16")
-PRECISIONS = ("fp16", "bf16", "fp32", "-")
+LOW_PRECISIONS = ("fp8", "fp16", "bf16")
+PRECISIONS = ("fp8", "fp16", "bf16", "fp32", "-")
 # what the report's "local error" and "output error" are, in words (HTML legend and tooltips, docs)
 LOCAL_ERROR = ("local error: ||y_low - y_fp32|| / ||y_fp32|| for one node's output y when that node alone runs in "
                "low precision on inputs recorded from the fp32 model (first calibration batch). A ratio with no "
@@ -21,8 +23,8 @@ LOCAL_ERROR = ("local error: ||y_low - y_fp32|| / ||y_fp32|| for one node's outp
 OUTPUT_ERROR = ("output error: the largest ||out - out_fp32|| / ||out_fp32|| over the model's floating outputs and "
                 "the calibration batches, the same unitless ratio for the whole converted model; the tolerance "
                 "bounds it.")
-# what select() takes: a precision, "low" for either low dtype, "none" for "-" (a word a shell passes as is)
-PRECISION_FILTERS = ("fp16", "bf16", "fp32", "low", "none")
+# what select() takes: a precision, "low" for any below fp32, "none" for "-" (a word a shell passes as is)
+PRECISION_FILTERS = ("fp8", "fp16", "bf16", "fp32", "low", "none")
 
 
 @dataclass
@@ -39,7 +41,7 @@ class Row:
 
     name: str
     op: str
-    precision: str  # "fp16", "bf16", "fp32" or "-" for nodes without floating-point work
+    precision: str  # "fp8", "fp16", "bf16", "fp32" or "-" for nodes without floating-point work
     reason: str
     source: str
     casts: list[str] = field(default_factory=list)
@@ -76,6 +78,34 @@ class OpGroup:
     def nodes(self) -> int:
         """Nodes the group holds, over every precision."""
         return sum(self.by_precision.values())
+
+
+def fp8_scales(row: Row) -> str:
+    """An fp8 row's scales in a few words, from its evidence ``fp8`` (either front end's: ONNX per operand, torch
+    per weight and input; per channel as a range), e.g. "scales: weight 0.00028, input 0.0087"; "" for other rows.
+    Text from the file is cut short and never a format string."""
+    fp8 = row.evidence.get("fp8")
+    if row.precision != "fp8" or not isinstance(fp8, dict):
+        return ""
+    operands = fp8.get("operands")
+    if isinstance(operands, list):  # ONNX: each quantized operand with its scale(s)
+        said = [_scale_words("weight" if o.get("weight") is True else "input", o.get("weight_scales") or
+                             o.get("scale")) for o in operands[:2] if isinstance(o, dict)]
+    else:  # torch: the weight's and the input's
+        said = [_scale_words(kind, fp8.get(f"{kind}_scales") or fp8.get(f"{kind}_scale")) for kind in
+                ("weight", "input")]
+    said = [words for words in said if words]
+    return "scales: " + ", ".join(said) if said else ""
+
+
+def _scale_words(kind: str, scale: Any) -> str:
+    """One operand's scale: a number, a per-channel range (``{"min", "max"}``), or how it is computed (text)."""
+    if isinstance(scale, dict) and None not in (low := finite(scale.get("min")), high := finite(scale.get("max"))):
+        return f"{kind} per channel {low:.3g} to {high:.3g}"
+    number = finite(scale)
+    if number is not None:
+        return f"{kind} {number:.3g}"
+    return f"{kind} {scale[:40]}" if isinstance(scale, str) else ""
 
 
 def decision_order(rows: list[Row]) -> list[int]:
@@ -124,16 +154,16 @@ def summary_lines(report: Summarised) -> list[str]:
     macs = stats["macs"]
     if macs["total"]:
         lines.append(
-            f"heavy compute in {info.get('dtype')}: {macs['low_share']:.1%} of {macs['total']:,} MACs "
+            f"heavy compute in {info.get('dtype')}{' or fp8' * ('fp8' in counts)}: {macs['low_share']:.1%} of "
+            f"{macs['total']:,} MACs "
             f"({macs['counted_nodes']} matmul, conv, attention or RNN nodes)"
         )
     by_parts = info.get("parts")
     if isinstance(by_parts, dict) and isinstance(by_parts.get("converted"), list):
         lines.extend(_parts_lines(by_parts))
-    fp8 = info.get("fp8")
-    if isinstance(fp8, dict):  # a torch plan's fp8 record counts MACs by dtype, an ONNX plan's by share
-        lines.extend(_fp8_lines(fp8, str(info.get("dtype"))) if "candidates" in fp8
-                     else [_fp8_line(fp8)] if isinstance(fp8.get("macs"), dict) else [])
+    fp8 = fp8_summary(report)
+    if fp8 is not None:
+        lines.extend(_fp8_lines(fp8))
     lines.append(f"casts inserted: {stats['casts']}")
     before, after = stats["weight_bytes"]["before"], stats["weight_bytes"]["after"]
     if before:
@@ -172,14 +202,45 @@ def summary_lines(report: Summarised) -> list[str]:
     return lines
 
 
-def _fp8_line(fp8: dict[str, Any]) -> str:
-    """The summary's line on an fp8 plan: products and MACs in fp8, bf16 and fp32, and how scales are computed."""
-    macs = fp8["macs"]
-    total = sum(finite(macs.get(p)) or 0 for p in ("fp8", "bf16", "fp32"))
-    shares = ", ".join(f"{p} {(finite(macs.get(p)) or 0) / total:.1%}" for p in ("fp8", "bf16", "fp32")) \
-        if total else "no MACs counted"
-    return (f"fp8 ({fp8.get('format')}): {fp8.get('fp8')} of {fp8.get('products')} matrix products; MACs: {shares}; "
-            f"scales: {fp8.get('scales')} (Report.fp8_rows(): each product's scales, or why it is not fp8)")
+def fp8_summary(report: Summarised) -> dict[str, Any] | None:
+    """An fp8 plan's record (``info["fp8"]``) in the shape :func:`amppass.analysis.record.fp8_record` writes; None
+    for a plan that is not fp8. A record saved before that shape (its products one number, an ONNX plan's MACs of
+    its low dtype under "low") has its products and reasons counted from the rows, its MACs as recorded."""
+    fp8, low = report.info.get("fp8"), str(report.info.get("dtype"))
+    if not isinstance(fp8, dict):
+        return None
+    if isinstance(fp8.get("products"), dict) and isinstance(fp8.get("macs"), dict):
+        return fp8
+    # an older ONNX record marked only the products in fp8; a candidate left out holds its error alone in fp8
+    rows = [{"precision": r.precision, "reason": r.reason, "evidence": {"fp8": {"why_not": r.reason}, **r.evidence}
+             if "fp8_error_alone" in r.evidence else r.evidence} for r in report.rows]
+    record = fp8_record(str(fp8.get("format", "fp8")), low, stored_fp8_products(rows, low))
+    macs = fp8.get("macs")
+    if isinstance(macs, dict):
+        record["macs"] = {"fp8": macs.get("fp8"), low: macs.get(low, macs.get("low")), "fp32": macs.get("fp32")}
+        if "counted_at" in macs:
+            record["counted_at"] = macs["counted_at"]
+    return {**fp8, **record}
+
+
+def _fp8_lines(fp8: dict[str, Any]) -> list[str]:
+    """The summary's lines on an fp8 plan (:func:`fp8_summary`): its matrix products and their MACs in fp8, the
+    plan's low dtype and fp32, how scales are computed, and the products not in fp8 counted by why."""
+    products, shares = fp8["products"], fp8_shares(fp8)
+    total = sum(finite(products.get(k)) or 0 for k in ("fp8", str(fp8.get("low")), "fp32"))
+    said = ", ".join(f"{k} {share:.1%}" for k, share in shares.items()) if shares else "not counted"
+    where = " at the first calibration batch's shapes" if isinstance(fp8.get("counted_at"), dict) else ""
+    line = (f"fp8 ({str(fp8.get('format'))[:16]}): {int(finite(products.get('fp8')) or 0)} of {int(total)} matrix "
+            f"products; MACs{where}: {said}")
+    if isinstance(fp8.get("scales"), str):
+        line += f"; scales: {fp8['scales']}"
+    why_not = fp8.get("why_not")
+    counts = sorted(((int(n), str(kind)) for kind, n in why_not.items() if finite(n)), key=lambda c: (-c[0], c[1])) \
+        if isinstance(why_not, dict) else []
+    if not counts:
+        return [line]
+    return [line, "not fp8: " + "; ".join(f"{n} {kind}" for n, kind in counts)
+            + " (Report.fp8_rows(): each product's scales, or why it is not fp8)"]
 
 
 # how the speed check knew a group's fp32 and low-precision times (amppass.analysis.profitability, rule 2), in
@@ -200,22 +261,6 @@ def _timing_words(how: str, dtype: str) -> str:
     """How a group's speed was known, in words: a kind this amppass knows in its words (with ``dtype`` filled
     in), any other kind (a file's own text) as it is, never as a format string."""
     return _TIMING_WORDS[how].replace("{dtype}", dtype) if how in _TIMING_WORDS else how
-
-
-def _fp8_lines(fp8: dict[str, Any], low: str) -> list[str]:
-    """What an fp8 plan put in fp8 (:mod:`amppass.onnx.fp8`): its products and their share of the MACs."""
-    products, candidates = finite(fp8.get("products")), finite(fp8.get("candidates"))
-    fmt = str(fp8.get("format", "fp8"))[:16]
-    lines = []
-    if products is not None and candidates is not None:
-        lines.append(f"fp8 ({fmt}): {int(products)} of {int(candidates)} matrix products the {low} plan runs low "
-                     "(rows whose evidence holds 'fp8', with their scales)")
-    macs = fp8.get("macs")
-    shares = [finite(macs.get(f"{k}_share")) for k in ("fp8", "low", "fp32")] if isinstance(macs, dict) else []
-    if shares and None not in shares:
-        lines.append(f"MACs at the first calibration batch's shapes: {shares[0]:.1%} fp8, {shares[1]:.1%} {low}, "
-                     f"{shares[2]:.1%} fp32")
-    return lines
 
 
 def _count(n: Any, word: str) -> str:

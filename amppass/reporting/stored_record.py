@@ -116,6 +116,11 @@ INFO = Fields({  # the model-level summary: every field the summary, the HTML pa
     "whole_model": Fields({"skipped": TEXT, "converted_ms": AMOUNT, "original_ms": AMOUNT}),
     "fixed_dims": Items(TEXT),
     "pytree_types": Items(NAME),
+    # an fp8 plan's record (amppass.analysis.record.fp8_record); older ones counted products as one number and an
+    # ONNX plan's MACs of its low dtype under "low"
+    "fp8": Fields({"format": NAME, "low": NAME, "scales": TEXT, "products": (COUNT, Items(COUNT, keyed=True)),
+                   "why_not": Items(COUNT, keyed=True, key=TEXT), "candidates": COUNT, "fp8": COUNT,
+                   "macs": Fields(dict.fromkeys(("fp8", "fp16", "bf16", "fp32", "low"), BYTES))}),
 })
 EVIDENCE = Fields(
     {  # what a node's decision rested on (Row's docstring); numbers only shown, and a non-finite
@@ -130,6 +135,7 @@ EVIDENCE = Fields(
         "saved_dtypes": Items(NAME),
         "fused": TEXT,
         "accumulate": TEXT,
+        "fp8": Fields({"format": NAME, "why_not": TEXT}),  # a product's fp8 outcome: format and scales, or why not
     }
 )
 DECISION = Fields({  # a node's stored decision (a cast inserted by amppass has "cast" and no precision)
@@ -209,5 +215,7 @@ def row(name: str, raw: Any, low: str) -> Row | None:
     evidence = dict(raw.get("evidence") or {})
     if precision == "fp32-accumulate":
         evidence.setdefault("accumulate", "fp32 via dtype= on the low-precision input")
+    if precision == "low" and isinstance(evidence.get("fp8"), dict) and evidence["fp8"].get("format"):
+        low = "fp8"  # a product an fp8 plan lowered past the plan's low dtype (its format and scales beside it)
     return Row(name, texts["op"], _PRECISIONS[precision] or low, texts["reason"], texts["source"],
                list(raw.get("casts_in") or []), evidence, raw.get("rule") or "")

@@ -24,9 +24,9 @@ from rich.text import Text
 
 from ..text import ELLIPSIS, cut, elide, printable, shorten_names
 from .report import PRECISIONS, Report, Row, summary_lines
-from .rows import decision_order
+from .rows import decision_order, fp8_scales
 
-STYLES = {"fp16": "bold green", "bf16": "bold blue", "fp32": "bold dark_orange", "-": "dim"}
+STYLES = {"fp8": "bold magenta", "fp16": "bold green", "bf16": "bold blue", "fp32": "bold dark_orange", "-": "dim"}
 GAP = 3  # columns between two table columns: padding, separator, padding
 SOURCE_FROM, MACS_FROM = 100, 120  # console widths from which those columns are shown
 # node and op columns at most (or a third and a sixth of a wider console); the reason column at least
@@ -57,7 +57,7 @@ class DecisionsTable:
         cells = [  # escaped before anything is measured or shortened
             {"node": printable(row.name), "op": printable(row.op), "prec": printable(row.precision),
              "source": printable(row.source), "MACs": "" if row.macs is None else f"{row.macs:,}",
-             "reason": printable(row.reason)}
+             "reason": printable("; ".join(filter(None, (fp8_scales(row), row.reason))))}
             for row in self.shown
         ]
         names = ["node", "op", "prec"] + ["source"] * (width >= SOURCE_FROM) + ["MACs"] * with_macs + ["reason"]

@@ -53,14 +53,15 @@ def _two_matmuls(first: np.ndarray | None = None) -> onnx.ModelProto:
 
 def test_fp8_products_read_e4m3_weights_and_qdq_activations_in_a_file_the_checker_and_onnxruntime_take():
     """Each fp8 product reads its weight as a FLOAT8E4M3FN initializer through DequantizeLinear and its input
-    through a QuantizeLinear/DequantizeLinear pair, with fp16 scales; nothing else is quantized."""
-    model = _two_matmuls()
+    through a QuantizeLinear/DequantizeLinear pair, with fp16 scales; nothing else is quantized. W1's columns
+    (its output channels) span five decades of magnitude, so it takes one scale per channel."""
+    model = _two_matmuls(RNG.standard_normal((64, 64)) / 8 * np.logspace(-5, 0, 64)[None, :])
     converted = amppass.convert_onnx(model, "fp8", calibration=_feeds(), tolerance=0.2)
     onnx.checker.check_model(converted, full_check=True)
     nodes, inits = _by_name(converted), {t.name: t for t in converted.graph.initializer}
     producers = {o: n for n in converted.graph.node for o in n.output}
     for name in ("first", "second"):
-        assert "fp8" in meta(nodes[name])["evidence"], meta(nodes[name])["reason"]
+        assert meta(nodes[name])["evidence"]["fp8"]["format"] == "e4m3", meta(nodes[name])["reason"]
         activation, weight = (producers[v] for v in nodes[name].input)
         assert activation.op_type == weight.op_type == "DequantizeLinear"
         assert inits[weight.input[0]].data_type == TensorProto.FLOAT8E4M3FN  # stored once as e4m3
@@ -73,13 +74,37 @@ def test_fp8_products_read_e4m3_weights_and_qdq_activations_in_a_file_the_checke
     assert [o.version for o in converted.opset_import if o.domain in ("", "ai.onnx")] == [19]
     info = amppass.report(converted).info
     assert info["opset_upgraded"] == [17, 19]
-    assert info["fp8"]["products"] == 2 and info["fp8"]["macs"]["fp8_share"] == 1.0
+    assert info["fp8"]["products"] == {"fp8": 2, "fp16": 0, "fp32": 0} and info["fp8"]["why_not"] == {}
+    assert info["fp8"]["macs"] == {"fp8": 8 * 64 * (64 + 32), "fp16": 0, "fp32": 0}  # at the feeds' [8, 64]
     feed = _feeds(1)[0]
     assert _error(model, converted, feed) <= 0.2
-    stored_w1 = numpy_helper.to_array(inits[producers[nodes["first"].input[1]].input[0]])  # e4m3 as float
-    scale = float(numpy_helper.to_array(inits[producers[nodes["first"].input[1]].input[1]]))
+    dequantize = producers[nodes["first"].input[1]]
+    stored_w1 = numpy_helper.to_array(inits[dequantize.input[0]])  # e4m3 as float
+    scales = numpy_helper.to_array(inits[dequantize.input[1]])  # one per output channel (its columns)
+    assert scales.shape == (64,) and [(a.name, a.i) for a in dequantize.attribute] == [("axis", 1)]
+    assert inits[dequantize.input[2]].dims == [64] and inits[dequantize.input[2]].data_type == TensorProto.FLOAT8E4M3FN
     w1 = numpy_helper.to_array(model.graph.initializer[0])
-    assert np.linalg.norm(stored_w1.astype(np.float32) * scale - w1) / np.linalg.norm(w1) < 0.05
+    assert np.linalg.norm(stored_w1.astype(np.float32) * scales[None, :] - w1) / np.linalg.norm(w1) < 0.05
+    evidence = meta(nodes["first"])["evidence"]["fp8"]
+    assert evidence["granularity"] == "channel" and "per output channel" in evidence["granularity_reason"]
+    weight = evidence["operands"][1]
+    assert weight["axis"] == 1 and weight["weight_scales"]["channels"] == 64
+    assert weight["weight_scales"]["max"] == weight["scale"] == float(scales.max())
+
+
+def test_a_weight_whose_channels_share_one_range_keeps_one_scale_and_says_why():
+    """Every column of W1 holds the same values in another order: one scale per channel would be the same scale,
+    so the weight's own e4m3 error is no lower and the product keeps one scale per tensor."""
+    column = RNG.standard_normal(64) / 8
+    w1 = np.stack([RNG.permutation(column) for _ in range(64)], axis=1)
+    converted = amppass.convert_onnx(_two_matmuls(w1), "fp8", calibration=_feeds(), tolerance=0.2)
+    nodes, inits = _by_name(converted), {t.name: t for t in converted.graph.initializer}
+    producers = {o: n for n in converted.graph.node for o in n.output}
+    dequantize = producers[nodes["first"].input[1]]
+    assert list(inits[dequantize.input[1]].dims) == [] and not dequantize.attribute
+    evidence = meta(nodes["first"])["evidence"]["fp8"]
+    assert evidence["granularity"] == "tensor" and "not below 0.9x that" in evidence["granularity_reason"]
+    assert "axis" not in evidence["operands"][1]
 
 
 def test_all_zero_weight_and_all_zero_activation_get_finite_positive_scales():
@@ -94,7 +119,7 @@ def test_all_zero_weight_and_all_zero_activation_get_finite_positive_scales():
     zeros = meta(_by_name(converted)["zeros"])["evidence"]["fp8"]["operands"]
     assert [o["scale"] for o in zeros] == [1.0, 1.0] and [o["absmax"] for o in zeros] == [0.0, 0.0]
     scales = [numpy_helper.to_array(t) for t in converted.graph.initializer if t.name.endswith("_scale")]
-    assert scales and all(np.isfinite(s) and s > 0 for s in scales)
+    assert scales and all(np.isfinite(s).all() and (s > 0).all() for s in scales)
     out = session(converted).run(None, {"x": feeds[0]["x"], "z": RNG.standard_normal((8, 64)).astype(np.float32)})
     assert np.isfinite(out[0]).all()
 
@@ -121,10 +146,11 @@ def test_a_product_whose_input_has_an_outlier_stays_fp16_with_a_reason_naming_th
     feeds = [{"x": with_outlier()} for _ in range(4)]
     converted = amppass.convert_onnx(model, "fp8", calibration=feeds, tolerance=0.1)
     first, second = (meta(_by_name(converted)[n]) for n in ("first", "second"))
-    assert "fp8" not in first["evidence"] and first["precision"] == "low"
+    assert "format" not in first["evidence"]["fp8"] and first["precision"] == "low"
+    assert first["evidence"]["fp8"]["why_not"].startswith("stays fp16, not e4m3")
     assert "stays fp16, not e4m3" in first["reason"] and "input x |x| <= 1e+03" in first["reason"]
     assert first["evidence"]["fp8_error_alone"] > 0.1
-    assert "fp8" in second["evidence"]
+    assert second["evidence"]["fp8"]["format"] == "e4m3"
     assert _error(model, converted, {"x": with_outlier()}) <= 0.1
 
 
@@ -141,7 +167,7 @@ def test_an_fp8_gemm_adds_its_bias_after_the_product_so_onnxruntime_optimisation
     onnx.checker.check_model(converted, full_check=True)
     nodes_after = _by_name(converted)
     for name in ("first", "second"):
-        assert "fp8" in meta(nodes_after[name])["evidence"] and len(nodes_after[name].input) == 2
+        assert "format" in meta(nodes_after[name])["evidence"]["fp8"] and len(nodes_after[name].input) == 2
     adds = [n for n in converted.graph.node if n.op_type == "Add"]
     assert sorted(n.input[1] for n in adds) == ["b1", "b2"]
     assert _error(model, converted, _feeds(1)[0]) <= 0.2
@@ -167,7 +193,7 @@ def test_an_fp8_conv_reads_e4m3_and_adds_its_bias_unsqueezed_over_the_spatial_di
     converted = amppass.convert_onnx(model, "fp8", calibration=[image() for _ in range(4)], tolerance=0.2)
     onnx.checker.check_model(converted, full_check=True)
     after = _by_name(converted)
-    assert all("fp8" in meta(after[n])["evidence"] and len(after[n].input) == 2 for n in ("first", "second"))
+    assert all("format" in meta(after[n])["evidence"]["fp8"] and len(after[n].input) == 2 for n in ("first", "second"))
     unsqueezes = [n for n in converted.graph.node if n.op_type == "Unsqueeze"]
     assert sorted(n.input[0] for n in unsqueezes) == ["c1", "c2"]
     assert _error(model, converted, image()) <= 0.2
@@ -185,7 +211,7 @@ def test_a_cuda_target_fp8_plan_is_judged_on_the_simulation_and_runs_in_onnxrunt
     converted = amppass.convert_onnx(model, "fp8", calibration=_feeds(), tolerance=0.2, target="cuda")
     onnx.checker.check_model(converted, full_check=True)
     info = amppass.report(converted).info
-    assert info["fp8"]["products"] == 2 and info["error_judged_by"] == "fp16-storage simulation"
+    assert info["fp8"]["products"]["fp8"] == 2 and info["error_judged_by"] == "fp16-storage simulation"
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     got = ort.InferenceSession(converted.SerializeToString(), options, providers=["CPUExecutionProvider"])

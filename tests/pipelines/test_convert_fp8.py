@@ -100,7 +100,8 @@ def test_calibrated_plan_runs_every_linear_in_fp8_with_static_scales(mlp):
             assert 0 < row["weight_scales"]["min"] <= row["weight_scales"]["max"] < float("inf")
             assert targets[name] is torch.ops.amppass.fp8_linear_rowwise.default
     info = report.info["fp8"]
-    assert info["fp8"] == 3 and info["products"] == 3 and info["macs"]["fp8_share"] == 1.0
+    assert info["products"] == {"fp8": 3, "bf16": 0, "fp32": 0} and info["why_not"] == {}
+    assert info["macs"] == {"fp8": 8 * (64 * 128 + 128 * 64 + 64 * 16), "bf16": 0, "fp32": 0}
     assert "static, from calibration" in info["scales"]
     x = torch.randn(8, 64)
     with torch.no_grad():
@@ -159,7 +160,8 @@ def test_a_tight_tolerance_keeps_every_product_bf16(mlp):
     converted = amppass.convert(mlp, (torch.randn(8, 64),), dtype="fp8", plan_for="coverage",
                                 calibration=calibration, tolerance=1e-2)
     report = amppass.report(converted)
-    assert report.info["fp8"]["fp8"] == 0 and report.info["fp8"]["output_error"] <= 1e-2
+    assert report.info["fp8"]["products"]["fp8"] == 0 and report.info["fp8"]["output_error"] <= 1e-2
+    assert report.info["fp8"]["why_not"] == {"output error beyond the tolerance": 3}
     assert all("tolerance search" in row.reason for row in report.fp8_rows())
     x = torch.randn(8, 64)
     with torch.no_grad():

@@ -63,7 +63,7 @@ def test_an_mlp_exported_in_fp8_passes_the_checker_and_runs_within_tolerance(tmp
                                     calibration=feeds, tolerance=0.1, output_names=["out"])
     onnx.checker.check_model(str(path), full_check=True)
     info = amppass.report(converted).info["fp8"]
-    assert info["products"] >= 1 and info["tolerance_met"]
+    assert info["products"]["fp8"] >= 1 and info["tolerance_met"]
     x = RNG.standard_normal((8, 64)).astype(np.float32)
     got = _session(path).run(None, {converted.graph.input[0].name: x})[0]
     with torch.no_grad():
@@ -82,25 +82,29 @@ def test_a_tiny_bert_in_fp8_passes_the_checker_and_runs_in_onnxruntime_within_to
             want = bert(**{k: torch.from_numpy(v) for k, v in feed.items()}).last_hidden_state.numpy()
         assert _relative(got, want) <= TOLERANCE
     info = amppass.report(converted).info["fp8"]
-    assert info["products"] >= 1 and info["achieved_error"] <= TOLERANCE
+    assert info["products"]["fp8"] >= 1 and info["achieved_error"] <= TOLERANCE
 
 
 def test_the_report_names_each_fp8_product_with_its_scales_and_the_mac_shares(bert_fp8):
     converted, _ = bert_fp8
     report = amppass.report(converted)
-    fp8_rows = [row for row in report.rows if "fp8" in row.evidence]
+    fp8_rows = [row for row in report.rows if row.precision == "fp8"]
     assert fp8_rows and all(row.op in ("MatMul", "Gemm", "Conv") for row in fp8_rows)
+    assert fp8_rows == [row for row in report.fp8_rows() if "format" in row.evidence["fp8"]]
     for row in fp8_rows:
         operands = row.evidence["fp8"]["operands"]
         assert len(operands) == 2 and all(o["scale"] > 0 and np.isfinite(o["scale"]) for o in operands)
         assert "e4m3 inputs and weights" in row.reason and "scale" in row.reason
-    others = [row for row in report.rows if row.op in ("MatMul", "Gemm") and "fp8" not in row.evidence]
-    assert all("not e4m3" in row.reason for row in others)  # every product left higher says why
-    macs = report.info["fp8"]["macs"]
-    assert macs["fp8"] > 0 and abs(macs["fp8_share"] + macs["low_share"] + macs["fp32_share"] - 1) < 1e-9
-    assert macs["counted_at"]["input_ids"] == [2, 12]
+    others = [row for row in report.rows if row.op in ("MatMul", "Gemm") and row.precision != "fp8"]
+    assert all("not e4m3" in row.evidence["fp8"]["why_not"] for row in others)  # every product left higher says why
+    record = report.info["fp8"]
+    assert record["products"] == {"fp8": len(fp8_rows), "fp16": len(others), "fp32": 0}
+    assert sum(record["why_not"].values()) == len(others)
+    macs = record["macs"]
+    assert macs["fp8"] > 0 and record["counted_at"]["input_ids"] == [2, 12]
     summary = report.summary()
-    assert f"fp8 (e4m3): {len(fp8_rows)} of" in summary and f"{macs['fp8_share']:.1%} fp8" in summary
+    assert f"fp8 (e4m3): {len(fp8_rows)} of {len(fp8_rows) + len(others)} matrix products" in summary
+    assert f"fp8 {macs['fp8'] / sum(macs.values()):.1%}" in summary
     nodes = {n.name: n for n in converted.graph.node}
     assert all(meta(nodes[row.name]).get("evidence", {}).get("fp8") for row in fp8_rows)  # read from the file
 
@@ -114,7 +118,7 @@ def test_a_cuda_target_fp8_file_runs_in_onnxruntime_cpu_at_basic_optimisations(b
     converted = amppass.export_onnx(bert, path, example_kwargs={k: torch.from_numpy(v) for k, v in feeds[0].items()},
                                     dtype="fp8", calibration=feeds, target="cuda")
     onnx.checker.check_model(str(path), full_check=True)
-    assert amppass.report(converted).info["fp8"]["products"] >= 1
+    assert amppass.report(converted).info["fp8"]["products"]["fp8"] >= 1
     feed = _token_feed()
     got = _session(path, "ORT_ENABLE_BASIC").run(["last_hidden_state"], feed)[0]
     with torch.no_grad():

@@ -158,7 +158,7 @@ def test_schema_rejects_what_it_does_not_describe(calibrated_report):
     schema = load_schema()
     jsonschema.validate(json.loads(calibrated_report.to_json()), schema)
     bad = json.loads(calibrated_report.to_json())
-    bad["rows"][0]["precision"] = "fp8"
+    bad["rows"][0]["precision"] = "fp4"
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(bad, schema)
     del bad["summary"]
@@ -373,8 +373,8 @@ def test_terminal_view_filters_and_groups_by_op():
     assert "8 of 12 nodes" in grouped and "MatMul" not in grouped and "LayerNormalization" in grouped
     assert [r.name for r in report.select(precision=["none"], op=["shape", "SHAPE"])] == \
         [r.name for r in report.rows if r.op == "Shape"]
-    with pytest.raises(amppass.InputError, match="'fp8' is not one of fp16, bf16, fp32, low, none"):
-        report.select(precision=["fp8"])
+    with pytest.raises(amppass.InputError, match="'fp4' is not one of fp8, fp16, bf16, fp32, low, none"):
+        report.select(precision=["fp4"])
 
 
 def test_the_summary_says_whether_the_whole_model_was_compared_with_the_original():

@@ -21,8 +21,9 @@ matrix product of the rewritten graph in turn (the lowering itself is :mod:`ampp
    and each input's scale is computed on every call from its largest magnitude (dynamic); the report says so.
    **Granularity.** Each candidate is measured twice: with per-tensor scales (the input's static) and with row-wise
    ones (one per output channel of the weight, one per input row computed on every call). It takes row-wise scales
-   where they leave less than :data:`ROW_GAIN` of the per-tensor error and the target runs them (torch's CUDA
-   row-wise kernels write bf16 only: an fp16 plan keeps per-tensor scales and says so); per-tensor ones otherwise.
+   where they leave less than :data:`~amppass.dtypes.FINER_SCALES_GAIN` of the per-tensor error and the target
+   runs them (torch's CUDA row-wise kernels write bf16 only: an fp16 plan keeps per-tensor scales and says so);
+   per-tensor ones otherwise.
 3. **Tolerance.** With ``tolerance=``, the search goes on down one ordered lattice, fp8 → bf16 → fp32: the bf16
    search of :mod:`amppass.analysis.tolerance` has already moved what it must to fp32 against the whole
    tolerance; here the candidates are ranked by local error and the longest prefix of that ranking whose fp8
@@ -48,9 +49,9 @@ import torch.nn.functional as F
 from torch import fx
 
 from ...analysis.calibration import relative_error
-from ...analysis.record import META_KEY
+from ...analysis.record import META_KEY, fp8_record, stored_fp8_products
 from ...analysis.tolerance import longest_within
-from ...dtypes import E4M3
+from ...dtypes import E4M3, FINER_SCALES_GAIN
 from ..capture.copies import shared_copy
 from ..capture.guards import GUARDS_KEY
 from ..capture.inputs import flatten_inputs, split_batch
@@ -70,9 +71,6 @@ from ..view import ops
 log = logging.getLogger(__name__)
 
 RANGE_LIMIT = 2 * 2.0 ** -4  # twice the largest relative rounding error of one e4m3 value (3 significand bits)
-# row-wise scales where they leave at most this share of the per-tensor error: a smaller gain does not pay for a
-# range computed over the input on every call (a judgement, not a measured break-even)
-ROW_GAIN = 0.9
 HELD_OUT = 2  # at most this many calibration batches are held out for the errors
 _CONVOLUTIONS = {"convolution", "_convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
                  "conv_transpose3d"}
@@ -159,16 +157,17 @@ def plan_fp8(gm: fx.GraphModule, fp32_gm: fx.GraphModule, weights: Mapping[str, 
         if data is not None and name in data.measured:
             evidence["local_error"] = data.measured[name].local_error
         mark(gm, name, evidence, why)
-    info = {"format": E4M3.name, "products": len(candidates) + structural, "fp8": len(chosen),
-            "scales": "weights: once at conversion; inputs: " + (
-                "static, from calibration" if data is not None else "dynamic, from each call's range (no calibration)")
-            + "; row-wise products: per weight channel at conversion, per input row on every call",
-            "row_wise": sum(p.granularity == ROW for p in chosen.values()),
-            "macs": _macs(gm), "range_limit": RANGE_LIMIT, **search}
+    decisions = (node.meta.get(META_KEY) for node in gm.graph.nodes)
+    info = fp8_record(E4M3.name, low, stored_fp8_products(decisions, low), range_limit=RANGE_LIMIT,
+                      scales="weights: once at conversion; inputs: " + (
+                          "static, from calibration" if data is not None
+                          else "dynamic, from each call's range (no calibration)")
+                      + "; row-wise products: per weight channel at conversion, per input row on every call",
+                      row_wise=sum(p.granularity == ROW for p in chosen.values()), **search)
     if data is not None:
         info["held_out_batches"] = len(data.held_out)
         info["held_out_separate"] = data.separate
-    log.info("fp8: %d of %d products in %s", len(chosen), info["products"], E4M3.name)
+    log.info("fp8: %d of %d products in %s", len(chosen), len(candidates) + structural, E4M3.name)
     return info
 
 
@@ -181,15 +180,15 @@ def _rowwise_missing(low: str) -> str:
 
 def _granularity(errors: Mapping[str, float], no_rows: str, measure: str) -> tuple[str, str]:
     """Per-tensor or row-wise scales for one product, from ``errors`` (the same ``measure`` under each), and why:
-    row-wise where it removes more than a tenth of the per-tensor error (:data:`ROW_GAIN`) and the target runs it;
-    per-tensor otherwise."""
+    row-wise where it removes more than a tenth of the per-tensor error
+    (:data:`~amppass.dtypes.FINER_SCALES_GAIN`) and the target runs it; per-tensor otherwise."""
     if no_rows:
         return TENSOR, (f"per-tensor scales: row-wise ones would give {measure} {errors[ROW]:.3g} against "
                         f"{errors[TENSOR]:.3g}, but {no_rows}")
-    if errors[ROW] < ROW_GAIN * errors[TENSOR]:
+    if errors[ROW] < FINER_SCALES_GAIN * errors[TENSOR]:
         return ROW, f"row-wise scales: {measure} {errors[ROW]:.3g}, against {errors[TENSOR]:.3g} per tensor"
     return TENSOR, (f"per-tensor scales: {measure} {errors[TENSOR]:.3g}; row-wise ones give {errors[ROW]:.3g}, "
-                    f"not below {ROW_GAIN:g}x that, which does not pay for a range computed on every call")
+                    f"not below {FINER_SCALES_GAIN:g}x that, which does not pay for a range computed on every call")
 
 
 def _mark_chosen(gm: fx.GraphModule, product: Fp8Product, error: float, granularity_why: str,
@@ -373,20 +372,3 @@ def _ratio(tensor: torch.Tensor) -> float:
 def _floating(value: Any) -> list[torch.Tensor]:
     return [t for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
-
-def _macs(gm: fx.GraphModule) -> dict[str, Any]:
-    """Multiply-accumulates of one call in fp8, bf16 and fp32, over the nodes whose MACs were counted."""
-    totals = {"fp8": 0, "bf16": 0, "fp32": 0}
-    for node in gm.graph.nodes:
-        meta = node.meta.get(META_KEY)
-        macs = meta.get("evidence", {}).get("macs") if meta and not meta.get("cast") else None
-        if not macs:
-            continue
-        if meta["evidence"].get("fp8", {}).get("format"):
-            totals["fp8"] += macs
-        elif meta.get("precision") == "low":
-            totals["bf16"] += macs
-        elif meta.get("precision") in ("fp32", "fp32-accumulate"):
-            totals["fp32"] += macs
-    total = sum(totals.values())
-    return {**totals, "fp8_share": totals["fp8"] / total if total else None}
