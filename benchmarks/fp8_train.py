@@ -45,7 +45,7 @@ from .train_gpt import Setting
 log = logging.getLogger(__name__)
 
 QUICK = Setting(layers=1, width=32, heads=2, block=32, batch=4, steps=3, evals=1, text=100_000)
-FULL = Setting(layers=2, width=64, heads=4, block=64, batch=16, steps=200, evals=2, text=None)
+FULL = Setting(layers=2, width=64, heads=4, block=64, batch=16, steps=100, evals=2, text=None)
 
 NOTES = ("Columns: `held@N` held-out loss (nats/char, eval mode, the same held-out batches) after N steps; "
          "`train_loss_last` mean training loss of the last 10% of steps; `gap_vs_bf16` (final held-out loss - "

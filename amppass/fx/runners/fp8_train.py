@@ -15,8 +15,9 @@ product is or is not fp8:
    averaged by any later product.
 
 The chosen products become ``amppass::fp8_train_linear`` (:mod:`amppass.fx.rewrite.fp8_train`): e4m3 forward
-operands, e5m2 gradients, scales from each call's own ranges (dynamic: measured better than delayed on the
-character GPT, benchmarks/fp8_train.py), fp32 master weights. No loss scaling is needed: each gradient product
+operands, e5m2 gradients, scales from each call's own ranges (dynamic: no state for the module tree, checkpoints
+and FSDP2 to carry; delayed scaling trained the character GPT of benchmarks/fp8_train.py to a final loss within
+the run's noise of dynamic's, docs/fp8.md), fp32 master weights. No loss scaling is needed: each gradient product
 scales ``dY`` by its own largest magnitude into e5m2's range; the summary's ``loss_scaling`` says so.
 """
 
