@@ -51,7 +51,8 @@ NOTES = ("Columns: `held@N` held-out loss (nats/char, eval mode, the same held-o
          "`train_loss_last` mean training loss of the last 10% of steps; `gap_vs_bf16` (final held-out loss - "
          "amppass bf16's) / amppass bf16's (the goal: fp8 per node within 2%); `fp8_products` products in fp8 of "
          "all matrix products outside attention. Swaps: every `Conv1D` replaced by the equal `nn.Linear` first, "
-         "then every `nn.Linear` in fp8 with dynamic (or delayed: amax history of 16) per-tensor scales.")
+         "then every `nn.Linear` in fp8 with dynamic (or delayed: amax history of 16) per-tensor scales; the torchao row "
+         "is left out where torchao is not installed.")
 
 
 def linearized(model: nn.Module) -> nn.Module:

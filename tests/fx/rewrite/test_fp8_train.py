@@ -25,7 +25,7 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def _qdq(t: torch.Tensor, fmt) -> torch.Tensor:
     """``t`` stored in ``fmt`` with its per-tensor scale and read back, in float64."""
-    scale = fmt.scale_for(float(t.abs().amax()))
+    scale = fmt.scale_for(float(t.detach().abs().amax()))
     return (t.float() / scale).clamp(-fmt.max, fmt.max).to(fmt.torch).double() * scale
 
 
