@@ -296,6 +296,7 @@ SECTIONS: dict[str, Callable[[bool, Path], Section]] = {
                                  "transformers Trainer in fp32 and with bf16=True (steps/s, conversion included)",
                                  lambda m, quick: m.run(quick)),
     "gpu": _gpu,
+    "fp8_train": _external("fp8_train", "fp8 training: the character GPT-2 (CPU, fp8 emulated)", lambda m, q: m.run(q)),
 }
 
 

@@ -26,6 +26,7 @@ SHOWN_PATHS = {
     "amppass.reporting.report": "load_schema",
     "amppass.reporting.terminal": "render_text",
     "amppass.cli": "main",
+    "amppass.fx.rewrite.fp8_train": "swap_linears",
 }
 
 # old module path -> {name it still gives: the module that holds it now}; reading one warns (tests/test_layering.py

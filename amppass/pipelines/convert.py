@@ -155,7 +155,7 @@ def convert(
     mode = "inference" if mode is None else mode
     fp8 = fp8_format(dtype)
     if fp8 is not None:  # an fp8 plan is a bf16 plan with some products lowered further
-        check_fp8(device_name(target, model), plan_for, mode)
+        check_fp8(device_name(target, model), plan_for)
         dtype = "bf16"
     settings = Settings.of(mode, dtype=dtype, target=target, dynamic_shapes=dynamic_shapes, plan_for=plan_for,
                            keep_io_types=keep_io_types, keep_fp32=keep_fp32, force_low=force_low,

@@ -34,6 +34,7 @@ from ..fx.rewrite.low_backward import annotate_backward
 from ..fx.runners import finite, region_timing
 from ..fx.runners.calibrate import CaptureFp32, calibrated_plan
 from ..fx.runners.fp8 import plan_fp8
+from ..fx.runners.fp8_train import plan_fp8_train
 from ..fx.view.build import build_view
 from ..fx.view.macs import node_macs
 from ..targets.cost_model import CostModel, DeviceFacts
@@ -210,10 +211,14 @@ def finite_check(work: Work) -> None:
 def lower_fp8(work: Work) -> None:
     """Stage 9, for an fp8 plan (a bf16 plan with some products lowered further): the linear products whose
     measured sensitivity allows it run e4m3 (:func:`amppass.fx.runners.fp8.plan_fp8`), each product's outcome on
-    its node; nothing otherwise."""
+    its node; in training, the products :func:`amppass.fx.runners.fp8_train.plan_fp8_train` chooses train with e4m3
+    forward operands and e5m2 gradients; nothing otherwise."""
     if work.fp8_sources is None:
         return
     options = work.settings.options
+    if work.settings.trains:
+        work.fp8 = plan_fp8_train(work.gm)
+        return
     work.fp8 = plan_fp8(work.gm, *work.fp8_sources, options.calibration, options.tolerance,
                         low=work.settings.low.name)
 

@@ -195,16 +195,12 @@ def _checked(name: object, choices: tuple[str, ...], function: str) -> str:
     return key  # type: ignore[return-value]
 
 
-def check_fp8(name: str, plan_for: str, mode: str) -> None:
+def check_fp8(name: str, plan_for: str) -> None:
     """InputError where ``dtype="fp8"`` cannot be planned for torch target ``name`` (module docstring of
     :mod:`amppass.fx.runners.fp8`): a CUDA device of compute capability below 8.9 (checked where this machine has
     one), a CPU without ``plan_for="coverage"`` (CPUs have no fp8 arithmetic: a CPU plan is for testing, and it
-    says it will be slow), or training (not implemented)."""
+    says it will be slow); the same in both modes (``mode="train"`` trains e4m3 forward, e5m2 gradients)."""
     name = _checked(name, TORCH_TARGETS, "convert")
-    if mode != "inference":
-        raise InputError(f"amppass.convert(dtype='fp8', mode={mode!r}): fp8 converts for inference only so far "
-                         "(fp8 training, e4m3 forward products with e5m2 gradients, is not implemented); train in "
-                         "bf16 with dtype='bf16', mode='train', or pass mode='inference'")
     if name == "cpu":
         if plan_for != "coverage":
             raise InputError(f"amppass.convert(dtype='fp8', target='cpu', plan_for={plan_for!r}): CPUs have no fp8 "

@@ -212,11 +212,6 @@ def test_a_cpu_target_without_coverage_is_refused_naming_the_fix(mlp):
     assert "target='cpu'" in str(raised.value) and "dtype='bf16'" in str(raised.value)
 
 
-def test_fp8_training_is_refused_for_now(mlp):
-    with pytest.raises(InputError, match=r"mode='train'"):
-        amppass.convert(mlp.train(), (torch.randn(8, 64),), dtype="fp8", mode="train", plan_for="coverage")
-
-
 def test_the_summary_gives_mac_shares_and_scales(mlp):
     converted = amppass.convert(mlp, (torch.randn(8, 64),), dtype="fp8", plan_for="coverage",
                                 calibration=[(torch.randn(8, 64),) for _ in range(4)])
