@@ -18,6 +18,7 @@ includes building its Trainer and, for ``AmpPassTrainer``, the conversion. ``pyt
 
 from __future__ import annotations
 
+import gc
 import math
 import statistics
 import threading
@@ -55,14 +56,16 @@ NOTES = (
     "`amppass_options={'plan_for': 'coverage'}` (every op the numerics allow in bf16, on any CPU). "
     "Model: BertForSequenceClassification from a config, random weights, dropout off (the variants differ by their "
     "arithmetic only) (`--full`: hidden 128, 2 layers, intermediate 512, batch 8, 10 rounds of 10 steps; `--quick`: "
-    "hidden 32, 1 layer, batch 4, 2 rounds of 2 steps, two variants), the tokenizer's 30522-token vocabulary, the "
+    "hidden 32, 1 layer, batch 4, 2 rounds of 1 step, two variants), the tokenizer's 30522-token vocabulary, the "
     "Trainer's default AdamW at lr 5e-5. "
     "Measurement: the variants take turns in rounds, each training the same K steps per round, the order rotated "
-    "each round; the first round includes building the Trainer and amppass's conversion. "
+    "each round; the first round includes building the Trainer and amppass's conversion (`--full`: a plain Trainer "
+    "that is not measured takes the run's first and last turns, which cost seconds more CPU whoever has them). "
     "Columns: `trained` = what the variant trained in (read from the warning amppass logs where the device rule "
     "keeps the original fp32: the default plan on a CPU without bf16 instructions); `vs_fp32_median` = the median "
     "over rounds of fp32's wall time / this variant's in the same round (above 1: faster), `vs_fp32_range` its "
-    "lowest and highest round; `cpu_vs_fp32` = the same median of process CPU seconds ratios; `cpu_ms_per_step` = "
+    "lowest and highest round, `vs_fp32_rounds` every round's; `cpu_vs_fp32` (`cpu_vs_fp32_rounds`) = the same of "
+    "process CPU seconds (the garbage collector runs between turns, not during them); `cpu_ms_per_step` = "
     "process CPU milliseconds per step over every round (the first included); `first_round_s` = the first round's "
     "wall time (the conversion is there); `later_step_ms` = the median wall milliseconds per step of the later "
     "rounds; `captures` = the train-mode captures amppass made (1: one conversion served every padded length); "
@@ -74,7 +77,7 @@ NOTES = (
 def settings(quick: bool) -> dict[str, Any]:
     """Model size, rounds, steps per round and batch size of a run."""
     if quick:
-        return dict(hidden=32, layers=1, heads=2, intermediate=64, rounds=2, per_round=2, batch=4)
+        return dict(hidden=32, layers=1, heads=2, intermediate=64, rounds=2, per_round=1, batch=4)
     return dict(hidden=128, layers=2, heads=2, intermediate=512, rounds=10, per_round=10, batch=8)
 
 
@@ -159,13 +162,20 @@ class Paced:
             self.go.clear()
 
     def turn(self) -> None:
-        """Let the variant train one round; record its wall and process CPU seconds."""
-        wall, cpu_s = time.perf_counter(), time.process_time()
-        self.go.set()
-        self.done.wait()
-        self.done.clear()
-        self.wall.append(time.perf_counter() - wall)
-        self.cpu.append(time.process_time() - cpu_s)
+        """Let the variant train one round; record its wall and process CPU seconds. The garbage collector runs
+        before the turn and not during it (as ``timeit`` does): a full collection of the process's objects takes
+        seconds, and would fall on whichever variant ran when it came."""
+        gc.collect()
+        gc.disable()
+        try:
+            wall, cpu_s = time.perf_counter(), time.process_time()
+            self.go.set()
+            self.done.wait()
+            self.done.clear()
+            self.wall.append(time.perf_counter() - wall)
+            self.cpu.append(time.process_time() - cpu_s)
+        finally:
+            gc.enable()
         if self.error is not None:
             raise self.error
 
@@ -239,6 +249,13 @@ def run(quick: bool) -> list[dict[str, Any]]:
     real = convert_module.capture
     with tempfile.TemporaryDirectory() as out, watched() as rule, warnings.catch_warnings(), threads(quick):
         warnings.simplefilter("ignore")
+        # the first and the last turn of a run cost seconds more CPU whichever variant has them: a plain Trainer
+        # that is not measured takes both (a turn before the rounds, its last after them)
+        warm_up = None if quick else Paced("warm-up", _builder("warm-up", dict(setting, rounds=2, per_round=1), rows,
+                                                                   tokenizer, Path(out)), 1)
+        gc.freeze()  # what exists now (the imported libraries) is never collected: each turn's collection is short
+        if warm_up is not None:
+            warm_up.turn()
         variants = {name: Paced(name, _builder(name, setting, rows, tokenizer, Path(out)), setting["per_round"])
                     for name in names}
 
@@ -255,11 +272,14 @@ def run(quick: bool) -> list[dict[str, Any]]:
                 shift = round_index % len(order)
                 for paced in order[shift:] + order[:shift]:
                     paced.turn()
+            if warm_up is not None:
+                warm_up.turn()
         finally:
             convert_module.capture = real
             for paced in variants.values():  # a variant that failed leaves the others waiting: let them end
                 paced.go.set()
             AcceleratorState._reset_state(reset_partial_state=True)
+            gc.unfreeze()
     return _rows(list(variants.values()), rule, tokenizer is not None)
 
 
@@ -279,7 +299,9 @@ def _rows(variants: list[Paced], rule: DeviceRule, tokenized: bool) -> list[dict
             "steps": steps,
             "vs_fp32_median": round(statistics.median(wall), 2),
             "vs_fp32_range": f"{min(wall):.2f}-{max(wall):.2f}",
+            "vs_fp32_rounds": " ".join(f"{r:.2f}" for r in wall),
             "cpu_vs_fp32": round(statistics.median(cpu_ratios), 2),
+            "cpu_vs_fp32_rounds": " ".join(f"{r:.2f}" for r in cpu_ratios),
             "cpu_ms_per_step": round(1e3 * sum(paced.cpu) / steps),
             "first_round_s": round(paced.wall[0], 2),
             "later_step_ms": round(1e3 * statistics.median(later) / paced.per_round) if later else None,

@@ -43,7 +43,7 @@ NOTES = ("Step-time rows (`kind` step_time): the median of interleaved rounds, o
          "`amppass bf16 coverage` with `plan_for='coverage'`; `trained` = what the row trained in, read from the "
          "warning amppass logs where the device rule keeps a train-mode plan for speed fp32 (the default plan on a "
          "CPU without bf16/fp16 instructions). Curve rows (`kind` curve): the digits CNN per epoch, amppass "
-         "`plan_for='coverage'` (low-precision training on any CPU); `--quick` trains one epoch.")
+         "`plan_for='coverage'` (low-precision training on any CPU), `--full` only; `--quick` times 3 rounds.")
 PRECISIONS = ("fp32", "fp16", "bf16")  # amppass train mode for the low ones
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -87,7 +87,7 @@ def step_times(quick: bool) -> list[dict[str, Any]]:
     The variants take turns, one step each per round, so load from other processes on a shared machine
     falls on all of them alike instead of on whichever ran at the time.
     """
-    warmup, rounds = (3, 10) if quick else (5, 40)
+    warmup, rounds = (1, 3) if quick else (5, 40)
     rows = []
     for model_name, (build, x) in _models(quick).items():
         y = torch.randint(0, 10, (x.shape[0],), generator=torch.Generator().manual_seed(0))
@@ -116,11 +116,11 @@ def step_times(quick: bool) -> list[dict[str, Any]]:
 
 
 def run(quick: bool) -> list[dict[str, Any]]:
-    """Step times side by side, then the digits curves (fewer epochs when ``quick``)."""
+    """Step times side by side, then the digits curves (not when ``quick``: a smoke run)."""
     with threads(quick):
         rows = step_times(quick)
-        for precision in PRECISIONS:
-            rows += train_digits(precision, epochs=1 if quick else 12, plan_for="coverage")
+        for precision in PRECISIONS if not quick else ():  # whole epochs of three trainings are no smoke test
+            rows += train_digits(precision, epochs=12, plan_for="coverage")
     return rows
 
 

@@ -46,8 +46,8 @@ def train_digits(precision: str, epochs: int = 12, seed: int = 0, batch: int = 6
     """Train :func:`digits_cnn` from ``seed`` in ``precision``; one record per epoch.
 
     ``"fp32"`` trains the plain module; ``"fp16"``/``"bf16"`` train ``amppass.convert(..., mode="train",
-    plan_for=plan_for)`` with ``amppass.LossScaler`` (a passthrough for bf16). Initial weights, batch order and dropout masks
-    come from the same seed in every precision.
+    plan_for=plan_for)`` with ``amppass.LossScaler`` (a passthrough for bf16). Initial weights, batch order and
+    dropout masks come from the same seed in every precision.
     """
     x_train, y_train, x_test, y_test = digits_data(seed)
     torch.manual_seed(seed)

@@ -63,8 +63,9 @@ region's calls (:class:`TimedCall`; :mod:`amppass.fx.runners.region_timing` buil
    (:func:`fp32_by_device`): on a device without native arithmetic for the low dtype, a train-mode plan for
    speed would keep every op fp32, so the model is not captured at all and :func:`amppass.convert` returns the
    original, kept in fp32 with its own copy of the weights (:mod:`amppass.serving.fp32_original`), at no
-   conversion cost; ``torch.compile(backend="amppass")`` in train mode runs its graphs as dynamo traced them. ``force_low=`` (ops the user wants low whatever the device) and ``costs=`` (a table made for
-   another device) make a plan as before; ``plan_for="coverage"`` paints low as always.
+   conversion cost; ``torch.compile(backend="amppass")`` in train mode runs its graphs as dynamo traced them.
+   ``force_low=`` (ops the user wants low whatever the device) and ``costs=`` (a table made for another device)
+   make a plan as before; ``plan_for="coverage"`` paints low as always.
 
 The table of every time used is stored in the converted model's metadata (``info["costs"]``); passing it
 back as ``costs=`` makes a conversion reuse those times instead of measuring, so a plan is reproducible

@@ -39,10 +39,11 @@ Rules:
 
 Options (all optional): ``dtype`` ("auto", "fp16", "bf16", torch dtypes), ``compiler`` ("inductor" or
 "eager"), ``plan_for`` ("speed" or "coverage": every graph is planned as "coverage", without timing kernels, since
-profitability times eager kernels, not the fused code inductor makes; "speed" adds rule 7), ``keep_io_types``, ``keep_fp32``, ``force_low``, ``low_weight_tables`` as for
-:func:`amppass.convert`, and ``calibration`` / ``tolerance``: batches of inputs for the graphs whose inputs
-they match (the model's first graph: a tuple in the graph's input order or a dict by argument name); other
-graphs are planned without them, and their report info says so.
+profitability times eager kernels, not the fused code inductor makes; "speed" adds rule 7), ``keep_io_types``,
+``keep_fp32``, ``force_low``, ``low_weight_tables`` as for :func:`amppass.convert`, and ``calibration`` /
+``tolerance``: batches of inputs for the graphs whose inputs they match (the model's first graph: a tuple in the
+graph's input order or a dict by argument name); other graphs are planned without them, and their report info
+says so.
 """
 
 from __future__ import annotations
@@ -357,8 +358,9 @@ class _Anonymous:
 @dataclass(frozen=True)
 class BackendSettings:
     """The backend's ``options``, checked once (:func:`_settings`): the settings every graph is converted with
-    (``conversion``, its ``plan_for`` as given: each graph is planned for coverage, rule 7 applies to "speed"), how the converted graphs run (``compiler``, ``freezing``),
-    and the calibration batches with their tolerance, for the graphs whose inputs they match (:meth:`of_graph`)."""
+    (``conversion``, its ``plan_for`` as given: each graph is planned for coverage, rule 7 applies to "speed"), how
+    the converted graphs run (``compiler``, ``freezing``), and the calibration batches with their tolerance, for
+    the graphs whose inputs they match (:meth:`of_graph`)."""
 
     conversion: Settings
     compiler: str = "inductor"

@@ -18,6 +18,7 @@ import amppass
 from amppass.pipelines import backend
 from amppass.pipelines.backend import amppass_backend
 from tests.helpers.load import avx2_cpu, native_bf16_cpu
+from tests.pipelines.test_backend import Split
 
 
 @pytest.fixture(autouse=True)
@@ -27,20 +28,8 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-class Split(nn.Module):
-    """Two linear stages with a graph break between them: dynamo hands the backend two graphs."""
-
-    def __init__(self):
-        super().__init__()
-        self.first, self.second = nn.Linear(16, 32), nn.Linear(32, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.relu(self.first(x))
-        torch._dynamo.graph_break()
-        return self.second(h)
-
-
 def _model() -> nn.Module:
+    """Two linear stages with a graph break between them: dynamo hands the backend two graphs."""
     torch.manual_seed(0)
     return Split().train()
 
