@@ -43,7 +43,8 @@ NOTES = ("Step-time rows (`kind` step_time): the median of interleaved rounds, o
          "`amppass bf16 coverage` with `plan_for='coverage'`; `trained` = what the row trained in, read from the "
          "warning amppass logs where the device rule keeps a train-mode plan for speed fp32 (the default plan on a "
          "CPU without bf16/fp16 instructions). Curve rows (`kind` curve): the digits CNN per epoch, amppass "
-         "`plan_for='coverage'` (low-precision training on any CPU), `--full` only; `--quick` times 3 rounds.")
+         "`plan_for='coverage'` (low-precision training on any CPU), `--full` only; `--quick` times 3 rounds at batch "
+         "16.")
 PRECISIONS = ("fp32", "fp16", "bf16")  # amppass train mode for the low ones
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -56,7 +57,8 @@ def _mlp() -> nn.Module:
 
 
 def _models(quick: bool) -> dict[str, tuple[Callable[[], nn.Module], torch.Tensor]]:
-    models = {"digits_cnn (batch 64)": (digits_cnn, torch.randn(64, 1, 8, 8))}
+    batch = 16 if quick else 64
+    models = {f"digits_cnn (batch {batch})": (digits_cnn, torch.randn(batch, 1, 8, 8))}
     if not quick:
         models["mlp 512-1024-1024-10 (batch 256)"] = (_mlp, torch.randn(256, 512))
     return models
