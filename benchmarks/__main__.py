@@ -301,7 +301,8 @@ SECTIONS: dict[str, Callable[[bool, Path], Section]] = {
                                     "Swin segmentation net (SwinUNETR's shape), bf16 coverage plan, under cProfile",
                                     lambda m, quick: m.run(quick)),
     "dynamic_padding": _external("dynamic_padding", "Fine-tuning with dynamic padding: AmpPassTrainer against the "
-                                 "transformers Trainer in fp32 and with bf16=True (steps/s, conversion included)",
+                                 "transformers Trainer in fp32 and with bf16=True (rounds of the same steps: wall and "
+                                 "CPU ratios, conversion included)",
                                  lambda m, quick: m.run(quick)),
     "gpu": _gpu,
 }
