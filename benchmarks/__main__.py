@@ -188,11 +188,18 @@ def _compile(quick: bool, out: Path) -> Section:
     return section
 
 
-def _train(quick: bool, out: Path) -> Section:
-    from . import train_gpt, train_step
+def _train_step(quick: bool, out: Path) -> Section:
+    from . import train_step
+
+    section = Section("Training step: amppass against autocast + GradScaler", "", notes=[train_step.NOTES])
+    section.tables.append(("Training step time, small models", train_step.run(quick)))
+    return section
+
+
+def _train_gpt(quick: bool, out: Path) -> Section:
+    from . import train_gpt
 
     section = Section("Training: amppass against autocast + GradScaler", "", notes=[train_gpt.NOTES])
-    section.tables.append(("Training step time, small models", train_step.run(quick)))
     described, rows, sharded = train_gpt.run(quick)
     section.tables.append((f"Character GPT-2 on the standard library's source: {described}", rows))
     section.tables.append(("FSDP2 on 2 processes (gloo, CPU): amppass fp16, fully_shard per block and on the root; "
@@ -263,7 +270,8 @@ SECTIONS: dict[str, Callable[[bool, Path], Section]] = {
     "onnx": _external("onnx_compare", "ONNX converters: onnxconverter-common against amppass",
                       lambda m, quick: m.run(quick)),
     "onnx_calib": _onnx_calibration,
-    "train": _train,
+    "train_step": _train_step,
+    "train_gpt": _train_gpt,
     "hostile": _external("hostile", "Hostile models", lambda m, quick: m.run()),
     "shapes": _shapes,
     "compile": _compile,
@@ -293,7 +301,8 @@ SECTIONS: dict[str, Callable[[bool, Path], Section]] = {
                                     "Swin segmentation net (SwinUNETR's shape), bf16 coverage plan, under cProfile",
                                     lambda m, quick: m.run(quick)),
     "dynamic_padding": _external("dynamic_padding", "Fine-tuning with dynamic padding: AmpPassTrainer against the "
-                                 "transformers Trainer in fp32 and with bf16=True (steps/s, conversion included)",
+                                 "transformers Trainer in fp32 and with bf16=True (rounds of the same steps: wall and "
+                                 "CPU ratios, conversion included)",
                                  lambda m, quick: m.run(quick)),
     "gpu": _gpu,
     "fp8_train": _external("fp8_train", "fp8 training: the character GPT-2 (CPU, fp8 emulated)", lambda m, q: m.run(q)),

@@ -1,9 +1,12 @@
 """amppass in the tools' own training loops against each tool's own precision flag (CPU).
 
 For each tool (Lightning ``Trainer``, transformers ``Trainer``, accelerate) one random BERT classifier and one list
-of batches are trained from one seed five ways: fp32; the tool's own flag for bf16 and for fp16
+of batches are trained from one seed six ways: fp32; the tool's own flag for bf16 and for fp16
 (``precision="bf16-mixed"``/``"16-mixed"``, ``TrainingArguments(bf16=True)``/``fp16=True``,
-``Accelerator(mixed_precision=...)``); and amppass fp16 and bf16 through :mod:`amppass.integrations`. One run each.
+``Accelerator(mixed_precision=...)``); and amppass fp16 and bf16 through :mod:`amppass.integrations` with the
+default ``plan_for='speed'``, and bf16 with ``plan_for='coverage'``. The ``trained`` column says what each amppass
+row trained in: on a CPU without bf16/fp16 instructions the default plan keeps the model fp32, which the warning
+amppass logs says (:mod:`benchmarks.train_common`). One run each; ``--quick`` runs fp32 and amppass bf16 only.
 
 ``python -m benchmarks.integrations [--quick]`` prints the table; ``python -m benchmarks run --only integrations``
 puts it in RESULTS.md.
@@ -25,6 +28,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from .latency import peak_of
+from .train_common import threads, watched
 
 log = logging.getLogger(__name__)
 
@@ -34,14 +38,23 @@ NOTES = (
     "gradient-accumulation steps. `tool bf16`/`tool fp16` = the tool's own precision flag (torch.autocast; "
     "GradScaler for fp16); `amppass fp16`/`amppass bf16` = the amppass integration (Lightning "
     "`plugins=[AmpPassPrecision(...)]`, `AmpPassTrainer(..., amppass_dtype=...)`, "
-    "`amppass.integrations.accelerate.prepare(...)`). Columns: `curve_dev` = the largest |loss - fp32's loss| / "
+    "`amppass.integrations.accelerate.prepare(...)`) with the default `plan_for='speed'`; `amppass bf16 coverage` "
+    "the same with `plan_for='coverage'` (bf16 on any CPU). Columns: `trained` = what an amppass row trained in "
+    "(read from the warning amppass logs where the device rule keeps a train-mode plan for speed fp32: the default "
+    "plan on a CPU without bf16/fp16 instructions); `curve_dev` = the largest |loss - fp32's loss| / "
     "fp32's loss over the steps; `step_ms` = median wall time of a training step after the first two (the first "
     "amppass step converts the model: `first_step_s`); `vs_flag` = the tool's own flag's `step_ms` for the same "
     "dtype / this row's (above 1: amppass is faster); `peak_MB` = high-water mark of torch CPU allocations during "
     "the last step (torch.profiler memory events). One run each: timings on a busy machine are not results."
 )
 
-VARIANTS = ("fp32", "tool bf16", "tool fp16", "amppass bf16", "amppass fp16")
+VARIANTS = ("fp32", "tool bf16", "tool fp16", "amppass bf16", "amppass fp16", "amppass bf16 coverage")
+QUICK_VARIANTS = ("fp32", "amppass bf16")  # a smoke run of each tool's loop and integration
+
+
+def _amppass(variant: str) -> tuple[str, dict[str, Any]]:
+    """An amppass variant's dtype and convert options."""
+    return variant.split()[1], {"plan_for": "coverage"} if variant.endswith("coverage") else {}
 
 
 @dataclass
@@ -78,7 +91,7 @@ class Setting:
 
 
 def settings(quick: bool) -> Setting:
-    return Setting(hidden=64, layers=2, seq=32, batch=8, steps=6) if quick else \
+    return Setting(hidden=32, layers=1, seq=16, batch=4, steps=3) if quick else \
         Setting(hidden=256, layers=4, seq=128, batch=16, steps=20)
 
 
@@ -90,6 +103,7 @@ class Record:
     times: list[float] = field(default_factory=list)
     peak: int = 0
     note: str = ""
+    trained: str | None = None  # what an amppass variant trained in
     _started: float = 0.0
     _profiler: Any = None
 
@@ -159,13 +173,12 @@ def lightning(variant: str, setting: Setting) -> Record:
             record.end()
             record.losses.append(float(outputs["loss"]))
 
-    flags: dict[str, Any] = {
-        "fp32": {},
-        "tool bf16": {"precision": "bf16-mixed"},
-        "tool fp16": {"precision": "16-mixed"},
-        "amppass bf16": {"plugins": [AmpPassPrecision("bf16")]},
-        "amppass fp16": {"plugins": [AmpPassPrecision("fp16")]},
-    }[variant]
+    flags: dict[str, Any] = {"fp32": {}, "tool bf16": {"precision": "bf16-mixed"},
+                             "tool fp16": {"precision": "16-mixed"}}
+    if variant.startswith("amppass"):
+        dtype, options = _amppass(variant)
+        flags[variant] = {"plugins": [AmpPassPrecision(dtype, **options)]}
+    flags = flags[variant]
     trainer = pl.Trainer(max_steps=len(batches), accelerator="cpu", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0,
                          callbacks=[Timer()], **flags)
@@ -198,7 +211,8 @@ def transformers_trainer(variant: str, setting: Setting) -> Record:
                                  disable_tqdm=True, seed=0, optim="adamw_torch", **flag)
         common = dict(model=_model(setting), args=args, train_dataset=setting.examples(), callbacks=[Timer()])
         if variant.startswith("amppass"):
-            trainer = AmpPassTrainer(**common, amppass_dtype=variant.split()[1])
+            dtype, options = _amppass(variant)
+            trainer = AmpPassTrainer(**common, amppass_dtype=dtype, amppass_options=options or None)
         else:
             trainer = Trainer(**common)
         if variant == "tool fp16" and trainer.accelerator.scaler is None:
@@ -223,7 +237,8 @@ def accelerate_loop(variant: str, setting: Setting) -> Record:
     model = _model(setting)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if variant.startswith("amppass"):
-        model, optimizer = prepare(accelerator, model, optimizer, dtype=variant.split()[1])
+        dtype, options = _amppass(variant)
+        model, optimizer = prepare(accelerator, model, optimizer, dtype=dtype, **options)
     else:
         model, optimizer = accelerator.prepare(model, optimizer)
     batches = setting.batches()
@@ -249,16 +264,23 @@ TOOLS: dict[str, Callable[[str, Setting], Record]] = {
 
 def run(quick: bool) -> list[dict[str, Any]]:
     """One row per tool and variant (module docstring)."""
-    setting = settings(quick)
+    with threads(quick):
+        return _run(settings(quick), QUICK_VARIANTS if quick else VARIANTS)
+
+
+def _run(setting: Setting, variants: tuple[str, ...]) -> list[dict[str, Any]]:
     rows = []
     for tool, train in TOOLS.items():
         records: dict[str, Record] = {}
-        for variant in VARIANTS:
+        for variant in variants:
             try:
-                records[variant] = train(variant, setting)
+                with watched() as rule:
+                    records[variant] = train(variant, setting)
             except Exception as error:  # noqa: BLE001 - a variant the tool cannot run here is a row saying so
                 log.warning("%s %s failed: %s", tool, variant, error)
                 records[variant] = Record(note=f"failed: {type(error).__name__}: {str(error)[:120]}")
+            if variant.startswith("amppass"):
+                records[variant].trained = rule.trained(_amppass(variant)[0])
         rows.extend(_rows(tool, records))
     return rows
 
@@ -268,11 +290,12 @@ def _rows(tool: str, records: dict[str, Record]) -> list[dict[str, Any]]:
     found = []
     for variant, record in records.items():
         step = statistics.median(record.times[2:]) * 1e3 if len(record.times) > 2 else None
-        flag = records.get(f"tool {variant.split()[-1]}")
+        flag = records.get(f"tool {variant.split()[1]}") if variant.startswith("amppass") else None
         flag_step = statistics.median(flag.times[2:]) * 1e3 if flag is not None and len(flag.times) > 2 else None
         found.append({
             "tool": tool,
             "variant": variant,
+            "trained": "fp32" if variant == "fp32" else record.trained,
             "steps": len(record.losses),
             "final_loss": round(record.losses[-1], 4) if record.losses else None,
             "curve_dev": _deviation(record.losses, reference),

@@ -12,12 +12,17 @@ their arithmetic only.
   last steps, steps the loss scaler skipped (its scale went down), median step time and its ratio to fp32's
   and to autocast fp16's, peak memory of one step (torch CPU allocations, profiler memory events) and the
   bytes autograd saved for backward in one forward (each storage once);
-- FSDP2 on two processes (gloo, loopback): the amppass fp16 model with ``fully_shard`` on each block and on
-  the root, trained on halves of the batches one process trains on whole; held-out loss in eval mode after
-  training on each rank against the single process's.
+- FSDP2 on two processes (gloo, loopback): the amppass fp16 model (``plan_for='coverage'``, so it is a converted
+  model on any CPU) with ``fully_shard`` on each block and on the root, trained on halves of the batches one
+  process trains on whole; held-out loss in eval mode after training on each rank against the single process's
+  (``--full`` only: two processes each importing torch and converting are no smoke test).
 
-``python -m benchmarks.train_gpt [--quick]`` prints both; ``python -m benchmarks run --full --only train``
-writes them into RESULTS.md with the training-step section.
+The amppass rows use the default ``plan_for='speed'``, and one more bf16 row ``plan_for='coverage'``; the
+``trained`` column says what each row trained in (on a CPU without bf16/fp16 instructions the default plan keeps
+the model fp32, which the warning amppass logs says: :mod:`benchmarks.train_common`).
+
+``python -m benchmarks.train_gpt [--quick]`` prints both; ``python -m benchmarks run --full --only train_gpt``
+writes them into RESULTS.md.
 """
 
 from __future__ import annotations
@@ -42,10 +47,14 @@ import amppass
 from models.char_gpt import char_gpt, next_char_loss, stdlib_corpus, train_steps
 
 from .latency import peak_alloc_bytes
+from .train_common import threads, watched
 
 log = logging.getLogger(__name__)
 
-NOTES = ("Columns: `held@N` held-out loss (nats/char, eval mode, the same held-out batches) after N steps; "
+NOTES = ("Columns: `trained` what the row trained in (read from the warning amppass logs where profitability's "
+         "device rule keeps a train-mode plan for speed fp32: the default plan on a CPU without bf16/fp16 "
+         "instructions; the `coverage` row trains bf16 on any CPU); `held@N` held-out loss (nats/char, eval "
+         "mode, the same held-out batches) after N steps; "
          "`train_loss_last` mean training loss of the last 10% of steps; `skipped` steps the loss scaler skipped; "
          "`step_ms` median step time (forward, scaled backward, optimizer step, scale update; the first steps of "
          "compiled variants excluded); `vs_fp32` / `vs_autocast_fp16` step time ratios (below 1: faster); "
@@ -74,7 +83,7 @@ class Setting:
                 f"{self.batch}, {self.steps} AdamW steps (lr {self.lr})")
 
 
-QUICK = Setting(layers=2, width=64, heads=4, block=64, batch=8, steps=8, evals=2, text=300_000)
+QUICK = Setting(layers=1, width=32, heads=2, block=32, batch=4, steps=4, evals=1, text=100_000)
 FULL = Setting(layers=4, width=256, heads=8, block=256, batch=16, steps=300, evals=3, text=None)
 
 
@@ -87,6 +96,7 @@ class Variant:
     scaler: Any
     context: Callable[[], Any]
     compiled: bool = False
+    trained: str = "fp32"  # what it trains in (a compiled variant's is known at its first step)
     opt: torch.optim.Optimizer | None = None
     times: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
@@ -102,22 +112,32 @@ def _variants(setting: Setting, example: torch.Tensor, quick: bool) -> list[Vari
     def autocast(dtype):
         return lambda: torch.autocast("cpu", dtype=dtype)
 
+    def converted(name: str, dtype: torch.dtype, scaler: Any, plan_for: str = "speed") -> Variant:
+        with watched() as rule:
+            model = amppass.convert(fresh(), (example,), dtype=dtype, mode="train", plan_for=plan_for)
+        return Variant(name, model, scaler, off, trained=rule.trained(str(dtype).removeprefix("torch.")))
+
     off = contextlib.nullcontext
     found = [
         Variant("fp32", fresh(), amppass.LossScaler(enabled=False), off),
-        Variant("autocast fp16 + GradScaler", fresh(), torch.amp.GradScaler("cpu"), autocast(torch.float16)),
-        Variant("autocast bf16", fresh(), amppass.LossScaler(enabled=False), autocast(torch.bfloat16)),
-        Variant("amppass fp16 + LossScaler", amppass.convert(fresh(), (example,), dtype=torch.float16, mode="train"),
-                amppass.LossScaler(), off),
-        Variant("amppass bf16", amppass.convert(fresh(), (example,), dtype=torch.bfloat16, mode="train"),
-                amppass.LossScaler(dtype=torch.bfloat16), off),
-        Variant("amppass fp16 compiled + LossScaler",
-                torch.compile(fresh(), backend="amppass", options={"mode": "train", "dtype": torch.float16}),
-                amppass.LossScaler(), off, compiled=True),
+        Variant("autocast fp16 + GradScaler", fresh(), torch.amp.GradScaler("cpu"), autocast(torch.float16),
+                trained="float16 (autocast)"),
+        converted("amppass bf16", torch.bfloat16, amppass.LossScaler(dtype=torch.bfloat16)),
     ]
-    if not quick:
+    if not quick:  # a smoke run trains one of each kind; a capture (coverage) and inductor's compile of a train
+        # graph are no smoke test (the training-step section's quick run converts its small CNN with coverage)
+        found[2:2] = [Variant("autocast bf16", fresh(), amppass.LossScaler(enabled=False), autocast(torch.bfloat16),
+                              trained="bfloat16 (autocast)"),
+                      converted("amppass fp16 + LossScaler", torch.float16, amppass.LossScaler())]
+        found.append(converted("amppass bf16 coverage", torch.bfloat16, amppass.LossScaler(dtype=torch.bfloat16),
+                               "coverage"))
+        found.append(Variant("amppass fp16 compiled + LossScaler",
+                             torch.compile(fresh(), backend="amppass", options={"mode": "train",
+                                                                                "dtype": torch.float16}),
+                             amppass.LossScaler(), off, compiled=True, trained="float16"))
         found.append(Variant("autocast fp16 compiled (inductor) + GradScaler", torch.compile(fresh()),
-                             torch.amp.GradScaler("cpu"), autocast(torch.float16), compiled=True))
+                             torch.amp.GradScaler("cpu"), autocast(torch.float16), compiled=True,
+                             trained="float16 (autocast)"))
     for variant in found:
         variant.opt = torch.optim.AdamW(variant.model.parameters(), lr=setting.lr)
     return found
@@ -170,7 +190,12 @@ def single_process(setting: Setting, quick: bool) -> list[dict[str, Any]]:
     for step, batch in enumerate(batches, 1):
         for variant in variants:
             start = time.perf_counter()
-            variant.losses.append(_step(variant, batch))
+            if step == 1 and variant.compiled and variant.name.startswith("amppass"):  # planned at the first call
+                with watched() as rule:
+                    variant.losses.append(_step(variant, batch))
+                variant.trained = rule.trained(variant.trained)
+            else:
+                variant.losses.append(_step(variant, batch))
             if step > warmup or not variant.compiled:
                 variant.times.append(time.perf_counter() - start)
             if step in marks:
@@ -180,7 +205,7 @@ def single_process(setting: Setting, quick: bool) -> list[dict[str, Any]]:
     tail = max(1, setting.steps // 10)
     rows = []
     for variant in variants:
-        row: dict[str, Any] = {"variant": variant.name}
+        row: dict[str, Any] = {"variant": variant.name, "trained": variant.trained}
         row.update({f"held@{s}": f"{variant.held[s]:.4f}" for s in sorted(marks)})  # 4 decimals, as strings:
         row.update({  # the table would round floats to 3 significant digits
             "train_loss_last": f"{statistics.fmean(variant.losses[-tail:]):.4f}",
@@ -209,7 +234,7 @@ def _fsdp_recipe(setting: Setting, rank: int | None, world: int) -> dict[str, fl
     batches = [corpus.batch(data, setting.batch, setting.block) for _ in range(steps)]
     held = corpus.batch(torch.Generator().manual_seed(2), setting.batch, setting.block, held_out=True)
     net = char_gpt(setting.layers, setting.width, setting.heads, setting.block, dropout=0.0, seed=0)
-    model = amppass.convert(net, (batches[0][:, :-1],), dtype=torch.float16, mode="train")
+    model = amppass.convert(net, (batches[0][:, :-1],), dtype=torch.float16, mode="train", plan_for="coverage")
     if rank is not None:
         for block in model.transformer.h:
             fully_shard(block)
@@ -284,6 +309,11 @@ def fsdp(setting: Setting, world: int = 2, timeout_s: float = 1800) -> list[dict
 def run(quick: bool) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
     """(what was trained, the per-variant table, the FSDP2 table)."""
     setting = QUICK if quick else FULL
+    if quick:
+        with threads(quick):
+            rows = single_process(setting, quick)
+        return setting.describe(), rows, [{"run": "skipped in --quick (`python -m benchmarks run --full --only "
+                                                  "train_gpt` runs it)"}]
     return setting.describe(), single_process(setting, quick), fsdp(setting)
 
 

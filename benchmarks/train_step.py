@@ -4,10 +4,13 @@
 
 - ``kind="step_time"``: median milliseconds per training step (forward, scaled backward, optimizer step,
   scale update) of the same model and batch in fp32, under ``torch.autocast`` (bf16, fp16) with
-  ``torch.amp.GradScaler``, and converted by ``amppass.convert(..., mode="train")`` (bf16, fp16) with
-  ``amppass.LossScaler``.
+  ``torch.amp.GradScaler``, and converted by ``amppass.convert(..., mode="train")`` (bf16, fp16, the default
+  ``plan_for='speed'``; and bf16 with ``plan_for='coverage'``) with ``amppass.LossScaler``. ``trained`` says what
+  each row trained in: on a CPU without bf16/fp16 instructions the default plan returns the original fp32 model
+  (:mod:`benchmarks.train_common` reads the warning that says so).
 - ``kind="curve"``: per epoch, the training loss and test accuracy of a small CNN on scikit-learn's
-  bundled digits data (no download), trained from one seed in fp32 and with amppass fp16 / bf16.
+  bundled digits data (no download), trained from one seed in fp32 and with amppass fp16 / bf16
+  (``plan_for='coverage'``, so the curves are low-precision training on any CPU).
 
 ``python benchmarks/train_step.py [--quick] [--threads N]`` prints both and writes
 ``benchmarks/digits_curves.md`` and ``benchmarks/digits_curves.png``.
@@ -30,9 +33,18 @@ from torch import nn
 import amppass
 from models.digits import digits_cnn, train_digits
 
+from .train_common import threads, watched
+
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
+NOTES = ("Step-time rows (`kind` step_time): the median of interleaved rounds, one step per variant each round. "
+         "`amppass fp16`/`amppass bf16` = `amppass.convert(..., mode='train')` with its default `plan_for='speed'`, "
+         "`amppass bf16 coverage` with `plan_for='coverage'`; `trained` = what the row trained in, read from the "
+         "warning amppass logs where the device rule keeps a train-mode plan for speed fp32 (the default plan on a "
+         "CPU without bf16/fp16 instructions). Curve rows (`kind` curve): the digits CNN per epoch, amppass "
+         "`plan_for='coverage'` (low-precision training on any CPU), `--full` only; `--quick` times 3 rounds at batch "
+         "16.")
 PRECISIONS = ("fp32", "fp16", "bf16")  # amppass train mode for the low ones
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -45,24 +57,30 @@ def _mlp() -> nn.Module:
 
 
 def _models(quick: bool) -> dict[str, tuple[Callable[[], nn.Module], torch.Tensor]]:
-    models = {"digits_cnn (batch 64)": (digits_cnn, torch.randn(64, 1, 8, 8))}
+    batch = 16 if quick else 64
+    models = {f"digits_cnn (batch {batch})": (digits_cnn, torch.randn(batch, 1, 8, 8))}
     if not quick:
         models["mlp 512-1024-1024-10 (batch 256)"] = (_mlp, torch.randn(256, 512))
     return models
 
 
-def _variants(build: Callable[[], nn.Module], x: torch.Tensor) -> Iterator[tuple[str, nn.Module, Any, Any]]:
-    """(name, model, scaler, autocast context factory) for each way of training the same model."""
+def _variants(build: Callable[[], nn.Module], x: torch.Tensor) -> Iterator[tuple[str, str, nn.Module, Any, Any]]:
+    """(name, what it trains in, model, scaler, autocast context factory) for each way of training the same
+    model."""
     torch.manual_seed(0)
-    yield "fp32", build(), amppass.LossScaler(enabled=False), contextlib.nullcontext
+    yield "fp32", "fp32", build(), amppass.LossScaler(enabled=False), contextlib.nullcontext
     for name, dtype in _DTYPES.items():
         torch.manual_seed(0)
-        yield (f"torch.autocast {name} + GradScaler", build(), torch.amp.GradScaler("cpu"),
+        yield (f"torch.autocast {name} + GradScaler", f"{name} (autocast)", build(), torch.amp.GradScaler("cpu"),
                lambda dtype=dtype: torch.autocast("cpu", dtype=dtype))
-    for name, dtype in _DTYPES.items():
+    for name, dtype, plan_for in [(n, d, "speed") for n, d in _DTYPES.items()] + [("bf16", torch.bfloat16,
+                                                                                    "coverage")]:
         torch.manual_seed(0)
-        model = amppass.convert(build(), (x,), dtype=dtype, mode="train")
-        yield f"amppass {name} + LossScaler", model, amppass.LossScaler(dtype=dtype), contextlib.nullcontext
+        with watched() as rule:
+            model = amppass.convert(build(), (x,), dtype=dtype, mode="train", plan_for=plan_for)
+        label = f"amppass {name}" + (" coverage" if plan_for == "coverage" else "")
+        yield (f"{label} + LossScaler", rule.trained(name), model, amppass.LossScaler(dtype=dtype),
+               contextlib.nullcontext)
 
 
 def step_times(quick: bool) -> list[dict[str, Any]]:
@@ -71,12 +89,14 @@ def step_times(quick: bool) -> list[dict[str, Any]]:
     The variants take turns, one step each per round, so load from other processes on a shared machine
     falls on all of them alike instead of on whichever ran at the time.
     """
-    warmup, rounds = (3, 10) if quick else (5, 40)
+    warmup, rounds = (1, 3) if quick else (5, 40)
     rows = []
     for model_name, (build, x) in _models(quick).items():
         y = torch.randint(0, 10, (x.shape[0],), generator=torch.Generator().manual_seed(0))
+        made = list(_variants(build, x))
         variants = [(name, model, scaler, autocast, torch.optim.SGD(model.parameters(), lr=1e-3))
-                    for name, model, scaler, autocast in _variants(build, x)]
+                    for name, _, model, scaler, autocast in made]
+        trained = {name: what for name, what, *_ in made}
         times: dict[str, list[float]] = {name: [] for name, *_ in variants}
         for i in range(warmup + rounds):
             for name, model, scaler, autocast, opt in variants:
@@ -90,7 +110,7 @@ def step_times(quick: bool) -> list[dict[str, Any]]:
                 if i >= warmup:
                     times[name].append(time.perf_counter() - start)
         for name, samples in times.items():
-            rows.append({"kind": "step_time", "model": model_name, "variant": name,
+            rows.append({"kind": "step_time", "model": model_name, "variant": name, "trained": trained[name],
                          "median_ms": 1e3 * statistics.median(samples), "steps": rounds,
                          "threads": torch.get_num_threads()})
             log.info("%s / %s: %.2f ms", model_name, name, rows[-1]["median_ms"])
@@ -98,10 +118,11 @@ def step_times(quick: bool) -> list[dict[str, Any]]:
 
 
 def run(quick: bool) -> list[dict[str, Any]]:
-    """Step times side by side, then the digits curves (fewer epochs when ``quick``)."""
-    rows = step_times(quick)
-    for precision in PRECISIONS:
-        rows += train_digits(precision, epochs=4 if quick else 12)
+    """Step times side by side, then the digits curves (not when ``quick``: a smoke run)."""
+    with threads(quick):
+        rows = step_times(quick)
+        for precision in PRECISIONS if not quick else ():  # whole epochs of three trainings are no smoke test
+            rows += train_digits(precision, epochs=12, plan_for="coverage")
     return rows
 
 
@@ -111,12 +132,12 @@ def run(quick: bool) -> list[dict[str, Any]]:
 def markdown(rows: list[dict[str, Any]], command: str) -> str:
     """The step-time table and the digits curves as Markdown."""
     lines = ["# Training with amppass: step time and digits curves", "", f"Reproduce: `{command}`", "",
-             "## Step time (median ms per step, CPU)", "", "| model | variant | median ms | threads |",
-             "| --- | --- | ---: | ---: |"]
+             "## Step time (median ms per step, CPU)", "", "| model | variant | trained | median ms | threads |",
+             "| --- | --- | --- | ---: | ---: |"]
     for r in (r for r in rows if r["kind"] == "step_time"):
-        lines.append(f"| {r['model']} | {r['variant']} | {r['median_ms']:.2f} | {r['threads']} |")
+        lines.append(f"| {r['model']} | {r['variant']} | {r['trained']} | {r['median_ms']:.2f} | {r['threads']} |")
     curves = [r for r in rows if r["kind"] == "curve"]
-    lines += ["", "## Digits CNN: test accuracy (%) per epoch, same seed", "",
+    lines += ["", "## Digits CNN: test accuracy (%) per epoch, same seed (amppass: plan_for='coverage')", "",
               "| epoch | " + " | ".join(PRECISIONS) + " |", "| ---: |" + " ---: |" * len(PRECISIONS)]
     by = {(r["precision"], r["epoch"]): r for r in curves}
     for epoch in sorted({r["epoch"] for r in curves}):

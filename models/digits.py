@@ -41,18 +41,20 @@ def digits_cnn() -> nn.Module:
     )
 
 
-def train_digits(precision: str, epochs: int = 12, seed: int = 0, batch: int = 64) -> list[dict[str, Any]]:
+def train_digits(precision: str, epochs: int = 12, seed: int = 0, batch: int = 64,
+                 plan_for: str = "speed") -> list[dict[str, Any]]:
     """Train :func:`digits_cnn` from ``seed`` in ``precision``; one record per epoch.
 
-    ``"fp32"`` trains the plain module; ``"fp16"``/``"bf16"`` train ``amppass.convert(..., mode="train")``
-    with ``amppass.LossScaler`` (a passthrough for bf16). Initial weights, batch order and dropout masks
-    come from the same seed in every precision.
+    ``"fp32"`` trains the plain module; ``"fp16"``/``"bf16"`` train ``amppass.convert(..., mode="train",
+    plan_for=plan_for)`` with ``amppass.LossScaler`` (a passthrough for bf16). Initial weights, batch order and
+    dropout masks come from the same seed in every precision.
     """
     x_train, y_train, x_test, y_test = digits_data(seed)
     torch.manual_seed(seed)
     model = digits_cnn()
     if precision != "fp32":
-        model = amppass.convert(model, (x_train[:batch],), dtype=_DTYPES[precision], mode="train")
+        model = amppass.convert(model, (x_train[:batch],), dtype=_DTYPES[precision], mode="train",
+                                plan_for=plan_for)
     scaler = amppass.LossScaler(dtype=_DTYPES.get(precision, torch.float16), enabled=precision != "fp32")
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     steps_per_epoch = -(-len(y_train) // batch)

@@ -63,8 +63,9 @@ region's calls (:class:`TimedCall`; :mod:`amppass.fx.runners.region_timing` buil
    (:func:`fp32_by_device`): on a device without native arithmetic for the low dtype, a train-mode plan for
    speed would keep every op fp32, so the model is not captured at all and :func:`amppass.convert` returns the
    original, kept in fp32 with its own copy of the weights (:mod:`amppass.serving.fp32_original`), at no
-   conversion cost. ``force_low=`` (ops the user wants low whatever the device) and ``costs=`` (a table made for
-   another device) make a plan as before; ``plan_for="coverage"`` paints low as always.
+   conversion cost; ``torch.compile(backend="amppass")`` in train mode runs its graphs as dynamo traced them.
+   ``force_low=`` (ops the user wants low whatever the device) and ``costs=`` (a table made for another device)
+   make a plan as before; ``plan_for="coverage"`` paints low as always.
 
 The table of every time used is stored in the converted model's metadata (``info["costs"]``); passing it
 back as ``costs=`` makes a conversion reuse those times instead of measuring, so a plan is reproducible
@@ -325,13 +326,20 @@ class Profitability:
         return max((self.costs.sources[key] for key in keys), key=SOURCES.index)
 
 
+CONVERT_ANYWAY = ("plan_for='coverage' converts it anyway; to plan for another device, convert there, pass "
+                  "target='cuda' for a GPU, or costs= from there")
+
+
 def fp32_by_device(name: str, target: Target, device: torch.device | None, options: PlanOptions,
-                   weight_bytes: int) -> dict[str, Any] | None:
+                   weight_bytes: int, anyway: str = CONVERT_ANYWAY) -> dict[str, Any] | None:
     """Rule 5: the record of a train-mode plan for speed that the device alone keeps fp32, decided before anything
     is captured; None where the plan is to be made (another ``plan_for``, a target not on this machine, a device
     with native arithmetic for the low dtype or unknown facts, ``force_low=`` or ``costs=`` given).
 
-    ``name`` is the model's (for the warning), ``device`` where its weights are, ``weight_bytes`` their size. The
+    Both entry points that train call it, each once per model: :func:`amppass.convert` (which then returns the
+    original) and the compile backend (whose graphs then run as dynamo traced them). ``name`` is the model's (for
+    the warning, which says, in ``anyway``, how to convert it anyway through the caller's own options), ``device``
+    where its weights are, ``weight_bytes`` their size. The
     record has the keys of every conversion's summary, the device's facts under ``profitability`` and the reason
     under ``whole_model``, as an inference conversion that kept the original records them."""
     if options.plan_for != "speed" or not target.profitable or options.force_low or options.costs is not None:
@@ -341,8 +349,7 @@ def fp32_by_device(name: str, target: Target, device: torch.device | None, optio
     if facts.native.native:
         return None
     log.warning("%s: profitability: %s; a train-mode plan for speed would keep every op fp32, so the model is not "
-                "captured and trains in fp32 as it is (plan_for='coverage' converts it anyway; to plan for another "
-                "device, convert there, pass target='cuda' for a GPU, or costs= from there)", name, facts.native.reason)
+                "converted and trains in fp32 as it is (%s)", name, facts.native.reason, anyway)
     untouched = SimpleNamespace(casts=0, weights_converted=0, weight_copies=0)
     return {**summary("fx", target.low.name, target.describe(), "train", options.keep_io_types, untouched,
                       weight_bytes, weight_bytes),

@@ -30,12 +30,20 @@ Rules:
 6. In training, a graph that applies a ``torch.autograd.Function`` runs as dynamo traced it, in fp32 (logged;
    the report's ``info["unconverted"]`` says why): tracing it to ATen ops would keep the Function's forward and
    differentiate that, losing the backward the model wrote (a straight-through estimator's, YOSO's).
+7. In training with ``plan_for="speed"`` (the default), profitability's device rule decides before any graph is
+   traced, as it does for :func:`amppass.convert` (the same function,
+   :func:`amppass.analysis.profitability.fp32_by_device`): on a device without native arithmetic for the low dtype
+   (a CPU without bf16/fp16 instructions) no op would train faster low, so every graph runs as dynamo traced it,
+   in fp32, at plain ``torch.compile``'s speed; one warning per ``torch.compile`` call says why, and the report's
+   ``info["unconverted"]`` and ``info["profitability"]`` too. ``plan_for="coverage"`` converts every graph anyway.
 
 Options (all optional): ``dtype`` ("auto", "fp16", "bf16", torch dtypes), ``compiler`` ("inductor" or
-"eager"), ``keep_io_types``, ``keep_fp32``, ``force_low``, ``low_weight_tables`` as for
-:func:`amppass.convert`, and ``calibration`` / ``tolerance``: batches of inputs for the graphs whose inputs
-they match (the model's first graph: a tuple in the graph's input order or a dict by argument name); other
-graphs are planned without them, and their report info says so.
+"eager"), ``plan_for`` ("speed" or "coverage": every graph is planned as "coverage", without timing kernels, since
+profitability times eager kernels, not the fused code inductor makes; "speed" adds rule 7), ``keep_io_types``,
+``keep_fp32``, ``force_low``, ``low_weight_tables`` as for :func:`amppass.convert`, and ``calibration`` /
+``tolerance``: batches of inputs for the graphs whose inputs they match (the model's first graph: a tuple in the
+graph's input order or a dict by argument name); other graphs are planned without them, and their report info
+says so.
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from ..analysis.options import PlanOptions
+from ..analysis.profitability import fp32_by_device
 from ..analysis.record import META_KEY
 from ..dtypes import low_type
 from ..errors import CaptureError, InputError
@@ -74,8 +83,9 @@ from .stages import plan_captured
 log = logging.getLogger(__name__)
 
 COMPILERS = ("inductor", "eager")
-_OPTIONS = ("dtype", "mode", "compiler", "freezing", "keep_io_types", "keep_fp32", "force_low", "low_weight_tables",
-            "calibration", "tolerance")
+_OPTIONS = ("dtype", "mode", "compiler", "plan_for", "freezing", "keep_io_types", "keep_fp32", "force_low",
+            "low_weight_tables", "calibration", "tolerance")
+PLANS = ("speed", "coverage")
 _PLAN_OPTIONS = ("keep_io_types", "keep_fp32", "force_low", "low_weight_tables")  # every graph's plan options
 @dataclass
 class Session:
@@ -83,6 +93,23 @@ class Session:
 
     settings: "BackendSettings"  # without the calibration batches
     graphs: list["CompiledGraph"] = field(default_factory=list)
+    by_device: dict[str, dict[str, Any] | None] = field(default_factory=dict)  # rule 7's record, per device type
+
+    def kept_fp32(self, example_inputs: list[Any], weights: int) -> str | None:
+        """Rule 7: why a train-mode graph on the device of ``example_inputs`` runs unconverted (the device alone keeps
+        a plan for speed fp32), or None; decided, and warned about, once per device for this compile. ``weights``:
+        the bytes of the graph's parameters and buffers, for the record."""
+        conversion = self.settings.conversion
+        if not conversion.trains:
+            return None
+        device = _device(example_inputs)
+        if device.type not in self.by_device:
+            self.by_device[device.type] = fp32_by_device(
+                "torch.compile(backend='amppass')", conversion.on(device).resolved, device, conversion.options, weights,
+                anyway="options={'plan_for': 'coverage'} converts it anyway; compiled on a GPU, its graphs are "
+                       "planned for the GPU")
+        record = self.by_device[device.type]
+        return None if record is None else record["whole_model"]["skipped"]
 
     def report(self) -> Report:
         """One report over every graph: rows named ``g<i>.<node>``, the summary summed over graphs."""
@@ -94,6 +121,9 @@ class Session:
         rows, info = whole.rows, {k: v for k, v in whole.info.items() if k != "target"}
         if not converted:  # every graph runs as dynamo traced it (info["unconverted"] says why)
             info.update({"dtype": "fp32", "mode": self.settings.conversion.mode})
+        kept = [record for record in self.by_device.values() if record is not None]
+        if kept:  # rule 7: the device's facts that kept the graphs fp32
+            info["profitability"] = kept[0]["profitability"]
         info.update({"front_end": "fx", "compiler": self.settings.compiler,
                      "graphs": len(converted), "calibrated": any(g.calibrated for g in converted),
                      "unconverted": [{"graph": g.index, "reason": g.failed} for g in self.graphs if g.failed],
@@ -112,7 +142,7 @@ def amppass_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict
     """The torch.compile backend registered as ``"amppass"`` (module docstring for the options)."""
     settings = _settings(options)
     session = _session(options, settings)
-    graph = CompiledGraph(gm, example_inputs, settings, len(session.graphs))
+    graph = CompiledGraph(gm, example_inputs, settings, len(session.graphs), session)
     session.graphs.append(graph)
     return graph
 
@@ -125,20 +155,24 @@ class CompiledGraph:
     every shape dynamo's guards let through, and any guard inductor adds on the sizes is dynamo's to check.
     """
 
-    def __init__(self, gm: fx.GraphModule, example_inputs: list[Any], settings: "BackendSettings", index: int):
+    def __init__(self, gm: fx.GraphModule, example_inputs: list[Any], settings: "BackendSettings", index: int,
+                 session: Session):
         self.gm, self.settings, self.index = gm, settings, index
         self.compiler, self.refreshes, self.calibrated = settings.compiler, 0, False
         self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.state = state_inputs(self.placeholders, example_inputs)  # position -> attribute name (rule 1)
         self.converted: fx.GraphModule | None = None
-        self.failed: str | None = None  # why the graph could not be converted (it then runs unconverted)
         self.users: list[int] = []
         self.fakes = [n.meta.get("example_value") for n in self.placeholders]
-        try:
-            self._convert(example_inputs)
-        except CaptureError as err:  # one region stays fp32 rather than the whole model failing
-            self.failed = str(err)
-            log.warning("amppass backend: graph %d runs as dynamo traced it, in fp32: %s", self.index, err)
+        # why the graph is not converted (it then runs as dynamo traced it): the device (rule 7), or its trace
+        self.failed = session.kept_fp32(example_inputs, _bytes(example_inputs[i] for i in self.state))
+        if self.failed is None:
+            try:
+                self._convert(example_inputs)
+            except CaptureError as err:  # one region stays fp32 rather than the whole model failing
+                self.failed = str(err)
+                log.warning("amppass backend: graph %d runs as dynamo traced it, in fp32: %s", self.index, err)
+        if self.failed is not None:
             self.run = gm.forward if self.compiler == "eager" else _inductor(gm, example_inputs, freeze=False)
             return
         self.run = self._compile([example_inputs[i] for i in self.users], inside_dynamo=True)
@@ -324,8 +358,9 @@ class _Anonymous:
 @dataclass(frozen=True)
 class BackendSettings:
     """The backend's ``options``, checked once (:func:`_settings`): the settings every graph is converted with
-    (``conversion``: a coverage plan, module docstring), how the converted graphs run (``compiler``, ``freezing``),
-    and the calibration batches with their tolerance, for the graphs whose inputs they match (:meth:`of_graph`)."""
+    (``conversion``, its ``plan_for`` as given: each graph is planned for coverage, rule 7 applies to "speed"), how
+    the converted graphs run (``compiler``, ``freezing``), and the calibration batches with their tolerance, for
+    the graphs whose inputs they match (:meth:`of_graph`)."""
 
     conversion: Settings
     compiler: str = "inductor"
@@ -335,10 +370,10 @@ class BackendSettings:
 
     def of_graph(self, placeholders: list[fx.Node], users: list[int], example_inputs: list[Any],
                  index: int) -> tuple[Settings, bool]:
-        """The settings of one graph, for the device of its inputs: planned without measuring (profitability times
-        eager kernels, not the fused code inductor makes), calibrated only where its batches fit; and whether they
-        do."""
-        settings = self.conversion.on(_device(example_inputs))
+        """The settings of one graph, for the device of its inputs: a coverage plan, made without measuring
+        (profitability times eager kernels, not the fused code inductor makes), calibrated only where its batches
+        fit; and whether they do."""
+        settings = self.conversion.on(_device(example_inputs)).replace(plan_for="coverage")
         batches = _aligned(self.calibration, [placeholders[i] for i in users], [example_inputs[i] for i in users])
         if self.calibration is not None and batches is None:
             log.info("amppass backend: graph %d takes other tensors than the calibration batches; planned without "
@@ -354,18 +389,23 @@ def _settings(options: dict[str, Any] | None) -> BackendSettings:
     if unknown:
         raise InputError(f"torch.compile(backend='amppass'): unknown option(s) {unknown}; the options are "
                          f"{list(_OPTIONS)}, e.g. options={{'dtype': 'bf16', 'compiler': 'inductor'}}")
-    settings = {"dtype": "auto", "mode": "inference", "compiler": "inductor", "freezing": True, "calibration": None,
-                "tolerance": None, **options}
+    settings = {"dtype": "auto", "mode": "inference", "compiler": "inductor", "plan_for": "speed", "freezing": True,
+                "calibration": None, "tolerance": None, **options}
     if settings["mode"] not in MODES:
         raise InputError(f"torch.compile(backend='amppass'): mode={settings['mode']!r} is not one of {MODES}; "
                          "'train' casts the fp32 parameters inside each graph so gradients reach them")
     if settings["compiler"] not in COMPILERS:
         raise InputError(f"torch.compile(backend='amppass'): compiler={settings['compiler']!r} is not one of "
                          f"{COMPILERS}; 'inductor' compiles the converted graphs, 'eager' runs them as they are")
+    if settings["plan_for"] not in PLANS:
+        raise InputError(f"torch.compile(backend='amppass'): plan_for={settings['plan_for']!r} is not one of {PLANS}; "
+                         "'speed' trains in fp32 on a device where no op trains faster low, 'coverage' converts every "
+                         "graph anyway (amppass.convert(..., plan_for='memory') stores weights low)")
     calibration = settings["calibration"]
     calibration = list(calibration) if calibration is not None else None  # every graph it matches reads it
     low_type(settings["dtype"])  # a bad dtype is reported now, not at the first graph
-    plan = PlanOptions(plan_for="coverage", **{name: options[name] for name in _PLAN_OPTIONS if name in options})
+    plan = PlanOptions(plan_for=settings["plan_for"],
+                       **{name: options[name] for name in _PLAN_OPTIONS if name in options})
     return BackendSettings(Settings(plan, settings["mode"], settings["dtype"]), settings["compiler"],
                            settings["freezing"], calibration, settings["tolerance"])
 
@@ -456,6 +496,11 @@ def _inductor(plan: fx.GraphModule, inputs: tuple, freeze: bool) -> Callable[...
 def _version(tensor: torch.Tensor) -> int | None:
     """The tensor's version counter; None for a tensor made under ``torch.inference_mode()``, which has none."""
     return None if tensor.is_inference() else tensor._version
+
+
+def _bytes(tensors: Iterator[Any]) -> int:
+    """Bytes of the floating tensors among ``tensors``."""
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point())
 
 
 def _device(values: list[Any]) -> torch.device:

@@ -33,3 +33,37 @@ def test_shapes_quick_set_is_three_architectures():
 
     assert [name for name, _ in shapes.architectures(True)] == list(shapes.QUICK) and len(shapes.QUICK) == 3
     assert len(shapes.architectures(False)) > 3 * len(shapes.QUICK)
+
+
+def test_dynamic_padding_quick_is_two_variants_of_a_one_layer_bert_for_two_short_rounds():
+    from benchmarks import dynamic_padding
+
+    quick, full = dynamic_padding.settings(True), dynamic_padding.settings(False)
+    assert quick["layers"] == 1 and quick["rounds"] * quick["per_round"] <= 2 and quick["batch"] <= 4
+    assert dynamic_padding.QUICK_VARIANTS == ("Trainer fp32", "AmpPassTrainer bf16")
+    assert full["rounds"] >= 10 and full["rounds"] * full["per_round"] == 100  # the full run: rounds to take a median
+    assert len(dynamic_padding.VARIANTS) == 4 and "AmpPassTrainer bf16 coverage" in dynamic_padding.VARIANTS
+
+
+def test_train_step_quick_times_the_digits_cnn_only():
+    from benchmarks import train_step
+
+    assert list(train_step._models(True)) == ["digits_cnn (batch 16)"]
+    assert list(train_step._models(False))[0] == "digits_cnn (batch 64)" and len(train_step._models(False)) == 2
+
+
+def test_train_gpt_quick_is_a_one_layer_gpt_for_four_steps():
+    from benchmarks import train_gpt
+
+    quick, full = train_gpt.QUICK, train_gpt.FULL
+    assert (quick.layers, quick.steps) == (1, 4) and quick.width <= 32 and quick.block <= 32
+    assert (full.layers, full.width, full.steps) == (4, 256, 300)
+
+
+def test_integrations_quick_runs_fp32_and_the_default_amppass_plan_on_a_one_layer_bert():
+    from benchmarks import integrations
+
+    quick, full = integrations.settings(True), integrations.settings(False)
+    assert (quick.layers, quick.steps) == (1, 3) and quick.hidden <= 32 and quick.seq <= 16
+    assert integrations.QUICK_VARIANTS == ("fp32", "amppass bf16")
+    assert "amppass bf16 coverage" in integrations.VARIANTS and (full.layers, full.steps) == (4, 20)

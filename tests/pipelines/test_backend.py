@@ -119,7 +119,7 @@ def test_train_mode_gradients_reach_the_models_fp32_parameters():
     torch.manual_seed(0)
     model = Split()
     compiled = torch.compile(model, backend=amppass_backend, options={"dtype": "bf16", "mode": "train",
-                                                                       "compiler": "eager"})
+                                                                       "compiler": "eager", "plan_for": "coverage"})
     x = torch.randn(4, 16)
     compiled(x).square().mean().backward()
     reference = copy.deepcopy(model)
@@ -301,7 +301,8 @@ def test_inductor_trains_at_every_shape_and_updates_batch_statistics():
     model, reference = seeded(build).train(), seeded(build).train()
     # dynamic from the first call; inductor's training graphs of this net keep height and width static (with
     # the inductor backend too), so each image size is a graph of its own and the batch a symbol in each
-    compiled = torch.compile(model, backend=amppass_backend, options={"dtype": "bf16", "mode": "train"}, dynamic=True)
+    compiled = torch.compile(model, backend=amppass_backend, options={"dtype": "bf16", "mode": "train",
+                                                                       "plan_for": "coverage"}, dynamic=True)
     generator = torch.Generator().manual_seed(1)
     for shape in [(2, 3, 16, 16), (3, 3, 20, 12)]:
         x = torch.randn(*shape, generator=generator)
