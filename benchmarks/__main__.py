@@ -295,6 +295,7 @@ SECTIONS: dict[str, Callable[[bool, Path], Section]] = {
     "dynamic_padding": _external("dynamic_padding", "Fine-tuning with dynamic padding: AmpPassTrainer against the "
                                  "transformers Trainer in fp32 and with bf16=True (steps/s, conversion included)",
                                  lambda m, quick: m.run(quick)),
+    "fp8": lambda quick, out: importlib.import_module("benchmarks.fp8").section(quick),
     "gpu": _gpu,
 }
 

@@ -33,3 +33,14 @@ def test_shapes_quick_set_is_three_architectures():
 
     assert [name for name, _ in shapes.architectures(True)] == list(shapes.QUICK) and len(shapes.QUICK) == 3
     assert len(shapes.architectures(False)) > 3 * len(shapes.QUICK)
+
+
+def test_fp8_quick_is_one_tiny_model_and_full_the_four_of_the_goal():
+    from benchmarks import fp8
+
+    quick, full = fp8.cases(True), fp8.cases(False)
+    assert len(quick) == 1 and [build.__name__ for build in full] == ["_minilm", "_bert_base", "_gpt2", "_vit"]
+    case = quick[0]()
+    assert sum(p.numel() for p in case.model.parameters()) < 100_000
+    assert len(case.calibration) == 4 and len(case.held_out) == 2
+    assert max(batch["input_ids"].numel() for batch in case.calibration + case.held_out) <= 64
