@@ -367,18 +367,25 @@ def goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def section(quick: bool) -> Section:
-    """The ``fp8`` section of ``python -m benchmarks run``: the goal verdicts, the torch rows and the ONNX rows."""
+    """The ``fp8`` section of ``python -m benchmarks run``: every model's rows, then :func:`as_section`."""
     logging.disable(logging.WARNING)  # the CPU target's "testing only" warning, once per conversion
     torch_found, onnx_found = [], []
     try:
         for build in cases(quick):
             case = build()
             print(f"[fp8] {case.name}", file=sys.stderr, flush=True)
-            torch_found += torch_rows(case, quick)
-            onnx_found += [onnx_row(case, target) for target in (("cpu",) if quick else ("cpu", "cuda"))]
-            print(f"[fp8] {case.name}: {torch_found + onnx_found}", file=sys.stderr, flush=True)
+            found = torch_rows(case, quick)
+            found += [onnx_row(case, target) for target in (("cpu",) if quick else ("cpu", "cuda"))]
+            print(f"[fp8] {case.name}: {found}", file=sys.stderr, flush=True)  # a run stopped later keeps these
+            torch_found += [row for row in found if "variant" in row]
+            onnx_found += [row for row in found if "target" in row]
     finally:
         logging.disable(logging.NOTSET)
+    return as_section(torch_found, onnx_found)
+
+
+def as_section(torch_found: list[dict[str, Any]], onnx_found: list[dict[str, Any]]) -> Section:
+    """The goal verdicts, the PyTorch rows and the ONNX rows as the section's tables."""
     found = Section("fp8 per node against torchao's all-Linear fp8 swap, and fp8 ONNX files (tolerance 0.02, CPU)",
                     "", notes=[NOTES])
     found.tables.append((f"Goals: >= {SHARE_GOAL:.0%} of product MACs in fp8 at tolerance {TOLERANCE:g} (held-out "
