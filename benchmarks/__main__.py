@@ -304,6 +304,7 @@ SECTIONS: dict[str, Callable[[bool, Path], Section]] = {
                                  "transformers Trainer in fp32 and with bf16=True (rounds of the same steps: wall and "
                                  "CPU ratios, conversion included)",
                                  lambda m, quick: m.run(quick)),
+    "fp8": lambda quick, out: importlib.import_module("benchmarks.fp8").section(quick),
     "gpu": _gpu,
     "fp8_train": _external("fp8_train", "fp8 training: the character GPT-2 (CPU, fp8 emulated)", lambda m, q: m.run(q)),
 }

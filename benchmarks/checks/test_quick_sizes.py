@@ -67,3 +67,14 @@ def test_integrations_quick_runs_fp32_and_the_default_amppass_plan_on_a_one_laye
     assert (quick.layers, quick.steps) == (1, 3) and quick.hidden <= 32 and quick.seq <= 16
     assert integrations.QUICK_VARIANTS == ("fp32", "amppass bf16")
     assert "amppass bf16 coverage" in integrations.VARIANTS and (full.layers, full.steps) == (4, 20)
+
+
+def test_fp8_quick_is_one_tiny_model_and_full_the_four_of_the_goal():
+    from benchmarks import fp8
+
+    quick, full = fp8.cases(True), fp8.cases(False)
+    assert len(quick) == 1 and [build.__name__ for build in full] == ["_minilm", "_bert_base", "_gpt2", "_vit"]
+    case = quick[0]()
+    assert sum(p.numel() for p in case.model.parameters()) < 100_000
+    assert len(case.calibration) == 4 and len(case.held_out) == 2
+    assert max(batch["input_ids"].numel() for batch in case.calibration + case.held_out) <= 64
