@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 from onnx import TensorProto
+from torch import Tensor
 
 from .errors import InputError
 
@@ -109,7 +110,7 @@ class Fp8Format:
             return 1.0
         return max(amax * 2.0 ** margin / self.max, _FP32_TINY)
 
-    def scales_for(self, amax: torch.Tensor, margin: int = 0) -> torch.Tensor:
+    def scales_for(self, amax: Tensor, margin: int = 0) -> Tensor:
         """:meth:`scale_for` of every element of ``amax`` (one range per row or per channel), as an fp32 tensor of
         its shape, with the same rules: 1.0 for a zero, negative, NaN or infinite range, never below fp32's smallest
         normal, so no row's scale is zero, inf or NaN."""

@@ -136,9 +136,9 @@ def fp8_shares(record: Mapping[str, Any]) -> dict[str, float] | None:
     dtype, fp32); None where it counted none. Non-numbers (a damaged record) count as none."""
     macs = record.get("macs")
     keys = ("fp8", str(record.get("low")), "fp32")
-    counts = {k: macs.get(k) if isinstance(macs, Mapping) else None for k in keys}
+    found = {k: macs.get(k) if isinstance(macs, Mapping) else None for k in keys}
     counts = {k: float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else 0.0
-              for k, v in counts.items()}
+              for k, v in found.items()}
     total = sum(counts.values())
     return {k: v / total for k, v in counts.items()} if total > 0 else None
 
@@ -157,9 +157,11 @@ def stored_fp8_products(decisions: Iterable[Mapping[str, Any] | None],
     """The ``(precision, macs, why)`` of each matrix product among stored ``decisions`` (those whose evidence holds
     ``fp8``), as :func:`fp8_record` takes them; other entries (None, casts, other ops) are skipped."""
     for decision in decisions:
-        evidence = decision.get("evidence") if isinstance(decision, Mapping) else None
+        if not isinstance(decision, Mapping) or decision.get("cast"):
+            continue
+        evidence = decision.get("evidence")
         outcome = evidence.get(FP8_KEY) if isinstance(evidence, Mapping) else None
-        if not isinstance(outcome, Mapping) or decision.get("cast"):
+        if not isinstance(evidence, Mapping) or not isinstance(outcome, Mapping):
             continue
         if outcome.get("format"):
             precision = "fp8"
