@@ -17,7 +17,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from . import results
 from .results import Section
@@ -103,13 +103,21 @@ def _external(module: str, title: str, call: Callable) -> Callable[[bool, Path],
     return section
 
 
+def _before_after(module: Any, quick: bool) -> list[dict]:
+    """Rows of a section comparing amppass at ``module.BEFORE`` with this checkout, each in a fresh process; with
+    ``--quick``, this checkout alone on ``module.QUICK``, in this process."""
+    from . import checkouts
+
+    return checkouts.this_checkout(module.measure, list(module.QUICK)) if quick else module.against(module.BEFORE, True)
+
+
 def _onnx_calibration(quick: bool, out: Path) -> Section:
     from . import onnx_calibration
 
     timing, search, zoo = onnx_calibration.run(quick)
     section = Section("ONNX calibration and tolerance search", "", notes=list(onnx_calibration.NOTES))
     section.tables.append(("Conversion time: amppass without and with one calibration batch, onnxconverter-common "
-                           "(median of 5)", timing))
+                           f"({'one conversion each' if quick else 'median of 5'})", timing))
     section.tables.append(("Tolerance search on the sensor conv net (models/sensor.py): 3 calibration feeds, "
                            "2 held out", search))
     section.tables.append(("Tolerance search on the small zoo (both front ends; calibration seeds 1-4 for FX, "
@@ -125,7 +133,8 @@ def _never_slower(quick: bool, out: Path) -> Section:
     rows = never_slower.run(quick)
     met = sum(r["met"] == "yes" for r in rows)
     section.tables.append((f"Every model at batch 1 and a large batch: {met} of {len(rows)} rows met", rows))
-    section.tables.append(("torch.compile with inductor freezing, BERT 1x16", never_slower.compiled(quick)))
+    which = "dynamo with the eager backend, the small MLP (--quick)" if quick else "inductor freezing, BERT 1x16"
+    section.tables.append((f"torch.compile with {which}", never_slower.compiled(quick)))
     section.tables.append(("A kept original costs what the original costs (microseconds per call)",
                            never_slower.kept_cost(quick)))
     return section
@@ -212,9 +221,8 @@ def _conformance(quick: bool, out: Path) -> Section:
 
     section = Section("ONNX conformance: the ONNX backend test suite converted to fp16", "",
                       notes=[onnx_conformance.NOTES])
-    cases = onnx_conformance.all_cases()
-    section.tables.append((f"Outcomes per converter ({'every tenth of ' if quick else ''}{len(cases)} cases)",
-                           onnx_conformance.table(cases, quick)))
+    cases, which = onnx_conformance.cases(quick), onnx_conformance.QUICK_CASES if quick else ""
+    section.tables.append((f"Outcomes per converter ({len(cases)} cases{which})", onnx_conformance.table(cases)))
     section.tables.append((f"Casts added to the light nets: amppass at {onnx_conformance.BEFORE} (before the "
                            "conformance fixes) and now, with the fp16 nodes it plans; the other converters' Casts and "
                            "outcome",
@@ -257,7 +265,7 @@ def _zoo(quick: bool, out: Path) -> Section:
     from . import zoo
 
     rows = zoo.outcomes(quick, None if quick else out / "zoo_outcomes.json")
-    return zoo.section(rows, "the default suite's representative classes" if quick else
+    return zoo.section(rows, "one representative class, one step (--quick)" if quick else
                        "every class of the auto-model mappings")
 
 
@@ -272,7 +280,7 @@ SECTIONS: dict[str, Callable[[bool, Path], Section]] = {
     "onnx_calib": _onnx_calibration,
     "train_step": _train_step,
     "train_gpt": _train_gpt,
-    "hostile": _external("hostile", "Hostile models", lambda m, quick: m.run()),
+    "hostile": _external("hostile", "Hostile models", lambda m, quick: m.run(quick)),
     "shapes": _shapes,
     "compile": _compile,
     "generate": _generate,
@@ -286,17 +294,14 @@ SECTIONS: dict[str, Callable[[bool, Path], Section]] = {
                               "flags (Lightning, transformers Trainer, accelerate; CPU)",
                               lambda m, quick: m.run(quick)),
     "tolerance_time": _external("tolerance_time", "Tolerance-search time (FX fp16, tolerance 1e-4, 4 calibration "
-                                "batches; the small zoo in --quick, real-sized models in --full): amppass at "
-                                "d7ec324 (no held-out check, prefix reuse or run bound) and now",
-                                lambda m, quick: m.against(m.BEFORE, not quick)),
+                                "batches; real-sized models in --full, the small CNN in --quick): amppass at "
+                                "d7ec324 (no held-out check, prefix reuse or run bound) and now", _before_after),
     "call_overhead": _external("call_overhead", "Per-call cost of the returned module over its graph (bf16, one "
-                               "thread, microseconds): amppass at e70efd1 and now",
-                               lambda m, quick: m.against(m.BEFORE, not quick)),
+                               "thread, microseconds): amppass at e70efd1 and now", _before_after),
     "startup": _external("startup", "Start-up: `amppass --help` and `import amppass` (wall time of a fresh process, "
-                         "median of 7): amppass at e70efd1 and now", lambda m, quick: m.against(m.BEFORE, not quick)),
+                         "median of 7): amppass at e70efd1 and now", _before_after),
     "conversion_time": _external("conversion_time", "Conversion time and plan digest (coverage plans, calibration "
-                                 "and tolerance on both front ends): amppass at 71b06f8 and now",
-                                 lambda m, quick: m.against(m.BEFORE, not quick)),
+                                 "and tolerance on both front ends): amppass at 71b06f8 and now", _before_after),
     "conversion_profile": _external("conversion_profile", "Where the conversion time of a large 3D model goes: a 3D "
                                     "Swin segmentation net (SwinUNETR's shape), bf16 coverage plan, under cProfile",
                                     lambda m, quick: m.run(quick)),

@@ -7,7 +7,8 @@ calls), in microseconds: medians of 30 interleaved rounds, each sample averaging
 (``benchmarks.latency.time_interleaved``). ``overhead_us`` = returned - graph alone: the guard check, the input
 flattening and the output rebuild of every call. ``speed_plan`` is what the
 default ``plan_for="speed"`` returned (the original's class where it kept the original) and ``speed_vs_original``
-its call against the original's.
+its call against the original's. ``--quick`` measures the MLP of this checkout alone, in
+the benchmark run's own process.
 
 ``python -m benchmarks run --full --only call_overhead`` measures e70efd1 (before the call's fast path and the
 kept original as the original's class) and this checkout, each in a fresh process.
@@ -56,6 +57,7 @@ def _encoder() -> tuple[torch.nn.Module, tuple]:
 
 MODELS: dict[str, Callable[[], tuple[torch.nn.Module, tuple]]] = {
     "mlp 64, batch 4": _mlp, "lstm 2x64, batch 1": _lstm, "transformer encoder 2x64, batch 1": _encoder}
+QUICK = ("mlp 64, batch 4",)  # python -m benchmarks run --quick
 
 
 def measure(name: str) -> dict[str, Any]:

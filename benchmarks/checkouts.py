@@ -55,6 +55,23 @@ def against(script: str, measure: Callable[[str], dict[str, Any]], names: list[s
     return rows
 
 
+def this_checkout(measure: Callable[[str], dict[str, Any]], names: list[str]) -> list[dict[str, Any]]:
+    """``--quick``'s rows of a before/after section: ``measure(name)`` of this checkout alone, in this process (a
+    fresh process of the older checkout costs more than the whole quick section), marked as :func:`against` marks
+    this checkout's rows; the warning filters and torch's thread count that ``measure`` sets for its own process
+    are restored after."""
+    import warnings
+
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        with warnings.catch_warnings():
+            return [{"checkout": "this", **measure(name)} for name in names]
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _measure_in(script: str, root: Path, name: str) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(HERE.parent)])}
     done = subprocess.run([sys.executable, script, "--measure", name], cwd=root, env=env,

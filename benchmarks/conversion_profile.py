@@ -11,8 +11,9 @@ spatial sizes of image and volume inputs static) and with ``dynamic_shapes=None`
 example's): with the depth, height and width dynamic nearly all the time is torch.export's symbolic-shape
 reasoning (sympy) over the window partitions, not amppass's planning. Each conversion is timed in wall and CPU
 seconds (this process, user+sys: what a loaded machine does not inflate). ``--quick`` builds a smaller net (one
-stage, 16³ input, window 2); ``--full`` SwinUNETR's sizes on a 64³ input (feature size 48, depths 2-2-2-2, heads
-3-6-12-24, window 4).
+stage, 8³ input, window 2), converts nothing first to warm torch up and leaves out the conversion with every
+dimension dynamic (~18 CPU s even for that net); ``--full`` SwinUNETR's sizes on a 64³ input (feature size 48, depths
+2-2-2-2, heads 3-6-12-24, window 4).
 
 Run: ``python -m benchmarks.conversion_profile [--full]``.
 """
@@ -120,15 +121,16 @@ def build(quick: bool) -> tuple[nn.Module, tuple[torch.Tensor]]:
     """The net and its example input: small for ``quick``, SwinUNETR's sizes otherwise."""
     torch.manual_seed(0)
     if quick:
-        return SwinSeg3d(feature=12, depths=(2,), heads=(3,), window=2).eval(), (torch.randn(1, 1, 16, 16, 16),)
+        return SwinSeg3d(feature=12, depths=(2,), heads=(3,), window=2).eval(), (torch.randn(1, 1, 8, 8, 8),)
     return SwinSeg3d().eval(), (torch.randn(1, 1, 64, 64, 64),)
 
 
 def run(quick: bool) -> list[dict[str, Any]]:
     """The conversion timed plainly, then under cProfile: the whole, then amppass's heaviest functions."""
     model, inputs = build(quick)
-    warm = nn.Sequential(nn.Conv3d(1, 2, 1), nn.GELU()).eval()  # torch's first-use imports, outside every figure
-    amppass.convert(warm, (torch.randn(1, 1, 2, 2, 2),), "bf16", plan_for="coverage")
+    if not quick:
+        warm = nn.Sequential(nn.Conv3d(1, 2, 1), nn.GELU()).eval()  # torch's first-use imports, outside every figure
+        amppass.convert(warm, (torch.randn(1, 1, 2, 2, 2),), "bf16", plan_for="coverage")
     converted, plain, plain_cpu = _timed(lambda: amppass.convert(model, inputs, "bf16", plan_for="coverage"))
     nodes = len(amppass.report(converted).rows)
     profile = cProfile.Profile()
@@ -136,18 +138,20 @@ def run(quick: bool) -> list[dict[str, Any]]:
     amppass.convert(model, inputs, "bf16", plan_for="coverage")
     profile.disable()
     stats = pstats.Stats(profile)
-    every = {"x": dict.fromkeys(range(inputs[0].ndim), Dim.AUTO)}
-    _, dynamic, dynamic_cpu = _timed(lambda: amppass.convert(model, inputs, "bf16", plan_for="coverage",
-                                                          dynamic_shapes=every))
-    _, static, static_cpu = _timed(lambda: amppass.convert(model, inputs, "bf16", plan_for="coverage",
-                                                        dynamic_shapes=None))
     rows = [{"function": "amppass.convert (whole)", "stage": f"{nodes} planned nodes; batch dynamic, spatial sizes "
              "static (the default)", "calls": 1, "cum_s": round(stats.total_tt, 2), "convert_s": round(plain, 2),
-             "cpu_s": round(plain_cpu, 2)},
-            {"function": "amppass.convert(dynamic_shapes=every dim Dim.AUTO)", "stage": "the same, depth, height "
-             "and width dynamic too", "calls": 1, "convert_s": round(dynamic, 2), "cpu_s": round(dynamic_cpu, 2)},
-            {"function": "amppass.convert(dynamic_shapes=None)", "stage": "the same, exported at the example's sizes",
-             "calls": 1, "convert_s": round(static, 2), "cpu_s": round(static_cpu, 2)}]
+             "cpu_s": round(plain_cpu, 2)}]
+
+    def timed_row(function: str, stage: str, shapes: Any) -> dict[str, Any]:
+        _, wall, cpu = _timed(lambda: amppass.convert(model, inputs, "bf16", plan_for="coverage",
+                                                      dynamic_shapes=shapes))
+        return {"function": function, "stage": stage, "calls": 1, "convert_s": round(wall, 2), "cpu_s": round(cpu, 2)}
+
+    every = {"x": dict.fromkeys(range(inputs[0].ndim), Dim.AUTO)}
+    dynamic = ("amppass.convert(dynamic_shapes=every dim Dim.AUTO)", "the same, depth, height and width dynamic too")
+    rows.append({"function": dynamic[0], "stage": f"{dynamic[1]} (not measured in --quick)", "calls": 1} if quick
+                else timed_row(*dynamic, every))
+    rows.append(timed_row("amppass.convert(dynamic_shapes=None)", "the same, exported at the example's sizes", None))
     found = []
     for (path, _line, function), (_, calls, _, cumulative, _) in stats.stats.items():
         if "/amppass/" in path and function != "convert":

@@ -5,7 +5,8 @@ so their plans depend on the code alone: the zoo's small CNN to bf16; an MLP end
 calibration batches and ``tolerance=1e-3`` (the calibration template, its checkpoints and the tolerance search); the
 same MLP exported to ONNX and converted by ``convert_onnx`` with the same batches. ``seconds`` is the median of three
 conversions in one fresh process per checkout; ``plan`` is a digest of the report's rows (name, op, precision,
-reason), equal where the plans are.
+reason), equal where the plans are. ``--quick`` measures the two MLP conversions of this
+checkout alone, in the benchmark run's own process.
 
 ``python -m benchmarks run --full --only conversion_time`` measures 71b06f8 (before the second floor's moves of this
 round: profitability, policy kinds, the calibration template, onnx/io, the test tree) and this checkout.
@@ -32,6 +33,7 @@ except ImportError:  # run as a script in another checkout's process (--measure)
 BEFORE = "71b06f8"
 NOTES = __doc__.split("\n\n", 1)[1].split("``python -m")[0].strip()
 CASES = ("fx cnn", "fx mlp calibrated", "onnx mlp calibrated")
+QUICK = CASES[1:]  # python -m benchmarks run --quick: the CNN's capture alone costs more than both
 
 
 def _digest(converted: Any) -> str:

@@ -16,7 +16,8 @@ A stopping criterion stamps the clock after every step, so one ``generate`` call
 first step) and each decode step's. The variants are timed interleaved (:func:`benchmarks.latency.
 time_interleaved`: one call of each per round, the order rotated), so load from other processes hits them
 alike; the first round warms every variant up (compiles included). Quick mode: a 2-layer config, prompt 8,
-8 new tokens, batch 1 and 2, to check that it runs.
+8 new tokens, batch 1, ``amppass compiled`` with the amppass backend's ``compiler="eager"`` (dynamo without inductor)
+and no ``compile(autocast)`` (dynamo's trace of the decoder alone takes ~6 CPU s here), to check that it runs.
 """
 
 from __future__ import annotations
@@ -56,12 +57,14 @@ class Setting:
     prompt: int
     new_tokens: int
     batches: tuple[int, ...]
+    compiler: str = "inductor"  # of the compiled variants
+    compiled_baseline: bool = True  # whether compile(autocast) runs
 
 
 def setting(quick: bool) -> Setting:
     if quick:
         return Setting(layers=2, hidden=64, intermediate=128, heads=4, vocab=1000, prompt=8, new_tokens=8,
-                       batches=(1, 2))
+                       batches=(1,), compiler="eager", compiled_baseline=False)
     return Setting(layers=12, hidden=768, intermediate=2048, heads=12, vocab=16000, prompt=32, new_tokens=64,
                    batches=(1, 8))
 
@@ -101,27 +104,26 @@ class _Run:
     tokens: torch.Tensor | None = None
 
 
-def _variants(model: torch.nn.Module, prompt: torch.Tensor) -> dict[str, _Run]:
+def _variants(model: torch.nn.Module, prompt: torch.Tensor, point: Setting) -> dict[str, _Run]:
     def autocast(target: torch.nn.Module) -> Callable[..., torch.Tensor]:
         def run(*args: Any, **kwargs: Any) -> torch.Tensor:
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 return target.generate(*args, **kwargs)
         return run
 
-    compiled_autocast = copy.deepcopy(model)
-    compiled_autocast.forward = torch.compile(compiled_autocast.forward)
+    found = {"fp32": _Run(model.generate), "autocast": _Run(autocast(model))}
+    if point.compiled_baseline:
+        compiled_autocast = copy.deepcopy(model)
+        compiled_autocast.forward = torch.compile(compiled_autocast.forward, backend=point.compiler)
+        found["compile(autocast)"] = _Run(autocast(compiled_autocast))
     started = time.perf_counter()
     converted = amppass.convert(model, (prompt,), "bf16")
-    convert_s = time.perf_counter() - started
+    found["amppass"] = _Run(converted.generate, setup_s=time.perf_counter() - started)
     compiled = copy.deepcopy(model)
-    compiled.forward = torch.compile(compiled.forward, backend="amppass", options={"dtype": "bf16"})
-    return {
-        "fp32": _Run(model.generate),
-        "autocast": _Run(autocast(model)),
-        "compile(autocast)": _Run(autocast(compiled_autocast)),
-        "amppass": _Run(converted.generate, setup_s=convert_s),
-        "amppass compiled": _Run(compiled.generate),
-    }
+    compiled.forward = torch.compile(compiled.forward, backend="amppass",
+                                     options={"dtype": "bf16", "compiler": point.compiler})
+    found["amppass compiled"] = _Run(compiled.generate)
+    return found
 
 
 def measure(point: Setting, batch: int, warmup: int, repeats: int) -> list[dict[str, Any]]:
@@ -132,7 +134,7 @@ def measure(point: Setting, batch: int, warmup: int, repeats: int) -> list[dict[
     options = dict(max_new_tokens=point.new_tokens, min_new_tokens=point.new_tokens, do_sample=False,
                    pad_token_id=0)
     with torch.inference_mode():
-        runs = _variants(model, prompt)
+        runs = _variants(model, prompt, point)
         calls = {}
         for name, run in runs.items():
             calls[name] = _timed_call(run, prompt, options)
@@ -157,7 +159,7 @@ def measure(point: Setting, batch: int, warmup: int, repeats: int) -> list[dict[
             "prefill_ms": statistics.median(run.prefill) * 1e3,
             "generate_ms": statistics.median(samples[name]) * 1e3,
             "vs_autocast": decode["autocast"] / decode[name],
-            "vs_compile_autocast": decode["compile(autocast)"] / decode[name],
+            "vs_compile_autocast": decode["compile(autocast)"] / decode[name] if point.compiled_baseline else None,
             "tokens_as_fp32": float((run.tokens == reference).float().mean()),
             "setup_s": run.setup_s,
         })
@@ -199,4 +201,5 @@ def run(quick: bool) -> list[dict[str, Any]]:
 def title(quick: bool) -> str:
     point = setting(quick)
     return (f"Llama ({point.layers} layers, hidden {point.hidden}, vocabulary {point.vocab}), prompt {point.prompt}, "
-            f"{point.new_tokens} new tokens, greedy, batch {' and '.join(map(str, point.batches))}")
+            f"{point.new_tokens} new tokens, greedy, batch {' and '.join(map(str, point.batches))}, compiled by "
+            f"{point.compiler}{'' if point.compiled_baseline else ', no compile(autocast) (--quick)'}")

@@ -13,7 +13,8 @@ as the ONNX plan has none). Columns:
 
 The models: a 4-layer BERT (hidden 256, 64 tokens) and a 4-layer ViT-Base/16 (224x224), both from the dynamo
 exporter, and a net of six Conv-BatchNorm-ReLU blocks exported by the TorchScript exporter without constant
-folding, so that its eval BatchNorm stays a node (``--full`` adds BERT-base, 12 layers).
+folding, so that its eval BatchNorm stays a node; and BERT-base, 12 layers. That is ``--full``; without it (and in
+``python -m benchmarks run --quick``) the Conv-BN net alone, ~3 CPU s, where BERT's export alone takes ~13.
 
 ``python -m benchmarks.lean_onnx [--full] [--root CHECKOUT ...]`` measures each checkout's amppass in a fresh
 process (default: this one), so before/after tables come from one run.
@@ -91,13 +92,14 @@ def images(side: int) -> Callable[[int], tuple]:
     return lambda seed: (torch.randn(1, 3, side, side, generator=torch.Generator().manual_seed(seed)),)
 
 
-# name -> (builder, exporter: "dynamo" or "torchscript", only with --full)
-MODELS: dict[str, tuple[Callable[[], tuple[nn.Module, Callable[[int], tuple]]], str, bool]] = {
-    "BERT 4 layers (dynamo)": (lambda: bert(4, 256), "dynamo", False),
-    "ViT-Base/16 4 layers (dynamo)": (vit, "dynamo", False),
-    "6 Conv-BN-ReLU blocks (BN unfolded)": (lambda: (seeded(ConvBN), images(64)), "torchscript", False),
-    "BERT-base (dynamo)": (lambda: bert(12, 768), "dynamo", True),
+# name -> (builder, exporter: "dynamo" or "torchscript")
+MODELS: dict[str, tuple[Callable[[], tuple[nn.Module, Callable[[int], tuple]]], str]] = {
+    "BERT 4 layers (dynamo)": (lambda: bert(4, 256), "dynamo"),
+    "ViT-Base/16 4 layers (dynamo)": (vit, "dynamo"),
+    "6 Conv-BN-ReLU blocks (BN unfolded)": (lambda: (seeded(ConvBN), images(64)), "torchscript"),
+    "BERT-base (dynamo)": (lambda: bert(12, 768), "dynamo"),
 }
+QUICK = ("6 Conv-BN-ReLU blocks (BN unfolded)",)  # without --full
 
 
 def _export(model: nn.Module, args: tuple, exporter: str, path: str) -> None:
@@ -117,7 +119,7 @@ def measure(name: str) -> dict[str, Any]:
     import amppass
     from amppass.onnx.simulate import simulated
 
-    build, exporter, _ = MODELS[name]
+    build, exporter = MODELS[name]
     model, inputs = build()
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "m.onnx")
@@ -152,12 +154,12 @@ def measure(name: str) -> dict[str, Any]:
 
 def run(full: bool, roots: list[Path] | None = None) -> list[dict[str, Any]]:
     """One row per model and checkout (default: this checkout, in this process)."""
-    names = [n for n, (_, _, heavy) in MODELS.items() if full or not heavy]
+    names = list(MODELS) if full else list(QUICK)
     return checkouts.run(str(Path(__file__)), measure, names, roots)
 
 
 def main() -> None:
-    checkouts.main(__doc__.splitlines()[0], measure, run, "add BERT-base")
+    checkouts.main(__doc__.splitlines()[0], measure, run, "every model, not the Conv-BN net alone")
 
 
 if __name__ == "__main__":

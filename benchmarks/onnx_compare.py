@@ -15,7 +15,8 @@ A row is ``accurate`` only when BOTH errors are finite and at most 1e-2. Each co
 ``REPEATS`` times: ``convert_s`` is the median, ``convert_min_s`` the fastest, and ``speedup_vs_occ`` is
 onnxconverter-common's median over this row's.
 amppass runs twice: as it is, and calibrated on one batch (another input again), to time the calibration.
-``quick`` uses the small zoo models; otherwise BERT-base (batch 1, seq 16) is added as the timing case.
+``quick`` converts the small BERT once per converter (its export shared with the other ONNX sections); otherwise
+every small zoo model, three times each, and BERT-base (batch 1, seq 16) as the timing case.
 
 Run: ``python benchmarks/onnx_compare.py [--full]``.
 """
@@ -27,7 +28,6 @@ import logging
 import statistics
 import sys
 import time
-import warnings
 
 import numpy as np
 import onnx
@@ -35,14 +35,15 @@ import onnxruntime as ort
 
 import amppass
 from amppass.onnx.simulate import simulated
-from amppass.pipelines.export_onnx import export_fp32
 from amppass.targets import onnxruntime_facts
-from models import ZOO, build
+from models import ZOO
 
 from .results import not_run
+from .shared import exported, feed
 
 ACCURATE = 1e-2
 REPEATS = 3  # conversions timed per (model, converter): convert_s is their median, convert_min_s the fastest
+QUICK = ("bert", "small", 1, 16)  # --quick: one model, one conversion per converter
 NOTES = ("rel_error: the fp16 model as onnxruntime's CPU provider runs it (it computes most fp16 ops in fp32, "
          "so this understates fp16 hardware's error); sim_error: its fp16-storage simulation "
          "(amppass.onnx.simulate.simulated: every value the converted model types fp16 is stored in fp16, ops "
@@ -83,7 +84,8 @@ def onnxconverter_common_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
     return float16.convert_float_to_float16(copy.deepcopy(model), keep_io_types=True)
 
 
-def _one(model_name: str, size: str, fp32: onnx.ModelProto, feeds: dict, converter: str, convert) -> dict:
+def _one(model_name: str, size: str, fp32: onnx.ModelProto, feeds: dict, converter: str, convert,
+         repeats: int = REPEATS) -> dict:
     row = {"model": model_name, "size": size, "nodes": len(fp32.graph.node), "converter": converter,
            "convert_s": None, "convert_min_s": None, "speedup_vs_occ": None, "loads": False, "runs": False,
            "rel_error": None, "sim_error": None,
@@ -93,7 +95,7 @@ def _one(model_name: str, size: str, fp32: onnx.ModelProto, feeds: dict, convert
     want = session(reference).run(None, feeds)
     try:
         times = []
-        for _ in range(REPEATS):  # interleaving is not needed: each converter's calls are independent
+        for _ in range(repeats):  # interleaving is not needed: each converter's calls are independent
             start = time.perf_counter()
             converted = convert(fp32)
             times.append(time.perf_counter() - start)
@@ -115,18 +117,12 @@ def _one(model_name: str, size: str, fp32: onnx.ModelProto, feeds: dict, convert
 def run(quick: bool) -> list[dict]:
     """One row per (model, converter): conversion time, loads, runs, CPU and simulated relative errors,
     accurate (both within 1e-2)."""
-    cases = [(name, "small", 2, 16) for name in ZOO]
-    if not quick:
-        cases.append(("bert", "base", 1, 16))
+    cases = [QUICK] if quick else [(name, "small", 2, 16) for name in ZOO] + [("bert", "base", 1, 16)]
     rows = []
     for name, size, batch, seq in cases:
-        case = build(name, size=size, batch=batch, seq=seq)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            fp32 = export_fp32(case.model, case.example_inputs)
-        feeds = {i.name: t.numpy() for i, t in zip(fp32.graph.input, case.make_inputs(1), strict=False)}
-        calibration = {i.name: t.numpy() for i, t in zip(fp32.graph.input, case.make_inputs(2), strict=False)}
-        found = [_one(name, size, fp32, feeds, converter, convert)
+        fp32, case = exported(name, size, batch, seq)
+        feeds, calibration = feed(fp32, case.make_inputs(1)), feed(fp32, case.make_inputs(2))
+        found = [_one(name, size, fp32, feeds, converter, convert, 1 if quick else REPEATS)
                  for converter, convert in _converters(calibration).items()]
         baseline = next(r["convert_s"] for r in found if r["converter"] == "onnxconverter-common")
         for row in found:

@@ -3,6 +3,9 @@
 The cases, their outcomes and amppass's configurations are those of
 :mod:`tests.conformance.onnx_backend_harness`.
 
+``--quick`` takes every fifth model of the small folders (no node case: collecting them alone takes ~15 CPU s) and
+counts Casts on SqueezeNet alone, without amppass at :data:`BEFORE` (a fresh process of it: ~5 CPU s).
+
 ``python -m benchmarks.onnx_conformance [--quick]`` prints the outcome table of amppass, onnxconverter-common's
 ``convert_float_to_float16`` and onnxruntime's ``onnxruntime.transformers.float16`` (both with
 ``keep_io_types=True``) side by side, and the Casts each adds to the light nets, amppass before (commit
@@ -30,8 +33,17 @@ from tests.conformance.onnx_backend_harness import (
     all_cases,
     amppass_converter,
     folder_cases,
+    light_case,
     outcome,
 )
+
+QUICK_FOLDERS = ("simple", "pytorch-operator", "pytorch-converted")
+QUICK_CASES = ": --quick, every fifth model of onnx/backend/test/data/{simple,pytorch-operator,pytorch-converted}"
+
+
+def cases(quick: bool) -> tuple[Case, ...]:
+    """The cases of :func:`table`: the whole suite, or (``quick``) every fifth model of :data:`QUICK_FOLDERS`."""
+    return folder_cases(QUICK_FOLDERS)[::5] if quick else all_cases()
 
 
 def _onnxconverter_common(case: Case) -> tuple[Case, onnx.ModelProto]:
@@ -65,10 +77,9 @@ def converters() -> dict[str, Callable[[Case], tuple[Case, onnx.ModelProto]]]:
     return found
 
 
-def table(cases: Sequence[Case], quick: bool = False) -> list[dict]:
-    """One row per converter (and amppass's two other configurations): how many cases ended in each
-    outcome. ``quick`` takes every tenth case."""
-    chosen = cases[::10] if quick else cases
+def table(chosen: Sequence[Case]) -> list[dict]:
+    """One row per converter (and amppass's two other configurations): how many of ``chosen`` ended in each
+    outcome."""
     rows = []
     runs = [(name, convert, FP16_BOUND, False) for name, convert in converters().items()]
     runs.insert(1, ("amppass force_low", amppass_converter("force_low"), FORCED_BOUND, False))
@@ -99,10 +110,6 @@ NOTES = ("Cases: every node case of onnx.backend.test.case.node.collect_testcase
          "onnxconverter-common and onnxruntime's tool: convert_float_to_float16(model, keep_io_types=True).")
 
 
-def _light(name: str) -> Case:
-    return next(c for c in folder_cases() if c.name == f"light/light_{name}")
-
-
 def casts(model: onnx.ModelProto) -> int:
     """Cast nodes of ``model``, subgraphs included."""
     return sum(1 for node in all_nodes(model.graph) if node.op_type == "Cast")
@@ -114,7 +121,7 @@ def amppass_casts(names: Sequence[str]) -> dict[str, dict[str, int]]:
     logging.disable(logging.WARNING)
     try:
         for name in names:
-            case = _light(name)
+            case = light_case(name)
             converted = amppass.convert_onnx(case.model)
             low = sum(r.precision == "fp16" for r in amppass.report(converted).rows)
             found[name] = {"casts": casts(converted) - casts(case.model), "fp16_nodes": low}
@@ -147,14 +154,14 @@ def _before(names: Sequence[str]) -> dict[str, dict[str, int]] | str:
 
 
 def casts_table(quick: bool = False) -> list[dict]:
-    """Casts per light net (DenseNet-121 alone with ``quick``): amppass at :data:`BEFORE` and now (Casts added,
-    fp16 nodes), and the Casts the other converters add, with their outcome."""
-    names = LIGHT_NETS[:1] if quick else LIGHT_NETS
-    now, before = amppass_casts(names), _before(names)
+    """Casts per light net (SqueezeNet alone and no :data:`BEFORE` with ``quick``): amppass at :data:`BEFORE` and now
+    (Casts added, fp16 nodes), and the Casts the other converters add, with their outcome."""
+    names = ("squeezenet",) if quick else LIGHT_NETS
+    now, before = amppass_casts(names), "measured with --full" if quick else _before(names)
     others = {k: v for k, v in converters().items() if k != "amppass"}
     rows = []
     for name in names:
-        case = _light(name)
+        case = light_case(name)
         row: dict[str, Any] = {"model": name}
         if isinstance(before, dict):
             row.update({f"casts_{BEFORE}": before[name]["casts"], f"fp16_nodes_{BEFORE}": before[name]["fp16_nodes"]})
@@ -181,13 +188,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     import json
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.onnx_conformance", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="every tenth case, DenseNet-121 alone")
+    parser.add_argument("--quick", action="store_true", help="every fifth model of the small folders, SqueezeNet alone")
     parser.add_argument("--casts", nargs="+", metavar="NAME", help="print amppass's Casts on these light nets")
     args = parser.parse_args(argv)
     if args.casts:
         print(json.dumps(amppass_casts(args.casts)))
         return
-    for row in table(all_cases(), quick=args.quick) + casts_table(args.quick):
+    for row in table(cases(args.quick)) + casts_table(args.quick):
         print(row)
 
 

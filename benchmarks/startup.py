@@ -2,7 +2,8 @@
 
 Each figure is the median of 7 fresh Python processes (wall time of the whole process, interpreter start-up
 included), the checkouts' runs interleaved: ``amppass --help`` (``amppass.cli.main(["--help"])``, what the
-installed command runs) and a bare ``import amppass``. ``python -m benchmarks run --full --only startup``
+installed command runs) and a bare ``import amppass``. ``--quick`` measures ``import amppass``
+of this checkout alone. ``python -m benchmarks run --full --only startup``
 measures e70efd1 (which imported torch, onnx and every pipeline at start-up) and this checkout.
 """
 
@@ -24,6 +25,7 @@ except ImportError:  # run as a script in another checkout's process (--measure)
 BEFORE = "e70efd1"  # amppass when it imported torch, onnx and every pipeline at start-up
 NOTES = __doc__.split("\n\n", 1)[1].split("``python -m")[0].strip()
 RUNS = 7
+QUICK = ("import amppass",)  # python -m benchmarks run --quick
 CODE = {"amppass --help": "from amppass.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass",
         "import amppass": "import amppass"}
 

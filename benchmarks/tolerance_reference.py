@@ -11,13 +11,13 @@ target: every trial of the search runs in onnxruntime) with calibration feeds an
 
 The models: the sensor net of :mod:`models.sensor` (fp16 error in its first two convs), the DB text
 detector (its head sigmoid(50 (P - T)) amplifies rounding about 50x) and the constant-Q audio classifier,
-exported by :mod:`models.detection` and :mod:`models.audio`, and real-shaped conv nets and transformers of
+exported by :mod:`models.arch`, and real-shaped conv nets and transformers of
 :mod:`models`: ResNet-50, EfficientNet-B0, a 4-layer BERT and a 4-layer ViT-Base, exported by the dynamo
 exporter (``amppass.pipelines.export_onnx.export_fp32``). Batch axes are fixed so that every heavy op's
 multiply-accumulates are known. Images are smaller than the architectures' own (fewer MACs per run, the
 same graphs).
 
-Run: ``python -m benchmarks.tolerance_reference [--full]`` (quick: the sensor net, the audio model, BERT).
+Run: ``python -m benchmarks.tolerance_reference [--full]`` (quick: the sensor net alone).
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ class Case:
     quick: bool = False
 
 
-def _torch_case(name: str, make: Callable[[], tuple[torch.nn.Module, Callable[[int], tuple]]], tolerance: float,
-                quick: bool = False) -> Case:
+def _torch_case(name: str, make: Callable[[], tuple[torch.nn.Module, Callable[[int], tuple]]], tolerance: float
+                ) -> Case:
     """A case exported from a torch model by the dynamo exporter, built once on first use."""
     built: dict[str, object] = {}
 
@@ -83,7 +83,7 @@ def _torch_case(name: str, make: Callable[[], tuple[torch.nn.Module, Callable[[i
         model, inputs = model_and_inputs()
         return {i.name: t.numpy() for i, t in zip(model.graph.input, inputs(seed), strict=False)}
 
-    return Case(name, lambda: model_and_inputs()[0], feed, tolerance, quick)
+    return Case(name, lambda: model_and_inputs()[0], feed, tolerance)
 
 
 def _resnet50() -> tuple[torch.nn.Module, Callable[[int], tuple]]:
@@ -114,8 +114,7 @@ def _sensor() -> Case:
 
 
 def _db() -> Case:
-    from models.arch import build_arch
-    from models.detection import db_onnx
+    from models.arch import build_arch, db_onnx
 
     side = 256
     inputs = build_arch("db_text_detector", shape=side).make_inputs
@@ -124,12 +123,11 @@ def _db() -> Case:
 
 
 def _audio() -> Case:
-    from models.arch import build_arch
-    from models.audio import audio_onnx
+    from models.arch import audio_onnx, build_arch
 
     inputs = build_arch("audio_cqt").make_inputs
     return Case("audio CQT classifier", lambda: _fixed_batch(audio_onnx()),
-                lambda seed: {"waveform": inputs(seed)[0].numpy()}, 1e-4, quick=True)
+                lambda seed: {"waveform": inputs(seed)[0].numpy()}, 1e-4)
 
 
 def cases() -> list[Case]:
@@ -138,7 +136,7 @@ def cases() -> list[Case]:
         _sensor(), _db(), _audio(),
         _torch_case("ResNet-50 96x96", _resnet50, 2e-4),
         _torch_case("EfficientNet-B0 96x96", _efficientnet_b0, 1.5e-4),
-        _torch_case("BERT 4 layers, 64 tokens", lambda: bert(4, 256), 1e-4, quick=True),
+        _torch_case("BERT 4 layers, 64 tokens", lambda: bert(4, 256), 1e-4),
         _torch_case("ViT-Base/16 4 layers", vit, 3e-4),
     ]
 

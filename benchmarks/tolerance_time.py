@@ -14,6 +14,8 @@ timings, so the time is calibration and search alone) without calibration, then 
 - ``moved``, ``achieved_error``, ``held_out_error`` (``-`` where the checkout holds nothing out),
   ``reused``: the share of node runs started from kept fp32 values (``amppass.fx.runners.trial_runs``).
 
+``--quick`` measures the small CNN of this checkout alone, in the benchmark run's own process.
+
 ``python -m benchmarks.tolerance_time [--full] [--root CHECKOUT ...]`` measures each checkout's amppass in a
 fresh process (default: this one), so before/after tables come from one run; ``--quick`` (the default) uses
 the small zoo, ``--full`` the real-sized models (BERT-base, ViT-Base/16, ResNet-50-like, MobileNetV3,
@@ -69,6 +71,7 @@ MODELS: dict[str, tuple[Callable[[], Any], bool]] = {
     "audio_cqt": (_arch("audio_cqt"), True),
 }
 
+QUICK = ("cnn (small)",)  # python -m benchmarks run --quick
 NOTES = __doc__.split("\n\n", 1)[1].split("``python -m")[0].strip()
 
 

@@ -215,20 +215,29 @@ def light_inputs(model: onnx.ModelProto) -> tuple:
     return tuple(made)
 
 
+DATA = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data")
+
+
+def light_case(name: str) -> Case:
+    """The light model ``name`` (``light/light_<name>``, e.g. ``squeezenet``) with the inputs onnx's runner feeds it and
+    its packaged output, as :func:`folder_cases` reads it."""
+    path = os.path.join(DATA, "light", f"light_{name}.onnx")
+    model = onnx.load(path)
+    expected = (_read(path[:-len(".onnx")] + "_output_0.pb", model.graph.output[0].type),)
+    return Case(f"light/light_{name}", model, light_inputs(model), expected, 2e-3, 1e-7)
+
+
 @functools.lru_cache(maxsize=None)
-def folder_cases() -> tuple[Case, ...]:
-    """The usable models of :data:`FOLDERS` (first test data set), named ``<folder>/<model>``."""
-    root = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data")
+def folder_cases(folders: tuple[str, ...] = FOLDERS) -> tuple[Case, ...]:
+    """The usable models of ``folders`` (every one of :data:`FOLDERS` by default; first test data set), named
+    ``<folder>/<model>``."""
     found = []
-    for folder in FOLDERS:
+    for folder in folders:
         if folder == "light":
-            for path in sorted(glob.glob(os.path.join(root, folder, "*.onnx"))):
-                model = onnx.load(path)
-                expected = (_read(path[:-len(".onnx")] + "_output_0.pb", model.graph.output[0].type),)
-                found.append(Case(f"light/{os.path.basename(path)[:-len('.onnx')]}", model, light_inputs(model),
-                                  expected, 2e-3, 1e-7))
+            for path in sorted(glob.glob(os.path.join(DATA, folder, "*.onnx"))):
+                found.append(light_case(os.path.basename(path)[len("light_"):-len(".onnx")]))
             continue
-        for directory in sorted(glob.glob(os.path.join(root, folder, "*", ""))):
+        for directory in sorted(glob.glob(os.path.join(DATA, folder, "*", ""))):
             data = sorted(glob.glob(os.path.join(directory, "test_data_set_*")))
             if not data or not os.path.exists(os.path.join(directory, "model.onnx")):
                 continue
