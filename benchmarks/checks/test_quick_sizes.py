@@ -106,3 +106,10 @@ def test_other_sections_quick_sets_hold_one_model():
         assert 1 <= len(module.QUICK) <= 2 and set(module.QUICK) <= set(getattr(module, "MODELS", None) or
                                                                          getattr(module, "CASES", None) or
                                                                          module.CODE)
+
+
+def test_gpu_quick_is_one_bert_point_and_one_decoding_batch():
+    from benchmarks import gpu
+
+    assert [(p.model, p.batch, p.seq) for p in gpu.points(True)] == [("bert", 1, 16)]
+    assert len(gpu.points(False)) == 8
