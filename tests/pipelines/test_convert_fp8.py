@@ -334,3 +334,33 @@ def test_a_plan_whose_products_output_fp16_keeps_per_tensor_scales_and_says_why(
     assert _granularity(errors, _rowwise_missing("bf16"), "local error")[0] == "row"
     granularity, why = _granularity(errors, _rowwise_missing("fp16"), "local error")
     assert granularity == "tensor" and "write bf16 only" in why and "fp16" in why and "0.05" in why
+
+
+def test_gpt2s_conv1d_products_written_as_addmm_go_fp8_with_their_weight_transposed():
+    """transformers' ``Conv1D`` multiplies ``x @ W + b`` with ``W`` stored in × out (an ``aten.addmm``): its
+    products are lowered as linear ones with the weight transposed, and the output stays within the sum of the
+    products' local errors."""
+    from transformers import GPT2Config, GPT2Model
+
+    logging.disable(logging.WARNING)
+    try:
+        torch.manual_seed(0)
+        model = GPT2Model(GPT2Config(n_embd=64, n_layer=1, n_head=2, vocab_size=500, use_cache=False)).eval()
+        before = copy.deepcopy(model.state_dict())
+        generator = torch.Generator().manual_seed(0)
+        batches = [{"input_ids": torch.randint(0, 500, (2, 16), generator=generator)} for _ in range(6)]
+        fp8 = amppass.convert(model, example_kwargs=batches[0], dtype="fp8", plan_for="coverage",
+                              calibration=batches)
+    finally:
+        logging.disable(logging.NOTSET)
+    report = amppass.report(fp8)
+    rows = {row.name: row for row in report.fp8_rows()}
+    lowered = [name for name, row in rows.items() if "format" in row.evidence["fp8"]]
+    assert lowered and all(name.startswith("addmm") for name in lowered)  # every product of GPT-2 is an addmm
+    assert report.info["fp8"]["products"]["fp8"] == len(lowered) == 4  # qkv, attention out, MLP up and down
+    x = {"input_ids": torch.randint(0, 500, (2, 16), generator=generator)}
+    with torch.no_grad():
+        ref, out = model(**x).last_hidden_state, fp8(**x).last_hidden_state
+    bound = sum(rows[name].evidence["fp8"]["local_error"] for name in lowered) + 4 * BF16_STEP
+    assert rel_err(out, ref) <= bound
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the caller's model untouched

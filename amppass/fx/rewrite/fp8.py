@@ -158,28 +158,57 @@ class Fp8Product:
         return dequantize(quantize(x, scale), scale)
 
 
+def master(value: object) -> fx.Node | None:
+    """The stored tensor a product's weight operand reads: a ``get_attr`` node, directly or through the one cast the
+    train rewrite puts in front of it; None for a computed value."""
+    if isinstance(value, fx.Node) and value.op == "call_function" and value.target is aten._to_copy.default:
+        value = value.args[0]
+    return value if isinstance(value, fx.Node) and value.op == "get_attr" else None
+
+
+def operands(node: fx.Node) -> tuple[object, fx.Node | None, object, bool] | None:
+    """``(input, stored weight, bias, transposed)`` of a product with a weight: ``aten.linear(x, W, b)`` (W stored
+    out × in) or ``aten.addmm(b, x, W)`` / ``aten.mm(x, W)`` (W stored in × out, as transformers' ``Conv1D``
+    multiplies); None for another node, or an ``addmm`` with ``beta``/``alpha``."""
+    if node.op != "call_function":
+        return None
+    if node.target is aten.linear.default:
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        return node.args[0], master(node.args[1]), bias, False
+    if node.target is aten.addmm.default and len(node.args) == 3 and not node.kwargs:
+        return node.args[1], master(node.args[2]), node.args[0], True
+    if node.target is aten.mm.default:
+        return node.args[0], master(node.args[1]), None, True
+    return None
+
+
 def linear_weights(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
-    """Each ``aten.linear`` node's weight tensor, by node name, read from ``gm`` before the bf16 rewrite converts it
+    """Each product with a stored weight (:func:`operands`) by node name: its fp32 weight, out × in as a linear
+    layer stores it (a ``Conv1D``'s in × out weight transposed), read from ``gm`` before the bf16 rewrite converts it
     (an fp8 weight is quantized from fp32 values, not from their bf16 rounding)."""
     found = {}
     for node in gm.graph.nodes:
-        if node.target is aten.linear.default and isinstance(node.args[1], fx.Node) and node.args[1].op == "get_attr":
-            found[node.name] = fetch_attr(gm, str(node.args[1].target))
+        parts = operands(node)
+        if parts is not None and parts[1] is not None:
+            weight = fetch_attr(gm, str(parts[1].target))
+            found[node.name] = weight.t() if parts[3] else weight
     return found
 
 
 def lower(gm: fx.GraphModule, products: Mapping[str, Fp8Product]) -> None:
-    """Rewrite each chosen ``aten.linear`` node of ``gm`` (bf16-rewritten) as ``amppass::fp8_linear`` in place (or
+    """Rewrite each chosen product of ``gm`` (bf16-rewritten; ``aten.linear``, or ``addmm``/``mm`` with a stored
+    weight) as ``amppass::fp8_linear`` in place (or
     ``amppass::fp8_linear_rowwise`` for a product with row-wise scales): its weight stored e4m3 with its scale(s),
     its input's static scale where calibrated; weights no node reads any more are dropped. The decision records
     stay on the nodes (the caller states the fp8 reason)."""
     dropped: set[fx.Node] = set()
     for node in list(gm.graph.nodes):
         product = products.get(node.name)
-        if product is None or node.target is not aten.linear.default:
+        parts = operands(node) if product is not None else None
+        if parts is None:
             continue
-        x, weight = node.args[0], node.args[1]
-        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        x, _, bias, _ = parts
+        weight = node.args[1] if node.target is aten.linear.default else node.args[-1]
         stem = f"_fp8_{node.name}"
         device = product.weight.device
         gm.register_buffer(f"{stem}_weight", product.stored_weight())

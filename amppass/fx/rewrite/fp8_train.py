@@ -40,7 +40,7 @@ from torch import fx, nn
 
 from ...dtypes import E4M3, E5M2, Fp8Format
 from ...errors import InputError
-from .fp8 import FP8_ALIGNMENT
+from .fp8 import FP8_ALIGNMENT, operands
 
 aten = torch.ops.aten
 HISTORY = 16  # delayed scaling's amax history: TransformerEngine's default length
@@ -185,30 +185,6 @@ def swap_linears(model: nn.Module, recipe: str = "dynamic") -> nn.Module:
             if type(child) is nn.Linear:
                 setattr(module, child_name, Fp8Linear(child, recipe))
     return swapped
-
-
-def master(value: object) -> fx.Node | None:
-    """The stored tensor a product's weight operand reads: a ``get_attr`` node, directly or through the one cast the
-    train rewrite puts in front of it; None for a computed value."""
-    if isinstance(value, fx.Node) and value.op == "call_function" and value.target is aten._to_copy.default:
-        value = value.args[0]
-    return value if isinstance(value, fx.Node) and value.op == "get_attr" else None
-
-
-def operands(node: fx.Node) -> tuple[object, fx.Node | None, object, bool] | None:
-    """``(input, stored weight, bias, transposed)`` of a product with a weight: ``aten.linear(x, W, b)`` (W stored
-    out × in) or ``aten.addmm(b, x, W)`` / ``aten.mm(x, W)`` (W stored in × out, as transformers' ``Conv1D``
-    multiplies); None for another node, or an ``addmm`` with ``beta``/``alpha``."""
-    if node.op != "call_function":
-        return None
-    if node.target is aten.linear.default:
-        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-        return node.args[0], master(node.args[1]), bias, False
-    if node.target is aten.addmm.default and len(node.args) == 3 and not node.kwargs:
-        return node.args[1], master(node.args[2]), node.args[0], True
-    if node.target is aten.mm.default:
-        return node.args[0], master(node.args[1]), None, True
-    return None
 
 
 def lower_train(gm: fx.GraphModule, names: set[str]) -> None:

@@ -227,11 +227,12 @@ def _structure(node: fx.Node, gm: fx.GraphModule, weights: Mapping[str, torch.Te
     if name in _ATTENTION:
         return ("stays bf16: attention's score and value products run inside one SDPA kernel, which torch has in "
                 "bf16 and not in fp8")
-    if name != "linear":
+    if name != "linear" and node.name not in weights:
         stored = any(a.op == "get_attr" for a in node.all_input_nodes)
-        return ("stays bf16: a product with a weight written as mm/matmul is not lowered to fp8 (only linear layers "
-                "are)" if stored else "stays bf16: a product of two activations (attention scores, an attention-"
-                "weighted sum): neither operand is stored, so no scale can be computed at conversion")
+        return ("stays bf16: a product with a weight written as bmm/matmul/einsum is not lowered to fp8 (linear "
+                "layers, mm and addmm are)" if stored else "stays bf16: a product of two activations (attention "
+                "scores, an attention-weighted sum): neither operand is stored, so no scale can be computed at "
+                "conversion")
     weight = weights.get(node.name)
     if weight is None:
         return "stays bf16: its weight is computed in the graph, not stored, so no scale is computed at conversion"
@@ -261,12 +262,12 @@ def _measure(fp32_gm: fx.GraphModule, candidates: list[str], weights: Mapping[st
     wanted = set(candidates)
     with torch.no_grad():
         for flat in first:
-            _Probe(fp32_gm, wanted, lambda name, x, args, out: _fold_amax(data.amax, name, x)).run(
+            _Probe(fp32_gm, wanted, lambda name, x, bias, out: _fold_amax(data.amax, name, x)).run(
                 *flat, enable_io_processing=False)
         data.measured = {name: _Measured() for name in candidates}
 
-        def held_out(name: str, x: torch.Tensor, args: tuple, out: torch.Tensor) -> None:
-            weight, bias = weights[name], args[2] if len(args) > 2 else None
+        def held_out(name: str, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+            weight = weights[name]
             seen = data.measured[name]
             low_bias = None if bias is None else bias.to(torch.bfloat16)
             tensor = Fp8Product(name, weight, data.amax.get(name, 0.0))
@@ -290,7 +291,7 @@ def _measure(fp32_gm: fx.GraphModule, candidates: list[str], weights: Mapping[st
 
 
 class _Probe(fx.Interpreter):
-    """Runs the fp32 graph and hands each candidate's input, arguments and output to ``seen``."""
+    """Runs the fp32 graph and hands each candidate's input, bias (or None) and output to ``seen``."""
 
     def __init__(self, gm: fx.GraphModule, wanted: set[str], seen: Any):
         super().__init__(gm)
@@ -300,7 +301,11 @@ class _Probe(fx.Interpreter):
         result = super().run_node(n)
         if n.name in self.wanted:
             args, _ = self.fetch_args_kwargs_from_env(n)
-            self.seen(n.name, args[0], args, result)
+            if n.target is torch.ops.aten.addmm.default:
+                x, bias = args[1], args[0]
+            else:
+                x, bias = args[0], args[2] if len(args) > 2 else None
+            self.seen(n.name, x, bias, result)
         return result
 
 

@@ -30,8 +30,8 @@ from torch import fx
 
 from ...analysis.record import META_KEY, fp8_record, stored_fp8_products
 from ...dtypes import E4M3, E5M2
-from ..rewrite.fp8 import FP8_ALIGNMENT, TENSOR, mark
-from ..rewrite.fp8_train import lower_train, operands
+from ..rewrite.fp8 import FP8_ALIGNMENT, TENSOR, mark, operands
+from ..rewrite.fp8_train import lower_train
 from ..view.build import fetch_attr
 from .fp8 import RANGE_LIMIT, _rounding_error, _structure
 
