@@ -58,18 +58,22 @@ def against(script: str, measure: Callable[[str], dict[str, Any]], names: list[s
 def this_checkout(measure: Callable[[str], dict[str, Any]], names: list[str]) -> list[dict[str, Any]]:
     """``--quick``'s rows of a before/after section: ``measure(name)`` of this checkout alone, in this process (a
     fresh process of the older checkout costs more than the whole quick section), marked as :func:`against` marks
-    this checkout's rows; the warning filters and torch's thread count that ``measure`` sets for its own process
-    are restored after."""
+    this checkout's rows; the warning filters, amppass's log level and torch's thread count that ``measure`` sets
+    for its own process are restored after (later sections read amppass's warnings: the training ones say from
+    them what a model trained in)."""
+    import logging
     import warnings
 
     import torch
 
-    threads = torch.get_num_threads()
+    threads, logger = torch.get_num_threads(), logging.getLogger("amppass")
+    level = logger.level
     try:
         with warnings.catch_warnings():
             return [{"checkout": "this", **measure(name)} for name in names]
     finally:
         torch.set_num_threads(threads)
+        logger.setLevel(level)
 
 
 def _measure_in(script: str, root: Path, name: str) -> dict[str, Any]:

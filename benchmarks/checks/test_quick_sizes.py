@@ -113,3 +113,17 @@ def test_gpu_quick_is_one_bert_point_and_one_decoding_batch():
 
     assert [(p.model, p.batch, p.seq) for p in gpu.points(True)] == [("bert", 1, 16)]
     assert len(gpu.points(False)) == 8
+
+
+def test_a_quick_before_after_section_leaves_amppass_warnings_on_for_the_sections_after_it():
+    import logging
+
+    from benchmarks import checkouts
+
+    def measure(name: str) -> dict:
+        logging.getLogger("amppass").setLevel(logging.ERROR)  # as each section's measure does for its own process
+        return {"model": name}
+
+    level = logging.getLogger("amppass").level
+    assert checkouts.this_checkout(measure, ["m"]) == [{"checkout": "this", "model": "m"}]
+    assert logging.getLogger("amppass").level == level
