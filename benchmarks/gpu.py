@@ -144,12 +144,15 @@ def timed(call: Callable[[], Any], where: torch.device, warmup: int, repeats: in
 @contextlib.contextmanager
 def no_tf32():
     """fp32 means fp32: TF32 matrix products off while inside."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        yield
+        # cudnn's flags through its context manager: a process that froze them (torch's test utilities do) refuses
+        # a plain assignment
+        with torch.backends.cudnn.flags(enabled=torch.backends.cudnn.enabled, allow_tf32=False):
+            yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+        torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def _first_float(out: Any) -> torch.Tensor:

@@ -64,3 +64,16 @@ class Flagged(nn.Module):
     def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
         y = self.fc(x)
         return y * 2 if kwargs.get("double") else y
+
+
+class Split(nn.Module):
+    """Two linear stages with a graph break between them: the second graph takes an activation."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.first(x))
+        torch._dynamo.graph_break()
+        return self.second(h)

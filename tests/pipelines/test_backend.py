@@ -15,6 +15,7 @@ import amppass
 from amppass.pipelines.backend import amppass_backend
 from tests.helpers.paths import ROOT
 from tests.helpers.shape_models import detector
+from tests.helpers.small_models import Split
 
 
 def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -46,19 +47,6 @@ def registered():
     registry._BACKENDS["amppass"] = entry if entry is not None or function is not None else point
     if function is not None:
         registry._COMPILER_FNS["amppass"] = function
-
-
-class Split(nn.Module):
-    """Two linear stages with a graph break between them: the second graph takes an activation."""
-
-    def __init__(self):
-        super().__init__()
-        self.first, self.second = nn.Linear(16, 32), nn.Linear(32, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.relu(self.first(x))
-        torch._dynamo.graph_break()
-        return self.second(h)
 
 
 def test_detector_with_nms_runs_every_shape_as_close_to_fp32_as_autocast(registered):

@@ -18,7 +18,7 @@ import amppass
 from amppass.pipelines import backend
 from amppass.pipelines.backend import amppass_backend
 from tests.helpers.load import avx2_cpu, native_bf16_cpu
-from tests.pipelines.test_backend import Split
+from tests.helpers.small_models import Split
 
 
 @pytest.fixture(autouse=True)
