@@ -17,7 +17,7 @@ cheap next to the product. The input's and the gradient's come from their own la
 (dynamic scaling), or, where ``input_amax``/``grad_amax`` hold a positive value, from that value (delayed scaling:
 the largest magnitude of an amax history, as TransformerEngine's default recipe keeps; :class:`Fp8Linear` keeps one).
 A value beyond a delayed scale's range is clamped to the format's largest finite value. Every scale is finite and
-positive, computed as :meth:`amppass.dtypes.Fp8Format.scale_for` does but on tensors (no host sync): 1.0 for an
+positive, computed by :meth:`amppass.dtypes.Fp8Format.scales_for` on tensors (no host sync): 1.0 for an
 all-zero, infinite or NaN range, so zero and constant tensors quantize and multiply to finite values.
 
 The backward quantizes ``input`` and ``weight`` again from the tensors autograd saved (deterministic: the same
@@ -45,16 +45,6 @@ from .fp8 import FP8_ALIGNMENT, operands
 aten = torch.ops.aten
 HISTORY = 16  # delayed scaling's amax history: TransformerEngine's default length
 RECIPES = ("dynamic", "delayed")
-_FP32_TINY = float(torch.finfo(torch.float32).tiny)
-
-
-def amax_scale(amax: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
-    """The fp32 per-tensor scale mapping ``amax`` (a 0-d tensor) to ``fmt``'s largest finite value, as
-    :meth:`~amppass.dtypes.Fp8Format.scale_for` computes it: 1.0 for a zero, negative, infinite or NaN ``amax``,
-    never below fp32's smallest normal."""
-    amax = amax.float()
-    usable = torch.isfinite(amax) & (amax > 0)
-    return torch.where(usable, (amax / fmt.max).clamp_min(_FP32_TINY), torch.ones_like(amax))
 
 
 def _amax(x: torch.Tensor) -> torch.Tensor:
@@ -67,7 +57,7 @@ def _quantized(x: torch.Tensor, fmt: Fp8Format, given: torch.Tensor | None = Non
     amax = _amax(x)
     if given is not None:
         amax = torch.where(given > 0, given.float(), amax)
-    scale = amax_scale(amax, fmt)
+    scale = fmt.scales_for(amax)
     return (x.float() / scale).clamp(-fmt.max, fmt.max).to(fmt.torch), scale
 
 
