@@ -40,7 +40,7 @@ from torch import fx, nn
 
 from ...dtypes import E4M3, E5M2, Fp8Format
 from ...errors import InputError
-from .fp8 import FP8_ALIGNMENT, operands
+from .fp8 import FP8_ALIGNMENT, operands, quantize
 
 aten = torch.ops.aten
 HISTORY = 16  # delayed scaling's amax history: TransformerEngine's default length
@@ -58,7 +58,7 @@ def _quantized(x: torch.Tensor, fmt: Fp8Format, given: torch.Tensor | None = Non
     if given is not None:
         amax = torch.where(given > 0, given.float(), amax)
     scale = fmt.scales_for(amax)
-    return (x.float() / scale).clamp(-fmt.max, fmt.max).to(fmt.torch), scale
+    return quantize(x, scale, fmt), scale
 
 
 def _product(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
