@@ -30,9 +30,8 @@ from torch import fx
 
 from ...analysis.record import META_KEY, fp8_record, stored_fp8_products
 from ...dtypes import E4M3, E5M2
-from ..rewrite.fp8 import FP8_ALIGNMENT, TENSOR, mark, operands
+from ..rewrite.fp8 import TENSOR, linear_weights, mark
 from ..rewrite.fp8_train import lower_train
-from ..view.build import fetch_attr
 from .fp8 import RANGE_LIMIT, _rounding_error, _structure
 
 log = logging.getLogger(__name__)
@@ -49,15 +48,15 @@ def plan_fp8_train(gm: fx.GraphModule) -> dict[str, Any]:
     why_not: dict[str, str] = {}
     candidates: list[str] = []
     errors: dict[str, float] = {}
+    weights = linear_weights(gm)  # the fp32 masters the train rewrite's casts read
     for node in gm.graph.nodes:
-        why = _train_structure(node, gm)
+        why = _structure(node, gm, weights)
         if why is None:
             continue
         if why:
             why_not[node.name] = why
             continue
-        weight = fetch_attr(gm, str(operands(node)[1].target))
-        errors[node.name] = _rounding_error(weight, TENSOR)
+        errors[node.name] = _rounding_error(weights[node.name], TENSOR)
         if errors[node.name] > RANGE_LIMIT:
             why_not[node.name] = (f"stays bf16: its weight's own e4m3 error at conversion is "
                                   f"{errors[node.name]:.3g}, beyond {RANGE_LIMIT:g} (twice e4m3's largest rounding "
@@ -88,18 +87,3 @@ def plan_fp8_train(gm: fx.GraphModule) -> dict[str, Any]:
     log.info("fp8 training: %d of %d products in %s forward, %s gradients; loss scaling %s", len(chosen),
              len(chosen) + len(why_not), E4M3.name, E5M2.name, LOSS_SCALING)
     return info
-
-
-def _train_structure(node: fx.Node, gm: fx.GraphModule) -> str | None:
-    """None for a node that is no matrix product; "" for an fp8 candidate; why not otherwise (module docstring, 1)."""
-    found = operands(node)
-    meta = node.meta.get(META_KEY)
-    if found is None or found[1] is None or not meta or meta.get("cast"):
-        return _structure(node, gm, {})
-    if meta.get("precision") != "low":
-        return "not fp8: the bf16 plan keeps this product in fp32"
-    rows, cols = fetch_attr(gm, str(found[1].target)).shape
-    if rows % FP8_ALIGNMENT or cols % FP8_ALIGNMENT:
-        return (f"stays bf16: its weight's sizes ({rows} x {cols}) are not multiples of {FP8_ALIGNMENT}, which "
-                "torch._scaled_mm's fp8 kernels need")
-    return ""
