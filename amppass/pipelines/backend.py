@@ -53,7 +53,8 @@ import logging
 import sys
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from types import FrameType
+from typing import Any, Callable, Iterator, cast
 
 import torch
 from torch import fx, nn
@@ -117,7 +118,7 @@ class Session:
             raise InputError("this compiled model has not run yet, so dynamo has given amppass no graph to "
                              "convert; call it once, then ask for the report")
         converted = [g for g in self.graphs if g.converted is not None]
-        whole = merged((f"g{graph.index}", read_graph_module(graph.converted)) for graph in converted)
+        whole = merged((f"g{graph.index}", read_graph_module(graph.plan)) for graph in converted)
         rows, info = whole.rows, {k: v for k, v in whole.info.items() if k != "target"}
         if not converted:  # every graph runs as dynamo traced it (info["unconverted"] says why)
             info.update({"dtype": "fp32", "mode": self.settings.conversion.mode})
@@ -129,8 +130,8 @@ class Session:
                      "unconverted": [{"graph": g.index, "reason": g.failed} for g in self.graphs if g.failed],
                      "graph_plans": [{"graph": g.index, "calibrated": g.calibrated, "inputs": g.inputs(),
                                       "refreshes": g.refreshes} for g in converted]})
-        checked = {g.index: g.converted.meta[META_KEY]["non_finite"] for g in converted
-                   if "non_finite" in g.converted.meta[META_KEY]}
+        checked = {g.index: g.plan.meta[META_KEY]["non_finite"] for g in converted
+                   if "non_finite" in g.plan.meta[META_KEY]}
         if checked:  # the example call's check (fx.finite), per graph, its nodes named as the rows are
             info["non_finite"] = [{"graph": index, **{k: [f"g{index}.{n}" for n in v] if k == "kept_fp32" else v
                                                       for k, v in found.items()}} for index, found in checked.items()]
@@ -184,6 +185,13 @@ class CompiledGraph:
         self._refresh(args)
         return self.run(*(args[i] for i in self.users))
 
+    @property
+    def plan(self) -> fx.GraphModule:
+        """The converted graph; asked for only where the graph converted (a failed one has none)."""
+        if self.converted is None:
+            raise AssertionError(f"amppass backend: graph {self.index} was not converted ({self.failed})")
+        return self.converted
+
     def inputs(self) -> str:
         """The inputs the converted graph takes, as dynamo traced them: ``x: [s0, 3, s1, s1] float32``."""
         ranges = symbol_ranges(self.fakes)
@@ -235,14 +243,14 @@ class CompiledGraph:
         context; a compile after that (rule 2) gives it the fake inputs dynamo traced, in their own context.
         """
         if self.compiler == "eager":
-            return self.converted
+            return self.plan
         if inside_dynamo:
-            return _inductor(self.converted, inputs, freeze=self.frozen)
+            return _inductor(self.plan, inputs, freeze=self.frozen)
         from torch._guards import TracingContext, tracing
 
         fakes = [self.fakes[i] for i in self.users]
         with tracing(TracingContext(fake_mode(fakes))):
-            return _inductor(self.converted, fakes, freeze=self.frozen)
+            return _inductor(self.plan, fakes, freeze=self.frozen)
 
     def _refresh(self, args: tuple) -> None:
         """Rule 2: new values in a parameter reach its low-precision copies, in place.
@@ -272,7 +280,7 @@ class CompiledGraph:
 
     def _copy_into_graph(self, name: str, tensor: torch.Tensor) -> None:
         with torch.no_grad():
-            _refresh_copies(self.converted, name, tensor)
+            _refresh_copies(self.plan, name, tensor)
         self.refreshes += 1
 
 
@@ -319,7 +327,8 @@ _SESSIONS: dict[int, tuple[weakref.ref, Session]] = {}
 
 def _session(options: dict[str, Any] | None, settings: "BackendSettings") -> Session:
     """The session of the ``torch.compile`` wrapper calling this backend (the one holding ``options``)."""
-    frame, owner = sys._getframe(2), None
+    frame: FrameType | None = sys._getframe(2)
+    owner: object | None = None
     for _ in range(12):
         if frame is None:
             break
@@ -433,8 +442,9 @@ def _aligned(batches: list[Any] | None, inputs: list[fx.Node], examples: list[An
         return None
     tensors = [n for n, e in zip(inputs, examples, strict=False) if isinstance(e, torch.Tensor)]
     examples = [e for e in examples if isinstance(e, torch.Tensor)]
-    sizes = {n: _measured_by(n, tensors) for n in inputs if n not in tensors}
-    if any(where is None for where in sizes.values()):
+    measured = {n: _measured_by(n, tensors) for n in inputs if n not in tensors}
+    sizes = {n: where for n, where in measured.items() if where is not None}
+    if len(sizes) < len(measured):
         return None
     names = [str(getattr(getattr(n.meta.get("grapharg"), "source", None), "local_name", n.name)) for n in tensors]
     aligned = []
@@ -483,14 +493,15 @@ def _is_parameter(module: nn.Module, name: str) -> bool:
         return False
 
 
-def _inductor(plan: fx.GraphModule, inputs: tuple, freeze: bool) -> Callable[..., Any]:
+def _inductor(plan: fx.GraphModule, inputs: list[Any], freeze: bool) -> Callable[..., Any]:
     """Compile one plan with inductor (a plain GraphModule over its tensors: inductor traces forward())."""
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx
 
     plain = fx.GraphModule(plan, views_as_reshapes(plan.graph))
     with config.patch(freezing=freeze):
-        return compile_fx(plain, list(inputs))
+        # compile_fx returns a path, paths or weights only for an ahead-of-time compile; this one is just in time
+        return cast(Callable[..., Any], compile_fx(plain, list(inputs)))
 
 
 def _version(tensor: torch.Tensor) -> int | None:
