@@ -36,8 +36,15 @@ Rules:
    (a CPU without bf16/fp16 instructions) no op would train faster low, so every graph runs as dynamo traced it,
    in fp32, at plain ``torch.compile``'s speed; one warning per ``torch.compile`` call says why, and the report's
    ``info["unconverted"]`` and ``info["profitability"]`` too. ``plan_for="coverage"`` converts every graph anyway.
+8. ``dtype="fp8"`` (or ``"e4m3"``, ``torch.float8_e4m3fn``) plans each graph as :func:`amppass.convert` plans it
+   (docs/fp8.md): a bf16 plan whose chosen matrix products run in e4m3, ``amppass::fp8_linear`` in inference and
+   ``amppass::fp8_train_linear`` in training, each one op for inductor. The device of a graph's inputs is checked as
+   convert checks its target, once per device (a CPU needs ``plan_for="coverage"``, a GPU compute capability 8.9).
+   Training reads the fp32 master weights on every call, so an optimizer step leaves nothing to refresh; an
+   inference graph whose weights changed is planned again on the new ones (its e4m3 copies and their scales came
+   from the old ones, which also chose its products). The report's ``info["fp8"]`` counts every graph's products.
 
-Options (all optional): ``dtype`` ("auto", "fp16", "bf16", torch dtypes), ``compiler`` ("inductor" or
+Options (all optional): ``dtype`` ("auto", "fp16", "bf16", "fp8", torch dtypes), ``compiler`` ("inductor" or
 "eager"), ``plan_for`` ("speed" or "coverage": every graph is planned as "coverage", without timing kernels, since
 profitability times eager kernels, not the fused code inductor makes; "speed" adds rule 7), ``keep_io_types``,
 ``keep_fp32``, ``force_low``, ``low_weight_tables`` as for :func:`amppass.convert`, and ``calibration`` /
@@ -62,8 +69,8 @@ from torch.utils import _pytree as pytree
 
 from ..analysis.options import PlanOptions
 from ..analysis.profitability import fp32_by_device
-from ..analysis.record import META_KEY
-from ..dtypes import low_type
+from ..analysis.record import META_KEY, fp8_record, stored_fp8_products
+from ..dtypes import fp8_format, low_type
 from ..errors import CaptureError, InputError
 from ..fx.capture.dynamo_graph import (
     fake_mode,
@@ -78,6 +85,7 @@ from ..fx.capture.guards import input_spec
 from ..reporting.fx_reader import read_graph_module
 from ..reporting.report import Report, merged
 from ..serving.serving_graph import set_state
+from ..targets.target import check_fp8
 from .settings import MODES, Settings
 from .stages import plan_captured
 
@@ -95,6 +103,20 @@ class Session:
     settings: "BackendSettings"  # without the calibration batches
     graphs: list["CompiledGraph"] = field(default_factory=list)
     by_device: dict[str, dict[str, Any] | None] = field(default_factory=dict)  # rule 7's record, per device type
+    fp8_checked: set[str] = field(default_factory=set)  # rule 8: the device types dtype='fp8' was checked for
+
+    def check_fp8(self, example_inputs: list[Any]) -> None:
+        """Rule 8: dtype='fp8' checked for the device of ``example_inputs`` as :func:`amppass.convert` checks its
+        target (an InputError where it cannot be planned; the CPU's warning), once per device for this compile."""
+        fp8, device = self.settings.conversion.options.fp8, _device(example_inputs).type
+        if fp8 is None or device in self.fp8_checked:
+            return
+        try:
+            check_fp8(device, self.settings.conversion.options.plan_for)
+        except InputError as err:
+            raise InputError(f"torch.compile(backend='amppass', options={{'dtype': 'fp8'}}) plans each graph as "
+                             f"amppass.convert does, which refuses it here: {err} (in options=)") from None
+        self.fp8_checked.add(device)
 
     def kept_fp32(self, example_inputs: list[Any], weights: int) -> str | None:
         """Rule 7: why a train-mode graph on the device of ``example_inputs`` runs unconverted (the device alone keeps
@@ -118,8 +140,14 @@ class Session:
             raise InputError("this compiled model has not run yet, so dynamo has given amppass no graph to "
                              "convert; call it once, then ask for the report")
         converted = [g for g in self.graphs if g.converted is not None]
-        whole = merged((f"g{graph.index}", read_graph_module(graph.plan)) for graph in converted)
+        parts = [(f"g{graph.index}", read_graph_module(graph.plan)) for graph in converted]
+        whole = merged(parts)
         rows, info = whole.rows, {k: v for k, v in whole.info.items() if k != "target"}
+        fp8 = [part.info["fp8"] for _, part in parts if isinstance(part.info.get("fp8"), dict)]
+        if fp8:  # rule 8: every graph's matrix products counted again, the first graph's scales and search said
+            low = str(fp8[0].get("low"))
+            decisions = ({"precision": row.precision, "reason": row.reason, "evidence": row.evidence} for row in rows)
+            info["fp8"] = {**fp8[0], **fp8_record(str(fp8[0].get("format")), low, stored_fp8_products(decisions, low))}
         if not converted:  # every graph runs as dynamo traced it (info["unconverted"] says why)
             info.update({"dtype": "fp32", "mode": self.settings.conversion.mode})
         kept = [record for record in self.by_device.values() if record is not None]
@@ -165,6 +193,7 @@ class CompiledGraph:
         self.converted: fx.GraphModule | None = None
         self.users: list[int] = []
         self.fakes = [n.meta.get("example_value") for n in self.placeholders]
+        session.check_fp8(example_inputs)
         # why the graph is not converted (it then runs as dynamo traced it): the device (rule 7), or its trace
         self.failed = session.kept_fp32(example_inputs, _bytes(example_inputs[i] for i in self.state))
         if self.failed is None:
@@ -274,9 +303,19 @@ class CompiledGraph:
                 self._copy_into_graph(name, tensor)
                 refreshed = True
                 self.attributes[name] = (tensor, _version(tensor))
-        if self.compiler != "eager" and (replaced or (refreshed and self.frozen)):
+        if refreshed and not training and self.settings.conversion.options.fp8 is not None:
+            self._replan(args)
+        elif self.compiler != "eager" and (replaced or (refreshed and self.frozen)):
             # compiled code holds the tensors it was compiled with, and frozen code their values: compile again
             self.run = self._compile([], inside_dynamo=False)
+
+    def _replan(self, args: tuple) -> None:
+        """Rule 8: an fp8 inference plan whose weights changed is made again on the new weights (its products hold
+        e4m3 copies quantized with scales from the old ones, and the old weights chose its products), for the
+        call's own inputs, and compiled again."""
+        log.info("amppass backend: graph %d's weights changed; its fp8 plan is made again on the new ones", self.index)
+        self._convert(list(args))
+        self.run = self._compile([], inside_dynamo=False)
 
     def _copy_into_graph(self, name: str, tensor: torch.Tensor) -> None:
         with torch.no_grad():
@@ -412,10 +451,12 @@ def _settings(options: dict[str, Any] | None) -> BackendSettings:
                          "graph anyway (amppass.convert(..., plan_for='memory') stores weights low)")
     calibration = settings["calibration"]
     calibration = list(calibration) if calibration is not None else None  # every graph it matches reads it
-    low_type(settings["dtype"])  # a bad dtype is reported now, not at the first graph
-    plan = PlanOptions(plan_for=settings["plan_for"],
+    fp8 = fp8_format(settings["dtype"])  # rule 8: a bf16 plan with some products lowered further
+    dtype = "bf16" if fp8 is not None else settings["dtype"]
+    low_type(dtype)  # a bad dtype is reported now, not at the first graph
+    plan = PlanOptions(plan_for=settings["plan_for"], fp8=fp8,
                        **{name: options[name] for name in _PLAN_OPTIONS if name in options})
-    return BackendSettings(Settings(plan, settings["mode"], settings["dtype"]), settings["compiler"],
+    return BackendSettings(Settings(plan, settings["mode"], dtype), settings["compiler"],
                            settings["freezing"], calibration, settings["tolerance"])
 
 
