@@ -195,9 +195,13 @@ class TrainArtifact(Artifact):
         return cls(module, graph.meta.get(META_KEY, {}), graph)
 
     def saved_graph(self) -> ServingGraph:
-        """Refused: amppass.save writes inference models."""
+        """Refused: amppass.save writes inference models. The way to ship what it learned names its own dtype, so an
+        fp8 model ships as fp8 (its record says ``fp8``; its low dtype alone would say bf16)."""
+        dtype = "fp8" if "fp8" in self.record else self.record.get("dtype")
         raise InputError("amppass.save writes inference models; for a train-mode model save its state_dict() as a "
-                         "checkpoint, and convert the trained model with mode='inference' to ship it")
+                         "checkpoint, and to ship what it learned load that into the original (the keys are the "
+                         f"original's) and convert it with amppass.convert(original, example_inputs, dtype={dtype!r}) "
+                         "(mode='inference')")
 
 
 class KeptArtifact(Artifact):
