@@ -12,7 +12,7 @@ import copy
 import torch
 
 import amppass
-from models.char_gpt import char_gpt, next_char_loss, stdlib_corpus
+from models.char_gpt import char_gpt, held_out_loss, next_char_loss, stdlib_corpus
 
 STEPS, BATCH, BLOCK = 20, 8, 32
 
@@ -36,14 +36,6 @@ def train(model: torch.nn.Module, batches: list[torch.Tensor], scaler: amppass.L
             scaler.update()
         losses.append(loss.item())
     return losses
-
-
-def held_out_loss(model: torch.nn.Module, batch: torch.Tensor) -> float:
-    model.eval()
-    with torch.no_grad():
-        loss = next_char_loss(model(batch[:, :-1]).logits, batch[:, 1:]).item()
-    model.train()
-    return loss
 
 
 def main() -> None:

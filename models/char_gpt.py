@@ -71,6 +71,16 @@ def next_char_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
+def held_out_loss(model: nn.Module, batch: torch.Tensor) -> float:
+    """:func:`next_char_loss` of a batch of character ids in eval mode without gradients; the model is in train mode
+    after."""
+    model.eval()
+    with torch.no_grad():
+        loss = next_char_loss(model(batch[:, :-1]).logits, batch[:, 1:]).item()
+    model.train()
+    return loss
+
+
 def train_steps(model: nn.Module, batches: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer, scaler: Any,
                 part: tuple[int, int] | None = None) -> list[float]:
     """One loss-scaled optimizer step per batch of character ids (inputs all but the last, targets all but the

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 import amppass
-from models.char_gpt import char_gpt, next_char_loss, stdlib_corpus, train_steps
+from models.char_gpt import char_gpt, held_out_loss, stdlib_corpus, train_steps
 from tests.helpers.ddp_harness import WORLD_SIZE, run_ranks
 
 STEPS, BATCH, BLOCK = 6, 8, 32
@@ -38,12 +38,7 @@ def _batches() -> list[torch.Tensor]:
 
 
 def _held_out(model) -> float:
-    held = _batches()[-1]
-    model.eval()
-    with torch.no_grad():
-        loss = next_char_loss(model(held[:, :-1]).logits, held[:, 1:]).item()
-    model.train()
-    return loss
+    return held_out_loss(model, _batches()[-1])
 
 
 def _train(model, rank: int | None) -> dict:
