@@ -315,7 +315,12 @@ class CompiledGraph:
         call's own inputs, and compiled again."""
         log.info("amppass backend: graph %d's weights changed; its fp8 plan is made again on the new ones", self.index)
         self._convert(list(args))
-        self.run = self._compile([], inside_dynamo=False)
+        from torch._inductor import config
+
+        # inductor's graph cache served this compile the code frozen with the old plan's e4m3 weights (measured with
+        # torch 2.13: the old outputs), so the new plan is compiled past it
+        with config.patch(fx_graph_cache=False):
+            self.run = self._compile([], inside_dynamo=False)
 
     def _copy_into_graph(self, name: str, tensor: torch.Tensor) -> None:
         with torch.no_grad():

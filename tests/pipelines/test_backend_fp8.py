@@ -65,19 +65,22 @@ def test_inference_runs_converts_fp8_plan_within_fp8_rounding_of_fp32(compiler):
     assert rel(out, expected) <= 2**-7  # inductor: a bf16 rounding or two of the products' sums, fused otherwise
 
 
-def test_an_inference_graph_whose_weight_changed_is_planned_again_on_it():
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_an_inference_graph_whose_weight_changed_is_planned_again_on_it(compiler):
     """Its e4m3 weight copies and their scales came from the old weights: the graph must compute the changed
-    model's fp8 plan, not the old one's."""
+    model's fp8 plan, not the old one's (inductor: frozen, under no_grad, and compiled again)."""
     model, x = _net().eval(), torch.randn(16, 32)
     compiled = torch.compile(model, backend=amppass_backend, options={"dtype": "fp8", "plan_for": "coverage",
-                                                                       "compiler": "eager"})
+                                                                       "compiler": compiler})
     with torch.no_grad():
         before = compiled(x)
         model[2].weight.mul_(-3.0)  # in place: its version counter moves
         after = compiled(x)
         assert torch.equal(compiled(x), after)  # planned once: the new plan is not a change again
         expected = amppass.convert(model, (x,), dtype="fp8", plan_for="coverage")(x)
-    assert torch.equal(after, expected) and rel(after, before) > 0.5
+    if compiler == "eager":
+        assert torch.equal(after, expected)
+    assert rel(after, expected) <= 2**-7 and rel(after, before) > 0.5
     assert amppass.report(compiled).info["graph_plans"][0]["refreshes"] == 1
 
 
