@@ -174,6 +174,7 @@ class Stored:
     dims: int | None
 
 
+NOT_LINEAR = "not a linear layer's product"  # the start of every reason for a form of product fp8_linear cannot run
 TWO_ACTIVATIONS = ("a product of two activations (attention scores, an attention-weighted sum): neither operand is "
                    "stored, so no scale can be computed at conversion")
 _TRANSPOSES = {aten.t.default, aten.numpy_T.default, aten.mT.default, aten.transpose.int, aten.permute.default}
@@ -230,20 +231,20 @@ def _einsum(node: fx.Node) -> tuple[object, object, bool] | str:
     the input's other indices in order followed by the weight's other one: what ``linear`` computes); why not
     otherwise."""
     equation, values = str(node.args[0]), list(node.args[1])
+    prefix = f"{NOT_LINEAR}: einsum {equation!r}"
     if len(values) != 2:
-        return f"einsum {equation!r} has {len(values)} operands, not an activation and a weight"
+        return f"{prefix} has {len(values)} operands, not an activation and a weight"
     found = [stored(v) is not None for v in values]
     if found == [False, False]:
         return TWO_ACTIVATIONS
     if found == [True, True]:
-        return f"einsum {equation!r} multiplies two stored tensors: it is a constant, not an activation times a weight"
+        return f"{prefix} multiplies two stored tensors (a constant), not an activation and a weight"
     specs, _, out = equation.replace(" ", "").partition("->")
     x_spec, w_spec = specs.split(",")[::1 if found[1] else -1]
     x, w = values[::1 if found[1] else -1]
     if "->" not in equation:  # implicit output: the indices seen once, sorted, broadcast ones first
         letters = specs.replace(",", "").replace(".", "")
         out = ("..." if "..." in specs else "") + "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
-    prefix = f"einsum {equation!r} is not an activation times a 2-D weight"
     if len(w_spec) != 2 or w_spec[0] == w_spec[1]:
         return f"{prefix}: its stored operand's subscripts {w_spec!r} are not a matrix's two distinct indices"
     body = x_spec.removeprefix("...")
@@ -281,17 +282,16 @@ def _product(node: fx.Node) -> tuple[object, object, object, bool] | str | None:
         return None
     weight = stored(parts[1])
     if weight is None and stored(parts[0]) is not None and node.target is not aten.einsum.default:
-        return ("its stored operand is the first (weight @ activation): it mixes the activation's rows, where "
-                "fp8_linear reads the weight as the second operand")
+        return (f"{NOT_LINEAR}: its stored operand is the first (weight @ activation), which mixes the activation's "
+                "rows; fp8_linear reads the weight as the second operand")
     if weight is None or node.target in (aten.addmm.default, aten.mm.default):
         return parts
     if weight.dims != 2:
-        return (f"its stored operand is {weight.dims}-D, not one 2-D weight (a matrix per batch is not a linear "
-                "layer's product)" if weight.dims else "its stored operand's dimensions are not recorded in the graph")
+        return (f"{NOT_LINEAR}: its stored operand is {weight.dims}-D (a matrix per batch), not one 2-D weight"
+                if weight.dims else f"{NOT_LINEAR}: its stored operand's dimensions are not recorded in the graph")
     out, x = _shape(node), _shape(parts[0])
     if out is None or x is None or not _same(out[:-1], x[:-1]):
-        return ("its stored operand broadcasts the activation's batch dimensions, so the product is not one "
-                "linear layer's")
+        return f"{NOT_LINEAR}: its stored operand broadcasts the activation's batch dimensions"
     return parts
 
 

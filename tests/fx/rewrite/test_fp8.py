@@ -16,6 +16,7 @@ from torch import fx, nn
 from amppass.dtypes import E4M3
 from amppass.fx.rewrite.fp8 import (
     ROW,
+    TWO_ACTIVATIONS,
     Fp8Product,
     dequantize,
     fp8_linear,
@@ -241,7 +242,7 @@ class _NotLowered(nn.Module):
 
     FORMS = {
         "weight first": (lambda m, x: m.oi @ x.transpose(-1, -2), "is the first (weight @ activation)"),
-        "3-D weight": (lambda m, x: torch.bmm(x, m.batched), "is 3-D, not one 2-D weight"),
+        "3-D weight": (lambda m, x: torch.bmm(x, m.batched), "is 3-D (a matrix per batch), not one 2-D weight"),
         "broadcast batch": (lambda m, x: torch.matmul(x[0], m.io.expand(3, 32, 48)),
                             "broadcasts the activation's batch dimensions"),
         "output permuted": (lambda m, x: torch.einsum("bsi,oi->bos", x, m.oi),
@@ -252,7 +253,7 @@ class _NotLowered(nn.Module):
                             "the activation's last index 'i' must be the only one it shares with the weight 'si'"),
         "contracts a batch index": (lambda m, x: torch.einsum("bsi,bo->sio", x, m.bo),
                                     "the only one it shares with the weight 'bo'"),
-        "three operands": (lambda m, x: torch.einsum("bsi,io,o->bs", x, m.io, m.o), "has 3 operands"),
+        "three operands": (lambda m, x: torch.einsum("bsi,io,o->bs", x, m.io, m.o), "'bsi,io,o->bs' has 3 operands"),
         "two stored": (lambda m, x: x + torch.einsum("ij,jk->ik", m.io, m.oi)[:8], "multiplies two stored tensors"),
         "two activations": (lambda m, x: torch.einsum("bsi,bti->bst", x, x), "a product of two activations"),
     }
@@ -276,4 +277,6 @@ def test_a_product_that_is_not_a_linear_layers_says_exactly_why(form):
         torch.ops.aten.matmul.default, torch.ops.aten.bmm.default, torch.ops.aten.einsum.default)]
     assert products and linear_weights(gm) == {}
     assert all(operands(n) is None or operands(n)[1] is None for n in products)
-    assert _NotLowered.FORMS[form][1] in not_lowered(products[-1])
+    why = not_lowered(products[-1])
+    assert _NotLowered.FORMS[form][1] in why
+    assert why.startswith(TWO_ACTIVATIONS if form == "two activations" else "not a linear layer's product: ")
