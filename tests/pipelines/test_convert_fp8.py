@@ -501,3 +501,26 @@ def test_an_open_clip_model_runs_its_projections_in_fp8():
         reference, out = model(images, text), converted(images, text)
     for tower, ref, got in zip(towers, reference[:2], out[:2], strict=True):
         assert rel_err(got, ref) <= len(tower) * RANGE_LIMIT
+
+
+def test_resnet_and_vit_patch_embedding_convolutions_stay_bf16_saying_torch_has_no_fp8_convolution():
+    """torch 2.13 has no fp8 convolution (aten's scaled products are ``_scaled_mm``, ``_scaled_mm_v2`` and
+    ``_scaled_grouped_mm``; a convolution of e4m3 tensors is not implemented): a ResNet's every convolution and a
+    ViT's patch embedding stay bf16 with that reason, counted under it in the summary."""
+    timm = pytest.importorskip("timm")
+    with pytest.raises(NotImplementedError):
+        nn.functional.conv2d(torch.ones(1, 3, 8, 8, dtype=torch.float8_e4m3fn),
+                             torch.ones(4, 3, 3, 3, dtype=torch.float8_e4m3fn))
+    torch.manual_seed(0)
+    models = {"resnet": timm.create_model("resnet18", pretrained=False, num_classes=16).eval(),
+              "vit": timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, depth=1,
+                                       num_classes=16).eval()}
+    reason = ("stays bf16: torch has no fp8 convolution kernel (torch._scaled_mm is a matrix product), on this target "
+              "or any")
+    for name, model in models.items():
+        converted = amppass.convert(model, (torch.randn(2, 3, 32, 32),), dtype="fp8", plan_for="coverage")
+        report = amppass.report(converted)
+        convolutions = [row for row in report.fp8_rows() if row.op == "aten.conv2d"]
+        assert len(convolutions) == (20 if name == "resnet" else 1)  # ResNet-18's 20; the ViT's patch embedding
+        assert all(row.evidence["fp8"]["why_not"] == reason and row.precision == "bf16" for row in convolutions)
+        assert report.info["fp8"]["why_not"]["no fp8 kernel for the op (convolution, attention)"] >= len(convolutions)
