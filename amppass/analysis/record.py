@@ -38,7 +38,9 @@ FP8_WHY_NOT = (
     ("kept fp32 by the plan", ("keeps this product in fp32",)),
     ("no fp8 kernel for the op (convolution, attention)", ("no fp8 convolution kernel", "SDPA kernel")),
     ("no stored operand to scale at conversion", ("two activations", "weight is computed in the graph")),
-    ("a weight read by bmm/matmul/einsum", ("linear layers, mm and addmm are",)),
+    # the second phrase: records written before matmul/bmm/einsum products were lowered
+    ("a stored operand that is not a linear layer's weight", ("not a linear layer's product",
+                                                              "linear layers, mm and addmm are")),
     ("sizes not multiples of 16", ("not multiples of",)),
     ("an operand calibration did not observe", ("not observed by calibration",)),
     ("a bias that cannot move after the product", ("bias is scaled by beta", "bias of a convolution")),

@@ -122,15 +122,16 @@ def candidates(model: onnx.ModelProto, plan: PrecisionPlan, stats: Any, store: W
 
 def channel_axis(node: onnx.NodeProto, slot: int, weight: onnx.TensorProto) -> int | None:
     """The output-channel axis of ``weight``, input ``slot`` of product ``node``, where it can have one scale per
-    channel: a MatMul's 2-D B ([K, N]: 1), a Gemm's B (1, or 0 with ``transB``), a Conv's W (0); None otherwise."""
-    if slot != 1:
-        return None
+    channel: a MatMul's 2-D B ([K, N]: 1) or, the weight first, its 2-D A ([M, K]: 0, one scale per output row), a
+    Gemm's B (1, or 0 with ``transB``) or A (0, or 1 with ``transA``), a Conv's W (0); None otherwise. Along that
+    axis a scale multiplies whole output rows or columns, so it factors out of the product's sums."""
     if node.op_type == "Conv":
-        return 0
+        return 0 if slot == 1 else None
     if len(weight.dims) != 2:
         return None
-    transposed = node.op_type == "Gemm" and any(a.name == "transB" and a.i for a in node.attribute)
-    return 0 if transposed else 1
+    transposed = node.op_type == "Gemm" and any(a.name == ("transB" if slot else "transA") and a.i
+                                                for a in node.attribute)
+    return int(transposed) if slot == 0 else int(not transposed)
 
 
 def weight_scales(fmt: Fp8Format, low: LowType, values: torch.Tensor, axis: int | None) -> torch.Tensor:

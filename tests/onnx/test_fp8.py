@@ -218,3 +218,39 @@ def test_a_cuda_target_fp8_plan_is_judged_on_the_simulation_and_runs_in_onnxrunt
     feed = _feeds(1)[0]
     want = session(model).run(None, feed)[0]
     assert np.linalg.norm(got.run(None, feed)[0] - want) / np.linalg.norm(want) <= 0.2
+
+
+# (nodes, the weight's shape, its output-channel axis, the input's shape, the output's shape, its channel axis)
+ORIENTATIONS = {
+    "MatMul x @ W": ([helper.make_node("MatMul", ["x", "W"], ["y"], name="p")], (64, 32), 1, (8, 64), (8, 32), 1),
+    "MatMul W @ x": ([helper.make_node("MatMul", ["W", "x"], ["y"], name="p")], (32, 64), 0, (64, 8), (32, 8), 0),
+    "Gemm x W": ([helper.make_node("Gemm", ["x", "W"], ["y"], name="p")], (64, 32), 1, (8, 64), (8, 32), 1),
+    "Gemm x W transB": ([helper.make_node("Gemm", ["x", "W"], ["y"], name="p", transB=1)], (32, 64), 0, (8, 64),
+                        (8, 32), 1),
+    "Gemm W x transA": ([helper.make_node("Gemm", ["W", "x"], ["y"], name="p", transA=1)], (64, 32), 1, (64, 8),
+                        (32, 8), 0),
+}
+
+
+@pytest.mark.parametrize("orientation", list(ORIENTATIONS))
+def test_an_initializer_weight_in_any_orientation_takes_one_scale_per_output_channel(orientation):
+    """A weight whose output channels span five decades, read second or first, as stored or transposed: it takes one
+    e4m3 scale per output channel along its own channel axis (a weight read first included, as the torch front end
+    gives any orientation row-wise scales), the file passes the full checker, and in onnxruntime every output
+    channel, the smallest too, stays within e4m3's rounding of both operands (2 x 2^-4 of itself)."""
+    nodes, shape, axis, x_shape, y_shape, y_axis = ORIENTATIONS[orientation]
+    spread = np.logspace(-5, 0, shape[axis]).reshape([-1 if d == axis else 1 for d in range(2)])
+    model = model_of(nodes, [vinfo("x", shape=x_shape)], [vinfo("y", shape=y_shape)],
+                     [_weight("W", RNG.standard_normal(shape) / 8 * spread)])
+    feeds = [{"x": RNG.standard_normal(x_shape).astype(np.float32)} for _ in range(5)]
+    converted = amppass.convert_onnx(model, "fp8", calibration=feeds, tolerance=0.2)
+    onnx.checker.check_model(converted, full_check=True)
+    evidence = meta(_by_name(converted)["p"])["evidence"]["fp8"]
+    assert evidence["format"] == "e4m3"
+    weight = next(o for o in evidence["operands"] if o["value"] == "W")
+    assert weight["axis"] == axis and weight["weight_scales"]["channels"] == shape[axis]
+    feed = {"x": RNG.standard_normal(x_shape).astype(np.float32)}
+    want = np.moveaxis(session(model).run(None, feed)[0].astype(np.float64), y_axis, 0)
+    got = np.moveaxis(session(converted).run(None, feed)[0].astype(np.float64), y_axis, 0)
+    errors = np.linalg.norm(got - want, axis=1) / np.linalg.norm(want, axis=1)
+    assert errors.max() <= 2 * 2.0 ** -4

@@ -364,3 +364,163 @@ def test_gpt2s_conv1d_products_written_as_addmm_go_fp8_with_their_weight_transpo
     bound = sum(rows[name].evidence["fp8"]["local_error"] for name in lowered) + 4 * BF16_STEP
     assert rel_err(out, ref) <= bound
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the caller's model untouched
+
+
+class Projections(nn.Module):
+    """A linear layer, then products with stored weights written as open_clip, einsum users and bmm users write
+    them: ``x @ W`` (W in x out), ``einsum("...i,oi->...o")`` (out x in), ``bmm`` with the weight broadcast, then a
+    linear layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 128), nn.Linear(64, 32)
+        self.proj = nn.Parameter(torch.randn(128, 96) / 128 ** 0.5)  # in x out
+        self.mix = nn.Parameter(torch.randn(64, 96) / 96 ** 0.5)  # out x in
+        self.square = nn.Parameter(torch.randn(64, 64) / 8)  # in x out
+
+    def forward(self, x):  # x: (batch, tokens, 64)
+        h = torch.relu(self.a(x)) @ self.proj
+        h = torch.einsum("...i,oi->...o", torch.relu(h), self.mix)
+        h = torch.bmm(torch.relu(h), self.square.expand(h.shape[0], -1, -1))
+        return self.b(h)
+
+
+def test_matmul_einsum_and_bmm_with_a_stored_weight_go_fp8_with_static_scales():
+    """Each product with a stored weight is an fp8 row with its evidence (the probe read its input through the einsum
+    and the broadcast: a static input scale), and the output stays within the sum of the products' local errors."""
+    torch.manual_seed(0)
+    model = Projections().eval()
+    before = copy.deepcopy(model.state_dict())
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(2, 16, 64, generator=generator),) for _ in range(6)]
+    converted = amppass.convert(model, batches[0], dtype="fp8", plan_for="coverage", calibration=batches)
+    report = amppass.report(converted)
+    rows = {row.op: row for row in report.fp8_rows() if row.op != "aten.linear"}
+    assert sorted(rows) == ["aten.bmm", "aten.einsum", "aten.matmul"]
+    for row in rows.values():
+        evidence = row.evidence["fp8"]
+        assert row.precision == "fp8" and row.reason.startswith("fp8: e4m3 input and weight")
+        assert evidence["format"] == "e4m3" and isinstance(evidence["input_scale"], float)
+        assert 0 < evidence["local_error"] <= RANGE_LIMIT
+    assert report.info["fp8"]["products"] == {"fp8": 5, "bf16": 0, "fp32": 0}
+    lowered = [row.evidence["fp8"]["local_error"] for row in report.fp8_rows()]
+    x = torch.randn(2, 16, 64, generator=generator)
+    with torch.no_grad():
+        assert rel_err(converted(x), model(x)) <= sum(lowered) + 4 * BF16_STEP
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the caller's model untouched
+
+
+def test_an_einsum_that_is_not_a_weight_product_keeps_its_reason():
+    """An einsum whose output reorders the activation's indices, and one of two activations, stay bf16 saying
+    exactly why; the report counts them by why."""
+
+    class Reordered(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(32, 64) / 8)
+
+        def forward(self, x):  # x: (batch, tokens, 64)
+            scores = torch.einsum("bsi,bti->bst", x, x)
+            return torch.einsum("bsi,oi->bos", x, self.w), scores
+
+    torch.manual_seed(0)
+    converted = amppass.convert(Reordered().eval(), (torch.randn(2, 16, 64),), dtype="fp8", plan_for="coverage")
+    report = amppass.report(converted)
+    why = {row.name: row.evidence["fp8"].get("why_not") for row in report.fp8_rows()}
+    assert why == {
+        "einsum": "stays bf16: a product of two activations (attention scores, an attention-weighted sum): neither "
+                  "operand is stored, so no scale can be computed at conversion",
+        "einsum_1": "stays bf16: not a linear layer's product: einsum 'bsi,oi->bos': its output 'bos' is not the "
+                    "activation's other indices in order followed by the weight's 'o' ('bso')"}
+    assert report.info["fp8"]["why_not"] == {"no stored operand to scale at conversion": 1,
+                                             "a stored operand that is not a linear layer's weight": 1}
+
+
+class Middle(nn.Module):
+    """Linear layers first and last (fp8 training keeps them bf16); ``x @ W`` and an einsum between them."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 64), nn.Linear(64, 16)
+        self.up = nn.Parameter(torch.randn(64, 128) / 8)  # in x out
+        self.down = nn.Parameter(torch.randn(64, 128) / 128 ** 0.5)  # out x in
+
+    def forward(self, x):
+        h = torch.relu(torch.relu(self.a(x)) @ self.up)
+        return self.b(torch.einsum("bi,oi->bo", h, self.down))
+
+
+def test_training_lowers_matmul_and_einsum_through_operands_with_fp32_weight_gradients():
+    """In training the two middle products become ``amppass::fp8_train_linear`` on the fp32 master weights (read
+    transposed where stored in x out); their gradients come back to the stored parameters, within e5m2's and e4m3's
+    rounding of the fp32 gradients."""
+    torch.manual_seed(0)
+    model = Middle().train()
+    x = torch.randn(32, 32)
+    trained = amppass.convert(model, (x,), dtype="fp8", mode="train", plan_for="coverage")
+    rows = {row.name: row for row in amppass.report(trained).fp8_rows()}
+    assert {name: row.evidence["fp8"].get("gradient_format") for name, row in rows.items()} == {
+        "linear": None, "matmul": "e5m2", "einsum": "e5m2", "linear_1": None}
+    assert list(trained.state_dict()) == list(model.state_dict())
+    trained(x).float().square().mean().backward()
+    model(x).square().mean().backward()
+    got = dict(trained.named_parameters())
+    for name in ("up", "down"):
+        reference = getattr(model, name).grad
+        assert got[name].grad is not None and got[name].grad.dtype == torch.float32
+        # dW = dY^T X: an e5m2 operand (2 significand bits: 2^-3) times an e4m3 one (2^-4), plus the bf16 products
+        # upstream of it
+        assert rel_err(got[name].grad, reference) <= 2.0 ** -3 + 2.0 ** -4 + 4 * BF16_STEP
+
+
+def test_an_open_clip_model_runs_its_projections_in_fp8():
+    """open_clip's towers end with ``pooled @ self.proj`` / ``pooled @ self.text_projection`` (stored in x out,
+    aten.matmul in the graph): with random weights (``pretrained=None``: nothing downloads), the smallest model its
+    classes build quickly converts with both projections in fp8, and each tower's features stay within its fp8
+    products' count times ``RANGE_LIMIT``, what each product's rounding may move the output by."""
+    open_clip = pytest.importorskip("open_clip")
+    from open_clip.model import CLIPTextCfg, CLIPVisionCfg
+
+    torch.manual_seed(0)
+    model = open_clip.CLIP(embed_dim=32, vision_cfg=CLIPVisionCfg(layers=1, width=64, head_width=32, patch_size=16,
+                                                                  image_size=32),
+                           text_cfg=CLIPTextCfg(context_length=16, vocab_size=128, width=64, heads=2, layers=1)).eval()
+    assert model.visual.proj.shape == model.text_projection.shape == (64, 32)  # in x out, not square
+    generator = torch.Generator().manual_seed(0)
+    images, text = torch.randn(2, 3, 32, 32, generator=generator), torch.randint(0, 128, (2, 16), generator=generator)
+    converted = amppass.convert(model, (images, text), dtype="fp8", plan_for="coverage")
+    rows = amppass.report(converted).fp8_rows()
+    projections = [row for row in rows if row.op == "aten.matmul"]
+    assert len(projections) == 2 and all(row.precision == "fp8" for row in projections)
+    assert all(row.evidence["fp8"]["format"] == "e4m3" for row in projections)
+    names = [row.name for row in rows if row.precision == "fp8"]
+    towers = (names[:names.index(projections[0].name) + 1], names[names.index(projections[0].name) + 1:])
+    assert towers[1][-1] == projections[1].name  # each tower ends with its projection
+    images, text = torch.randn(2, 3, 32, 32, generator=generator), torch.randint(0, 128, (2, 16), generator=generator)
+    with torch.no_grad():
+        reference, out = model(images, text), converted(images, text)
+    for tower, ref, got in zip(towers, reference[:2], out[:2], strict=True):
+        assert rel_err(got, ref) <= len(tower) * RANGE_LIMIT
+
+
+def test_resnet_and_vit_patch_embedding_convolutions_stay_bf16_saying_torch_has_no_fp8_convolution():
+    """torch 2.13 has no fp8 convolution (aten's scaled products are ``_scaled_mm``, ``_scaled_mm_v2`` and
+    ``_scaled_grouped_mm``; a convolution of e4m3 tensors is not implemented): a ResNet's every convolution and a
+    ViT's patch embedding stay bf16 with that reason, counted under it in the summary."""
+    timm = pytest.importorskip("timm")
+    with pytest.raises(NotImplementedError):
+        nn.functional.conv2d(torch.ones(1, 3, 8, 8, dtype=torch.float8_e4m3fn),
+                             torch.ones(4, 3, 3, 3, dtype=torch.float8_e4m3fn))
+    torch.manual_seed(0)
+    models = {"resnet": timm.create_model("resnet18", pretrained=False, num_classes=16).eval(),
+              "vit": timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, depth=1,
+                                       num_classes=16).eval()}
+    reason = ("stays bf16: torch has no fp8 convolution kernel (torch._scaled_mm is a matrix product), on this target "
+              "or any")
+    for name, model in models.items():
+        converted = amppass.convert(model, (torch.randn(2, 3, 32, 32),), dtype="fp8", plan_for="coverage")
+        report = amppass.report(converted)
+        convolutions = [row for row in report.fp8_rows() if row.op == "aten.conv2d"]
+        assert len(convolutions) == (20 if name == "resnet" else 1)  # ResNet-18's 20; the ViT's patch embedding
+        assert all(row.evidence["fp8"]["why_not"] == reason and row.precision == "bf16" for row in convolutions)
+        assert report.info["fp8"]["why_not"]["no fp8 kernel for the op (convolution, attention)"] >= len(convolutions)

@@ -1,8 +1,10 @@
 """Lowering chosen matrix products of a bf16-rewritten graph to fp8: e4m3 input and weight, per-tensor scales.
 
 An fp8 plan is a bf16 plan with some products lowered further (:mod:`amppass.fx.runners.fp8` chooses which). A
-chosen ``aten.linear`` node becomes a call of ``amppass::fp8_linear`` (the node keeps its name, its readers and its
-decision record), which:
+chosen product of an activation and a stored 2-D weight (:func:`operands`: ``aten.linear``, ``addmm``/``mm``,
+``x @ W``, ``bmm`` with the weight broadcast, a plain ``einsum``; the weight read in × out is transposed once, at
+conversion) becomes a call of ``amppass::fp8_linear`` (the node keeps its name, its readers and its decision
+record), which:
 
 1. quantizes its (bf16) input: ``(x / input_scale)`` clamped to e4m3's largest finite value (e4m3fn has no
    infinity: an unclamped value beyond it would become NaN) and stored as ``torch.float8_e4m3fn``;
@@ -28,10 +30,11 @@ from the e4m3 values in fp32.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ...analysis.record import META_KEY
 from ...dtypes import E4M3, Fp8Format
@@ -158,57 +161,219 @@ class Fp8Product:
         return dequantize(quantize(x, scale), scale)
 
 
-def master(value: object) -> fx.Node | None:
-    """The stored tensor a product's weight operand reads: a ``get_attr`` node, directly or through the one cast the
-    train rewrite puts in front of it; None for a computed value."""
-    if isinstance(value, fx.Node) and value.op == "call_function" and value.target is aten._to_copy.default:
+@dataclass(frozen=True)
+class Stored:
+    """A stored tensor as a product reads it: its ``get_attr`` node, the nodes from the operand the product reads
+    down to it (``path``: the operand first, ``attr`` last; casts, transposes and broadcasts over leading batch
+    dimensions), whether they swap its two dimensions, and its number of dimensions (None where the graph does not
+    record it)."""
+
+    attr: fx.Node
+    path: tuple[fx.Node, ...]
+    flipped: bool
+    dims: int | None
+
+
+NOT_LINEAR = "not a linear layer's product"  # the start of every reason for a form of product fp8_linear cannot run
+TWO_ACTIVATIONS = ("a product of two activations (attention scores, an attention-weighted sum): neither operand is "
+                   "stored, so no scale can be computed at conversion")
+_TRANSPOSES = {aten.t.default, aten.numpy_T.default, aten.mT.default, aten.transpose.int, aten.permute.default}
+_BROADCASTS = {aten.expand.default, aten.unsqueeze.default}
+
+
+def _shape(value: object) -> tuple | None:
+    """The shape the graph records for ``value`` (a cast's from what it casts: the rewrites record none), or None."""
+    while isinstance(value, fx.Node) and "val" not in value.meta and value.target is aten._to_copy.default:
         value = value.args[0]
-    return value if isinstance(value, fx.Node) and value.op == "get_attr" else None
+    val = value.meta.get("val") if isinstance(value, fx.Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _swaps(node: fx.Node) -> bool:
+    """Whether a transposing op (one of ``_TRANSPOSES``) applied to a matrix swaps its two dimensions."""
+    if node.target is aten.transpose.int:
+        return node.args[1] % 2 != node.args[2] % 2
+    if node.target is aten.permute.default:
+        return [d % 2 for d in node.args[1]] == [1, 0]
+    return True
+
+
+def stored(value: object) -> Stored | None:
+    """The stored tensor ``value`` reads (:class:`Stored`), through casts, transposes of a matrix and broadcasts that
+    add leading batch dimensions (``W.unsqueeze(0).expand(b, -1, -1)`` for a ``bmm``); None for a computed value."""
+    path: list[fx.Node] = []
+    flipped = False
+    while isinstance(value, fx.Node) and value.op == "call_function" and value.args:
+        source = value.args[0]
+        shape = _shape(source)
+        if value.target in _TRANSPOSES and shape is not None and len(shape) == 2:
+            flipped ^= _swaps(value)
+        elif value.target is aten.unsqueeze.default and value.args[1] != 0:
+            return None
+        elif value.target not in _BROADCASTS and value.target is not aten._to_copy.default:
+            return None
+        path.append(value)
+        value = source
+    if not isinstance(value, fx.Node) or value.op != "get_attr":
+        return None
+    shape = _shape(value)
+    return Stored(value, (*path, value), flipped, None if shape is None else len(shape))
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    """Whether two shapes (of ints or symbolic sizes) are known equal, without adding a guard."""
+    return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b, strict=True))
+
+
+def _einsum(node: fx.Node) -> tuple[object, object, bool] | str:
+    """``(input, weight operand, weight read in x out)`` of an ``aten.einsum`` that is a plain product of an
+    activation and a 2-D stored weight (the input's last index contracted with one of the weight's two, the output
+    the input's other indices in order followed by the weight's other one: what ``linear`` computes); why not
+    otherwise."""
+    equation, values = str(node.args[0]), list(node.args[1])
+    prefix = f"{NOT_LINEAR}: einsum {equation!r}"
+    if len(values) != 2:
+        return f"{prefix} has {len(values)} operands, not an activation and a weight"
+    found = [stored(v) is not None for v in values]
+    if found == [False, False]:
+        return TWO_ACTIVATIONS
+    if found == [True, True]:
+        return f"{prefix} multiplies two stored tensors (a constant), not an activation and a weight"
+    specs, _, out = equation.replace(" ", "").partition("->")
+    x_spec, w_spec = specs.split(",")[::1 if found[1] else -1]
+    x, w = values[::1 if found[1] else -1]
+    if "->" not in equation:  # implicit output: the indices seen once, sorted, broadcast ones first
+        letters = specs.replace(",", "").replace(".", "")
+        out = ("..." if "..." in specs else "") + "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+    if len(w_spec) != 2 or w_spec[0] == w_spec[1]:
+        return f"{prefix}: its stored operand's subscripts {w_spec!r} are not a matrix's two distinct indices"
+    body = x_spec.removeprefix("...")
+    if not body or "." in body or len(set(body)) != len(body):
+        return f"{prefix}: the activation's subscripts {x_spec!r} are not distinct indices"
+    inner = body[-1]
+    if inner not in w_spec or set(body[:-1]) & set(w_spec):
+        return (f"{prefix}: the activation's last index {inner!r} must be the only one it shares with the weight "
+                f"{w_spec!r} (the contracted one)")
+    outer = w_spec.replace(inner, "")
+    if out != x_spec[:-1] + outer:
+        return (f"{prefix}: its output {out!r} is not the activation's other indices in order followed by the "
+                f"weight's {outer!r} ({x_spec[:-1] + outer!r})")
+    return x, w, w_spec == inner + outer
+
+
+def _product(node: fx.Node) -> tuple[object, object, object, bool] | str | None:
+    """``(input, weight operand, bias, weight read in x out)`` of a product that can read a weight: ``aten.linear``
+    (out x in), ``addmm``/``mm``/``matmul``/``bmm`` (the weight second, in x out) and a plain ``einsum``
+    (:func:`_einsum`); why not for one whose form cannot be a linear layer's product; None for another node."""
+    if node.op != "call_function":
+        return None
+    if node.target is aten.linear.default:
+        return node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else node.kwargs.get("bias"), False
+    if node.target is aten.einsum.default:
+        found = _einsum(node)
+        if isinstance(found, str):
+            return found
+        parts: tuple[object, object, object, bool] = (found[0], found[1], None, found[2])
+    elif node.target is aten.addmm.default and len(node.args) == 3 and not node.kwargs:
+        parts = node.args[1], node.args[2], node.args[0], True
+    elif node.target in (aten.mm.default, aten.matmul.default, aten.bmm.default):
+        parts = node.args[0], node.args[1], None, True
+    else:
+        return None
+    weight = stored(parts[1])
+    if weight is None and stored(parts[0]) is not None and node.target is not aten.einsum.default:
+        return (f"{NOT_LINEAR}: its stored operand is the first (weight @ activation), which mixes the activation's "
+                "rows; fp8_linear reads the weight as the second operand")
+    if weight is None or node.target in (aten.addmm.default, aten.mm.default):
+        return parts
+    if weight.dims != 2:
+        return (f"{NOT_LINEAR}: its stored operand is {weight.dims}-D (a matrix per batch), not one 2-D weight"
+                if weight.dims else f"{NOT_LINEAR}: its stored operand's dimensions are not recorded in the graph")
+    out, x = _shape(node), _shape(parts[0])
+    if out is None or x is None or not _same(out[:-1], x[:-1]):
+        return f"{NOT_LINEAR}: its stored operand broadcasts the activation's batch dimensions"
+    return parts
 
 
 def operands(node: fx.Node) -> tuple[object, fx.Node | None, object, bool] | None:
     """``(input, stored weight, bias, transposed)`` of a product with a weight: ``aten.linear(x, W, b)`` (W stored
-    out × in) or ``aten.addmm(b, x, W)`` / ``aten.mm(x, W)`` (W stored in × out, as transformers' ``Conv1D``
-    multiplies); None for another node, or an ``addmm`` with ``beta``/``alpha``."""
-    if node.op != "call_function":
+    out × in), ``aten.addmm(b, x, W)`` / ``aten.mm(x, W)`` (W read in × out, as transformers' ``Conv1D``
+    multiplies), ``aten.matmul``/``aten.bmm(x, W)`` (W read second, in × out, once or broadcast over a batch) or a
+    plain ``aten.einsum`` of an activation and a 2-D weight in either orientation (``"...i,oi->...o"``,
+    ``"bsi,io->bso"``). The weight is read through casts and transposes: ``transposed`` says whether the stored
+    tensor is in × out. None for another node, an ``addmm`` with ``beta``/``alpha``, or a form
+    :func:`not_lowered` explains."""
+    parts = _product(node)
+    if not isinstance(parts, tuple):
         return None
+    x, value, bias, in_out = parts
+    weight = stored(value)
+    return x, None if weight is None else weight.attr, bias, in_out != (weight is not None and weight.flipped)
+
+
+def weight_path(node: fx.Node) -> tuple[fx.Node, ...]:
+    """The nodes from the weight operand a product (:func:`operands`) reads down to its stored tensor; empty where it
+    has none."""
+    parts = _product(node)
+    weight = stored(parts[1]) if isinstance(parts, tuple) else None
+    return () if weight is None else weight.path
+
+
+def not_lowered(node: fx.Node) -> str:
+    """Why a matrix product has no stored weight :func:`operands` can lower, in a few words ("" where it has one)."""
+    parts = _product(node)
+    if isinstance(parts, str):
+        return parts
+    if parts is None or stored(parts[1]) is not None:
+        return ""
     if node.target is aten.linear.default:
-        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-        return node.args[0], master(node.args[1]), bias, False
-    if node.target is aten.addmm.default and len(node.args) == 3 and not node.kwargs:
-        return node.args[1], master(node.args[2]), node.args[0], True
-    if node.target is aten.mm.default:
-        return node.args[0], master(node.args[1]), None, True
-    return None
+        return "its weight is computed in the graph, not stored, so no scale is computed at conversion"
+    return TWO_ACTIVATIONS
+
+
+def drop_unread(gm: fx.GraphModule, nodes: Iterable[fx.Node]) -> None:
+    """Erase those of ``nodes`` (weight paths, :func:`weight_path`) that nothing reads any more, readers first, and
+    the attributes of stored tensors no node reads."""
+    unread = set(nodes)
+    for node in reversed(list(gm.graph.nodes)):
+        if node not in unread or node.users:
+            continue
+        unread.update(n for n in node.all_input_nodes if n.target is aten.sym_size.int)  # a broadcast's batch size
+        gm.graph.erase_node(node)
+        target = str(node.target)
+        if node.op == "get_attr" and not any(n.op == "get_attr" and n.target == target for n in gm.graph.nodes):
+            owner, _, leaf = target.rpartition(".")
+            delattr(gm.get_submodule(owner) if owner else gm, leaf)
 
 
 def linear_weights(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
     """Each product with a stored weight (:func:`operands`) by node name: its fp32 weight, out × in as a linear
-    layer stores it (a ``Conv1D``'s in × out weight transposed), read from ``gm`` before the bf16 rewrite converts it
-    (an fp8 weight is quantized from fp32 values, not from their bf16 rounding)."""
+    layer stores it (one read in × out, as a ``Conv1D``'s or ``x @ W``'s, transposed), read from ``gm`` before the
+    bf16 rewrite converts it (an fp8 weight is quantized from fp32 values, not from their bf16 rounding)."""
     found = {}
     for node in gm.graph.nodes:
         parts = operands(node)
         if parts is not None and parts[1] is not None:
             weight = fetch_attr(gm, str(parts[1].target))
-            found[node.name] = weight.t() if parts[3] else weight
+            if weight.dim() == 2:
+                found[node.name] = weight.t() if parts[3] else weight
     return found
 
 
 def lower(gm: fx.GraphModule, products: Mapping[str, Fp8Product]) -> None:
-    """Rewrite each chosen product of ``gm`` (bf16-rewritten; ``aten.linear``, or ``addmm``/``mm`` with a stored
-    weight) as ``amppass::fp8_linear`` in place (or
+    """Rewrite each chosen product of ``gm`` (bf16-rewritten; a product with a stored weight, :func:`operands`) as
+    ``amppass::fp8_linear`` in place (or
     ``amppass::fp8_linear_rowwise`` for a product with row-wise scales): its weight stored e4m3 with its scale(s),
-    its input's static scale where calibrated; weights no node reads any more are dropped. The decision records
-    stay on the nodes (the caller states the fp8 reason)."""
-    dropped: set[fx.Node] = set()
+    its input's static scale where calibrated; weights no node reads any more are dropped, with the casts and
+    transposes that read them. The decision records stay on the nodes (the caller states the fp8 reason)."""
+    dropped: list[fx.Node] = []
     for node in list(gm.graph.nodes):
         product = products.get(node.name)
         parts = operands(node) if product is not None else None
         if parts is None:
             continue
         x, _, bias, _ = parts
-        weight = node.args[1] if node.target is aten.linear.default else node.args[-1]
+        dropped.extend(weight_path(node))
         stem = f"_fp8_{node.name}"
         device = product.weight.device
         gm.register_buffer(f"{stem}_weight", product.stored_weight())
@@ -230,14 +395,7 @@ def lower(gm: fx.GraphModule, products: Mapping[str, Fp8Product]) -> None:
         else:
             node.target = torch.ops.amppass.fp8_linear.default
             node.args, node.kwargs = (x, attrs[0], attrs[1], attrs[2], bias), {}
-        dropped.add(weight)
-    for weight in dropped:
-        if not weight.users:
-            target = str(weight.target)
-            gm.graph.erase_node(weight)
-            if not any(n.op == "get_attr" and n.target == target for n in gm.graph.nodes):
-                owner, _, leaf = target.rpartition(".")
-                delattr(gm.get_submodule(owner) if owner else gm, leaf)
+    drop_unread(gm, dropped)
     gm.recompile()
 
 

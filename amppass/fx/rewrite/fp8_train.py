@@ -40,7 +40,7 @@ from torch import fx, nn
 
 from ...dtypes import E4M3, E5M2, Fp8Format
 from ...errors import InputError
-from .fp8 import FP8_ALIGNMENT, operands, quantize
+from .fp8 import FP8_ALIGNMENT, drop_unread, operands, quantize, weight_path
 
 aten = torch.ops.aten
 HISTORY = 16  # delayed scaling's amax history: TransformerEngine's default length
@@ -181,14 +181,14 @@ def lower_train(gm: fx.GraphModule, names: set[str]) -> None:
     """Rewrite each product of ``gm`` (a bf16-rewritten train graph) named in ``names`` as
     ``amppass::fp8_train_linear`` in place, with dynamic scales. It reads the fp32 master weight itself (the scale
     and the e4m3 values come from fp32, and the weight's gradient comes back fp32), transposed where the product
-    stores it in × out; the weight's bf16 cast is dropped where nothing else reads it. Each node keeps its name,
-    readers and decision record."""
+    stores it in × out; the weight's bf16 cast (and any transpose or broadcast on its way) is dropped where nothing
+    else reads it. Each node keeps its name, readers and decision record."""
     for node in list(gm.graph.nodes):
         found = operands(node) if node.name in names else None
         if found is None or found[1] is None:
             continue
         x, weight, bias, transposed = found
-        cast = node.args[1] if node.target is aten.linear.default else node.args[-1]
+        path = weight_path(node)
         if transposed:
             with gm.graph.inserting_before(node):
                 weight = gm.graph.call_function(aten.t.default, (weight,))
@@ -196,6 +196,5 @@ def lower_train(gm: fx.GraphModule, names: set[str]) -> None:
                 weight.meta["val"] = weight.args[0].meta["val"].t()
         node.target = torch.ops.amppass.fp8_train_linear.default
         node.args, node.kwargs = (x, weight, bias, None, None), {}
-        if isinstance(cast, fx.Node) and cast is not found[1] and not cast.users:
-            gm.graph.erase_node(cast)
+        drop_unread(gm, path)
     gm.recompile()

@@ -3,12 +3,14 @@
 ``amppass.convert(..., dtype="fp8")`` plans and rewrites the graph as for bf16, then :func:`plan_fp8` takes each
 matrix product of the rewritten graph in turn (the lowering itself is :mod:`amppass.fx.rewrite.fp8`'s):
 
-1. **Structure.** Only a linear layer the bf16 plan runs low, whose weight is stored (a scale computed once, at
-   conversion) and whose sizes are multiples of 16 (what ``torch._scaled_mm``'s fp8 kernels need) can be fp8.
-   Every other product says why not: kept fp32 by the bf16 plan, a convolution (torch has no fp8 convolution
-   kernel), attention (SDPA has no fp8 kernel in torch) or another product of two activations (attention scores
-   and their weighted sums: no stored operand for a scale computed at conversion), a product written as
-   ``mm``/``matmul`` with a weight (not lowered yet).
+1. **Structure.** Only a product of an activation and a stored 2-D weight (a scale computed once, at conversion;
+   :func:`amppass.fx.rewrite.fp8.operands`: a linear layer, ``addmm``/``mm``, ``x @ W``, ``bmm`` with the weight
+   broadcast, a plain ``einsum``) the bf16 plan runs low, whose sizes are multiples of 16 (what
+   ``torch._scaled_mm``'s fp8 kernels need) can be fp8. Every other product says why not: kept fp32 by the bf16
+   plan, a convolution (torch has no fp8 convolution kernel), attention (SDPA has no fp8 kernel in torch) or
+   another product of two activations (attention scores and their weighted sums: no stored operand for a scale
+   computed at conversion), or a product with a stored operand that is not a linear layer's
+   (:func:`amppass.fx.rewrite.fp8.not_lowered` says exactly why).
 2. **Range.** With calibration data, the batches are split: the first ones give each product's input range (its
    static scale: the largest magnitude seen, mapped to e4m3's largest finite value), the last quarter (at least
    one batch, at most :data:`HELD_OUT`) is held out. On the held-out batches each candidate runs alone in fp8 on
@@ -65,6 +67,8 @@ from ..rewrite.fp8 import (
     fp8_linear_rowwise,
     lower,
     mark,
+    not_lowered,
+    operands,
 )
 from ..view import ops
 
@@ -227,15 +231,9 @@ def _structure(node: fx.Node, gm: fx.GraphModule, weights: Mapping[str, torch.Te
     if name in _ATTENTION:
         return ("stays bf16: attention's score and value products run inside one SDPA kernel, which torch has in "
                 "bf16 and not in fp8")
-    if name != "linear" and node.name not in weights:
-        stored = any(a.op == "get_attr" for a in node.all_input_nodes)
-        return ("stays bf16: a product with a weight written as bmm/matmul/einsum is not lowered to fp8 (linear "
-                "layers, mm and addmm are)" if stored else "stays bf16: a product of two activations (attention "
-                "scores, an attention-weighted sum): neither operand is stored, so no scale can be computed at "
-                "conversion")
     weight = weights.get(node.name)
     if weight is None:
-        return "stays bf16: its weight is computed in the graph, not stored, so no scale is computed at conversion"
+        return f"stays bf16: {not_lowered(node) or 'its stored weight is not one 2-D matrix'}"
     out_features, in_features = weight.shape
     if in_features % FP8_ALIGNMENT or out_features % FP8_ALIGNMENT:
         return (f"stays bf16: its sizes (in {in_features}, out {out_features}) are not multiples of "
@@ -300,11 +298,9 @@ class _Probe(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         result = super().run_node(n)
         if n.name in self.wanted:
-            args, _ = self.fetch_args_kwargs_from_env(n)
-            if n.target is torch.ops.aten.addmm.default:
-                x, bias = args[1], args[0]
-            else:
-                x, bias = args[0], args[2] if len(args) > 2 else None
+            found = operands(n)
+            assert found is not None, n.name  # a candidate is a product with a stored weight
+            x, bias = (self.env[v] if isinstance(v, fx.Node) else v for v in (found[0], found[2]))
             self.seen(n.name, x, bias, result)
         return result
 

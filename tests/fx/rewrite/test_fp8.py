@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
@@ -15,12 +16,15 @@ from torch import fx, nn
 from amppass.dtypes import E4M3
 from amppass.fx.rewrite.fp8 import (
     ROW,
+    TWO_ACTIVATIONS,
     Fp8Product,
     dequantize,
     fp8_linear,
     fp8_linear_rowwise,
     linear_weights,
     lower,
+    not_lowered,
+    operands,
     quantize,
     row_scales,
 )
@@ -171,3 +175,108 @@ def test_lower_with_rowwise_granularity_stores_channel_scales_and_no_input_scale
     with torch.no_grad():
         assert _rel(gm(x), model(x)) <= 2 * E4M3_STEP
     gm.graph.lint()
+
+
+class _Forms(nn.Module):
+    """One product with a stored 2-D weight, written as ``form``: ``io`` is stored in x out, ``oi`` out x in."""
+
+    FORMS = {
+        "x @ io": lambda m, x: x @ m.io,
+        "matmul(x, oi.t())": lambda m, x: torch.matmul(x, m.oi.t()),
+        "x @ oi.T": lambda m, x: x @ m.oi.T,
+        "x @ oi.mT": lambda m, x: x @ m.oi.mT,
+        "x @ oi.transpose(0, 1)": lambda m, x: x @ m.oi.transpose(0, 1),
+        "x @ oi.permute(1, 0)": lambda m, x: x @ m.oi.permute(1, 0),
+        "einsum ...i,oi->...o": lambda m, x: torch.einsum("...i,oi->...o", x, m.oi),
+        "einsum bsi,io->bso": lambda m, x: torch.einsum("bsi,io->bso", x, m.io),
+        "einsum oi,bsi->bso": lambda m, x: torch.einsum("oi,bsi->bso", m.oi, x),
+        "einsum implicit ...i,io": lambda m, x: torch.einsum("...i,io", x, m.io),
+        "bmm(x, io.expand)": lambda m, x: torch.bmm(x, m.io.expand(x.shape[0], -1, -1)),
+        "bmm(x, io.unsqueeze(0).expand)": lambda m, x: torch.bmm(x, m.io.unsqueeze(0).expand(x.shape[0], 32, 48)),
+        "mm(x, oi.t())": lambda m, x: torch.mm(x.reshape(-1, 32), m.oi.t()).reshape(*x.shape[:-1], 48),
+    }
+
+    def __init__(self, form: str):
+        super().__init__()
+        self.form = form
+        self.io = nn.Parameter(torch.randn(32, 48))
+        self.oi = nn.Parameter(torch.randn(48, 32))
+
+    def forward(self, x):
+        return self.FORMS[self.form](self, x)
+
+
+@pytest.mark.parametrize("form", list(_Forms.FORMS))
+def test_a_product_with_a_stored_weight_in_any_form_is_lowered_within_e4m3_rounding_of_float64(form):
+    """matmul/bmm/einsum (and mm) with a stored 2-D weight, read in x out or out x in through a transpose: the weight
+    comes out x in as a linear layer stores it, the product becomes ``amppass::fp8_linear``, the weight and the views
+    that read it leave the graph, and every output element is within the bound e4m3's rounding of both operands
+    gives against a float64 reference."""
+    torch.manual_seed(5)
+    model = _Forms(form).eval()
+    gm = torch.export.export(model, (torch.randn(3, 8, 32),)).module()
+    weights = linear_weights(gm)
+    (name,) = weights
+    expected = model.io.t() if "io" in form else model.oi
+    assert torch.equal(weights[name], expected.detach())  # out x in
+    lower(gm, {name: Fp8Product(name, weights[name], None)})  # dynamic input scale
+    gm.graph.lint()
+    ops = {n.target for n in gm.graph.nodes if n.op == "call_function"} - {torch.ops.aten.reshape.default}
+    assert ops == {torch.ops.amppass.fp8_linear.default}  # no transpose, broadcast or einsum left
+    read = "io" if "io" in form else "oi"
+    assert not any(n.op == "get_attr" and n.target == read for n in gm.graph.nodes) and not hasattr(gm, read)
+    x = torch.randn(3, 8, 32)
+    with torch.no_grad():
+        out = gm(x).double()
+    w = expected.detach().double()
+    ref = x.double() @ w.t()
+    ex = _e4m3_bound(x.double(), torch.tensor(E4M3.scale_for(float(x.abs().amax())), dtype=torch.float64))
+    ew = _e4m3_bound(w, torch.tensor(E4M3.scale_for(float(w.abs().amax())), dtype=torch.float64))
+    bound = ex @ w.abs().t() + x.double().abs() @ ew.t() + ex @ ew.t()
+    assert ((out - ref).abs() <= bound * (1 + 1e-6)).all()
+    assert ((out - ref).abs() > 0).any()  # e4m3 did run
+
+
+class _NotLowered(nn.Module):
+    """Products with a stored operand that are not a linear layer's, one per ``form``."""
+
+    FORMS = {
+        "weight first": (lambda m, x: m.oi @ x.transpose(-1, -2), "is the first (weight @ activation)"),
+        "3-D weight": (lambda m, x: torch.bmm(x, m.batched), "is 3-D (a matrix per batch), not one 2-D weight"),
+        "broadcast batch": (lambda m, x: torch.matmul(x[0], m.io.expand(3, 32, 48)),
+                            "broadcasts the activation's batch dimensions"),
+        "output permuted": (lambda m, x: torch.einsum("bsi,oi->bos", x, m.oi),
+                            "its output 'bos' is not the activation's other indices in order followed by the "
+                            "weight's 'o' ('bso')"),
+        "implicit output permuted": (lambda m, x: torch.einsum("bsi,io", x, m.io), "its output 'bos'"),
+        "diagonal weight": (lambda m, x: torch.einsum("bsi,si->b", x, m.si),
+                            "the activation's last index 'i' must be the only one it shares with the weight 'si'"),
+        "contracts a batch index": (lambda m, x: torch.einsum("bsi,bo->sio", x, m.bo),
+                                    "the only one it shares with the weight 'bo'"),
+        "three operands": (lambda m, x: torch.einsum("bsi,io,o->bs", x, m.io, m.o), "'bsi,io,o->bs' has 3 operands"),
+        "two stored": (lambda m, x: x + torch.einsum("ij,jk->ik", m.io, m.oi)[:8], "multiplies two stored tensors"),
+        "two activations": (lambda m, x: torch.einsum("bsi,bti->bst", x, x), "a product of two activations"),
+    }
+
+    def __init__(self, form: str):
+        super().__init__()
+        self.form = form
+        self.io, self.oi = nn.Parameter(torch.randn(32, 48)), nn.Parameter(torch.randn(48, 32))
+        self.batched, self.si = nn.Parameter(torch.randn(3, 32, 48)), nn.Parameter(torch.randn(8, 32))
+        self.bo, self.o = nn.Parameter(torch.randn(3, 16)), nn.Parameter(torch.randn(48))
+
+    def forward(self, x):
+        return self.FORMS[self.form][0](self, x)
+
+
+@pytest.mark.parametrize("form", list(_NotLowered.FORMS))
+def test_a_product_that_is_not_a_linear_layers_says_exactly_why(form):
+    torch.manual_seed(6)
+    gm = torch.export.export(_NotLowered(form).eval(), (torch.randn(3, 8, 32),)).module()
+    products = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (
+        torch.ops.aten.matmul.default, torch.ops.aten.bmm.default, torch.ops.aten.einsum.default)]
+    assert products and linear_weights(gm) == {}
+    assert all(operands(n) is None or operands(n)[1] is None for n in products)
+    why = not_lowered(products[-1])
+    assert _NotLowered.FORMS[form][1] in why
+    assert why.startswith(TWO_ACTIVATIONS if form == "two activations" else "not a linear layer's product: ")
