@@ -235,25 +235,28 @@ def lower_train(gm: fx.GraphModule, names: set[str], recipe: str = "dynamic", re
                 weight = gm.graph.call_function(aten.t.default, (weight,))
                 if "val" in weight.args[0].meta:
                     weight.meta["val"] = weight.args[0].meta["val"].t()
-            amaxes: tuple = (None, None, None)
-            if recipe == "delayed":
-                histories = [gm.graph.get_attr(_history(gm, str(found[1].target), leaf, added))
-                             for leaf in (INPUT_HISTORY, GRAD_HISTORY)]
-                reads = [gm.graph.call_function(aten.amax.default, (history,)) for history in histories]
-                amaxes = (*reads, histories[1] if record else None)
-                for new in (*histories, *reads):
-                    new.meta.update({key: node.meta[key] for key in ("nn_module_stack",) if key in node.meta})
+            histories = [_in_module(gm.graph.get_attr(_history(gm, str(found[1].target), leaf, added)), node)
+                         for leaf in (INPUT_HISTORY, GRAD_HISTORY)] if recipe == "delayed" else []
+            amaxes = [_in_module(gm.graph.call_function(aten.amax.default, (h,)), node) for h in histories]
         node.target = torch.ops.amppass.fp8_train_linear.default
-        node.args, node.kwargs = (x, weight, bias, *amaxes), {}
-        if recipe == "delayed" and record:
+        recorded = histories[1] if histories and record else None
+        node.args, node.kwargs = (x, weight, bias, *(amaxes or (None, None)), recorded), {}
+        if histories and record:
             with gm.graph.inserting_after(node):
-                written = gm.graph.call_function(torch.ops.amppass.fp8_record_amax.default, (amaxes[0].args[0], x))
-            written.meta.update({key: node.meta[key] for key in ("nn_module_stack",) if key in node.meta})
+                _in_module(gm.graph.call_function(torch.ops.amppass.fp8_record_amax.default, (histories[0], x)), node)
         if isinstance(cast, fx.Node) and cast is not found[1] and not cast.users:
             gm.graph.erase_node(cast)
     gm.meta[STATE_KEY] = added
     gm.recompile()
     return added
+
+
+def _in_module(new: fx.Node, product: fx.Node) -> fx.Node:
+    """``new``, a node the delayed lowering added, placed in the module stack of the product it serves (so the
+    model's module tree runs it inside that module)."""
+    if "nn_module_stack" in product.meta:
+        new.meta["nn_module_stack"] = product.meta["nn_module_stack"]
+    return new
 
 
 def _history(gm: fx.GraphModule, weight: str, leaf: str, added: list[str]) -> str:
