@@ -215,3 +215,18 @@ def test_two_calls_before_one_backward_record_both_gradient_ranges():
     first, second = gm(torch.randn(8, 32)), gm(torch.randn(8, 32))
     (first.sum() + 3 * second.sum()).backward()
     assert gm.get_buffer(added[1])[:2].tolist() == [1.0, 3.0]  # the second call's backward runs first
+
+
+def test_a_non_finite_range_is_not_recorded_and_the_output_stays_finite():
+    """An inf in the input: the history repeats its newest finite range instead, and the delayed scale (from that
+    history) clamps the inf to e4m3's largest finite value, so the output is finite."""
+    gm, added = _lowered("delayed")
+    gm(torch.randn(8, 32))
+    x = torch.randn(8, 32)
+    x[0, 0] = float("inf")
+    hidden = torch.relu(F.linear(x, gm.get_parameter("0.weight"), gm.get_parameter("0.bias")))
+    assert torch.isinf(hidden).any()  # the lowered product's input holds an inf too
+    out = gm(x)
+    history = gm.get_buffer(added[0])
+    assert torch.isfinite(history).all() and history[0] == history[1] > 0
+    assert torch.isfinite(out).all()
