@@ -10,13 +10,18 @@ Variants:
 - ``fp32``; ``amppass bf16``: ``convert(mode="train", plan_for="coverage")`` (coverage: on a CPU without bf16
   instructions a speed plan keeps fp32);
 - ``amppass fp8 per node``: ``convert(mode="train", dtype="fp8", plan_for="coverage")``: GPT-2's products in fp8
-  but the first and the last (the logits), attention in bf16 (:mod:`amppass.fx.runners.fp8_train`);
+  but the first and the last (the logits), attention in bf16 (:mod:`amppass.fx.runners.fp8_train`); in the full
+  run also ``amppass fp8 per node, delayed`` (``fp8_recipe="delayed"``: amax histories of 16 steps in the graph);
 - the all-Linear swap: every product in fp8, dynamic scales. GPT-2's block products are transformers' ``Conv1D``
   (``addmm``), which torchao's ``convert_to_float8_training`` does not swap (it swaps ``nn.Linear``, here only the
   output layer), so each ``Conv1D`` is first replaced by the ``nn.Linear`` computing the same (:func:`linearized`):
   ``torchao`` (``convert_to_float8_training``, where torchao is installed) and ``amppass Fp8Linear`` with the
   ``dynamic`` and ``delayed`` recipes (:func:`amppass.fx.rewrite.fp8_train.swap_linears`; delayed: an amax history
   of 16 steps, TransformerEngine's default).
+
+``saved_MB``: the bytes autograd saves for backward in one training call on the first batch, before any step
+(each storage once; the model's parameters and buffers left out: held anyway, and an fp8 product saves its fp32
+master weight where bf16 saves a bf16 copy of it).
 
 On a CPU every fp8 product is emulated (``torch._scaled_mm`` from fp8 values in fp32): step times say nothing of a
 GPU's, and are not reported.
@@ -50,8 +55,10 @@ FULL = Setting(layers=2, width=64, heads=4, block=64, batch=16, steps=100, evals
 NOTES = ("Columns: `held@N` held-out loss (nats/char, eval mode, the same held-out batches) after N steps; "
          "`train_loss_last` mean training loss of the last 10% of steps; `gap_vs_bf16` (final held-out loss - "
          "amppass bf16's) / amppass bf16's (the goal: fp8 per node within 2%); `fp8_products` products in fp8 of "
-         "all matrix products outside attention. Swaps: every `Conv1D` replaced by the equal `nn.Linear` first, "
-         "then every `nn.Linear` in fp8 with dynamic (or delayed: amax history of 16) per-tensor scales; the "
+         "all matrix products outside attention; `saved_MB` bytes autograd saves for backward in one call on the "
+         "first batch before training, each storage once, parameters and buffers left out. Swaps: every `Conv1D` "
+         "replaced by the equal `nn.Linear` first, then every `nn.Linear` in fp8 with dynamic (or delayed: amax "
+         "history of 16) per-tensor scales; the "
          "torchao row is left out where torchao is not installed.")
 
 
@@ -82,15 +89,17 @@ def _torchao(model: nn.Module) -> nn.Module | None:
     return convert_to_float8_training(copy.deepcopy(model))
 
 
-def _variants(setting: Setting, example: torch.Tensor) -> dict[str, nn.Module]:
+def _variants(setting: Setting, example: torch.Tensor, quick: bool) -> dict[str, nn.Module]:
     def fresh() -> nn.Module:
         return char_gpt(setting.layers, setting.width, setting.heads, setting.block, dropout=0.0, seed=0)
 
-    def convert(dtype: str) -> nn.Module:
-        return amppass.convert(fresh(), (example,), dtype=dtype, mode="train", plan_for="coverage")
+    def convert(dtype: str, recipe: str = "dynamic") -> nn.Module:
+        return amppass.convert(fresh(), (example,), dtype=dtype, mode="train", plan_for="coverage",
+                               fp8_recipe=recipe)
 
     found: dict[str, nn.Module | None] = {
         "fp32": fresh(), "amppass bf16": convert("bf16"), "amppass fp8 per node": convert("fp8"),
+        "amppass fp8 per node, delayed": None if quick else convert("fp8", "delayed"),
         "all-Linear swap: torchao": _torchao(linearized(fresh())),
         "all-Linear swap: amppass Fp8Linear dynamic": swap_linears(linearized(fresh()), "dynamic"),
         "all-Linear swap: amppass Fp8Linear delayed": swap_linears(linearized(fresh()), "delayed"),
@@ -111,6 +120,23 @@ def _fp8_products(name: str, model: nn.Module) -> str:
     return f"{fp8} of {len(linears)}"
 
 
+def saved_bytes(model: nn.Module, *inputs: torch.Tensor) -> int:
+    """Bytes autograd saves for backward in one call ``model(*inputs)``, each storage once, the model's own
+    parameters and buffers left out (held anyway)."""
+    held = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    seen: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in held:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(*inputs)
+    return sum(seen.values())
+
+
 def _held_out(model: nn.Module, batches: list[torch.Tensor]) -> float:
     model.eval()
     with torch.no_grad():
@@ -127,7 +153,9 @@ def run(quick: bool) -> list[dict[str, Any]]:
     batches = [corpus.batch(data, setting.batch, setting.block) for _ in range(setting.steps)]
     held = [corpus.batch(torch.Generator().manual_seed(2), setting.batch, setting.block, held_out=True)
             for _ in range(2 if quick else 8)]
-    models = _variants(setting, batches[0][:, :-1])
+    models = _variants(setting, batches[0][:, :-1], quick)
+    # on copies: a call in train mode records delayed scaling's ranges, which would move the trained models
+    saved = {name: saved_bytes(copy.deepcopy(model), batches[0][:, :-1]) for name, model in models.items()}
     optimizers = {name: torch.optim.AdamW(m.parameters(), lr=setting.lr) for name, m in models.items()}
     losses: dict[str, list[float]] = {name: [] for name in models}
     marks = sorted({round(setting.steps * (i + 1) / setting.evals) for i in range(setting.evals)})
@@ -150,7 +178,8 @@ def run(quick: bool) -> list[dict[str, Any]]:
 
     return [{"variant": name, **{f"held@{s}": f"{held_at[name][s]:.4f}" for s in marks},
              "train_loss_last": f"{statistics.fmean(losses[name][-tail:]):.4f}", "gap_vs_bf16": gap(name),
-             "fp8_products": _fp8_products(name, model)} for name, model in models.items()]
+             "fp8_products": _fp8_products(name, model), "saved_MB": f"{saved[name] / 2**20:.2f}"}
+            for name, model in models.items()]
 
 
 def title(quick: bool) -> str:

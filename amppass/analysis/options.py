@@ -21,6 +21,7 @@ from .calibration import check_tolerance
 from .overrides import compile_patterns
 
 PLAN_FOR = ("speed", "coverage", "memory")
+FP8_RECIPES = ("dynamic", "delayed")  # how fp8 training scales inputs and gradients (docs/fp8.md, Training)
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class PlanOptions:
     progress: bool = False
     costs: Mapping[str, float] | None = None
     fp8: Fp8Format | None = None  # dtype="fp8": a bf16 plan with some matrix products lowered to this format
+    fp8_recipe: str = "dynamic"  # fp8 training's input and gradient scales: each call's own, or an amax history
 
     CALIBRATION_FORM: ClassVar[str] = "[inputs, ...]"  # the form of calibration data messages show
 
@@ -53,6 +55,10 @@ class PlanOptions:
         if self.costs is not None and not isinstance(self.costs, Mapping):
             raise InputError(f"costs must be the table a conversion recorded (a dict: amppass.report(m).info"
                              f"['costs']), got {type(self.costs).__name__}")
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise InputError(f"fp8_recipe={self.fp8_recipe!r} is not one of {FP8_RECIPES}: 'dynamic' scales each fp8 "
+                             "training product's input and gradient by their own range on every call, 'delayed' by "
+                             "the largest of their last 16 ranges (an amax history in the model's state)")
         check_tolerance(self.tolerance, self.calibration, self.CALIBRATION_FORM)
 
     def replace(self, **changes: Any) -> "PlanOptions":

@@ -82,6 +82,7 @@ def convert(
     calibration: Iterable[Any] | None = None,
     tolerance: float | None = None,
     progress: bool = False,
+    fp8_recipe: str = "dynamic",
 ) -> nn.Module:
     """Return a mixed-precision module computing what ``model`` computes (one of the kinds of
     :mod:`amppass.serving.artifact`, each of which :func:`amppass.report` reads; the last paragraph says which).
@@ -133,6 +134,10 @@ def convert(
             output over the calibration batches; the most sensitive nodes move back to fp32 until it is met
             (see :mod:`amppass.analysis.tolerance`). Needs ``calibration``.
         progress: show a progress bar on stderr while calibrating.
+        fp8_recipe: how ``dtype="fp8", mode="train"`` scales each fp8 product's input and output gradient:
+            ``"dynamic"`` (default) from each call's own largest magnitude, no state; ``"delayed"`` from the
+            largest of their last 16 (TransformerEngine's recipe), amax histories held as buffers of the converted
+            model, in its ``state_dict()``, recorded in train mode only (docs/fp8.md, Training).
 
     The returned module records its decisions in ``node.meta["amppass"]``; ``amppass.report`` reads them.
     Captured with example inputs, it is a :class:`~amppass.serving.serving_graph.ServingGraph` (a
@@ -160,7 +165,7 @@ def convert(
     settings = Settings.of(mode, dtype=dtype, target=target, dynamic_shapes=dynamic_shapes, plan_for=plan_for,
                            keep_io_types=keep_io_types, keep_fp32=keep_fp32, force_low=force_low,
                            low_weight_tables=low_weight_tables, calibration=calibration, tolerance=tolerance,
-                           progress=progress, costs=costs, fp8=fp8)
+                           progress=progress, costs=costs, fp8=fp8, fp8_recipe=fp8_recipe)
     return convert_planned(model, example_inputs, settings, example_kwargs=example_kwargs,
                            from_train_mode=from_train_mode)
 
@@ -325,7 +330,7 @@ class Captures:
     def served(self, gm: fx.GraphModule, example: tuple[Any, dict] | None) -> nn.Module:
         """The captured ``gm`` converted (:func:`amppass.pipelines.stages.plan_captured`); one captured by
         torch.export comes back serving every input shape."""
-        gm = plan_captured(gm, self.model, self.settings, example=example, recapture=self.fp32)
+        gm = plan_captured(gm, self.model, self.settings, example=example, recapture=self.fp32, training=self.train)
         if GUARDS_KEY not in gm.meta:  # symbolically traced: no shapes in the graph to guard
             return TracedGraph(gm)
         self.carried = carried_decisions(gm)
@@ -347,7 +352,7 @@ class Captures:
         """A capture for a call of other shapes, converted with the first plan's carried decisions."""
         new = capture(self.model, args, kwargs, train=self.train, note_fixed_dims=False, static_image_sizes=False)
         return plan_captured(new, self.model, self.settings.later(), example=(args, kwargs),
-                             carried=carried_into(new, self.carried))
+                             carried=carried_into(new, self.carried), training=self.train)
 
 
 def _convert_program(program: torch.export.ExportedProgram, settings: Settings) -> fx.GraphModule:

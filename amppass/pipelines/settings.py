@@ -49,6 +49,11 @@ class Settings:
         if mode not in MODES:
             raise InputError(f"mode={mode!r} is not one of {MODES}: use mode='inference' to serve or evaluate "
                              "the model, mode='train' to train it")
+        recipe = options.get("fp8_recipe", "dynamic")
+        if recipe != "dynamic" and (mode != "train" or options.get("fp8") is None):
+            raise InputError(f"fp8_recipe={recipe!r} applies to fp8 training only: pass dtype='fp8' and mode='train' "
+                             "with it, or leave fp8_recipe unset (inference's fp8 input scales are calibrated or "
+                             "each call's own)")
         if (mode == "train" or options.get("fp8") is not None) and options.get("calibration") is not None:
             options["calibration"] = list(options["calibration"])  # read again: by the second graph, by fp8's choice
         return cls(PlanOptions(**options), mode, dtype, target, dynamic_shapes)

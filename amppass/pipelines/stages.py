@@ -56,6 +56,7 @@ class Work:
     example: tuple[Any, dict] | None = None  # example inputs and keyword inputs: the timings' and the finite check's
     carried: dict[str, Any] = field(default_factory=dict)  # decisions an earlier plan made (another capture's)
     recapture: CaptureFp32 | None = None  # calibration's capture for batches of shapes ``gm`` does not take
+    training: bool = True  # a train-mode conversion's graph of training mode (its eval graph: False)
     bytes_before: int = 0  # prepare
     fused: dict[str, str] = field(default_factory=dict)  # prepare: node -> what the fused op replaced
     view: GraphView | None = None  # neutral_view
@@ -79,9 +80,11 @@ class Work:
 
 
 def plan_captured(gm: fx.GraphModule, model: Any, settings: Settings, *, example: tuple[Any, dict] | None = None,
-                  carried: dict[str, Any] | None = None, recapture: CaptureFp32 | None = None) -> fx.GraphModule:
+                  carried: dict[str, Any] | None = None, recapture: CaptureFp32 | None = None,
+                  training: bool = True) -> fx.GraphModule:
     """Analyse, paint and rewrite a captured graph of ``model`` in place (``settings`` resolved for its device);
-    record the decisions in it. Which decision wins is :mod:`amppass.analysis.precedence`'s order.
+    record the decisions in it (``training``: the graph of training mode, where fp8's delayed scaling records).
+    Which decision wins is :mod:`amppass.analysis.precedence`'s order.
 
     The stages, in order (:data:`STAGES`), each a function below that says what it reads and adds:
 
@@ -98,7 +101,7 @@ def plan_captured(gm: fx.GraphModule, model: Any, settings: Settings, *, example
     9. :func:`lower_fp8`: for ``dtype="fp8"``, the products whose measured error allows it lowered to e4m3;
     10. :func:`record`: the summary stored in the graph for ``amppass.report``.
     """
-    work = Work(gm, model, settings, example, carried or {}, recapture)
+    work = Work(gm, model, settings, example, carried or {}, recapture, training)
     run(work, STAGES)
     return work.gm
 
@@ -217,7 +220,7 @@ def lower_fp8(work: Work) -> None:
         return
     options = work.settings.options
     if work.settings.trains:
-        work.fp8 = plan_fp8_train(work.gm)
+        work.fp8 = plan_fp8_train(work.gm, options.fp8_recipe, record=work.training)
         return
     work.fp8 = plan_fp8(work.gm, *work.fp8_sources, options.calibration, options.tolerance,
                         low=work.settings.low.name)

@@ -59,6 +59,7 @@ from ..errors import InputError
 from ..fx.capture.guards import GUARDS_KEY, call_layout
 from ..fx.capture.inputs import example_call, flatten_inputs
 from ..fx.capture.modes import captured_flags
+from ..fx.rewrite.fp8_train import STATE_KEY
 from ..fx.rewrite.low_backward import record_saved_bytes
 from .plan_dtypes import PlanDtypes
 from .serving_graph import set_state
@@ -416,7 +417,8 @@ def _groups(module: nn.Module) -> list[list[str]]:
 def _named_state(gm: fx.GraphModule, original: nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
     """Every name of the original's state mapped to the converted module's tensor, and the persistent buffers.
 
-    torch.export keeps one name of tied tensors; the original's other names map to the same clone.
+    torch.export keeps one name of tied tensors; the original's other names map to the same clone. State the
+    conversion added to the graph (fp8 training's amax histories, ``gm.meta[STATE_KEY]``) follows, persistent.
     """
     own = dict(named_state(gm))
     by_id: dict[int, torch.Tensor] = {}
@@ -431,6 +433,9 @@ def _named_state(gm: fx.GraphModule, original: nn.Module) -> tuple[dict[str, tor
             found = by_id[id(tensor)] = _clone(tensor)
         state[name] = found
     persistent = {k for k in original.state_dict(keep_vars=True)}
+    for name in gm.meta.get(STATE_KEY, ()):
+        state[name] = own[name]
+        persistent.add(name)
     return state, persistent
 
 

@@ -399,7 +399,8 @@ def build_tree(root: nn.Module, original: nn.Module, mode: Mode, outlines: dict[
         original: the caller's model, read for its structure and names only.
         mode: the mode object every part reads.
         outlines: the tree of each mode's graph, by ``training`` flag.
-        state: every parameter and buffer the converted model owns, by each name it has in the original.
+        state: every parameter and buffer the converted model owns, by each name it has in the original; a name
+            the original does not have (state the conversion added) is a buffer of the module its prefix names.
         persistent: the buffer names that go into ``state_dict()``.
     """
     tree_modules: dict[str, nn.Module] = {"": root}
@@ -412,15 +413,21 @@ def build_tree(root: nn.Module, original: nn.Module, mode: Mode, outlines: dict[
         # never ran that class's __init__
         tree_modules[parent]._modules[leaf] = tree_module
         tree_modules[name] = tree_module
+    placed = set()
     for name, module in original.named_modules(remove_duplicate=False):
         owner = tree_modules[name]
         for leaf, param in module._parameters.items():
             if param is not None:
                 owner.register_parameter(leaf, state[_join(name, leaf)])
+                placed.add(_join(name, leaf))
         for leaf, buf in module._buffers.items():
             if buf is not None:
                 full = _join(name, leaf)
                 owner.register_buffer(leaf, state[full], persistent=full in persistent)
+                placed.add(full)
+    for full in sorted(state.keys() - placed):
+        owner_name, _, leaf = full.rpartition(".")
+        tree_modules[owner_name].register_buffer(leaf, state[full], persistent=full in persistent)
     for training, found in outlines.items():
         install(root, training, found)  # unfit() checked that both modes' constants agree
 

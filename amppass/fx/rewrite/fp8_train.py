@@ -1,6 +1,7 @@
 """fp8 training: a linear product with e4m3 forward operands and e5m2 gradients, and its lowering in a train graph.
 
-``amppass::fp8_train_linear(input, weight, bias, input_amax, grad_amax)`` computes ``linear(input, weight, bias)``
+``amppass::fp8_train_linear(input, weight, bias, input_amax, grad_amax, grad_history)`` computes
+``linear(input, weight, bias)``
 under autograd (a ``torch.library`` custom op with a registered backward, so it stays one node in an FX graph and
 under torch.compile):
 
@@ -20,8 +21,20 @@ A value beyond a delayed scale's range is clamped to the format's largest finite
 positive, computed by :meth:`amppass.dtypes.Fp8Format.scales_for` on tensors (no host sync): 1.0 for an
 all-zero, infinite or NaN range, so zero and constant tensors quantize and multiply to finite values.
 
-The backward quantizes ``input`` and ``weight`` again from the tensors autograd saved (deterministic: the same
-scales and values as the forward's), so what backward keeps is the bf16 input, not an fp8 copy.
+What backward keeps of the input is its e4m3 copy and its scale (1 byte an element, not bf16's 2): the op's
+autograd context quantizes the input once more after the forward (deterministic: the forward's scale and values)
+and saves that, not the bf16 input; the weight saved is the fp32 master itself (a parameter, held anyway).
+
+**Delayed scaling in a graph** (:func:`lower_train` with ``recipe="delayed"``): each lowered product gets two
+buffers of :data:`HISTORY` amaxes, newest first, the input's and the output gradient's, held by the module that
+holds its weight (``<module>.fp8_input_amax_history``, ``<module>.fp8_grad_amax_history``), so they are state of
+the converted model and in its ``state_dict()``. The graph reads each history's largest value as the delayed amax
+(0 while empty: the call's own range); a train graph then records the input's amax by
+``amppass::fp8_record_amax`` (a custom op declaring the buffer it mutates, so export and ``torch.compile`` keep
+the write), and the op's backward records the gradient's into ``grad_history``; an eval graph only reads. A
+non-finite amax is not recorded (the newest finite one is repeated). The gradient's history is written in backward
+without moving its version counter, so two forward calls before one backward (two views of a batch) stay valid in
+eager mode.
 
 e5m2's range (up to 57344 times its scale, which follows the gradient's own amax) is why fp8 training needs no
 loss scaling: a gradient is scaled into range by its own scale in every product, whatever the loss's size.
@@ -38,13 +51,17 @@ import copy
 import torch
 from torch import fx, nn
 
+from ...analysis.options import FP8_RECIPES
 from ...dtypes import E4M3, E5M2, Fp8Format
 from ...errors import InputError
+from ..view.build import fetch_attr
 from .fp8 import FP8_ALIGNMENT, drop_unread, operands, quantize, weight_path
 
 aten = torch.ops.aten
 HISTORY = 16  # delayed scaling's amax history: TransformerEngine's default length
-RECIPES = ("dynamic", "delayed")
+RECIPES = FP8_RECIPES
+STATE_KEY = "amppass_fp8_state"  # gm.meta: the buffers a delayed lowering added (the converted model's state)
+INPUT_HISTORY, GRAD_HISTORY = "fp8_input_amax_history", "fp8_grad_amax_history"
 
 
 def _amax(x: torch.Tensor) -> torch.Tensor:
@@ -75,10 +92,12 @@ def _product(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: t
 
 @torch.library.custom_op("amppass::fp8_train_linear", mutates_args=())
 def fp8_train_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                     input_amax: torch.Tensor | None, grad_amax: torch.Tensor | None) -> torch.Tensor:
+                     input_amax: torch.Tensor | None, grad_amax: torch.Tensor | None,
+                     grad_history: torch.Tensor | None = None) -> torch.Tensor:
     """``linear(input, weight, bias)`` with ``input`` and ``weight`` in e4m3, fp32 accumulation, output in
     ``input``'s dtype; its backward reads the output's gradient in e5m2 (module docstring). ``input_amax`` and
-    ``grad_amax``: the ranges of delayed scaling, or None (or 0) for the current call's own."""
+    ``grad_amax``: the ranges of delayed scaling, or None (or 0) for the current call's own; ``grad_history``: an
+    amax history the backward records the gradient's range into (delayed scaling in a train graph), or None."""
     flat = input.reshape(-1, input.shape[-1])
     x_q, x_scale = _quantized(flat, E4M3, input_amax)
     w_q, w_scale = _quantized(weight, E4M3)
@@ -90,32 +109,36 @@ def fp8_train_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 @fp8_train_linear.register_fake
 def _(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, input_amax: torch.Tensor | None,
-      grad_amax: torch.Tensor | None) -> torch.Tensor:
+      grad_amax: torch.Tensor | None, grad_history: torch.Tensor | None = None) -> torch.Tensor:
     return input.new_empty((*input.shape[:-1], weight.shape[0]))
 
 
 def _setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
-    input, weight, bias, input_amax, grad_amax = inputs
-    ctx.save_for_backward(input, weight, input_amax, grad_amax)
+    """Save the input's e4m3 copy and its scale (the forward's: same amax, same rounding), not the input itself."""
+    input, weight, bias, input_amax, grad_amax, grad_history = inputs
+    x_q, x_scale = _quantized(input.reshape(-1, input.shape[-1]), E4M3, input_amax)
+    ctx.save_for_backward(x_q, x_scale, weight, grad_amax, grad_history)
+    ctx.input_shape, ctx.input_dtype = input.shape, input.dtype
     ctx.has_bias = bias is not None
     ctx.bias_dtype = bias.dtype if bias is not None else None
 
 
 def _backward(ctx, grad: torch.Tensor) -> tuple:
-    input, weight, input_amax, grad_amax = ctx.saved_tensors
-    flat = input.reshape(-1, input.shape[-1])
+    x_q, x_scale, weight, grad_amax, grad_history = ctx.saved_tensors
     dy = grad.reshape(-1, grad.shape[-1])
     g_q, g_scale = _quantized(dy, E5M2, grad_amax)
-    x_q, x_scale = _quantized(flat, E4M3, input_amax)
     w_q, w_scale = _quantized(weight, E4M3)
     grad_input = grad_weight = grad_bias = None
     if ctx.needs_input_grad[0]:
-        grad_input = _product(g_q, w_q, g_scale, w_scale, torch.float32).to(input.dtype).reshape(input.shape)
+        grad_input = _product(g_q, w_q, g_scale, w_scale, torch.float32).to(ctx.input_dtype).reshape(ctx.input_shape)
     if ctx.needs_input_grad[1]:
         grad_weight = _product(g_q.t(), x_q, g_scale, x_scale, torch.float32).to(weight.dtype)
     if ctx.has_bias and ctx.needs_input_grad[2]:
         grad_bias = dy.float().sum(0).to(ctx.bias_dtype)
-    return grad_input, grad_weight, grad_bias, None, None
+    if grad_history is not None:  # not a new version: another call's backward may still read this history
+        with torch.autograd._unsafe_preserve_version_counter(grad_history):
+            _record(grad_history, dy)
+    return grad_input, grad_weight, grad_bias, None, None, None
 
 
 fp8_train_linear.register_autograd(_backward, setup_context=_setup_context)
@@ -166,6 +189,18 @@ def _record(row: torch.Tensor, value: torch.Tensor) -> None:
         row.copy_(torch.cat([torch.where(torch.isfinite(amax), amax, row[0]).reshape(1), row[:-1]]))
 
 
+@torch.library.custom_op("amppass::fp8_record_amax", mutates_args=("history",))
+def fp8_record_amax(history: torch.Tensor, value: torch.Tensor) -> None:
+    """Push ``value``'s largest magnitude onto the amax history ``history`` in place (:func:`_record`): a train
+    graph's record of a product's input range under delayed scaling."""
+    _record(history, value)
+
+
+@fp8_record_amax.register_fake
+def _(history: torch.Tensor, value: torch.Tensor) -> None:
+    return None
+
+
 def swap_linears(model: nn.Module, recipe: str = "dynamic") -> nn.Module:
     """A copy of ``model`` with every ``nn.Linear`` an :class:`Fp8Linear` of ``recipe`` (the all-Linear swap, as
     torchao's ``convert_to_float8_training`` makes it); ``model`` itself is not changed."""
@@ -177,24 +212,60 @@ def swap_linears(model: nn.Module, recipe: str = "dynamic") -> nn.Module:
     return swapped
 
 
-def lower_train(gm: fx.GraphModule, names: set[str]) -> None:
-    """Rewrite each product of ``gm`` (a bf16-rewritten train graph) named in ``names`` as
-    ``amppass::fp8_train_linear`` in place, with dynamic scales. It reads the fp32 master weight itself (the scale
-    and the e4m3 values come from fp32, and the weight's gradient comes back fp32), transposed where the product
-    stores it in × out; the weight's bf16 cast (and any transpose or broadcast on its way) is dropped where nothing
-    else reads it. Each node keeps its name, readers and decision record."""
+def lower_train(gm: fx.GraphModule, names: set[str], recipe: str = "dynamic", record: bool = True) -> list[str]:
+    """Rewrite each product of ``gm`` (a bf16-rewritten train or eval graph) named in ``names`` as
+    ``amppass::fp8_train_linear`` in place. It reads the fp32 master weight itself (the scale and the e4m3 values
+    come from fp32, and the weight's gradient comes back fp32), transposed where the product stores it in × out;
+    the weight's bf16 cast (and any transpose or broadcast on its way) is dropped where nothing else reads it.
+    Each node keeps its name, readers and decision record.
+
+    ``recipe="dynamic"`` scales from each call's own ranges. ``recipe="delayed"`` gives each product its two amax
+    histories (module docstring) as buffers of ``gm`` and reads them; with ``record`` (a train graph) the input's
+    range is recorded after the product and the gradient's by its backward. Returns the buffers added (also in
+    ``gm.meta[STATE_KEY]``)."""
+    added: list[str] = []
     for node in list(gm.graph.nodes):
         found = operands(node) if node.name in names else None
         if found is None or found[1] is None:
             continue
         x, weight, bias, transposed = found
         path = weight_path(node)
-        if transposed:
-            with gm.graph.inserting_before(node):
+        with gm.graph.inserting_before(node):
+            if transposed:
                 weight = gm.graph.call_function(aten.t.default, (weight,))
-            if "val" in weight.args[0].meta:
-                weight.meta["val"] = weight.args[0].meta["val"].t()
+                if "val" in weight.args[0].meta:
+                    weight.meta["val"] = weight.args[0].meta["val"].t()
+            histories = [_in_module(gm.graph.get_attr(_history(gm, str(found[1].target), leaf, added)), node)
+                         for leaf in (INPUT_HISTORY, GRAD_HISTORY)] if recipe == "delayed" else []
+            amaxes = [_in_module(gm.graph.call_function(aten.amax.default, (h,)), node) for h in histories]
         node.target = torch.ops.amppass.fp8_train_linear.default
-        node.args, node.kwargs = (x, weight, bias, None, None), {}
+        recorded = histories[1] if histories and record else None
+        node.args, node.kwargs = (x, weight, bias, *(amaxes or (None, None)), recorded), {}
+        if histories and record:
+            with gm.graph.inserting_after(node):
+                _in_module(gm.graph.call_function(torch.ops.amppass.fp8_record_amax.default, (histories[0], x)), node)
         drop_unread(gm, path)
+    gm.meta[STATE_KEY] = added
     gm.recompile()
+    return added
+
+
+def _in_module(new: fx.Node, product: fx.Node) -> fx.Node:
+    """``new``, a node the delayed lowering added, placed in the module stack of the product it serves (so the
+    model's module tree runs it inside that module)."""
+    if "nn_module_stack" in product.meta:
+        new.meta["nn_module_stack"] = product.meta["nn_module_stack"]
+    return new
+
+
+def _history(gm: fx.GraphModule, weight: str, leaf: str, added: list[str]) -> str:
+    """Register an empty amax history of :data:`HISTORY` values in ``gm``, held by the module that holds
+    ``weight`` (``leaf``, numbered after the first where that module's weight feeds several products); its name."""
+    owner_name, _, _ = weight.rpartition(".")
+    owner = gm.get_submodule(owner_name) if owner_name else gm
+    count = sum(name.startswith(leaf) for name in owner._buffers)
+    own = leaf if not count else f"{leaf}_{count}"
+    device = fetch_attr(gm, weight).device
+    owner.register_buffer(own, torch.zeros(HISTORY, dtype=torch.float32, device=device))
+    added.append(f"{owner_name}.{own}" if owner_name else own)
+    return added[-1]

@@ -15,9 +15,11 @@ product is or is not fp8:
    averaged by any later product.
 
 The chosen products become ``amppass::fp8_train_linear`` (:mod:`amppass.fx.rewrite.fp8_train`): e4m3 forward
-operands, e5m2 gradients, scales from each call's own ranges (dynamic: no state for the module tree, checkpoints
-and FSDP2 to carry; delayed scaling trained the character GPT of benchmarks/fp8_train.py to a final loss within
-the run's noise of dynamic's, docs/fp8.md), fp32 master weights. No loss scaling is needed: each gradient product
+operands, e5m2 gradients, fp32 master weights; input and gradient scales from each call's own ranges by default
+(``recipe="dynamic"``: no state for the module tree, checkpoints and FSDP2 to carry; delayed scaling trained the
+character GPT of benchmarks/fp8_train.py to a final loss within the run's noise of dynamic's, docs/fp8.md), or from
+amax histories of the last :data:`~amppass.fx.rewrite.fp8_train.HISTORY` calls (``recipe="delayed"``, buffers of
+the converted model). No loss scaling is needed: each gradient product
 scales ``dY`` by its own largest magnitude into e5m2's range; the summary's ``loss_scaling`` says so.
 """
 
@@ -31,20 +33,25 @@ from torch import fx
 from ...analysis.record import META_KEY, fp8_record, stored_fp8_products
 from ...dtypes import E4M3, E5M2
 from ..rewrite.fp8 import TENSOR, linear_weights, mark
-from ..rewrite.fp8_train import lower_train
+from ..rewrite.fp8_train import HISTORY, lower_train
 from .fp8 import RANGE_LIMIT, _rounding_error, _structure
 
 log = logging.getLogger(__name__)
 
 LOSS_SCALING = ("not needed: every gradient product scales the output's gradient by its own largest magnitude into "
                 "e5m2's range (up to 57344), so no LossScaler is needed; one may still wrap the loop (it never skips)")
-SCALES = ("weights: from the fp32 master weight on every call; inputs (e4m3) and output gradients (e5m2): dynamic, "
-          "from each call's own largest magnitude")
+SCALES = {"dynamic": "weights: from the fp32 master weight on every call; inputs (e4m3) and output gradients (e5m2): "
+                      "dynamic, from each call's own largest magnitude",
+          "delayed": f"weights: from the fp32 master weight on every call; inputs (e4m3) and output gradients (e5m2): "
+                     f"delayed, from the largest of an amax history of the last {HISTORY} training calls (the "
+                     "call's own while it is empty), buffers in the model's state_dict"}
+EVIDENCE = {"dynamic": "dynamic", "delayed": f"delayed (amax history of {HISTORY})"}
 
 
-def plan_fp8_train(gm: fx.GraphModule) -> dict[str, Any]:
+def plan_fp8_train(gm: fx.GraphModule, recipe: str = "dynamic", record: bool = True) -> dict[str, Any]:
     """Choose the products of ``gm`` (a train or eval graph rewritten for bf16 in place) that train in fp8 (module
-    docstring), lower them, record every product's outcome on its node; the summary for the model's record."""
+    docstring), lower them with ``recipe``'s scales (``record``: the train graph, which records delayed scaling's
+    ranges), record every product's outcome on its node; the summary for the model's record."""
     why_not: dict[str, str] = {}
     candidates: list[str] = []
     errors: dict[str, float] = {}
@@ -71,19 +78,23 @@ def plan_fp8_train(gm: fx.GraphModule) -> dict[str, Any]:
                             "it writes the logits the loss reads") +
                          "); fp8 training keeps the first and last products in higher precision")
     chosen = [name for name in candidates if name not in ends]
-    lower_train(gm, set(chosen))
+    lower_train(gm, set(chosen), recipe, record)
+    ranges = ("from their own range on every call" if recipe == "dynamic" else
+              f"from the largest of their last {HISTORY} ranges in training")
     for name in chosen:
         mark(gm, name, {"format": E4M3.name, "gradient_format": E5M2.name, "weight_scale": "per call",
-                        "input_scale": "dynamic", "gradient_scale": "dynamic", "weight_error": errors[name],
-                        "output": "bf16", "kernel": "torch._scaled_mm"},
+                        "input_scale": EVIDENCE[recipe], "gradient_scale": EVIDENCE[recipe], "recipe": recipe,
+                        "weight_error": errors[name], "output": "bf16", "kernel": "torch._scaled_mm"},
              "fp8 training: e4m3 input and weight, e5m2 output gradient, per-tensor scales (weight's from the fp32 "
-             "master weight on every call, input's and gradient's from their own range on every call), fp32 "
+             f"master weight on every call, input's and gradient's {ranges}), fp32 "
              "accumulation, bf16 output, fp32 weight gradient")
     for name, why in why_not.items():
         mark(gm, name, {"why_not": why}, why)
     decisions = (node.meta.get(META_KEY) for node in gm.graph.nodes)
     info = fp8_record(E4M3.name, "bf16", stored_fp8_products(decisions, "bf16"), gradient_format=E5M2.name,
-                      scales=SCALES, loss_scaling=LOSS_SCALING, range_limit=RANGE_LIMIT)
+                      scales=SCALES[recipe], recipe=recipe,
+                      **({"history": HISTORY} if recipe == "delayed" else {}), loss_scaling=LOSS_SCALING,
+                      range_limit=RANGE_LIMIT)
     log.info("fp8 training: %d of %d products in %s forward, %s gradients; loss scaling %s", len(chosen),
              len(chosen) + len(why_not), E4M3.name, E5M2.name, LOSS_SCALING)
     return info

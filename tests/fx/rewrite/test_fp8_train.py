@@ -1,4 +1,4 @@
-"""amppass::fp8_train_linear and Fp8Linear: forward and gradients against float64, scales, delayed scaling's state.
+"""amppass::fp8_train_linear, its lowering and Fp8Linear: numerics against float64, scales, delayed scaling's state.
 
 Tolerances come from the formats themselves: rounding to e4m3 (3 significand bits) moves a value by at most 2^-4 of
 itself, to e5m2 (2 bits) by at most 2^-3, to bf16 (8 bits) by at most 2^-8. A product of two rounded operands is
@@ -7,6 +7,8 @@ off by at most the sum of their steps, in norm, for operands without cancellatio
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,7 +16,7 @@ from torch import nn
 
 from amppass.dtypes import E4M3, E5M2
 from amppass.errors import InputError
-from amppass.fx.rewrite.fp8_train import HISTORY, Fp8Linear, fp8_train_linear, swap_linears
+from amppass.fx.rewrite.fp8_train import HISTORY, Fp8Linear, fp8_train_linear, lower_train, swap_linears
 
 E4M3_STEP, E5M2_STEP, BF16_STEP = 2.0 ** -4, 2.0 ** -3, 2.0 ** -8
 
@@ -119,3 +121,112 @@ def test_swap_linears_copies_the_model_and_refuses_an_unknown_recipe():
     assert all(type(m) is not Fp8Linear for m in model)  # the caller's model is not changed
     with pytest.raises(InputError, match=r"recipe='tensorwise'.*'dynamic'.*'delayed'"):
         Fp8Linear(nn.Linear(32, 16), recipe="tensorwise")
+
+
+def test_delayed_amaxes_give_gradients_within_the_formats_steps_and_record_the_gradients_range():
+    """Given delayed ranges (twice this call's own, as a history whose older steps were larger leaves them), the
+    forward and gradients stay within the same steps of float64 as dynamic ones, and the backward pushes this call's
+    gradient range onto the history it is given, newest first."""
+    torch.manual_seed(4)
+    x, w, b = _leaves(torch.randn(3, 10, 64).bfloat16(), torch.randn(48, 64), torch.randn(48))
+    grad = torch.randn(3, 10, 48).bfloat16()
+    history = torch.zeros(HISTORY)
+    history[0] = 0.5
+    y = fp8_train_linear(x, w, b, 2 * x.detach().abs().amax().float(), 2 * grad.abs().amax().float(), history)
+    y.backward(grad)
+    x64, w64, b64 = _leaves(x.double(), w.double(), b.double())
+    y64 = F.linear(x64, w64, b64)
+    y64.backward(grad.double())
+    assert _rel(y, y64) <= 2 * E4M3_STEP + BF16_STEP
+    assert _rel(x.grad, x64.grad) <= E5M2_STEP + E4M3_STEP + BF16_STEP
+    assert _rel(w.grad, w64.grad) <= E5M2_STEP + E4M3_STEP
+    assert history[:3].tolist() == [float(grad.abs().amax()), 0.5, 0.0]
+
+
+def test_the_backward_reads_the_saved_e4m3_input_not_the_bf16_one():
+    """What autograd saves of the input is its e4m3 copy and scale (1 byte an element, bf16's is 2), and the
+    weight's gradient is the product with exactly the forward's e4m3 values, also where a delayed range clamped
+    them."""
+    torch.manual_seed(5)
+    x, w = _leaves(torch.randn(32, 64).bfloat16(), torch.randn(16, 64))
+    saved: list[torch.Tensor] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor)
+        return tensor
+
+    amax = 0.5 * x.detach().abs().amax().float()  # a delayed range below this call's: the largest values clamp
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        y = fp8_train_linear(x, w, None, amax, None)
+    assert not any(t.dtype == torch.bfloat16 and t.shape == x.shape for t in saved)
+    stored = [t for t in saved if t.dtype == E4M3.torch]
+    assert [t.shape for t in stored] == [x.shape]
+    grad = torch.randn(32, 16).bfloat16()
+    y.backward(grad)
+    scale = E4M3.scale_for(float(amax))
+    x8 = (x.detach().float() / scale).clamp(-E4M3.max, E4M3.max).to(E4M3.torch).double() * scale
+    assert torch.equal(stored[0].double() * scale, x8)
+    assert _rel(w.grad, _qdq(grad, E5M2).t() @ x8) <= 1e-6
+
+
+def _lowered(recipe: str, record: bool = True):
+    """A two-layer model captured by torch.export in train mode, its second product lowered with ``recipe``."""
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+    gm = torch.export.export(model, (torch.randn(8, 32),)).module()
+    products = [n.name for n in gm.graph.nodes if n.target is torch.ops.aten.linear.default]
+    added = lower_train(gm, {products[1]}, recipe, record)
+    gm.graph.lint()
+    return gm, added
+
+
+def test_a_delayed_lowering_holds_its_histories_as_buffers_and_compiles_without_graph_breaks():
+    gm, added = _lowered("delayed")
+    assert added == ["2.fp8_input_amax_history", "2.fp8_grad_amax_history"]
+    assert all(gm.get_buffer(name).shape == (HISTORY,) for name in added)
+    eager = copy.deepcopy(gm)
+    assert all(eager.get_buffer(name) is not gm.get_buffer(name) for name in added)  # a deepcopy owns its own
+    compiled = torch.compile(gm, backend="aot_eager", fullgraph=True)  # fullgraph: a graph break would raise
+    for step in range(3):
+        x = torch.randn(8, 32) * (step + 1)
+        compiled(x).square().sum().backward()
+        eager(x).square().sum().backward()
+    for name in added:
+        assert torch.equal(gm.get_buffer(name), eager.get_buffer(name))
+        assert (gm.get_buffer(name)[:3] > 0).all() and (gm.get_buffer(name)[3:] == 0).all()
+    assert gm.get_buffer(added[0])[0] > gm.get_buffer(added[0])[1] > gm.get_buffer(added[0])[2]  # newest first
+    for got, want in zip(gm.parameters(), eager.parameters(), strict=True):
+        assert torch.equal(got.grad, want.grad)
+
+
+def test_an_eval_lowering_reads_the_histories_without_recording_and_dynamic_adds_no_state():
+    gm, added = _lowered("delayed", record=False)
+    assert torch.ops.amppass.fp8_record_amax.default not in {n.target for n in gm.graph.nodes}
+    gm(torch.randn(8, 32)).sum().backward()
+    assert all(not gm.get_buffer(name).any() for name in added)
+    dynamic, none = _lowered("dynamic")
+    assert none == [] and not list(dynamic.buffers())
+
+
+def test_two_calls_before_one_backward_record_both_gradient_ranges():
+    """Two views of a batch through one model, then one backward: the gradient history is written without a new
+    version, so the first call's backward still reads what it saved."""
+    gm, added = _lowered("delayed")
+    first, second = gm(torch.randn(8, 32)), gm(torch.randn(8, 32))
+    (first.sum() + 3 * second.sum()).backward()
+    assert gm.get_buffer(added[1])[:2].tolist() == [1.0, 3.0]  # the second call's backward runs first
+
+
+def test_a_non_finite_range_is_not_recorded_and_the_output_stays_finite():
+    """An inf in the input: the history repeats its newest finite range instead, and the delayed scale (from that
+    history) clamps the inf to e4m3's largest finite value, so the output is finite."""
+    gm, added = _lowered("delayed")
+    gm(torch.randn(8, 32))
+    x = torch.randn(8, 32)
+    x[0, 0] = float("inf")
+    hidden = torch.relu(F.linear(x, gm.get_parameter("0.weight"), gm.get_parameter("0.bias")))
+    assert torch.isinf(hidden).any()  # the lowered product's input holds an inf too
+    out = gm(x)
+    history = gm.get_buffer(added[0])
+    assert torch.isfinite(history).all() and history[0] == history[1] > 0
+    assert torch.isfinite(out).all()
