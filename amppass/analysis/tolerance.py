@@ -44,7 +44,7 @@ import contextvars
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Iterator, Mapping, Sequence
 
 from ..dtypes import LowType
 from .plan import Decision, Precision, PrecisionPlan, Source
@@ -53,6 +53,9 @@ log = logging.getLogger(__name__)
 
 Measure = Callable[[Mapping[str, Decision]], float]
 RunWith = Callable[[list[str]], float]  # the output error with these candidates moved to fp32 (one run)
+# standard deviations of the per-batch errors :func:`batch_bound` adds: about a one-sided 97.7% bound on a new
+# batch's error were the batches' errors normal with the spread measured
+BOUND_SPREADS = 2.0
 
 
 @dataclass
@@ -302,6 +305,18 @@ def longest_within(count: int, within: Callable[[int], bool]) -> int:
         middle = (low + high) // 2
         low, high = (middle, high) if within(middle) else (low, middle)
     return low
+
+
+def batch_bound(errors: Sequence[float], spreads: float = BOUND_SPREADS) -> float:
+    """An upper bound on the output error of a batch the search did not see, from one plan's error on each of
+    ``errors``' batches: their mean plus ``spreads`` standard deviations of the batches' errors, widened by
+    ``sqrt(1 + 1/n)`` for the mean's own uncertainty (a prediction bound for one new batch of the same source), and
+    never below the largest error measured. One batch shows no spread: its error is the bound."""
+    if len(errors) < 2:
+        return max(errors, default=0.0)
+    mean = math.fsum(errors) / len(errors)
+    deviation = math.sqrt(math.fsum((e - mean) ** 2 for e in errors) / (len(errors) - 1))
+    return max(max(errors), mean + spreads * deviation * math.sqrt(1 + 1 / len(errors)))
 
 
 def search_runs(candidates: int, ranked: bool = False) -> int:
