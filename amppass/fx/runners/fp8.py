@@ -38,9 +38,9 @@ matrix product of the rewritten graph in turn (the lowering itself is :mod:`ampp
    sentences, eight of them beyond 0.02). So every trial runs on the last :data:`JUDGED` calibration batches (the
    held-out ones and the last that gave the scales: a static scale clips nothing on those, but their rounding,
    the error the search weighs, is a new batch's) and is judged by
-   :func:`~amppass.analysis.tolerance.batch_bound`: the mean of the batches' errors plus
-   :data:`~amppass.analysis.tolerance.BOUND_SPREADS` standard deviations of them (times ``sqrt(1 + 1/n)``: a
-   prediction bound for one new batch), at least the largest. The summary records the kept plan's error on each
+   :func:`~amppass.analysis.tolerance.batch_bound`: the one-sided 95% prediction bound for one new batch, the
+   mean of the n batches' errors plus Student's t (95%, n - 1 degrees of freedom) standard deviations of them
+   times ``sqrt(1 + 1/n)``, at least the largest. The summary records the kept plan's error on each
    judged batch (``batch_errors``), their largest (``output_error``), the bound (``error_bound``) and what it adds
    to the largest (``margin``).
 
@@ -61,7 +61,7 @@ from torch import fx
 
 from ...analysis.calibration import relative_error
 from ...analysis.record import META_KEY, fp8_record, stored_fp8_products
-from ...analysis.tolerance import BOUND_SPREADS, batch_bound, longest_within
+from ...analysis.tolerance import batch_bound, longest_within
 from ...dtypes import E4M3, FINER_SCALES_GAIN
 from ..capture.copies import shared_copy
 from ..capture.guards import GUARDS_KEY
@@ -376,8 +376,9 @@ def _lattice(gm: fx.GraphModule, chosen: dict[str, Fp8Product], local: Mapping[s
     return {n: chosen[n] for n in kept}, {
         "tolerance": tolerance, "output_error": max(measured, default=0.0), "error_bound": error(kept),
         "margin": error(kept) - max(measured, default=0.0), "batch_errors": measured,
-        "bound_rule": (f"mean + {BOUND_SPREADS:g} standard deviations x sqrt(1 + 1/n) of the n judged batches' "
-                       "errors, at least the largest"), "judged_batches": len(data.judged), "trials": len(errors)}
+        "bound_rule": ("one-sided 95% prediction bound for a new batch, mean + t(0.95, n - 1) x standard deviation "
+                       "x sqrt(1 + 1/n) of the n judged batches' errors, at least the largest"),
+        "judged_batches": len(data.judged), "trials": len(errors)}
 
 
 def _range_reason(seen: _Measured, weight: torch.Tensor, amax: float, separate: bool) -> str:
