@@ -67,7 +67,9 @@ NOTES = (
     "Columns: `fp8_share`, `bf16_share`, `fp32_share` = the multiply-accumulates of the matrix products amppass "
     "counts (linear layers, addmm, attention's batched products) at the first calibration batch's shape, by where "
     "they run (the swap's: the MACs of the modules it swapped over the same total; the rest stays fp32); "
-    "`fp8_products` = products in fp8 / candidates; `held_out_error` against the fp32 model; `convert_cpu_s` = "
+    "`fp8_products` = products in fp8 / candidates; `held_out_error` against the fp32 model; `search_error` the "
+    "largest error over the calibration batches the search judged its plan on, `search_bound` the bound on a new "
+    "batch's error it held within the tolerance (the record's `output_error` and `error_bound`); `convert_cpu_s` = "
     "process CPU seconds (user+sys, every thread) of the conversion call. ONNX rows: `export_onnx(model, path, "
     "example_kwargs=calibration[0], dtype='fp8', calibration=feeds, tolerance=0.02, target=...)`, the file checked "
     "with `onnx.checker.check_model(path, full_check=True)` and run in onnxruntime's CPU provider (default "
@@ -231,6 +233,7 @@ def per_node(case: Case, tolerance: float | None) -> tuple[dict[str, Any], int]:
     return ({"model": case.name, "variant": label, "fp8_share": shares.get("fp8"), "bf16_share": shares.get("bf16"),
              "fp32_share": shares.get("fp32"), "fp8_products": f"{products['fp8']}/{sum(products.values())}",
              "held_out_error": error, "within_tolerance": error <= tolerance if tolerance else None,
+             "search_error": info.get("output_error"), "search_bound": info.get("error_bound"),
              "convert_cpu_s": seconds}, total)
 
 

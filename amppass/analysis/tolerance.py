@@ -44,7 +44,7 @@ import contextvars
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Iterator, Mapping, Sequence
 
 from ..dtypes import LowType
 from .plan import Decision, Precision, PrecisionPlan, Source
@@ -53,6 +53,10 @@ log = logging.getLogger(__name__)
 
 Measure = Callable[[Mapping[str, Decision]], float]
 RunWith = Callable[[list[str]], float]  # the output error with these candidates moved to fp32 (one run)
+# Student's t quantiles for a one-sided 95% bound, by degrees of freedom (1 to 10): the standard deviations of the
+# per-batch errors :func:`batch_bound` adds for n batches (n - 1 degrees of freedom)
+_T95 = (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812)
+_Z95 = 1.645  # its limit for many batches
 
 
 @dataclass
@@ -302,6 +306,28 @@ def longest_within(count: int, within: Callable[[int], bool]) -> int:
         middle = (low + high) // 2
         low, high = (middle, high) if within(middle) else (low, middle)
     return low
+
+
+def batch_bound(errors: Sequence[float]) -> float:
+    """An upper bound on the output error of a batch the search did not see, from one plan's error on each of the
+    ``n`` batches of ``errors``: the one-sided 95% prediction bound for one new batch of the same source, were the
+    batches' errors normal, ``mean + t * s * sqrt(1 + 1/n)`` (``s`` their standard deviation, ``t`` Student's 95%
+    quantile for ``n - 1`` degrees of freedom: :func:`spreads`), and never below the largest error measured. One
+    batch shows no spread: its error is the bound."""
+    if len(errors) < 2:
+        return max(errors, default=0.0)
+    mean = math.fsum(errors) / len(errors)
+    deviation = math.sqrt(math.fsum((e - mean) ** 2 for e in errors) / (len(errors) - 1))
+    return max(max(errors), mean + spreads(len(errors)) * deviation * math.sqrt(1 + 1 / len(errors)))
+
+
+def spreads(batches: int) -> float:
+    """The standard deviations :func:`batch_bound` adds for ``batches`` (at least two): Student's t 95% quantile
+    for ``batches - 1`` degrees of freedom (tabled to 10; beyond, its Cornish-Fisher expansion, within 0.02)."""
+    freedom = batches - 1
+    if freedom <= len(_T95):
+        return _T95[freedom - 1]
+    return _Z95 + (_Z95 ** 3 + _Z95) / (4 * freedom)
 
 
 def search_runs(candidates: int, ranked: bool = False) -> int:
