@@ -43,7 +43,7 @@ from torch import nn
 
 import amppass
 from amppass.fx.rewrite.fp8_train import swap_linears
-from models.char_gpt import char_gpt, next_char_loss, stdlib_corpus
+from models.char_gpt import char_gpt, held_out_loss, next_char_loss, stdlib_corpus
 
 from .train_gpt import Setting
 
@@ -137,14 +137,6 @@ def saved_bytes(model: nn.Module, *inputs: torch.Tensor) -> int:
     return sum(seen.values())
 
 
-def _held_out(model: nn.Module, batches: list[torch.Tensor]) -> float:
-    model.eval()
-    with torch.no_grad():
-        losses = [next_char_loss(model(b[:, :-1]).logits, b[:, 1:]).item() for b in batches]
-    model.train()
-    return statistics.fmean(losses)
-
-
 def run(quick: bool) -> list[dict[str, Any]]:
     """Train every variant in turns; one row each."""
     setting = QUICK if quick else FULL
@@ -168,7 +160,7 @@ def run(quick: bool) -> list[dict[str, Any]]:
             optimizers[name].step()
             losses[name].append(loss.item())
             if step in marks:
-                held_at[name][step] = _held_out(model, held)
+                held_at[name][step] = statistics.fmean(held_out_loss(model, b) for b in held)
         log.info("step %d/%d: %s", step, setting.steps, ", ".join(f"{n} {v[-1]:.3f}" for n, v in losses.items()))
     final = {name: held_at[name][marks[-1]] for name in models}
     tail = max(1, setting.steps // 10)
