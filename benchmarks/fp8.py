@@ -358,8 +358,9 @@ def onnx_row(case: Case, target: str) -> dict[str, Any]:
     shares, products = fp8_shares(info) or {}, info["products"]
     return {**row, "fp8_share": shares.get("fp8"), "fp16_share": shares.get(info["low"]),
             "fp32_share": shares.get("fp32"), "fp8_products": f"{products['fp8']}/{sum(products.values())}",
-            "ort_held_out_error": error, "tolerance": TOLERANCE,
-            "within_tolerance": error <= TOLERANCE, "convert_cpu_s": seconds}
+            "ort_held_out_error": error, "tolerance": TOLERANCE, "within_tolerance": error <= TOLERANCE,
+            "search_error": info.get("output_error"), "search_bound": info.get("error_bound"),
+            "convert_cpu_s": seconds}
 
 
 def goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -207,14 +207,16 @@ class Trials(abc.ABC, Generic[Batch]):
     def error(self, plan: PrecisionPlan, decisions: Mapping[str, Decision], batches: Sequence[int]) -> float:
         """Largest relative error of any floating output of the model rewritten by ``plan`` (painted from
         ``decisions``, by node name) against fp32, over ``batches``; inf where the trial did not run."""
-        worst = 0.0
+        return max(self.errors(plan, decisions, batches), default=0.0)
+
+    def errors(self, plan: PrecisionPlan, decisions: Mapping[str, Decision], batches: Sequence[int]) -> list[float]:
+        """:meth:`error` of each of ``batches`` on its own, in their order (one trial run over all of them)."""
+        found = {}  # a front end may run its batches in groups, in another order
         for batch, outputs in self.run(plan, decisions, batches):
-            if outputs is None:
-                worst = math.inf
-                continue
-            for got, ref in zip(outputs, self.data.references[batch], strict=False):
-                worst = max(worst, relative_error(got, ref))
-        return worst
+            found[batch] = math.inf if outputs is None else max(
+                (relative_error(got, ref) for got, ref in zip(outputs, self.data.references[batch], strict=False)),
+                default=0.0)
+        return [found[batch] for batch in batches]
 
     def perturbed(self, how: Sequence[Perturbation]) -> list[int]:
         """Keep a copy of batch 0 for each of ``how``, each floating input of more than one element perturbed

@@ -57,6 +57,9 @@ RunWith = Callable[[list[str]], float]  # the output error with these candidates
 # per-batch errors :func:`batch_bound` adds for n batches (n - 1 degrees of freedom)
 _T95 = (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812)
 _Z95 = 1.645  # its limit for many batches
+JUDGED = 8  # at most this many calibration batches, the last ones, judge each trial of an fp8 tolerance search
+BOUND_RULE = ("one-sided 95% prediction bound for a new batch, mean + t(0.95, n - 1) x standard deviation x "
+              "sqrt(1 + 1/n) of the n judged batches' errors, at least the largest")  # :func:`batch_bound`'s rule
 
 
 @dataclass
@@ -319,6 +322,15 @@ def batch_bound(errors: Sequence[float]) -> float:
     mean = math.fsum(errors) / len(errors)
     deviation = math.sqrt(math.fsum((e - mean) ** 2 for e in errors) / (len(errors) - 1))
     return max(max(errors), mean + spreads(len(errors)) * deviation * math.sqrt(1 + 1 / len(errors)))
+
+
+def judged(errors: Sequence[float]) -> dict[str, object]:
+    """What a search judged by :func:`batch_bound` records of the plan it kept, from that plan's error on each
+    judged batch: those errors (``batch_errors``, ``judged_batches``), their largest (``output_error``), the bound
+    (``error_bound``, with ``bound_rule``) and what it adds to the largest (``margin``)."""
+    largest, bound = max(errors, default=0.0), batch_bound(errors)
+    return {"output_error": largest, "error_bound": bound, "margin": bound - largest, "batch_errors": list(errors),
+            "bound_rule": BOUND_RULE, "judged_batches": len(errors)}
 
 
 def spreads(batches: int) -> float:

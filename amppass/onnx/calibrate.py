@@ -137,8 +137,8 @@ def calibrated_plan(
         found, excluded = fp8_products.candidates(fp32.model, plan, data.stats, fp32.store, fp8, low)
         plan, chosen = fp8_products.choose(found, excluded, plan, trials, tolerance, fp8, low, target.runtime)
         info["fp8"] = fp8_products.record(plan, fp32.model, data.kept[0], fp8, low, chosen)
-        if info["fp8"]["products"]["fp8"]:  # the converted model's error is the fp8 plan's
-            info.update(achieved_error=info["fp8"]["achieved_error"], held_out_error=info["fp8"]["held_out_error"],
+        if info["fp8"]["products"]["fp8"]:  # the converted model's error is the fp8 plan's, judged on no held-out
+            info.update(achieved_error=info["fp8"]["output_error"], held_out_error=None,  # batch: by its bound
                         tolerance_met=info.get("tolerance_met", True) and info["fp8"]["tolerance_met"])
     if data.unobserved:
         info["calibration_unobserved"] = len(data.unobserved)

@@ -17,16 +17,20 @@ reads as an fp8 product (ONNX opset 19 and later: :data:`FP8_OPSET`):
   accumulates and writes fp16. A scale is kept within fp16's normal range, so it never rounds to zero or inf.
 
 Which products go fp8 (:func:`choose`): every product the fp16 plan runs low whose operands are weights or values
-calibration observed is a candidate. The tolerance search's trials (the conversion's rewrite, run as the target
-computes it) measure the model's output error with each candidate alone in e4m3, on the batches the search fits;
-candidates then go fp8 in order of that error, least first, as many as keep the output error within the
-tolerance (a bisection over that order), and the count is checked on the held-out batches
-(:func:`amppass.analysis.calibration.held_out`) and bisected again there where it misses. Every product that
-stays fp16 gets a reason with the errors measured (and its operands' ranges and scales, where an outlier sets
-one), and each fp8 product's decision carries its scales (``evidence["fp8"]``) for the report; every other product
-(a candidate left out, or one that is no candidate: kept fp32 by the plan, an operand calibration did not observe)
-carries why (``evidence["fp8"]["why_not"]``). :func:`record` writes the summary's ``fp8`` in the shape both front
-ends share (:func:`amppass.analysis.record.fp8_record`).
+calibration observed is a candidate. Each trial of the tolerance search (the conversion's rewrite, run as the target
+computes it) measures the model's output error on each of the judged batches, and is judged by a bound on a new
+batch's error from them, :func:`~amppass.analysis.tolerance.batch_bound` (the one-sided 95% prediction bound, at
+least the largest), as the torch front end's search is (docs/fp8.md, "Which products go fp8", 4): not by the largest
+error of the batches it measured, which a search of many accept/reject steps fits. The judged batches are the last
+:data:`~amppass.analysis.tolerance.JUDGED` calibration batches (a single batch with the perturbed copies of it the
+fp16 plan's search kept). Candidates go fp8 in order of that bound with each alone in e4m3, least first, as many as
+keep the bound within the tolerance (a bisection over that order). Every product that stays fp16 gets a reason with
+the bounds measured (and its operands' ranges and scales, where an outlier sets one), and each fp8 product's
+decision carries its scales (``evidence["fp8"]``) for the report; every other product (a candidate left out, or one
+that is no candidate: kept fp32 by the plan, an operand calibration did not observe) carries why
+(``evidence["fp8"]["why_not"]``). :func:`record` writes the summary's ``fp8`` in the shape both front ends share
+(:func:`amppass.analysis.record.fp8_record`), with the kept plan's error on each judged batch and the bound, under
+the torch record's names (:func:`amppass.analysis.tolerance.judged`).
 """
 
 from __future__ import annotations
@@ -43,10 +47,10 @@ import onnx
 import torch
 from onnx import helper
 
-from ..analysis.calibration import Trials, held_out
+from ..analysis.calibration import Trials
 from ..analysis.plan import Decision, Precision, PrecisionPlan
 from ..analysis.record import FP8_KEY, fp8_record
-from ..analysis.tolerance import longest_within
+from ..analysis.tolerance import JUDGED, batch_bound, judged, longest_within
 from ..dtypes import FINER_SCALES_GAIN, Fp8Format, LowType
 from .io.weight_store import WeightStore
 from .macs import is_heavy, node_macs, operands, value_shapes
@@ -339,45 +343,31 @@ def choose(found: Mapping[str, list[Operand]], excluded: Mapping[str, str], plan
     ``trials`` runs a marked plan on the calibration batches it kept (its error against fp32, inf where it does not
     run), as ``runtime`` (named in reasons) computes it."""
     plan = _not_fp8(plan, excluded)
-    fit, held, how = _held_out(trials)
-    runs = 0
+    batches, how = _judged(trials)
+    errors: dict[tuple[str, ...], list[float]] = {}  # a trial depends only on the products in fp8: run it once
 
-    def error(names: Sequence[str], batches: Sequence[int]) -> float:
-        nonlocal runs
-        runs += 1
-        return trials.error(marked(plan, {n: found[n] for n in names}, fmt), {}, batches)
+    def measured(names: Sequence[str]) -> list[float]:
+        """The output error of each judged batch with ``names`` in fp8 (one trial run)."""
+        key = tuple(names)
+        if key not in errors:
+            errors[key] = trials.errors(marked(plan, {n: found[n] for n in names}, fmt), {}, batches)
+        return errors[key]
 
-    info: dict[str, Any] = {"format": fmt.name, "tolerance": tolerance, "candidates": len(found), "held_out": how}
+    def error(names: Sequence[str]) -> float:
+        return batch_bound(measured(names))
+
+    info: dict[str, Any] = {"format": fmt.name, "tolerance": tolerance, "candidates": len(found), "judged_on": how}
     if not found:
         info.update(why="no matrix product runs low on weights or values calibration observed")
         return plan, info
-    baseline = error([], fit)
-    alone = {name: error([name], fit) for name in found}
+    baseline = error([])
+    alone = {name: error([name]) for name in found}
     order = sorted(found, key=lambda n: (alone[n], list(found).index(n)))
-    measured = {0: baseline}
-
-    def largest(batches: Sequence[int], hi: int) -> int:
-        """The most products, in ``order``, up to ``hi``, whose output error on ``batches`` stays within the
-        tolerance (:func:`amppass.analysis.tolerance.longest_within`), each error measured kept."""
-
-        def within(k: int) -> bool:
-            measured[k] = error(order[:k], batches)
-            return measured[k] <= tolerance
-
-        return longest_within(hi, within)
-
-    count = largest(fit, len(order)) if baseline <= tolerance else 0
-    held_error = error(order[:count], held) if held and count else None
-    if held_error is not None and held_error > tolerance:  # the fit batches promised too much: judge on both
-        log.info("fp8: %.3g on held-out batches with %d products in %s; searching again on every batch",
-                 held_error, count, fmt)
-        measured = {0: baseline}
-        count = largest(list(fit) + list(held), count - 1)
-        held_error = error(order[:count], held) if count else None
-    achieved = max(measured.get(count, baseline), held_error or 0.0)
+    judged_on = f"errors bounded for a new batch from {how}"
+    count = longest_within(len(order), lambda k: error(order[:k]) <= tolerance) if baseline <= tolerance else 0
+    achieved = error(order[:count])
     chosen = order[:count]
     result = marked(plan, {n: found[n] for n in chosen}, fmt)
-    after = measured.get(count + 1)
     why_not = {}
     for rank, name in enumerate(order, 1):
         decision = result[name] = copy.copy(result[name])  # the caller's plan keeps its own decisions
@@ -388,34 +378,31 @@ def choose(found: Mapping[str, list[Operand]], excluded: Mapping[str, str], plan
             for o in found[name])
         if name in chosen:
             why = (f"{fmt} inputs and weights, {low} accumulation and output: alone in {fmt} it moves the output "
-                   f"by {alone[name]:.2g}, and with the {count} products in {fmt} the output error is {achieved:.2g} "
-                   f"<= the tolerance {tolerance:g} ({ranges})")
+                   f"by up to {alone[name]:.2g}, and with the {count} products in {fmt} the bound on a new batch's "
+                   f"output error is {achieved:.2g} <= the tolerance {tolerance:g} ({judged_on}; {ranges})")
         elif not math.isfinite(alone[name]):
             why = (f"stays {low}, not {fmt}: with it in {fmt} the model does not run as the target computes it "
                    f"({runtime}: its graph optimisations move or fuse the Q/DQ pair into kernels without {fmt} "
                    f"types)")
         elif alone[name] > tolerance or baseline > tolerance:
-            why = (f"stays {low}, not {fmt}: alone in {fmt} it moves the output by {alone[name]:.2g}, beyond the "
-                   f"tolerance {tolerance:g}" if baseline <= tolerance else
-                   f"stays {low}, not {fmt}: the {low} plan's output error {baseline:.2g} already passes the "
-                   f"tolerance {tolerance:g}") + f" ({ranges})"
+            why = (f"stays {low}, not {fmt}: alone in {fmt} it moves the output by up to {alone[name]:.2g}, beyond "
+                   f"the tolerance {tolerance:g}" if baseline <= tolerance else
+                   f"stays {low}, not {fmt}: the {low} plan's output error, up to {baseline:.2g}, already passes the "
+                   f"tolerance {tolerance:g}") + f" ({judged_on}; {ranges})"
         else:
             why = (f"stays {low}, not {fmt}: it ranks {rank} of {len(order)} by the output error it causes alone in "
-                   f"{fmt} ({alone[name]:.2g}); the {count} products ranked before it reach the output error "
-                   f"{measured.get(count, baseline):.2g}"
-                   + (f", and one more reaches {after:.2g} > the tolerance {tolerance:g}" if after is not None
-                      else f" within the tolerance {tolerance:g} on the batches the search fits, not on those it "
-                           "holds out")
-                   + f" ({ranges})")
+                   f"{fmt} ({alone[name]:.2g}); with the {count} products ranked before it the bound on a new "
+                   f"batch's output error is {achieved:.2g}, and with one more {error(order[:count + 1]):.2g} > the "
+                   f"tolerance {tolerance:g} ({judged_on}; {ranges})")
         if name in chosen:
             decision.reason = f"{decision.reason}; {why}"
         else:
             why_not[name] = why
     result = _not_fp8(result, why_not)
-    info.update(baseline_error=baseline, achieved_error=achieved, held_out_error=held_error,
-                runs=runs, tolerance_met=achieved <= tolerance)
-    log.info("fp8: %d of %d products in %s, output error %.3g (tolerance %g, %d runs)", len(chosen), len(found),
-             fmt, achieved, tolerance, runs)
+    info.update(baseline_error=baseline, **judged(measured(chosen)), trials=len(errors),
+                tolerance_met=achieved <= tolerance)
+    log.info("fp8: %d of %d products in %s, bound on a new batch's output error %.3g (tolerance %g, %d trials)",
+             len(chosen), len(found), fmt, achieved, tolerance, len(errors))
     return result, info
 
 
@@ -457,14 +444,18 @@ def record(plan: PrecisionPlan, model: onnx.ModelProto, feed: Mapping[str, np.nd
                       counted_at={name: list(np.shape(array)) for name, array in feed.items()})
 
 
-def _held_out(trials: Trials) -> tuple[list[int], list[int], str]:
-    """:func:`amppass.analysis.calibration.held_out`, reusing the perturbed copies of a single batch that the
-    fp16 plan's tolerance search already kept (asking again would keep a second set)."""
-    kept = len(trials.data.kept)
-    if trials.count() == 1 and kept > 1:
-        return [0], list(range(1, kept)), f"{kept - 1} perturbed copies of the single calibration batch"
-    fit, held, how, _ = held_out(trials)
-    return fit, held, how
+def _judged(trials: Trials) -> tuple[list[int], str]:
+    """The batches that judge every trial, and which: the last :data:`~amppass.analysis.tolerance.JUDGED`
+    calibration batches, as the torch front end's search judges (docs/fp8.md); a single batch with the perturbed
+    copies of it that the fp16 plan's tolerance search kept (:func:`amppass.analysis.calibration.held_out`), which
+    stand in for new inputs."""
+    count, kept = trials.count(), len(trials.data.kept)
+    if count >= 2:
+        judged_count = min(JUDGED, count)
+        return list(range(count - judged_count, count)), f"the last {judged_count} of {count} calibration batches"
+    if kept > 1:
+        return list(range(kept)), f"the single calibration batch and {kept - 1} perturbed copies of it"
+    return [0], "a single calibration batch, which shows no spread; pass two or more batches"
 
 
 def _bias_after(graph: onnx.GraphProto, node: onnx.NodeProto, taken: set[str], spatial: int) -> list[onnx.NodeProto]:

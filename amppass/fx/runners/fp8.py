@@ -63,7 +63,7 @@ from torch import fx
 
 from ...analysis.calibration import relative_error
 from ...analysis.record import META_KEY, fp8_record, stored_fp8_products
-from ...analysis.tolerance import batch_bound, longest_within
+from ...analysis.tolerance import JUDGED, batch_bound, judged, longest_within
 from ...dtypes import E4M3, FINER_SCALES_GAIN
 from ..capture.copies import shared_copy
 from ..capture.guards import GUARDS_KEY
@@ -87,7 +87,6 @@ log = logging.getLogger(__name__)
 
 RANGE_LIMIT = 2 * 2.0 ** -4  # twice the largest relative rounding error of one e4m3 value (3 significand bits)
 HELD_OUT = 2  # at most this many calibration batches are held out for the errors
-JUDGED = 8  # at most this many calibration batches, the last ones, judge each trial of the tolerance search
 _CONVOLUTIONS = {"convolution", "_convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
                  "conv_transpose3d"}
 _MATMULS = {"matmul", "mm", "bmm", "addmm", "baddbmm", "addbmm", "einsum"}
@@ -368,13 +367,7 @@ def _lattice(gm: fx.GraphModule, chosen: dict[str, Fp8Product], local: Mapping[s
                          f"{len(data.judged)} calibration batches), and with this one too {with_it:.3g}, beyond "
                          f"tolerance {tolerance:g}")
     log.info("fp8 tolerance search: %d of %d candidates kept, %d trial runs", len(kept), len(ranked), len(errors))
-    measured = batches(kept)
-    return {n: chosen[n] for n in kept}, {
-        "tolerance": tolerance, "output_error": max(measured, default=0.0), "error_bound": error(kept),
-        "margin": error(kept) - max(measured, default=0.0), "batch_errors": measured,
-        "bound_rule": ("one-sided 95% prediction bound for a new batch, mean + t(0.95, n - 1) x standard deviation "
-                       "x sqrt(1 + 1/n) of the n judged batches' errors, at least the largest"),
-        "judged_batches": len(data.judged), "trials": len(errors)}
+    return {n: chosen[n] for n in kept}, {"tolerance": tolerance, **judged(batches(kept)), "trials": len(errors)}
 
 
 def _range_reason(seen: _Measured, weight: torch.Tensor, amax: float, separate: bool) -> str:
