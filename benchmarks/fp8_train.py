@@ -44,6 +44,7 @@ from torch import nn
 import amppass
 from amppass.fx.rewrite.fp8_train import swap_linears
 from models.char_gpt import char_gpt, held_out_loss, next_char_loss, stdlib_corpus
+from tests.helpers.saved_memory import saved_bytes
 
 from .train_gpt import Setting
 
@@ -118,23 +119,6 @@ def _fp8_products(name: str, model: nn.Module) -> str:
                ("Fp8Linear", "Float8Linear")]
     fp8 = sum(type(m).__name__ in ("Fp8Linear", "Float8Linear") for m in linears)
     return f"{fp8} of {len(linears)}"
-
-
-def saved_bytes(model: nn.Module, *inputs: torch.Tensor) -> int:
-    """Bytes autograd saves for backward in one call ``model(*inputs)``, each storage once, the model's own
-    parameters and buffers left out (held anyway)."""
-    held = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    seen: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in held:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        model(*inputs)
-    return sum(seen.values())
 
 
 def run(quick: bool) -> list[dict[str, Any]]:

@@ -17,7 +17,7 @@ from torch import nn
 import amppass
 from amppass.errors import InputError
 from amppass.fx.rewrite.fp8_train import fp8_train_linear
-from benchmarks.fp8_train import saved_bytes
+from tests.helpers.saved_memory import saved_bytes
 
 FP8_OP = fp8_train_linear._opoverload
 HISTORIES = ["mid.fp8_grad_amax_history", "mid.fp8_input_amax_history", "proj.fp8_grad_amax_history",
