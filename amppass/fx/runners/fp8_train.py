@@ -40,12 +40,13 @@ log = logging.getLogger(__name__)
 
 LOSS_SCALING = ("not needed: every gradient product scales the output's gradient by its own largest magnitude into "
                 "e5m2's range (up to 57344), so no LossScaler is needed; one may still wrap the loop (it never skips)")
-SCALES = {"dynamic": "weights: from the fp32 master weight on every call; inputs (e4m3) and output gradients (e5m2): "
-                      "dynamic, from each call's own largest magnitude",
-          "delayed": f"weights: from the fp32 master weight on every call; inputs (e4m3) and output gradients (e5m2): "
-                     f"delayed, from the largest of an amax history of the last {HISTORY} training calls (the "
-                     "call's own while it is empty), buffers in the model's state_dict"}
+_WEIGHTS_THEN = "weights: from the fp32 master weight on every call; inputs (e4m3) and output gradients (e5m2): "
+SCALES = {"dynamic": _WEIGHTS_THEN + "dynamic, from each call's own largest magnitude",
+          "delayed": _WEIGHTS_THEN + f"delayed, from the largest of an amax history of the last {HISTORY} training "
+                                     "calls (the call's own while it is empty), buffers in the model's state_dict"}
 EVIDENCE = {"dynamic": "dynamic", "delayed": f"delayed (amax history of {HISTORY})"}
+RANGES = {"dynamic": "from their own range on every call",  # the reason's words for the input's and gradient's scales
+          "delayed": f"from the largest of their last {HISTORY} ranges in training"}
 
 
 def plan_fp8_train(gm: fx.GraphModule, recipe: str = "dynamic", record: bool = True) -> dict[str, Any]:
@@ -79,14 +80,12 @@ def plan_fp8_train(gm: fx.GraphModule, recipe: str = "dynamic", record: bool = T
                          "); fp8 training keeps the first and last products in higher precision")
     chosen = [name for name in candidates if name not in ends]
     lower_train(gm, set(chosen), recipe, record)
-    ranges = ("from their own range on every call" if recipe == "dynamic" else
-              f"from the largest of their last {HISTORY} ranges in training")
     for name in chosen:
         mark(gm, name, {"format": E4M3.name, "gradient_format": E5M2.name, "weight_scale": "per call",
                         "input_scale": EVIDENCE[recipe], "gradient_scale": EVIDENCE[recipe], "recipe": recipe,
                         "weight_error": errors[name], "output": "bf16", "kernel": "torch._scaled_mm"},
              "fp8 training: e4m3 input and weight, e5m2 output gradient, per-tensor scales (weight's from the fp32 "
-             f"master weight on every call, input's and gradient's {ranges}), fp32 "
+             f"master weight on every call, input's and gradient's {RANGES[recipe]}), fp32 "
              "accumulation, bf16 output, fp32 weight gradient")
     for name, why in why_not.items():
         mark(gm, name, {"why_not": why}, why)
