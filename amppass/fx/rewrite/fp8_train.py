@@ -1,7 +1,7 @@
 """fp8 training: a linear product with e4m3 forward operands and e5m2 gradients, and its lowering in a train graph.
 
 ``amppass::fp8_train_linear(input, weight, bias, input_amax, grad_amax, grad_history)`` computes
-``linear(input, weight, bias)``
+``linear(input, weight, bias)`` (its output 0; outputs 1 and 2 are the e4m3 input and its scale, for its backward)
 under autograd (a ``torch.library`` custom op with a registered backward, so it stays one node in an FX graph and
 under torch.compile):
 
@@ -21,9 +21,10 @@ A value beyond a delayed scale's range is clamped to the format's largest finite
 positive, computed by :meth:`amppass.dtypes.Fp8Format.scales_for` on tensors (no host sync): 1.0 for an
 all-zero, infinite or NaN range, so zero and constant tensors quantize and multiply to finite values.
 
-What backward keeps of the input is its e4m3 copy and its scale (1 byte an element, not bf16's 2): the op's
-autograd context quantizes the input once more after the forward (deterministic: the forward's scale and values)
-and saves that, not the bf16 input; the weight saved is the fp32 master itself (a parameter, held anyway).
+What backward keeps of the input is its e4m3 copy and its scale (1 byte an element, not bf16's 2): the forward's
+own, which the op returns beside the product (callers read only the product) so that its autograd context can save
+them, not the bf16 input; the input is quantized once a step. The weight saved is the fp32 master itself (a
+parameter, held anyway), quantized again in the backward (:func:`fp8_train_linear` says why).
 
 **Delayed scaling in a graph** (:func:`lower_train` with ``recipe="delayed"``): each lowered product gets two
 buffers of :data:`HISTORY` amaxes, newest first, the input's and the output gradient's, held by the module that
@@ -47,6 +48,7 @@ multiple of 16 (the token count of ``dW``'s product), which adds nothing to the 
 from __future__ import annotations
 
 import copy
+import operator
 
 import torch
 from torch import fx, nn
@@ -93,46 +95,68 @@ def _product(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: t
 @torch.library.custom_op("amppass::fp8_train_linear", mutates_args=())
 def fp8_train_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      input_amax: torch.Tensor | None, grad_amax: torch.Tensor | None,
-                     grad_history: torch.Tensor | None = None) -> torch.Tensor:
-    """``linear(input, weight, bias)`` with ``input`` and ``weight`` in e4m3, fp32 accumulation, output in
-    ``input``'s dtype; its backward reads the output's gradient in e5m2 (module docstring). ``input_amax`` and
-    ``grad_amax``: the ranges of delayed scaling, or None (or 0) for the current call's own; ``grad_history``: an
-    amax history the backward records the gradient's range into (delayed scaling in a train graph), or None."""
+                     grad_history: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(linear(input, weight, bias), input in e4m3, its scale)``: the product with ``input`` and ``weight`` in
+    e4m3, fp32 accumulation, in ``input``'s dtype; its backward reads the output's gradient in e5m2 (module
+    docstring). Callers read element 0; the other two are the forward's e4m3 copy of ``input`` (its shape) and
+    its scale, outputs so that the autograd context saves them for the backward instead of quantizing ``input``
+    again (one amax and one pass over the input fewer a step). ``input_amax`` and ``grad_amax``: the ranges of
+    delayed scaling, or None (or 0) for the current call's own; ``grad_history``: an amax history the backward
+    records the gradient's range into (delayed scaling in a train graph), or None.
+
+    The weight is quantized again in the backward rather than saved: its e4m3 copy would add a byte per weight
+    element to what a step holds for backward, while the fp32 master it comes from is saved for free (a
+    parameter, held anyway); one amax and one pass over the weight are cheap next to the two products."""
     flat = input.reshape(-1, input.shape[-1])
     x_q, x_scale = _quantized(flat, E4M3, input_amax)
+    x_q = x_q.contiguous()  # what the product reads anyway, and the layout the fake outputs declare
     w_q, w_scale = _quantized(weight, E4M3)
     out = _product(x_q, w_q.t(), x_scale, w_scale, torch.float32)
     if bias is not None:
         out = out + bias.float()
-    return out.to(input.dtype).reshape(*input.shape[:-1], weight.shape[0])
+    return out.to(input.dtype).reshape(*input.shape[:-1], weight.shape[0]), x_q.view(input.shape), x_scale
 
 
 @fp8_train_linear.register_fake
 def _(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, input_amax: torch.Tensor | None,
-      grad_amax: torch.Tensor | None, grad_history: torch.Tensor | None = None) -> torch.Tensor:
-    return input.new_empty((*input.shape[:-1], weight.shape[0]))
+      grad_amax: torch.Tensor | None, grad_history: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                       torch.Tensor]:
+    return _outputs_like(input, weight.shape[0])
 
 
-def _setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
-    """Save the input's e4m3 copy and its scale (the forward's: same amax, same rounding), not the input itself."""
-    input, weight, bias, input_amax, grad_amax, grad_history = inputs
-    x_q, x_scale = _quantized(input.reshape(-1, input.shape[-1]), E4M3, input_amax)
+def _outputs_like(input: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Empty tensors shaped as :func:`fp8_train_linear`'s outputs for ``input`` (fake ones for fake inputs)."""
+    return (input.new_empty((*input.shape[:-1], out_features)), input.new_empty(input.shape, dtype=E4M3.torch),
+            input.new_empty((), dtype=torch.float32))
+
+
+def _setup_context(ctx, inputs: tuple, output: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+    """Save the forward's e4m3 copy of the input and its scale (outputs 1 and 2, not differentiable), not the
+    input itself."""
+    _, weight, bias, _, grad_amax, grad_history = inputs
+    _, x_q, x_scale = output
+    ctx.mark_non_differentiable(x_q, x_scale)
+    ctx.set_materialize_grads(False)  # no zero gradients made for the two outputs nothing differentiates
+    ctx.output_shape = output[0].shape
     ctx.save_for_backward(x_q, x_scale, weight, grad_amax, grad_history)
-    ctx.input_shape, ctx.input_dtype = input.shape, input.dtype
+    ctx.input_dtype = inputs[0].dtype
     ctx.has_bias = bias is not None
     ctx.bias_dtype = bias.dtype if bias is not None else None
 
 
-def _backward(ctx, grad: torch.Tensor) -> tuple:
+def _backward(ctx, grad: torch.Tensor | None, _x_q_grad: None, _x_scale_grad: None) -> tuple:
     x_q, x_scale, weight, grad_amax, grad_history = ctx.saved_tensors
+    if grad is None:  # an undefined gradient of the product: zeros, as autograd makes them for an op that asks
+        grad = x_q.new_zeros(ctx.output_shape, dtype=ctx.input_dtype)
     dy = grad.reshape(-1, grad.shape[-1])
     g_q, g_scale = _quantized(dy, E5M2, grad_amax)
     w_q, w_scale = _quantized(weight, E4M3)
     grad_input = grad_weight = grad_bias = None
     if ctx.needs_input_grad[0]:
-        grad_input = _product(g_q, w_q, g_scale, w_scale, torch.float32).to(ctx.input_dtype).reshape(ctx.input_shape)
+        grad_input = _product(g_q, w_q, g_scale, w_scale, torch.float32).to(ctx.input_dtype).reshape(x_q.shape)
     if ctx.needs_input_grad[1]:
-        grad_weight = _product(g_q.t(), x_q, g_scale, x_scale, torch.float32).to(weight.dtype)
+        grad_weight = _product(g_q.t(), x_q.reshape(-1, x_q.shape[-1]), g_scale, x_scale, torch.float32).to(
+            weight.dtype)
     if ctx.has_bias and ctx.needs_input_grad[2]:
         grad_bias = dy.float().sum(0).to(ctx.bias_dtype)
     if grad_history is not None:  # not a new version: another call's backward may still read this history
@@ -168,9 +192,9 @@ class Fp8Linear(nn.Module):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``linear(input)`` in fp8 (class docstring)."""
         if self.recipe == "dynamic":
-            return fp8_train_linear(input, self.weight, self.bias, None, None)
+            return fp8_train_linear(input, self.weight, self.bias, None, None)[0]
         history = self.amax_history
-        out = fp8_train_linear(input, self.weight, self.bias, history[0].amax(), history[1].amax())
+        out = fp8_train_linear(input, self.weight, self.bias, history[0].amax(), history[1].amax())[0]
         if self.training:
             _record(history[0], input)
             if out.requires_grad:
@@ -217,7 +241,8 @@ def lower_train(gm: fx.GraphModule, names: set[str], recipe: str = "dynamic", re
     ``amppass::fp8_train_linear`` in place. It reads the fp32 master weight itself (the scale and the e4m3 values
     come from fp32, and the weight's gradient comes back fp32), transposed where the product stores it in × out;
     the weight's bf16 cast (and any transpose or broadcast on its way) is dropped where nothing else reads it.
-    Each node keeps its name, readers and decision record.
+    Each node keeps its name and decision record; its readers read the product, the op's element 0, through a
+    ``getitem`` after it.
 
     ``recipe="dynamic"`` scales from each call's own ranges. ``recipe="delayed"`` gives each product its two amax
     histories (module docstring) as buffers of ``gm`` and reads them; with ``record`` (a train graph) the input's
@@ -241,8 +266,9 @@ def lower_train(gm: fx.GraphModule, names: set[str], recipe: str = "dynamic", re
         node.target = torch.ops.amppass.fp8_train_linear.default
         recorded = histories[1] if histories and record else None
         node.args, node.kwargs = (x, weight, bias, *(amaxes or (None, None)), recorded), {}
+        product = _read_product(gm, node)
         if histories and record:
-            with gm.graph.inserting_after(node):
+            with gm.graph.inserting_after(product):
                 _in_module(gm.graph.call_function(torch.ops.amppass.fp8_record_amax.default, (histories[0], x)), node)
         drop_unread(gm, path)
     gm.meta[STATE_KEY] = added
@@ -250,8 +276,22 @@ def lower_train(gm: fx.GraphModule, names: set[str], recipe: str = "dynamic", re
     return added
 
 
+def _read_product(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
+    """A ``getitem`` of element 0 (the product) of ``node``, now an :func:`fp8_train_linear`, that every reader of
+    ``node`` reads instead; it takes over the product's ``meta["val"]`` (and ``tensor_meta``), and ``node`` (its
+    name and decision record unchanged) gets the op's three outputs as its value."""
+    with gm.graph.inserting_after(node):
+        product = _in_module(gm.graph.call_function(operator.getitem, (node, 0)), node)
+    node.replace_all_uses_with(product, delete_user_cb=lambda user: user is not product)
+    product.meta.update({key: node.meta.pop(key) for key in ("val", "tensor_meta") if key in node.meta})
+    x, val = node.args[0], product.meta.get("val")
+    if isinstance(val, torch.Tensor) and isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor):
+        node.meta["val"] = _outputs_like(x.meta["val"], val.shape[-1])
+    return product
+
+
 def _in_module(new: fx.Node, product: fx.Node) -> fx.Node:
-    """``new``, a node the delayed lowering added, placed in the module stack of the product it serves (so the
+    """``new``, a node the lowering added, placed in the module stack of the product it serves (so the
     model's module tree runs it inside that module)."""
     if "nn_module_stack" in product.meta:
         new.meta["nn_module_stack"] = product.meta["nn_module_stack"]

@@ -7,15 +7,20 @@ off by at most the sum of their steps, in norm, for operands without cancellatio
 
 from __future__ import annotations
 
+import collections
 import copy
+import operator
 
 import pytest
 import torch
 import torch.nn.functional as F
+from functorch.compile import make_boxed_func
 from torch import nn
+from torch._dynamo.backends.common import aot_autograd
 
 from amppass.dtypes import E4M3, E5M2
 from amppass.errors import InputError
+from amppass.fx.rewrite import fp8_train
 from amppass.fx.rewrite.fp8_train import HISTORY, Fp8Linear, fp8_train_linear, lower_train, swap_linears
 
 E4M3_STEP, E5M2_STEP, BF16_STEP = 2.0 ** -4, 2.0 ** -3, 2.0 ** -8
@@ -38,7 +43,7 @@ def _leaves(*tensors: torch.Tensor) -> list[torch.Tensor]:
 def test_forward_and_gradients_are_within_the_formats_steps_of_float64():
     torch.manual_seed(0)
     x, w, b = _leaves(torch.randn(3, 10, 64).bfloat16(), torch.randn(48, 64), torch.randn(48))
-    y = fp8_train_linear(x, w, b, None, None)
+    y = fp8_train_linear(x, w, b, None, None)[0]
     grad = torch.randn(3, 10, 48)
     y.backward(grad.bfloat16())
     x64, w64, b64 = _leaves(x.double(), w.double(), b.double())
@@ -56,7 +61,7 @@ def test_gradients_are_the_products_of_e5m2_and_e4m3_operands():
     the inner size of dW's product is padded to 32, which adds nothing)."""
     torch.manual_seed(1)
     x, w = _leaves(torch.randn(30, 32).bfloat16(), torch.randn(16, 32))
-    y = fp8_train_linear(x, w, None, None, None)
+    y = fp8_train_linear(x, w, None, None, None)[0]
     grad = torch.randn(30, 16).bfloat16()
     y.backward(grad)
     g8, x8, w8 = _qdq(grad, E5M2), _qdq(x, E4M3), _qdq(w, E4M3)
@@ -68,7 +73,7 @@ def test_gradients_are_the_products_of_e5m2_and_e4m3_operands():
 def test_zero_and_constant_tensors_give_finite_values_and_gradients():
     for fill in (0.0, 3.0):
         x, w, b = _leaves(torch.full((4, 32), fill).bfloat16(), torch.full((16, 32), fill), torch.zeros(16))
-        y = fp8_train_linear(x, w, b, None, None)
+        y = fp8_train_linear(x, w, b, None, None)[0]
         y.backward(torch.zeros_like(y) if fill == 0 else torch.ones_like(y))
         for t in (y, x.grad, w.grad, b.grad):
             assert torch.isfinite(t).all()
@@ -84,9 +89,9 @@ def test_the_op_runs_under_torch_compile_with_its_backward():
     torch.manual_seed(2)
     x, w, b = _leaves(torch.randn(8, 32).bfloat16(), torch.randn(16, 32), torch.randn(16))
     eager = _leaves(x, w, b)
-    compiled = torch.compile(lambda *a: fp8_train_linear(*a, None, None), backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(lambda *a: fp8_train_linear(*a, None, None)[0], backend="aot_eager", fullgraph=True)
     compiled(x, w, b).float().square().sum().backward()
-    fp8_train_linear(*eager, None, None).float().square().sum().backward()
+    fp8_train_linear(*eager, None, None)[0].float().square().sum().backward()
     for got, want in zip((x, w, b), eager, strict=True):
         assert torch.equal(got.grad, want.grad)
 
@@ -132,7 +137,7 @@ def test_delayed_amaxes_give_gradients_within_the_formats_steps_and_record_the_g
     grad = torch.randn(3, 10, 48).bfloat16()
     history = torch.zeros(HISTORY)
     history[0] = 0.5
-    y = fp8_train_linear(x, w, b, 2 * x.detach().abs().amax().float(), 2 * grad.abs().amax().float(), history)
+    y = fp8_train_linear(x, w, b, 2 * x.detach().abs().amax().float(), 2 * grad.abs().amax().float(), history)[0]
     y.backward(grad)
     x64, w64, b64 = _leaves(x.double(), w.double(), b.double())
     y64 = F.linear(x64, w64, b64)
@@ -157,7 +162,7 @@ def test_the_backward_reads_the_saved_e4m3_input_not_the_bf16_one():
 
     amax = 0.5 * x.detach().abs().amax().float()  # a delayed range below this call's: the largest values clamp
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        y = fp8_train_linear(x, w, None, amax, None)
+        y = fp8_train_linear(x, w, None, amax, None)[0]
     assert not any(t.dtype == torch.bfloat16 and t.shape == x.shape for t in saved)
     stored = [t for t in saved if t.dtype == E4M3.torch]
     assert [t.shape for t in stored] == [x.shape]
@@ -169,6 +174,127 @@ def test_the_backward_reads_the_saved_e4m3_input_not_the_bf16_one():
     assert _rel(w.grad, _qdq(grad, E5M2).t() @ x8) <= 1e-6
 
 
+def test_a_forward_and_backward_quantize_the_input_once(monkeypatch):
+    """The backward multiplies the forward's own e4m3 copy of the input (the op's outputs 1 and 2, saved), so one
+    training call quantizes the input once (one amax, one pass over it); the weight twice (its e4m3 copy is not
+    saved: the op's docstring) and the output's gradient once."""
+    calls: collections.Counter = collections.Counter()
+    quantized = fp8_train._quantized
+
+    def counted(x, fmt, given=None):
+        calls[fmt.name, tuple(x.shape)] += 1
+        return quantized(x, fmt, given)
+
+    monkeypatch.setattr(fp8_train, "_quantized", counted)
+    torch.manual_seed(7)
+    x, w, b = _leaves(torch.randn(4, 8, 64).bfloat16(), torch.randn(16, 64), torch.randn(16))
+    fp8_train_linear(x, w, b, None, None)[0].float().square().sum().backward()
+    assert calls == {(E4M3.name, (32, 64)): 1, (E4M3.name, (16, 64)): 2, (E5M2.name, (32, 16)): 1}
+
+
+def test_under_torch_compile_the_backward_reads_the_ops_own_e4m3_input_and_scale():
+    """The forward graph AOT autograd traces is the op alone: no quantization of the input beside it, and what it
+    keeps for the backward is the op's outputs 1 and 2 (the e4m3 input and its scale), not the bf16 input."""
+    graphs: list[torch.fx.GraphModule] = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    torch.manual_seed(8)
+    x, w = _leaves(torch.randn(4, 8, 64).bfloat16(), torch.randn(16, 64))
+    compiled = torch.compile(lambda *a: fp8_train_linear(*a, None, None)[0], fullgraph=True,
+                             backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+    compiled(x, w, None).float().sum().backward()
+    forward = graphs[0].graph
+    op = fp8_train_linear._opoverload
+    assert {n.target for n in forward.nodes if n.op == "call_function"} == {op, operator.getitem}
+    saved = forward.output_node().args[0][1:]  # after the product: what the backward reads
+    assert sorted((n.args[1], n.meta["val"].dtype) for n in saved if n.target is operator.getitem) == [
+        (1, E4M3.torch), (2, torch.float32)]
+    assert not any(n.op == "placeholder" and n.meta["val"].dtype == torch.bfloat16 for n in saved)
+
+
+def test_the_ops_fake_outputs_match_its_real_ones():
+    """torch.library's own checks of the three-output op (schema, autograd registration, the fake outputs' shapes,
+    dtypes and strides against the real ones), also for a transposed input whose flattened view is not contiguous:
+    the e4m3 copy comes out contiguous, as the fake declares. Not opcheck's AOT checks: they sum every output,
+    which no fp8 tensor can."""
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    x, w, b = _leaves(torch.randn(3, 10, 32).bfloat16(), torch.randn(16, 32), torch.randn(16))
+    transposed = torch.randn(32, 30).bfloat16().t().requires_grad_()
+    for args in ((x, w, b, None, None), (transposed, w, None, torch.tensor(2.0), torch.tensor(1.0), torch.zeros(16))):
+        assert set(torch.library.opcheck(fp8_train_linear, args, test_utils=checks).values()) == {"SUCCESS"}
+
+
+class _IgnoresItsFirstInput(torch.autograd.Function):
+    """``a.sum() + b.sum()`` whose backward gives ``a`` no gradient (None: undefined, not zeros)."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.b_shape = b.shape
+        return a.float().sum() + b.sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, grad.expand(ctx.b_shape)
+
+
+def test_an_undefined_gradient_of_the_product_gives_zero_gradients():
+    """The op asks autograd for no zero gradients of its two outputs nothing differentiates; an undefined gradient
+    of the product itself still gives zeros, as it did when autograd made them (and records a zero range)."""
+    x, w, b = _leaves(torch.randn(2, 32).bfloat16(), torch.randn(16, 32), torch.randn(16))
+    history = torch.full((HISTORY,), 0.5)
+    y = fp8_train_linear(x, w, b, None, None, history)[0]
+    _IgnoresItsFirstInput.apply(y, torch.ones(4, requires_grad=True)).backward()
+    assert torch.equal(x.grad, torch.zeros_like(x)) and torch.equal(w.grad, torch.zeros_like(w))
+    assert torch.equal(b.grad, torch.zeros_like(b)) and history[:2].tolist() == [0.0, 0.5]
+
+
+class _SecondQuantization(torch.autograd.Function):
+    """The formulation before the op returned its e4m3 input: the same product, with the input quantized a
+    second time after the forward (from the saved bf16 input, the same range) for the backward to read."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, input_amax, grad_amax):
+        x_q, x_scale = fp8_train._quantized(x.reshape(-1, x.shape[-1]), E4M3, input_amax)
+        w_q, w_scale = fp8_train._quantized(w, E4M3)
+        out = fp8_train._product(x_q, w_q.t(), x_scale, w_scale, torch.float32) + b.float()
+        ctx.save_for_backward(x, w, input_amax, grad_amax)
+        return out.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w, input_amax, grad_amax = ctx.saved_tensors
+        x_q, x_scale = fp8_train._quantized(x.reshape(-1, x.shape[-1]), E4M3, input_amax)
+        dy = grad.reshape(-1, grad.shape[-1])
+        g_q, g_scale = fp8_train._quantized(dy, E5M2, grad_amax)
+        w_q, w_scale = fp8_train._quantized(w, E4M3)
+        dx = fp8_train._product(g_q, w_q, g_scale, w_scale, torch.float32).to(x.dtype).reshape(x.shape)
+        dw = fp8_train._product(g_q.t(), x_q, g_scale, x_scale, torch.float32)
+        return dx, dw, dy.float().sum(0), None, None
+
+
+@pytest.mark.parametrize("recipe", ["dynamic", "delayed"])
+def test_outputs_and_gradients_are_bit_equal_to_quantizing_the_input_again(recipe):
+    """Saving the forward's e4m3 input changes no number: the product and the three gradients equal, bit for bit,
+    those of the formulation that quantized the input a second time for the backward (30 tokens: the padded inner
+    size of dW's product; delayed ranges below the call's own, so the largest values clamp)."""
+    torch.manual_seed(9)
+    x, w, b = _leaves(torch.randn(3, 10, 64).bfloat16(), torch.randn(48, 64), torch.randn(48))
+    grad = torch.randn(3, 10, 48).bfloat16()
+    delayed = recipe == "delayed"
+    amaxes = (0.5 * x.detach().abs().amax().float(), 0.5 * grad.abs().amax().float()) if delayed else (None, None)
+    y = fp8_train_linear(x, w, b, *amaxes)[0]
+    y.backward(grad)
+    ref = _leaves(x, w, b)
+    y_ref = _SecondQuantization.apply(*ref, *amaxes)
+    y_ref.backward(grad)
+    assert torch.equal(y, y_ref)
+    for got, want in zip((x, w, b), ref, strict=True):
+        assert got.grad.dtype == want.grad.dtype and torch.equal(got.grad, want.grad)
+
+
 def _lowered(recipe: str, record: bool = True):
     """A two-layer model captured by torch.export in train mode, its second product lowered with ``recipe``."""
     torch.manual_seed(6)
@@ -178,6 +304,21 @@ def _lowered(recipe: str, record: bool = True):
     added = lower_train(gm, {products[1]}, recipe, record)
     gm.graph.lint()
     return gm, added
+
+
+def test_a_lowered_product_keeps_its_name_and_its_readers_read_the_ops_element_0():
+    """The op node keeps the product's name (its decision record's key) and holds the op's three outputs as its
+    value; the product's readers read element 0 through one ``getitem``, which takes over the product's value."""
+    gm, _ = _lowered("delayed")
+    (node,) = [n for n in gm.graph.nodes if n.target is fp8_train_linear._opoverload]
+    assert node.name == "linear_1"
+    (product,) = node.users
+    assert product.target is operator.getitem and product.args == (node, 0)
+    assert [n.op for n in product.users] == ["output"]
+    out, x_q, scale = node.meta["val"]
+    assert out.shape == product.meta["val"].shape == (8, 16) and out.dtype == product.meta["val"].dtype
+    assert x_q.shape == (8, 64) and x_q.dtype == E4M3.torch and scale.shape == () and scale.dtype == torch.float32
+    assert product.meta["nn_module_stack"] == node.meta["nn_module_stack"]  # outlined into the product's module
 
 
 def test_a_delayed_lowering_holds_its_histories_as_buffers_and_compiles_without_graph_breaks():
