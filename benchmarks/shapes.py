@@ -31,17 +31,19 @@ SHAPES_NOTES = (
     "the plans the converted model holds after the call (1: the example's graph served it), `recaptures` the "
     "captures made after conversion; `convert_s` the conversion (the example row) or the call's time "
     "including any re-capture. Models torch.export cannot capture whole run through "
-    "`torch.compile(backend='amppass', options={'compiler': 'eager'})` (`via` = compile; `plans` then counts "
-    "dynamo's graphs). The detector's kept boxes come out of a greedy NMS: where two scores are nearly tied, "
-    "any rounding (autocast's as amppass's) swaps them, so its box error measures that order, the same for both."
+    "`torch.compile(backend='amppass', options={'compiler': 'eager', 'plan_for': 'coverage'})` (`via` = compile; "
+    "`plans` then counts dynamo's graphs). The detector's kept boxes come out of a greedy NMS: where two scores "
+    "are nearly tied, any rounding (autocast's as amppass's) swaps them, so its box error measures that order, "
+    "the same for both."
 )
 COMPILE_NOTES = (
     "Columns: `first_call_s` = the first call (dynamo, amppass's conversion, inductor's compile); `latency_ms` "
     "median of the following calls (`min_ms` the fastest); `err` = ||out - fp32|| / ||fp32|| on the last hidden "
     "state. `autocast+freezing` = `torch.compile(model)` called under `torch.autocast('cpu', torch.bfloat16)` "
     "with `torch._inductor.config.freezing = True`; `amppass` = `torch.compile(model, backend='amppass', "
-    "options={'dtype': 'bf16'})` (inductor, freezing in inference). Both under `torch.no_grad()`. `compiler`: "
-    "inductor, or eager in `--quick` (both compiled by dynamo without inductor: the path, not the figures)."
+    "options={'dtype': 'bf16', 'plan_for': 'coverage'})` (inductor, freezing in inference; coverage: converted on "
+    "any CPU, where the default plan runs fp32 on one without bf16 instructions). Both under `torch.no_grad()`. "
+    "`compiler`: inductor, or eager in `--quick` (both compiled by dynamo without inductor: the path, not the figures)."
 )
 
 
@@ -88,7 +90,8 @@ def measure(name: str, case: Any, dtype: torch.dtype = torch.bfloat16) -> list[d
         from amppass.pipelines.backend import amppass_backend  # the function itself: the name needs amppass installed
 
         torch._dynamo.reset()
-        fast = torch.compile(case.model, backend=amppass_backend, options={"dtype": dtype, "compiler": "eager"})
+        fast = torch.compile(case.model, backend=amppass_backend, options={"dtype": dtype, "compiler": "eager",
+                                                                              "plan_for": "coverage"})
         via = "compile"
     else:
         fast = amppass.convert(case.model, case.example, dtype, plan_for="coverage")
@@ -142,7 +145,8 @@ def compile_rows(quick: bool) -> list[dict[str, Any]]:
 
             rows = [_timed("autocast+freezing", autocast, reference, repeats)]
         torch._dynamo.reset()
-        ours = torch.compile(case.model, backend=amppass_backend, options={"dtype": "bf16", "compiler": compiler})
+        ours = torch.compile(case.model, backend=amppass_backend, options={"dtype": "bf16", "compiler": compiler,
+                                                                              "plan_for": "coverage"})
         rows.append(_timed("amppass", lambda: ours(x), reference, repeats))
         torch._dynamo.reset()
     for row in rows:

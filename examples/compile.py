@@ -15,7 +15,7 @@ from models import build
 
 def main() -> None:
     case = build("mlp", "small")
-    compiled = torch.compile(case.model, backend="amppass", options={"dtype": "bf16"})
+    compiled = torch.compile(case.model, backend="amppass", options={"dtype": "bf16", "plan_for": "coverage"})
     with torch.no_grad():
         for batch in (2, 5):
             x = torch.randn(batch, case.example_inputs[0].shape[1], generator=torch.Generator().manual_seed(batch))

@@ -58,12 +58,13 @@ region's calls (:class:`TimedCall`; :mod:`amppass.fx.runners.region_timing` buil
    rounds that other load left undisturbed; it is not timed at all where the last region's timing had no
    undisturbed round.
 
-5. Train mode: ``mode="train"`` plans time no region (a train graph's kernels are not the ones its backward
-   runs), so rule 2's ``device`` case is decided for the whole plan before anything is captured
-   (:func:`fp32_by_device`): on a device without native arithmetic for the low dtype, a train-mode plan for
-   speed would keep every op fp32, so the model is not captured at all and :func:`amppass.convert` returns the
-   original, kept in fp32 with its own copy of the weights (:mod:`amppass.serving.fp32_original`), at no
-   conversion cost; ``torch.compile(backend="amppass")`` in train mode runs its graphs as dynamo traced them.
+5. Decided before capture: ``mode="train"`` plans time no region (a train graph's kernels are not the ones its
+   backward runs), nor does ``torch.compile(backend="amppass")`` in either mode (eager kernels say nothing of the
+   fused code inductor makes), so rule 2's ``device`` case is decided for the whole plan before anything is
+   captured (:func:`fp32_by_device`): on a device without native arithmetic for the low dtype, a plan for speed
+   would keep every op fp32, so the model is not captured at all and :func:`amppass.convert` in train mode returns
+   the original, kept in fp32 with its own copy of the weights (:mod:`amppass.serving.fp32_original`), at no
+   conversion cost; the compile backend, in training and inference, runs its graphs as dynamo traced them.
    ``force_low=`` (ops the user wants low whatever the device) and ``costs=`` (a table made for another device)
    make a plan as before; ``plan_for="coverage"`` paints low as always.
 
@@ -330,16 +331,21 @@ CONVERT_ANYWAY = ("plan_for='coverage' converts it anyway; to plan for another d
                   "target='cuda' for a GPU, or costs= from there")
 
 
+# what fp32_by_device says of a plan in each mode: the plan, and what the model does in fp32
+_MODE_WORDS = {"train": ("a train-mode", "train"), "inference": ("an inference-mode", "run")}
+
+
 def fp32_by_device(name: str, target: Target, device: torch.device | None, options: PlanOptions,
-                   weight_bytes: int, anyway: str = CONVERT_ANYWAY) -> dict[str, Any] | None:
-    """Rule 5: the record of a train-mode plan for speed that the device alone keeps fp32, decided before anything
-    is captured; None where the plan is to be made (another ``plan_for``, a target not on this machine, a device
+                   weight_bytes: int, anyway: str = CONVERT_ANYWAY, mode: str = "train") -> dict[str, Any] | None:
+    """Rule 5: the record of a plan for speed that the device alone keeps fp32, decided before anything is
+    captured; None where the plan is to be made (another ``plan_for``, a target not on this machine, a device
     with native arithmetic for the low dtype or unknown facts, ``force_low=`` or ``costs=`` given).
 
-    Both entry points that train call it, each once per model: :func:`amppass.convert` (which then returns the
-    original) and the compile backend (whose graphs then run as dynamo traced them). ``name`` is the model's (for
-    the warning, which says, in ``anyway``, how to convert it anyway through the caller's own options), ``device``
-    where its weights are, ``weight_bytes`` their size. The
+    The entry points that time no region call it, each once per model: :func:`amppass.convert` in train mode
+    (which then returns the original) and the compile backend in either ``mode`` (whose graphs then run as dynamo
+    traced them). ``name`` is the model's (for the warning, which says, in ``anyway``, how to convert it anyway
+    through the caller's own options), ``device`` where its weights are, ``weight_bytes`` their size, ``mode`` the
+    plan's ("train" or "inference": the words say the model trains or runs in fp32). The
     record has the keys of every conversion's summary, the device's facts under ``profitability`` and the reason
     under ``whole_model``, as an inference conversion that kept the original records them."""
     if options.plan_for != "speed" or not target.profitable or options.force_low or options.costs is not None:
@@ -348,14 +354,15 @@ def fp32_by_device(name: str, target: Target, device: torch.device | None, optio
                         target.low)
     if facts.native.native:
         return None
-    log.warning("%s: profitability: %s; a train-mode plan for speed would keep every op fp32, so the model is not "
-                "converted and trains in fp32 as it is (%s)", name, facts.native.reason, anyway)
+    plan, verb = _MODE_WORDS[mode]
+    log.warning("%s: profitability: %s; %s plan for speed would keep every op fp32, so the model is not "
+                "converted and %ss in fp32 as it is (%s)", name, facts.native.reason, plan, verb, anyway)
     untouched = SimpleNamespace(casts=0, weights_converted=0, weight_copies=0)
-    return {**summary("fx", target.low.name, target.describe(), "train", options.keep_io_types, untouched,
+    return {**summary("fx", target.low.name, target.describe(), mode, options.keep_io_types, untouched,
                       weight_bytes, weight_bytes),
             "plan_for": options.plan_for,
             "profitability": {"timing": {}, "device": facts.describe(), "decided": "before capture"},
-            "whole_model": {"skipped": f"{facts.native.reason}; no op can train faster in {target.low.name} here, "
+            "whole_model": {"skipped": f"{facts.native.reason}; no op can {verb} faster in {target.low.name} here, "
                                        "so nothing was captured"}}
 
 

@@ -30,12 +30,14 @@ Rules:
 6. In training, a graph that applies a ``torch.autograd.Function`` runs as dynamo traced it, in fp32 (logged;
    the report's ``info["unconverted"]`` says why): tracing it to ATen ops would keep the Function's forward and
    differentiate that, losing the backward the model wrote (a straight-through estimator's, YOSO's).
-7. In training with ``plan_for="speed"`` (the default), profitability's device rule decides before any graph is
-   traced, as it does for :func:`amppass.convert` (the same function,
+7. With ``plan_for="speed"`` (the default), in training and in inference, profitability's device rule decides
+   before any graph is traced, as it does for :func:`amppass.convert` in train mode (the same function,
    :func:`amppass.analysis.profitability.fp32_by_device`): on a device without native arithmetic for the low dtype
-   (a CPU without bf16/fp16 instructions) no op would train faster low, so every graph runs as dynamo traced it,
-   in fp32, at plain ``torch.compile``'s speed; one warning per ``torch.compile`` call says why, and the report's
-   ``info["unconverted"]`` and ``info["profitability"]`` too. ``plan_for="coverage"`` converts every graph anyway.
+   (a CPU without bf16/fp16 instructions: no avx512_bf16 or AMX for bf16, no avx512_fp16 or AMX-FP16 for fp16) no
+   op would run or train faster low, so every graph runs as dynamo traced it, in fp32, at plain ``torch.compile``'s
+   speed; one warning per ``torch.compile`` call says why, and the report's ``info["unconverted"]`` and
+   ``info["profitability"]`` too. ``plan_for="coverage"`` converts every graph anyway. A GPU, or a CPU with the
+   instructions, converts as before. ``dtype="fp8"`` is checked by rule 8 first (a CPU needs "coverage" there).
 8. ``dtype="fp8"`` (or ``"e4m3"``, ``torch.float8_e4m3fn``) plans each graph as :func:`amppass.convert` plans it
    (docs/fp8.md): a bf16 plan whose chosen matrix products run in e4m3, ``amppass::fp8_linear`` in inference and
    ``amppass::fp8_train_linear`` in training, each one op for inductor. The device of a graph's inputs is checked as
@@ -45,12 +47,12 @@ Rules:
    from the old ones, which also chose its products). The report's ``info["fp8"]`` counts every graph's products.
 
 Options (all optional): ``dtype`` ("auto", "fp16", "bf16", "fp8", torch dtypes), ``compiler`` ("inductor" or
-"eager"), ``plan_for`` ("speed" or "coverage": every graph is planned as "coverage", without timing kernels, since
-profitability times eager kernels, not the fused code inductor makes; "speed" adds rule 7), ``keep_io_types``,
-``keep_fp32``, ``force_low``, ``low_weight_tables`` as for :func:`amppass.convert`, and ``calibration`` /
-``tolerance``: batches of inputs for the graphs whose inputs they match (the model's first graph: a tuple in the
-graph's input order or a dict by argument name); other graphs are planned without them, and their report info
-says so.
+"eager"), ``plan_for`` ("speed", the default, or "coverage": every graph is planned as "coverage", without timing
+kernels, since profitability times eager kernels, not the fused code inductor makes; "speed" adds rule 7),
+``keep_io_types``, ``keep_fp32``, ``force_low``, ``low_weight_tables`` as for :func:`amppass.convert`, and
+``calibration`` / ``tolerance``: batches of inputs for the graphs whose inputs they match (the model's first graph: a
+tuple in the graph's input order or a dict by argument name); other graphs are planned without them, and their
+report info says so.
 """
 
 from __future__ import annotations
@@ -119,18 +121,16 @@ class Session:
         self.fp8_checked.add(device)
 
     def kept_fp32(self, example_inputs: list[Any], weights: int) -> str | None:
-        """Rule 7: why a train-mode graph on the device of ``example_inputs`` runs unconverted (the device alone keeps
-        a plan for speed fp32), or None; decided, and warned about, once per device for this compile. ``weights``:
-        the bytes of the graph's parameters and buffers, for the record."""
+        """Rule 7: why a graph on the device of ``example_inputs`` runs unconverted (the device alone keeps a plan
+        for speed fp32, in either mode), or None; decided, and warned about, once per device for this compile.
+        ``weights``: the bytes of the graph's parameters and buffers, for the record."""
         conversion = self.settings.conversion
-        if not conversion.trains:
-            return None
         device = _device(example_inputs)
         if device.type not in self.by_device:
             self.by_device[device.type] = fp32_by_device(
                 "torch.compile(backend='amppass')", conversion.on(device).resolved, device, conversion.options, weights,
                 anyway="options={'plan_for': 'coverage'} converts it anyway; compiled on a GPU, its graphs are "
-                       "planned for the GPU")
+                       "planned for the GPU", mode=conversion.mode)
         record = self.by_device[device.type]
         return None if record is None else record["whole_model"]["skipped"]
 
@@ -452,8 +452,8 @@ def _settings(options: dict[str, Any] | None) -> BackendSettings:
                          f"{COMPILERS}; 'inductor' compiles the converted graphs, 'eager' runs them as they are")
     if settings["plan_for"] not in PLANS:
         raise InputError(f"torch.compile(backend='amppass'): plan_for={settings['plan_for']!r} is not one of {PLANS}; "
-                         "'speed' trains in fp32 on a device where no op trains faster low, 'coverage' converts every "
-                         "graph anyway (amppass.convert(..., plan_for='memory') stores weights low)")
+                         "'speed' runs every graph in fp32 on a device where no op runs faster low, 'coverage' "
+                         "converts every graph anyway (amppass.convert(..., plan_for='memory') stores weights low)")
     calibration = settings["calibration"]
     calibration = list(calibration) if calibration is not None else None  # every graph it matches reads it
     fp8 = fp8_format(settings["dtype"])  # rule 8: a bf16 plan with some products lowered further

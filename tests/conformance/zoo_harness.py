@@ -18,8 +18,8 @@ class goes through :data:`STEPS`:
 - ``generate`` (classes of the causal-LM mapping): greedy ``generate()`` of the coverage conversion against fp32's,
   token by token while fp32's top-2 margin exceeds twice the logit difference (past a near-tie both are correct),
   each step's logits within convert's bound (autocast's error measured on the prompt).
-- ``compile``: ``torch.compile(backend="amppass", options={"dtype": "bf16"})`` at two input shapes, each judged as
-  convert's outputs.
+- ``compile``: ``torch.compile(backend="amppass", options={"dtype": "bf16", "plan_for": "coverage"})`` at two input
+  shapes, each judged as convert's outputs.
 - ``train``: ``convert(..., dtype="fp16", mode="train")``, 3 SGD steps with ``amppass.LossScaler``; first-step
   gradients (unscaled) against fp32's by per-parameter cosine, each error ``1 - cosine`` within twice autocast +
   ``GradScaler``'s for that parameter plus :data:`COSINE_SLACK` (:func:`judge_gradients`; a gradient autocast's
@@ -494,7 +494,7 @@ def step_generate(built: Built) -> tuple[str, str]:
 def step_compile(built: Built) -> tuple[str, str]:
     torch._dynamo.reset()
     try:
-        compiled = torch.compile(built.model, backend="amppass", options={"dtype": "bf16"})
+        compiled = torch.compile(built.model, backend="amppass", options={"dtype": "bf16", "plan_for": "coverage"})
         details = []
         for inputs in (built.inputs, built.other):
             with torch.no_grad():

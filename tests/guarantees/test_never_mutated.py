@@ -114,7 +114,7 @@ class Caching(torch.nn.Module):
 def _compiled(net, tmp):
     torch._dynamo.reset()
     try:
-        return torch.compile(net, backend=amppass_backend)(*X)
+        return torch.compile(net, backend=amppass_backend, options={"plan_for": "coverage"})(*X)
     finally:
         torch._dynamo.reset()
 

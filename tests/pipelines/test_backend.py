@@ -51,7 +51,8 @@ def registered():
 
 def test_detector_with_nms_runs_every_shape_as_close_to_fp32_as_autocast(registered):
     case = detector()
-    compiled = torch.compile(case.model, backend="amppass", options={"dtype": torch.bfloat16, "compiler": "eager"})
+    compiled = torch.compile(case.model, backend="amppass", options={"dtype": torch.bfloat16, "compiler": "eager",
+                                                                         "plan_for": "coverage"})
     for args in [case.example, *case.calls.values()]:
         with torch.no_grad():
             boxes, scores = compiled(*args)
@@ -73,7 +74,8 @@ def test_detector_with_nms_runs_every_shape_as_close_to_fp32_as_autocast(registe
 def test_inductor_matches_fp32_and_a_changed_weight_is_refreshed():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 8)).eval()
-    compiled = torch.compile(model, backend=amppass_backend, options={"dtype": "bf16"})  # frozen: compiles again
+    # frozen: compiles again
+    compiled = torch.compile(model, backend=amppass_backend, options={"dtype": "bf16", "plan_for": "coverage"})
     x = torch.randn(4, 16)
     with torch.no_grad():
         started = time.perf_counter()
@@ -92,7 +94,7 @@ def test_inductor_matches_fp32_and_a_changed_weight_is_refreshed():
 def test_eager_refreshes_weights_changed_in_place_or_replaced():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)).eval()
-    compiled = torch.compile(model, backend=amppass_backend, options={"compiler": "eager"})
+    compiled = torch.compile(model, backend=amppass_backend, options={"compiler": "eager", "plan_for": "coverage"})
     x = torch.randn(4, 16)
     with torch.no_grad():
         compiled(x)
@@ -127,7 +129,8 @@ def test_calibration_reaches_the_graphs_its_batches_fit():
     model = Split().eval()
     batches = [(torch.randn(4, 16),) for _ in range(2)]
     compiled = torch.compile(model, backend=amppass_backend,
-                             options={"dtype": "fp16", "compiler": "eager", "calibration": batches})
+                             options={"dtype": "fp16", "compiler": "eager", "calibration": batches,
+                                      "plan_for": "coverage"})
     with torch.no_grad():
         assert rel(compiled(batches[0][0]), model(batches[0][0])) < 1e-2
     plans = amppass.report(compiled).info["graph_plans"]
@@ -140,7 +143,7 @@ def test_a_compiled_function_reports_and_bad_options_name_the_fix():
     def f(x):
         return weight(x).relu()
 
-    compiled = torch.compile(f, backend=amppass_backend, options={"compiler": "eager"})
+    compiled = torch.compile(f, backend=amppass_backend, options={"compiler": "eager", "plan_for": "coverage"})
     with torch.no_grad():
         compiled(torch.randn(2, 8))
     assert [r.precision for r in amppass.report(compiled).rows if r.op == "aten.linear"] == ["bf16"]
@@ -153,7 +156,7 @@ def test_a_compiled_function_reports_and_bad_options_name_the_fix():
 
 def test_report_before_the_first_call_says_it_has_not_been_called(registered):
     """Dynamo converts on the first call: a report asked before it says so, and works after it."""
-    compiled = torch.compile(nn.Linear(8, 8), backend="amppass", options={"compiler": "eager"})
+    compiled = torch.compile(nn.Linear(8, 8), backend="amppass", options={"compiler": "eager", "plan_for": "coverage"})
     with pytest.raises(amppass.InputError, match="has not been called yet"):
         amppass.report(compiled)
     with torch.no_grad():
@@ -192,7 +195,7 @@ def test_bert_base_against_autocast_with_inductor_freezing():
 
             auto_compile, auto_latency = timed(autocast)
         torch._dynamo.reset()
-        ours = torch.compile(case.model, backend=amppass_backend, options={"dtype": "bf16"})
+        ours = torch.compile(case.model, backend=amppass_backend, options={"dtype": "bf16", "plan_for": "coverage"})
         our_compile, our_latency = timed(lambda: ours(x))
         reference = case.model(x).last_hidden_state
         assert rel(ours(x).last_hidden_state, reference) <= 1.1 * rel(autocast().last_hidden_state, reference)
@@ -209,7 +212,7 @@ def test_a_graph_that_cannot_be_traced_runs_unconverted_with_a_warning(monkeypat
 
     torch.manual_seed(0)
     model = Split().eval()
-    compiled = torch.compile(model, backend=amppass_backend, options={"compiler": "eager"})
+    compiled = torch.compile(model, backend=amppass_backend, options={"compiler": "eager", "plan_for": "coverage"})
     x = torch.randn(4, 16)
     real = backend.trace_aten
     calls = iter([real, refuse])
@@ -247,7 +250,7 @@ def seeded(build):
 
 def test_inductor_serves_every_image_size_of_a_pyramid():
     model = seeded(PNet)
-    compiled = torch.compile(model, backend=amppass_backend, options={"dtype": "bf16"})
+    compiled = torch.compile(model, backend=amppass_backend, options={"dtype": "bf16", "plan_for": "coverage"})
     generator = torch.Generator().manual_seed(1)
     with torch.inference_mode():  # constants the graphs make are inference tensors: they have no version counter
         for shape in [(1, 3, 48, 40), (1, 3, 34, 30), (1, 3, 24, 18)]:  # not square: dynamo would tie H to W
@@ -270,7 +273,7 @@ def test_inductor_serves_every_sequence_length_of_bert():
     model = seeded(lambda: BertModel(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
                                                 num_attention_heads=2, intermediate_size=64,
                                                 attn_implementation="sdpa")))
-    compiled = torch.compile(model, backend=amppass_backend, options={"dtype": "bf16"})
+    compiled = torch.compile(model, backend=amppass_backend, options={"dtype": "bf16", "plan_for": "coverage"})
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for batch, length in [(2, 16), (2, 11), (2, 7)]:
@@ -310,7 +313,8 @@ def test_inductor_trains_at_every_shape_and_updates_batch_statistics():
 def test_graph_breaks_serve_every_batch_with_inductor_and_calibrate_dynamic_graphs():
     model = seeded(Split)
     batches = [(torch.randn(4, 16, generator=torch.Generator().manual_seed(s)),) for s in range(2)]
-    compiled = torch.compile(model, backend=amppass_backend, options={"dtype": "fp16", "calibration": batches})
+    compiled = torch.compile(model, backend=amppass_backend, options={"dtype": "fp16", "calibration": batches,
+                                                                       "plan_for": "coverage"})
     with torch.no_grad():
         for batch in (4, 6, 9):
             x = torch.randn(batch, 16, generator=torch.Generator().manual_seed(batch))
@@ -332,7 +336,7 @@ def test_generate_through_the_backend_picks_fp32s_greedy_tokens(family, compiler
 
     reference, model = decoder(family), decoder(family)
     model.forward = torch.compile(model.forward, backend=amppass_backend,
-                                  options={"dtype": "bf16", "compiler": compiler})
+                                  options={"dtype": "bf16", "compiler": compiler, "plan_for": "coverage"})
     ids = prompt(seed=4)  # fp32's top-2 logits are apart at every step of this prompt (tests/helpers/decoders.py)
     assert agreeing_steps(greedy(reference, ids, 12), greedy(model, ids, 12)) >= 8
     plans = amppass.report(model.forward).info["graph_plans"]
@@ -376,7 +380,7 @@ def test_inductor_at_every_shape_of_real_sized_architectures(build):
     from tests.helpers.numerics import rel_error
 
     model, calls = build()
-    compiled = torch.compile(model, backend=amppass_backend, options={"dtype": "bf16"})
+    compiled = torch.compile(model, backend=amppass_backend, options={"dtype": "bf16", "plan_for": "coverage"})
     with torch.no_grad():
         for args in calls:
             out, ref = compiled(*args), model(*args)

@@ -55,7 +55,8 @@ class IndexTable(nn.Module):
 def _compiled_close(model: nn.Module, inputs: list[tuple], options: dict | None = None) -> None:
     """``model`` compiled with the amppass backend matches fp32 at each input, with every graph converted."""
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="amppass", options={"dtype": "bf16", **(options or {})})
+    compiled = torch.compile(model, backend="amppass", options={"dtype": "bf16", "plan_for": "coverage",
+                                                                 **(options or {})})
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for args in inputs:

@@ -22,7 +22,7 @@ def test_gpt_neox_japanese_compiles_with_the_plan_at_two_shapes():
     torch.manual_seed(0)
     model = transformers.GPTNeoXJapaneseForCausalLM(config).eval()
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="amppass", options={"dtype": "bf16"})
+    compiled = torch.compile(model, backend="amppass", options={"dtype": "bf16", "plan_for": "coverage"})
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for batch, length in ((1, 8), (2, 12)):

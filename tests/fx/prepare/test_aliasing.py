@@ -127,7 +127,8 @@ def test_a_read_after_a_write_casts_again():
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
 def test_compile_backend_writes_reach_the_buffer(compiler):
     model = filled_key_model()
-    compiled = torch.compile(model, backend="amppass", options={"dtype": "bf16", "compiler": compiler})
+    compiled = torch.compile(model, backend="amppass", options={"dtype": "bf16", "compiler": compiler,
+                                                                 "plan_for": "coverage"})
     for x in (key_input(), key_input(3, 7, seed=2)):
         _stable_and_close(compiled, model, x)
     rows = [r for r in amppass.report(compiled).rows if r.name.endswith(("new_empty", "copy_", "copy__1"))]

@@ -88,7 +88,8 @@ def test_the_compile_backend_checks_each_graph_s_example_call(caplog):
     convert does, and keeps the overflowing nodes fp32, naming them with their graph."""
     model, x = _case()
     with caplog.at_level(logging.WARNING, logger="amppass"):
-        compiled = torch.compile(model, backend="amppass", options={"dtype": "fp16", "compiler": "eager"})
+        compiled = torch.compile(model, backend="amppass", options={"dtype": "fp16", "compiler": "eager",
+                                                                     "plan_for": "coverage"})
         with torch.no_grad():
             out, ref = compiled(x), model(x)
     torch._dynamo.reset()
