@@ -24,7 +24,9 @@ least the largest), as the torch front end's search is (docs/fp8.md, "Which prod
 error of the batches it measured, which a search of many accept/reject steps fits. The judged batches are the last
 :data:`~amppass.analysis.tolerance.JUDGED` calibration batches (a single batch with the perturbed copies of it the
 fp16 plan's search kept). Candidates go fp8 in order of that bound with each alone in e4m3, least first, as many as
-keep the bound within the tolerance (a bisection over that order). Every product that stays fp16 gets a reason with
+keep the bound within the tolerance (a bisection over that order). A trial stops at its first judged batch beyond
+the tolerance (:class:`~amppass.analysis.tolerance.JudgedTrials`); the order is the one judging every batch gives.
+Every product that stays fp16 gets a reason with
 the bounds measured (and its operands' ranges and scales, where an outlier sets one), and each fp8 product's
 decision carries its scales (``evidence["fp8"]``) for the report; every other product (a candidate left out, or one
 that is no candidate: kept fp32 by the plan, an operand calibration did not observe) carries why

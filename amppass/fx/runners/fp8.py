@@ -44,7 +44,8 @@ matrix product of the rewritten graph in turn (the lowering itself is :mod:`ampp
    mean of the n batches' errors plus Student's t (95%, n - 1 degrees of freedom) standard deviations of them
    times ``sqrt(1 + 1/n)``, at least the largest. The summary records the kept plan's error on each
    judged batch (``batch_errors``), their largest (``output_error``), the bound (``error_bound``) and what it adds
-   to the largest (``margin``).
+   to the largest (``margin``). A trial stops at its first judged batch beyond the tolerance, which the bound
+   cannot be within (:class:`~amppass.analysis.tolerance.JudgedTrials`: the same decisions, fewer batch runs).
 
 Every product's outcome is in its row's evidence (``fp8``: format, granularity and scales, or ``why_not``), and the
 summary's ``fp8`` holds the multiply-accumulates in fp8, bf16 and fp32.
