@@ -401,8 +401,7 @@ def choose(found: Mapping[str, list[Operand]], excluded: Mapping[str, str], plan
             why = (f"stays {low}, not {fmt}: it ranks {rank} of {len(order)} by the output error it causes alone in "
                    f"{fmt} ({alone[name]:.2g}); with the {count} products ranked before it the bound on a new "
                    f"batch's output error is {achieved:.2g}, and with one more {judge.words(order[:count + 1], '.2g')} "
-                   f"> the "
-                   f"tolerance {tolerance:g} ({judged_on}; {ranges})")
+                   f"> the tolerance {tolerance:g} ({judged_on}; {ranges})")
         if name in chosen:
             decision.reason = f"{decision.reason}; {why}"
         else:
