@@ -213,10 +213,21 @@ class Trials(abc.ABC, Generic[Batch]):
         """:meth:`error` of each of ``batches`` on its own, in their order (one trial run over all of them)."""
         found = {}  # a front end may run its batches in groups, in another order
         for batch, outputs in self.run(plan, decisions, batches):
-            found[batch] = math.inf if outputs is None else max(
-                (relative_error(got, ref) for got, ref in zip(outputs, self.data.references[batch], strict=False)),
-                default=0.0)
+            found[batch] = self.batch_error(batch, outputs)
         return [found[batch] for batch in batches]
+
+    def judge(self, plan: PrecisionPlan, decisions: Mapping[str, Decision]) -> Callable[[int], float]:
+        """:meth:`errors` of one batch at a time, for a search that stops a trial at its first batch beyond the
+        tolerance (:class:`amppass.analysis.tolerance.JudgedTrials`); a front end that can build a trial once for
+        all its batches overrides this, which builds it for each."""
+        return lambda batch: self.errors(plan, decisions, [batch])[0]
+
+    def batch_error(self, batch: int, outputs: Sequence[Any] | None) -> float:
+        """The largest relative error of a trial's floating ``outputs`` on ``batch`` against fp32; inf where the
+        trial did not run (None)."""
+        return math.inf if outputs is None else max(
+            (relative_error(got, ref) for got, ref in zip(outputs, self.data.references[batch], strict=False)),
+            default=0.0)
 
     def perturbed(self, how: Sequence[Perturbation]) -> list[int]:
         """Keep a copy of batch 0 for each of ``how``, each floating input of more than one element perturbed

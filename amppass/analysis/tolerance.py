@@ -44,7 +44,7 @@ import contextvars
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 from ..dtypes import LowType
 from .plan import Decision, Precision, PrecisionPlan, Source
@@ -322,6 +322,73 @@ def batch_bound(errors: Sequence[float]) -> float:
     mean = math.fsum(errors) / len(errors)
     deviation = math.sqrt(math.fsum((e - mean) ** 2 for e in errors) / (len(errors) - 1))
     return max(max(errors), mean + spreads(len(errors)) * deviation * math.sqrt(1 + 1 / len(errors)))
+
+
+BatchError = Callable[[int], float]  # one trial's output error on judged batch i (0 to batches - 1)
+STOP_EARLY = True  # whether :class:`JudgedTrials` stops a trial at its first batch beyond the tolerance
+
+
+class JudgedTrials:
+    """The trials of an fp8 tolerance search, each a set of products in fp8 judged by :func:`batch_bound` of its
+    output errors on ``batches`` judged batches, both front ends' memo and early stop.
+
+    ``start(names)`` prepares one trial (the products ``names`` in fp8) and returns its :data:`BatchError`; it is
+    called at most once per trial while the trial runs, so a front end builds its trial model and sessions once. A
+    trial depends only on its set of products: each batch of it is run once. Since the bound is never below the
+    largest batch error, a trial whose error on one batch is beyond ``tolerance`` is beyond it whatever the other
+    batches give: :meth:`error` runs a trial's batches one at a time, the batch that was the worst in the most trials
+    so far first, and stops at the first beyond the tolerance (:data:`STOP_EARLY`). Its decisions are those of
+    judging every batch; of a trial stopped early it knows only a lower bound, which :meth:`words` says."""
+
+    def __init__(self, start: Callable[[frozenset[str]], BatchError], batches: int, tolerance: float):
+        self.start, self.batches, self.tolerance = start, batches, tolerance
+        self.seen: dict[frozenset[str], dict[int, float]] = {}  # trial -> its error on each batch run so far
+        self.worst = [0] * batches  # per batch: in how many trials it was the worst (or the one beyond)
+        self.runs = 0  # batch runs, over every trial
+
+    def error(self, names: Iterable[str]) -> float:
+        """The bound on a new batch's output error with ``names`` in fp8, where it is within the tolerance; beyond
+        it, the largest batch error run (the bound where every batch ran): above the tolerance either way."""
+        seen = self._run(frozenset(names), complete=False)
+        if len(seen) == self.batches:
+            return batch_bound([seen[b] for b in range(self.batches)])
+        return max(e for e in seen.values() if e > self.tolerance)
+
+    def measured(self, names: Iterable[str]) -> list[float]:
+        """The output error of every judged batch with ``names`` in fp8, in batch order (the batches a trial stopped
+        early did not run are run now)."""
+        seen = self._run(frozenset(names), complete=True)
+        return [seen[b] for b in range(self.batches)]
+
+    def known(self, names: Iterable[str]) -> bool:
+        """Whether :meth:`error` of ``names`` is the bound (every batch ran), not a lower bound on it."""
+        return len(self.seen.get(frozenset(names), ())) == self.batches
+
+    def words(self, names: Iterable[str], spec: str = ".3g") -> str:
+        """:meth:`error` of ``names`` in words: the bound, or for a trial stopped early the batch error that stopped
+        it, "at least 0.031 on one batch of 8"."""
+        names = frozenset(names)
+        error = self.error(names)
+        return format(error, spec) if self.known(names) else f"at least {error:{spec}} on one batch of {self.batches}"
+
+    def _run(self, key: frozenset[str], complete: bool) -> dict[int, float]:
+        """The batch errors of trial ``key``, running its batches not yet run, worst first, until one is beyond the
+        tolerance (every one where ``complete`` or not :data:`STOP_EARLY`)."""
+        seen = self.seen.setdefault(key, {})
+        if not complete and STOP_EARLY and any(e > self.tolerance for e in seen.values()):
+            return seen
+        error = None
+        for batch in sorted(range(self.batches), key=lambda b: (-self.worst[b], b)):
+            if batch in seen:
+                continue
+            error = error or self.start(key)
+            seen[batch] = error(batch)
+            self.runs += 1
+            if seen[batch] > self.tolerance and STOP_EARLY and not complete:
+                break
+        if error is not None:
+            self.worst[max(seen, key=lambda b: seen[b])] += 1
+        return seen
 
 
 def judged(errors: Sequence[float]) -> dict[str, object]:

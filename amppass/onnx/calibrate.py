@@ -43,6 +43,7 @@ types).
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
@@ -261,23 +262,18 @@ class OnnxTrials(Trials[Feed]):
             batches: Sequence[int]) -> Iterator[tuple[int, list[np.ndarray] | None]]:
         """The trial model, or its part from the checkpoint a group of feeds resumes from, in one session per
         group (its fp16-storage simulation where this machine does not run the target)."""
-        trial = onnx.ModelProto()
-        trial.CopyFrom(self.fp32.model)
-        self.apply(trial, plan)
-        data, kept = self.data, self.data.checkpoints
-        cut = kept.trial_cut(trial) if kept is not None else None
+        trial = _TrialRun(self, plan)
         starts: dict[int | None, list[int]] = {}  # checkpoint position (None: the whole trial) -> feeds
         for batch in batches:
-            starts.setdefault(kept.resume(batch, cut) if kept is not None else None, []).append(batch)
-        runtime = self.target.judge == "runtime"
+            starts.setdefault(trial.start(batch), []).append(batch)
         for start, group in starts.items():
-            model = trial if start is None else kept.suffix(trial, start)
-            feeds = [{**data.kept[b], **(kept.values[b][start] if start is not None else {})} for b in group]
-            if kept is not None:
-                kept.count(start or 0, len(trial.graph.node), len(group))
-            outputs = trial_outputs(model if runtime else simulate(model, self.fp32.store), self.fp32.store,
-                                    data.output_names, feeds, optimized=runtime)
-            yield from zip(group, outputs, strict=False)
+            yield from zip(group, trial.outputs(start, group), strict=False)
+
+    def judge(self, plan: PrecisionPlan, decisions: Mapping[str, Decision]) -> Callable[[int], float]:
+        """:meth:`errors` of one batch at a time, from one trial model, each session (one per checkpoint a batch
+        resumes from) built at its first batch and kept for the next."""
+        trial = _TrialRun(self, plan)
+        return lambda batch: self.batch_error(batch, trial.outputs(trial.start(batch), [batch])[0])
 
     def noisy(self, feed: Feed) -> bool:
         """Whether an array of ``feed`` gets noise (:func:`_noisy`)."""
@@ -298,16 +294,59 @@ def _noisy(value: np.ndarray) -> bool:
     return value.dtype.kind == "f" and value.size > 1
 
 
-def trial_outputs(model: onnx.ModelProto, store: WeightStore, names: list[str], feeds: list[Feed],
-                  optimized: bool = False) -> list[list[np.ndarray] | None]:
-    """``model``'s floating outputs ``names`` on each of ``feeds`` (each None when onnxruntime cannot run it);
-    ``optimized`` runs it with onnxruntime's default graph optimisations, as a user's session would."""
+class _TrialRun:
+    """One trial of :class:`OnnxTrials`: the fp32 model rewritten by its plan, and a session per checkpoint it
+    resumes from (None: the whole trial), each built at its first run."""
+
+    def __init__(self, trials: OnnxTrials, plan: PrecisionPlan):
+        self.trials, self.model = trials, onnx.ModelProto()
+        self.model.CopyFrom(trials.fp32.model)
+        trials.apply(self.model, plan)
+        kept = trials.data.checkpoints
+        self.cut = kept.trial_cut(self.model) if kept is not None else None
+        self.sessions: dict[int | None, Callable[[list[Feed]], list[list[np.ndarray] | None]]] = {}
+
+    def start(self, batch: int) -> int | None:
+        """The checkpoint position ``batch`` resumes from (None: the whole trial runs)."""
+        kept = self.trials.data.checkpoints
+        return kept.resume(batch, self.cut) if kept is not None else None
+
+    def outputs(self, start: int | None, group: list[int]) -> list[list[np.ndarray] | None]:
+        """The floating outputs on the feeds ``group``, all resuming from ``start``."""
+        trials, kept = self.trials, self.trials.data.checkpoints
+        if start not in self.sessions:
+            model = self.model if start is None or kept is None else kept.suffix(self.model, start)
+            runtime = trials.target.judge == "runtime"
+            self.sessions[start] = trial_session(model if runtime else simulate(model, trials.fp32.store),
+                                                 trials.fp32.store, trials.data.output_names, optimized=runtime)
+        if kept is not None:
+            kept.count(start or 0, len(self.model.graph.node), len(group))
+        return self.sessions[start]([{**trials.data.kept[b], **(kept.values[b][start] if start is not None and
+                                                                kept is not None else {})} for b in group])
+
+
+def trial_session(model: onnx.ModelProto, store: WeightStore, names: list[str],
+                  optimized: bool = False) -> Callable[[list[Feed]], list[list[np.ndarray] | None]]:
+    """``model``'s floating outputs ``names`` on feeds, from one session (each None when onnxruntime cannot run
+    it); ``optimized`` runs it with onnxruntime's default graph optimisations, as a user's session would."""
     try:
         session = _session(model, store, optimized=optimized)
-        return [session.run(names, feed) for feed in feeds]
     except Exception as err:  # noqa: BLE001 - a trial onnxruntime rejects is a failed trial, not a crash
-        log.warning("tolerance search: a trial model did not run in onnxruntime (%s)", first_line(err))
-        return [None] * len(feeds)
+        return functools.partial(_not_run, err)  # err is unbound after the except block: bind it now
+
+    def run(feeds: list[Feed]) -> list[list[np.ndarray] | None]:
+        try:
+            return [session.run(names, feed) for feed in feeds]
+        except Exception as err:  # noqa: BLE001 - as above
+            return _not_run(err, feeds)
+
+    return run
+
+
+def _not_run(err: Exception, feeds: list[Feed]) -> list[list[np.ndarray] | None]:
+    """No outputs for ``feeds`` of a trial onnxruntime did not run, said in a warning."""
+    log.warning("tolerance search: a trial model did not run in onnxruntime (%s)", first_line(err))
+    return [None] * len(feeds)
 
 
 def feeds(model: onnx.ModelProto, calibration: Iterable[Mapping[str, Any]]) -> Iterator[tuple[int, dict]]:

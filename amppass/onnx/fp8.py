@@ -24,7 +24,9 @@ least the largest), as the torch front end's search is (docs/fp8.md, "Which prod
 error of the batches it measured, which a search of many accept/reject steps fits. The judged batches are the last
 :data:`~amppass.analysis.tolerance.JUDGED` calibration batches (a single batch with the perturbed copies of it the
 fp16 plan's search kept). Candidates go fp8 in order of that bound with each alone in e4m3, least first, as many as
-keep the bound within the tolerance (a bisection over that order). Every product that stays fp16 gets a reason with
+keep the bound within the tolerance (a bisection over that order). A trial stops at its first judged batch beyond
+the tolerance (:class:`~amppass.analysis.tolerance.JudgedTrials`); the order is the one judging every batch gives.
+Every product that stays fp16 gets a reason with
 the bounds measured (and its operands' ranges and scales, where an outlier sets one), and each fp8 product's
 decision carries its scales (``evidence["fp8"]``) for the report; every other product (a candidate left out, or one
 that is no candidate: kept fp32 by the plan, an operand calibration did not observe) carries why
@@ -50,7 +52,7 @@ from onnx import helper
 from ..analysis.calibration import Trials
 from ..analysis.plan import Decision, Precision, PrecisionPlan
 from ..analysis.record import FP8_KEY, fp8_record
-from ..analysis.tolerance import JUDGED, batch_bound, judged, longest_within
+from ..analysis.tolerance import JUDGED, BatchError, JudgedTrials, batch_bound, judged, longest_within
 from ..dtypes import FINER_SCALES_GAIN, Fp8Format, LowType
 from .io.weight_store import WeightStore
 from .macs import is_heavy, node_macs, operands, value_shapes
@@ -344,34 +346,39 @@ def choose(found: Mapping[str, list[Operand]], excluded: Mapping[str, str], plan
     run), as ``runtime`` (named in reasons) computes it."""
     plan = _not_fp8(plan, excluded)
     batches, how = _judged(trials)
-    errors: dict[tuple[str, ...], list[float]] = {}  # a trial depends only on the products in fp8: run it once
-
-    def measured(names: Sequence[str]) -> list[float]:
-        """The output error of each judged batch with ``names`` in fp8 (one trial run)."""
-        key = tuple(names)
-        if key not in errors:
-            errors[key] = trials.errors(marked(plan, {n: found[n] for n in names}, fmt), {}, batches)
-        return errors[key]
-
-    def error(names: Sequence[str]) -> float:
-        return batch_bound(measured(names))
-
+    judge = JudgedTrials(lambda names: _on_judged(trials.judge(marked(plan, {n: found[n] for n in names}, fmt), {}),
+                                                  batches), len(batches), tolerance)
     info: dict[str, Any] = {"format": fmt.name, "tolerance": tolerance, "candidates": len(found), "judged_on": how}
     if not found:
         info.update(why="no matrix product runs low on weights or values calibration observed")
         return plan, info
-    baseline = error([])
-    alone = {name: error([name]) for name in found}
+    baseline = batch_bound(judge.measured([]))
+    alone = {name: judge.error([name]) for name in found}
     order = sorted(found, key=lambda n: (alone[n], list(found).index(n)))
+    within = sum(alone[n] <= tolerance for n in found)
+
+    def prefix(k: int) -> list[str]:
+        """The ``k`` candidates ranked first, as judging every batch ranks them. Those alone within the tolerance
+        rank first, by their bounds (a candidate stopped early alone is beyond it); a longer prefix, short of all
+        the candidates, needs the first of the others in their true order: where one ranks among those first by
+        the error that stopped it (a lower bound on its bound), it is measured on every batch, until the first
+        ``k`` are all measured (any other's bound is at least its lower bound, so ranks after them)."""
+        nonlocal order
+        while within < k < len(order) and not all(judge.known([n]) for n in order[:k]):
+            alone.update({n: batch_bound(judge.measured([n])) for n in order[within:k] if not judge.known([n])})
+            order = sorted(found, key=lambda n: (alone[n], list(found).index(n)))
+        return order[:k]
+
     judged_on = f"errors bounded for a new batch from {how}"
-    count = longest_within(len(order), lambda k: error(order[:k]) <= tolerance) if baseline <= tolerance else 0
-    achieved = error(order[:count])
+    count = longest_within(len(order), lambda k: judge.error(prefix(k)) <= tolerance) if baseline <= tolerance else 0
+    achieved = judge.error(order[:count])
     chosen = order[:count]
     result = marked(plan, {n: found[n] for n in chosen}, fmt)
     why_not = {}
     for rank, name in enumerate(order, 1):
         decision = result[name] = copy.copy(result[name])  # the caller's plan keeps its own decisions
-        decision.evidence = {**decision.evidence, "fp8_error_alone": alone[name]}
+        decision.evidence = {**decision.evidence, "fp8_error_alone": alone[name],  # a lower bound where stopped early
+                             **({} if judge.known([name]) else {"fp8_error_alone_at_least": True})}
         ranges = "; ".join(f"{'weight' if o.weight else 'input'} {o.value} |x| <= {o.absmax:.3g}, " + (
             f"scale {o.scale:.3g}" if o.channels is None else
             f"{o.channels[0]} scales, one per output channel, {o.channels[1]:.3g} to {o.scale:.3g}")
@@ -385,24 +392,25 @@ def choose(found: Mapping[str, list[Operand]], excluded: Mapping[str, str], plan
                    f"({runtime}: its graph optimisations move or fuse the Q/DQ pair into kernels without {fmt} "
                    f"types)")
         elif alone[name] > tolerance or baseline > tolerance:
-            why = (f"stays {low}, not {fmt}: alone in {fmt} it moves the output by up to {alone[name]:.2g}, beyond "
+            why = (f"stays {low}, not {fmt}: alone in {fmt} it moves the output by "
+                   f"{'up to ' if judge.known([name]) else ''}{judge.words([name], '.2g')}, beyond "
                    f"the tolerance {tolerance:g}" if baseline <= tolerance else
                    f"stays {low}, not {fmt}: the {low} plan's output error, up to {baseline:.2g}, already passes the "
                    f"tolerance {tolerance:g}") + f" ({judged_on}; {ranges})"
         else:
             why = (f"stays {low}, not {fmt}: it ranks {rank} of {len(order)} by the output error it causes alone in "
                    f"{fmt} ({alone[name]:.2g}); with the {count} products ranked before it the bound on a new "
-                   f"batch's output error is {achieved:.2g}, and with one more {error(order[:count + 1]):.2g} > the "
-                   f"tolerance {tolerance:g} ({judged_on}; {ranges})")
+                   f"batch's output error is {achieved:.2g}, and with one more {judge.words(order[:count + 1], '.2g')} "
+                   f"> the tolerance {tolerance:g} ({judged_on}; {ranges})")
         if name in chosen:
             decision.reason = f"{decision.reason}; {why}"
         else:
             why_not[name] = why
     result = _not_fp8(result, why_not)
-    info.update(baseline_error=baseline, **judged(measured(chosen)), trials=len(errors),
-                tolerance_met=achieved <= tolerance)
-    log.info("fp8: %d of %d products in %s, bound on a new batch's output error %.3g (tolerance %g, %d trials)",
-             len(chosen), len(found), fmt, achieved, tolerance, len(errors))
+    info.update(baseline_error=baseline, **judged(judge.measured(chosen)), trials=len(judge.seen),
+                batch_runs=judge.runs, tolerance_met=achieved <= tolerance)
+    log.info("fp8: %d of %d products in %s, bound on a new batch's output error %.3g (tolerance %g, %d trials, %d "
+             "batch runs)", len(chosen), len(found), fmt, achieved, tolerance, len(judge.seen), judge.runs)
     return result, info
 
 
@@ -442,6 +450,11 @@ def record(plan: PrecisionPlan, model: onnx.ModelProto, feed: Mapping[str, np.nd
         products.append((precision, node_macs(node, shapes), str(decision.evidence[KEY].get("why_not", ""))))
     return fp8_record(fmt.name, low.name, products, scales=SCALES, **details,
                       counted_at={name: list(np.shape(array)) for name, array in feed.items()})
+
+
+def _on_judged(error: BatchError, batches: Sequence[int]) -> BatchError:
+    """``error`` of a calibration batch, read by its place among the judged ``batches``."""
+    return lambda index: error(batches[index])
 
 
 def _judged(trials: Trials) -> tuple[list[int], str]:

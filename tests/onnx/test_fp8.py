@@ -10,8 +10,10 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import amppass
+from amppass.analysis import tolerance as tolerance_search
 from amppass.analysis.tolerance import BOUND_RULE, batch_bound
 from amppass.dtypes import E4M3, FP16
+from amppass.onnx import calibrate as onnx_calibrate
 from amppass.onnx.fp8 import stored_scale
 from tests.helpers.onnx_graphs import meta, model_of, session, vinfo
 
@@ -307,3 +309,71 @@ def test_the_fp8_search_judges_each_trial_by_a_bound_on_a_new_batch_so_the_toler
     assert record["margin"] == pytest.approx(record["error_bound"] - record["output_error"]) and record["margin"] > 0
     assert record["bound_rule"] == BOUND_RULE and record["tolerance_met"] and record["trials"] >= 6
     assert info["held_out_error"] is None  # the fp8 plan holds no batch out: its bound judges new inputs
+
+
+def _three_steady_two_outliers() -> tuple[onnx.ModelProto, list[dict[str, np.ndarray]]]:
+    """y = the sum of three products of x (each alone about 0.009 off in e4m3) and two of u, whose feature 0 is 3e4
+    (their weights' row 0 is zero): its per-tensor scale leaves u's other values to e4m3's subnormals, and each of
+    those products alone moves the output by about 0.036; six calibration feeds."""
+    rng = np.random.default_rng(0)
+    nodes, weights = [], []
+    for i, read in enumerate("xxxuu"):
+        w = rng.standard_normal((64, 32)) / 8
+        if read == "u":
+            w[0] = 0.0
+            w *= 3
+        nodes.append(helper.make_node("MatMul", [read, f"W{i}"], [f"y{i}"], name=f"p{i}"))
+        weights.append(_weight(f"W{i}", w))
+    nodes.append(helper.make_node("Sum", [f"y{i}" for i in range(5)], ["y"], name="sum"))
+    model = model_of(nodes, [vinfo("x", shape=(8, 64)), vinfo("u", shape=(8, 64))], [vinfo("y", shape=(8, 32))],
+                     weights)
+
+    def feed() -> dict[str, np.ndarray]:
+        u = rng.standard_normal((8, 64)).astype(np.float32)
+        u[:, 0] = 3e4
+        return {"x": rng.standard_normal((8, 64)).astype(np.float32), "u": u}
+
+    return model, [feed() for _ in range(6)]
+
+
+@pytest.mark.parametrize("tolerance", [0.011, 0.03])
+def test_stopping_a_trial_at_its_first_batch_beyond_the_tolerance_changes_no_decision_and_runs_fewer_batches(
+        monkeypatch, tolerance):
+    """The search stops a trial at its first judged batch beyond the tolerance: the same products go fp8, with the
+    same record, as judging every batch of every trial, in fewer batch runs, each trial's session built once. At
+    0.011 one steady product goes fp8 and the search never needs the order of the two outlier products, each
+    stopped at one batch: their reasons say the error is a lower bound. At 0.03 the three steady ones go fp8 and
+    the bisection asks for four products: the outlier whose stopping error ranks first is measured on every batch,
+    and its bound still ranks below the other's lower bound, so the other is not."""
+    model, calibration = _three_steady_two_outliers()
+    sessions = []
+    built = onnx_calibrate.trial_session
+    monkeypatch.setattr(onnx_calibrate, "trial_session", lambda *a, **k: sessions.append(1) or built(*a, **k))
+
+    def converted() -> tuple[dict, dict[str, dict], int]:
+        sessions.clear()
+        result = amppass.convert_onnx(model, "fp8", calibration=calibration, tolerance=tolerance)
+        nodes = _by_name(result)
+        return amppass.report(result).info["fp8"], {f"p{i}": meta(nodes[f"p{i}"]) for i in range(5)}, len(sessions)
+
+    early, early_rows, early_sessions = converted()
+    monkeypatch.setattr(tolerance_search, "STOP_EARLY", False)
+    full, full_rows, full_sessions = converted()
+    fp8 = [n for n, row in early_rows.items() if row["evidence"]["fp8"].get("format")]
+    assert fp8 == [n for n, row in full_rows.items() if row["evidence"]["fp8"].get("format")]
+    assert fp8 == (["p0"] if tolerance == 0.011 else ["p0", "p1", "p2"])
+    for key in ("batch_errors", "output_error", "error_bound", "baseline_error", "trials"):
+        assert early[key] == full[key], key
+    assert full["batch_runs"] == 6 * full["trials"] and early["batch_runs"] < full["batch_runs"]
+    stopped_early = {"p3", "p4"} if tolerance == 0.011 else {"p3"}  # at 0.03 p4 ranks fourth: measured in full
+    for name in ("p3", "p4"):
+        stopped, measured = early_rows[name]["evidence"], full_rows[name]["evidence"]
+        if name in stopped_early:
+            assert stopped["fp8_error_alone_at_least"] and stopped["fp8_error_alone"] < measured["fp8_error_alone"]
+            assert (f"moves the output by at least {stopped['fp8_error_alone']:.2g} on one batch of 6, beyond the "
+                    f"tolerance {tolerance:g}") in stopped["fp8"]["why_not"]
+        else:
+            assert stopped == measured
+        assert "at least" not in measured["fp8"]["why_not"] and "fp8_error_alone_at_least" not in measured
+    if tolerance == 0.011:
+        assert early_sessions == full_sessions  # one session per trial, not one per batch run

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import amppass
+from amppass.analysis import tolerance as tolerance_search
 from amppass.analysis.tolerance import batch_bound
 from amppass.errors import InputError
 from amppass.fx.runners.fp8 import RANGE_LIMIT
@@ -345,6 +346,36 @@ def test_the_tolerance_holds_on_fresh_batches_of_the_same_source_not_only_on_the
     assert "95% prediction bound" in info["bound_rule"]
     left = [row for row in amppass.report(converted).fp8_rows() if "format" not in row.evidence["fp8"]]
     assert left and all("bound on a new batch's output error" in row.reason for row in left)
+
+
+def test_stopping_a_trial_at_its_first_batch_beyond_the_tolerance_changes_no_decision_and_runs_fewer_batches(
+        monkeypatch):
+    """The search stops a trial at its first judged batch beyond the tolerance (the bound is never below it): the
+    same products go fp8, with the same recorded errors and bound, as judging every batch of every trial, in fewer
+    batch runs; a product left out by a trial stopped early quotes the batch error as a lower bound."""
+    torch.manual_seed(3)
+    model = Heads().eval()
+    generator = torch.Generator().manual_seed(103)
+    calibration = [heads_batch(generator) for _ in range(4)]
+
+    def converted() -> tuple[dict, list]:
+        result = amppass.convert(model, calibration[0], dtype="fp8", plan_for="coverage", calibration=calibration,
+                                 tolerance=0.02)
+        rows = amppass.report(result).fp8_rows()
+        reasons.append([r.reason for r in rows if "format" not in r.evidence["fp8"]])
+        return amppass.report(result).info["fp8"], sorted(r.name for r in rows if "format" in r.evidence["fp8"])
+
+    reasons: list[list[str]] = []
+    early, early_fp8 = converted()
+    monkeypatch.setattr(tolerance_search, "STOP_EARLY", False)
+    full, full_fp8 = converted()
+    assert 0 < len(early_fp8) < 16 and early_fp8 == full_fp8
+    for key in ("batch_errors", "output_error", "error_bound", "trials"):
+        assert early[key] == full[key], key
+    assert full["batch_runs"] == 4 * full["trials"] and early["batch_runs"] < full["batch_runs"]
+    stopped = [r for r in reasons[0] if "with this one too at least" in r]
+    assert stopped and all("on one batch of 4, beyond tolerance 0.02" in r for r in stopped)
+    assert not any("at least" in r for r in reasons[1])
 
 
 def one_token_outlier(big: float) -> torch.Tensor:

@@ -44,7 +44,8 @@ matrix product of the rewritten graph in turn (the lowering itself is :mod:`ampp
    mean of the n batches' errors plus Student's t (95%, n - 1 degrees of freedom) standard deviations of them
    times ``sqrt(1 + 1/n)``, at least the largest. The summary records the kept plan's error on each
    judged batch (``batch_errors``), their largest (``output_error``), the bound (``error_bound``) and what it adds
-   to the largest (``margin``).
+   to the largest (``margin``). A trial stops at its first judged batch beyond the tolerance, which the bound
+   cannot be within (:class:`~amppass.analysis.tolerance.JudgedTrials`: the same decisions, fewer batch runs).
 
 Every product's outcome is in its row's evidence (``fp8``: format, granularity and scales, or ``why_not``), and the
 summary's ``fp8`` holds the multiply-accumulates in fp8, bf16 and fp32.
@@ -63,7 +64,7 @@ from torch import fx
 
 from ...analysis.calibration import relative_error
 from ...analysis.record import META_KEY, fp8_record, stored_fp8_products
-from ...analysis.tolerance import JUDGED, batch_bound, judged, longest_within
+from ...analysis.tolerance import JUDGED, BatchError, JudgedTrials, judged, longest_within
 from ...dtypes import E4M3, FINER_SCALES_GAIN
 from ..capture.copies import shared_copy
 from ..capture.guards import GUARDS_KEY
@@ -337,37 +338,36 @@ def _lattice(gm: fx.GraphModule, chosen: dict[str, Fp8Product], local: Mapping[s
     docstring, 3): the longest prefix of the ranking by local error, then each later candidate on its own, in rank
     order, on top of those kept; a reason for each candidate left out."""
     ranked = sorted(chosen, key=lambda n: local[n])
-    errors: dict[tuple[str, ...], list[float]] = {}
 
-    def batches(names: list[str]) -> list[float]:
-        """The output error of each judged batch with ``names`` in fp8 (one trial run)."""
-        key = tuple(names)
-        if key not in errors:
-            trial = shared_copy(gm)
-            lower(trial, {n: chosen[n] for n in names})
+    def start(names: frozenset[str]) -> BatchError:
+        """The output error of one judged batch with ``names`` in fp8 (the trial lowered once)."""
+        trial = shared_copy(gm)
+        lower(trial, {n: chosen[n] for n in names})
+
+        def error(batch: int) -> float:
             with torch.no_grad():
-                errors[key] = [max((relative_error(out, ref) for out, ref in zip(_floating(trial(*flat)), refs,
-                                                                                  strict=True)), default=0.0)
-                               for flat, refs in zip(data.judged, data.references, strict=True)]
-        return errors[key]
+                outputs = _floating(trial(*data.judged[batch]))
+            return max((relative_error(out, ref) for out, ref in zip(outputs, data.references[batch], strict=True)),
+                       default=0.0)
 
-    def error(names: list[str]) -> float:
-        return batch_bound(batches(names))
+        return error
 
-    low = longest_within(len(ranked), lambda k: error(ranked[:k]) <= tolerance)
+    trials = JudgedTrials(start, len(data.judged), tolerance)
+    low = longest_within(len(ranked), lambda k: trials.error(ranked[:k]) <= tolerance)
     kept = ranked[:low]
     for rank, name in enumerate(ranked[low:], start=low + 1):
-        before, with_it = error(kept), error([*kept, name])
-        if with_it <= tolerance:
+        if trials.error([*kept, name]) <= tolerance:
             kept.append(name)
             continue
         why_not[name] = (f"stays bf16: the tolerance search (fp8 -> bf16 -> fp32) ranked the products by local error "
                          f"in fp8 (this one {local[name]:.3g}, rank {rank} of {len(ranked)}); with the {len(kept)} "
-                         f"kept in fp8 the bound on a new batch's output error is {before:.3g} (from "
-                         f"{len(data.judged)} calibration batches), and with this one too {with_it:.3g}, beyond "
-                         f"tolerance {tolerance:g}")
-    log.info("fp8 tolerance search: %d of %d candidates kept, %d trial runs", len(kept), len(ranked), len(errors))
-    return {n: chosen[n] for n in kept}, {"tolerance": tolerance, **judged(batches(kept)), "trials": len(errors)}
+                         f"kept in fp8 the bound on a new batch's output error is {trials.words(kept)} (from "
+                         f"{len(data.judged)} calibration batches), and with this one too "
+                         f"{trials.words([*kept, name])}, beyond tolerance {tolerance:g}")
+    log.info("fp8 tolerance search: %d of %d candidates kept, %d trials, %d batch runs", len(kept), len(ranked),
+             len(trials.seen), trials.runs)
+    return {n: chosen[n] for n in kept}, {"tolerance": tolerance, **judged(trials.measured(kept)),
+                                          "trials": len(trials.seen), "batch_runs": trials.runs}
 
 
 def _range_reason(seen: _Measured, weight: torch.Tensor, amax: float, separate: bool) -> str:
