@@ -49,8 +49,10 @@ multiple of 16 (the token count of ``dW``'s product), which adds nothing to the 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import operator
+from typing import Iterator
 
 import torch
 from torch import distributed as dist
@@ -220,10 +222,25 @@ def _record(row: torch.Tensor, value: torch.Tensor) -> None:
         row.copy_(torch.cat([torch.where(torch.isfinite(amax), amax, row[0]).reshape(1), row[:-1]]))
 
 
+_PROBING = [False]  # within local_amaxes(): records stay this process's own
+
+
+@contextlib.contextmanager
+def local_amaxes() -> Iterator[None]:
+    """Within this block, amaxes are recorded without reducing them across ranks: for the runs a conversion makes
+    to measure or check a converted model (their buffers restored after), which one rank may make alone, where a
+    collective would wait for ranks that never join it."""
+    before, _PROBING[0] = _PROBING[0], True
+    try:
+        yield
+    finally:
+        _PROBING[0] = before
+
+
 def _data_parallel() -> bool:
     """Whether ``torch.distributed`` runs a default process group of more than one rank (one process records alone,
-    with no collective)."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    with no collective), outside :func:`local_amaxes`."""
+    return not _PROBING[0] and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 @torch.library.custom_op("amppass::fp8_amax_across_ranks", mutates_args=())
