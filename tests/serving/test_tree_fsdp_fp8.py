@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 import amppass
-from amppass.fx.rewrite.fp8_train import Fp8Linear, fp8_train_linear
+from amppass.fx.rewrite.fp8_train import Fp8Linear, fp8_train_linear, lower_train
 from models.char_gpt import char_gpt, held_out_loss, next_char_loss, stdlib_corpus
 from tests.helpers.ddp_harness import WORLD_SIZE, run_ranks
 
@@ -145,7 +145,25 @@ def _delayed(rank: int) -> dict:
     for x, grad in zip(inputs, grads, strict=True):
         layer(x).backward(grad)
     results["fp8 linear"] = {"inputs": inputs, "grads": grads, "history": layer.amax_history.clone()}
+    results["compiled"] = _compiled_lowering(inputs[:2])
     return results
+
+
+def _compiled_lowering(inputs: list[torch.Tensor]) -> dict:
+    """A delayed lowering compiled with ``fullgraph=True`` (its backward traced, the reduction in it one node) and
+    run on this rank's inputs, and the same lowering in eager mode: both one's histories."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
+    gm = torch.export.export(net, (inputs[0],)).module()
+    products = [n.name for n in gm.graph.nodes if n.target is torch.ops.aten.linear.default]
+    added = lower_train(gm, {products[1]}, "delayed")
+    eager = copy.deepcopy(gm)
+    compiled = torch.compile(gm, backend="aot_eager", fullgraph=True)  # a graph break would raise
+    for x in inputs:
+        compiled(x).square().sum().backward()
+        eager(x).square().sum().backward()
+    return {run: torch.stack([module.get_buffer(name) for name in added]) for run, module in
+            (("compiled", gm), ("eager", eager))}
 
 
 def _rank_results(rank: int) -> dict:
@@ -223,3 +241,12 @@ def test_a_delayed_fp8_linear_on_two_ranks_records_the_largest_range_and_drops_a
     for run in runs:
         assert torch.equal(run["history"][:, :3], expected), (run["history"], expected)
         assert (run["history"][:, 3:] == 0).all()
+
+
+def test_a_compiled_delayed_lowering_reduces_across_ranks_as_eager_mode_does(ranks):
+    """Under ``torch.compile(fullgraph=True)`` on two ranks the reductions (an opaque op, in the forward and in the
+    traced backward) leave the histories eager mode leaves, equal on both ranks."""
+    runs = [rank["delayed"]["compiled"] for rank in ranks]
+    for run in runs:
+        assert torch.equal(run["compiled"], run["eager"]) and (run["compiled"][:, :2] > 0).all()
+    assert torch.equal(runs[0]["compiled"], runs[1]["compiled"])
