@@ -27,6 +27,7 @@ from ..fx.capture.inputs import example_call, split_batch
 from ..fx.capture.modes import module_mode
 from ..fx.prepare.aliasing import functional_writes
 from ..fx.rewrite.device_literals import module_device
+from ..fx.rewrite.fp8_train import local_amaxes
 from ..fx.runners import region_timing
 from ..fx.view.build import build_view
 from ..serving.artifact import record_of
@@ -287,7 +288,8 @@ def _convert_module(model: nn.Module, example: tuple[Any, dict] | None, settings
         check_fidelity(model, captured[False], plain_inputs(args), plain_inputs(kwargs))
         check_backward(model, captured, plain_inputs(args), plain_inputs(kwargs))  # a Function's own backward
         train_gm, eval_gm = (Captures(model, settings, flag).served(captured[flag], example) for flag in (True, False))
-        trained = TrainEvalGraphs(train_gm, eval_gm, training=model.training, original=model, example=example)
+        with local_amaxes():  # its check runs are this process's own, under data parallelism too
+            trained = TrainEvalGraphs(train_gm, eval_gm, training=model.training, original=model, example=example)
         return with_signature(trained, model)  # Trainer keeps the dataset columns forward() names
     gm = capture(model, example_inputs, example_kwargs, train=False, dynamic_shapes=dynamic_shapes)
     if example is not None:

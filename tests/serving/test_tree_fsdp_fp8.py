@@ -15,7 +15,10 @@ per step, hence the bf16 test's tolerance. The whole-batch run is held to fp8 tr
 (within 2% of the loss).
 
 Both ranks convert (a converted model does not pickle across processes), train sharded, and each runs one of the
-one-process references, so the test costs one conversion of wall time besides the processes' imports.
+one-process references, so the test costs one conversion of wall time besides the processes' imports. The same
+processes then convert with ``fp8_recipe="delayed"`` (one more conversion of wall time) and train it sharded, and
+run an ``Fp8Linear(recipe="delayed")``: each amax recorded must be the largest of the two ranks', so both ranks
+hold equal histories.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+from unittest import mock
 
 import pytest
 import torch
@@ -31,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 import amppass
-from amppass.fx.rewrite.fp8_train import fp8_train_linear
+from amppass.fx.rewrite.fp8_train import Fp8Linear, fp8_train_linear, lower_train
 from models.char_gpt import char_gpt, held_out_loss, next_char_loss, stdlib_corpus
 from tests.helpers.ddp_harness import WORLD_SIZE, run_ranks
 
@@ -49,10 +53,11 @@ def _batches() -> list[torch.Tensor]:
                                                                                           True)]
 
 
-def _model():
+def _model(recipe: str = "dynamic"):
     logging.disable(logging.WARNING)  # the CPU target's "testing only" warning, once per process
     net = char_gpt(layers=2, width=64, heads=4, block=BLOCK, dropout=0.0)
-    return amppass.convert(net, (_batches()[0][:, :-1],), dtype="fp8", mode="train", plan_for="coverage")
+    return amppass.convert(net, (_batches()[0][:, :-1],), dtype="fp8", mode="train", plan_for="coverage",
+                           fp8_recipe=recipe)
 
 
 def _held_out(model) -> float:
@@ -103,6 +108,64 @@ def _per_block(model):
     return model
 
 
+class _MaxReductions:
+    """Wraps ``torch.distributed.all_reduce`` and keeps each MAX reduction's value before it and after it (the
+    amaxes delayed scaling reduces across ranks; FSDP2's own collectives are not MAX reductions)."""
+
+    def __init__(self):
+        self.before: list[float] = []
+        self.after: list[float] = []
+        self._all_reduce = torch.distributed.all_reduce
+
+    def __call__(self, tensor, op=torch.distributed.ReduceOp.SUM, *args, **kwargs):
+        if op != torch.distributed.ReduceOp.MAX:
+            return self._all_reduce(tensor, op, *args, **kwargs)
+        self.before.append(float(tensor))
+        work = self._all_reduce(tensor, op, *args, **kwargs)
+        self.after.append(float(tensor))
+        return work
+
+
+def _delayed(rank: int) -> dict:
+    """The delayed recipe under FSDP2 on this rank's halves, its histories and the MAX reductions it ran; and an
+    ``Fp8Linear(recipe="delayed")`` (not sharded) on this rank's own inputs and output gradients, the last step's
+    input an inf on rank 1 only."""
+    reductions = _MaxReductions()
+    with mock.patch.object(torch.distributed, "all_reduce", reductions):
+        model = _per_block(_model("delayed"))
+        results = {"training": _train(model, rank), "reductions": (reductions.before, reductions.after),
+                   "histories": {name: b.clone() for name, b in model.named_buffers() if "amax_history" in name}}
+    torch.manual_seed(0)
+    layer = Fp8Linear(torch.nn.Linear(32, 16), recipe="delayed")  # the same weights on both ranks
+    generator = torch.Generator().manual_seed(10 + rank)
+    inputs = [torch.randn(8, 32, generator=generator) * (step + 1) for step in range(3)]
+    grads = [torch.randn(8, 16, generator=generator) for _ in range(3)]
+    if rank == 1:
+        inputs[-1][0, 0] = float("inf")
+    for x, grad in zip(inputs, grads, strict=True):
+        layer(x).backward(grad)
+    results["fp8 linear"] = {"inputs": inputs, "grads": grads, "history": layer.amax_history.clone()}
+    results["compiled"] = _compiled_lowering(inputs[:2])
+    return results
+
+
+def _compiled_lowering(inputs: list[torch.Tensor]) -> dict:
+    """A delayed lowering compiled with ``fullgraph=True`` (its backward traced, the reduction in it one node) and
+    run on this rank's inputs, and the same lowering in eager mode: both one's histories."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
+    gm = torch.export.export(net, (inputs[0],)).module()
+    products = [n.name for n in gm.graph.nodes if n.target is torch.ops.aten.linear.default]
+    added = lower_train(gm, {products[1]}, "delayed")
+    eager = copy.deepcopy(gm)
+    compiled = torch.compile(gm, backend="aot_eager", fullgraph=True)  # a graph break would raise
+    for x in inputs:
+        compiled(x).square().sum().backward()
+        eager(x).square().sum().backward()
+    return {run: torch.stack([module.get_buffer(name) for name in added]) for run, module in
+            (("compiled", gm), ("eager", eager))}
+
+
 def _rank_results(rank: int) -> dict:
     torch.set_num_threads(1)
     converted = _model()
@@ -110,6 +173,7 @@ def _rank_results(rank: int) -> dict:
                "products": amppass.report(converted).info["fp8"]["products"]}
     # the one-process references, one per rank so that both cores work
     results["one process"] = _train(converted, None if rank == 0 else -1)
+    results["delayed"] = _delayed(rank)
     return results
 
 
@@ -143,3 +207,46 @@ def test_the_whole_batch_run_ends_within_fp8_trainings_goal_of_the_sharded_one(r
     whole, sharded = ranks[1]["one process"], ranks[0]["fsdp2 per block"]
     assert whole["fp8 calls"] == 7
     assert whole["after"] == pytest.approx(sharded["after"], rel=2e-2)
+
+
+def test_delayed_scaling_under_fsdp2_records_the_largest_amax_of_the_ranks_so_their_histories_agree(ranks):
+    """Each rank sees its own half of a batch, so its ranges differ from the other's; every amax recorded is the
+    largest of the two ranks' (one MAX reduction per record: 7 products, an input and a gradient each, a step;
+    none while converting, whose check runs record locally), so both ranks hold equal histories, and the delayed
+    run still learns."""
+    (before_0, after_0), (before_1, after_1) = (rank["delayed"]["reductions"] for rank in ranks)
+    assert len(before_0) == len(before_1) == STEPS * 7 * 2
+    assert before_0 != before_1  # the halves' ranges differ: without the reduction the histories would drift apart
+    assert after_0 == after_1 == [max(a, b) for a, b in zip(before_0, before_1, strict=True)]
+    first, second = (rank["delayed"]["histories"] for rank in ranks)
+    assert len(first) == 7 * 2 and first.keys() == second.keys()
+    for name, history in first.items():
+        assert torch.equal(history, second[name]), (name, history, second[name])
+        assert (history[:STEPS] > 0).all() and (history[STEPS:] == 0).all()
+        assert set(history[:STEPS].tolist()) <= set(after_0)
+    training = ranks[0]["delayed"]["training"]
+    assert training["fp8 calls"] == 7 and training["after"] < training["before"] - 0.5
+
+
+def test_a_delayed_fp8_linear_on_two_ranks_records_the_largest_range_and_drops_a_non_finite_one_on_both(ranks):
+    """Fp8Linear's history too: each step's input and gradient range is the larger of the two ranks' own; rank 1's
+    inf input on the last step is recorded by neither rank (the newest finite range repeats on both)."""
+    runs = [rank["delayed"]["fp8 linear"] for rank in ranks]
+    expected = torch.zeros(2, 3)
+    for step in range(3):
+        for row, key in enumerate(("inputs", "grads")):
+            amax = max(float(run[key][step].abs().amax()) for run in runs)
+            expected[row, 2 - step] = amax if amax != float("inf") else expected[row, 3 - step]
+    assert torch.isfinite(expected).all() and expected[0, 0] == expected[0, 1]  # the inf step repeats the last
+    for run in runs:
+        assert torch.equal(run["history"][:, :3], expected), (run["history"], expected)
+        assert (run["history"][:, 3:] == 0).all()
+
+
+def test_a_compiled_delayed_lowering_reduces_across_ranks_as_eager_mode_does(ranks):
+    """Under ``torch.compile(fullgraph=True)`` on two ranks the reductions (an opaque op, in the forward and in the
+    traced backward) leave the histories eager mode leaves, equal on both ranks."""
+    runs = [rank["delayed"]["compiled"] for rank in ranks]
+    for run in runs:
+        assert torch.equal(run["compiled"], run["eager"]) and (run["compiled"][:, :2] > 0).all()
+    assert torch.equal(runs[0]["compiled"], runs[1]["compiled"])

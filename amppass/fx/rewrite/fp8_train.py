@@ -35,7 +35,9 @@ the converted model and in its ``state_dict()``. The graph reads each history's 
 the write), and the op's backward records the gradient's into ``grad_history``; an eval graph only reads. A
 non-finite amax is not recorded (the newest finite one is repeated). The gradient's history is written in backward
 without moving its version counter, so two forward calls before one backward (two views of a batch) stay valid in
-eager mode.
+eager mode. Under data parallelism (a default process group of more than one rank) each amax is the largest over
+the ranks (``amppass::fp8_amax_across_ranks``, one ``all_reduce(MAX)`` per record) before it is recorded, so every
+rank holds the same histories (:class:`Fp8Linear`'s too).
 
 e5m2's range (up to 57344 times its scale, which follows the gradient's own amax) is why fp8 training needs no
 loss scaling: a gradient is scaled into range by its own scale in every product, whatever the loss's size.
@@ -47,10 +49,13 @@ multiple of 16 (the token count of ``dW``'s product), which adds nothing to the 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import operator
+from typing import Iterator
 
 import torch
+from torch import distributed as dist
 from torch import fx, nn
 
 from ...analysis.options import FP8_RECIPES
@@ -207,10 +212,51 @@ class Fp8Linear(nn.Module):
 
 
 def _record(row: torch.Tensor, value: torch.Tensor) -> None:
-    """Push ``value``'s largest magnitude onto an amax history (newest first; a non-finite one is not kept)."""
+    """Push ``value``'s largest magnitude onto an amax history (newest first; a non-finite one is not kept). Under
+    data parallelism (:func:`_data_parallel`) the largest over every rank's (:func:`fp8_amax_across_ranks`), so the
+    ranks' histories, and the delayed scales they give, stay equal."""
     with torch.no_grad():
         amax = _amax(value.detach())
+        if _data_parallel():
+            amax = fp8_amax_across_ranks(amax)
         row.copy_(torch.cat([torch.where(torch.isfinite(amax), amax, row[0]).reshape(1), row[:-1]]))
+
+
+_PROBING = [False]  # within local_amaxes(): records stay this process's own
+
+
+@contextlib.contextmanager
+def local_amaxes() -> Iterator[None]:
+    """Within this block, amaxes are recorded without reducing them across ranks: for the runs a conversion makes
+    to measure or check a converted model (their buffers restored after), which one rank may make alone, where a
+    collective would wait for ranks that never join it."""
+    before, _PROBING[0] = _PROBING[0], True
+    try:
+        yield
+    finally:
+        _PROBING[0] = before
+
+
+def _data_parallel() -> bool:
+    """Whether ``torch.distributed`` runs a default process group of more than one rank (one process records alone,
+    with no collective), outside :func:`local_amaxes`."""
+    return not _PROBING[0] and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+@torch.library.custom_op("amppass::fp8_amax_across_ranks", mutates_args=())
+def fp8_amax_across_ranks(amax: torch.Tensor) -> torch.Tensor:
+    """The largest of every rank's ``amax`` (a 0-d fp32 tensor): one ``all_reduce(op=MAX)`` over the default process
+    group, as TransformerEngine reduces its amaxes before recording them. A non-finite ``amax`` enters as inf, so
+    the result is inf on every rank and no rank records it (a NaN's order against finite values is the backend's).
+    A custom op, so that a compiled graph (the forward's record, the op's backward) holds one opaque node."""
+    reduced = torch.where(torch.isfinite(amax), amax, torch.full_like(amax, float("inf")))
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
+    return reduced
+
+
+@fp8_amax_across_ranks.register_fake
+def _(amax: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(amax)
 
 
 @torch.library.custom_op("amppass::fp8_record_amax", mutates_args=("history",))

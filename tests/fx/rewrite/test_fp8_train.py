@@ -8,6 +8,7 @@ off by at most the sum of their steps, in norm, for operands without cancellatio
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import operator
 
@@ -22,6 +23,7 @@ from amppass.dtypes import E4M3, E5M2
 from amppass.errors import InputError
 from amppass.fx.rewrite import fp8_train
 from amppass.fx.rewrite.fp8_train import HISTORY, Fp8Linear, fp8_train_linear, lower_train, swap_linears
+from tests.helpers.ddp_harness import one_rank_group
 
 E4M3_STEP, E5M2_STEP, BF16_STEP = 2.0 ** -4, 2.0 ** -3, 2.0 ** -8
 
@@ -371,3 +373,25 @@ def test_a_non_finite_range_is_not_recorded_and_the_output_stays_finite():
     history = gm.get_buffer(added[0])
     assert torch.isfinite(history).all() and history[0] == history[1] > 0
     assert torch.isfinite(out).all()
+
+
+def test_one_process_records_without_a_collective_even_in_a_one_rank_group(monkeypatch):
+    """Ranks' amaxes are reduced only where a process group has more than one rank: one process, in a one-rank
+    group or none, records exactly what it did before, with no collective (the two-rank reduction is tested in
+    tests/serving/test_tree_fsdp_fp8.py)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a collective in a one-process run")
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", refuse)
+    runs = []
+    for group in (contextlib.nullcontext, one_rank_group):
+        torch.manual_seed(7)
+        layer, (gm, added) = Fp8Linear(nn.Linear(32, 16), recipe="delayed"), _lowered("delayed")
+        with group():
+            for step in range(3):
+                x = torch.randn(8, 32) * (step + 1)
+                layer(x).float().square().sum().backward()
+                gm(x).square().sum().backward()
+        runs.append([layer.amax_history.clone()] + [gm.get_buffer(name).clone() for name in added])
+    assert (runs[0][0][:, :3] > 0).all() and all((history[:3] > 0).all() for history in runs[0][1:])
+    assert all(torch.equal(alone, grouped) for alone, grouped in zip(*runs, strict=True))
