@@ -16,6 +16,7 @@ two inductor compiles, ~15 CPU s each here.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Callable, Iterable
 
@@ -42,7 +43,10 @@ COMPILE_NOTES = (
     "state. `autocast+freezing` = `torch.compile(model)` called under `torch.autocast('cpu', torch.bfloat16)` "
     "with `torch._inductor.config.freezing = True`; `amppass` = `torch.compile(model, backend='amppass', "
     "options={'dtype': 'bf16', 'plan_for': 'coverage'})` (inductor, freezing in inference; coverage: converted on "
-    "any CPU, where the default plan runs fp32 on one without bf16 instructions). Both under `torch.no_grad()`. "
+    "any CPU); `amppass default` = the same with the default `plan_for='speed'`, which on a CPU without bf16 "
+    "instructions runs every graph as dynamo traced it, in fp32, as `torch.compile fp32` (plain "
+    "`torch.compile(model)`) does; `ran_in` = what the report says the compiled graphs ran in. All under "
+    "`torch.no_grad()`. "
     "`compiler`: inductor, or eager in `--quick` (both compiled by dynamo without inductor: the path, not the figures)."
 )
 
@@ -143,11 +147,16 @@ def compile_rows(quick: bool) -> list[dict[str, Any]]:
                 with torch.autocast("cpu", dtype=torch.bfloat16):
                     return baseline(x)
 
-            rows = [_timed("autocast+freezing", autocast, reference, repeats)]
+            rows = [{**_timed("autocast+freezing", autocast, reference, repeats), "ran_in": "bf16 (autocast)"}]
         torch._dynamo.reset()
-        ours = torch.compile(case.model, backend=amppass_backend, options={"dtype": "bf16", "compiler": compiler,
-                                                                              "plan_for": "coverage"})
-        rows.append(_timed("amppass", lambda: ours(x), reference, repeats))
+        plain = torch.compile(copy.deepcopy(case.model), backend=compiler)
+        rows.append({**_timed("torch.compile fp32", lambda: plain(x), reference, repeats), "ran_in": "fp32"})
+        for name, plan in (("amppass", "coverage"), ("amppass default", "speed")):
+            torch._dynamo.reset()
+            ours = torch.compile(case.model, backend=amppass_backend, options={"dtype": "bf16", "compiler": compiler,
+                                                                                  "plan_for": plan})
+            rows.append(_timed(name, functools.partial(ours, x), reference, repeats))
+            rows[-1]["ran_in"] = amppass.report(ours).info.get("dtype")
         torch._dynamo.reset()
     for row in rows:
         row["model"], row["compiler"] = f"bert-{'small' if quick else 'base'} 1x{seq}", compiler
