@@ -210,6 +210,31 @@ def test_an_outlier_batch_beyond_the_delayed_range_gives_finite_outputs_and_grad
     assert converted.state_dict()["mid.fp8_input_amax_history"][0] > 1e3 * before
 
 
+def test_two_views_before_one_backward_under_torch_compile_train_as_in_eager_mode():
+    """A contrastive step as sentence-transformers' ``MultipleNegativesRankingLoss`` makes it: anchors and positives
+    through the same converted model, one loss over both, one backward, an optimizer step; compiled
+    (``backend="aot_eager"``, ``fullgraph=True``) and in eager mode, three steps give the same losses and the same
+    parameters and histories, bit for bit."""
+    converted = _delayed()
+    eager = copy.deepcopy(converted)
+    compiled = torch.compile(converted, backend="aot_eager", fullgraph=True)
+    optimizers = [torch.optim.AdamW(model.parameters(), lr=3e-3) for model in (converted, eager)]
+    for x, _ in _data(3):
+        losses = []
+        for model, optimizer in zip((compiled, eager), optimizers, strict=True):
+            anchors, positives = model(x + 0.1 * x.flip(0)).float(), model(2 * x).float()
+            loss = nn.functional.cross_entropy(anchors @ positives.T, torch.arange(len(x)))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        assert losses[0] == losses[1]
+    state = converted.state_dict()
+    assert all(state[k][:6].all() and not state[k][6:].any() for k in HISTORIES)  # two records a step
+    for key, value in eager.state_dict().items():
+        assert torch.equal(state[key], value), key
+
+
 def test_an_unknown_fp8_recipe_or_one_outside_fp8_training_is_refused_naming_it():
     with pytest.raises(InputError, match=r"fp8_recipe='tensorwise' is not one of \('dynamic', 'delayed'\)"):
         amppass.convert(_net(), (torch.randn(8, 32),), dtype="fp8", mode="train", plan_for="coverage",

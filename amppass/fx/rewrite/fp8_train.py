@@ -34,10 +34,11 @@ the converted model and in its ``state_dict()``. The graph reads each history's 
 ``amppass::fp8_record_amax`` (a custom op declaring the buffer it mutates, so export and ``torch.compile`` keep
 the write), and the op's backward records the gradient's into ``grad_history``; an eval graph only reads. A
 non-finite amax is not recorded (the newest finite one is repeated). The gradient's history is written in backward
-without moving its version counter, so two forward calls before one backward (two views of a batch) stay valid in
-eager mode. Under data parallelism (a default process group of more than one rank) each amax is the largest over
-the ranks (``amppass::fp8_amax_across_ranks``, one ``all_reduce(MAX)`` per record) before it is recorded, so every
-rank holds the same histories (:class:`Fp8Linear`'s too).
+without moving its version counter (:func:`fp8_record_grad_amax`), so two forward calls before one backward (two
+views of a batch) stay valid, in eager mode and under ``torch.compile``. Under data parallelism (a default
+process group of more than one rank) each amax is the largest over the ranks (``amppass::fp8_amax_across_ranks``,
+one ``all_reduce(MAX)`` per record) before it is recorded, so every rank holds the same histories
+(:class:`Fp8Linear`'s too).
 
 e5m2's range (up to 57344 times its scale, which follows the gradient's own amax) is why fp8 training needs no
 loss scaling: a gradient is scaled into range by its own scale in every product, whatever the loss's size.
@@ -164,9 +165,8 @@ def _backward(ctx, grad: torch.Tensor | None, _x_q_grad: None, _x_scale_grad: No
             weight.dtype)
     if ctx.has_bias and ctx.needs_input_grad[2]:
         grad_bias = dy.float().sum(0).to(ctx.bias_dtype)
-    if grad_history is not None:  # not a new version: another call's backward may still read this history
-        with torch.autograd._unsafe_preserve_version_counter(grad_history):
-            _record(grad_history, dy)
+    if grad_history is not None:
+        fp8_record_grad_amax(grad_history, _amax(dy.detach()))
     return grad_input, grad_weight, grad_bias, None, None, None
 
 
@@ -212,11 +212,15 @@ class Fp8Linear(nn.Module):
 
 
 def _record(row: torch.Tensor, value: torch.Tensor) -> None:
-    """Push ``value``'s largest magnitude onto an amax history (newest first; a non-finite one is not kept). Under
+    """Push ``value``'s largest magnitude onto an amax history (:func:`_push`)."""
+    _push(row, _amax(value.detach()))
+
+
+def _push(row: torch.Tensor, amax: torch.Tensor) -> None:
+    """Push the range ``amax`` (0-d, fp32) onto an amax history (newest first; a non-finite one is not kept). Under
     data parallelism (:func:`_data_parallel`) the largest over every rank's (:func:`fp8_amax_across_ranks`), so the
     ranks' histories, and the delayed scales they give, stay equal."""
     with torch.no_grad():
-        amax = _amax(value.detach())
         if _data_parallel():
             amax = fp8_amax_across_ranks(amax)
         row.copy_(torch.cat([torch.where(torch.isfinite(amax), amax, row[0]).reshape(1), row[:-1]]))
@@ -248,7 +252,8 @@ def fp8_amax_across_ranks(amax: torch.Tensor) -> torch.Tensor:
     """The largest of every rank's ``amax`` (a 0-d fp32 tensor): one ``all_reduce(op=MAX)`` over the default process
     group, as TransformerEngine reduces its amaxes before recording them. A non-finite ``amax`` enters as inf, so
     the result is inf on every rank and no rank records it (a NaN's order against finite values is the backend's).
-    A custom op, so that a compiled graph (the forward's record, the op's backward) holds one opaque node."""
+    A custom op, so that a compiled forward's record holds one opaque node (the backward's runs within
+    :func:`fp8_record_grad_amax`)."""
     reduced = torch.where(torch.isfinite(amax), amax, torch.full_like(amax, float("inf")))
     dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
     return reduced
@@ -269,6 +274,32 @@ def fp8_record_amax(history: torch.Tensor, value: torch.Tensor) -> None:
 @fp8_record_amax.register_fake
 def _(history: torch.Tensor, value: torch.Tensor) -> None:
     return None
+
+
+@torch.library.custom_op("amppass::fp8_record_grad_amax", mutates_args=())
+def fp8_record_grad_amax(history: torch.Tensor, amax: torch.Tensor) -> None:
+    """Push a gradient's range ``amax`` onto the amax history ``history`` in place (:func:`_push`) without a new
+    autograd version: the record :func:`fp8_train_linear`'s backward makes under delayed scaling.
+
+    Every forward call saves ``history`` for its backward (the tensor that backward writes into), and autograd
+    checks a saved tensor's version when a backward unpacks it: where a model is called twice before one backward
+    (two views of a batch), the second call's backward runs first and writes the history, and a new version would
+    make the first call's backward refuse it. No backward reads what its forward read of the history (the delayed
+    range is read in the forward and saved; the record reads the history as it is when it writes), so keeping its
+    version is safe. The op is opaque and declares no mutation so that ``torch.compile`` keeps this write as it
+    is: traced, the write would become a graph-level ``copy_`` that moves the version (``backend="aot_eager"``
+    then refuses two forwards before one backward). It has an ordered effect (``torch.library``'s effect tokens),
+    so no compiler drops it for having no output."""
+    with torch.autograd._unsafe_preserve_version_counter(history):
+        _push(history, amax)
+
+
+@fp8_record_grad_amax.register_fake
+def _(history: torch.Tensor, amax: torch.Tensor) -> None:
+    return None
+
+
+fp8_record_grad_amax.register_effect(torch.library.EffectType.ORDERED)
 
 
 def swap_linears(model: nn.Module, recipe: str = "dynamic") -> nn.Module:
