@@ -2,7 +2,8 @@
 
 A product trains in fp8 with e4m3 forward operands and e5m2 gradients (tests/fx/rewrite/test_fp8_train.py holds the
 op's numerics); here, the conversion around it: the graph, the module tree and state dict of bf16 training, the
-loss falling as bf16's does, the refusals.
+loss falling as bf16's does, two calls before one backward (contrastive losses) compiled as in eager mode, the
+refusals.
 """
 
 from __future__ import annotations
@@ -231,6 +232,48 @@ def test_two_views_before_one_backward_under_torch_compile_train_as_in_eager_mod
         assert losses[0] == losses[1]
     state = converted.state_dict()
     assert all(state[k][:6].all() and not state[k][6:].any() for k in HISTORIES)  # two records a step
+    for key, value in eager.state_dict().items():
+        assert torch.equal(state[key], value), key
+
+
+def test_multiple_negatives_ranking_loss_over_a_compiled_fp8_bert_trains_as_in_eager_mode():
+    """sentence-transformers' own ``MultipleNegativesRankingLoss`` over a small random BERT converted to fp8 delayed
+    training: anchors' and positives' mean-pooled embeddings from two calls, one backward, an optimizer step;
+    compiled (``backend="aot_eager"``, ``fullgraph=True``) and in eager mode, three steps give the same losses,
+    parameters and histories, bit for bit."""
+    losses = pytest.importorskip("sentence_transformers.sentence_transformer.losses")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=128, hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0)  # no dropout: each run draws its own masks
+    generator = torch.Generator().manual_seed(1)
+
+    def batch() -> dict[str, torch.Tensor]:
+        ids = torch.randint(5, 64, (4, 8), generator=generator)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+    converted = amppass.convert(transformers.BertModel(config, add_pooling_layer=False).train(),
+                                example_kwargs=batch(), dtype="fp8", mode="train", plan_for="coverage",
+                                fp8_recipe="delayed")
+    eager = copy.deepcopy(converted)
+    compiled = torch.compile(converted, backend="aot_eager", fullgraph=True)
+    loss_fn = losses.MultipleNegativesRankingLoss(nn.Module())  # only its loss over the embeddings is called
+    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-3) for model in (converted, eager)]
+    for _ in range(3):
+        anchors, positives = batch(), batch()
+        step = []
+        for model, optimizer in zip((compiled, eager), optimizers, strict=True):
+            embeddings = [model(**features)[0].float().mean(1) for features in (anchors, positives)]
+            loss = loss_fn.compute_loss_from_embeddings(embeddings, torch.arange(4))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            step.append(loss.item())
+        assert step[0] == step[1]
+    state = converted.state_dict()
+    histories = [key for key in state if "amax_history" in key]
+    assert histories and all(state[k][:6].all() and not state[k][6:].any() for k in histories)
     for key, value in eager.state_dict().items():
         assert torch.equal(state[key], value), key
 
