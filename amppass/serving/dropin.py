@@ -21,6 +21,8 @@ Rules:
 3. ``forward`` has the model's own signature and calls ``converted`` with the call; for a transformers model
    less the keyword values that are ``None`` and ``return_dict``: the graph returns the model's output class,
    and ``return_dict=False`` gives its ``to_tuple()``. ``forward(...)`` and ``module(...)`` run the same path.
+   A train-mode transformers model (rule 7) takes its calls the same way, so sentence-transformers' call
+   (``return_dict=True``, its own keyword order) runs the plan captured from the example.
 4. It faces its caller as the original did: ``dtype`` is the model's own (fp32 where ``keep_io_types``),
    ``parameters()`` widen the low-precision copies to fp32 (:mod:`amppass.serving.fp32_parameters`), ``device`` is
    where the converted tensors are; ``get_input_embeddings()`` of a transformers model is an ``nn.Embedding`` over the
@@ -29,10 +31,15 @@ Rules:
    own (``get_encoder()``), a call the graph of the whole model cannot make.
 6. The converted module's own API stays at hand: ``graph``, ``meta``, ``plans``, ``guards``,
    ``drop_original()`` read ``converted``'s; :func:`amppass.report` reads ``converted``.
-7. A train-mode model keeps its own class (:class:`~amppass.training.module.TrainEvalGraphs`, whose module tree
+7. A train-mode model keeps its own class (:class:`~amppass.serving.train_eval.TrainEvalGraphs`, whose module tree
    is the original's); :func:`with_signature` gives its ``forward`` the model's signature and, but for a
    transformers model, the other methods of the model's class with the plain attributes they read (a parent
-   model converted by parts calls them: torchvision's RetinaNet calls ``self.head.compute_loss``).
+   model converted by parts calls them: torchvision's RetinaNet calls ``self.head.compute_loss``). A transformers
+   model gets its own copies of ``config`` and ``generation_config`` (sentence-transformers' ``Transformer``
+   reads ``self.model.config``), the very ones its saves write (rule 8). A method of the model's class that
+   calls ``super()`` needs an instance of that class: it raises :class:`~amppass.errors.InputError` naming what
+   to convert instead (a ``SentenceTransformer``'s ``encode``: its transformer, converted on its own and put
+   back as ``st[0].model``, trains inside it).
 8. Saving where users save: the class's own ``save_pretrained`` and ``save`` (transformers, sentence-transformers)
    write what the original's would: its keys and fp32 weights, which its plain class loads
    (``Class.from_pretrained(path)``). They run on the original model, the one the converted module keeps for
@@ -92,7 +99,20 @@ def transformers_call(model: nn.Module, kwargs: dict[str, Any] | None) -> dict[s
     and ``return_dict``. Other models' inputs are returned as they are."""
     if kwargs is None or not is_transformers_model(model):
         return kwargs
+    return _graph_kwargs(kwargs)
+
+
+def _graph_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Rule 3: keyword inputs less the ``None`` values and ``return_dict``."""
     return {k: v for k, v in kwargs.items() if v is not None and k not in _DROPPED}
+
+
+def _transformers_forward(run: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+    """Rule 3: ``run`` (a converted transformers model's graph) called as the model's ``forward`` is: the graph
+    returns the model's output class, and ``return_dict=False`` gives its ``to_tuple()``."""
+    tuple_out = kwargs.get("return_dict") is False
+    out = run(*args, **_graph_kwargs(kwargs))
+    return out.to_tuple() if tuple_out and hasattr(out, "to_tuple") else out
 
 
 def in_own_class(model: nn.Module, converted: nn.Module, plan_file: PlanFile) -> nn.Module:
@@ -140,8 +160,12 @@ def with_signature(module: nn.Module, model: nn.Module) -> nn.Module:
     if signed is None:
         run = cls.forward
 
-        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            return run(self, *args, **kwargs)
+        if is_transformers_model(model):  # rule 3, as the inference drop-in calls its graph
+            def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+                return _transformers_forward(functools.partial(run, self), args, kwargs)
+        else:
+            def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+                return run(self, *args, **kwargs)
 
         own = {} if is_transformers_model(model) else _methods_of(wanted, cls)
         signed = _signed[(cls, wanted)] = type(cls.__name__, (cls,), {
@@ -149,8 +173,12 @@ def with_signature(module: nn.Module, model: nn.Module) -> nn.Module:
             "__module__": cls.__module__, "__doc__": cls.__doc__, "__qualname__": cls.__qualname__,
             **savers(wanted, _trained_saveable),
         })
+    attributes = _plain_attributes(model)
     if savers(wanted, _trained_saveable):  # rule 8: the class and plain attributes to save the trained tensors as
-        module.__dict__["_amppass_saved_as"] = (wanted, _plain_attributes(model))
+        module.__dict__["_amppass_saved_as"] = (wanted, attributes)
+    for key in _OWN:  # rule 7: its own copies, the very ones it saves with (rule 8)
+        if key in attributes:
+            module.__dict__[key] = attributes[key]
     if not is_transformers_model(model):  # rule 7: what the class's own methods read
         for key, value in _plain_attributes(model).items():
             if getattr(value, "__self__", None) is not model:  # a bound method would call the caller's model
@@ -170,10 +198,28 @@ def _methods_of(wanted: type, base: type) -> dict[str, Any]:
         for name, value in vars(klass).items():
             if name.startswith("__") or name == "forward" or hasattr(base, name):
                 continue
+            if "__class__" in getattr(getattr(value, "__code__", None), "co_freevars", ()):
+                value = _needs_own_class(klass, name)  # super(): a call on this module cannot run it
             if callable(value) or isinstance(value, (property, functools.cached_property, staticmethod,
                                                      classmethod)):
                 found.setdefault(name, value)
     return found
+
+
+def _needs_own_class(klass: type, name: str) -> Callable[..., Any]:
+    """Rule 7: a method of ``klass`` that calls ``super()``, which only an instance of ``klass`` can run (a
+    ``SentenceTransformer``'s ``encode``): raises :class:`~amppass.errors.InputError` saying what to convert."""
+
+    def refused(self: Any, *args: Any, **kwargs: Any) -> Any:
+        cls = klass.__name__
+        raise InputError(
+            f"{cls}.{name}() calls super(), which needs an instance of {cls}, and a model converted with mode='train' "
+            f"is amppass's own module ({type(self).__mro__[1].__name__}): convert the part that trains and put it "
+            f"back in the {cls}, which keeps its class (a SentenceTransformer: st[0].model = amppass.convert("
+            "st[0].model, example_kwargs=features, mode='train', ...), features the input_ids, attention_mask and "
+            "token_type_ids of st.preprocess(sentences)), or call it on the original model")
+
+    return refused
 
 
 _classes: dict[tuple[type, type], type] = {}
@@ -240,9 +286,7 @@ class TransformersDropIn(DropIn):
     """What a converted transformers model adds to :class:`DropIn` (rules 3 to 5)."""
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
-        tuple_out = kwargs.get("return_dict") is False
-        out = self.converted(*args, **transformers_call(self, kwargs))
-        return out.to_tuple() if tuple_out and hasattr(out, "to_tuple") else out
+        return _transformers_forward(self.converted, args, kwargs)
 
     def get_input_embeddings(self) -> nn.Module:
         """The input embedding table as an ``nn.Embedding`` in fp32 (rule 4): the table the graph reads."""
