@@ -180,7 +180,7 @@ def with_signature(module: nn.Module, model: nn.Module) -> nn.Module:
         if key in attributes:
             module.__dict__[key] = attributes[key]
     if not is_transformers_model(model):  # rule 7: what the class's own methods read
-        for key, value in _plain_attributes(model).items():
+        for key, value in attributes.items():
             if getattr(value, "__self__", None) is not model:  # a bound method would call the caller's model
                 module.__dict__.setdefault(key, value)
     module.__class__ = signed
